@@ -1,0 +1,76 @@
+"""The dry run: what a recipe would do (rank layout, batch, model size) without any device or collective."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, TextIO
+
+from megacann.config import MegacannConfig
+from megacann.models.sizing import num_parameters, padded_vocab_size
+from megacann.parallel_state import rank_layout
+
+GROUP_TITLES = (
+    ("tp", "tensor-parallel"),
+    ("pp", "pipeline"),
+    ("dp", "data-parallel"),
+    ("cp", "context-parallel"),
+    ("ep", "expert-parallel"),
+    ("embedding", "embedding (first+last stage)"),
+)
+
+
+def _fmt_int(n: int) -> str:
+    return f"{n:,}"
+
+
+def _fmt_groups(groups: list[list[int]]) -> str:
+    return " ".join("[" + ",".join(str(r) for r in g) + "]" for g in groups)
+
+
+def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
+    """The dry run's report as text."""
+    d, m = cfg.distributed, cfg.model
+    world = d.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    layout = rank_layout(
+        world, d.tensor_parallel_size, d.pipeline_parallel_size, d.context_parallel_size, d.expert_parallel_size
+    )
+    lines = [f"== megacann dry run: {cfg.experiment.name}" + (f" ({recipe_path})" if recipe_path else "")]
+    lines += ["-- resolved recipe", cfg.to_yaml().rstrip()]
+    lines += [
+        "-- parallel layout (rank order tp-cp-ep-dp-pp)",
+        f"world {world} = tp {layout.tensor_model_parallel_size} x pp {layout.pipeline_model_parallel_size} "
+        f"x dp {layout.data_parallel_size}"
+        + (f" x cp {layout.context_parallel_size}" if layout.context_parallel_size > 1 else "")
+        + (f" (ep {layout.expert_model_parallel_size} within dp)" if layout.expert_model_parallel_size > 1 else ""),
+    ]
+    for kind, title in GROUP_TITLES:
+        groups = layout.groups[kind]
+        if kind in ("cp", "ep") and len(groups[0]) == 1:
+            continue
+        lines.append(f"{title} groups ({len(groups)}): {_fmt_groups(groups)}")
+    tokens = cfg.global_batch_size * cfg.data.seq_length
+    lines += [
+        "-- batch",
+        f"micro-batch {cfg.data.batch_size} x data-parallel {layout.data_parallel_size} x grad_accum_steps "
+        f"{cfg.optim.grad_accum_steps} = global batch {cfg.global_batch_size} sequences "
+        f"({_fmt_int(tokens)} tokens at seq_length {cfg.data.seq_length})",
+    ]
+    lines.append("-- model")
+    if m.vocab_size:
+        total = num_parameters(m)
+        padded = padded_vocab_size(m.vocab_size, d.tensor_parallel_size, m.make_vocab_size_divisible_by)
+        lines.append(
+            f"{m.type}: {_fmt_int(total)} parameters ({total / 1e9:.2f} B); vocabulary {m.vocab_size} "
+            f"padded to {padded} for tp {d.tensor_parallel_size}: {_fmt_int(num_parameters(m, padded))}"
+        )
+    else:
+        lines.append(f"{m.type}: parameter count needs the vocabulary size (taken from the tokenizer at run time)")
+    lines.append(
+        f"layers {m.num_layers}, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv {m.kv_heads}), "
+        f"ffn {m.ffn_size}, precision {m.precision}"
+    )
+    return "\n".join(lines)
+
+
+def print_dry_run(cfg: MegacannConfig, recipe_path: Optional[str] = None, out: Optional[TextIO] = None) -> None:
+    print(describe(cfg, recipe_path), file=out)

@@ -1,0 +1,368 @@
+"""Process groups for tensor, context, expert, data and pipeline parallelism (Megatron-Core names).
+
+Ranks are laid out in the order ``tp-cp-ep-dp-pp``: tensor-parallel ranks are adjacent (fastest varying)
+and pipeline stages vary slowest. Expert parallelism is carved out of data parallelism: the dense
+data-parallel group spans the ep and dp dimensions, the expert-data-parallel group only dp.
+
+The rank layout itself is a pure function (:func:`rank_layout`), so the dry run can print a 32-rank
+layout on one CPU without creating any group. When model parallelism is not initialised every getter
+answers as for a single process, so ``megacann.layers`` works in a plain script.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+ORDER = ("tp", "cp", "ep", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Every group of the ``tp-cp-ep-dp-pp`` grid as lists of global ranks."""
+
+    world_size: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    expert_model_parallel_size: int
+    data_parallel_size: int  # dense data parallelism (includes the expert-parallel dimension)
+    groups: dict[str, list[list[int]]]
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        for group in self.groups[kind]:
+            if rank in group:
+                return group
+        raise KeyError(f"rank {rank} is in no {kind} group")
+
+
+def _sizes_error(world_size: int, tp: int, pp: int, cp: int, ep: int) -> Optional[str]:
+    for name, value in (("tensor", tp), ("pipeline", pp), ("context", cp), ("expert", ep)):
+        if value < 1:
+            return f"{name}_model_parallel_size must be >= 1, got {value}"
+    model = tp * pp * cp
+    if world_size % model:
+        return (
+            f"world_size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
+            f"pipeline_model_parallel_size {pp} x context_parallel_size {cp} = {model}"
+        )
+    dp = world_size // model
+    if dp % ep:
+        return (
+            f"expert_model_parallel_size {ep} does not divide the data-parallel size {dp} "
+            f"(world_size {world_size} / (tp {tp} x pp {pp} x cp {cp}))"
+        )
+    return None
+
+
+def rank_layout(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+) -> RankLayout:
+    """Compute all process groups for a world, without creating any. Raises ValueError on bad sizes."""
+    tp, pp, cp, ep = (
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+    )
+    err = _sizes_error(world_size, tp, pp, cp, ep)
+    if err:
+        raise ValueError(err)
+    dp = world_size // (tp * pp * cp)
+    sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp // ep, "pp": pp}
+
+    def rank_at(coord: dict[str, int]) -> int:
+        rank, stride = 0, 1
+        for dim in ORDER:
+            rank += coord[dim] * stride
+            stride *= sizes[dim]
+        return rank
+
+    def groups_over(dims: tuple[str, ...]) -> list[list[int]]:
+        """Groups of ranks that differ only in ``dims``, ordered by their lowest rank."""
+        fixed = [d for d in ORDER if d not in dims]
+        result = []
+        for fixed_coord in itertools.product(*(range(sizes[d]) for d in fixed)):
+            base = dict(zip(fixed, fixed_coord))
+            members = [
+                rank_at({**base, **dict(zip(dims, varying))})
+                for varying in itertools.product(*(range(sizes[d]) for d in dims))
+            ]
+            result.append(sorted(members))
+        return sorted(result)
+
+    pipeline = groups_over(("pp",))
+    groups = {
+        "tp": groups_over(("tp",)),
+        "cp": groups_over(("cp",)),
+        "ep": groups_over(("ep",)),
+        "dp": groups_over(("ep", "dp")),
+        "dp_cp": groups_over(("cp", "ep", "dp")),
+        "expert_dp": groups_over(("dp",)),
+        "pp": pipeline,
+        "mp": groups_over(("tp", "pp")),
+        "embedding": [sorted({g[0], g[-1]}) for g in pipeline],
+    }
+    return RankLayout(world_size, tp, pp, cp, ep, dp, groups)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Global state: the groups this rank belongs to.
+
+
+@dataclass
+class _State:
+    layout: RankLayout
+    rank: int
+    groups: dict[str, Optional[dist.ProcessGroup]]
+    virtual_pipeline_size: Optional[int] = None
+    virtual_pipeline_rank: Optional[int] = None
+
+
+_STATE: Optional[_State] = None
+
+
+def initialize_distributed(
+    backend: str = "gloo",
+    timeout_minutes: float = 30.0,
+    init_method: Optional[str] = None,
+) -> tuple[int, int, int]:
+    """Start torch.distributed from torchrun's environment, or as a one-process world without it.
+
+    Returns (rank, world_size, local_rank). Safe to call when already initialised.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ and init_method is None]
+        if missing:
+            raise RuntimeError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not")
+        dist.init_process_group(
+            backend, init_method=init_method or "env://", rank=rank, world_size=world, timeout=timeout
+        )
+    else:
+        rank, world, local_rank = 0, 1, 0
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return rank, world, local_rank
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+) -> RankLayout:
+    """Create every process group of the ``tp-cp-ep-dp-pp`` grid (all ranks must call this)."""
+    global _STATE
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; call initialize_distributed() first")
+    if _STATE is not None:
+        raise RuntimeError("model parallel groups are already initialised; call destroy_model_parallel()")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = rank_layout(
+        world,
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+    )
+    vpp = virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp > 1 and pipeline_model_parallel_size < 2:
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size {vpp} needs "
+            f"pipeline_model_parallel_size > 1, got {pipeline_model_parallel_size}"
+        )
+    mine: dict[str, Optional[dist.ProcessGroup]] = {}
+    created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for kind, groups in layout.groups.items():
+        for ranks in groups:  # every rank creates every group, in the same order
+            key = tuple(ranks)
+            if key not in created:
+                created[key] = dist.new_group(ranks) if world > 1 else dist.group.WORLD
+            if rank in ranks:
+                mine[kind] = created[key]
+    vpp_rank = 0 if virtual_pipeline_model_parallel_size else None
+    _STATE = _State(layout, rank, mine, virtual_pipeline_model_parallel_size, vpp_rank)
+    return layout
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget the groups (the default process group is left to the caller)."""
+    global _STATE
+    _STATE = None
+
+
+def get_rank_layout() -> Optional[RankLayout]:
+    return None if _STATE is None else _STATE.layout
+
+
+def _group(kind: str) -> Optional[dist.ProcessGroup]:
+    return None if _STATE is None else _STATE.groups.get(kind)
+
+
+def _ranks(kind: str) -> list[int]:
+    if _STATE is None:
+        return [0]
+    return _STATE.layout.group_of(kind, _STATE.rank)
+
+
+def _group_rank(kind: str) -> int:
+    return 0 if _STATE is None else _ranks(kind).index(_STATE.rank)
+
+
+def _group_size(kind: str) -> int:
+    return len(_ranks(kind))
+
+
+# Megatron-Core getter names -------------------------------------------------------------------------
+
+
+def get_tensor_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("tp")
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _group_size("tp")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _group_rank("tp")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of the first rank in this rank's tensor-parallel group."""
+    return _ranks("tp")[0]
+
+
+def get_pipeline_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("pp")
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _group_size("pp")
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _group_rank("pp")
+
+
+def get_pipeline_model_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's pipeline, stage 0 first."""
+    return _ranks("pp")
+
+
+def get_data_parallel_group(with_context_parallel: bool = False) -> Optional[dist.ProcessGroup]:
+    return _group("dp_cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return _group_size("dp_cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _group_rank("dp_cp" if with_context_parallel else "dp")
+
+
+def get_context_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("cp")
+
+
+def get_context_parallel_world_size() -> int:
+    return _group_size("cp")
+
+
+def get_context_parallel_rank() -> int:
+    return _group_rank("cp")
+
+
+def get_expert_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("ep")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _group_size("ep")
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _group_rank("ep")
+
+
+def get_expert_data_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("expert_dp")
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return _group_size("expert_dp")
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _group_rank("expert_dp")
+
+
+def get_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    """Tensor x pipeline group: the ranks that together hold one replica of the model."""
+    return _group("mp")
+
+
+def get_embedding_group() -> Optional[dist.ProcessGroup]:
+    """First and last pipeline stage of this rank's pipeline (tied input/output embeddings)."""
+    return _group("embedding")
+
+
+def get_embedding_group_ranks() -> list[int]:
+    return _ranks("embedding")
+
+
+def is_rank_in_embedding_group() -> bool:
+    return _STATE is None or _STATE.rank in _ranks("embedding")
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    return None if _STATE is None else _STATE.virtual_pipeline_size
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    return None if _STATE is None else _STATE.virtual_pipeline_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
+    if _STATE is not None:
+        _STATE.virtual_pipeline_rank = rank
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    if not ignore_virtual and get_virtual_pipeline_model_parallel_world_size():
+        return get_virtual_pipeline_model_parallel_rank() == 0 and get_pipeline_model_parallel_rank() == 0
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    vpp = get_virtual_pipeline_model_parallel_world_size()
+    if not ignore_virtual and vpp and get_virtual_pipeline_model_parallel_rank() != vpp - 1:
+        return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def all_reduce_if_parallel(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], op=None) -> torch.Tensor:
+    """In-place all-reduce that is a no-op for a one-rank (or absent) group."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group)
+    return tensor

@@ -1,0 +1,120 @@
+"""Run a function on N gloo ranks in subprocesses, with a hard timeout that no hang can outlast.
+
+    results = run_on_ranks(check_fn, world_size=4, args=(...,), timeout=120)
+
+Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one
+thread, and an initialised gloo process group. ``check_fn`` must be importable (a module-level function).
+The return value of every rank is collected in rank order. A failure raises RankFailure naming the rank
+and carrying its traceback; a hang raises TimeoutError naming the ranks that did not finish. Put several
+checks in one function to share the start-up cost of the processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, kwargs, results, env, init_groups):
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "MEGACANN_DEVICE": "cpu",
+            **(env or {}),
+        }
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        if init_groups:
+            from megacann.parallel_state import initialize_distributed
+
+            initialize_distributed("gloo", timeout_minutes=2)
+        value = fn(*args, **kwargs)
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    kwargs: Optional[dict] = None,
+    timeout: float = 180.0,
+    env: Optional[dict[str, str]] = None,
+    init_process_group: bool = True,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, args, kwargs or {}, results, env, init_process_group),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(collected))
+                raise TimeoutError(
+                    f"{fn.__name__} on {world_size} ranks: ranks {missing} did not finish within {timeout:.0f} s"
+                )
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in collected]
+                if dead and all(not procs[r].is_alive() for r in dead):
+                    time.sleep(0.5)  # let a queued result arrive before calling the rank dead
+                    if results.empty():
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise RankFailure(f"{fn.__name__}: rank(s) {dead} exited without a result {codes}") from None
+                continue
+            if status == "error":
+                raise RankFailure(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{value}")
+            collected[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(collected) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [collected[r] for r in range(world_size)]
