@@ -1,0 +1,132 @@
+"""How each parameter is split across ranks, recorded on the parameter itself.
+
+Every parameter made by ``megacann.layers`` carries a :class:`ParamSharding`. ZeRO, gradient reduction,
+checkpoint resharding and Hugging Face export read it, so none of them needs a case per layer:
+
+- ``tp_dim``: the dimension split evenly across tensor-parallel ranks (None: replicated over TP);
+- ``tp_blocks``: sizes of fused blocks along ``tp_dim`` in the full tensor, each split evenly across TP
+  (e.g. a fused gate/up projection is two blocks); None means one block;
+- ``tp_partial_grad``: replicated over TP, but each TP rank computes only part of its gradient (norm
+  weights under sequence parallelism, kv projections replicated because kv heads < tp): the gradient
+  must be summed over the TP group;
+- ``logical_size``: the true size along ``tp_dim`` when the full tensor is padded (the vocabulary);
+  rows past it are padding and are dropped when exporting or resharding;
+- ``expert``: an expert-parallel parameter (reduced over the expert-data-parallel group);
+- ``full_shape``: the shape of the whole, unsharded tensor.
+
+The module also initialises a full tensor and slices it, so every layout starts from the same weights
+as one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import torch
+
+SHARDING_ATTR = "megacann_sharding"
+INIT_ATTR = "megacann_init"
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+@dataclass(frozen=True)
+class ParamSharding:
+    full_shape: tuple[int, ...]
+    tp_dim: Optional[int] = None
+    tp_blocks: Optional[tuple[int, ...]] = None
+    tp_partial_grad: bool = False
+    logical_size: Optional[int] = None
+    expert: bool = False
+
+    @property
+    def is_tensor_parallel(self) -> bool:
+        return self.tp_dim is not None
+
+    def local_shape(self, tp_size: int) -> tuple[int, ...]:
+        if self.tp_dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.tp_dim] //= tp_size
+        return tuple(shape)
+
+
+def set_sharding(param: torch.Tensor, sharding: ParamSharding) -> torch.Tensor:
+    setattr(param, SHARDING_ATTR, sharding)
+    return param
+
+
+def get_sharding(param: torch.Tensor) -> ParamSharding:
+    """The parameter's sharding; a parameter made elsewhere counts as replicated."""
+    found = getattr(param, SHARDING_ATTR, None)
+    return found if found is not None else ParamSharding(tuple(param.shape))
+
+
+def mark_partial_grad(param: torch.Tensor) -> torch.Tensor:
+    """Flag a TP-replicated parameter whose gradient each TP rank computes only in part."""
+    return set_sharding(param, replace(get_sharding(param), tp_partial_grad=True))
+
+
+def _blocks(sharding: ParamSharding) -> tuple[int, ...]:
+    assert sharding.tp_dim is not None
+    return sharding.tp_blocks or (sharding.full_shape[sharding.tp_dim],)
+
+
+def check_divisible(sharding: ParamSharding, tp_size: int, name: str = "parameter") -> None:
+    if sharding.tp_dim is None:
+        return
+    for block in _blocks(sharding):
+        if block % tp_size:
+            raise ValueError(
+                f"{name}: size {block} along dim {sharding.tp_dim} is not divisible by "
+                f"tensor_model_parallel_size {tp_size}"
+            )
+
+
+def shard_tensor(full: torch.Tensor, sharding: ParamSharding, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's slice of a full tensor (a copy, contiguous)."""
+    if sharding.tp_dim is None or tp_size == 1:
+        return full.clone()
+    check_divisible(sharding, tp_size)
+    pieces = []
+    for block in torch.split(full, list(_blocks(sharding)), dim=sharding.tp_dim):
+        pieces.append(torch.chunk(block, tp_size, dim=sharding.tp_dim)[tp_rank])
+    return torch.cat(pieces, dim=sharding.tp_dim).contiguous()
+
+
+def unshard_tensors(shards: list[torch.Tensor], sharding: ParamSharding) -> torch.Tensor:
+    """Reassemble the full tensor from every TP rank's shard (inverse of :func:`shard_tensor`)."""
+    if sharding.tp_dim is None or len(shards) == 1:
+        return shards[0].clone()
+    tp_size = len(shards)
+    local_blocks = [b // tp_size for b in _blocks(sharding)]
+    per_rank = [torch.split(s, local_blocks, dim=sharding.tp_dim) for s in shards]
+    blocks = [
+        torch.cat([per_rank[r][i] for r in range(tp_size)], dim=sharding.tp_dim) for i in range(len(local_blocks))
+    ]
+    return torch.cat(blocks, dim=sharding.tp_dim)
+
+
+def init_sharded_(
+    param: torch.Tensor,
+    init_method: InitMethod,
+    tp_rank: int,
+    tp_size: int,
+    generator_seed: Optional[int] = None,
+) -> None:
+    """Draw the full tensor with ``init_method`` (from torch's CPU RNG, or a fresh one seeded with
+    ``generator_seed``), then copy this rank's slice into ``param``. Padding rows are zeroed."""
+    sharding = get_sharding(param)
+    full = torch.empty(sharding.full_shape, dtype=torch.float32)
+    if generator_seed is None:
+        init_method(full)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(generator_seed)
+            init_method(full)
+    if sharding.logical_size is not None and sharding.tp_dim is not None:
+        full.narrow(sharding.tp_dim, sharding.logical_size, full.shape[sharding.tp_dim] - sharding.logical_size).zero_()
+    local = shard_tensor(full, sharding, tp_rank, tp_size)
+    with torch.no_grad():
+        param.copy_(local.to(dtype=param.dtype, device=param.device))
