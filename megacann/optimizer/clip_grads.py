@@ -1,0 +1,60 @@
+"""Global gradient norm across every rank that holds part of the model, and clipping by it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann import parallel_state as ps
+from megacann.layers.sharding import get_sharding
+
+# A parameter that duplicates another rank's (the tied output embedding on the last pipeline stage)
+# carries this attribute set to True and is left out of the norm so it is counted once.
+DUPLICATE_ATTR = "megacann_duplicate"
+
+
+def counts_toward_norm(param: torch.nn.Parameter) -> bool:
+    """Each gradient element is counted on exactly one rank of the tensor/pipeline grid."""
+    if getattr(param, DUPLICATE_ATTR, False):
+        return False
+    return get_sharding(param).is_tensor_parallel or ps.get_tensor_model_parallel_rank() == 0
+
+
+def _all_reduce_sum(value: torch.Tensor, groups: Iterable[Optional[dist.ProcessGroup]]) -> torch.Tensor:
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(value, group=group)
+    return value
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """L2 norm of ``main_grad`` over the whole model (TP shards, pipeline stages and expert ranks)."""
+    dense, expert = [], []
+    for p in params:
+        if p.requires_grad and counts_toward_norm(p):
+            (expert if get_sharding(p).expert else dense).append(p.main_grad)
+    device = (dense or expert or [torch.zeros(1)])[0].device
+    sums = torch.zeros(2, dtype=torch.float32, device=device)
+    if dense:
+        sums[0] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in dense]).sum()
+    if expert:
+        sums[1] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in expert]).sum()
+    _all_reduce_sum(sums, [ps.get_model_parallel_group()])
+    if expert:  # expert shards differ across the expert-parallel group as well
+        expert_sum = _all_reduce_sum(sums[1:].clone(), [ps.get_expert_model_parallel_group()])
+        sums[1] = expert_sum[0]
+    return float(sums.sum().sqrt().item())
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scale ``grads`` in place so their global norm is at most ``max_norm``; returns the factor used."""
+    if max_norm <= 0 or not torch.isfinite(torch.tensor(total_norm)):
+        return 1.0
+    factor = max_norm / (total_norm + 1e-6)
+    if factor < 1.0:
+        torch._foreach_mul_(grads, factor)
+        return factor
+    return 1.0

@@ -1,0 +1,50 @@
+"""Make every gradient final after backward: tensor-parallel partial sums, tied embeddings, data parallel."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megacann import parallel_state as ps
+from megacann.layers.sharding import get_sharding
+
+# Parameters tied across pipeline stages (the word embedding used by the first and last stage) carry
+# this attribute; their gradients are summed over the embedding group.
+SHARED_EMBEDDING_ATTR = "megacann_shared_embedding"
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    if not grads or group is None or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def reduce_tensor_parallel_partial_grads(params: Iterable[torch.nn.Parameter]) -> None:
+    """Sum gradients that each TP rank computed only in part (sequence-parallel norms, replicated kv)."""
+    grads = [p.main_grad for p in params if p.requires_grad and get_sharding(p).tp_partial_grad]
+    _all_reduce_coalesced(grads, ps.get_tensor_model_parallel_group())
+
+
+def reduce_shared_embedding_grads(params: Iterable[torch.nn.Parameter]) -> None:
+    """Sum the gradients of embeddings tied between the first and last pipeline stage."""
+    if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
+        return
+    grads = [p.main_grad for p in params if p.requires_grad and getattr(p, SHARED_EMBEDDING_ATTR, False)]
+    _all_reduce_coalesced(grads, ps.get_embedding_group())
+
+
+def finalize_model_grads(params: list[torch.nn.Parameter], grad_sync) -> None:
+    """Run every reduction a step needs before the optimizer may read ``main_grad``.
+
+    ``grad_sync`` is the data-parallel reduction: GradBuffers (all-reduce) or ZeRO (reduce-scatter).
+    """
+    reduce_tensor_parallel_partial_grads(params)
+    reduce_shared_embedding_grads(params)
+    grad_sync.all_reduce()

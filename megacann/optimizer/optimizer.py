@@ -1,0 +1,127 @@
+"""The optimizer the trainer drives: fp32 master weights, loss scaling, global-norm clipping, AdamW.
+
+Model parameters may be bf16/fp16; gradients accumulate in fp32 buffers (``main_grad``); the inner torch
+optimizer updates fp32 master copies whose ``.grad`` are those buffer views, and the result is copied
+back into the model. In fp32 the master weights are the model's own parameters (no copy).
+
+ZeRO (distributed.zero_optimization) replaces this class with a sharded one offering the same methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megacann.config import MegacannConfig
+from megacann.layers.sharding import SHARDING_ATTR
+from megacann.optimizer.clip_grads import DUPLICATE_ATTR, clip_grads_, global_grad_norm
+from megacann.optimizer.finalize import finalize_model_grads
+from megacann.optimizer.grad_buffer import GradBuffers
+from megacann.optimizer.loss_scaler import DynamicLossScaler, LossScaler
+
+_COPIED_ATTRS = (SHARDING_ATTR, DUPLICATE_ATTR)
+
+
+def no_weight_decay(param: torch.Tensor) -> bool:
+    """Biases and norm weights (1-D tensors) are not decayed."""
+    return param.dim() < 2
+
+
+def build_inner_optimizer(params: list[torch.nn.Parameter], cfg: MegacannConfig) -> torch.optim.Optimizer:
+    """torch AdamW / Adam / SGD over ``params`` with decay and no-decay groups; fused kernels when available."""
+    o = cfg.optim
+    decay = [p for p in params if not no_weight_decay(p)]
+    plain = [p for p in params if no_weight_decay(p)]
+    groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=0.9)
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    kwargs: dict[str, Any] = {"lr": o.lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps}
+    try:
+        return cls(groups, fused=True, **kwargs)
+    except (RuntimeError, ValueError):  # fused kernel not available for this device
+        return cls(groups, foreach=True, **kwargs)
+
+
+def build_loss_scaler(cfg: MegacannConfig) -> LossScaler:
+    if cfg.model.precision == "fp16":
+        o = cfg.optim
+        return DynamicLossScaler(o.initial_loss_scale, o.loss_scale_window, o.min_loss_scale)
+    return LossScaler(1.0)
+
+
+class MixedPrecisionOptimizer:
+    """Optimizer over all trainable parameters of this rank (no sharding across data parallelism)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: MegacannConfig, grad_buffers: Optional[GradBuffers] = None):
+        self.model_params = [p for p in params if p.requires_grad]
+        self.grad_buffers = grad_buffers or GradBuffers(self.model_params, int(cfg.distributed.bucket_size_mb * 2**18))
+        self.clip_grad = cfg.optim.clip_grad
+        self.loss_scaler = build_loss_scaler(cfg)
+        self.master_params = [self._master_of(p) for p in self.model_params]
+        self.optimizer = build_inner_optimizer(self.master_params, cfg)
+
+    @staticmethod
+    def _master_of(param: torch.nn.Parameter) -> torch.nn.Parameter:
+        if param.dtype == torch.float32:
+            return param
+        master = torch.nn.Parameter(param.detach().float().clone())
+        master.grad = param.main_grad
+        for attr in _COPIED_ATTRS:
+            if hasattr(param, attr):
+                setattr(master, attr, getattr(param, attr))
+        master.main_grad = param.main_grad
+        return master
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def zero_grad(self) -> None:
+        self.grad_buffers.zero()
+
+    def finalize_grads(self) -> None:
+        """All gradient reductions of a step (TP partial sums, tied embeddings, data parallel)."""
+        finalize_model_grads(self.model_params, self.grad_buffers)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> tuple[bool, Optional[float]]:
+        """Unscale, skip on overflow, clip, update, copy back. Returns (updated, grad_norm before clipping)."""
+        if self.loss_scaler.dynamic:
+            self.grad_buffers.scale_(1.0 / self.loss_scaler.scale)
+            found_inf = self.grad_buffers.check_for_inf_or_nan()
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                return False, None
+        grad_norm = global_grad_norm(self.model_params)
+        clip_grads_([p.main_grad for p in self.model_params], self.clip_grad, grad_norm)
+        self.optimizer.step()
+        self._copy_master_to_model()
+        return True, grad_norm
+
+    @torch.no_grad()
+    def _copy_master_to_model(self) -> None:
+        pairs = [(p, m) for p, m in zip(self.model_params, self.master_params) if p is not m]
+        if pairs:
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+
+    # -- checkpointing ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "master_params": [m.detach() for p, m in zip(self.model_params, self.master_params) if p is not m],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        masters = [m for p, m in zip(self.model_params, self.master_params) if p is not m]
+        with torch.no_grad():
+            for m, saved in zip(masters, state["master_params"]):
+                m.copy_(saved)
+        self._copy_master_to_model()

@@ -1,0 +1,253 @@
+"""The training loop: data -> forward/backward schedule -> gradient reduction -> optimizer -> metrics.
+
+One :class:`Trainer` runs one rank. The pieces it drives are replaceable by the recipe: the schedule
+(no pipelining, 1F1B, interleaved) from ``megacann.pipeline``, the optimizer (plain or ZeRO) from
+``megacann.optimizer``, and the checkpoint format from ``megacann.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann import parallel_state as ps
+from megacann.config import MegacannConfig
+from megacann.models import build_model_chunks, flops_per_token
+from megacann.optimizer import LRSchedule, build_optimizer
+from megacann.pipeline import get_forward_backward_func
+from megacann.training.metrics import MetricsLogger
+from megacann.training.runtime import Runtime, setup_runtime
+
+
+@dataclass
+class TrainState:
+    """Progress that a checkpoint must carry besides weights and optimizer state."""
+
+    step: int = 0  # optimizer updates done
+    consumed_samples: int = 0  # samples of the global order already used
+    skipped_steps: int = 0  # fp16 overflow steps
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _sum_over(value: torch.Tensor, *groups) -> torch.Tensor:
+    for group in groups:
+        ps.all_reduce_if_parallel(value, group)
+    return value
+
+
+class Trainer:
+    def __init__(self, cfg: MegacannConfig, runtime: Optional[Runtime] = None):
+        from megacann.data import build_tokenizer
+
+        self.cfg = cfg
+        self.runtime = runtime or setup_runtime(cfg)
+        self.device = self.runtime.device
+        if cfg.lora:
+            raise NotImplementedError("lora: true is not implemented yet; set lora: false")
+        self.tokenizer = build_tokenizer(cfg)
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = self.tokenizer.vocab_size
+        self.model_chunks = build_model_chunks(cfg, device=self.device)
+        self.params = [p for chunk in self.model_chunks for p in chunk.parameters()]
+        self.optimizer = build_optimizer(cfg, self.params)
+        self.schedule = LRSchedule.from_config(cfg.optim)
+        self.forward_backward = get_forward_backward_func(cfg)
+        self.state = TrainState()
+        self.is_logging_rank = self.runtime.is_main
+        self.metrics = MetricsLogger(cfg, enabled=self.is_logging_rank)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_length)
+        self.peak_flops = self.runtime.accelerator.peak_bf16_flops()
+        self._data = None
+
+    # -- data ---------------------------------------------------------------------------------------
+    @property
+    def data(self):
+        if self._data is None:
+            from megacann.data import build_data_iterators
+
+            self._data = build_data_iterators(
+                self.cfg,
+                self.tokenizer,
+                consumed_samples=self.state.consumed_samples,
+                dp_rank=ps.get_data_parallel_rank(),
+                dp_size=ps.get_data_parallel_world_size(),
+            )
+        return self._data
+
+    def _next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        return [_to_device(next(self.data.train), self.device) for _ in range(self.cfg.optim.grad_accum_steps)]
+
+    def _global_token_count(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Target tokens in the whole global batch (every data-parallel rank's micro-batches)."""
+        count = sum((mb["labels"] != -100).sum() for mb in micro_batches).to(torch.float32).reshape(1)
+        return _sum_over(count, ps.get_data_parallel_group())
+
+    def _global_loss(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> float:
+        """Mean loss over the global batch, from the last pipeline stage, known on every rank."""
+        value = loss_sum.detach().reshape(1).to(torch.float32)
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            value = torch.zeros_like(value)
+        _sum_over(value, ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group())
+        return float(value.item() / max(1.0, num_tokens.item()))
+
+    # -- one step -----------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer update over grad_accum_steps micro-batches per data-parallel rank."""
+        for chunk in self.model_chunks:
+            chunk.train()
+        micro_batches = self._next_micro_batches()
+        num_tokens = self._global_token_count(micro_batches)
+        lr = self.schedule.lr_at(self.state.step)
+        self.optimizer.zero_grad()
+        self.optimizer.set_lr(lr)
+        loss_sum = self.forward_backward(
+            self.model_chunks,
+            micro_batches,
+            loss_normalizer=float(num_tokens.item()),
+            loss_scale=self.optimizer.loss_scale,
+        )
+        self.optimizer.finalize_grads()
+        updated, grad_norm = self.optimizer.step()
+        self.state.step += 1
+        self.state.consumed_samples += self.cfg.global_batch_size
+        if not updated:
+            self.state.skipped_steps += 1
+        return {
+            "loss": self._global_loss(loss_sum, num_tokens),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "num_tokens": int(num_tokens.item()),
+            "updated": updated,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[dict[str, float]]:
+        """Loss and perplexity on the held-out split (eval_iters global batches), or None without one."""
+        make_iter = self.data.valid
+        iterator = make_iter() if make_iter is not None else None
+        if iterator is None:
+            return None
+        for chunk in self.model_chunks:
+            chunk.eval()
+        total_loss, total_tokens = 0.0, 0.0
+        for _ in range(self.cfg.logging.eval_iters):
+            try:
+                batches = [_to_device(next(iterator), self.device) for _ in range(self.cfg.optim.grad_accum_steps)]
+            except StopIteration:
+                break
+            num_tokens = self._global_token_count(batches)
+            loss_sum = self.forward_backward(self.model_chunks, batches, loss_normalizer=1.0, forward_only=True)
+            total_loss += self._global_loss(loss_sum, num_tokens) * num_tokens.item()
+            total_tokens += num_tokens.item()
+        if total_tokens == 0:
+            return None
+        loss = total_loss / total_tokens
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _record(self, step_metrics: dict[str, Any], step_time: float) -> dict[str, Any]:
+        cfg = self.cfg
+        tokens = cfg.global_batch_size * cfg.data.seq_length
+        tps = tokens / step_time
+        record = {
+            "step": self.state.step,
+            "loss": step_metrics["loss"],
+            "grad_norm": step_metrics["grad_norm"],
+            "lr": step_metrics["lr"],
+            "tokens_per_second": tps,
+            "tokens_per_second_per_device": tps / self.runtime.world_size,
+            "step_time": step_time,
+            "consumed_samples": self.state.consumed_samples,
+        }
+        if self.peak_flops:
+            record["mfu"] = tps * self.flops_per_token / (self.runtime.world_size * self.peak_flops)
+        if cfg.model.precision == "fp16":
+            record["loss_scale"] = self.optimizer.loss_scale
+            record["skipped_steps"] = self.state.skipped_steps
+        record.update(self.runtime.accelerator.memory_stats())
+        return record
+
+    def fit(self) -> list[dict[str, Any]]:
+        """Train to max_steps; returns the logged records (on the logging rank)."""
+        cfg = self.cfg
+        log = cfg.logging
+        history: list[dict[str, Any]] = []
+        self.metrics.print(
+            f"training {cfg.experiment.name}: {cfg.optim.max_steps} steps, global batch {cfg.global_batch_size} x "
+            f"seq {cfg.data.seq_length}, world {self.runtime.world_size} (tp {cfg.distributed.tensor_parallel_size}, "
+            f"pp {cfg.distributed.pipeline_parallel_size}, dp {cfg.distributed.data_parallel_size}), "
+            f"device {self.runtime.accelerator.device_type}, precision {cfg.model.precision}"
+        )
+        self.runtime.accelerator.reset_peak_memory_stats()
+        while self.state.step < cfg.optim.max_steps:
+            start = time.perf_counter()
+            step_metrics = self.train_step()
+            self.runtime.accelerator.synchronize()
+            step_time = time.perf_counter() - start
+            step = self.state.step
+            if step % log.log_interval == 0 or step == 1 or step == cfg.optim.max_steps:
+                record = self._record(step_metrics, step_time)
+                self.metrics.log(record)
+                history.append(record)
+            if log.eval_interval and (step % log.eval_interval == 0 or step == cfg.optim.max_steps):
+                result = self.evaluate()
+                if result is not None:
+                    self.metrics.log({"step": step, **result})
+                    history.append({"step": step, **result})
+            if (log.ckpt_interval and step % log.ckpt_interval == 0) or step == cfg.optim.max_steps:
+                self.save_checkpoint()
+        self.metrics.close()
+        return history
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Optional[str]:
+        from megacann.checkpoint import save_checkpoint
+
+        return save_checkpoint(self)
+
+    def load_checkpoint(self, path: str) -> None:
+        from megacann.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
+        self._data = None  # rebuilt at the restored consumed_samples
+
+    def train_state_dict(self) -> dict[str, Any]:
+        return asdict(self.state)
+
+    def load_train_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = TrainState(**state)
+
+
+def train(cfg: MegacannConfig, resume_from: Optional[str] = None) -> list[dict[str, Any]]:
+    """Entry point of ``megacann-train``: set up, resume if asked (or if a checkpoint exists), train."""
+    from megacann.checkpoint import find_resume_checkpoint
+    from megacann.training.plot import plot_metrics
+
+    trainer = Trainer(cfg)
+    path = find_resume_checkpoint(cfg.experiment.output_dir, resume_from)
+    if path is not None:
+        trainer.metrics.print(f"resuming from {path}")
+        trainer.load_checkpoint(path)
+    if trainer.is_logging_rank:
+        os.makedirs(cfg.experiment.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.experiment.output_dir, "config.yaml"), "w") as f:
+            f.write(cfg.to_yaml())
+    history = trainer.fit()
+    losses = [r["loss"] for r in history if "loss" in r]
+    if trainer.is_logging_rank and losses:
+        trainer.metrics.print(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f} ({len(losses)} logged steps)")
+        png = plot_metrics(os.path.join(cfg.experiment.output_dir, "metrics.jsonl"))
+        if png:
+            trainer.metrics.print(f"loss curve: {png}")
+    if dist.is_initialized():
+        dist.barrier()
+    return history
