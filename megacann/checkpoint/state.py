@@ -96,9 +96,7 @@ def save_checkpoint(trainer: Trainer) -> str:
         rotate(out, cfg.logging.keep_last)
     _barrier()
     seconds = time.perf_counter() - start
-    trainer.metrics.print(
-        f"saved {final} in {seconds:.2f} s ({nbytes / 2**20 / max(seconds, 1e-9):.1f} MB/s per rank)"
-    )
+    trainer.metrics.print(f"saved {final} in {seconds:.2f} s ({nbytes / 2**20 / max(seconds, 1e-9):.1f} MB/s per rank)")
     return final
 
 

@@ -33,7 +33,11 @@ def build_inner_optimizer(params: list[torch.nn.Parameter], cfg: MegacannConfig)
     o = cfg.optim
     decay = [p for p in params if not no_weight_decay(p)]
     plain = [p for p in params if no_weight_decay(p)]
-    groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": o.weight_decay}, {"params": plain, "weight_decay": 0.0})
+        if g["params"]
+    ]
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=0.9)
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
@@ -54,7 +58,9 @@ def build_loss_scaler(cfg: MegacannConfig) -> LossScaler:
 class MixedPrecisionOptimizer:
     """Optimizer over all trainable parameters of this rank (no sharding across data parallelism)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], cfg: MegacannConfig, grad_buffers: Optional[GradBuffers] = None):
+    def __init__(
+        self, params: list[torch.nn.Parameter], cfg: MegacannConfig, grad_buffers: Optional[GradBuffers] = None
+    ):
         self.model_params = [p for p in params if p.requires_grad]
         self.grad_buffers = grad_buffers or GradBuffers(self.model_params, int(cfg.distributed.bucket_size_mb * 2**18))
         self.clip_grad = cfg.optim.clip_grad
