@@ -22,11 +22,16 @@ def _train_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def train_main(argv: Optional[list[str]] = None) -> int:
+def train_main(argv: Optional[list[str]] = None, expected_model_type: Optional[str] = None) -> int:
+    """``megacann-train``; ``expected_model_type`` lets an example script insist on llama or gpt."""
     args = _train_parser().parse_intermixed_args(argv)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     try:
         cfg = load_config(args.config, args.overrides, world_size=world)
+        if expected_model_type and cfg.model.type != expected_model_type:
+            raise ConfigError(
+                f"{args.config}: model.type is {cfg.model.type!r}, this script trains {expected_model_type!r}"
+            )
     except ConfigError as err:
         print(f"megacann-train: error: {err}", file=sys.stderr)
         return 2

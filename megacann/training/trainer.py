@@ -45,17 +45,21 @@ def _sum_over(value: torch.Tensor, *groups) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: MegacannConfig, runtime: Optional[Runtime] = None):
-        from megacann.data import build_tokenizer
-
+    def __init__(self, cfg: MegacannConfig, runtime: Optional[Runtime] = None, tokenizer=None, data=None):
+        """``tokenizer`` and ``data`` default to what the recipe's data section builds; tests and custom
+        loops may pass their own (``data`` needs ``.train``, an iterator of micro-batches, and ``.valid()``)."""
         self.cfg = cfg
         self.runtime = runtime or setup_runtime(cfg)
         self.device = self.runtime.device
         if cfg.lora:
             raise NotImplementedError("lora: true is not implemented yet; set lora: false")
-        self.tokenizer = build_tokenizer(cfg)
+        if tokenizer is None and (data is None or cfg.model.vocab_size is None):
+            from megacann.data import build_tokenizer
+
+            tokenizer = build_tokenizer(cfg)
+        self.tokenizer = tokenizer
         if cfg.model.vocab_size is None:
-            cfg.model.vocab_size = self.tokenizer.vocab_size
+            cfg.model.vocab_size = tokenizer.vocab_size
         self.model_chunks = build_model_chunks(cfg, device=self.device)
         self.params = [p for chunk in self.model_chunks for p in chunk.parameters()]
         self.optimizer = build_optimizer(cfg, self.params)
@@ -66,7 +70,8 @@ class Trainer:
         self.metrics = MetricsLogger(cfg, enabled=self.is_logging_rank)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_length)
         self.peak_flops = self.runtime.accelerator.peak_bf16_flops()
-        self._data = None
+        self._data = data
+        self._own_data = data is None
 
     # -- data ---------------------------------------------------------------------------------------
     @property
@@ -218,7 +223,8 @@ class Trainer:
         from megacann.checkpoint import load_checkpoint
 
         load_checkpoint(self, path)
-        self._data = None  # rebuilt at the restored consumed_samples
+        if self._own_data:
+            self._data = None  # rebuilt at the restored consumed_samples
 
     def train_state_dict(self) -> dict[str, Any]:
         return asdict(self.state)

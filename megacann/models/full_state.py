@@ -1,0 +1,87 @@
+"""Whole (unsharded, unpadded) tensors of a model, gathered from or scattered to tensor-parallel ranks.
+
+Used wherever weights leave or enter the parallel layout: Hugging Face import/export, consolidated
+exports, tests. Names are the model's own (global layer indices), so a layout never shows in them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megacann import parallel_state as ps
+from megacann.layers.sharding import ParamSharding, get_sharding, shard_tensor, unshard_tensors
+
+
+def _strip_padding(full: torch.Tensor, sharding: ParamSharding) -> torch.Tensor:
+    if sharding.logical_size is None or sharding.tp_dim is None:
+        return full
+    return full.narrow(sharding.tp_dim, 0, sharding.logical_size)
+
+
+def _pad(tensor: torch.Tensor, sharding: ParamSharding) -> torch.Tensor:
+    if sharding.logical_size is None or sharding.tp_dim is None:
+        return tensor
+    missing = sharding.full_shape[sharding.tp_dim] - tensor.shape[sharding.tp_dim]
+    if missing <= 0:
+        return tensor
+    pad_shape = list(tensor.shape)
+    pad_shape[sharding.tp_dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=sharding.tp_dim)
+
+
+def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole parameter without vocabulary padding."""
+    sharding = get_sharding(param)
+    shape = list(sharding.full_shape)
+    if sharding.logical_size is not None and sharding.tp_dim is not None:
+        shape[sharding.tp_dim] = sharding.logical_size
+    return tuple(shape)
+
+
+def gather_full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter (all TP shards joined, padding dropped), on CPU, on every TP rank."""
+    sharding = get_sharding(param)
+    local = param.detach()
+    group = ps.get_tensor_model_parallel_group()
+    size = ps.get_tensor_model_parallel_world_size()
+    if sharding.tp_dim is None or size == 1:
+        full = local
+    else:
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local.contiguous(), group=group)
+        full = unshard_tensors(shards, sharding)
+    return _strip_padding(full, sharding).cpu()
+
+
+def full_state_dict(modules: Iterable[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Name -> whole tensor for every parameter of this rank's chunks (TP gathered; PP stages separate)."""
+    out: dict[str, torch.Tensor] = {}
+    for module in modules:
+        for name, param in module.named_parameters():
+            out[name] = gather_full_tensor(param)
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict_(
+    modules: Iterable[torch.nn.Module], tensors: Mapping[str, torch.Tensor], source: str = "state"
+) -> None:
+    """Copy whole tensors into this rank's shards. Every parameter must be present with its whole shape;
+    errors name the tensor and both shapes."""
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    for module in modules:
+        for name, param in module.named_parameters():
+            if name not in tensors:
+                raise KeyError(f"{source}: missing tensor {name!r} (expected shape {list(logical_shape(param))})")
+            full = tensors[name]
+            expected = logical_shape(param)
+            if tuple(full.shape) != expected:
+                raise ValueError(
+                    f"{source}: tensor {name!r} has shape {list(full.shape)}, the model expects {list(expected)}"
+                )
+            sharding = get_sharding(param)
+            local = shard_tensor(_pad(full.to(torch.float32), sharding), sharding, tp_rank, tp_size)
+            param.copy_(local.to(dtype=param.dtype, device=param.device))
