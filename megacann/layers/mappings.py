@@ -110,6 +110,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         shape[dim : dim + 1] = [world, local]
         staged = x.reshape(shape).movedim(dim, 0).contiguous()
         out = torch.empty(staged.shape[1:], dtype=x.dtype, device=x.device)
+        staged = staged.flatten(0, 1)  # some backends check input.shape[0] == world * output.shape[0]
         try:
             _reduce_scatter_base(out, staged, group=group)
             return out
