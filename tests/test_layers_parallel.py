@@ -195,9 +195,10 @@ def _check_embedding(errs, inits):
 def _check_cross_entropy(errs):
     tp = ps.get_tensor_model_parallel_world_size()
     target = torch.tensor([[0, 69, 23, 24, -100, 47], [48, 39, 40, -100, 5, 68]])
-    for vocab, smoothing in ((VOCAB, 0.0), (VOCAB, 0.1), (pad_vocab_size(VOCAB, 4, DIVISIBLE), 0.2)):
+    cases = ((VOCAB, 0.0, False), (VOCAB, 0.1, True), (pad_vocab_size(VOCAB, 4, DIVISIBLE), 0.2, False))
+    for vocab, smoothing, inplace in cases:
         padded = pad_vocab_size(vocab, tp, DIVISIBLE)
-        name = f"cross_entropy/vocab={vocab}/padded={padded}/smoothing={smoothing}"
+        name = f"cross_entropy/vocab={vocab}/padded={padded}/smoothing={smoothing}/inplace={inplace}"
         full = _randn(2, 6, padded, seed=7) * 3  # padding columns hold garbage that must not count
         dense = full.clone().requires_grad_()
         ref = F.cross_entropy(
@@ -210,8 +211,9 @@ def _check_cross_entropy(errs):
         gloss = _randn(2, 6, seed=8)
         ref.backward(gloss)
         local = split_dim(full, -1).clone().requires_grad_()
+        logits = local * 1.0 if inplace else local  # in place needs a non-leaf it may overwrite
         loss = vocab_parallel_cross_entropy(
-            local, target, label_smoothing=smoothing, vocab_size=vocab if vocab != padded else None
+            logits, target, label_smoothing=smoothing, vocab_size=vocab if vocab != padded else None, inplace=inplace
         )
         loss.backward(gloss)
         errs[f"{name}/out"] = rel_err(loss, ref)

@@ -22,7 +22,7 @@ from megacann.layers import mappings
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, vocab_size, group):
+    def forward(ctx, logits, target, ignore_index, label_smoothing, vocab_size, group, inplace):
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         local_vocab = logits.shape[-1]
@@ -30,16 +30,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
         classes = local_vocab * world if vocab_size is None else vocab_size
 
-        # one fp32 working buffer of the logits' size: shifted logits, then exp, then softmax
-        work = logits.float()
-        if work is logits:
-            work = work.clone()
-        if valid < local_vocab:
-            work[..., valid:] = float("-inf")
-        row_max = work.amax(dim=-1)
+        if valid > 0:
+            row_max = logits[..., :valid].amax(dim=-1).float()
+        else:  # this rank holds only padding columns
+            row_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
         if world > 1:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        work.sub_(row_max.unsqueeze(-1))
+        # the one fp32 working buffer of the logits' size: shifted logits, then their exponentials
+        if inplace and logits.dtype == torch.float32:
+            work = logits.sub_(row_max.unsqueeze(-1))
+        else:
+            work = torch.sub(logits, row_max.unsqueeze(-1))
+        if valid < local_vocab:
+            work[..., valid:] = float("-inf")
 
         ignored = target == ignore_index
         local_target = target - start
@@ -54,31 +57,31 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         stats = torch.stack(stats)
         if world > 1:
             dist.all_reduce(stats, group=group)
-        log_z = stats[-1].log()
+        sum_exp = stats[-1]
+        log_z = sum_exp.log()
         loss = log_z - stats[0]
         if label_smoothing > 0.0:
-            smooth = log_z - stats[1] / classes  # mean over the real classes of −log p
+            smooth = log_z - stats[1] / classes  # mean over the real classes of -log p
             loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
         loss.masked_fill_(ignored, 0.0)
 
-        work.div_(stats[-1].unsqueeze(-1))  # softmax, reused as the gradient buffer
-        ctx.save_for_backward(work, local_target, in_shard, ignored)
+        ctx.save_for_backward(work, sum_exp, local_target, in_shard, ignored)
         ctx.label_smoothing, ctx.classes, ctx.valid = label_smoothing, classes, valid
         ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, in_shard, ignored = ctx.saved_tensors
-        grad = softmax  # reused in place: this graph can be walked backward once
+        exp, sum_exp, local_target, in_shard, ignored = ctx.saved_tensors
         eps = ctx.label_smoothing
-        hit = in_shard.to(grad.dtype).mul_(-(1.0 - eps)).unsqueeze(-1)
+        scale = grad_loss.float().masked_fill(ignored, 0.0)
+        # softmax * g, written over the saved exponentials: this graph can be walked backward once
+        grad = exp.mul_((scale / sum_exp).unsqueeze(-1))
+        hit = (scale * in_shard).mul_(-(1.0 - eps)).unsqueeze(-1)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), hit)
         if eps > 0.0:
-            grad[..., : ctx.valid] -= eps / ctx.classes
-        scale = grad_loss.float().masked_fill(ignored, 0.0).unsqueeze(-1)
-        grad.mul_(scale)
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+            grad[..., : ctx.valid] -= (scale * (eps / ctx.classes)).unsqueeze(-1)
+        return grad.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -88,6 +91,7 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     vocab_size: Optional[int] = None,
     group: Optional[dist.ProcessGroup] = None,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Per-token cross entropy (fp32, shape of ``target``, 0 where ``target == ignore_index``).
 
@@ -97,6 +101,8 @@ def vocab_parallel_cross_entropy(
         label_smoothing: as in ``torch.nn.functional.cross_entropy``, over the real vocabulary.
         vocab_size: the logical vocabulary; logit columns at or past it (padding) are excluded.
             None: every column is a real class.
+        inplace: fp32 logits only: use ``logits_shard``'s memory as the working buffer instead of a new
+            one (faster, less memory); its values are destroyed, so nothing may read it afterwards.
     """
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
@@ -110,4 +116,6 @@ def vocab_parallel_cross_entropy(
                 f"vocab_size {vocab_size} exceeds the {logits_shard.shape[-1] * world} logit columns "
                 f"({logits_shard.shape[-1]} per rank x {world} TP ranks)"
             )
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, ignore_index, label_smoothing, vocab_size, group)
+    return _VocabParallelCrossEntropy.apply(
+        logits_shard, target, ignore_index, label_smoothing, vocab_size, group, inplace
+    )

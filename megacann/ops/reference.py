@@ -113,7 +113,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
     ``interleaved=False`` (Hugging Face LLaMA, GPT-NeoX): dims ``i`` and ``i + d/2`` form a pair, and
     ``cos = cat(cos_f, cos_f)``. ``interleaved=True`` (GPT-J, original RoPE): dims ``2i`` and ``2i+1`` form
-    a pair, and ``cos = repeat_interleave(cos_f, 2)``."""
+    a pair, and ``cos = repeat_interleave(cos_f, 2)``. The result has ``x``'s dtype."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if interleaved:
         c, s = cos[..., 0::2].unsqueeze(-2), sin[..., 0::2].unsqueeze(-2)
         even, odd = x[..., 0::2], x[..., 1::2]
