@@ -79,29 +79,28 @@ def _check_mappings(errs):
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     weight = sum(range(1, tp + 1))
     x = _randn(2, 8, 4, seed=1)
-    local = split_dim(x, 1).clone().requires_grad_()
-    out = mappings.gather_from_sequence_parallel_region(local)
-    out.backward(x * (rank + 1))
-    errs["mappings/sp_gather"] = rel_err(out, x)
-    errs["mappings/sp_gather_grad"] = rel_err(local.grad, split_dim(x, 1) * weight)
-    for fallback in (False, True):
-        if fallback:  # a backend without reduce-scatter: all-reduce and slice
-            real = mappings._reduce_scatter_base
+    for fallback in (False, True):  # True: a backend without flat all-gather / reduce-scatter
+        real = mappings._all_gather_base, mappings._reduce_scatter_base
+        if fallback:
 
             def unsupported(*args, **kwargs):
-                raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+                raise RuntimeError("no support for _reduce_scatter_base in Gloo process group")
 
-            mappings._reduce_scatter_base = unsupported
+            mappings._all_gather_base = mappings._reduce_scatter_base = unsupported
         try:
             full = (x * (rank + 1)).requires_grad_()
             out = mappings.reduce_scatter_to_sequence_parallel_region(full)
             out.backward(split_dim(x, 1))
+            local = split_dim(x, 1).clone().requires_grad_()
+            gathered = mappings.gather_from_sequence_parallel_region(local)
+            gathered.backward(x * (rank + 1))
         finally:
-            if fallback:
-                mappings._reduce_scatter_base = real
-                mappings._NO_REDUCE_SCATTER.clear()
-        errs[f"mappings/sp_reduce_scatter{fallback}"] = rel_err(out, split_dim(x, 1) * weight)
-        errs[f"mappings/sp_reduce_scatter_grad{fallback}"] = rel_err(full.grad, x)
+            mappings._all_gather_base, mappings._reduce_scatter_base = real
+            mappings._MISSING.clear()
+        errs[f"mappings/sp_reduce_scatter/fallback={fallback}"] = rel_err(out, split_dim(x, 1) * weight)
+        errs[f"mappings/sp_reduce_scatter_grad/fallback={fallback}"] = rel_err(full.grad, x)
+        errs[f"mappings/sp_gather/fallback={fallback}"] = rel_err(gathered, x)
+        errs[f"mappings/sp_gather_grad/fallback={fallback}"] = rel_err(local.grad, split_dim(x, 1) * weight)
     full = x.clone().requires_grad_()
     out = mappings.scatter_to_sequence_parallel_region(full)
     out.backward(split_dim(x, 1))

@@ -39,7 +39,7 @@ Group = Optional[dist.ProcessGroup]
 
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-_NO_REDUCE_SCATTER: set[str] = set()  # backends found to lack a tensor reduce-scatter
+_MISSING: set[tuple[str, str]] = set()  # (collective, backend) pairs found unsupported
 
 
 def tp_group(group: Group = None) -> Group:
@@ -76,23 +76,40 @@ def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return x.narrow(dim, dist.get_rank(group) * (size // world), size // world).contiguous()
 
 
+def _backend(group: Group) -> str:
+    return str(dist.get_backend(group))
+
+
+def _try_flat(name: str, collective, out: torch.Tensor, inp: torch.Tensor, group: Group) -> bool:
+    """Run a flat-tensor collective; False when this backend lacks it (remembered), so the caller falls
+    back. Older gloo raises e.g. "no support for _reduce_scatter_base in Gloo process group"."""
+    key = (name, _backend(group))
+    if collective is None or key in _MISSING:
+        return False
+    try:
+        collective(out, inp, group=group)
+        return True
+    except RuntimeError as err:
+        if "support" not in str(err).lower():
+            raise
+        _MISSING.add(key)
+        return False
+
+
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (one copy when ``dim`` is not the leading one)."""
     world = dist.get_world_size(group)
     x = x.contiguous()
-    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_base(out, x, group=group)
     dim = dim % x.dim()
+    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    if not _try_flat("all_gather", _all_gather_base, out, x, group):
+        dist.all_gather(list(out.chunk(world)), x, group=group)  # fills the views of ``out`` in place
     if dim == 0:
         return out
     out = out.view((world,) + tuple(x.shape)).movedim(0, dim)
     shape = list(x.shape)
     shape[dim] *= world
     return out.reshape(shape)
-
-
-def _backend(group: Group) -> str:
-    return str(dist.get_backend(group))
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -103,21 +120,14 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if size % world:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {size} across {world} tensor-parallel ranks")
     local = size // world
-    backend = _backend(group)
-    if _reduce_scatter_base is not None and backend not in _NO_REDUCE_SCATTER:
-        # stage rank-major: [world, ..., local, ...], contiguous (no copy when dim is leading or batch is 1)
-        shape = list(x.shape)
-        shape[dim : dim + 1] = [world, local]
-        staged = x.reshape(shape).movedim(dim, 0).contiguous()
-        out = torch.empty(staged.shape[1:], dtype=x.dtype, device=x.device)
-        staged = staged.flatten(0, 1)  # some backends check input.shape[0] == world * output.shape[0]
-        try:
-            _reduce_scatter_base(out, staged, group=group)
-            return out
-        except RuntimeError as err:  # e.g. older gloo: "ProcessGroupGloo does not support reduce_scatter"
-            if "support" not in str(err).lower():
-                raise
-            _NO_REDUCE_SCATTER.add(backend)
+    # stage rank-major: [world, ..., local, ...], contiguous (no copy when dim is leading or batch is 1);
+    # flattened, as some backends check input.shape[0] == world * output.shape[0]
+    shape = list(x.shape)
+    shape[dim : dim + 1] = [world, local]
+    staged = x.reshape(shape).movedim(dim, 0).contiguous()
+    out = torch.empty(staged.shape[1:], dtype=x.dtype, device=x.device)
+    if _try_flat("reduce_scatter", _reduce_scatter_base, out, staged.flatten(0, 1), group):
+        return out
     total = _all_reduce(x, group, inplace=False)
     return total.narrow(dim, dist.get_rank(group) * local, local).contiguous()
 
