@@ -176,3 +176,15 @@ def test_interleaved_rotary_is_complex_multiplication():
         torch.ones_like(angles), angles
     ).unsqueeze(1)
     assert rel_err(out, torch.view_as_real(rotated).flatten(-2)) < 1e-6
+
+
+def test_segment_mask_is_built_once_per_segment_tensor():
+    from megacann.ops.reference import attention_mask
+
+    seg = torch.tensor([[0, 0, 1, 1]])
+    first = attention_mask(4, True, seg, seg.device)
+    assert attention_mask(4, True, seg, seg.device) is first  # every layer of a step shares it
+    seg[0, 1] = 1  # changed in place: rebuilt
+    rebuilt = attention_mask(4, True, seg, seg.device)
+    assert rebuilt is not first and rebuilt[0, 0, 1, 0] == False  # noqa: E712
+    assert attention_mask(4, True, seg.clone(), seg.device) is not rebuilt

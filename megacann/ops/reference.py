@@ -7,6 +7,7 @@ Layouts: attention tensors are ``[batch, seq, heads, head_dim]`` (BSND, the layo
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -24,14 +25,26 @@ def attention_mask(
     segment_ids: Optional[torch.Tensor],
     device: torch.device,
 ) -> Optional[torch.Tensor]:
-    """Boolean mask, True where a query may attend to a key: ``[b, 1, s, s]`` (or ``[s, s]``), or None."""
+    """Boolean mask, True where a query may attend to a key: ``[b, 1, s, s]`` (or ``[s, s]``), or None.
+
+    The mask of the last ``segment_ids`` tensor seen is kept, so the layers of one model, which all get
+    the same tensor, build it once per step."""
+    if segment_ids is not None:
+        key = (seq_len, causal, device, segment_ids._version)
+        cached = _MASK_CACHE.get("entry")
+        if cached is not None and cached[0] == key and cached[1]() is segment_ids:
+            return cached[2]
     mask = None
     if causal:
         mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril_()
     if segment_ids is not None:
         same = (segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)).unsqueeze(1)
         mask = same if mask is None else same & mask
+        _MASK_CACHE["entry"] = (key, weakref.ref(segment_ids), mask)
     return mask
+
+
+_MASK_CACHE: dict[str, tuple] = {}
 
 
 @register("scaled_dot_product_attention", REFERENCE)
