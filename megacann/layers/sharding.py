@@ -116,17 +116,27 @@ def init_sharded_(
     generator_seed: Optional[int] = None,
 ) -> None:
     """Draw the full tensor with ``init_method`` (from torch's CPU RNG, or a fresh one seeded with
-    ``generator_seed``), then copy this rank's slice into ``param``. Padding rows are zeroed."""
+    ``generator_seed``), then copy this rank's slice into ``param``.
+
+    A padded tensor (``logical_size`` set) is drawn at its logical size and padded with zeros, so the
+    draw does not depend on the padding, which differs between TP sizes (the vocabulary)."""
     sharding = get_sharding(param)
-    full = torch.empty(sharding.full_shape, dtype=torch.float32)
+    shape = list(sharding.full_shape)
+    padded = sharding.logical_size is not None and sharding.tp_dim is not None
+    if padded:
+        shape[sharding.tp_dim] = sharding.logical_size
+    drawn = torch.empty(shape, dtype=torch.float32)
     if generator_seed is None:
-        init_method(full)
+        init_method(drawn)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(generator_seed)
-            init_method(full)
-    if sharding.logical_size is not None and sharding.tp_dim is not None:
-        full.narrow(sharding.tp_dim, sharding.logical_size, full.shape[sharding.tp_dim] - sharding.logical_size).zero_()
-    local = shard_tensor(full, sharding, tp_rank, tp_size)
+            init_method(drawn)
+    if padded:
+        full = torch.zeros(sharding.full_shape, dtype=torch.float32)
+        full.narrow(sharding.tp_dim, 0, sharding.logical_size).copy_(drawn)
+    else:
+        full = drawn
+    local = shard_tensor(full, sharding, tp_rank, tp_size) if tp_size > 1 else full
     with torch.no_grad():
         param.copy_(local.to(dtype=param.dtype, device=param.device))

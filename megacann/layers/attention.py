@@ -1,0 +1,164 @@
+"""Causal self-attention with grouped-query attention, split across tensor-parallel ranks by heads.
+
+Query heads are split evenly across TP ranks. Key/value heads are split too when their number divides
+the TP size; otherwise (fewer kv heads than ranks, e.g. MQA) the k/v projections are replicated on every
+rank, marked ``tp_partial_grad``, and each rank computes only the kv heads its query heads read. The
+core attention runs through :func:`megacann.ops.scaled_dot_product_attention`, so fused kernels slot in.
+
+Parameter names follow Hugging Face LLaMA: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (or one fused
+``qkv_proj`` whose full weight is ``cat(q_proj, k_proj, v_proj)`` along the output rows).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megacann import ops
+from megacann.layers import mappings
+from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megacann.layers.random import checkpoint, get_rng_tracker
+from megacann.layers.sharding import InitMethod
+
+Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+def kv_heads_for_rank(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """The range ``[first, end)`` of kv heads read by this rank's query heads (kv head ``j`` serves query
+    heads ``j*g .. j*g+g-1``, ``g = num_heads / num_kv_heads``)."""
+    local = num_heads // tp_size
+    group = num_heads // num_kv_heads
+    first = tp_rank * local // group
+    end = ((tp_rank + 1) * local - 1) // group + 1
+    return first, end
+
+
+class SelfAttention(torch.nn.Module):
+    """``forward(hidden [b, s_local, h], rotary=(cos, sin) | None, segment_ids=None) -> [b, s_local, h]``.
+
+    ``rotary`` tables and ``segment_ids`` ``[b, s]`` cover the whole sequence (under sequence parallelism
+    the projections gather it). ``segment_ids`` limits attention to positions with the same id (packed
+    documents); attention is always causal.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_key_value_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        qkv_bias: bool = False,
+        output_bias: bool = False,
+        attention_dropout: float = 0.0,
+        sequence_parallel: bool = False,
+        fused_qkv: bool = False,
+        rotary_interleaved: bool = False,
+        softmax_scale: Optional[float] = None,
+        recompute_core_attention: bool = False,
+        init_method: Optional[InitMethod] = None,
+        output_init_method: Optional[InitMethod] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        super().__init__()
+        tp, rank = mappings.tp_world_size(group), mappings.tp_rank(group)
+        heads = num_attention_heads
+        kv_heads = num_key_value_heads or heads
+        if head_dim is None:
+            if hidden_size % heads:
+                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_attention_heads {heads}")
+            head_dim = hidden_size // heads
+        if heads % tp:
+            raise ValueError(f"num_attention_heads {heads} is not divisible by tensor_model_parallel_size {tp}")
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        kv_sharded = kv_heads % tp == 0
+        if fused_qkv and not kv_sharded:
+            raise ValueError(
+                f"fused_qkv needs num_key_value_heads {kv_heads} divisible by tensor_model_parallel_size {tp}; "
+                "use fused_qkv=False (kv projections are then replicated)"
+            )
+        self.head_dim, self.dropout_p, self.softmax_scale = head_dim, attention_dropout, softmax_scale
+        self.rotary_interleaved = rotary_interleaved
+        self.recompute_core_attention = recompute_core_attention
+        self.local_heads = heads // tp
+        if kv_sharded:
+            self.local_kv_heads, self.kv_rows = kv_heads // tp, None
+            kv_index = None
+        else:
+            first, end = kv_heads_for_rank(heads, kv_heads, tp, rank)
+            self.local_kv_heads, self.kv_rows = end - first, (first * head_dim, end * head_dim)
+            group_size = heads // kv_heads
+            index = [(rank * self.local_heads + j) // group_size - first for j in range(self.local_heads)]
+            uniform = self.local_heads % self.local_kv_heads == 0 and index == [
+                j // (self.local_heads // self.local_kv_heads) for j in range(self.local_heads)
+            ]
+            kv_index = None if uniform else torch.tensor(index)
+        self.register_buffer("kv_index", kv_index, persistent=False)
+
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        linear = dict(sequence_parallel=sequence_parallel, group=group, dtype=dtype, device=device)
+        self.fused_qkv = fused_qkv
+        if fused_qkv:
+            self.qkv_proj = ColumnParallelLinear(
+                hidden_size,
+                q_size + 2 * kv_size,
+                bias=qkv_bias,
+                init_method=init_method,
+                tp_blocks=(q_size, kv_size, kv_size),
+                **linear,
+            )
+        else:
+            self.q_proj = ColumnParallelLinear(hidden_size, q_size, bias=qkv_bias, init_method=init_method, **linear)
+            kv = dict(bias=qkv_bias, init_method=init_method, replicated=not kv_sharded, **linear)
+            self.k_proj = ColumnParallelLinear(hidden_size, kv_size, **kv)
+            self.v_proj = ColumnParallelLinear(hidden_size, kv_size, **kv)
+        self.o_proj = RowParallelLinear(
+            q_size, hidden_size, bias=output_bias, init_method=output_init_method or init_method, **linear
+        )
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as ``[b, s, heads, head_dim]`` views over the whole sequence."""
+        d = self.head_dim
+        if self.fused_qkv:
+            qkv = self.qkv_proj(hidden)
+            qkv = qkv.view(qkv.shape[0], qkv.shape[1], -1, d)
+            return qkv.split([self.local_heads, self.local_kv_heads, self.local_kv_heads], dim=2)
+        x = self.q_proj.prepare_input(hidden)
+        q = self.q_proj.forward_prepared(x)
+        k = self.k_proj.forward_prepared(x, self.kv_rows)
+        v = self.v_proj.forward_prepared(x, self.kv_rows)
+        b, s = q.shape[:2]
+        return q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
+
+    def core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """Softmax attention of this rank's heads (dropout from the TP-rank RNG stream)."""
+        p = self.dropout_p if self.training else 0.0
+        if p > 0.0:
+            with get_rng_tracker().fork():
+                return ops.scaled_dot_product_attention(
+                    q, k, v, causal=True, segment_ids=segment_ids, dropout_p=p, scale=self.softmax_scale
+                )
+        return ops.scaled_dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=self.softmax_scale)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: Rotary = None, segment_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        q, k, v = self._project(hidden)
+        if rotary is not None:
+            cos, sin = rotary
+            q = ops.apply_rotary(q, cos, sin, self.rotary_interleaved)
+            k = ops.apply_rotary(k, cos, sin, self.rotary_interleaved)
+        if self.kv_index is not None:  # this rank's q heads read kv heads unevenly: expand per q head
+            k, v = k.index_select(2, self.kv_index), v.index_select(2, self.kv_index)
+        if self.recompute_core_attention and self.training:
+            out = checkpoint(self.core_attention, q, k, v, segment_ids)
+        else:
+            out = self.core_attention(q, k, v, segment_ids)
+        b, s = out.shape[:2]
+        return self.o_proj(out.reshape(b, s, self.local_heads * self.head_dim))

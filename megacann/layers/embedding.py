@@ -1,0 +1,86 @@
+"""Token embedding with the vocabulary split across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megacann.layers import mappings
+from megacann.layers.init import init_normal, make_parameter
+from megacann.layers.sharding import InitMethod
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by × tp_size``, so every TP shard has the same,
+    aligned number of rows."""
+    if vocab_size < 1 or tp_size < 1 or divisible_by < 1:
+        raise ValueError(
+            f"pad_vocab_size needs positive sizes, got vocab_size={vocab_size}, tp_size={tp_size}, "
+            f"divisible_by={divisible_by}"
+        )
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding of ids ``[b, s]`` into ``[b, s, embedding_dim]``, each TP rank holding a contiguous range of
+    the (padded) vocabulary.
+
+    Each rank looks up the ids in its range, writes zeros for the others, and the partial results are
+    summed over the TP group; under ``sequence_parallel`` they are reduce-scattered instead, giving the
+    ``[b, s/tp, embedding_dim]`` sequence shard. The weight's full shape is ``[padded_vocab, embedding_dim]``
+    (``logical_size`` = ``num_embeddings``); the padding rows start at zero.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        init_method: Optional[InitMethod] = None,
+        make_vocab_size_divisible_by: int = 128,
+        sequence_parallel: bool = False,
+        group: Optional[dist.ProcessGroup] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        super().__init__()
+        self.group = group
+        self.tp_size = mappings.tp_world_size(group)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.sequence_parallel = sequence_parallel
+        self.padded_vocab_size = pad_vocab_size(num_embeddings, self.tp_size, make_vocab_size_divisible_by)
+        per_rank = self.padded_vocab_size // self.tp_size
+        self.vocab_start = mappings.tp_rank(group) * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.weight = make_parameter(
+            (self.padded_vocab_size, embedding_dim),
+            init_method or init_normal(),
+            tp_rank=mappings.tp_rank(group),
+            tp_size=self.tp_size,
+            tp_dim=0,
+            logical_size=num_embeddings,
+            name=f"VocabParallelEmbedding padded vocabulary {self.padded_vocab_size}",
+            dtype=dtype,
+            device=device,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings} (padded {self.padded_vocab_size}), {self.embedding_dim}, tp={self.tp_size}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill_(outside, 0)
+        out = F.embedding(local_ids, self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(out, self.group)
+        return mappings.reduce_from_tensor_model_parallel_region(out, self.group, inplace=True)

@@ -1,0 +1,90 @@
+"""Initialisation methods and the one helper every layer uses to create a sharded parameter.
+
+A parameter is made by drawing its *full* tensor from torch's CPU RNG and keeping this rank's slice
+(:func:`megacann.layers.sharding.init_sharded_`), so a model under any TP size starts with exactly the
+weights of the one-process model, provided the default RNG is seeded alike on every TP rank
+(:func:`megacann.layers.random.model_parallel_manual_seed` does this). Each parameter carries its
+:class:`~megacann.layers.sharding.ParamSharding` and its init method (attribute ``sharding.INIT_ATTR``), so a
+model can later re-draw any parameter by name from its own seed, independently of the layout.
+
+Init methods are picklable ``functools.partial`` objects over the module-level functions below.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+from megacann.accelerator import get_accelerator
+from megacann.layers.sharding import INIT_ATTR, InitMethod, ParamSharding, check_divisible, init_sharded_, set_sharding
+
+
+def _normal(tensor: torch.Tensor, std: float) -> torch.Tensor:
+    return torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+
+def _constant(tensor: torch.Tensor, value: float) -> torch.Tensor:
+    return torch.nn.init.constant_(tensor, value)
+
+
+def init_normal(std: float = 0.02) -> InitMethod:
+    """N(0, std²) — Megatron's default for weights."""
+    return functools.partial(_normal, std=std)
+
+
+def init_scaled_normal(std: float, num_layers: int) -> InitMethod:
+    """N(0, (std / sqrt(2·num_layers))²) — Megatron's init for the projections that feed a residual."""
+    return functools.partial(_normal, std=std / math.sqrt(2.0 * num_layers))
+
+
+def init_zeros() -> InitMethod:
+    return functools.partial(_constant, value=0.0)
+
+
+def init_ones() -> InitMethod:
+    return functools.partial(_constant, value=1.0)
+
+
+def resolve_device(device: Optional[torch.device | str]) -> torch.device:
+    """``device`` if given, else the accelerator's current device."""
+    return torch.device(device) if device is not None else get_accelerator().current_device()
+
+
+def make_parameter(
+    full_shape: tuple[int, ...],
+    init_method: InitMethod,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    name: str,
+    tp_dim: Optional[int] = None,
+    tp_blocks: Optional[tuple[int, ...]] = None,
+    tp_partial_grad: bool = False,
+    logical_size: Optional[int] = None,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device | str] = None,
+) -> torch.nn.Parameter:
+    """Create this rank's shard of a parameter whose whole is ``full_shape``, initialised from the full
+    tensor, tagged with its sharding and init method. ``name`` appears in the error raised when a size
+    does not divide ``tp_size``."""
+    sharding = ParamSharding(
+        full_shape=tuple(full_shape),
+        tp_dim=tp_dim,
+        tp_blocks=tuple(tp_blocks) if tp_blocks is not None else None,
+        tp_partial_grad=tp_partial_grad,
+        logical_size=logical_size,
+    )
+    if tp_blocks is not None and tp_dim is not None and sum(tp_blocks) != full_shape[tp_dim]:
+        raise ValueError(f"{name}: tp_blocks {tuple(tp_blocks)} do not add up to {full_shape[tp_dim]}")
+    check_divisible(sharding, tp_size, name)
+    local = torch.empty(
+        sharding.local_shape(tp_size), dtype=dtype or torch.get_default_dtype(), device=resolve_device(device)
+    )
+    param = torch.nn.Parameter(local)
+    set_sharding(param, sharding)
+    setattr(param, INIT_ATTR, init_method)
+    init_sharded_(param, init_method, tp_rank, tp_size)
+    return param

@@ -1,0 +1,218 @@
+"""Column- and row-parallel linear layers (Megatron's split of ``y = x Aᵀ + b``).
+
+A :class:`ColumnParallelLinear` splits the output features: each TP rank holds ``[output_size/tp,
+input_size]`` rows of the weight and produces its slice of the output. A :class:`RowParallelLinear` splits
+the input features: each rank holds ``[output_size, input_size/tp]``, multiplies its slice of the input,
+and the partial results are summed over the TP group. A column layer followed by a row layer (attention,
+MLP) needs one all-reduce forward and one backward.
+
+Under sequence parallelism the activations between blocks are split along the sequence (dim 1 of
+``[batch, seq, hidden]``): the column layer all-gathers the sequence first, and the row layer
+reduce-scatters its output back to sequence shards instead of all-reducing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megacann.layers import mappings
+from megacann.layers.init import init_normal, init_zeros, make_parameter
+from megacann.layers.sharding import InitMethod, ParamSharding, unshard_tensors
+
+LinearOutput = Union[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` ``[output_size, input_size]`` split by rows (output features).
+
+    Args:
+        gather_output: all-gather the output features, so every rank returns the whole ``y``; otherwise
+            each rank returns its ``output_size/tp`` slice (the usual case, fed to a row-parallel layer).
+        sequence_parallel: the input is split along the sequence; all-gather it first.
+        tp_blocks: sizes of fused blocks along the output (e.g. ``(q, k, v)`` or ``(ffn, ffn)`` for a fused
+            gate/up projection); each block is split across TP separately, so every rank holds a slice of
+            each block, in block order.
+        skip_bias_add: return ``(y, bias)`` with the bias not added (for fusing it into a later op).
+        replicated: keep the whole weight on every TP rank (its gradient partial per rank, to be summed
+            over TP); used for key/value projections when there are fewer kv heads than TP ranks.
+        group: the tensor-parallel group (default: from :mod:`megacann.parallel_state`).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        init_method: Optional[InitMethod] = None,
+        skip_bias_add: bool = False,
+        tp_blocks: Optional[tuple[int, ...]] = None,
+        replicated: bool = False,
+        group: Optional[dist.ProcessGroup] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        super().__init__()
+        self.group = group
+        self.tp_size = mappings.tp_world_size(group)
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        self.skip_bias_add = skip_bias_add
+        self.replicated = replicated
+        self.tp_blocks = tuple(tp_blocks) if tp_blocks is not None else None
+        if replicated and gather_output:
+            raise ValueError(
+                "ColumnParallelLinear: replicated=True already returns the whole output; drop gather_output"
+            )
+        tp_size = 1 if replicated else self.tp_size
+        common = dict(
+            tp_rank=mappings.tp_rank(group),
+            tp_size=tp_size,
+            tp_dim=None if replicated else 0,
+            tp_blocks=None if replicated else self.tp_blocks,
+            tp_partial_grad=replicated,
+            dtype=dtype,
+            device=device,
+        )
+        self.weight = make_parameter(
+            (output_size, input_size),
+            init_method or init_normal(),
+            name=f"ColumnParallelLinear output_size {output_size}",
+            **common,
+        )
+        self.bias = None
+        if bias:
+            self.bias = make_parameter(
+                (output_size,), init_zeros(), name=f"ColumnParallelLinear output_size {output_size}", **common
+            )
+
+    def extra_repr(self) -> str:
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size}, tp={self.tp_size}, "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Bring ``x`` into the tensor-parallel region: all-gather the sequence (sequence parallel) or
+        mark it for a gradient all-reduce. Several column layers reading the same input (q, k, v) share
+        one prepared input, hence one collective each way."""
+        if self.sequence_parallel:
+            return mappings.gather_from_sequence_parallel_region(x, self.group)
+        return mappings.copy_to_tensor_model_parallel_region(x, self.group, inplace=True)
+
+    def forward_prepared(self, x: torch.Tensor, rows: Optional[tuple[int, int]] = None) -> LinearOutput:
+        """The projection of an input already passed through :meth:`prepare_input`. ``rows=(start, end)``
+        uses only those output rows of the local weight (a replicated kv projection serving some heads)."""
+        weight, bias = self.weight, self.bias
+        if rows is not None:
+            weight = weight[rows[0] : rows[1]]
+            bias = bias[rows[0] : rows[1]] if bias is not None else None
+        y = F.linear(x, weight, None if self.skip_bias_add else bias)
+        if self.gather_output and self.tp_size > 1:
+            y = mappings.gather_from_tensor_model_parallel_region(y, self.group)
+            if self.tp_blocks is not None and len(self.tp_blocks) > 1:
+                y = self._blocks_in_order(y)
+        return (y, bias) if self.skip_bias_add else y
+
+    def forward(self, x: torch.Tensor) -> LinearOutput:
+        """``x`` ``[..., input_size]`` (``[b, s/tp, input_size]`` under sequence parallelism) →
+        ``[..., output_size/tp]`` (or ``[..., output_size]`` with ``gather_output``)."""
+        return self.forward_prepared(self.prepare_input(x))
+
+    def _blocks_in_order(self, y: torch.Tensor) -> torch.Tensor:
+        """Gathered output is rank-major (rank 0's slices of every block, then rank 1's …); restore the
+        order of the blocks."""
+        layout = ParamSharding(full_shape=tuple(y.shape), tp_dim=y.dim() - 1, tp_blocks=self.tp_blocks)
+        return unshard_tensors(list(y.chunk(self.tp_size, dim=-1)), layout)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` ``[output_size, input_size]`` split by columns (input features).
+
+    Args:
+        input_is_parallel: the input is already split along its last dim (the output of a column layer);
+            otherwise this layer keeps its own slice of it.
+        sequence_parallel: reduce-scatter the output along the sequence instead of all-reducing it.
+        skip_bias_add: return ``(y, bias)`` with the bias not added.
+
+    The bias is replicated and added after the reduction (under sequence parallelism each rank adds it to
+    its sequence shard, so its gradient is partial and marked ``tp_partial_grad``).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        init_method: Optional[InitMethod] = None,
+        skip_bias_add: bool = False,
+        group: Optional[dist.ProcessGroup] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
+        self.group = group
+        self.tp_size = mappings.tp_world_size(group)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.skip_bias_add = skip_bias_add
+        tp_rank = mappings.tp_rank(group)
+        self.weight = make_parameter(
+            (output_size, input_size),
+            init_method or init_normal(),
+            tp_rank=tp_rank,
+            tp_size=self.tp_size,
+            tp_dim=1,
+            name=f"RowParallelLinear input_size {input_size}",
+            dtype=dtype,
+            device=device,
+        )
+        self.bias = None
+        if bias:
+            self.bias = make_parameter(
+                (output_size,),
+                init_zeros(),
+                tp_rank=tp_rank,
+                tp_size=self.tp_size,
+                tp_partial_grad=sequence_parallel,
+                name="RowParallelLinear bias",
+                dtype=dtype,
+                device=device,
+            )
+
+    def extra_repr(self) -> str:
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size}, tp={self.tp_size}, "
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+    def forward(self, x: torch.Tensor) -> LinearOutput:
+        """``x`` ``[..., input_size/tp]`` (or ``[..., input_size]`` without ``input_is_parallel``) →
+        ``[..., output_size]`` (``[b, s/tp, output_size]`` under sequence parallelism)."""
+        add_bias = self.bias is not None and not self.skip_bias_add
+        if self.tp_size == 1:
+            y = F.linear(x, self.weight, self.bias if add_bias else None)
+        else:
+            if not self.input_is_parallel:
+                x = mappings.scatter_to_tensor_model_parallel_region(x, self.group)
+            y = F.linear(x, self.weight)
+            if self.sequence_parallel:
+                y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.group)
+            else:
+                y = mappings.reduce_from_tensor_model_parallel_region(y, self.group, inplace=True)
+            if add_bias:
+                y = y + self.bias
+        return (y, self.bias) if self.skip_bias_add else y

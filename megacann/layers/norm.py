@@ -1,0 +1,79 @@
+"""RMSNorm and LayerNorm over the hidden dim, aware of sequence parallelism.
+
+Norm weights are replicated on every TP rank. Under sequence parallelism each rank normalises only its
+part of the sequence, so its weight gradient is partial: the parameters are marked ``tp_partial_grad``
+and the gradient is summed over the TP group (:func:`megacann.layers.mappings.sync_partial_grads` or the
+optimizer).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from megacann import ops
+from megacann.layers.init import init_ones, init_zeros, make_parameter
+from megacann.layers.sharding import mark_partial_grad
+
+
+def _norm_parameter(hidden_size: int, ones: bool, sequence_parallel: bool, dtype, device) -> torch.nn.Parameter:
+    param = make_parameter(
+        (hidden_size,),
+        init_ones() if ones else init_zeros(),
+        tp_rank=0,
+        tp_size=1,
+        name="norm",
+        dtype=dtype,
+        device=device,
+    )
+    return mark_partial_grad(param) if sequence_parallel else param
+
+
+class RMSNorm(torch.nn.Module):
+    """``weight * x / sqrt(mean(x²) + eps)`` (LLaMA), through ``megacann.ops.rms_norm``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        sequence_parallel: bool = False,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        super().__init__()
+        self.eps = eps
+        self.sequence_parallel = sequence_parallel
+        self.weight = _norm_parameter(hidden_size, True, sequence_parallel, dtype, device)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(torch.nn.Module):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` (GPT)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        super().__init__()
+        self.eps = eps
+        self.sequence_parallel = sequence_parallel
+        self.weight = _norm_parameter(hidden_size, True, sequence_parallel, dtype, device)
+        self.bias = _norm_parameter(hidden_size, False, sequence_parallel, dtype, device) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

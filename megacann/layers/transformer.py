@@ -1,0 +1,183 @@
+"""A pre-norm transformer block: ``h += drop(attn(norm(h)))``, then ``h += drop(mlp(norm(h)))``.
+
+Submodule names follow Hugging Face LLaMA, so a checkpoint maps by name::
+
+    input_layernorm.weight           (LayerNorm: also .bias)
+    self_attn.q_proj / k_proj / v_proj / o_proj .weight (.bias)   or self_attn.qkv_proj (fused_qkv)
+    post_attention_layernorm.weight  (LayerNorm: also .bias)
+    mlp.gate_up_proj / down_proj .weight (swiglu, fused_gate_up)  or mlp.gate_proj / up_proj / down_proj
+    mlp.up_proj / down_proj .weight (.bias)                       (gelu, gelu_tanh)
+
+GPT-2 maps as ``ln_1 → input_layernorm``, ``attn.c_attn → self_attn.qkv_proj`` (transposed),
+``attn.c_proj → self_attn.o_proj``, ``ln_2 → post_attention_layernorm``, ``mlp.c_fc → mlp.up_proj``,
+``mlp.c_proj → mlp.down_proj`` (Conv1D weights are stored transposed).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megacann.layers import mappings
+from megacann.layers.attention import SelfAttention
+from megacann.layers.init import init_normal
+from megacann.layers.mlp import GeluMLP, SwiGLUMLP
+from megacann.layers.norm import LayerNorm, RMSNorm
+from megacann.layers.random import checkpoint, dropout
+from megacann.layers.rotary import RotaryEmbedding
+
+_CHOICES = {
+    "normalization": ("rmsnorm", "layernorm"),
+    "activation": ("swiglu", "gelu", "gelu_tanh"),
+    "position_embedding": ("rope", "none"),
+    "recompute": ("none", "selective", "full"),
+}
+
+
+@dataclass
+class TransformerBlockConfig:
+    """Shape and options of one block. ``output_layer_init_std`` is the std of the projections that feed
+    the residual (``o_proj``, ``down_proj``); Megatron uses ``init_method_std / sqrt(2 * num_layers)``,
+    which the model sets (None: ``init_method_std``). ``recompute``: ``selective`` recomputes the core
+    attention in backward, ``full`` the whole block."""
+
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    normalization: str = "rmsnorm"
+    norm_eps: float = 1e-6
+    activation: str = "swiglu"
+    add_bias_linear: bool = False
+    add_qkv_bias: Optional[bool] = None  # None: add_bias_linear (True for Qwen2-style q/k/v bias only)
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    sequence_parallel: bool = False
+    init_method_std: float = 0.02
+    output_layer_init_std: Optional[float] = None
+    position_embedding: str = "rope"
+    rotary_theta: float = 10000.0
+    rotary_scaling: Optional[dict[str, Any]] = field(default=None)
+    rotary_interleaved: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = True
+    softmax_scale: Optional[float] = None
+    recompute: str = "none"
+    params_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        for key, allowed in _CHOICES.items():
+            value = getattr(self, key)
+            if value not in allowed:
+                close = difflib.get_close_matches(str(value), allowed, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"TransformerBlockConfig.{key}={value!r} is not one of {allowed}{hint}")
+        for key in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"TransformerBlockConfig.{key} must be in [0, 1), got {getattr(self, key)}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+class TransformerBlock(torch.nn.Module):
+    """``forward(hidden [b, s_local, h], rotary=None, segment_ids=None) -> [b, s_local, h]``.
+
+    ``rotary`` is ``(cos, sin)`` for the whole sequence (compute once per model with
+    :class:`RotaryEmbedding` and share across blocks), or position ids ``[b, s]``, or None (positions
+    ``0..s-1``; ignored when ``position_embedding="none"``). ``segment_ids`` ``[b, s]`` separates packed
+    documents. Under sequence parallelism ``hidden`` is this rank's sequence shard, ``s_local = s / tp``.
+    """
+
+    def __init__(
+        self,
+        config: TransformerBlockConfig,
+        group: Optional[dist.ProcessGroup] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        super().__init__()
+        self.config = c = config
+        self.group = group
+        init = init_normal(c.init_method_std)
+        out_init = init_normal(c.output_layer_init_std if c.output_layer_init_std is not None else c.init_method_std)
+        common = dict(sequence_parallel=c.sequence_parallel, dtype=c.params_dtype, device=device)
+        self.input_layernorm = self._norm(common)
+        self.self_attn = SelfAttention(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            head_dim=c.head_dim,
+            qkv_bias=c.add_bias_linear if c.add_qkv_bias is None else c.add_qkv_bias,
+            output_bias=c.add_bias_linear,
+            attention_dropout=c.attention_dropout,
+            fused_qkv=c.fused_qkv,
+            rotary_interleaved=c.rotary_interleaved,
+            softmax_scale=c.softmax_scale,
+            recompute_core_attention=c.recompute == "selective",
+            init_method=init,
+            output_init_method=out_init,
+            group=group,
+            **common,
+        )
+        self.post_attention_layernorm = self._norm(common)
+        mlp = dict(bias=c.add_bias_linear, init_method=init, output_init_method=out_init, group=group, **common)
+        if c.activation == "swiglu":
+            self.mlp = SwiGLUMLP(c.hidden_size, c.ffn_hidden_size, fused_gate_up=c.fused_gate_up, **mlp)
+        else:
+            approximate = "tanh" if c.activation == "gelu_tanh" else "none"
+            self.mlp = GeluMLP(c.hidden_size, c.ffn_hidden_size, approximate=approximate, **mlp)
+        self.rotary = None
+        if c.position_embedding == "rope":
+            self.rotary = RotaryEmbedding(c.attention_head_dim, c.rotary_theta, c.rotary_scaling, c.rotary_interleaved)
+
+    def _norm(self, common: dict) -> torch.nn.Module:
+        c = self.config
+        if c.normalization == "rmsnorm":
+            return RMSNorm(c.hidden_size, c.norm_eps, **common)
+        return LayerNorm(c.hidden_size, c.norm_eps, bias=True, **common)
+
+    def _tables(self, hidden: torch.Tensor, rotary: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        if self.rotary is None:
+            return None
+        if isinstance(rotary, (tuple, list)):
+            return rotary[0], rotary[1]
+        if rotary is None:
+            seq = hidden.shape[1] * (mappings.tp_world_size(self.group) if self.config.sequence_parallel else 1)
+            rotary = torch.arange(seq, device=hidden.device)
+        return self.rotary(rotary, dtype=hidden.dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: Union[tuple[torch.Tensor, torch.Tensor], torch.Tensor, None] = None,
+        segment_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        tables = self._tables(hidden, rotary)
+        cos, sin = tables if tables is not None else (None, None)
+        if self.config.recompute == "full" and self.training:
+            return checkpoint(self._forward, hidden, cos, sin, segment_ids)
+        return self._forward(hidden, cos, sin, segment_ids)
+
+    def _forward(
+        self,
+        hidden: torch.Tensor,
+        cos: Optional[torch.Tensor],
+        sin: Optional[torch.Tensor],
+        segment_ids: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        c = self.config
+        rotary = (cos, sin) if cos is not None else None
+        attn = self.self_attn(self.input_layernorm(hidden), rotary, segment_ids)
+        hidden = hidden + dropout(attn, c.hidden_dropout, self.training, c.sequence_parallel)
+        out = self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + dropout(out, c.hidden_dropout, self.training, c.sequence_parallel)
