@@ -398,6 +398,14 @@ def load_hf_model_config(path: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object of model settings")
     mapped: dict[str, Any] = {}
+    rope = raw.get("rope_parameters")  # transformers >= 5 keeps rope_theta and the scaling here
+    if isinstance(rope, dict):
+        raw = {k: v for k, v in raw.items() if k != "rope_parameters"}
+        rope = dict(rope)
+        if "rope_theta" in rope:
+            raw.setdefault("rope_theta", rope.pop("rope_theta"))
+        if rope.get("rope_type", "default") != "default":
+            raw.setdefault("rope_scaling", rope)
     for key, value in raw.items():
         if key in HF_MODEL_KEYS:
             mapped[HF_MODEL_KEYS[key]] = value

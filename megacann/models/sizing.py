@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from megacann.config import ModelConfig
+from megacann.layers.embedding import pad_vocab_size
 
 
-def padded_vocab_size(vocab_size: int, tensor_parallel_size: int = 1, divisible_by: int = 128) -> int:
-    """Vocabulary rounded up to a multiple of ``divisible_by x tp`` so every TP shard is equal and aligned."""
-    multiple = divisible_by * tensor_parallel_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+padded_vocab_size = pad_vocab_size  # the vocabulary as VocabParallelEmbedding pads it
 
 
 def layer_parameters(cfg: ModelConfig) -> int:
