@@ -9,38 +9,46 @@ The trainer's contract::
 
 Labels are next-token targets with -100 where no loss is taken; ``segment_ids`` is present only when
 attention must not cross documents or samples (equal ids = same document). See docs/data.md.
+
+Names are imported on first use, so ``megacann.data.preprocess`` and its worker processes do not load torch.
 """
 
-from megacann.data.builders import (
-    DataIterators,
-    build_data_iterators,
-    build_pretrain_datasets,
-    build_sft_datasets,
-    build_tokenizer,
-)
-from megacann.data.gpt_dataset import IGNORE_INDEX, GPTDataset, pretrain_fields
-from megacann.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, write_indexed_dataset
-from megacann.data.sampler import ConsumedSamplesSampler
-from megacann.data.sft import SFTDataError
-from megacann.data.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, load_tokenizer, train_bpe
+from __future__ import annotations
 
-__all__ = [
-    "IGNORE_INDEX",
-    "ByteTokenizer",
-    "ConsumedSamplesSampler",
-    "DataIterators",
-    "GPTDataset",
-    "HFTokenizer",
-    "IndexedDataset",
-    "IndexedDatasetBuilder",
-    "SFTDataError",
-    "SentencePieceTokenizer",
-    "build_data_iterators",
-    "build_pretrain_datasets",
-    "build_sft_datasets",
-    "build_tokenizer",
-    "load_tokenizer",
-    "pretrain_fields",
-    "train_bpe",
-    "write_indexed_dataset",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DataIterators": "builders",
+    "build_data_iterators": "builders",
+    "build_pretrain_datasets": "builders",
+    "build_sft_datasets": "builders",
+    "build_tokenizer": "builders",
+    "IGNORE_INDEX": "gpt_dataset",
+    "GPTDataset": "gpt_dataset",
+    "pretrain_fields": "gpt_dataset",
+    "IndexedDataset": "indexed_dataset",
+    "IndexedDatasetBuilder": "indexed_dataset",
+    "write_indexed_dataset": "indexed_dataset",
+    "ConsumedSamplesSampler": "sampler",
+    "SFTDataError": "sft",
+    "ByteTokenizer": "tokenizer",
+    "HFTokenizer": "tokenizer",
+    "SentencePieceTokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "train_bpe": "tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megacann.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"megacann.data.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
