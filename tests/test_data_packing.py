@@ -25,7 +25,7 @@ def test_samples_are_the_eos_separated_stream_cut_with_one_token_overlap(tmp_pat
     total = sum(lengths) + len(lengths)  # every document ends with exactly one EOS, added or already there
     assert ds.num_tokens == total and ds.samples_per_epoch == (total - 1) // S
     ds.prepare(ds.samples_per_epoch)
-    index = ds._epochs[0]
+    index = ds.epoch_index(0)
     order = index["doc_order"]
     assert sorted(order.tolist()) == list(range(30))  # each document once per epoch
     stream = np.concatenate([doc_tokens(d, lengths[d]) + [EOS] for d in order])
@@ -85,7 +85,7 @@ def test_index_is_cached_and_reused(tmp_path, monkeypatch):
     prefix = make_corpus(tmp_path / "c", random_lengths(20))
     first = dataset(tmp_path, prefix).prepare(50)
     expected = [first[i].tolist() for i in range(50)]
-    monkeypatch.setattr(GPTDataset, "_build_epoch", lambda self, e: pytest.fail("index rebuilt"))
+    monkeypatch.setattr(GPTDataset, "_build_block", lambda self, e: pytest.fail("index rebuilt"))
     again = dataset(tmp_path, prefix).prepare(50)
     assert [again[i].tolist() for i in range(50)] == expected
 
@@ -114,3 +114,12 @@ def test_dataset_smaller_than_a_sample_is_an_error(tmp_path):
     ds = dataset(tmp_path, make_corpus(tmp_path / "c", [3]))
     with pytest.raises(ValueError, match=r"fewer than seq_length \+ 1 = 9"):
         ds.prepare(1)
+
+
+def test_many_epochs_of_a_small_corpus_make_few_index_files(tmp_path):
+    ds = dataset(tmp_path, make_corpus(tmp_path / "c", random_lengths(10)))
+    ds.prepare(2000 * ds.samples_per_epoch)
+    (cache,) = (tmp_path / "cache" / "index").iterdir()
+    assert sorted(d.name for d in cache.iterdir() if d.is_dir()) == ["docs", f"s8-seed1-epochs0+{ds.epochs_per_block}"]
+    seen = [tuple(ds[i]) for i in range(1999 * ds.samples_per_epoch, 2000 * ds.samples_per_epoch)]
+    assert len(set(seen)) == ds.samples_per_epoch  # the last epoch is still a full permutation

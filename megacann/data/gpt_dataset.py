@@ -5,7 +5,9 @@ Each epoch lays the documents of a split end to end in a shuffled order, with EO
 that overlap by one token (sample j holds stream tokens ``[j*s, j*s + s + 1)``); the tail shorter than a
 sample is dropped. Samples are then shuffled within the epoch. Both orders depend only on ``(seed,
 epoch)``, so the sample sequence of a longer run extends that of a shorter one: asking for more samples
-(more steps) only appends epochs. Epoch indices are cached next to the data and built once, under a lock.
+(more steps) only appends epochs. Epoch indices are cached next to the data and built once, under a lock,
+in blocks of whole epochs holding at least ``BLOCK_SAMPLES`` samples (so a tiny corpus repeated for many
+epochs makes a few files, not one per epoch).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from megacann.data.indexed_dataset import IndexedDataset, index_path
 from megacann.data.random_order import permutation
 
 IGNORE_INDEX = -100
+BLOCK_SAMPLES = 1 << 16  # epochs are indexed in blocks of about this many samples (one block per small epoch)
 
 
 class DatasetTooSmallError(ValueError):
@@ -80,8 +83,9 @@ class GPTDataset:
         self._doc_tokens = lengths + self._add_eos
         self.num_tokens = int(self._doc_tokens.sum())
         self.samples_per_epoch = max((self.num_tokens - 1) // seq_length, 0)
+        self.epochs_per_block = max(1, math.ceil(BLOCK_SAMPLES / max(self.samples_per_epoch, 1)))
         self.num_samples = 0
-        self._epochs: list[dict[str, np.ndarray]] = []
+        self._blocks: list[dict[str, np.ndarray]] = []
 
     def describe(self) -> str:
         return f"{self.indexed.prefix} documents [{self.begin}, {self.end})"
@@ -101,17 +105,25 @@ class GPTDataset:
                 f"{self.describe()}: {self.num_tokens} tokens, fewer than seq_length + 1 = {self.seq_length + 1}"
             )
         epochs = math.ceil(num_samples / self.samples_per_epoch) if num_samples else 0
-        for epoch in range(len(self._epochs), epochs):
-            folder = os.path.join(self._cache, f"s{self.seq_length}-seed{self.seed}-epoch{epoch}")
-            self._epochs.append(cached_npy_dir(folder, lambda e=epoch: self._build_epoch(e)))
+        blocks = math.ceil(epochs / self.epochs_per_block)
+        for block in range(len(self._blocks), blocks):
+            name = f"s{self.seq_length}-seed{self.seed}-epochs{block * self.epochs_per_block}+{self.epochs_per_block}"
+            self._blocks.append(cached_npy_dir(os.path.join(self._cache, name), lambda b=block: self._build_block(b)))
         self.num_samples = max(self.num_samples, num_samples)
         return self
 
-    def _build_epoch(self, epoch: int) -> dict[str, np.ndarray]:
-        order = permutation(self.end - self.begin, self.seed, epoch, 1)
-        ends = np.cumsum(self._doc_tokens[order])
-        shuffle = permutation(self.samples_per_epoch, self.seed, epoch, 2)
-        return {"doc_order": order, "doc_ends": ends, "sample_order": shuffle}
+    def _build_block(self, block: int) -> dict[str, np.ndarray]:
+        """Rows of per-epoch indices: document order, document end positions, sample order."""
+        epochs = range(block * self.epochs_per_block, (block + 1) * self.epochs_per_block)
+        orders = np.stack([permutation(self.end - self.begin, self.seed, e, 1) for e in epochs])
+        ends = np.cumsum(self._doc_tokens[orders], axis=1)
+        shuffles = np.stack([permutation(self.samples_per_epoch, self.seed, e, 2) for e in epochs])
+        return {"doc_order": orders, "doc_ends": ends, "sample_order": shuffles}
+
+    def epoch_index(self, epoch: int) -> dict[str, np.ndarray]:
+        """The index arrays of one (prepared) epoch."""
+        block, row = divmod(epoch, self.epochs_per_block)
+        return {key: value[row] for key, value in self._blocks[block].items()}
 
     def __len__(self) -> int:
         return self.num_samples
@@ -120,7 +132,7 @@ class GPTDataset:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"{self.describe()}: sample {i} out of range (prepared {self.num_samples})")
         epoch, local = divmod(int(i), self.samples_per_epoch)
-        index = self._epochs[epoch]
+        index = self.epoch_index(epoch)
         ends, order = index["doc_ends"], index["doc_order"]
         start = int(index["sample_order"][local]) * self.seq_length
         need = self.seq_length + 1
