@@ -123,3 +123,25 @@ def test_workers_are_seeded_from_the_global_seed():
 
     assert draw(1) == draw(1)
     assert draw(1) != draw(2) and draw(1) != draw(1, rank=1)
+
+
+def _rank_batches(prefix, path, steps):
+    """On one gloo rank of tp=2 x dp=2: this rank's micro-batches, with dp rank/size from parallel_state."""
+    from megacann import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    cfg = tiny_cfg(path, path=prefix, seq_length=SEQ, batch_size=B, dp=dp, accum=1, max_steps=steps)
+    data = build_data_iterators(cfg, FakeTokenizer(), dp_rank=dp_rank, dp_size=dp)  # all ranks build the index at once
+    return dp_rank, [rows(b) for b in data.train]
+
+
+def test_ranks_of_a_tp2_dp2_grid(tmp_path):
+    from dist_harness import run_on_ranks
+
+    prefix = make_corpus(tmp_path / "c", random_lengths(200, high=60))
+    results = run_on_ranks(_rank_batches, world_size=4, args=(prefix, tmp_path, 5), timeout=120)
+    (dp0, a), (dp1, b), (dp2, c), (dp3, d) = results
+    assert (dp0, dp1, dp2, dp3) == (0, 0, 1, 1)  # TP groups [0,1] [2,3]; DP groups [0,2] [1,3]
+    assert a == b and c == d  # tensor-parallel peers read identical batches
+    assert not set(itertools.chain(*a)) & set(itertools.chain(*c))  # data-parallel ranks are disjoint

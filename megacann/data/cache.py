@@ -112,6 +112,17 @@ def _load(path: str) -> dict[str, np.ndarray]:
         return {key: data[key] for key in data.files}
 
 
+def publish_dir(tmp: str, directory: str) -> None:
+    """Rename the finished folder ``tmp`` to ``directory``; if another process (on a file system where the
+    lock is not honoured) got there first, keep theirs (identical by construction) and drop ours."""
+    try:
+        os.replace(tmp, directory)
+    except OSError:
+        if not os.path.isdir(directory):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def cached_npy_dir(directory: str, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Like :func:`cached_arrays`, but one ``.npy`` per array in ``directory``, loaded memory-mapped (so
     DataLoader workers share the pages). The folder is filled under a temporary name and renamed."""
@@ -125,7 +136,7 @@ def cached_npy_dir(directory: str, build: Callable[[], dict[str, np.ndarray]]) -
                 try:
                     for key, array in arrays.items():
                         np.save(os.path.join(tmp, key + ".npy"), array)
-                    os.replace(tmp, directory)
+                    publish_dir(tmp, directory)
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise

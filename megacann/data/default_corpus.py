@@ -21,7 +21,7 @@ import sysconfig
 import tempfile
 import time
 
-from megacann.data.cache import cache_root, digest, file_lock
+from megacann.data.cache import cache_root, digest, file_lock, publish_dir
 from megacann.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab, exists
 from megacann.data.tokenizer import HFTokenizer, tokenizer_fingerprint, train_bpe
 
@@ -75,7 +75,7 @@ def default_tokenizer(cache_dir: str | None = None, vocab_size: int = 8192, verb
             tmp = tempfile.mkdtemp(dir=os.path.dirname(directory), prefix=".tmp-tokenizer-")
             try:
                 train_bpe(texts, vocab_size, tmp)
-                os.replace(tmp, directory)
+                publish_dir(tmp, directory)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             _say(
