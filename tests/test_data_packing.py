@@ -123,3 +123,8 @@ def test_many_epochs_of_a_small_corpus_make_few_index_files(tmp_path):
     assert sorted(d.name for d in cache.iterdir() if d.is_dir()) == ["docs", f"s8-seed1-epochs0+{ds.epochs_per_block}"]
     seen = [tuple(ds[i]) for i in range(1999 * ds.samples_per_epoch, 2000 * ds.samples_per_epoch)]
     assert len(set(seen)) == ds.samples_per_epoch  # the last epoch is still a full permutation
+
+
+def test_empty_documents_add_nothing_or_just_their_eos(tmp_path):
+    ds = dataset(tmp_path, make_corpus(tmp_path / "c", [0, 0, 5]))  # [EOS], [], 5 tokens + EOS
+    assert ds.num_tokens == 1 + 0 + 6

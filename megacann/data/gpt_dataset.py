@@ -91,12 +91,8 @@ class GPTDataset:
         return f"{self.indexed.prefix} documents [{self.begin}, {self.end})"
 
     def _find_missing_eos(self) -> dict[str, np.ndarray]:
-        lengths = self.indexed.sequence_lengths[self.begin : self.end].astype(np.int64)
-        pointers = self.indexed.sequence_pointers[self.begin : self.end] // self.indexed.dtype.itemsize
-        add = lengths > 0
-        last = np.asarray(self.indexed._bin[(pointers + lengths - 1)[add]])
-        add[add] = last != self.eos_id
-        return {"add_eos": add.astype(np.int8)}
+        last = self.indexed.last_tokens(self.begin, self.end)
+        return {"add_eos": ((last >= 0) & (last != self.eos_id)).astype(np.int8)}
 
     def prepare(self, num_samples: int) -> GPTDataset:
         """Make samples ``0 .. num_samples-1`` addressable (building or loading epoch indices)."""

@@ -124,6 +124,15 @@ class IndexedDataset:
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
         return np.asarray(self._bin[start : start + length])
 
+    def last_tokens(self, begin: int, end: int) -> np.ndarray:
+        """The last token of each sequence in ``[begin, end)`` as int64 (-1 for an empty sequence)."""
+        lengths = self.sequence_lengths[begin:end].astype(np.int64)
+        starts = self.sequence_pointers[begin:end] // self.dtype.itemsize
+        out = np.full(len(lengths), -1, dtype=np.int64)
+        nonempty = lengths > 0
+        out[nonempty] = self._bin[(starts + lengths - 1)[nonempty]]
+        return out
+
     def __getstate__(self) -> dict:
         return {"prefix": self.prefix}  # reopen (memory-map) in the receiving process; never copy the data
 
