@@ -64,3 +64,9 @@ def test_missing_tokenizer_names_the_key(tmp_path):
         load_tokenizer(str(tmp_path / "empty"))
     cfg.data.tokenizer = "byte"
     assert build_tokenizer(cfg).vocab_size == 259
+
+
+def test_bpe_training_is_deterministic(tmp_path):
+    a = train_bpe(TEXTS * 3, 400, str(tmp_path / "a"))
+    b = train_bpe(TEXTS * 3, 400, str(tmp_path / "b"))
+    assert a.fingerprint == b.fingerprint  # the same bytes of tokenizer.json
