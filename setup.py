@@ -26,6 +26,7 @@ setup(
     entry_points={
         "console_scripts": [
             "megacann-train=megacann.cli:train_main",
+            "megacann-preprocess=megacann.data.preprocess:main",
         ],
     },
 )
