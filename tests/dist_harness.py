@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -52,7 +53,9 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, results, env, init_grou
 
             initialize_distributed("gloo", timeout_minutes=2)
         value = fn(*args, **kwargs)
-        results.put((rank, "ok", value))
+        # plain pickle copies tensors' data (the queue's own pickler would pass file descriptors of
+        # shared memory, which vanish when this process exits)
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -110,7 +113,7 @@ def run_on_ranks(
                 continue
             if status == "error":
                 raise RankFailure(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{value}")
-            collected[rank] = value
+            collected[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(collected) == world_size else 0.1)

@@ -42,7 +42,7 @@ def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 
 def gather_full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The whole parameter (all TP shards joined, padding dropped), on CPU, on every TP rank."""
+    """The whole parameter (all TP shards joined, padding dropped): a CPU copy, on every TP rank."""
     sharding = get_sharding(param)
     local = param.detach()
     group = ps.get_tensor_model_parallel_group()
@@ -53,7 +53,7 @@ def gather_full_tensor(param: torch.Tensor) -> torch.Tensor:
         shards = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(shards, local.contiguous(), group=group)
         full = unshard_tensors(shards, sharding)
-    return _strip_padding(full, sharding).cpu()
+    return _strip_padding(full, sharding).to("cpu", copy=True)  # never an alias of the live tensor
 
 
 def full_state_dict(modules: Iterable[torch.nn.Module]) -> dict[str, torch.Tensor]:

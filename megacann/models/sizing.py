@@ -5,7 +5,6 @@ from __future__ import annotations
 from megacann.config import ModelConfig
 from megacann.layers.embedding import pad_vocab_size
 
-
 padded_vocab_size = pad_vocab_size  # the vocabulary as VocabParallelEmbedding pads it
 
 

@@ -8,16 +8,16 @@ from megacann.config import MegacannConfig
 from megacann.optimizer.clip_grads import global_grad_norm
 from megacann.optimizer.grad_buffer import GradBuffers
 from megacann.optimizer.lr_schedule import LRSchedule
-from megacann.optimizer.optimizer import MixedPrecisionOptimizer
+from megacann.optimizer.optimizer import MixedPrecisionOptimizer, StateShard
 
 
-def build_optimizer(cfg: MegacannConfig, params: list[torch.nn.Parameter]) -> MixedPrecisionOptimizer:
-    """The optimizer for this rank's parameters, as the recipe asks (plain data parallel or ZeRO)."""
+def build_optimizer(cfg: MegacannConfig, named_params: list[tuple[str, torch.nn.Parameter]]) -> MixedPrecisionOptimizer:
+    """The optimizer for this rank's parameters (global names), as the recipe asks (plain DP or ZeRO)."""
     if cfg.distributed.zero_stage:
         raise NotImplementedError(
             "distributed.zero_optimization is not implemented yet (set it to false); see the ZeRO issue"
         )
-    return MixedPrecisionOptimizer(params, cfg)
+    return MixedPrecisionOptimizer(named_params, cfg)
 
 
-__all__ = ["GradBuffers", "LRSchedule", "MixedPrecisionOptimizer", "build_optimizer", "global_grad_norm"]
+__all__ = ["GradBuffers", "LRSchedule", "MixedPrecisionOptimizer", "StateShard", "build_optimizer", "global_grad_norm"]

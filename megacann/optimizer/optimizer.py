@@ -9,6 +9,7 @@ ZeRO (distributed.zero_optimization) replaces this class with a sharded one offe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -55,18 +56,70 @@ def build_loss_scaler(cfg: MegacannConfig) -> LossScaler:
     return LossScaler(1.0)
 
 
+@dataclass
+class StateShard:
+    """The optimizer state this rank holds for one parameter, in a layout-free form.
+
+    ``tensors`` are 1-D fp32 *views* of the optimizer's own storage ("master", "exp_avg", "exp_avg_sq"),
+    covering elements ``[start, end)`` of the parameter's flattened local tensor-parallel shard (the
+    whole shard without ZeRO; this rank's range with ZeRO). Checkpointing reads them to save and copies
+    into them to load (then calls ``reload_model_params``), so any layout can save and load any other.
+    """
+
+    name: str
+    param: torch.nn.Parameter
+    start: int
+    end: int
+    tensors: dict[str, torch.Tensor]
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam / SGD state up front (torch creates it lazily at the first step), so checkpoints can
+    address it before any step and resumed runs match uninterrupted ones."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if group.get("fused") else "cpu")
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif group.get("momentum", 0):
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int:
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def set_optimizer_step_count(optimizer: torch.optim.Optimizer, step: int) -> None:
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"].fill_(step)
+
+
 class MixedPrecisionOptimizer:
     """Optimizer over all trainable parameters of this rank (no sharding across data parallelism)."""
 
     def __init__(
-        self, params: list[torch.nn.Parameter], cfg: MegacannConfig, grad_buffers: Optional[GradBuffers] = None
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        cfg: MegacannConfig,
+        grad_buffers: Optional[GradBuffers] = None,
     ):
-        self.model_params = [p for p in params if p.requires_grad]
-        self.grad_buffers = grad_buffers or GradBuffers(self.model_params, int(cfg.distributed.bucket_size_mb * 2**18))
+        self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        self.model_params = [p for _, p in self.named_params]
+        bucket = int(cfg.distributed.bucket_size_mb * 2**18)  # MB of fp32 -> elements
+        self.grad_buffers = grad_buffers or GradBuffers(self.model_params, bucket)
         self.clip_grad = cfg.optim.clip_grad
         self.loss_scaler = build_loss_scaler(cfg)
         self.master_params = [self._master_of(p) for p in self.model_params]
         self.optimizer = build_inner_optimizer(self.master_params, cfg)
+        init_optimizer_state(self.optimizer)
 
     @staticmethod
     def _master_of(param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -116,6 +169,30 @@ class MixedPrecisionOptimizer:
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
     # -- checkpointing ------------------------------------------------------------------------------
+    def state_shards(self) -> list[StateShard]:
+        """Every parameter's optimizer state held here (views; see :class:`StateShard`)."""
+        shards = []
+        for (name, param), master in zip(self.named_params, self.master_params):
+            state = self.optimizer.state[master]
+            tensors = {"master": master.detach().view(-1)}
+            for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                if key in state:
+                    tensors[key] = state[key].view(-1)
+            shards.append(StateShard(name, param, 0, param.numel(), tensors))
+        return shards
+
+    def scalar_state(self) -> dict[str, Any]:
+        """Layout-free scalars: the update count and the loss scaler."""
+        return {"step": optimizer_step_count(self.optimizer), "loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_scalar_state(self, state: dict[str, Any]) -> None:
+        set_optimizer_step_count(self.optimizer, state["step"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    def reload_model_params(self) -> None:
+        """After master weights were loaded in place, bring the model's (low-precision) copies in line."""
+        self._copy_master_to_model()
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer.state_dict(),

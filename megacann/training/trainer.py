@@ -61,8 +61,9 @@ class Trainer:
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = tokenizer.vocab_size
         self.model_chunks = build_model_chunks(cfg, device=self.device)
-        self.params = [p for chunk in self.model_chunks for p in chunk.parameters()]
-        self.optimizer = build_optimizer(cfg, self.params)
+        self.named_params = [(n, p) for chunk in self.model_chunks for n, p in chunk.named_parameters()]
+        self.params = [p for _, p in self.named_params]
+        self.optimizer = build_optimizer(cfg, self.named_params)
         self.schedule = LRSchedule.from_config(cfg.optim)
         self.forward_backward = get_forward_backward_func(cfg)
         self.state = TrainState()
@@ -193,16 +194,19 @@ class Trainer:
             f"device {self.runtime.accelerator.device_type}, precision {cfg.model.precision}"
         )
         self.runtime.accelerator.reset_peak_memory_stats()
+        window: list[float] = []  # losses since the last logged step: the logged loss is their mean
         while self.state.step < cfg.optim.max_steps:
             start = time.perf_counter()
             step_metrics = self.train_step()
             self.runtime.accelerator.synchronize()
             step_time = time.perf_counter() - start
             step = self.state.step
+            window.append(step_metrics["loss"])
             if step % log.log_interval == 0 or step == 1 or step == cfg.optim.max_steps:
-                record = self._record(step_metrics, step_time)
+                record = self._record({**step_metrics, "loss": sum(window) / len(window)}, step_time)
                 self.metrics.log(record)
                 history.append(record)
+                window.clear()
             if log.eval_interval and (step % log.eval_interval == 0 or step == cfg.optim.max_steps):
                 result = self.evaluate()
                 if result is not None:
