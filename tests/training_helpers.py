@@ -50,14 +50,27 @@ def synthetic_sample(index: int, seq_length: int, vocab_size: int) -> torch.Tens
 
 class SyntheticData:
     """Micro-batches for one data-parallel rank, by the global sample order: in step k the global batch is
-    samples [kG, (k+1)G); micro-batch j of rank r holds samples kG + j*b*D + r*b + [0, b)."""
+    samples [kG, (k+1)G); micro-batch j of rank r holds samples kG + j*b*D + r*b + [0, b). With
+    ``consumed_samples`` (a multiple of G) it starts where a run that used that many samples stopped."""
 
-    def __init__(self, cfg: MegacannConfig, dp_rank: int, dp_size: int, num_distinct: int | None = None):
+    def __init__(
+        self,
+        cfg: MegacannConfig,
+        dp_rank: int,
+        dp_size: int,
+        num_distinct: int | None = None,
+        consumed_samples: int = 0,
+    ):
         self.b, self.s = cfg.data.batch_size, cfg.data.seq_length
         self.accum, self.vocab = cfg.optim.grad_accum_steps, cfg.model.vocab_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.num_distinct = num_distinct
-        self.train = self._iterate(0)
+        global_batch = self.b * dp_size * self.accum
+        if consumed_samples % global_batch:
+            raise ValueError(
+                f"consumed_samples {consumed_samples} is not a multiple of the global batch {global_batch}"
+            )
+        self.train = self._iterate(consumed_samples // global_batch)
 
     def _batch(self, first: int) -> dict[str, torch.Tensor]:
         ids = [first + i for i in range(self.b)]
@@ -76,3 +89,14 @@ class SyntheticData:
 
     def valid(self):
         return None
+
+
+def synthetic_data_factory(cfg: MegacannConfig, num_distinct: int | None = None):
+    """A Trainer ``data_factory``: this rank's SyntheticData from a consumed_samples offset."""
+    from megacann import parallel_state as ps
+
+    def build(consumed_samples: int) -> SyntheticData:
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        return SyntheticData(cfg, dp_rank, dp_size, num_distinct, consumed_samples=consumed_samples)
+
+    return build

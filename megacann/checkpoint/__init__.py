@@ -1,12 +1,19 @@
-"""Checkpoints: save, find and load the full training state of every rank."""
+"""Checkpoints: the full training state of every rank, saved atomically, loadable under any layout.
 
+On disk a checkpoint is a torch.distributed.checkpoint (DCP) directory of whole, layout-free tensors
+(``model/<name>``, ``optim/<name>/<state>``) plus ``megacann.json`` and the resolved recipe; see
+docs/checkpoints.md.
+"""
+
+from megacann.checkpoint.checkpointer import Checkpointer
 from megacann.checkpoint.files import find_resume_checkpoint, latest_checkpoint, list_complete_checkpoints
-from megacann.checkpoint.state import load_checkpoint, save_checkpoint
+from megacann.checkpoint.metadata import CheckpointError, read_info
 
 __all__ = [
+    "CheckpointError",
+    "Checkpointer",
     "find_resume_checkpoint",
     "latest_checkpoint",
     "list_complete_checkpoints",
-    "load_checkpoint",
-    "save_checkpoint",
+    "read_info",
 ]

@@ -1,115 +1,143 @@
-"""Saving and loading one rank's full training state (same layout; resharding is a later format)."""
+"""A trainer's state as layout-free checkpoint keys.
+
+    model/<name>                    whole logical weight, in the model's dtype
+    optim/<name>/<state>            whole logical fp32 optimizer state: exp_avg, exp_avg_sq (Adam),
+                                    momentum_buffer (SGD), master (only where it is a separate copy:
+                                    bf16 / fp16 runs, or a ZeRO master buffer)
+    progress                        step, consumed samples, skipped steps, optimizer scalars
+                                    (update count, loss scaler); the LR schedule is a function of step
+    rng/rank_<global rank>          every generator of that rank
+
+``<name>`` is the global parameter name (global layer indices); a pipeline stage's copy of a tied
+embedding is stored under the name it copies (``embed_tokens.weight``). Each rank contributes the pieces
+it holds (see :mod:`megacann.checkpoint.pieces`), and on loading asks for exactly the pieces its own
+layout needs, so any layout loads any other.
+"""
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import shutil
-import time
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.checkpoint.files import COMPLETE_MARKER, checkpoint_dir, rotate, write_latest
+from megacann.checkpoint.pieces import Piece, logical_shape, range_pieces, tensor_pieces
+from megacann.checkpoint.planner import TensorPieces
+from megacann.layers.sharding import get_sharding
+from megacann.models.decoder import INIT_NAME_ATTR
 
 if TYPE_CHECKING:
+    from megacann.optimizer import StateShard
     from megacann.training.trainer import Trainer
 
-FORMAT_VERSION = 1
+MODEL_PREFIX = "model/"
+OPTIM_PREFIX = "optim/"
+PROGRESS_KEY = "progress"
 
 
-def rng_state(trainer: Trainer) -> dict[str, Any]:
-    from megacann.layers import get_rng_tracker
-
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "device": trainer.runtime.accelerator.get_rng_state(),
-        "tracker": get_rng_tracker().get_states(),
-    }
+def rng_key(rank: int) -> str:
+    return f"rng/rank_{rank:05d}"
 
 
-def set_rng_state(trainer: Trainer, state: dict[str, Any]) -> None:
-    from megacann.layers import get_rng_tracker
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    trainer.runtime.accelerator.set_rng_state(state["device"])
-    get_rng_tracker().set_states(state["tracker"])
+def storage_name(name: str, param: torch.Tensor) -> str:
+    """The name a parameter is stored under (a tied copy is stored as the tensor it copies)."""
+    return getattr(param, INIT_NAME_ATTR, name)
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def model_key(name: str, param: torch.Tensor) -> str:
+    return MODEL_PREFIX + storage_name(name, param)
 
 
-def _layout() -> dict[str, int]:
-    return {
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "tensor_parallel_size": ps.get_tensor_model_parallel_world_size(),
-        "pipeline_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-        "data_parallel_size": ps.get_data_parallel_world_size(),
-    }
+def optim_key(name: str, param: torch.Tensor, state: str) -> str:
+    return f"{OPTIM_PREFIX}{storage_name(name, param)}/{state}"
 
 
-def save_checkpoint(trainer: Trainer) -> str:
-    """Write ``checkpoint_<step>`` atomically: every rank writes into a temporary directory, rank 0
-    renames it, marks it complete, then updates ``latest`` and rotates old checkpoints."""
-    cfg = trainer.cfg
-    out = cfg.experiment.output_dir
-    step = trainer.state.step
-    final = checkpoint_dir(out, step)
-    tmp = final + ".tmp"
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    start = time.perf_counter()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    state = {
-        "model": [chunk.state_dict() for chunk in trainer.model_chunks],
-        "optimizer": trainer.optimizer.state_dict(),
-        "train_state": trainer.train_state_dict(),
-        "rng": rng_state(trainer),
-    }
-    path = os.path.join(tmp, f"rank_{rank:05d}.pt")
-    torch.save(state, path)
-    nbytes = os.path.getsize(path)
-    _barrier()
-    if rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(), "config": cfg.to_dict()}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        with open(os.path.join(final, COMPLETE_MARKER), "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        write_latest(out, final)
-        rotate(out, cfg.logging.keep_last)
-    _barrier()
-    seconds = time.perf_counter() - start
-    trainer.metrics.print(f"saved {final} in {seconds:.2f} s ({nbytes / 2**20 / max(seconds, 1e-9):.1f} MB/s per rank)")
-    return final
+def _tp() -> tuple[int, int]:
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
-def load_checkpoint(trainer: Trainer, path: str) -> None:
-    """Restore this rank's state from ``path`` (written under the same parallel layout)."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    if meta["layout"] != _layout():
-        raise ValueError(f"{path}: written under layout {meta['layout']}, this run is {_layout()}")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    state = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), map_location="cpu", weights_only=False)
-    for chunk, chunk_state in zip(trainer.model_chunks, state["model"]):
-        chunk.load_state_dict(chunk_state)
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.load_train_state_dict(state["train_state"])
-    set_rng_state(trainer, state["rng"])
+def _add(entries: dict[str, TensorPieces], key: str, param: torch.Tensor, dtype: torch.dtype, pieces: list[Piece]):
+    entry = entries.setdefault(key, TensorPieces(logical_shape(get_sharding(param)), dtype))
+    for piece in pieces:
+        entry.add(piece)
+
+
+def _aliases(view: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether an optimizer tensor is the parameter's own memory (fp32 masters without a copy)."""
+    return view.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+
+
+def _model_entries(trainer: Trainer) -> dict[str, TensorPieces]:
+    tp_rank, tp_size = _tp()
+    entries: dict[str, TensorPieces] = {}
+    for name, param in trainer.named_params:
+        _add(
+            entries,
+            model_key(name, param),
+            param,
+            param.dtype,
+            tensor_pieces(param.data, get_sharding(param), tp_rank, tp_size),
+        )
+    return entries
+
+
+def _shard_pieces(shard: StateShard, flat: torch.Tensor) -> list[Piece]:
+    tp_rank, tp_size = _tp()
+    return range_pieces(flat, shard.start, shard.end, get_sharding(shard.param), tp_rank, tp_size)
+
+
+def progress(trainer: Trainer) -> dict[str, Any]:
+    return {"train_state": asdict(trainer.state), "optimizer": trainer.optimizer.scalar_state()}
+
+
+def save_entries(trainer: Trainer) -> dict[str, TensorPieces]:
+    """Every tensor piece this rank holds, by key (views of live memory)."""
+    entries = _model_entries(trainer)
+    for shard in trainer.optimizer.state_shards():
+        for state, flat in shard.tensors.items():
+            if state == "master" and _aliases(flat, shard.param):
+                continue  # the model weights themselves
+            _add(
+                entries, optim_key(shard.name, shard.param, state), shard.param, flat.dtype, _shard_pieces(shard, flat)
+            )
+    return entries
+
+
+@dataclass
+class LoadRequest:
+    """The pieces a rank asks for, and copies to make once they are read (``(source, destination)``:
+    masters that share memory with the weights are read aside, so the two never race)."""
+
+    entries: dict[str, TensorPieces]
+    copies_after: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def load_request(trainer: Trainer, stored_keys: set[str]) -> LoadRequest:
+    """The pieces this rank's layout needs. A master missing from the checkpoint (it was written in
+    fp32) is read from the weights; a missing key otherwise is left for validation to report."""
+    request = LoadRequest(_model_entries(trainer))
+    for shard in trainer.optimizer.state_shards():
+        for state, flat in shard.tensors.items():
+            key = optim_key(shard.name, shard.param, state)
+            if state == "master":
+                if _aliases(flat, shard.param):
+                    if key not in stored_keys:
+                        continue  # loaded with the weights
+                    aside = torch.empty_like(flat)
+                    request.copies_after.append((aside, flat))
+                    flat = aside
+                elif key not in stored_keys:
+                    key = model_key(shard.name, shard.param)
+            _add(request.entries, key, shard.param, flat.dtype, _shard_pieces(shard, flat))
+    return request
+
+
+@torch.no_grad()
+def finish_load(trainer: Trainer, request: LoadRequest, loaded_progress: dict[str, Any]) -> None:
+    """After the pieces were read: pending copies, model weights from masters, counters."""
+    for source, destination in request.copies_after:
+        destination.copy_(source)
+    trainer.optimizer.reload_model_params()
+    trainer.optimizer.load_scalar_state(loaded_progress["optimizer"])
+    trainer.load_train_state_dict(loaded_progress["train_state"])

@@ -11,7 +11,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,17 @@ def _sum_over(value: torch.Tensor, *groups) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: MegacannConfig, runtime: Optional[Runtime] = None, tokenizer=None, data=None):
+    def __init__(
+        self,
+        cfg: MegacannConfig,
+        runtime: Optional[Runtime] = None,
+        tokenizer=None,
+        data=None,
+        data_factory: Optional[Callable[[int], Any]] = None,
+    ):
         """``tokenizer`` and ``data`` default to what the recipe's data section builds; tests and custom
-        loops may pass their own (``data`` needs ``.train``, an iterator of micro-batches, and ``.valid()``)."""
+        loops may pass their own (``data`` needs ``.train``, an iterator of micro-batches, and ``.valid()``),
+        or a ``data_factory(consumed_samples)`` that is called again after a checkpoint is loaded."""
         self.cfg = cfg
         self.runtime = runtime or setup_runtime(cfg)
         self.device = self.runtime.device
@@ -72,12 +80,16 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_length)
         self.peak_flops = self.runtime.accelerator.peak_bf16_flops()
         self._data = data
+        self._data_factory = data_factory
         self._own_data = data is None
+        self._checkpointer = None
 
     # -- data ---------------------------------------------------------------------------------------
     @property
     def data(self):
-        if self._data is None:
+        if self._data is None and self._data_factory is not None:
+            self._data = self._data_factory(self.state.consumed_samples)
+        elif self._data is None:
             from megacann.data import build_data_iterators
 
             self._data = build_data_iterators(
@@ -214,21 +226,45 @@ class Trainer:
                     history.append({"step": step, **result})
             if (log.ckpt_interval and step % log.ckpt_interval == 0) or step == cfg.optim.max_steps:
                 self.save_checkpoint()
+        if self._checkpointer is not None:
+            self._checkpointer.wait()  # an asynchronous save is published before training returns
         self.metrics.close()
         return history
 
     # -- checkpoints --------------------------------------------------------------------------------
-    def save_checkpoint(self) -> Optional[str]:
-        from megacann.checkpoint import save_checkpoint
+    @property
+    def checkpointer(self):
+        """The checkpoint reader/writer of this trainer (made on first use; collective)."""
+        if self._checkpointer is None:
+            from megacann.checkpoint import Checkpointer
 
-        return save_checkpoint(self)
+            self._checkpointer = Checkpointer(async_save=self.cfg.logging.async_save)
+        return self._checkpointer
+
+    def save_checkpoint(self) -> str:
+        """Save ``<output_dir>/checkpoint_<step>`` (in the background with logging.async_save)."""
+        return self.checkpointer.save(self)
 
     def load_checkpoint(self, path: str) -> None:
-        from megacann.checkpoint import load_checkpoint
-
-        load_checkpoint(self, path)
-        if self._own_data:
+        """Restore the full training state from a checkpoint written under any parallel layout."""
+        self.checkpointer.load(self, path)
+        if self._own_data or self._data_factory is not None:
             self._data = None  # rebuilt at the restored consumed_samples
+
+    def resume(self, resume_from: Optional[str] = None) -> Optional[str]:
+        """Load ``resume_from`` (a checkpoint directory, or 'latest'), or with None the newest complete
+        checkpoint in output_dir if there is one. Returns the path loaded."""
+        from megacann.checkpoint import find_resume_checkpoint
+
+        out = self.cfg.experiment.output_dir
+        path = find_resume_checkpoint(out, resume_from)
+        if path is None:
+            self.metrics.print(f"no checkpoint in {out}: starting from step 0")
+            return None
+        why = f"--resume_from {resume_from}" if resume_from else "automatically: output_dir holds a complete checkpoint"
+        self.metrics.print(f"resuming from {path} ({why})")
+        self.load_checkpoint(path)
+        return path
 
     def train_state_dict(self) -> dict[str, Any]:
         return asdict(self.state)
@@ -239,14 +275,10 @@ class Trainer:
 
 def train(cfg: MegacannConfig, resume_from: Optional[str] = None) -> list[dict[str, Any]]:
     """Entry point of ``megacann-train``: set up, resume if asked (or if a checkpoint exists), train."""
-    from megacann.checkpoint import find_resume_checkpoint
     from megacann.training.plot import plot_metrics
 
     trainer = Trainer(cfg)
-    path = find_resume_checkpoint(cfg.experiment.output_dir, resume_from)
-    if path is not None:
-        trainer.metrics.print(f"resuming from {path}")
-        trainer.load_checkpoint(path)
+    trainer.resume(resume_from)
     if trainer.is_logging_rank:
         os.makedirs(cfg.experiment.output_dir, exist_ok=True)
         with open(os.path.join(cfg.experiment.output_dir, "config.yaml"), "w") as f:

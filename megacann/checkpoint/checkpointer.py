@@ -1,0 +1,240 @@
+"""Saving and loading a trainer's checkpoints with torch.distributed.checkpoint (DCP).
+
+Every rank writes the pieces it holds into its own file, all at once (pieces several ranks hold alike
+are written by one of them, spread over the ranks); rank 0 then writes ``megacann.json`` and the recipe
+and publishes the directory atomically (see :mod:`megacann.checkpoint.files`). With
+``logging.async_save`` the pieces are first copied to CPU memory and the writing and publishing run in a
+background thread, so training goes on; the next save, a load, or the end of training waits for it.
+Checkpoint traffic uses its own gloo process group, so a background save never interleaves with the
+training's collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megacann import parallel_state as ps
+from megacann.checkpoint.files import (
+    TMP_SUFFIX,
+    checkpoint_dir,
+    publish,
+    remove_stale_temporaries,
+    rotate,
+    write_file_synced,
+    write_latest,
+)
+from megacann.checkpoint.metadata import (
+    INFO_FILE,
+    RECIPE_FILE,
+    check_entries,
+    check_files,
+    checkpoint_info,
+    describe_layout,
+    layout_of,
+    raise_if_problems,
+    read_dcp_metadata,
+    read_info,
+)
+from megacann.checkpoint.pieces import Piece
+from megacann.checkpoint.planner import PieceLoadPlanner, PieceSavePlanner, TensorPieces
+from megacann.checkpoint.rng import capture_rng, restore_rng
+from megacann.checkpoint.state import (
+    MODEL_PREFIX,
+    PROGRESS_KEY,
+    finish_load,
+    load_request,
+    progress,
+    rng_key,
+    save_entries,
+)
+
+if TYPE_CHECKING:
+    from megacann.training.trainer import Trainer
+
+_LAYOUT_KEYS_FOR_RNG = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """CPU copies of every piece, so training may change the live tensors while files are written."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, TensorPieces):
+            copies = [Piece(p.offsets, p.sizes, p.tensor.detach().to("cpu", copy=True)) for p in value.pieces]
+            value = TensorPieces(value.shape, value.dtype, copies)
+        out[key] = value
+    return out
+
+
+class Checkpointer:
+    """One trainer's checkpoint I/O: :meth:`save`, :meth:`load`, :meth:`wait` (for an asynchronous save)."""
+
+    def __init__(self, async_save: bool = False):
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.async_save = async_save
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="megacann-ckpt") if async_save else None
+        self._pending: Optional[Future] = None
+
+    # -- collectives on the checkpoint group --------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _dcp_kwargs(self) -> dict[str, Any]:
+        return {"process_group": self.group, "no_dist": self.group is None}
+
+    # -- saving -------------------------------------------------------------------------------------
+    def save(self, trainer: Trainer) -> str:
+        """Write ``<output_dir>/checkpoint_<step>``; returns its path (still being written when async)."""
+        self.wait()
+        cfg = trainer.cfg
+        out, step = cfg.experiment.output_dir, trainer.state.step
+        final = checkpoint_dir(out, step)
+        start = time.perf_counter()
+        state: dict[str, Any] = dict(save_entries(trainer))
+        state[PROGRESS_KEY] = progress(trainer)
+        state[rng_key(self.rank)] = capture_rng(trainer.runtime.accelerator)
+        info = checkpoint_info(cfg, step, trainer.state.consumed_samples)
+        job = {
+            "out": out,
+            "final": final,
+            "info": info,
+            "recipe": cfg.to_yaml(),
+            "keep_last": cfg.logging.keep_last,
+            "log": trainer.metrics.print,
+            "start": start,
+        }
+        if self._executor is None:
+            self._write(state, **job)
+        else:
+            state = _snapshot(state)
+            trainer.metrics.print(
+                f"checkpoint_{step}: state copied in {time.perf_counter() - start:.2f} s, writing in the background"
+            )
+            self._pending = self._executor.submit(self._write, state, **job)
+        return final
+
+    def _write(
+        self,
+        state: dict[str, Any],
+        out: str,
+        final: str,
+        info: dict[str, Any],
+        recipe: str,
+        keep_last: Optional[int],
+        log: Callable[[str], None],
+        start: float,
+    ) -> None:
+        tmp = final + TMP_SUFFIX
+        if self.rank == 0:
+            os.makedirs(out, exist_ok=True)
+            remove_stale_temporaries(out)
+            os.makedirs(tmp)
+        self._barrier()
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            metadata = dcp.save(state, storage_writer=writer, planner=PieceSavePlanner(), **self._dcp_kwargs())
+        if self.rank == 0:
+            write_file_synced(os.path.join(tmp, INFO_FILE), json.dumps(info, indent=1) + "\n")
+            write_file_synced(os.path.join(tmp, RECIPE_FILE), recipe)
+            publish(tmp, final, info["step"])
+            write_latest(out, final)
+            removed = rotate(out, keep_last)
+            seconds = time.perf_counter() - start
+            stored = metadata.storage_data.values()
+            mb = sum(s.length for s in stored) / 2**20
+            files = len({s.relative_path for s in stored})
+            mode = "async" if self.async_save else "sync"
+            note = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
+            log(
+                f"saved {final} ({mode}): {mb:.2f} MB in {files} file(s) written in parallel, "
+                f"{seconds:.2f} s, {mb / max(seconds, 1e-9):.1f} MB/s{note}"
+            )
+        self._barrier()
+
+    def wait(self) -> None:
+        """Block until an asynchronous save is written and published (re-raising its error)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown()
+
+    # -- loading ------------------------------------------------------------------------------------
+    def _rng_key(self, trainer: Trainer, saved_layout: dict[str, Any]) -> tuple[str, bool]:
+        """This rank's own RNG states when the layout is unchanged; otherwise those of the saved rank
+        with the same tensor-parallel rank (rank t of the first TP group), else of rank 0."""
+        now = layout_of(trainer.cfg)
+        if all(saved_layout.get(k) == now[k] for k in _LAYOUT_KEYS_FOR_RNG):
+            return rng_key(self.rank), True
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        return rng_key(tp_rank if tp_rank < saved_layout["tensor_parallel_size"] else 0), False
+
+    def load(self, trainer: Trainer, path: str) -> dict[str, Any]:
+        """Restore weights, optimizer state, progress and RNG from ``path`` (any layout); every problem
+        found in the files is reported, on every rank, before anything is read."""
+        self.wait()
+        start = time.perf_counter()
+        info = read_info(path)
+        metadata = read_dcp_metadata(path)
+        stored = metadata.state_dict_metadata
+        request = load_request(trainer, set(stored))
+        key, same_layout = self._rng_key(trainer, info["layout"])
+        objects: dict[str, Any] = {PROGRESS_KEY: None}
+        if key in stored:
+            objects[key] = None
+        problems = check_entries(path, metadata, request.entries)
+        if PROGRESS_KEY not in stored:
+            problems.append(f"{path}: '{PROGRESS_KEY}' (step and optimizer counters) is missing")
+        problems += check_files(path, metadata, set(request.entries) | set(objects))
+        model_keys = {k for k in request.entries if k.startswith(MODEL_PREFIX)}
+        gathered = self._all_gather((problems, model_keys))
+        problems = [p for rank_problems, _ in gathered for p in rank_problems]
+        used = set().union(*(keys for _, keys in gathered))
+        unused = sorted(k for k in stored if k.startswith(MODEL_PREFIX) and k not in used)
+        if unused:
+            problems.append(f"{path}: the model has no parameter for {len(unused)} stored tensor(s): {unused[:8]}")
+        raise_if_problems(problems, f"cannot load checkpoint {path}")
+
+        planner = PieceLoadPlanner()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(
+                {**request.entries, **objects},
+                storage_reader=dcp.FileSystemReader(path),
+                planner=planner,
+                **self._dcp_kwargs(),
+            )
+        finish_load(trainer, request, planner.objects[PROGRESS_KEY])
+        if key in planner.objects:
+            restore_rng(trainer.runtime.accelerator, planner.objects[key])
+        self._barrier()
+        seconds = time.perf_counter() - start
+        mb = sum(e.nbytes() for e in request.entries.values()) / 2**20
+        saved = describe_layout(info["layout"])
+        change = "" if same_layout else f", resharded from {saved} to {describe_layout(layout_of(trainer.cfg))}"
+        trainer.metrics.print(
+            f"loaded {path} (step {trainer.state.step}, {trainer.state.consumed_samples} samples consumed{change}): "
+            f"{mb:.2f} MB on rank 0 in {seconds:.2f} s, {mb / max(seconds, 1e-9):.1f} MB/s"
+        )
+        return info

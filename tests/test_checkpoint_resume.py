@@ -1,0 +1,76 @@
+"""A run stopped after a checkpoint and resumed gives the loss trace of the run that never stopped, bit for bit."""
+
+import os
+
+import pytest
+import torch
+from dist_harness import run_on_ranks
+
+STOP, STEPS = 3, 6
+BF16 = ["model.precision=bf16"]
+CASES_WORLD1 = {"one_fp32": [], "one_bf16": BF16}
+CASES_WORLD2 = {
+    "dp2_fp32": [],
+    "dp2_bf16": BF16,
+    "tp2_fp32": ["distributed.tensor_parallel_size=2"],
+    "tp2_bf16": ["distributed.tensor_parallel_size=2"] + BF16,
+}
+
+
+def _resume_matrix(cases: dict, root: str) -> dict:
+    import torch.distributed as dist
+    from checkpoint_helpers import make_trainer, run_steps, weights
+
+    results = {}
+    for name, overrides in cases.items():
+        straight = make_trainer(overrides + ["logging.ckpt_interval=0"], f"{root}/{name}/straight", STEPS)
+        trace = run_steps(straight, STEPS)
+        expected = weights(straight)
+
+        out = f"{root}/{name}/stopped"
+        first = make_trainer(overrides + [f"logging.ckpt_interval={STOP}"], out, STEPS)
+        head = run_steps(first, STOP)
+        first.save_checkpoint()  # what fit() does at the interval; then the process "dies"
+
+        second = make_trainer(overrides + [f"logging.ckpt_interval={STOP}"], out, STEPS)
+        path = second.resume()  # automatic: output_dir holds a complete checkpoint
+        history = second.fit()
+        tail = [(r["loss"], r["grad_norm"]) for r in history if "loss" in r]
+        got = weights(second)
+        if dist.get_rank() == 0:
+            results[name] = {
+                "expected": trace,
+                "got": head + tail,
+                "path": path,
+                "same_weights": all(torch.equal(got[k], expected[k]) for k in expected),
+                "final": sorted(os.listdir(out)),
+            }
+    return results
+
+
+def _check(results: dict, name: str) -> None:
+    result = results[name]
+    assert result["path"].endswith(f"checkpoint_{STOP}")
+    assert result["got"] == result["expected"], f"{name}: resumed trace differs\n{result['got']}\n{result['expected']}"
+    assert result["same_weights"], f"{name}: final weights differ"
+    assert f"checkpoint_{STEPS}" in result["final"] and "latest" in result["final"]
+
+
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    return run_on_ranks(_resume_matrix, 1, args=(CASES_WORLD1, str(tmp_path_factory.mktemp("w1"))), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return run_on_ranks(_resume_matrix, 2, args=(CASES_WORLD2, str(tmp_path_factory.mktemp("w2"))), timeout=400)[0]
+
+
+@pytest.mark.parametrize("name", sorted(CASES_WORLD1))
+def test_resume_is_bitwise_one_process(world1, name):
+    _check(world1, name)
+
+
+@pytest.mark.parametrize("name", sorted(CASES_WORLD2))
+def test_resume_is_bitwise_two_ranks(world2, name):
+    _check(world2, name)
