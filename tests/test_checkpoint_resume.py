@@ -8,10 +8,13 @@ from dist_harness import run_on_ranks
 
 STOP, STEPS = 3, 6
 BF16 = ["model.precision=bf16"]
-CASES_WORLD1 = {"one_fp32": [], "one_bf16": BF16}
+# saves every step in the background while training goes on; rotation keeps two
+ASYNC = ["logging.async_save=true", "logging.ckpt_interval=1", "logging.keep_last=2"]
+CASES_WORLD1 = {"one_fp32": [], "one_bf16": BF16, "one_fp32_async": ASYNC}
 CASES_WORLD2 = {
     "dp2_fp32": [],
     "dp2_bf16": BF16,
+    "dp2_bf16_async": BF16 + ASYNC,
     "tp2_fp32": ["distributed.tensor_parallel_size=2"],
     "tp2_bf16": ["distributed.tensor_parallel_size=2"] + BF16,
 }
@@ -23,16 +26,17 @@ def _resume_matrix(cases: dict, root: str) -> dict:
 
     results = {}
     for name, overrides in cases.items():
-        straight = make_trainer(overrides + ["logging.ckpt_interval=0"], f"{root}/{name}/straight", STEPS)
+        straight = make_trainer(["logging.ckpt_interval=0"] + overrides, f"{root}/{name}/straight", STEPS)
         trace = run_steps(straight, STEPS)
         expected = weights(straight)
 
         out = f"{root}/{name}/stopped"
-        first = make_trainer(overrides + [f"logging.ckpt_interval={STOP}"], out, STEPS)
+        first = make_trainer([f"logging.ckpt_interval={STOP}"] + overrides, out, STEPS)
         head = run_steps(first, STOP)
         first.save_checkpoint()  # what fit() does at the interval; then the process "dies"
+        first.checkpointer.wait()
 
-        second = make_trainer(overrides + [f"logging.ckpt_interval={STOP}"], out, STEPS)
+        second = make_trainer([f"logging.ckpt_interval={STOP}"] + overrides, out, STEPS)
         path = second.resume()  # automatic: output_dir holds a complete checkpoint
         history = second.fit()
         tail = [(r["loss"], r["grad_norm"]) for r in history if "loss" in r]
@@ -54,6 +58,8 @@ def _check(results: dict, name: str) -> None:
     assert result["got"] == result["expected"], f"{name}: resumed trace differs\n{result['got']}\n{result['expected']}"
     assert result["same_weights"], f"{name}: final weights differ"
     assert f"checkpoint_{STEPS}" in result["final"] and "latest" in result["final"]
+    if "async" in name:  # saved at steps 4, 5, 6 while training went on; keep_last 2
+        assert [n for n in result["final"] if n.startswith("checkpoint_")] == ["checkpoint_5", "checkpoint_6"]
 
 
 @pytest.fixture(scope="module")

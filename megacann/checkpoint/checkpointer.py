@@ -203,9 +203,9 @@ class Checkpointer:
         objects: dict[str, Any] = {PROGRESS_KEY: None}
         if key in stored:
             objects[key] = None
-        problems = check_entries(path, metadata, request.entries)
+        problems = check_entries(metadata, request.entries)
         if PROGRESS_KEY not in stored:
-            problems.append(f"{path}: '{PROGRESS_KEY}' (step and optimizer counters) is missing")
+            problems.append(f"'{PROGRESS_KEY}' (step and optimizer counters) is missing")
         problems += check_files(path, metadata, set(request.entries) | set(objects))
         model_keys = {k for k in request.entries if k.startswith(MODEL_PREFIX)}
         gathered = self._all_gather((problems, model_keys))
@@ -213,7 +213,7 @@ class Checkpointer:
         used = set().union(*(keys for _, keys in gathered))
         unused = sorted(k for k in stored if k.startswith(MODEL_PREFIX) and k not in used)
         if unused:
-            problems.append(f"{path}: the model has no parameter for {len(unused)} stored tensor(s): {unused[:8]}")
+            problems.append(f"the model has no parameter for {len(unused)} stored tensor(s): {unused[:8]}")
         raise_if_problems(problems, f"cannot load checkpoint {path}")
 
         planner = PieceLoadPlanner()

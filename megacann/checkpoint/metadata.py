@@ -106,7 +106,7 @@ def read_dcp_metadata(path: str) -> Metadata:
 
 
 def _listed(items: list[str]) -> str:
-    more = f" (and {len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else ""
+    more = f"\n  ... and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else ""
     return "".join(f"\n  - {item}" for item in items[:MAX_LISTED]) + more
 
 
@@ -126,29 +126,27 @@ def check_files(path: str, metadata: Metadata, keys: Optional[Iterable[str]] = N
         if file in problems:
             continue
         if size is None:
-            problems[file] = f"{path}: file {file} is missing (it holds tensor '{index.fqn}')"
+            problems[file] = f"file {file} is missing (it holds tensor '{index.fqn}')"
         elif size < needed:
             problems[file] = (
-                f"{path}: file {file} is truncated: tensor '{index.fqn}' needs bytes up to {needed}, "
-                f"the file has {size}"
+                f"file {file} is truncated: tensor '{index.fqn}' needs bytes up to {needed}, the file has {size}"
             )
     return list(problems.values())
 
 
-def check_entries(path: str, metadata: Metadata, entries: dict[str, TensorPieces]) -> list[str]:
+def check_entries(metadata: Metadata, entries: dict[str, TensorPieces]) -> list[str]:
     """Tensors this rank needs that the checkpoint lacks or holds with another shape."""
     problems = []
     stored = metadata.state_dict_metadata
     for key, entry in entries.items():
         found = stored.get(key)
         if found is None:
-            problems.append(f"{path}: tensor '{key}' is missing (the model expects shape {list(entry.shape)})")
+            problems.append(f"tensor '{key}' is missing (the model expects shape {list(entry.shape)})")
         elif not isinstance(found, TensorStorageMetadata):
-            problems.append(f"{path}: '{key}' is not a tensor in the checkpoint")
+            problems.append(f"'{key}' is not a tensor in the checkpoint")
         elif tuple(found.size) != tuple(entry.shape):
             problems.append(
-                f"{path}: tensor '{key}' has shape {list(found.size)} in the checkpoint, "
-                f"the model expects {list(entry.shape)}"
+                f"tensor '{key}' has shape {list(found.size)} in the checkpoint, the model expects {list(entry.shape)}"
             )
     return problems
 
