@@ -27,6 +27,7 @@ setup(
         "console_scripts": [
             "megacann-train=megacann.cli:train_main",
             "megacann-preprocess=megacann.data.preprocess:main",
+            "megacann-convert=megacann.convert:main",
         ],
     },
 )

@@ -186,5 +186,20 @@ def save_pretrained_hf(chunks: list[LlamaModel], path: str) -> None:
             with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:
                 json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
     if writes and pp_rank == 0:
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf_config_dict(cfg, dtype), f, indent=1)
+        write_hf_config(path, cfg, dtype)
+
+
+def write_hf_config(path: str, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg, dtype), f, indent=1)
+
+
+def save_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, path: str) -> None:
+    """Write whole megacann tensors (held by one process, e.g. read from a checkpoint) as a Hugging Face
+    LLaMA directory with a single safetensors file."""
+    from safetensors.torch import save_file
+
+    hf = to_hf_tensors(tensors, cfg)
+    os.makedirs(path, exist_ok=True)
+    save_file(hf, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
+    write_hf_config(path, cfg, next(iter(hf.values())).dtype)

@@ -1,0 +1,133 @@
+"""Consolidated exports on one process, whatever layout (and number of devices) wrote the checkpoint.
+
+- a *consolidated* directory: ``model.safetensors`` (every whole, unpadded weight under its megacann name)
+  and ``model_config.json`` (the model settings; usable as a recipe's ``model.config_path``);
+- a Hugging Face LLaMA directory (``config.json`` + ``model.safetensors``, see models/hf_llama.py),
+  from a checkpoint or a consolidated directory, and back from Hugging Face to consolidated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import asdict, fields
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from megacann.checkpoint.files import latest_checkpoint
+from megacann.checkpoint.metadata import (
+    INFO_FILE,
+    CheckpointError,
+    check_files,
+    model_config_of,
+    raise_if_problems,
+    read_dcp_metadata,
+    read_info,
+)
+from megacann.checkpoint.pieces import Piece
+from megacann.checkpoint.planner import PieceLoadPlanner, TensorPieces
+from megacann.checkpoint.state import MODEL_PREFIX
+from megacann.config import ModelConfig
+from megacann.models import hf_llama
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "model_config.json"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def read_checkpoint_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """Every whole model weight of a checkpoint (megacann names) and its model config, on this process."""
+    info = read_info(path)
+    metadata = read_dcp_metadata(path)
+    keys = [k for k in metadata.state_dict_metadata if k.startswith(MODEL_PREFIX)]
+    raise_if_problems(check_files(path, metadata, keys), f"cannot read checkpoint {path}")
+    entries = {}
+    for key in keys:
+        stored = metadata.state_dict_metadata[key]
+        whole = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+        entries[key] = TensorPieces(
+            tuple(whole.shape), whole.dtype, [Piece((0,) * whole.dim(), tuple(whole.shape), whole)]
+        )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(entries, storage_reader=dcp.FileSystemReader(path), planner=PieceLoadPlanner(), no_dist=True)
+    tensors = {key[len(MODEL_PREFIX) :]: entry.pieces[0].tensor for key, entry in entries.items()}
+    return tensors, model_config_of(info)
+
+
+def _cast(tensors: dict[str, torch.Tensor], dtype: Optional[str]) -> dict[str, torch.Tensor]:
+    if dtype is None:
+        return tensors
+    return {name: t.to(DTYPES[dtype]) for name, t in tensors.items()}
+
+
+def write_consolidated(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    contiguous = {name: t.contiguous() for name, t in sorted(tensors.items())}
+    save_file(contiguous, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt", "producer": "megacann"})
+    with open(os.path.join(out, CONFIG_FILE), "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
+
+
+def read_consolidated(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    from safetensors.torch import load_file
+
+    weights, config = os.path.join(path, WEIGHTS_FILE), os.path.join(path, CONFIG_FILE)
+    for file in (weights, config):
+        if not os.path.isfile(file):
+            raise CheckpointError(
+                f"{path}: not a consolidated megacann directory ({os.path.basename(file)} is missing)"
+            )
+    with open(config) as f:
+        values = json.load(f)
+    known = {f.name for f in fields(ModelConfig)}
+    return load_file(weights), ModelConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def read_weights(source: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """Whole weights and model config from a checkpoint, an output directory (its latest checkpoint)
+    or a consolidated directory."""
+    if os.path.isfile(os.path.join(source, INFO_FILE)):
+        return read_checkpoint_weights(source)
+    if os.path.isfile(os.path.join(source, CONFIG_FILE)):
+        return read_consolidated(source)
+    latest = latest_checkpoint(source) if os.path.isdir(source) else None
+    if latest is not None:
+        return read_checkpoint_weights(latest)
+    raise CheckpointError(
+        f"{source}: neither a megacann checkpoint ({INFO_FILE}), a consolidated directory ({CONFIG_FILE}), "
+        "nor an output directory holding a complete checkpoint"
+    )
+
+
+def consolidate(source: str, out: str, dtype: Optional[str] = None) -> str:
+    """Checkpoint (any layout) -> consolidated directory."""
+    tensors, cfg = read_weights(source)
+    write_consolidated(_cast(tensors, dtype), cfg, out)
+    return out
+
+
+def export_hf(source: str, out: str, dtype: Optional[str] = None) -> str:
+    """Checkpoint or consolidated directory -> Hugging Face LLaMA directory."""
+    tensors, cfg = read_weights(source)
+    if cfg.type != "llama":
+        raise CheckpointError(f"{source}: a {cfg.type!r} model; Hugging Face export supports llama models only")
+    hf_llama.save_hf_tensors(_cast(tensors, dtype), cfg, out)
+    return out
+
+
+def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None) -> str:
+    """Hugging Face LLaMA directory -> consolidated directory (megacann names: fused qkv / gate-up)."""
+    from megacann.models.llama import LlamaModel
+
+    cfg = hf_llama.model_config_from_hf(hf_dir)
+    with torch.device("meta"):  # only the parameter names are needed: no memory, no initialisation cost
+        names_of = LlamaModel(cfg, device="meta")
+    tensors = hf_llama.from_hf_tensors(names_of, hf_llama.SafetensorsReader(hf_dir))
+    write_consolidated(_cast(tensors, dtype), cfg, out)
+    return out
