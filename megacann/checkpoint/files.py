@@ -103,9 +103,7 @@ def remove_stale_temporaries(output_dir: str) -> list[str]:
 
 def publish(tmp: str, final: str, step: int) -> None:
     """Mark ``tmp`` complete and rename it to ``final`` (an existing ``final`` is replaced only after
-    the new one is complete)."""
-    for name in os.listdir(tmp):
-        fsync_path(os.path.join(tmp, name))
+    the new one is complete). The files in ``tmp`` must already be synced to disk."""
     write_file_synced(os.path.join(tmp, COMPLETE_MARKER), f"{step}\n")
     fsync_path(tmp)
     old = None

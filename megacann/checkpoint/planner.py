@@ -102,11 +102,22 @@ class PieceSavePlanner(DefaultSavePlanner):
             torch.save(self.state_dict[key], buffer)
             return buffer
         piece = self._by_offset[(key, tuple(write_item.index.offset))]
-        dtype = self.state_dict[key].dtype
-        # a fresh CPU tensor: torch.save of a view would write the whole storage behind it
-        out = torch.empty(piece.sizes, dtype=dtype)
-        out.copy_(piece.tensor.detach())
+        tensor = piece.tensor.detach()
+        if tensor.is_cpu and tensor.dtype == self.state_dict[key].dtype and _owns_storage(tensor):
+            return tensor
+        # a compact CPU copy: torch.save of a view would write the whole storage behind it
+        out = torch.empty(piece.sizes, dtype=self.state_dict[key].dtype)
+        out.copy_(tensor)
         return out
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is exactly its storage (so saving it writes nothing more)."""
+    return (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
 
 
 class PieceLoadPlanner(LoadPlanner):
