@@ -47,6 +47,7 @@ def _resume_matrix(cases: dict, root: str) -> dict:
                 "got": head + tail,
                 "path": path,
                 "same_weights": all(torch.equal(got[k], expected[k]) for k in expected),
+                "weights": got,
                 "final": sorted(os.listdir(out)),
             }
     return results
