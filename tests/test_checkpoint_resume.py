@@ -10,7 +10,7 @@ STOP, STEPS = 3, 6
 BF16 = ["model.precision=bf16"]
 # saves every step in the background while training goes on; rotation keeps two
 ASYNC = ["logging.async_save=true", "logging.ckpt_interval=1", "logging.keep_last=2"]
-CASES_WORLD1 = {"one_fp32": [], "one_bf16": BF16, "one_fp32_async": ASYNC}
+CASES_WORLD1 = {"one_fp32": [], "one_bf16": BF16, "one_fp16": ["model.precision=fp16"], "one_fp32_async": ASYNC}
 CASES_WORLD2 = {
     "dp2_fp32": [],
     "dp2_bf16": BF16,

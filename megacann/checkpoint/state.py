@@ -64,8 +64,9 @@ def _add(entries: dict[str, TensorPieces], key: str, param: torch.Tensor, dtype:
 
 
 def _aliases(view: torch.Tensor, param: torch.Tensor) -> bool:
-    """Whether an optimizer tensor is the parameter's own memory (fp32 masters without a copy)."""
-    return view.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+    """Whether an optimizer tensor lies in the parameter's own memory (fp32 masters without a copy)."""
+    start = param.data_ptr()
+    return view.dtype == param.dtype and start <= view.data_ptr() < start + param.numel() * param.element_size()
 
 
 def _model_entries(trainer: Trainer) -> dict[str, TensorPieces]:
