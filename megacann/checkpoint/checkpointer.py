@@ -16,10 +16,12 @@ import os
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 
 from megacann import parallel_state as ps
 from megacann.checkpoint.files import (
@@ -73,6 +75,19 @@ def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class _SaveJob:
+    """What publishing a save needs besides the tensors."""
+
+    out: str
+    final: str
+    info: dict[str, Any]
+    recipe: str
+    keep_last: Optional[int]
+    log: Callable[[str], None]
+    start: float
+
+
 class Checkpointer:
     """One trainer's checkpoint I/O: :meth:`save`, :meth:`load`, :meth:`wait` (for an asynchronous save)."""
 
@@ -111,63 +126,56 @@ class Checkpointer:
         state[PROGRESS_KEY] = progress(trainer)
         state[rng_key(self.rank)] = capture_rng(trainer.runtime.accelerator)
         info = checkpoint_info(cfg, step, trainer.state.consumed_samples)
-        job = {
-            "out": out,
-            "final": final,
-            "info": info,
-            "recipe": cfg.to_yaml(),
-            "keep_last": cfg.logging.keep_last,
-            "log": trainer.metrics.print,
-            "start": start,
-        }
+        job = _SaveJob(out, final, info, cfg.to_yaml(), cfg.logging.keep_last, trainer.metrics.print, start)
         if self._executor is None:
-            self._write(state, **job)
+            self._write(state, job)
         else:
             state = _snapshot(state)
             trainer.metrics.print(
                 f"checkpoint_{step}: state copied in {time.perf_counter() - start:.2f} s, writing in the background"
             )
-            self._pending = self._executor.submit(self._write, state, **job)
+            self._pending = self._executor.submit(self._write, state, job)
         return final
 
-    def _write(
-        self,
-        state: dict[str, Any],
-        out: str,
-        final: str,
-        info: dict[str, Any],
-        recipe: str,
-        keep_last: Optional[int],
-        log: Callable[[str], None],
-        start: float,
-    ) -> None:
-        tmp = final + TMP_SUFFIX
+    def _write(self, state: dict[str, Any], job: _SaveJob) -> None:
+        """Every rank: write its pieces into ``<final>.tmp``; then rank 0 publishes."""
+        tmp = job.final + TMP_SUFFIX
         if self.rank == 0:
-            os.makedirs(out, exist_ok=True)
-            remove_stale_temporaries(out)
+            os.makedirs(job.out, exist_ok=True)
+            remove_stale_temporaries(job.out)
             os.makedirs(tmp)
         self._barrier()
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
             metadata = dcp.save(state, storage_writer=writer, planner=PieceSavePlanner(), **self._dcp_kwargs())
+        failure: Optional[BaseException] = None
         if self.rank == 0:
-            write_file_synced(os.path.join(tmp, INFO_FILE), json.dumps(info, indent=1) + "\n")
-            write_file_synced(os.path.join(tmp, RECIPE_FILE), recipe)
-            publish(tmp, final, info["step"])
-            write_latest(out, final)
-            removed = rotate(out, keep_last)
-            seconds = time.perf_counter() - start
-            stored = metadata.storage_data.values()
-            mb = sum(s.length for s in stored) / 2**20
-            files = len({s.relative_path for s in stored})
-            mode = "async" if self.async_save else "sync"
-            note = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
-            log(
-                f"saved {final} ({mode}): {mb:.2f} MB in {files} file(s) written in parallel, "
-                f"{seconds:.2f} s, {mb / max(seconds, 1e-9):.1f} MB/s{note}"
-            )
+            try:
+                self._publish(tmp, job, metadata)
+            except BaseException as err:  # reach the barrier below, so no rank waits forever
+                failure = err
         self._barrier()
+        if failure is not None:
+            raise failure
+
+    def _publish(self, tmp: str, job: _SaveJob, metadata: Metadata) -> None:
+        """Rank 0, once every rank's files are written: describe, mark complete, rename, ``latest``, rotate."""
+        write_file_synced(os.path.join(tmp, INFO_FILE), json.dumps(job.info, indent=1) + "\n")
+        write_file_synced(os.path.join(tmp, RECIPE_FILE), job.recipe)
+        publish(tmp, job.final, job.info["step"])
+        write_latest(job.out, job.final)
+        removed = rotate(job.out, job.keep_last)
+        seconds = time.perf_counter() - job.start
+        stored = metadata.storage_data.values()
+        mb = sum(s.length for s in stored) / 2**20
+        files = len({s.relative_path for s in stored})
+        mode = "async" if self.async_save else "sync"
+        note = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
+        job.log(
+            f"saved {job.final} ({mode}): {mb:.2f} MB in {files} file(s) written in parallel, "
+            f"{seconds:.2f} s, {mb / max(seconds, 1e-9):.1f} MB/s{note}"
+        )
 
     def wait(self) -> None:
         """Block until an asynchronous save is written and published (re-raising its error)."""
@@ -181,14 +189,14 @@ class Checkpointer:
             self._executor.shutdown()
 
     # -- loading ------------------------------------------------------------------------------------
-    def _rng_key(self, trainer: Trainer, saved_layout: dict[str, Any]) -> tuple[str, bool]:
+    def _rng_key(self, trainer: Trainer, saved_layout: dict[str, Any]) -> str:
         """This rank's own RNG states when the layout is unchanged; otherwise those of the saved rank
         with the same tensor-parallel rank (rank t of the first TP group), else of rank 0."""
         now = layout_of(trainer.cfg)
         if all(saved_layout.get(k) == now[k] for k in _LAYOUT_KEYS_FOR_RNG):
-            return rng_key(self.rank), True
+            return rng_key(self.rank)
         tp_rank = ps.get_tensor_model_parallel_rank()
-        return rng_key(tp_rank if tp_rank < saved_layout["tensor_parallel_size"] else 0), False
+        return rng_key(tp_rank if tp_rank < saved_layout["tensor_parallel_size"] else 0)
 
     def load(self, trainer: Trainer, path: str) -> dict[str, Any]:
         """Restore weights, optimizer state, progress and RNG from ``path`` (any layout); every problem
@@ -199,7 +207,7 @@ class Checkpointer:
         metadata = read_dcp_metadata(path)
         stored = metadata.state_dict_metadata
         request = load_request(trainer, set(stored))
-        key, same_layout = self._rng_key(trainer, info["layout"])
+        key = self._rng_key(trainer, info["layout"])
         objects: dict[str, Any] = {PROGRESS_KEY: None}
         if key in stored:
             objects[key] = None
@@ -231,8 +239,8 @@ class Checkpointer:
         self._barrier()
         seconds = time.perf_counter() - start
         mb = sum(e.nbytes() for e in request.entries.values()) / 2**20
-        saved = describe_layout(info["layout"])
-        change = "" if same_layout else f", resharded from {saved} to {describe_layout(layout_of(trainer.cfg))}"
+        saved, now = describe_layout(info["layout"]), describe_layout(layout_of(trainer.cfg))
+        change = "" if saved == now else f", resharded from {saved} to {now}"
         trainer.metrics.print(
             f"loaded {path} (step {trainer.state.step}, {trainer.state.consumed_samples} samples consumed{change}): "
             f"{mb:.2f} MB on rank 0 in {seconds:.2f} s, {mb / max(seconds, 1e-9):.1f} MB/s"
