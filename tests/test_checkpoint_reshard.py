@@ -1,19 +1,42 @@
 """A checkpoint saved under one layout loads under another, model and optimizer state both resharded: the
-next steps' losses equal those of the run that kept its layout (fp32, relative 1e-6)."""
+next steps' losses equal those of the run that kept its layout (fp32, relative 1e-6).
+
+Saved under tp2 x pp2 x dp2 with ZeRO-1 (tied embeddings, so the last stage holds a copy of the embedding)
+and loaded under tp4 x dp2, pp4 x dp2, interleaved pp2 x vpp2 with ZeRO-2, dp8 with ZeRO-2, and one
+process. Until pipeline parallelism and ZeRO are merged, the origin is tp2 x dp2 on 4 ranks."""
 
 import pytest
+from checkpoint_helpers import FEATURES
 from dist_harness import run_on_ranks
 
 STOP, MORE = 3, 2
+REL = 1e-6
 # no dropout (masks differ between layouts); tied embeddings; the global batch stays 8 in every layout
 COMMON = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0", "model.tie_word_embeddings=true"]
-ORIGIN = ["distributed.tensor_parallel_size=2", "optim.grad_accum_steps=2"]  # tp2 x dp2 on 4 ranks
-TARGETS_WORLD4 = {
-    "tp4": ["distributed.tensor_parallel_size=4", "optim.grad_accum_steps=4"],
-    "dp4": ["optim.grad_accum_steps=1"],
-}
-TARGETS_WORLD1 = {"tp1": ["optim.grad_accum_steps=4"]}
-REL = 1e-6
+ZERO1 = ["distributed.zero_optimization=1"] if FEATURES["zero"] else []
+ZERO2 = ["distributed.zero_optimization=2"] if FEATURES["zero"] else []
+TP2, TP4, PP2 = (
+    "distributed.tensor_parallel_size=2",
+    "distributed.tensor_parallel_size=4",
+    "distributed.pipeline_parallel_size=2",
+)
+if FEATURES["pipeline"]:
+    WORLD = 8
+    ORIGIN = [TP2, PP2, "optim.grad_accum_steps=2"] + ZERO1
+    TARGETS = {
+        "tp4_dp2": [TP4, "optim.grad_accum_steps=2"],
+        "pp4_dp2": ["distributed.pipeline_parallel_size=4", "optim.grad_accum_steps=2"],
+        "tp2_pp2_vpp2_dp2": [TP2, PP2, "distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=2"] + ZERO2,
+        "dp8": ["data.batch_size=1", "optim.grad_accum_steps=1"] + ZERO2,
+    }
+    # stage 1 lacks layers 4 and 5, stage 0 finds nothing wrong: every rank must still refuse
+    MISMATCHED = [TP2, PP2, "optim.grad_accum_steps=2", "model.num_layers=6"]
+else:
+    WORLD = 4
+    ORIGIN = [TP2, "optim.grad_accum_steps=2"] + ZERO1
+    TARGETS = {"tp4": [TP4, "optim.grad_accum_steps=4"], "dp4": ["optim.grad_accum_steps=1"] + ZERO2}
+    MISMATCHED = [TP2, "optim.grad_accum_steps=2", "model.ffn_hidden_size=96"]
+TARGETS_WORLD1 = {"tp1_pp1_dp1": ["optim.grad_accum_steps=4"]}
 
 
 def _continue_from(path: str, overrides: list[str], out: str) -> list[float]:
@@ -24,15 +47,27 @@ def _continue_from(path: str, overrides: list[str], out: str) -> list[float]:
     return [loss for loss, _ in run_steps(trainer, MORE)]
 
 
-def _origin_and_world4_targets(root: str) -> dict:
+def _refused(path: str, root: str) -> bool:
+    from checkpoint_helpers import make_trainer
+
+    from megacann.checkpoint import CheckpointError
+
+    try:
+        make_trainer(COMMON + MISMATCHED, f"{root}/mismatched", STOP + MORE).load_checkpoint(path)
+    except CheckpointError:
+        return True
+    return False
+
+
+def _origin_and_targets(root: str) -> dict:
     from checkpoint_helpers import make_trainer, run_steps
 
     trainer = make_trainer(COMMON + ORIGIN, f"{root}/origin", STOP + MORE)
     run_steps(trainer, STOP)
     path = trainer.save_checkpoint()
     kept = [loss for loss, _ in run_steps(trainer, MORE)]
-    got = {name: _continue_from(path, o, f"{root}/{name}") for name, o in TARGETS_WORLD4.items()}
-    return {"path": path, "kept": kept, "got": got}
+    got = {name: _continue_from(path, o, f"{root}/{name}") for name, o in TARGETS.items()}
+    return {"path": path, "kept": kept, "got": got, "refused": _refused(path, root)}
 
 
 def _world1_targets(path: str, root: str) -> dict:
@@ -41,13 +76,14 @@ def _world1_targets(path: str, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def origin(tmp_path_factory):
-    return run_on_ranks(_origin_and_world4_targets, 4, args=(str(tmp_path_factory.mktemp("reshard")),), timeout=400)[0]
+    root = str(tmp_path_factory.mktemp("reshard"))
+    return run_on_ranks(_origin_and_targets, WORLD, args=(root,), timeout=600)
 
 
 @pytest.fixture(scope="module")
 def world1(origin, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("reshard1"))
-    return run_on_ranks(_world1_targets, 1, args=(origin["path"], root), timeout=300)[0]
+    return run_on_ranks(_world1_targets, 1, args=(origin[0]["path"], root), timeout=300)[0]
 
 
 def _assert_close(got: list[float], kept: list[float], name: str) -> None:
@@ -55,11 +91,15 @@ def _assert_close(got: list[float], kept: list[float], name: str) -> None:
         assert abs(a - b) <= REL * abs(b), f"{name}: step {step} loss {a!r} vs kept layout {b!r}"
 
 
-@pytest.mark.parametrize("name", sorted(TARGETS_WORLD4))
-def test_reshard_tp2_dp2_to_world4_layouts(origin, name):
-    _assert_close(origin["got"][name], origin["kept"], name)
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_reshard_to_other_layouts(origin, name):
+    _assert_close(origin[0]["got"][name], origin[0]["kept"], name)
 
 
 @pytest.mark.parametrize("name", sorted(TARGETS_WORLD1))
-def test_reshard_tp2_dp2_to_one_process(origin, world1, name):
-    _assert_close(world1[name], origin["kept"], name)
+def test_reshard_to_one_process(origin, world1, name):
+    _assert_close(world1[name], origin[0]["kept"], name)
+
+
+def test_every_rank_refuses_a_mismatched_model(origin):
+    assert all(rank["refused"] for rank in origin)

@@ -14,7 +14,6 @@ ASYNC = ["logging.async_save=true", "logging.ckpt_interval=1", "logging.keep_las
 CASES_WORLD1 = {"one_fp32": [], "one_bf16": BF16, "one_fp16": ["model.precision=fp16"], "one_fp32_async": ASYNC}
 CASES_WORLD2 = {
     "dp2_fp32": [],
-    "dp2_bf16": BF16,
     "dp2_bf16_async": BF16 + ASYNC,
     "tp2_fp32": ["distributed.tensor_parallel_size=2"],
     "tp2_bf16": ["distributed.tensor_parallel_size=2"] + BF16,
