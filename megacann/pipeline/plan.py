@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from megacann.config import interleaved_schedule_error
+
 
 @dataclass(frozen=True)
 class Forward:
@@ -102,18 +104,6 @@ def one_f_one_b_plan(stages: int, stage: int, num_microbatches: int, forward_onl
     return plan
 
 
-def interleaved_requirement_error(stages: int, virtual_stages: int, num_microbatches: int) -> Optional[str]:
-    """Why the interleaved schedule cannot run this many micro-batches, or None when it can."""
-    if num_microbatches % stages:
-        return (
-            f"the interleaved 1F1B schedule (virtual_pipeline_size {virtual_stages}) needs the number of "
-            f"micro-batches (grad_accum_steps) to be a multiple of pipeline_parallel_size {stages}, got "
-            f"{num_microbatches}; use {max(stages, num_microbatches - num_microbatches % stages)} or "
-            f"{num_microbatches + stages - num_microbatches % stages}, or no virtual stages (1F1B takes any number)"
-        )
-    return None
-
-
 def interleaved_plan(
     stages: int, stage: int, virtual_stages: int, num_microbatches: int, forward_only: bool = False
 ) -> list[Action]:
@@ -127,7 +117,7 @@ def interleaved_plan(
     runs one forward and one backward and exchanges both results with the neighbours in one Exchange.
     """
     p, v, m = stages, virtual_stages, num_microbatches
-    error = interleaved_requirement_error(p, v, m)
+    error = interleaved_schedule_error(p, v, m)
     if error:
         raise ValueError(error)
     first, last = stage == 0, stage == p - 1
