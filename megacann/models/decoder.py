@@ -7,6 +7,10 @@ or LayerNorm + learned positions + GELU). A pipeline stage holds the embedding o
 stage (``pre_process``), the head only if it is the last (``post_process``), and the layers whose
 *global* indices it is given; layers are stored under their global index (``layers.17.…``), so
 parameter names, initialisation and checkpoints do not depend on the parallel layout.
+
+Tied input/output embeddings split over stages: the last stage holds a copy as ``lm_head.weight``,
+initialised from the name ``embed_tokens.weight``; both are marked with ``mark_tied_across_stages`` so
+the optimizer sums their gradients over the embedding group and counts the copy once in norms.
 """
 
 from __future__ import annotations
