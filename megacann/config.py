@@ -659,6 +659,10 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
             f"{source}: distributed.virtual_pipeline_size {vpp} needs pipeline_parallel_size > 1, got {pp}"
         )
     if d.pipeline_layers is not None:
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in d.pipeline_layers):
+            raise ConfigError(
+                f"{source}: distributed.pipeline_layers {d.pipeline_layers} must list non-negative layer counts"
+            )
         if len(d.pipeline_layers) != pp * vpp or sum(d.pipeline_layers) != m.num_layers:
             raise ConfigError(
                 f"{source}: distributed.pipeline_layers {d.pipeline_layers} must list {pp * vpp} stage sizes "

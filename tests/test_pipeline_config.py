@@ -61,6 +61,13 @@ def test_dry_run_uneven_pipeline_layers():
     assert "stage 3 (ranks 24-31): layers 25-31, final norm, lm_head, loss" in text
 
 
+def test_pipeline_layers_must_be_counts():
+    with pytest.raises(ConfigError, match=r"pipeline_layers \[-1, 5\] must list non-negative"):
+        tiny_config(["distributed.pipeline_parallel_size=2", "distributed.pipeline_layers=[-1,5]"], world_size=2)
+    with pytest.raises(ConfigError, match="must list 2 stage sizes"):
+        tiny_config(["distributed.pipeline_parallel_size=2", "distributed.pipeline_layers=[1,2]"], world_size=2)
+
+
 def test_partition_and_activation_shape():
     assert stage_layer_ids(8, 2, 1, 2, 1) == [6, 7]  # chunk 1 of stage 1 is segment 3
     assert stage_layer_ids(6, 2, 0, pipeline_layers=[2, 4]) == [0, 1]
