@@ -29,6 +29,9 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.pipeline.timeline import Timeline
 
+EVEN_ORDER = ("send_next", "recv_prev", "send_prev", "recv_next")
+ODD_ORDER = ("recv_prev", "send_next", "recv_next", "send_prev")
+
 
 def activation_shape(
     micro_batch: int, seq_length: int, hidden_size: int, sequence_parallel: bool = False, tp_size: int = 1
@@ -85,29 +88,26 @@ def exchange(
     to_next = _check(send_next, shape, dtype, "the activation to send") if send_next is not None else None
     to_prev = _check(send_prev, shape, dtype, "the gradient to send") if send_prev is not None else None
 
-    def send_to_next():
-        return dist.isend(to_next, next_rank, group=group) if to_next is not None else None
-
-    def recv_from_prev():
-        return dist.irecv(from_prev, prev_rank, group=group) if from_prev is not None else None
-
-    def send_to_prev():
-        return dist.isend(to_prev, prev_rank, group=group) if to_prev is not None else None
-
-    def recv_from_next():
-        return dist.irecv(from_next, next_rank, group=group) if from_next is not None else None
-
-    if ps.get_pipeline_model_parallel_rank() % 2 == 0:
-        order = (send_to_next, recv_from_prev, send_to_prev, recv_from_next)
-    else:
-        order = (recv_from_prev, send_to_next, recv_from_next, send_to_prev)
-    works = [post() for post in order]
-    receives = [w for w, post in zip(works, order) if w is not None and post in (recv_from_prev, recv_from_next)]
-    sends = [w for w, post in zip(works, order) if w is not None and post in (send_to_next, send_to_prev)]
-    for kind, pending in (("recv_wait", receives), ("send_wait", sends)):
-        if not pending:
+    # (is a receive, tensor, peer) in this stage's fixed order; absent transfers are skipped
+    transfers = {
+        "send_next": (False, to_next, next_rank),
+        "recv_prev": (True, from_prev, prev_rank),
+        "send_prev": (False, to_prev, prev_rank),
+        "recv_next": (True, from_next, next_rank),
+    }
+    order = EVEN_ORDER if ps.get_pipeline_model_parallel_rank() % 2 == 0 else ODD_ORDER
+    receives, sends = [], []
+    for name in order:
+        is_recv, tensor, peer = transfers[name]
+        if tensor is None:
             continue
-        with Timeline.span_of(timeline, kind):
-            for work in pending:
-                work.wait()
+        if is_recv:
+            receives.append(dist.irecv(tensor, peer, group=group))
+        else:
+            sends.append(dist.isend(tensor, peer, group=group))
+    for kind, pending in (("recv_wait", receives), ("send_wait", sends)):
+        if pending:
+            with Timeline.span_of(timeline, kind):
+                for work in pending:
+                    work.wait()
     return from_prev, from_next

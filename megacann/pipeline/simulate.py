@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from megacann.pipeline.p2p import EVEN_ORDER, ODD_ORDER
 from megacann.pipeline.plan import Action, Exchange, Forward, build_plan
 
 
@@ -142,11 +143,7 @@ def simulate(
             last_grad[stage] = None
         if ex.recv_backward is not None:
             ops.append((nxt, _Op(False, "gradient", None, ex.recv_backward), "recv_next"))
-        order = (
-            ("send_next", "recv_prev", "send_prev", "recv_next")
-            if stage % 2 == 0
-            else ("recv_prev", "send_next", "recv_next", "send_prev")
-        )
+        order = EVEN_ORDER if stage % 2 == 0 else ODD_ORDER  # the order p2p.exchange posts them in
         ops.sort(key=lambda item: order.index(item[2]))
         for peer, op, _ in ops:
             post(stage, peer, op)
