@@ -11,9 +11,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _overfit() -> list[float]:
+    from training_helpers import SyntheticData, tiny_config
+
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
-    from training_helpers import SyntheticData, tiny_config
 
     cfg = tiny_config(
         [
