@@ -3,7 +3,8 @@
 Every schedule has the same signature and returns the sum of per-token losses of the micro-batches it ran
 (on the last pipeline stage; zero elsewhere). Each micro-batch's loss is divided by ``loss_normalizer``
 (the number of target tokens in the whole global batch) and multiplied by the loss scale before backward,
-so gradient accumulation and data-parallel summation give exactly the gradient of one big batch.
+so gradient accumulation and data-parallel summation give exactly the gradient of one big batch. The
+backward of the last micro-batch runs inside ``last_micro_batch_backward()`` (see ``microbatches``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from megacann.config import MegacannConfig
+from megacann.pipeline.microbatches import last_micro_batch_backward
 
 ForwardBackward = Callable[..., torch.Tensor]
 
@@ -39,12 +41,13 @@ def forward_backward_no_pipelining(
     """Plain gradient accumulation over micro-batches on one stage."""
     (model,) = model_chunks
     total = torch.zeros((), dtype=torch.float32)
-    for batch in micro_batches:
+    for index, batch in enumerate(micro_batches):
         with torch.set_grad_enabled(not forward_only):
             token_losses = forward_step(model, batch)
             loss_sum = token_losses.sum()
         if not forward_only:
-            (loss_sum * (loss_scale / loss_normalizer)).backward()
+            with last_micro_batch_backward(index == len(micro_batches) - 1):
+                (loss_sum * (loss_scale / loss_normalizer)).backward()
         total = total.to(loss_sum.device) + loss_sum.detach().float()
     return total
 
