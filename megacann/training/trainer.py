@@ -63,7 +63,7 @@ class Trainer:
         self.model_chunks = build_model_chunks(cfg, device=self.device)
         self.named_params = [(n, p) for chunk in self.model_chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
-        self.optimizer = build_optimizer(cfg, self.named_params)
+        self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)
         self.schedule = LRSchedule.from_config(cfg.optim)
         self.forward_backward = get_forward_backward_func(cfg)
         self.state = TrainState()
