@@ -1,0 +1,294 @@
+"""ZeRO-1/2 train exactly like plain data parallelism (gloo, CPU, fp32), and hold 12*Psi/N bytes of state.
+
+One spawn per world size runs every layout; the tests compare the recorded traces. Tolerances: losses and
+gradient norms 1e-6 relative, parameters 1e-6 norm-wise. They are not bit-equal because the global norm
+is summed in another order (squares per shard, then over ranks), which moves the clipping factor by an
+ulp or so; gradients themselves are summed in the same order (dp 2: a + b either way; dp 4 measured
+within 1e-7).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_on_ranks
+from test_training_parity import assert_close_trace, assert_params_close
+
+STEPS = 4
+COMMON = ["optim.clip_grad=0.5", "optim.lr=1e-3"]  # clipping active in every step
+Z1, Z2 = ["distributed.zero_optimization=1"], ["distributed.zero_optimization=2"]
+OVERLAP = ["distributed.overlap_grad_reduce=true", "distributed.overlap_param_gather=true"]
+SMALL_BUCKETS = ["distributed.bucket_size_mb=0.02"]  # ~5k elements: about 20 buckets in the tiny model
+TP2 = ["distributed.tensor_parallel_size=2"]
+ACCUM1 = ["optim.grad_accum_steps=1", "data.batch_size=4"]
+FP16 = ["model.precision=fp16", "optim.initial_loss_scale=1e6"]  # overflows (skips) in steps 1 and 3
+BF16 = ["model.precision=bf16"]
+FROZEN = ("embed_tokens.weight", "layers.1.mlp.", "layers.2.self_attn.o_proj.weight")
+
+RUNS_WORLD2 = {
+    "plain": [],
+    "zero1": Z1,
+    "zero2": Z2,
+    "plain_small": SMALL_BUCKETS,
+    "zero1_small_overlap": Z1 + SMALL_BUCKETS + OVERLAP,
+    "zero2_small": Z2 + SMALL_BUCKETS,
+    "zero2_small_overlap": Z2 + SMALL_BUCKETS + OVERLAP,
+    "plain_accum1": ACCUM1,
+    "zero2_accum1_overlap": Z2 + ACCUM1 + SMALL_BUCKETS + OVERLAP,
+    "plain_frozen": [],
+    "zero2_frozen": Z2 + SMALL_BUCKETS,
+    "plain_fp16": FP16,
+    "zero2_fp16": Z2 + FP16 + SMALL_BUCKETS + OVERLAP,
+    "plain_bf16": BF16,
+    "zero1_bf16": Z1 + BF16 + SMALL_BUCKETS,
+    "zero2_bf16": Z2 + BF16 + SMALL_BUCKETS,
+}
+RUNS_WORLD4 = {
+    "plain": [],
+    "zero1": Z1,
+    "zero2_overlap": Z2 + SMALL_BUCKETS + OVERLAP,
+    "tp2_plain": TP2,
+    "tp2_zero1": TP2 + Z1,
+    "tp2_zero2_overlap": TP2 + Z2 + SMALL_BUCKETS + OVERLAP,
+    "zero2_bf16": Z2 + BF16 + SMALL_BUCKETS,
+}
+# (run, the plain run it must match)
+PAIRS_WORLD2 = [
+    ("zero1", "plain"),
+    ("zero2", "plain"),
+    ("zero1_small_overlap", "plain_small"),
+    ("zero2_small", "plain_small"),
+    ("zero2_accum1_overlap", "plain_accum1"),
+    ("zero2_frozen", "plain_frozen"),
+]
+PAIRS_WORLD4 = [
+    ("zero1", "plain"),
+    ("zero2_overlap", "plain"),
+    ("tp2_zero1", "tp2_plain"),
+    ("tp2_zero2_overlap", "tp2_plain"),
+]
+
+
+def _freeze(chunks):
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if any(f in name for f in FROZEN):
+                p.requires_grad_(False)
+    return chunks
+
+
+def _layout_facts(optimizer) -> dict:
+    """What the memory test needs, from this rank's tensors."""
+    from megacann.optimizer.memory import optimizer_memory
+
+    buffers = optimizer.grad_buffers.buffers
+    return {
+        "memory": optimizer_memory(optimizer),
+        "psi": sum(p.numel() for p in optimizer.model_params),
+        "numel": sum(b.numel for b in buffers),
+        "buckets": sum(len(b.buckets) for b in buffers),
+        "dp": buffers[0].group_size,
+    }
+
+
+def _zero_runs(runs: dict[str, list[str]]) -> dict:
+    import torch.distributed as dist
+    from training_helpers import SyntheticData, tiny_config
+
+    import megacann.training.trainer as trainer_module
+    from megacann import parallel_state as ps
+    from megacann.models.full_state import full_state_dict
+    from megacann.training.runtime import setup_runtime
+
+    build_chunks = trainer_module.build_model_chunks
+    results = {}
+    for name, overrides in runs.items():
+        cfg = tiny_config(COMMON + overrides, world_size=dist.get_world_size())
+        runtime = setup_runtime(cfg)
+        data = SyntheticData(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        if "frozen" in name:
+            trainer_module.build_model_chunks = lambda cfg, device=None: _freeze(build_chunks(cfg, device=device))
+        try:
+            trainer = trainer_module.Trainer(cfg, runtime, data=data)
+        finally:
+            trainer_module.build_model_chunks = build_chunks
+        before = full_state_dict(trainer.model_chunks)
+        record = {"losses": [], "norms": [], "updated": [], "scales": [], "overlapped": [], "peak_grad_numel": []}
+        for _ in range(STEPS):
+            metrics = trainer.train_step()
+            record["losses"].append(metrics["loss"])
+            record["norms"].append(metrics["grad_norm"])
+            record["updated"].append(metrics["updated"])
+            record["scales"].append(trainer.optimizer.loss_scale)
+            buffers = trainer.optimizer.grad_buffers.buffers
+            record["overlapped"].append(sum(b.overlapped_buckets for b in buffers))
+            record["peak_grad_numel"].append(sum(b.peak_allocated_numel for b in buffers))
+        if hasattr(trainer.optimizer, "finish_param_sync"):
+            trainer.optimizer.finish_param_sync()
+        params = full_state_dict(trainer.model_chunks)
+        frozen = [n for chunk in trainer.model_chunks for n, p in chunk.named_parameters() if not p.requires_grad]
+        record.update(_layout_facts(trainer.optimizer))
+        record["frozen_unchanged"] = all(torch.equal(params[n], before[n]) for n in frozen)
+        record["frozen"] = frozen
+        record["frozen_without_grad_or_state"] = not any(
+            hasattr(p, "main_grad") for chunk in trainer.model_chunks for p in chunk.parameters() if not p.requires_grad
+        ) and not {s.name for s in trainer.optimizer.state_shards()} & set(frozen)
+        record["params"] = params if dist.get_rank() == 0 else None
+        results[name] = record
+        ps.destroy_model_parallel()
+    return results
+
+
+def _expert_check() -> dict:
+    """A toy model whose second layer is marked expert-parallel (ep 2 on world 4): ZeRO reduces and shards
+    it over the expert-data-parallel group (2 ranks) and the dense layer over all 4, like plain DP does."""
+    import torch.distributed as dist
+    from training_helpers import tiny_config
+
+    from megacann import parallel_state as ps
+    from megacann.layers.sharding import ParamSharding, set_sharding
+    from megacann.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
+    from megacann.pipeline.microbatches import last_micro_batch_backward
+    from megacann.training.runtime import setup_runtime
+
+    cfg = tiny_config(COMMON + Z2 + ["distributed.expert_parallel_size=2", "distributed.overlap_grad_reduce=true"], 4)
+    cfg.distributed.bucket_size_mb = 40 / 2**18  # 40 elements per bucket
+    setup_runtime(cfg)
+    ep_rank = ps.get_expert_model_parallel_rank()
+
+    def toy() -> torch.nn.ModuleDict:
+        torch.manual_seed(0)
+        dense = torch.nn.Linear(8, 8)
+        torch.manual_seed(1 + ep_rank)  # each expert-parallel rank holds another expert
+        expert = torch.nn.Linear(8, 8)
+        for p in expert.parameters():
+            set_sharding(p, ParamSharding(tuple(p.shape), expert=True))
+        return torch.nn.ModuleDict({"dense": dense, "expert": expert})
+
+    models = {"plain": toy(), "zero": toy()}
+    optimizers = {
+        "plain": MixedPrecisionOptimizer(list(models["plain"].named_parameters()), cfg),
+        "zero": DistributedOptimizer(list(models["zero"].named_parameters()), cfg),
+    }
+    norms = {k: [] for k in models}
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        for key, model in models.items():
+            optimizers[key].zero_grad()
+            with last_micro_batch_backward():
+                model["expert"](torch.tanh(model["dense"](x))).square().sum().backward()
+            optimizers[key].finalize_grads()
+            norms[key].append(optimizers[key].step()[1])
+    result = {
+        "ep_rank": ep_rank,
+        "norms": norms,
+        "params": {k: {n: p.detach().clone() for n, p in m.named_parameters()} for k, m in models.items()},
+        "groups": [(b.params[0].shape, b.group_size) for b in optimizers["zero"].grad_buffers.buffers],
+    }
+    ps.destroy_model_parallel()
+    return result
+
+
+def _world_checks(runs: dict[str, list[str]], expert: bool) -> dict:
+    results = _zero_runs(runs)
+    if expert:
+        results["expert"] = _expert_check()
+    return results
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_on_ranks(_world_checks, 2, args=(RUNS_WORLD2, False), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_on_ranks(_world_checks, 4, args=(RUNS_WORLD4, True), timeout=500)
+
+
+def assert_same_training(got: dict, ref: dict, rel: float = 1e-6, param_rel: float = 1e-6) -> None:
+    assert got["updated"] == ref["updated"] and got["scales"] == ref["scales"]
+    assert_close_trace(got["losses"], ref["losses"], rel)
+    assert_close_trace([n for n in got["norms"] if n is not None], [n for n in ref["norms"] if n is not None], rel)
+    assert_params_close(got["params"], ref["params"], param_rel)
+
+
+@pytest.mark.parametrize("run,ref", PAIRS_WORLD2)
+def test_zero_matches_plain_data_parallel_dp2(world2, run, ref):
+    assert_same_training(world2[0][run], world2[0][ref])
+
+
+@pytest.mark.parametrize("run,ref", PAIRS_WORLD4)
+def test_zero_matches_plain_data_parallel_dp4_and_tp2_dp2(world4, run, ref):
+    assert_same_training(world4[0][run], world4[0][ref])
+
+
+def test_overlap_is_used_and_changes_nothing(world2, world4):
+    """Buckets were reduced from backward hooks, with exactly the numbers of the run without overlap."""
+    on, off = world2[0]["zero2_small_overlap"], world2[0]["zero2_small"]
+    assert on["overlapped"] == [on["buckets"]] * STEPS and on["buckets"] > 10 and not any(off["overlapped"])
+    assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
+    for name in off["params"]:
+        assert torch.equal(on["params"][name], off["params"][name]), name
+    for run in (world2[0]["zero1_small_overlap"], world2[0]["zero2_accum1_overlap"], world4[0]["tp2_zero2_overlap"]):
+        assert run["overlapped"] == [run["buckets"]] * STEPS, (run["overlapped"], run["buckets"])
+
+
+def test_fp16_overflow_skips_the_same_steps(world2):
+    got, ref = world2[0]["zero2_fp16"], world2[0]["plain_fp16"]
+    assert ref["updated"] == [False, True, False, True], ref["updated"]  # the scale halves on each overflow
+    # fp16 parameters are the fp32 masters rounded: an ulp-level master difference (norm summation order)
+    # flips the rounding of a few elements by one fp16 ulp (2**-11 relative), so parameters agree to that
+    assert_same_training(got, ref, rel=1e-5, param_rel=2**-11)
+    for rank in world2:  # every rank skipped and rescaled alike
+        assert rank["zero2_fp16"]["updated"] == ref["updated"] and rank["zero2_fp16"]["scales"] == ref["scales"]
+
+
+def test_frozen_parameters_have_no_gradient_or_state(world2):
+    for rank in world2:
+        run = rank["zero2_frozen"]
+        assert len(run["frozen"]) >= 4 and run["frozen_unchanged"] and run["frozen_without_grad_or_state"]
+
+
+def _check_memory(rank: dict, stage: int) -> None:
+    n, numel, psi, mem = rank["dp"], rank["numel"], rank["psi"], rank["memory"]
+    assert numel % n == 0 and 0 <= numel - psi < n * rank["buckets"]  # padding: < N per bucket
+    assert mem["optimizer_states"] == 12 * numel // n  # fp32 master + exp_avg + exp_avg_sq, this rank's shard
+    assert mem["params"] == 2 * numel  # bf16 model parameters, whole (ZeRO-1/2 do not shard them)
+    assert mem["grads"] == (4 * numel if stage == 1 else 4 * numel // n)  # after the step: ZeRO-2 keeps its shard
+
+
+def test_state_bytes_are_12_psi_over_dp_plus_padding(world2, world4):
+    for rank in world2:
+        plain = rank["plain_bf16"]
+        assert plain["memory"]["optimizer_states"] == 12 * plain["psi"] and plain["memory"]["grads"] == 4 * plain["psi"]
+        _check_memory(rank["zero1_bf16"], 1)
+        _check_memory(rank["zero2_bf16"], 2)
+        assert rank["zero2_bf16"]["dp"] == 2
+    for rank in world4:
+        _check_memory(rank["zero2_bf16"], 2)
+        assert rank["zero2_bf16"]["dp"] == 4
+        assert rank["tp2_zero1"]["dp"] == 2
+
+
+def test_zero2_frees_full_gradients_during_backward_without_accumulation(world2):
+    """With one micro-batch and overlap, ZeRO-2 never holds the full gradient at once; with accumulation it
+    holds it between micro-batches (one reduction per step), and only its shard after the step."""
+    single, accum = world2[0]["zero2_accum1_overlap"], world2[0]["zero2_small_overlap"]
+    assert max(single["peak_grad_numel"]) < single["numel"] / 2
+    assert min(accum["peak_grad_numel"]) == accum["numel"]
+
+
+def test_expert_parameters_use_the_expert_data_parallel_group(world4):
+    for rank in world4:
+        got = rank["expert"]
+        assert sorted(size for _, size in got["groups"]) == [2, 4]  # expert buffer over 2 ranks, dense over 4
+        assert_close_trace(got["norms"]["zero"], got["norms"]["plain"], 1e-6)
+        assert_params_close(got["params"]["zero"], got["params"]["plain"], 1e-6)
+    same_expert = [r["expert"] for r in world4 if r["expert"]["ep_rank"] == world4[0]["expert"]["ep_rank"]]
+    other_expert = [r["expert"] for r in world4 if r["expert"]["ep_rank"] != world4[0]["expert"]["ep_rank"]]
+    assert len(same_expert) == len(other_expert) == 2
+    first = same_expert[0]["params"]["zero"]
+    assert torch.equal(same_expert[1]["params"]["zero"]["expert.weight"], first["expert.weight"])
+    assert not torch.equal(other_expert[0]["params"]["zero"]["expert.weight"], first["expert.weight"])
+    assert torch.equal(other_expert[0]["params"]["zero"]["dense.weight"], first["dense.weight"])
