@@ -177,6 +177,10 @@ class OptimizerBase:
     def _copy_master_to_model(self) -> None:
         raise NotImplementedError
 
+    def finish_param_sync(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
+        """Wait until the model's parameters hold the last update (ZeRO may still be gathering them after
+        the step with ``overlap_param_gather``). Code reading parameters outside a forward calls this."""
+
     # -- checkpointing ------------------------------------------------------------------------------
     def state_shards(self) -> list[StateShard]:
         """Every parameter's optimizer state held here (views; see :class:`StateShard`)."""

@@ -152,14 +152,15 @@ class DistributedOptimizer(OptimizerBase):
             self.finish_param_sync()
 
     def finish_param_sync(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
-        """Wait for the parameter all-gathers in flight (those of ``params``; default all). Code that
-        reads parameters outside a forward under ``overlap_param_gather`` calls this first."""
+        """Wait for the parameter all-gathers in flight (those of ``params``; default all)."""
         for shard in self.shards:
             shard.params.wait(params)
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_shards(self) -> list[StateShard]:
-        """The optimizer state of every parameter range this rank owns (views; see :class:`StateShard`)."""
+        """The optimizer state of every parameter range this rank owns (views; see :class:`StateShard`).
+        Checkpointing reads the parameters too, so the gathers in flight are waited for first."""
+        self.finish_param_sync()
         return [
             StateShard(
                 r.name,

@@ -221,6 +221,7 @@ class Trainer:
     def save_checkpoint(self) -> Optional[str]:
         from megacann.checkpoint import save_checkpoint
 
+        self.optimizer.finish_param_sync()
         return save_checkpoint(self)
 
     def load_checkpoint(self, path: str) -> None:
