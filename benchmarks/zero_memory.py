@@ -1,6 +1,6 @@
 """ZeRO memory: measured per-rank bytes of parameters, gradients and optimizer state beside the formulas.
 
-    python benchmarks/zero_memory.py [--dp 1 2 4] [--steps 3] [--hidden 512 --layers 6 --vocab 32000]
+    python benchmarks/zero_memory.py [--dp 1 2 4] [--steps 2] [--hidden 512 --layers 6 --vocab 32000]
 
 One bf16 LLaMA of about 50M parameters, trained on random tokens by the real Trainer on ``dp`` gloo
 ranks (CPU processes, one thread each), under plain data parallelism (ZeRO-0), ZeRO-1 and ZeRO-2, with
@@ -143,7 +143,7 @@ def predicted(psi: int, n: int, stage: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--ffn", type=int, default=1408)

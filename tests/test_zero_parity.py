@@ -30,6 +30,7 @@ RUNS_WORLD2 = {
     "zero1": Z1,
     "zero2": Z2,
     "plain_small": SMALL_BUCKETS,
+    "plain_small_overlap": SMALL_BUCKETS + ["distributed.overlap_grad_reduce=true"],
     "zero1_small_overlap": Z1 + SMALL_BUCKETS + OVERLAP,
     "zero2_small": Z2 + SMALL_BUCKETS,
     "zero2_small_overlap": Z2 + SMALL_BUCKETS + OVERLAP,
@@ -318,7 +319,16 @@ def test_overlap_is_used_and_changes_nothing(world2, world4):
     assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
     for name in off["params"]:
         assert torch.equal(on["params"][name], off["params"][name]), name
-    for run in (world2[0]["zero1_small_overlap"], world2[0]["zero2_accum1_overlap"], world4[0]["tp2_zero2_overlap"]):
+    plain_on, plain_off = world2[0]["plain_small_overlap"], world2[0]["plain_small"]  # all-reduce overlaps too
+    assert plain_on["losses"] == plain_off["losses"] and plain_on["norms"] == plain_off["norms"]
+    for name in plain_off["params"]:
+        assert torch.equal(plain_on["params"][name], plain_off["params"][name]), name
+    for run in (
+        plain_on,
+        world2[0]["zero1_small_overlap"],
+        world2[0]["zero2_accum1_overlap"],
+        world4[0]["tp2_zero2_overlap"],
+    ):
         assert run["overlapped"] == [run["buckets"]] * STEPS, (run["overlapped"], run["buckets"])
 
 
