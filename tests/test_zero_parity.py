@@ -92,7 +92,7 @@ def _layout_facts(optimizer) -> dict:
     }
 
 
-def _zero_runs(runs: dict[str, list[str]]) -> dict:
+def _zero_runs(runs: dict[str, list[str]], ckpt_dir: str = "") -> dict:
     import torch.distributed as dist
     from training_helpers import SyntheticData, tiny_config
 
@@ -134,9 +134,44 @@ def _zero_runs(runs: dict[str, list[str]]) -> dict:
             hasattr(p, "main_grad") for chunk in trainer.model_chunks for p in chunk.parameters() if not p.requires_grad
         ) and not {s.name for s in trainer.optimizer.state_shards()} & set(frozen)
         record["params"] = params if dist.get_rank() == 0 else None
+        if name == RESUMED and ckpt_dir:
+            record["resume_bitwise"] = _resume_is_bitwise(trainer, ckpt_dir)
         results[name] = record
         ps.destroy_model_parallel()
     return results
+
+
+RESUMED = "zero2_small_overlap"  # also saved, reloaded into a fresh trainer and continued
+
+
+def _resume_is_bitwise(trainer, ckpt_dir: str) -> bool:
+    """Trainer.save_checkpoint / load_checkpoint (same layout) with ZeRO state: the resumed step equals
+    the uninterrupted one bit for bit."""
+    import torch.distributed as dist
+    from training_helpers import SyntheticData
+
+    from megacann import parallel_state as ps
+    from megacann.models.full_state import full_state_dict
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    cfg = trainer.cfg
+    cfg.experiment.output_dir = ckpt_dir
+    path = trainer.save_checkpoint()
+    expected = trainer.train_step()["loss"], full_state_dict(trainer.model_chunks)
+    ps.destroy_model_parallel()
+    runtime = setup_runtime(cfg)
+    data = SyntheticData(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    data.train = data._iterate(STEPS)
+    resumed = Trainer(cfg, runtime, data=data)
+    resumed.load_checkpoint(path)
+    loss = resumed.train_step()["loss"]
+    resumed.optimizer.finish_param_sync()
+    params = full_state_dict(resumed.model_chunks)
+    same = loss == expected[0] and all(torch.equal(params[n], expected[1][n]) for n in params)
+    flags = torch.tensor([float(same)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return bool(flags.item())
 
 
 def _expert_check() -> dict:
@@ -277,8 +312,8 @@ def _reshard_check() -> dict:
     return results
 
 
-def _world_checks(runs: dict[str, list[str]], world4_extras: bool) -> dict:
-    results = _zero_runs(runs)
+def _world_checks(runs: dict[str, list[str]], world4_extras: bool, ckpt_dir: str = "") -> dict:
+    results = _zero_runs(runs, ckpt_dir)
     if world4_extras:
         results["expert"] = _expert_check()
         results["reshard"] = _reshard_check()
@@ -286,8 +321,9 @@ def _world_checks(runs: dict[str, list[str]], world4_extras: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_on_ranks(_world_checks, 2, args=(RUNS_WORLD2, False), timeout=400)
+def world2(tmp_path_factory):
+    ckpt_dir = str(tmp_path_factory.mktemp("zero_ckpt"))
+    return run_on_ranks(_world_checks, 2, args=(RUNS_WORLD2, False, ckpt_dir), timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -400,3 +436,7 @@ def test_state_shards_reshard_to_other_layouts(world4):
     assert_params_close(got["plain_params"], got["source_params"], 1e-6)
     assert_close_trace(got["tp2_zero2"], got["source"], 1e-5)  # tensor parallelism sums in another order
     assert_params_close(got["tp2_zero2_params"], got["source_params"], 1e-5)
+
+
+def test_trainer_checkpoint_resumes_zero_bitwise(world2):
+    assert world2[0][RESUMED]["resume_bitwise"]
