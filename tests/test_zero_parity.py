@@ -158,7 +158,9 @@ def _resume_is_bitwise(trainer, ckpt_dir: str) -> bool:
     cfg = trainer.cfg
     cfg.experiment.output_dir = ckpt_dir
     path = trainer.save_checkpoint()
-    expected = trainer.train_step()["loss"], full_state_dict(trainer.model_chunks)
+    loss = trainer.train_step()["loss"]
+    trainer.optimizer.finish_param_sync()  # overlap_param_gather: the step's gathers may still be running
+    expected = loss, full_state_dict(trainer.model_chunks)
     ps.destroy_model_parallel()
     runtime = setup_runtime(cfg)
     data = SyntheticData(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
