@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from typing import Optional, TextIO
 
-from megacann.config import MegacannConfig
+from megacann.config import MegacannConfig, pipeline_bubble_fraction
 from megacann.models.sizing import num_parameters, padded_vocab_size
-from megacann.parallel_state import rank_layout
+from megacann.parallel_state import RankLayout, rank_layout
+from megacann.pipeline.partition import stage_layer_ids
 
 GROUP_TITLES = (
     ("tp", "tensor-parallel"),
@@ -25,6 +26,56 @@ def _fmt_int(n: int) -> str:
 
 def _fmt_groups(groups: list[list[int]]) -> str:
     return " ".join("[" + ",".join(str(r) for r in g) + "]" for g in groups)
+
+
+def _fmt_ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> '0-3,8'."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)
+
+
+def _fmt_layers(ids: list[int]) -> str:
+    if not ids:
+        return "no layers"
+    return f"layer {ids[0]}" if len(ids) == 1 else f"layers {ids[0]}-{ids[-1]}"
+
+
+def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
+    """Which layers (and embedding, final norm, head) each pipeline stage and virtual chunk holds."""
+    d, m = cfg.distributed, cfg.model
+    pp, vpp, micro = d.pipeline_parallel_size, d.virtual_pipeline_size or 1, cfg.optim.grad_accum_steps
+    if pp == 1:
+        schedule = "no pipelining (gradient accumulation)"
+    else:
+        name = f"interleaved 1F1B, {vpp} chunks per stage" if vpp > 1 else "1F1B"
+        schedule = f"{name}, {micro} micro-batches, bubble {pipeline_bubble_fraction(pp, micro, vpp):.1%}"
+    lines = [f"-- pipeline: {pp} stage{'s' if pp > 1 else ''}, {schedule}"]
+    tied = m.tie_word_embeddings
+    for stage in range(pp):
+        ranks = sorted(group[stage] for group in layout.groups["pp"])
+        chunks = []
+        for chunk in range(vpp):
+            parts = []
+            if stage == 0 and chunk == 0:
+                parts.append("embedding" + (" + positions" if m.type == "gpt" else ""))
+            parts.append(_fmt_layers(stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, d.pipeline_layers)))
+            if stage == pp - 1 and chunk == vpp - 1:
+                if not tied:
+                    head = "lm_head"
+                elif pp == 1:
+                    head = "lm_head = embedding (tied)"
+                else:
+                    head = "lm_head (copy of stage 0's tied embedding, gradients summed over the embedding group)"
+                parts += ["final norm", head, "loss"]
+            chunks.append((f"chunk {chunk}: " if vpp > 1 else "") + ", ".join(parts))
+        lines.append(f"stage {stage} (ranks {_fmt_ranks(ranks)}): " + " | ".join(chunks))
+    return lines
 
 
 def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
@@ -55,6 +106,7 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
         f"{cfg.optim.grad_accum_steps} = global batch {cfg.global_batch_size} sequences "
         f"({_fmt_int(tokens)} tokens at seq_length {cfg.data.seq_length})",
     ]
+    lines += describe_pipeline(cfg, layout)
     lines.append("-- model")
     if m.vocab_size:
         total = num_parameters(m)

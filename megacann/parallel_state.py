@@ -332,7 +332,8 @@ def get_embedding_group_ranks() -> list[int]:
 
 
 def is_rank_in_embedding_group() -> bool:
-    return _STATE is None or _STATE.rank in _ranks("embedding")
+    """True on the first and last pipeline stage (middle stages belong to no embedding group)."""
+    return _STATE is None or any(_STATE.rank in group for group in _STATE.layout.groups["embedding"])
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:

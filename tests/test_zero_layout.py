@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megacann.optimizer.finalize import SHARED_EMBEDDING_ATTR
+from megacann.layers.sharding import SHARED_EMBEDDING_ATTR
 from megacann.optimizer.grad_buffer import GradBuffer, GradBuffers
 from megacann.optimizer.sharded_grad_buffer import ShardedGradBuffer
 from megacann.optimizer.zero_layout import owned_range, shard_ranges

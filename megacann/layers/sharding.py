@@ -14,6 +14,11 @@ checkpoint resharding and Hugging Face export read it, so none of them needs a c
 - ``expert``: an expert-parallel parameter (reduced over the expert-data-parallel group);
 - ``full_shape``: the shape of the whole, unsharded tensor.
 
+Two more marks, for parameters that exist on two pipeline stages (the word embedding of the first stage
+and its tied copy, the output layer of the last): both carry ``SHARED_EMBEDDING_ATTR`` (gradients summed
+over the embedding group, so the two stay equal), and the copy carries ``DUPLICATE_ATTR`` (counted once in
+the gradient norm; not a tensor of its own in a consolidated state). See :func:`mark_tied_across_stages`.
+
 The module also initialises a full tensor and slices it, so every layout starts from the same weights
 as one process.
 """
@@ -27,6 +32,8 @@ import torch
 
 SHARDING_ATTR = "megacann_sharding"
 INIT_ATTR = "megacann_init"
+SHARED_EMBEDDING_ATTR = "megacann_shared_embedding"  # tied across pipeline stages: grads summed over them
+DUPLICATE_ATTR = "megacann_duplicate"  # the other stage's copy of a tied parameter
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -66,6 +73,19 @@ def get_sharding(param: torch.Tensor) -> ParamSharding:
 def mark_partial_grad(param: torch.Tensor) -> torch.Tensor:
     """Flag a TP-replicated parameter whose gradient each TP rank computes only in part."""
     return set_sharding(param, replace(get_sharding(param), tp_partial_grad=True))
+
+
+def mark_tied_across_stages(param: torch.Tensor, duplicate: bool) -> torch.Tensor:
+    """Flag a parameter tied between the first and last pipeline stage; ``duplicate`` marks the copy."""
+    setattr(param, SHARED_EMBEDDING_ATTR, True)
+    if duplicate:
+        setattr(param, DUPLICATE_ATTR, True)
+    return param
+
+
+def is_duplicate(param: torch.Tensor) -> bool:
+    """True for the last stage's copy of a tied parameter (another rank holds the original)."""
+    return bool(getattr(param, DUPLICATE_ATTR, False))
 
 
 def _blocks(sharding: ParamSharding) -> tuple[int, ...]:

@@ -7,6 +7,10 @@ or LayerNorm + learned positions + GELU). A pipeline stage holds the embedding o
 stage (``pre_process``), the head only if it is the last (``post_process``), and the layers whose
 *global* indices it is given; layers are stored under their global index (``layers.17.…``), so
 parameter names, initialisation and checkpoints do not depend on the parallel layout.
+
+Tied input/output embeddings split over stages: the last stage holds a copy as ``lm_head.weight``,
+initialised from the name ``embed_tokens.weight``; both are marked with ``mark_tied_across_stages`` so
+the optimizer sums their gradients over the embedding group and counts the copy once in norms.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from megacann.layers import (
     vocab_parallel_cross_entropy,
 )
 from megacann.layers import copy_to_tensor_model_parallel_region as copy_to_tp
-from megacann.layers.sharding import INIT_ATTR, init_sharded_
+from megacann.layers.sharding import INIT_ATTR, init_sharded_, mark_tied_across_stages
 
 # A parameter that must start equal to another one (the last stage's copy of a tied embedding) names
 # that parameter in this attribute; initialisation seeds from the named one.
@@ -119,6 +123,8 @@ class DecoderLM(torch.nn.Module):
                 sequence_parallel=self.sequence_parallel,
                 **common,
             )
+            if cfg.tie_word_embeddings and not post_process:  # the last stage holds a copy (lm_head)
+                mark_tied_across_stages(self.embed_tokens.weight, duplicate=False)
             if cfg.type == "gpt":
                 self.embed_positions = make_parameter(
                     (cfg.max_position_embeddings, h),
@@ -158,6 +164,7 @@ class DecoderLM(torch.nn.Module):
                     weight[max(0, cfg.vocab_size - tp_rank * weight.shape[0]) :].zero_()
                 if cfg.tie_word_embeddings:  # last stage's copy of the first stage's embedding
                     setattr(weight, INIT_NAME_ATTR, "embed_tokens.weight")
+                    mark_tied_across_stages(weight, duplicate=True)
 
     # -- forward ------------------------------------------------------------------------------------
     def output_weight(self) -> torch.Tensor:

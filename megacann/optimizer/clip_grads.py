@@ -9,16 +9,16 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.layers.sharding import get_sharding
+from megacann.layers.sharding import DUPLICATE_ATTR, get_sharding, is_duplicate
 
 # A parameter that duplicates another rank's (the tied output embedding on the last pipeline stage)
-# carries this attribute set to True and is left out of the norm so it is counted once.
-DUPLICATE_ATTR = "megacann_duplicate"
+# carries DUPLICATE_ATTR set to True and is left out of the norm so it is counted once.
+__all__ = ["DUPLICATE_ATTR", "clip_grads_", "counts_toward_norm", "global_grad_norm"]
 
 
 def counts_toward_norm(param: torch.nn.Parameter) -> bool:
     """Each gradient element is counted on exactly one rank of the tensor/pipeline grid."""
-    if getattr(param, DUPLICATE_ATTR, False):
+    if is_duplicate(param):
         return False
     return get_sharding(param).is_tensor_parallel or ps.get_tensor_model_parallel_rank() == 0
 

@@ -9,11 +9,12 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.layers.sharding import get_sharding
+from megacann.layers.sharding import SHARED_EMBEDDING_ATTR, get_sharding
 
 # Parameters tied across pipeline stages (the word embedding used by the first and last stage) carry
-# this attribute; their gradients are summed over the embedding group.
-SHARED_EMBEDDING_ATTR = "megacann_shared_embedding"
+# SHARED_EMBEDDING_ATTR (set by megacann.layers.sharding.mark_tied_across_stages); their gradients are
+# summed over the embedding group.
+__all__ = ["SHARED_EMBEDDING_ATTR", "finalize_model_grads", "reduce_shared_embedding_grads"]
 
 
 GradOf = Callable[[torch.nn.Parameter], torch.Tensor]

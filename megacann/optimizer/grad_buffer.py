@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.layers.sharding import get_sharding
-from megacann.optimizer.finalize import SHARED_EMBEDDING_ATTR
+from megacann.layers.sharding import SHARED_EMBEDDING_ATTR, get_sharding
 from megacann.pipeline.microbatches import is_last_micro_batch_backward
 
 

@@ -3,18 +3,29 @@
 Every schedule has the same signature and returns the sum of per-token losses of the micro-batches it ran
 (on the last pipeline stage; zero elsewhere). Each micro-batch's loss is divided by ``loss_normalizer``
 (the number of target tokens in the whole global batch) and multiplied by the loss scale before backward,
-so gradient accumulation and data-parallel summation give exactly the gradient of one big batch. The
-backward of the last micro-batch runs inside ``last_micro_batch_backward()`` (see ``microbatches``).
+so gradient accumulation and data-parallel summation give exactly the gradient of one big batch.
+Each model chunk's last backward of the step runs inside ``last_micro_batch_backward()`` (see
+:mod:`megacann.pipeline.microbatches`), so gradient reductions may overlap it.
+
+All schedules run a plan (:mod:`megacann.pipeline.plan`) with one executor, :func:`run_plan`: no
+pipelining is a plan without transfers, 1F1B and interleaved 1F1B add the transfers of
+:mod:`megacann.pipeline.p2p`. ``forward_only=True`` runs forwards alone (evaluation).
 """
 
 from __future__ import annotations
 
+import functools
+from collections import deque
 from typing import Callable, Optional
 
 import torch
 
+from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
+from megacann.pipeline import p2p
 from megacann.pipeline.microbatches import last_micro_batch_backward
+from megacann.pipeline.plan import Action, Backward, Exchange, Forward, build_plan
+from megacann.pipeline.timeline import Timeline
 
 ForwardBackward = Callable[..., torch.Tensor]
 
@@ -30,6 +41,128 @@ def forward_step(model: torch.nn.Module, batch: dict, input_tensor: Optional[tor
     )
 
 
+class _Queues:
+    """Tensors of one stage between actions: received inputs and output gradients, and saved forwards,
+    per chunk, oldest first; the latest output and input gradient waiting to be sent."""
+
+    def __init__(self, num_chunks: int):
+        self.inputs: list[deque] = [deque() for _ in range(num_chunks)]
+        self.grads: list[deque] = [deque() for _ in range(num_chunks)]
+        self.saved: list[deque] = [deque() for _ in range(num_chunks)]
+        self.to_next: Optional[torch.Tensor] = None
+        self.to_prev: Optional[torch.Tensor] = None
+
+    def take(self, queue: deque, what: str, chunk: int) -> torch.Tensor:
+        if not queue:
+            raise RuntimeError(f"pipeline schedule: no {what} for model chunk {chunk} (a plan bug)")
+        return queue.popleft()
+
+    def leftovers(self) -> int:
+        return sum(len(q) for q in self.inputs + self.grads + self.saved)
+
+
+def run_plan(
+    plan: list[Action],
+    model_chunks: list[torch.nn.Module],
+    micro_batches: list[dict],
+    *,
+    loss_normalizer: float,
+    loss_scale: float = 1.0,
+    forward_only: bool = False,
+    tensor_shape: Optional[tuple[int, ...]] = None,
+    timeline: Optional[Timeline] = None,
+) -> torch.Tensor:
+    """Execute one stage's plan; returns the sum of per-token losses (zero off the last stage).
+
+    ``tensor_shape`` is the shape of the activations passed between stages (needed when the plan has
+    transfers); they travel in the dtype of the model's parameters.
+    """
+    stages, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    num_chunks = len(model_chunks)
+    param = next(model_chunks[0].parameters(), None)
+    dtype = param.dtype if param is not None else torch.float32
+    device = param.device if param is not None else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    queues = _Queues(num_chunks)
+    virtual = num_chunks > 1
+    saved_virtual_rank = ps.get_virtual_pipeline_model_parallel_rank()
+    last_backward = {action.chunk: action for action in plan if isinstance(action, Backward)}
+
+    def model_first(chunk: int) -> bool:
+        return stage == 0 and chunk == 0
+
+    def model_last(chunk: int) -> bool:
+        return stage == stages - 1 and chunk == num_chunks - 1
+
+    def forward(action: Forward) -> None:
+        nonlocal total
+        c = action.chunk
+        x = None if model_first(c) else queues.take(queues.inputs[c], "received activation", c)
+        with Timeline.span_of(timeline, "forward"), torch.set_grad_enabled(not forward_only):
+            out = forward_step(model_chunks[c], micro_batches[action.micro_batch], x)
+            if model_last(c):
+                loss_sum = out.sum()
+                total = total + loss_sum.detach().float()
+                out = loss_sum * (loss_scale / loss_normalizer)
+        if not model_last(c):
+            queues.to_next = out
+        if not forward_only:
+            queues.saved[c].append((x, out))
+
+    def backward(action: Backward) -> None:
+        c = action.chunk
+        x, out = queues.take(queues.saved[c], "saved forward", c)
+        grad = None if model_last(c) else queues.take(queues.grads[c], "received gradient", c)
+        with Timeline.span_of(timeline, "backward"), last_micro_batch_backward(action == last_backward[c]):
+            torch.autograd.backward(out, grad_tensors=grad)
+        queues.to_prev = x.grad if x is not None else None
+
+    def transfer(action: Exchange) -> None:
+        if tensor_shape is None:
+            raise ValueError("a pipeline schedule needs tensor_shape (p2p.activation_shape) to transfer activations")
+        send_next = queues.to_next if action.send_forward else None
+        send_prev = queues.to_prev if action.send_backward else None
+        if (action.send_forward and send_next is None) or (action.send_backward and send_prev is None):
+            raise RuntimeError(f"pipeline schedule: {action} has nothing to send (a plan bug)")
+        activation, gradient = p2p.exchange(
+            shape=tensor_shape,
+            dtype=dtype,
+            device=device,
+            send_next=send_next,
+            send_prev=send_prev,
+            recv_prev=action.recv_forward is not None,
+            recv_next=action.recv_backward is not None,
+            timeline=timeline,
+        )
+        if action.send_forward:
+            queues.to_next = None
+        if action.send_backward:
+            queues.to_prev = None
+        if activation is not None:
+            queues.inputs[action.recv_forward].append(activation.requires_grad_(not forward_only))
+        if gradient is not None:
+            queues.grads[action.recv_backward].append(gradient)
+
+    try:
+        with Timeline.run_of(timeline):
+            for action in plan:
+                if isinstance(action, Exchange):
+                    transfer(action)
+                    continue
+                if virtual:
+                    ps.set_virtual_pipeline_model_parallel_rank(action.chunk)
+                if isinstance(action, Forward):
+                    forward(action)
+                else:
+                    backward(action)
+    finally:
+        if virtual and saved_virtual_rank is not None:
+            ps.set_virtual_pipeline_model_parallel_rank(saved_virtual_rank)
+    if queues.leftovers():
+        raise RuntimeError(f"pipeline schedule: {queues.leftovers()} tensors left unused at the end (a plan bug)")
+    return total
+
+
 def forward_backward_no_pipelining(
     model_chunks: list[torch.nn.Module],
     micro_batches: list[dict],
@@ -37,23 +170,61 @@ def forward_backward_no_pipelining(
     loss_normalizer: float,
     loss_scale: float = 1.0,
     forward_only: bool = False,
+    timeline: Optional[Timeline] = None,
 ) -> torch.Tensor:
     """Plain gradient accumulation over micro-batches on one stage."""
-    (model,) = model_chunks
-    total = torch.zeros((), dtype=torch.float32)
-    for index, batch in enumerate(micro_batches):
-        with torch.set_grad_enabled(not forward_only):
-            token_losses = forward_step(model, batch)
-            loss_sum = token_losses.sum()
-        if not forward_only:
-            with last_micro_batch_backward(index == len(micro_batches) - 1):
-                (loss_sum * (loss_scale / loss_normalizer)).backward()
-        total = total.to(loss_sum.device) + loss_sum.detach().float()
-    return total
+    if len(model_chunks) != 1:
+        raise ValueError(f"no pipelining runs one model chunk, got {len(model_chunks)}")
+    plan = build_plan(1, 0, len(micro_batches), forward_only=forward_only)
+    return run_plan(
+        plan,
+        model_chunks,
+        micro_batches,
+        loss_normalizer=loss_normalizer,
+        loss_scale=loss_scale,
+        forward_only=forward_only,
+        timeline=timeline,
+    )
+
+
+def forward_backward_pipelining(
+    model_chunks: list[torch.nn.Module],
+    micro_batches: list[dict],
+    *,
+    loss_normalizer: float,
+    loss_scale: float = 1.0,
+    forward_only: bool = False,
+    tensor_shape: tuple[int, ...],
+    timeline: Optional[Timeline] = None,
+) -> torch.Tensor:
+    """1F1B over this rank's pipeline, interleaved when the rank holds several model chunks (one per
+    virtual stage; then the number of micro-batches must be a multiple of the pipeline size)."""
+    stages = ps.get_pipeline_model_parallel_world_size()
+    virtual = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if len(model_chunks) != virtual:
+        raise ValueError(
+            f"this rank holds {len(model_chunks)} model chunks, virtual_pipeline_size is {virtual}: "
+            "build them with megacann.models.build_model_chunks"
+        )
+    plan = build_plan(stages, ps.get_pipeline_model_parallel_rank(), len(micro_batches), virtual, forward_only)
+    return run_plan(
+        plan,
+        model_chunks,
+        micro_batches,
+        loss_normalizer=loss_normalizer,
+        loss_scale=loss_scale,
+        forward_only=forward_only,
+        tensor_shape=tensor_shape,
+        timeline=timeline,
+    )
 
 
 def get_forward_backward_func(cfg: MegacannConfig) -> ForwardBackward:
-    """The schedule the recipe asks for."""
-    if cfg.distributed.pipeline_parallel_size > 1:
-        raise NotImplementedError("pipeline_parallel_size > 1 needs the pipeline schedules (not implemented yet)")
-    return forward_backward_no_pipelining
+    """The schedule the recipe asks for: no pipelining, 1F1B, or interleaved 1F1B (virtual_pipeline_size)."""
+    d = cfg.distributed
+    if d.pipeline_parallel_size == 1:
+        return forward_backward_no_pipelining
+    shape = p2p.activation_shape(
+        cfg.data.batch_size, cfg.data.seq_length, cfg.model.hidden_size, d.sequence_parallel, d.tensor_parallel_size
+    )
+    return functools.partial(forward_backward_pipelining, tensor_shape=shape)

@@ -1,4 +1,4 @@
-"""Start one rank: device, collectives, model-parallel groups and seeds, as the recipe says."""
+"""Start one rank: device, collectives, model-parallel groups, seeds and the failure monitor, as the recipe says."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.accelerator import Accelerator, get_accelerator
 from megacann.config import MegacannConfig, validate
+from megacann.training.failure import start_failure_monitor, stop_failure_monitor
 
 
 @dataclass
@@ -53,10 +54,12 @@ def setup_runtime(cfg: MegacannConfig) -> Runtime:
             expert_model_parallel_size=d.expert_parallel_size,
         )
     seed_everything(cfg.seed)
+    start_failure_monitor(rank, world, d.timeout_minutes)
     return Runtime(accelerator, accelerator.current_device(), rank, world, local_rank)
 
 
 def shutdown_runtime() -> None:
+    stop_failure_monitor()
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

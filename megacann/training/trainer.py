@@ -20,7 +20,8 @@ from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.models import build_model_chunks, flops_per_token
 from megacann.optimizer import LRSchedule, build_optimizer
-from megacann.pipeline import get_forward_backward_func
+from megacann.pipeline import Timeline, get_forward_backward_func
+from megacann.training.failure import guarded
 from megacann.training.metrics import MetricsLogger
 from megacann.training.runtime import Runtime, setup_runtime
 
@@ -66,6 +67,8 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)
         self.schedule = LRSchedule.from_config(cfg.optim)
         self.forward_backward = get_forward_backward_func(cfg)
+        # logging.timers: per-stage forward/backward/transfer-wait seconds of each step, in the metrics
+        self.timeline = Timeline(self.runtime.accelerator.synchronize) if cfg.logging.timers else None
         self.state = TrainState()
         self.is_logging_rank = self.runtime.is_main
         self.metrics = MetricsLogger(cfg, enabled=self.is_logging_rank)
@@ -105,9 +108,25 @@ class Trainer:
         _sum_over(value, ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group())
         return float(value.item() / max(1.0, num_tokens.item()))
 
+    def _stage_timers(self) -> dict[str, list[float]]:
+        """The last step's timeline of every pipeline stage (stage 0 first), known on every rank."""
+        assert self.timeline is not None
+        summary = self.timeline.summary()
+        keys = sorted(summary)
+        local = torch.tensor([summary[k] for k in keys], dtype=torch.float32, device=self.device)
+        rows = [local]
+        group = ps.get_pipeline_model_parallel_group()
+        if group is not None and dist.get_world_size(group) > 1:
+            rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(rows, local, group=group)
+        return {k: [round(float(row[i]), 6) for row in rows] for i, k in enumerate(keys)}
+
     # -- one step -----------------------------------------------------------------------------------
+    @guarded
     def train_step(self) -> dict[str, Any]:
-        """One optimizer update over grad_accum_steps micro-batches per data-parallel rank."""
+        """One optimizer update over grad_accum_steps micro-batches per data-parallel rank.
+
+        An error on any rank ends every rank promptly, naming the failing one (see training.failure)."""
         for chunk in self.model_chunks:
             chunk.train()
         micro_batches = self._next_micro_batches()
@@ -115,11 +134,15 @@ class Trainer:
         lr = self.schedule.lr_at(self.state.step)
         self.optimizer.zero_grad()
         self.optimizer.set_lr(lr)
+        timing = {"timeline": self.timeline} if self.timeline is not None else {}
+        if self.timeline is not None:
+            self.timeline.reset()
         loss_sum = self.forward_backward(
             self.model_chunks,
             micro_batches,
             loss_normalizer=float(num_tokens.item()),
             loss_scale=self.optimizer.loss_scale,
+            **timing,
         )
         self.optimizer.finalize_grads()
         updated, grad_norm = self.optimizer.step()
@@ -127,14 +150,18 @@ class Trainer:
         self.state.consumed_samples += self.cfg.global_batch_size
         if not updated:
             self.state.skipped_steps += 1
-        return {
+        result = {
             "loss": self._global_loss(loss_sum, num_tokens),
             "grad_norm": grad_norm,
             "lr": lr,
             "num_tokens": int(num_tokens.item()),
             "updated": updated,
         }
+        if self.timeline is not None:
+            result["stage_timers"] = self._stage_timers()
+        return result
 
+    @guarded
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:
         """Loss and perplexity on the held-out split (eval_iters global batches), or None without one."""
@@ -174,6 +201,8 @@ class Trainer:
             "step_time": step_time,
             "consumed_samples": self.state.consumed_samples,
         }
+        if "stage_timers" in step_metrics:  # per pipeline stage: forward_s, backward_s, *_wait_s, idle_fraction
+            record["stage_timers"] = step_metrics["stage_timers"]
         if self.peak_flops:
             record["mfu"] = tps * self.flops_per_token / (self.runtime.world_size * self.peak_flops)
         if cfg.model.precision == "fp16":

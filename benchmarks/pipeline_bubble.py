@@ -1,0 +1,155 @@
+"""Pipeline bubble: measured idle fraction per stage next to the theoretical one, on CPU with gloo.
+
+    python benchmarks/pipeline_bubble.py [--micro_batches 8] [--steps 2] [--layers 8] [--hidden 256]
+
+For pp 2 and 4, each with 1F1B and interleaved 1F1B (2 virtual stages), one process per stage trains a
+small LLaMA with ``logging.timers: true``; after a warm-up step, every stage's forward, backward and
+transfer-wait seconds are summed over the measured steps. Idle = 1 - (forward + backward) / wall time of
+the schedule. Theory: (p - 1)/(m + p - 1) for 1F1B and ((p - 1)/v)/(m + (p - 1)/v) interleaved; "ideal"
+is the same plan simulated with this run's forward and backward times and free transfers.
+
+Each process is single-threaded. With fewer cores than stages the stages share cores: the steady state,
+when all stages compute, runs slower than the warm-up and cool-down, so the measured bubble is then
+smaller than theory; give the run at least as many idle cores as stages for figures comparable to a
+cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CASES = [(2, None), (2, 2), (4, None), (4, 2)]  # (pipeline size, virtual stages)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _synthetic_batches(cfg, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    b, s, vocab = cfg.data.batch_size, cfg.data.seq_length, cfg.model.vocab_size
+    while True:
+        rows = torch.randint(0, vocab, (b, s + 1), generator=g)
+        yield {"tokens": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+
+
+class _Data:
+    def __init__(self, cfg):
+        self.train = _synthetic_batches(cfg, 0)
+
+    def valid(self):
+        return None
+
+
+def _stage(rank: int, world: int, port: int, args: argparse.Namespace, virtual, results) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    os.environ["MEGACANN_DEVICE"] = "cpu"
+    import warnings
+
+    import torch
+
+    from megacann.config import config_from_dict, validate
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    cfg = config_from_dict(
+        {
+            "experiment": {"name": "pipeline_bubble", "output_dir": "/tmp/megacann-pipeline-bubble"},
+            "model": {
+                "type": "llama",
+                "precision": "fp32",
+                "hidden_size": args.hidden,
+                "num_layers": args.layers,
+                "num_attention_heads": 4,
+                "ffn_hidden_size": 2 * args.hidden,
+                "vocab_size": 512,
+                "max_position_embeddings": args.seq_length,
+            },
+            "data": {"seq_length": args.seq_length, "batch_size": args.micro_batch},
+            "optim": {"grad_accum_steps": args.micro_batches, "max_steps": args.steps + 1},
+            "distributed": {"pipeline_parallel_size": world, "virtual_pipeline_size": virtual},
+            "logging": {"timers": True, "ckpt_interval": 0},
+        }
+    )
+    validate(cfg, world_size=world)
+    trainer = Trainer(cfg, setup_runtime(cfg), data=_Data(cfg))
+    trainer.train_step()  # warm-up
+    totals: dict[str, list[float]] = {}
+    for _ in range(args.steps):
+        for key, per_stage in trainer.train_step()["stage_timers"].items():
+            totals[key] = [a + b for a, b in zip(totals.get(key, [0.0] * world), per_stage)]
+    if rank == 0:
+        results.put(totals)
+    torch.distributed.destroy_process_group()
+
+
+def measure(pp: int, virtual, args: argparse.Namespace) -> dict[str, list[float]]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_stage, args=(r, pp, port, args, virtual, results)) for r in range(pp)]
+    for p in procs:
+        p.start()
+    totals = results.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--micro_batches", type=int, default=8, help="grad_accum_steps m (a multiple of 4)")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq_length", type=int, default=128)
+    parser.add_argument("--micro_batch", type=int, default=4)
+    parser.add_argument("--cases", nargs="*", default=None, help="e.g. 2 2v2 4 4v2 (pp, optionally v virtual stages)")
+    args = parser.parse_args()
+    cases = CASES
+    if args.cases:
+        cases = [(int(c.split("v")[0]), int(c.split("v")[1]) if "v" in c else None) for c in args.cases]
+
+    from megacann.config import pipeline_bubble_fraction
+    from megacann.pipeline import simulate_schedule
+
+    m = args.micro_batches
+    print(
+        f"pipeline bubble on CPU/gloo: {os.cpu_count()} cores, llama {args.layers} layers hidden {args.hidden}, "
+        f"micro-batch {args.micro_batch} x seq {args.seq_length}, m = {m} micro-batches, {args.steps} measured steps"
+    )
+    print(f"{'pp':>3} {'schedule':<16} {'stage':>5} {'fwd s':>7} {'bwd s':>7} {'recv s':>7} {'send s':>7} "
+          f"{'idle':>7} {'ideal':>7} {'theory':>7}")  # fmt: skip
+    for pp, virtual in cases:
+        totals = measure(pp, virtual, args)
+        v = virtual or 1
+        actions = pp * m * v * args.steps  # forwards (and backwards) run by all stages together
+        forward, backward = sum(totals["forward_s"]) / actions, sum(totals["backward_s"]) / actions
+        ideal = simulate_schedule(pp, m, virtual, forward_time=forward, backward_time=backward)
+        theory = pipeline_bubble_fraction(pp, m, virtual)
+        name = f"interleaved v={v}" if virtual else "1F1B"
+        for stage in range(pp):
+            print(
+                f"{pp:>3} {name:<16} {stage:>5} {totals['forward_s'][stage]:>7.2f} {totals['backward_s'][stage]:>7.2f} "
+                f"{totals['recv_wait_s'][stage]:>7.2f} {totals['send_wait_s'][stage]:>7.2f} "
+                f"{1 - (totals['forward_s'][stage] + totals['backward_s'][stage]) / totals['wall_s'][stage]:>7.1%} "
+                f"{ideal.idle_fraction(stage):>7.1%} {theory:>7.1%}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Training tokens/s: megacann's trainer vs transformers' LlamaForCausalLM with torch.optim.AdamW.
+
+Same model shape, same batch, same threads, same device, in one process, alternating rounds so both see
+the same machine state. A step is forward, backward, global-norm clipping (1.0) and an AdamW update.
+
+    python benchmarks/train_vs_transformers.py                          # CPU, d512 x 8 layers, seq 512, mb 8
+    python benchmarks/train_vs_transformers.py --device cuda --preset 1.1B --precision bf16
+
+bf16: megacann keeps bf16 weights with fp32 master weights and fp32 gradient accumulation; transformers
+runs under torch.autocast(bf16) with fp32 weights (the usual mixed precision for a HF model). On CUDA
+transformers' AdamW uses the fused kernel too; on CPU it uses torch's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megacann.config import config_from_dict, validate
+
+
+def megacann_trainer(args, precision: str):
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    raw = {
+        "model": {
+            "type": "llama",
+            "precision": precision,
+            "hidden_size": args.hidden,
+            "num_layers": args.layers,
+            "num_attention_heads": args.heads,
+            "num_key_value_heads": args.kv_heads,
+            "ffn_hidden_size": args.ffn,
+            "vocab_size": args.vocab,
+            "max_position_embeddings": args.seq,
+        },
+        "data": {"seq_length": args.seq, "batch_size": args.micro_batch},
+        "optim": {"lr": 1e-4, "max_steps": 10_000, "clip_grad": 1.0, "weight_decay": 0.1},
+        "distributed": {"device": args.device},
+    }
+    cfg = config_from_dict(raw)
+    validate(cfg, world_size=1)
+    batch = fixed_batch(args)
+
+    class Data:
+        train = iter(lambda: {"tokens": batch, "labels": batch}, None)
+
+        @staticmethod
+        def valid():
+            return None
+
+    trainer = Trainer(cfg, setup_runtime(cfg), data=Data())
+    return trainer.train_step
+
+
+def hf_step(args, precision: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=args.seq,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(args.device).train()
+    fused = {"fused": True} if args.device != "cpu" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **fused)
+    batch = fixed_batch(args).to(args.device)
+
+    def step():
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def fixed_batch(args) -> torch.Tensor:
+    return torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(step, n: int, device: str) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    synchronize(device)
+    return (time.perf_counter() - start) / n
+
+
+PRESETS = {
+    # the issue's CPU shape
+    "cpu": dict(hidden=512, layers=8, heads=8, kv_heads=8, ffn=1376, vocab=32000, seq=512, micro_batch=8),
+    # REFERENCE.md's GPU anchor shape (TinyLlama 1.1B), seq 2048, micro-batch 8
+    "1.1B": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, seq=2048, micro_batch=8),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="model shape and batch")
+    for key in PRESETS["cpu"]:
+        parser.add_argument(f"--{key}", type=int, default=None, help="overrides the preset")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per system")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    args = parser.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def flops_per_token(args) -> float:
+    """PaLM formula (REFERENCE.md §4), as megacann.models.sizing computes it."""
+    from megacann.config import ModelConfig
+    from megacann.models.sizing import flops_per_token as palm
+
+    cfg = ModelConfig(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        ffn_hidden_size=args.ffn,
+        vocab_size=args.vocab,
+    )
+    return palm(cfg, args.seq)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    tokens = args.micro_batch * args.seq
+    print(
+        f"LLaMA d{args.hidden} x {args.layers} layers, heads {args.heads}/{args.kv_heads}, ffn {args.ffn}, "
+        f"vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro_batch}, {args.threads} threads, torch {torch.__version__}"
+    )
+    results = {}
+    for precision in args.precision:
+        systems = {"transformers": hf_step(args, precision), "megacann": megacann_trainer(args, precision)}
+        for step in systems.values():  # warm-up
+            step()
+        times: dict[str, list[float]] = {name: [] for name in systems}
+        for _ in range(args.rounds):
+            for name, step in systems.items():
+                times[name].append(timed(step, args.steps, args.device))
+        row = {name: tokens / statistics.median(t) for name, t in times.items()}
+        results[precision] = row
+        ratio = row["megacann"] / row["transformers"]
+        tflops = {name: tps * flops_per_token(args) / 1e12 for name, tps in row.items()}
+        print(
+            f"{precision}: transformers {row['transformers']:,.0f} tok/s ({tflops['transformers']:.1f} TFLOP/s) | "
+            f"megacann {row['megacann']:,.0f} tok/s ({tflops['megacann']:.1f} TFLOP/s) | ratio {ratio:.2f}x",
+            flush=True,
+        )
+        del systems
+        from megacann.training.runtime import shutdown_runtime
+
+        shutdown_runtime()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+if __name__ == "__main__":
+    main()

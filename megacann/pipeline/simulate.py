@@ -1,0 +1,212 @@
+"""Run the plans of every stage of a pipeline in Python, without tensors: check them and time them.
+
+The model of communication is the strictest of the backends: the transfers between two ranks form one
+ordered stream per pair (as NCCL and HCCL run them), so the k-th transfer one end posts to the other must be
+the counterpart of the k-th the other end posts (a send against a receive of the same kind). A transfer
+completes when both ends have posted it; an Exchange completes when all of its transfers have. Forward and
+backward take fixed times and transfers none, which gives the schedule's ideal timeline and bubble.
+
+:func:`simulate` raises :class:`PlanError` when the plans would deadlock, mismatch a transfer, feed a
+chunk the wrong micro-batch or leave work undone; tests run it over many pipeline shapes in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from megacann.pipeline.p2p import EVEN_ORDER, ODD_ORDER
+from megacann.pipeline.plan import Action, Exchange, Forward, build_plan
+
+
+class PlanError(RuntimeError):
+    """The plans of a pipeline are inconsistent (would hang or deliver a tensor to the wrong place)."""
+
+
+@dataclass
+class SimulationResult:
+    makespan: float  # time until the last stage finishes
+    busy: list[float]  # forward + backward time per stage
+    finish: list[float]  # time each stage finishes
+
+    def idle_fraction(self, stage: int) -> float:
+        return 1.0 - self.busy[stage] / self.makespan
+
+
+@dataclass
+class _Op:
+    send: bool
+    kind: str  # "activation" | "gradient"
+    label: Optional[tuple[int, int, int]]  # (stage, chunk, micro-batch) of what a send carries
+    chunk: Optional[int] = None  # where a receive goes
+    posted: float = 0.0
+    partner: Optional[_Op] = None
+
+
+def _producer(stage: int, chunk: int, stages: int, activation: bool) -> tuple[int, int]:
+    """(stage, chunk) whose output feeds ``chunk`` of ``stage`` (activation) or whose input gradient it
+    receives (gradient)."""
+    if activation:
+        return (stage - 1, chunk) if stage > 0 else (stages - 1, chunk - 1)
+    return (stage + 1, chunk) if stage < stages - 1 else (0, chunk + 1)
+
+
+def simulate(
+    plans: list[list[Action]],
+    virtual_stages: int = 1,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    forward_only: bool = False,
+) -> SimulationResult:
+    """Run ``plans`` (one per stage); raise PlanError on any inconsistency."""
+    p, v = len(plans), virtual_stages
+    pc = [0] * p
+    clock = [0.0] * p
+    busy = [0.0] * p
+    pending_ops: list[Optional[list[_Op]]] = [None] * p  # the Exchange a stage waits in
+    streams: dict[tuple[int, int], list[_Op]] = {}  # (from, to): ops posted by `from` on the pair
+    inputs = [[deque() for _ in range(v)] for _ in range(p)]
+    grads = [[deque() for _ in range(v)] for _ in range(p)]
+    saved = [[deque() for _ in range(v)] for _ in range(p)]
+    last_out: list[Optional[tuple[int, int, int]]] = [None] * p
+    last_grad: list[Optional[tuple[int, int, int]]] = [None] * p
+    done_f = [set() for _ in range(p)]
+    done_b = [set() for _ in range(p)]
+
+    def fail(stage: int, message: str) -> PlanError:
+        return PlanError(f"stage {stage} of {p} (virtual {v}), action {pc[stage]}: {message}")
+
+    def post(stage: int, peer: int, op: _Op) -> None:
+        op.posted = clock[stage]
+        mine = streams.setdefault((stage, peer), [])
+        mine.append(op)
+        theirs = streams.get((peer, stage), [])
+        index = len(mine) - 1
+        if index < len(theirs):
+            other = theirs[index]
+            if other.send == op.send or other.kind != op.kind:
+                raise fail(
+                    stage, f"transfer {index} with stage {peer} is a {_name(op)}, stage {peer} posted a {_name(other)}"
+                )
+            op.partner, other.partner = other, op
+
+    def run_compute(stage: int, action: Action) -> None:
+        c, i = action.chunk, action.micro_batch
+        model_first, model_last = stage == 0 and c == 0, stage == p - 1 and c == v - 1
+        if isinstance(action, Forward):
+            if (c, i) in done_f[stage]:
+                raise fail(stage, f"forward of chunk {c}, micro-batch {i} runs twice")
+            if not model_first:
+                if not inputs[stage][c]:
+                    raise fail(stage, f"forward of chunk {c}, micro-batch {i} has no input received")
+                got = inputs[stage][c].popleft()
+                want = (*_producer(stage, c, p, True), i)
+                if got != want:
+                    raise fail(stage, f"forward of chunk {c}, micro-batch {i} got the output of {got}, needs {want}")
+            done_f[stage].add((c, i))
+            if not forward_only:
+                saved[stage][c].append(i)
+            last_out[stage] = None if model_last else (stage, c, i)
+            clock[stage] += forward_time
+            busy[stage] += forward_time
+        else:
+            if not saved[stage][c] or saved[stage][c][0] != i:
+                raise fail(stage, f"backward of chunk {c}, micro-batch {i} is not the oldest forward of the chunk")
+            saved[stage][c].popleft()
+            if not model_last:
+                if not grads[stage][c]:
+                    raise fail(stage, f"backward of chunk {c}, micro-batch {i} has no output gradient received")
+                got = grads[stage][c].popleft()
+                want = (*_producer(stage, c, p, False), i)
+                if got != want:
+                    raise fail(stage, f"backward of chunk {c}, micro-batch {i} got the gradient of {got}, needs {want}")
+            done_b[stage].add((c, i))
+            last_grad[stage] = None if model_first else (stage, c, i)
+            clock[stage] += backward_time
+            busy[stage] += backward_time
+
+    def start_exchange(stage: int, ex: Exchange) -> None:
+        prev, nxt = (stage - 1) % p, (stage + 1) % p
+        ops: list[tuple[int, _Op, str]] = []
+        if ex.send_forward:
+            if last_out[stage] is None:
+                raise fail(stage, "sends an activation but ran no forward whose output goes on")
+            ops.append((nxt, _Op(True, "activation", last_out[stage]), "send_next"))
+            last_out[stage] = None
+        if ex.recv_forward is not None:
+            ops.append((prev, _Op(False, "activation", None, ex.recv_forward), "recv_prev"))
+        if ex.send_backward:
+            if last_grad[stage] is None:
+                raise fail(stage, "sends a gradient but ran no backward whose input gradient goes back")
+            ops.append((prev, _Op(True, "gradient", last_grad[stage]), "send_prev"))
+            last_grad[stage] = None
+        if ex.recv_backward is not None:
+            ops.append((nxt, _Op(False, "gradient", None, ex.recv_backward), "recv_next"))
+        order = EVEN_ORDER if stage % 2 == 0 else ODD_ORDER  # the order p2p.exchange posts them in
+        ops.sort(key=lambda item: order.index(item[2]))
+        for peer, op, _ in ops:
+            post(stage, peer, op)
+        pending_ops[stage] = [op for _, op, _ in ops]
+
+    def finish_exchange(stage: int) -> bool:
+        ops = pending_ops[stage]
+        assert ops is not None
+        if any(op.partner is None for op in ops):
+            return False
+        clock[stage] = max([clock[stage]] + [max(op.posted, op.partner.posted) for op in ops])
+        for op in ops:
+            if not op.send:
+                queue = inputs if op.kind == "activation" else grads
+                queue[stage][op.chunk].append(op.partner.label)
+        pending_ops[stage] = None
+        pc[stage] += 1
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for stage in range(p):
+            while pc[stage] < len(plans[stage]):
+                action = plans[stage][pc[stage]]
+                if isinstance(action, Exchange):
+                    if pending_ops[stage] is None:
+                        start_exchange(stage, action)
+                        progress = True
+                    if not finish_exchange(stage):
+                        break
+                else:
+                    run_compute(stage, action)
+                    pc[stage] += 1
+                progress = True
+    stuck = [s for s in range(p) if pc[s] < len(plans[s])]
+    if stuck:
+        where = ", ".join(f"stage {s} at action {pc[s]} {plans[s][pc[s]]}" for s in stuck)
+        raise PlanError(f"deadlock with {p} stages, virtual {v}: {where}")
+    for stage in range(p):
+        leftovers = [q for q in inputs[stage] + grads[stage] + saved[stage] if q]
+        if leftovers:
+            raise fail(stage, f"tensors received or saved but never used: {leftovers}")
+        expected = len(done_f[0]) if stage else None
+        if expected is not None and len(done_f[stage]) != expected:
+            raise fail(stage, f"ran {len(done_f[stage])} forwards, stage 0 ran {expected}")
+        if not forward_only and done_b[stage] != done_f[stage]:
+            raise fail(stage, f"backwards {sorted(done_b[stage])} differ from forwards {sorted(done_f[stage])}")
+    return SimulationResult(max(clock), busy, list(clock))
+
+
+def _name(op: _Op) -> str:
+    return f"{'send' if op.send else 'receive'} of {op.kind}"
+
+
+def simulate_schedule(
+    stages: int,
+    num_microbatches: int,
+    virtual_stages: Optional[int] = None,
+    forward_only: bool = False,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+) -> SimulationResult:
+    """Build every stage's plan for this pipeline shape and :func:`simulate` them."""
+    plans = [build_plan(stages, s, num_microbatches, virtual_stages, forward_only) for s in range(stages)]
+    return simulate(plans, virtual_stages or 1, forward_time, backward_time, forward_only)

@@ -1,0 +1,85 @@
+"""Per-stage timing of a schedule: forward, backward and the waits for receives and sends.
+
+A :class:`Timeline` is passed to a schedule (``timeline=``; the trainer does so when ``logging.timers`` is
+true). The schedule marks its whole run with :meth:`Timeline.run` and every piece of work with
+:meth:`Timeline.span`; what is neither forward nor backward is the stage's idle time, the pipeline bubble
+plus communication. Spans are wall-clock; on an accelerator pass ``synchronize`` so queued kernels are
+counted where they run (this serialises the device, so leave timers off for speed runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Callable, Optional
+
+KINDS = ("forward", "backward", "recv_wait", "send_wait")
+
+
+class Timeline:
+    def __init__(self, synchronize: Optional[Callable[[], None]] = None, keep_events: bool = False):
+        self.synchronize = synchronize
+        self.keep_events = keep_events
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything measured so far."""
+        self.totals = dict.fromkeys(KINDS, 0.0)
+        self.wall = 0.0
+        self.events: list[tuple[str, float, float]] = []  # (kind, start, end), with keep_events
+
+    def _now(self) -> float:
+        if self.synchronize is not None:
+            self.synchronize()
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def span(self, kind: str) -> Iterator[None]:
+        """Time one piece of work of ``kind`` (one of KINDS)."""
+        if kind not in self.totals:
+            raise ValueError(f"unknown timeline kind {kind!r}; expected one of {', '.join(KINDS)}")
+        start = self._now()
+        try:
+            yield
+        finally:
+            end = self._now()
+            self.totals[kind] += end - start
+            if self.keep_events:
+                self.events.append((kind, start, end))
+
+    @contextlib.contextmanager
+    def run(self) -> Iterator[None]:
+        """Time a whole schedule run (the denominator of the idle fraction)."""
+        start = self._now()
+        try:
+            yield
+        finally:
+            self.wall += self._now() - start
+
+    @staticmethod
+    def span_of(timeline: Optional[Timeline], kind: str) -> AbstractContextManager:
+        """``timeline.span(kind)``, or nothing when there is no timeline."""
+        return timeline.span(kind) if timeline is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def run_of(timeline: Optional[Timeline]) -> AbstractContextManager:
+        return timeline.run() if timeline is not None else contextlib.nullcontext()
+
+    @property
+    def busy(self) -> float:
+        return self.totals["forward"] + self.totals["backward"]
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the run's wall time spent neither in forward nor in backward."""
+        return max(0.0, 1.0 - self.busy / self.wall) if self.wall > 0 else 0.0
+
+    def summary(self) -> dict[str, float]:
+        """Seconds per kind, the run's wall time and the idle fraction."""
+        return {
+            **{f"{k}_s": v for k, v in self.totals.items()},
+            "wall_s": self.wall,
+            "idle_fraction": self.idle_fraction,
+        }
