@@ -20,6 +20,8 @@ Z1, Z2 = ["distributed.zero_optimization=1"], ["distributed.zero_optimization=2"
 OVERLAP = ["distributed.overlap_grad_reduce=true", "distributed.overlap_param_gather=true"]
 SMALL_BUCKETS = ["distributed.bucket_size_mb=0.02"]  # ~5k elements: about 20 buckets in the tiny model
 TP2 = ["distributed.tensor_parallel_size=2"]
+# pp 2 x dp 2, the word embedding tied to the last stage's output layer (its own ZeRO bucket on both stages)
+PP2_TIED = ["distributed.pipeline_parallel_size=2", "model.tie_word_embeddings=true"]
 ACCUM1 = ["optim.grad_accum_steps=1", "data.batch_size=4"]
 FP16 = ["model.precision=fp16", "optim.initial_loss_scale=1e6"]  # overflows (skips) in steps 1 and 3
 BF16 = ["model.precision=bf16"]
@@ -52,6 +54,9 @@ RUNS_WORLD4 = {
     "tp2_zero1": TP2 + Z1,
     "tp2_zero2_overlap": TP2 + Z2 + SMALL_BUCKETS + OVERLAP,
     "zero2_bf16": Z2 + BF16 + SMALL_BUCKETS,
+    "pp2_plain_tied": PP2_TIED,
+    "pp2_zero2_tied_overlap": PP2_TIED + Z2 + SMALL_BUCKETS + OVERLAP,
+    "pp2_zero1_interleaved_tied_overlap": PP2_TIED + ["distributed.virtual_pipeline_size=2"] + Z1 + OVERLAP,
 }
 # (run, the plain run it must match)
 PAIRS_WORLD2 = [
@@ -67,6 +72,8 @@ PAIRS_WORLD4 = [
     ("zero2_overlap", "plain"),
     ("tp2_zero1", "tp2_plain"),
     ("tp2_zero2_overlap", "tp2_plain"),
+    ("pp2_zero2_tied_overlap", "pp2_plain_tied"),
+    ("pp2_zero1_interleaved_tied_overlap", "pp2_plain_tied"),
 ]
 
 
@@ -133,7 +140,8 @@ def _zero_runs(runs: dict[str, list[str]], ckpt_dir: str = "") -> dict:
         record["frozen_without_grad_or_state"] = not any(
             hasattr(p, "main_grad") for chunk in trainer.model_chunks for p in chunk.parameters() if not p.requires_grad
         ) and not {s.name for s in trainer.optimizer.state_shards()} & set(frozen)
-        record["params"] = params if dist.get_rank() == 0 else None
+        owner = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0  # one per stage
+        record["params"] = params if owner else None
         if name == RESUMED and ckpt_dir:
             record["resume_bitwise"] = _resume_is_bitwise(trainer, ckpt_dir)
         results[name] = record
@@ -345,9 +353,26 @@ def test_zero_matches_plain_data_parallel_dp2(world2, run, ref):
     assert_same_training(world2[0][run], world2[0][ref])
 
 
+def _all_stages(world: list[dict], run: str) -> dict:
+    """The run's trace from rank 0 with the weights of every pipeline stage's owner."""
+    params = {}
+    for rank in world:
+        params.update(rank[run]["params"] or {})
+    return {**world[0][run], "params": params}
+
+
 @pytest.mark.parametrize("run,ref", PAIRS_WORLD4)
-def test_zero_matches_plain_data_parallel_dp4_and_tp2_dp2(world4, run, ref):
-    assert_same_training(world4[0][run], world4[0][ref])
+def test_zero_matches_plain_data_parallel_dp4_tp2_dp2_pp2_dp2(world4, run, ref):
+    got, expected = _all_stages(world4, run), _all_stages(world4, ref)
+    assert_same_training(got, expected)
+    if run.startswith("pp2"):  # both stages compared; the tied copies stayed bitwise equal
+        assert {"embed_tokens.weight", "lm_head.weight"} <= got["params"].keys()
+        assert torch.equal(got["params"]["embed_tokens.weight"], got["params"]["lm_head.weight"])
+        for rank in world4:  # every stage reduced all its buckets from backward hooks (per-chunk last backward)
+            assert rank[run]["overlapped"] == [rank[run]["buckets"]] * STEPS, (
+                rank[run]["overlapped"],
+                rank[run]["buckets"],
+            )
 
 
 def test_overlap_is_used_and_changes_nothing(world2, world4):
