@@ -47,6 +47,7 @@ def run_steps(trainer: Trainer, steps: int) -> list[tuple[float, float]]:
 
 def weights(trainer: Trainer) -> dict:
     """Whole weights, joined over TP and (on rank 0) over pipeline stages; None on other ranks."""
+    trainer.optimizer.finish_param_sync()
     local = full_state_dict(trainer.model_chunks)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         parts: list = [None] * ps.get_pipeline_model_parallel_world_size()

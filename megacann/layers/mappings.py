@@ -80,20 +80,50 @@ def _backend(group: Group) -> str:
     return str(dist.get_backend(group))
 
 
-def _try_flat(name: str, collective, out: torch.Tensor, inp: torch.Tensor, group: Group) -> bool:
-    """Run a flat-tensor collective; False when this backend lacks it (remembered), so the caller falls
-    back. Older gloo raises e.g. "no support for _reduce_scatter_base in Gloo process group"."""
+def _try_flat(
+    name: str, collective, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
+) -> tuple[bool, Optional[dist.Work]]:
+    """Run a flat-tensor collective: (True, its work handle when ``async_op``), or (False, None) when this
+    backend lacks it (remembered), so the caller falls back. Older gloo raises e.g. "no support for
+    _reduce_scatter_base in Gloo process group"."""
     key = (name, _backend(group))
     if collective is None or key in _MISSING:
-        return False
+        return False, None
     try:
-        collective(out, inp, group=group)
-        return True
+        return True, collective(out, inp, group=group, async_op=async_op)
     except RuntimeError as err:
         if "support" not in str(err).lower():
             raise
         _MISSING.add(key)
-        return False
+        return False, None
+
+
+def reduce_scatter_flat(
+    out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
+) -> Optional[dist.Work]:
+    """``out`` (n elements) = this rank's n-element slice of the sum of every rank's 1-D ``inp``
+    (world * n elements). ``out`` may be that slice of ``inp`` itself (in place). ``inp`` is scratch: a
+    backend without flat reduce-scatter sums it in place (synchronously) instead. Returns the work handle
+    when ``async_op`` and the collective is still running, else None."""
+    done, work = _try_flat("reduce_scatter", _reduce_scatter_base, out, inp, group, async_op)
+    if done:
+        return work
+    dist.all_reduce(inp, group=group)
+    n = out.numel()
+    out.copy_(inp[dist.get_rank(group) * n : (dist.get_rank(group) + 1) * n])
+    return None
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Optional[dist.Work]:
+    """Every rank's 1-D ``inp`` (n elements) concatenated in rank order into ``out`` (world * n); ``inp``
+    may be this rank's slice of ``out`` (in place). Returns the work handle when ``async_op`` and the
+    collective is still running, else None (a backend without flat all-gather runs synchronously)."""
+    done, work = _try_flat("all_gather", _all_gather_base, out, inp, group, async_op)
+    if done:
+        return work
+    world = dist.get_world_size(group)
+    dist.all_gather(list(out.chunk(world)), inp.clone(), group=group)
+    return None
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -102,7 +132,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     x = x.contiguous()
     dim = dim % x.dim()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    if not _try_flat("all_gather", _all_gather_base, out, x, group):
+    if not _try_flat("all_gather", _all_gather_base, out, x, group)[0]:
         dist.all_gather(list(out.chunk(world)), x, group=group)  # fills the views of ``out`` in place
     if dim == 0:
         return out
@@ -126,7 +156,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     shape[dim : dim + 1] = [world, local]
     staged = x.reshape(shape).movedim(dim, 0).contiguous()
     out = torch.empty(staged.shape[1:], dtype=x.dtype, device=x.device)
-    if _try_flat("reduce_scatter", _reduce_scatter_base, out, staged.flatten(0, 1), group):
+    if _try_flat("reduce_scatter", _reduce_scatter_base, out, staged.flatten(0, 1), group)[0]:
         return out
     total = _all_reduce(x, group, inplace=False)
     return total.narrow(dim, dist.get_rank(group) * local, local).contiguous()

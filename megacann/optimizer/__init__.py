@@ -1,6 +1,8 @@
-"""Optimizers: fp32 master weights, loss scaling, clipping, LR schedules; ZeRO arrives as a drop-in."""
+"""Optimizers: fp32 master weights, loss scaling, clipping, LR schedules, and ZeRO-1/2 as a drop-in."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -8,16 +10,35 @@ from megacann.config import MegacannConfig
 from megacann.optimizer.clip_grads import global_grad_norm
 from megacann.optimizer.grad_buffer import GradBuffers
 from megacann.optimizer.lr_schedule import LRSchedule
-from megacann.optimizer.optimizer import MixedPrecisionOptimizer, StateShard
+from megacann.optimizer.optimizer import MixedPrecisionOptimizer, OptimizerBase, StateShard
+from megacann.optimizer.zero import DistributedOptimizer
 
 
-def build_optimizer(cfg: MegacannConfig, named_params: list[tuple[str, torch.nn.Parameter]]) -> MixedPrecisionOptimizer:
-    """The optimizer for this rank's parameters (global names), as the recipe asks (plain DP or ZeRO)."""
-    if cfg.distributed.zero_stage:
-        raise NotImplementedError(
-            "distributed.zero_optimization is not implemented yet (set it to false); see the ZeRO issue"
+def build_optimizer(
+    cfg: MegacannConfig,
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    modules: Optional[list[torch.nn.Module]] = None,
+) -> OptimizerBase:
+    """The optimizer for this rank's parameters (global names), as the recipe asks (plain DP or ZeRO).
+    ``modules`` (the model chunks) let ZeRO wait for overlapped parameter gathers in forward hooks."""
+    d = cfg.distributed
+    if d.zero_stage:
+        return DistributedOptimizer(named_params, cfg, modules)
+    if d.overlap_param_gather:
+        raise ValueError(
+            "distributed.overlap_param_gather needs distributed.zero_optimization (true, 1 or 2): without ZeRO "
+            "no parameters are gathered"
         )
     return MixedPrecisionOptimizer(named_params, cfg)
 
 
-__all__ = ["GradBuffers", "LRSchedule", "MixedPrecisionOptimizer", "StateShard", "build_optimizer", "global_grad_norm"]
+__all__ = [
+    "DistributedOptimizer",
+    "GradBuffers",
+    "LRSchedule",
+    "MixedPrecisionOptimizer",
+    "OptimizerBase",
+    "StateShard",
+    "build_optimizer",
+    "global_grad_norm",
+]

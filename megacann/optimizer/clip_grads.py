@@ -30,18 +30,33 @@ def _all_reduce_sum(value: torch.Tensor, groups: Iterable[Optional[dist.ProcessG
     return value
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
-    """L2 norm of ``main_grad`` over the whole model (TP shards, pipeline stages and expert ranks)."""
+def global_grad_norm(
+    params: Iterable[torch.nn.Parameter],
+    grads: Optional[Iterable[torch.Tensor]] = None,
+    sharded_over_data_parallel: bool = False,
+) -> float:
+    """L2 norm of the gradients over the whole model (TP shards, pipeline stages and expert ranks).
+
+    ``grads`` are the gradients of ``params`` in the same order (default: each one's ``main_grad``). With
+    ``sharded_over_data_parallel`` (ZeRO) every data-parallel rank holds a disjoint part of each gradient,
+    so the squared sums are first added over the data-parallel (experts: expert-data-parallel) group.
+    """
+    params = list(params)
+    grads = [p.main_grad for p in params] if grads is None else list(grads)
     dense, expert = [], []
-    for p in params:
+    for p, g in zip(params, grads):
         if p.requires_grad and counts_toward_norm(p):
-            (expert if get_sharding(p).expert else dense).append(p.main_grad)
-    device = (dense or expert or [torch.zeros(1)])[0].device
+            (expert if get_sharding(p).expert else dense).append(g)
+    device = (dense or expert or grads or [torch.zeros(1)])[0].device
     sums = torch.zeros(2, dtype=torch.float32, device=device)
     if dense:
         sums[0] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in dense]).sum()
     if expert:
         sums[1] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in expert]).sum()
+    if sharded_over_data_parallel:
+        dense_sum = _all_reduce_sum(sums[:1].clone(), [ps.get_data_parallel_group()])
+        expert_sum = _all_reduce_sum(sums[1:].clone(), [ps.get_expert_data_parallel_group()])
+        sums = torch.cat([dense_sum, expert_sum])
     _all_reduce_sum(sums, [ps.get_model_parallel_group()])
     if expert:  # expert shards differ across the expert-parallel group as well
         expert_sum = _all_reduce_sum(sums[1:].clone(), [ps.get_expert_model_parallel_group()])

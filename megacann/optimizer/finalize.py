@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,15 @@ from megacann.layers.sharding import SHARED_EMBEDDING_ATTR, get_sharding
 __all__ = ["SHARED_EMBEDDING_ATTR", "finalize_model_grads", "reduce_shared_embedding_grads"]
 
 
+GradOf = Callable[[torch.nn.Parameter], torch.Tensor]
+
+
+def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    return param.main_grad
+
+
 def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    grads = [g for g in grads if g.numel()]
     if not grads or group is None or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -27,25 +36,30 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
         offset += g.numel()
 
 
-def reduce_tensor_parallel_partial_grads(params: Iterable[torch.nn.Parameter]) -> None:
+def reduce_tensor_parallel_partial_grads(params: Iterable[torch.nn.Parameter], grad_of: GradOf = _main_grad) -> None:
     """Sum gradients that each TP rank computed only in part (sequence-parallel norms, replicated kv)."""
-    grads = [p.main_grad for p in params if p.requires_grad and get_sharding(p).tp_partial_grad]
+    grads = [grad_of(p) for p in params if p.requires_grad and get_sharding(p).tp_partial_grad]
     _all_reduce_coalesced(grads, ps.get_tensor_model_parallel_group())
 
 
-def reduce_shared_embedding_grads(params: Iterable[torch.nn.Parameter]) -> None:
+def reduce_shared_embedding_grads(params: Iterable[torch.nn.Parameter], grad_of: GradOf = _main_grad) -> None:
     """Sum the gradients of embeddings tied between the first and last pipeline stage."""
     if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
         return
-    grads = [p.main_grad for p in params if p.requires_grad and getattr(p, SHARED_EMBEDDING_ATTR, False)]
+    grads = [grad_of(p) for p in params if p.requires_grad and getattr(p, SHARED_EMBEDDING_ATTR, False)]
     _all_reduce_coalesced(grads, ps.get_embedding_group())
 
 
 def finalize_model_grads(params: list[torch.nn.Parameter], grad_sync) -> None:
-    """Run every reduction a step needs before the optimizer may read ``main_grad``.
+    """Run every reduction a step needs before the optimizer may read the gradients.
 
-    ``grad_sync`` is the data-parallel reduction: GradBuffers (all-reduce) or ZeRO (reduce-scatter).
+    ``grad_sync`` is the data-parallel reduction (:class:`GradBuffers`, all-reduce or ZeRO reduce-scatter).
+    It runs first, as with ``overlap_grad_reduce`` it may have started during backward; the sums over the
+    tensor-parallel and embedding groups then apply to whatever part of each reduced gradient this rank
+    holds (``grad_sync.reduced_grad``). Sums commute, so the order changes only rounding. With ZeRO the
+    parts agree across those groups: TP ranks share one buffer layout, and tied embeddings sit in a bucket
+    of their own on both pipeline stages.
     """
-    reduce_tensor_parallel_partial_grads(params)
-    reduce_shared_embedding_grads(params)
-    grad_sync.all_reduce()
+    grad_sync.finish_grad_sync()
+    reduce_tensor_parallel_partial_grads(params, grad_sync.reduced_grad)
+    reduce_shared_embedding_grads(params, grad_sync.reduced_grad)

@@ -2,23 +2,31 @@
 
 Every trainable parameter gets ``param.main_grad``, a view into one flat fp32 buffer, where its gradient
 accumulates over micro-batches whatever the parameter's own dtype (fp32 parameters use the view as their
-``.grad`` directly; low-precision ones add into it from a post-accumulate hook). Buckets are contiguous
-ranges of that buffer reduced with one collective each; ZeRO replaces the all-reduce by a
-reduce-scatter over the same buckets, which is why each bucket is padded to a multiple of the
-data-parallel size. Expert-parallel parameters live in their own buffer, reduced over the
-expert-data-parallel group.
+``.grad`` directly; others add into it from a post-accumulate-grad hook). Buckets are contiguous ranges
+of that buffer reduced with one collective each, in bucket order on every rank. Parameters are laid out
+in reverse order, so the buckets whose gradients backward produces first come first.
+
+With ``overlap`` a bucket's reduction starts from the backward hooks as soon as every gradient in it is
+final, i.e. during the backward of the last micro-batch (announced by the schedule, see
+``megacann.pipeline.microbatches``); :meth:`GradBuffers.finish_grad_sync` starts the rest and waits.
+
+ZeRO (``ShardedGradBuffer``) reduce-scatters the same buckets instead, which is why buckets are then
+padded to a multiple of the data-parallel size, and may keep a bucket's full storage only until it is
+reduced (``persistent=False``). Buffers are per (expert or dense, parameter dtype): dense parameters are
+reduced over the data-parallel group, expert-parallel ones over the expert-data-parallel group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.layers.sharding import get_sharding
+from megacann.layers.sharding import SHARED_EMBEDDING_ATTR, get_sharding
+from megacann.pipeline.microbatches import is_last_micro_batch_backward
 
 
 @dataclass
@@ -29,12 +37,34 @@ class Bucket:
     start: int
     end: int
     index: int
-    pending: set = field(default_factory=set)  # ids of params whose gradient is not final yet (overlap)
-    handle: Optional[object] = None  # async collective in flight
+    data: Optional[torch.Tensor] = None  # the bucket's gradients (None: not allocated, ZeRO-2)
+    pending: set = field(default_factory=set)  # ids of params whose last-micro-batch gradient is missing
+    handle: Optional[dist.Work] = None  # its collective in flight
+    launched: bool = False  # its reduction has started this step
+    reduced: bool = False  # its reduction has finished this step
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return ((n + multiple - 1) // multiple) * multiple
+
+
+def is_shared_embedding(param: torch.nn.Parameter) -> bool:
+    return bool(getattr(param, SHARED_EMBEDDING_ATTR, False))
 
 
 class GradBuffer:
-    """Flat fp32 storage for the gradients of ``params``, reduced over ``group``."""
+    """Flat fp32 storage for the gradients of ``params``, all-reduced over ``group`` bucket by bucket.
+
+    ``pad_to`` pads every bucket to a multiple of it; ``own_bucket(param)`` puts a parameter in a bucket of
+    its own (ZeRO: tied embeddings, so the first and last pipeline stage shard them alike);
+    ``persistent=False`` allocates a bucket's storage at its first gradient and frees it once reduced.
+    """
+
+    MAX_IN_FLIGHT = 2  # buckets reducing at once inside backward when storage is freed after reduction
 
     def __init__(
         self,
@@ -43,101 +73,231 @@ class GradBuffer:
         bucket_size: int = 40_000_000,
         pad_to: int = 1,
         device: Optional[torch.device] = None,
+        own_bucket: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+        persistent: bool = True,
     ):
         self.group = group
         self.group_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         self.params = list(params)
-        device = device or (self.params[0].device if self.params else torch.device("cpu"))
-        # Parameters are laid out in reverse order: backward produces the last layers' gradients first.
+        self.dtype = self.params[0].dtype if self.params else torch.float32
+        self.device = device or (self.params[0].device if self.params else torch.device("cpu"))
+        self.persistent = persistent
         self.ranges: dict[int, tuple[int, int]] = {}
         self.buckets: list[Bucket] = []
-        offset, bucket_params, bucket_start = 0, [], 0
+        offset, members, bucket_start = 0, [], 0
 
         def close_bucket() -> None:
-            nonlocal offset, bucket_params, bucket_start
+            nonlocal offset, members, bucket_start
             offset = _round_up(offset, pad_to)
-            self.buckets.append(Bucket(bucket_params, bucket_start, offset, len(self.buckets)))
-            bucket_params, bucket_start = [], offset
+            self.buckets.append(Bucket(members, bucket_start, offset, len(self.buckets)))
+            members, bucket_start = [], offset
 
         for p in reversed(self.params):
-            n = p.numel()
-            self.ranges[id(p)] = (offset, offset + n)
-            offset += n
-            bucket_params.append(p)
-            if offset - bucket_start >= bucket_size:
+            alone = own_bucket is not None and own_bucket(p)
+            if alone and members:
                 close_bucket()
-        if bucket_params:
+            self.ranges[id(p)] = (offset, offset + p.numel())
+            offset += p.numel()
+            members.append(p)
+            if alone or offset - bucket_start >= bucket_size:
+                close_bucket()
+        if members:
             close_bucket()
         self.numel = offset
-        self.data = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.bucket_of: dict[int, Bucket] = {}
+        self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        self.data = torch.zeros(self.numel, dtype=torch.float32, device=self.device) if persistent else None
         for bucket in self.buckets:
-            for p in bucket.params:
-                self.bucket_of[id(p)] = bucket
-        for p in self.params:
+            if persistent:
+                self._bind(bucket, self.data[bucket.start : bucket.end])
+        self.allocated_numel = self.numel if persistent else 0  # full-size gradient storage held now
+        self.peak_allocated_numel = self.allocated_numel  # its high-water mark since the last zero()
+        self.overlapped_buckets = 0  # buckets whose reduction started inside backward this step
+        self._next_launch = 0
+        self.zero()
+
+    # -- storage ------------------------------------------------------------------------------------
+    def _bind(self, bucket: Bucket, data: torch.Tensor) -> None:
+        bucket.data = data
+        for p in bucket.params:
             start, end = self.ranges[id(p)]
-            p.main_grad = self.data[start:end].view(p.shape)
+            p.main_grad = data[start - bucket.start : end - bucket.start].view(p.shape)
+
+    def storage(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's gradient storage, allocated (zeroed) on first use when not persistent."""
+        if bucket.data is None:
+            self._bind(bucket, torch.zeros(bucket.numel, dtype=torch.float32, device=self.device))
+            self.allocated_numel += bucket.numel
+            self.peak_allocated_numel = max(self.peak_allocated_numel, self.allocated_numel)
+        return bucket.data
+
+    def release(self, bucket: Bucket) -> None:
+        """Free a reduced bucket's full storage (only when not persistent)."""
+        if self.persistent or bucket.data is None:
+            return
+        bucket.data = None
+        self.allocated_numel -= bucket.numel
+        for p in bucket.params:
+            del p.main_grad
 
     def zero(self) -> None:
-        self.data.zero_()
-
-    def all_reduce(self) -> None:
-        """Sum every bucket over the group (the loss is already normalised by the global token count)."""
-        if self.group_size == 1:
-            return
+        """Start a step: zero the gradients and forget last step's reductions."""
         for bucket in self.buckets:
-            dist.all_reduce(self.data[bucket.start : bucket.end], group=self.group)
+            if bucket.handle is not None:
+                raise RuntimeError(f"bucket {bucket.index} is still being reduced; finish_grad_sync() first")
+            self.release(bucket)
+            bucket.pending = {id(p) for p in bucket.params}
+            bucket.launched = bucket.reduced = False
+        if self.data is not None:
+            self.data.zero_()
+        self.peak_allocated_numel = self.allocated_numel
+        self.overlapped_buckets = 0
+        self._next_launch = 0
 
+    # -- backward hooks -----------------------------------------------------------------------------
+    def _bucket_for_new_grad(self, param: torch.nn.Parameter) -> Bucket:
+        bucket = self.bucket_of[id(param)]
+        if bucket.launched:
+            raise RuntimeError(
+                f"a gradient of a {tuple(param.shape)} parameter arrived after its bucket {bucket.index} was "
+                "reduced this step: call zero_grad() before the next backward, and announce only the last "
+                "micro-batch's backward with last_micro_batch_backward()"
+            )
+        return bucket
 
-def _round_up(n: int, multiple: int) -> int:
-    return ((n + multiple - 1) // multiple) * multiple
+    def accumulate(self, param: torch.nn.Parameter) -> None:
+        """Add ``param.grad`` into its slot of the buffer and drop it."""
+        self.storage(self._bucket_for_new_grad(param))
+        param.main_grad.add_(param.grad)
+        param.grad = None
 
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
+        """``param``'s gradient is final: start every bucket, in order, whose gradients all are."""
+        bucket = self._bucket_for_new_grad(param)
+        bucket.pending.discard(id(param))
+        while self._next_launch < len(self.buckets) and not self.buckets[self._next_launch].pending:
+            self._launch(self.buckets[self._next_launch])
+            self.overlapped_buckets += 1
+        self._reap()
 
-def _accumulate_into_main_grad(param: torch.nn.Parameter) -> None:
-    param.main_grad.add_(param.grad)
-    param.grad = None
+    # -- reduction ----------------------------------------------------------------------------------
+    def _start_reduction(self, bucket: Bucket) -> Optional[dist.Work]:
+        """Start the bucket's collective; returns its handle (None when already done)."""
+        if self.group_size == 1:
+            return None
+        return dist.all_reduce(bucket.data, group=self.group, async_op=True)
+
+    def _after_reduction(self, bucket: Bucket) -> None:
+        """Called once per step when the bucket's collective has finished."""
+
+    def _launch(self, bucket: Bucket) -> None:
+        self.storage(bucket)  # a bucket nobody wrote to still takes part, as zeros
+        bucket.launched = True
+        bucket.handle = self._start_reduction(bucket)
+        self._next_launch = bucket.index + 1
+        if bucket.handle is None:
+            self._complete(bucket)
+
+    def _complete(self, bucket: Bucket) -> None:
+        if bucket.handle is not None:
+            bucket.handle.wait()
+            bucket.handle = None
+        bucket.reduced = True
+        self._after_reduction(bucket)
+
+    def _reap(self) -> None:
+        """Finish the buckets whose collectives completed; without persistent storage also wait for all but
+        the newest ``MAX_IN_FLIGHT`` launched, so backward never holds many reduced-but-unfreed buckets
+        (some backends, gloo's reduce-scatter among them, report completion only once waited for)."""
+        in_flight = [b for b in self.buckets[: self._next_launch] if b.handle is not None]
+        for position, bucket in enumerate(in_flight):
+            too_many = not self.persistent and position < len(in_flight) - self.MAX_IN_FLIGHT
+            if too_many or bucket.handle.is_completed():
+                self._complete(bucket)
+
+    def finish_grad_sync(self) -> None:
+        """Sum every bucket over the group (the loss is already normalised by the global token count):
+        start the buckets backward did not, then wait for all."""
+        for bucket in self.buckets[self._next_launch :]:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if not bucket.reduced:
+                self._complete(bucket)
+
+    def reduced_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The summed gradient of ``param`` this rank holds after the reduction (all of it here)."""
+        return param.main_grad
+
+    def update_grads(self) -> list[torch.Tensor]:
+        """The reduced gradients this rank updates parameters with (to unscale, check and clip)."""
+        return [self.data] if self.data is not None else []
 
 
 class GradBuffers:
-    """The gradient buffers of a model: one for dense parameters (DP group), one for experts (expert-DP)."""
+    """The gradient buffers of a model: per parameter dtype, dense (data-parallel group) and expert
+    (expert-data-parallel group). ``buffer_cls`` and ``buffer_kwargs`` choose the reduction (ZeRO)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], bucket_size: int = 40_000_000, pad_for_zero: bool = False):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        bucket_size: int = 40_000_000,
+        pad_for_zero: bool = False,
+        overlap: bool = False,
+        buffer_cls: type[GradBuffer] = GradBuffer,
+        **buffer_kwargs,
+    ):
         trainable = [p for p in params if p.requires_grad]
-        dense = [p for p in trainable if not get_sharding(p).expert]
-        expert = [p for p in trainable if get_sharding(p).expert]
+        groups: dict[tuple[bool, torch.dtype], list[torch.nn.Parameter]] = {}
+        for p in trainable:
+            groups.setdefault((get_sharding(p).expert, p.dtype), []).append(p)
         self.buffers: list[GradBuffer] = []
-        for members, group, size in (
-            (dense, ps.get_data_parallel_group(), ps.get_data_parallel_world_size()),
-            (expert, ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_world_size()),
-        ):
-            if members:
-                self.buffers.append(GradBuffer(members, group, bucket_size, pad_to=size if pad_for_zero else 1))
+        for (expert, _), members in groups.items():
+            if expert:
+                group, size = ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_world_size()
+            else:
+                group, size = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
+            self.buffers.append(
+                buffer_cls(
+                    members,
+                    group,
+                    bucket_size,
+                    pad_to=size if pad_for_zero else 1,
+                    own_bucket=is_shared_embedding if pad_for_zero else None,
+                    **buffer_kwargs,
+                )
+            )
+        self.buffer_of = {id(p): buffer for buffer in self.buffers for p in buffer.params}
+        self.overlap = overlap
+        self._aliased: set[int] = set()  # fp32 params whose .grad is their main_grad view
         self._hooks = []
         for p in trainable:
-            if p.dtype == torch.float32:
+            if p.dtype == torch.float32 and self.buffer_of[id(p)].persistent:
                 p.grad = p.main_grad  # autograd accumulates in place into the buffer view
-            else:
-                self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_into_main_grad))
+                self._aliased.add(id(p))
+            if id(p) not in self._aliased or overlap:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        buffer = self.buffer_of[id(param)]
+        if id(param) not in self._aliased:
+            buffer.accumulate(param)
+        if self.overlap and is_last_micro_batch_backward():
+            buffer.grad_ready(param)
 
     def zero(self) -> None:
         for buffer in self.buffers:
             buffer.zero()
 
-    def all_reduce(self) -> None:
+    def finish_grad_sync(self) -> None:
         for buffer in self.buffers:
-            buffer.all_reduce()
+            buffer.finish_grad_sync()
 
-    def check_for_inf_or_nan(self) -> bool:
-        """True when any gradient on any rank is not finite (agreed across the whole world)."""
-        found = torch.zeros(1)
-        for buffer in self.buffers:
-            if not torch.isfinite(buffer.data).all():
-                found.fill_(1.0)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            found = found.to(self.buffers[0].data.device) if self.buffers else found
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found.item() > 0)
+    def reduced_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return self.buffer_of[id(param)].reduced_grad(param)
 
-    def scale_(self, factor: float) -> None:
-        for buffer in self.buffers:
-            buffer.data.mul_(factor)
+    def update_grads(self) -> list[torch.Tensor]:
+        return [g for buffer in self.buffers for g in buffer.update_grads()]
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 
 class LossScaler:
@@ -50,3 +54,18 @@ class DynamicLossScaler(LossScaler):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
         self.clean_steps = int(state.get("clean_steps", 0))
+
+
+def found_inf_across_ranks(grads: Iterable[torch.Tensor]) -> bool:
+    """True when any of ``grads`` on any rank is not finite (agreed across the whole world, so every rank
+    skips the same steps whichever part of the gradients it holds)."""
+    grads = list(grads)
+    device = grads[0].device if grads else torch.device("cpu")
+    found = torch.zeros(1, device=device)
+    for grad in grads:
+        if not torch.isfinite(grad).all():
+            found.fill_(1.0)
+            break
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item() > 0)

@@ -4,13 +4,14 @@ Model parameters may be bf16/fp16; gradients accumulate in fp32 buffers (``main_
 optimizer updates fp32 master copies whose ``.grad`` are those buffer views, and the result is copied
 back into the model. In fp32 the master weights are the model's own parameters (no copy).
 
-ZeRO (distributed.zero_optimization) replaces this class with a sharded one offering the same methods.
+:class:`OptimizerBase` holds what every optimizer shares (loss scaling, the update skeleton, the LR, the
+checkpoint scalars); ZeRO (``megacann.optimizer.zero``) is the other subclass, with sharded state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -19,7 +20,7 @@ from megacann.layers.sharding import SHARDING_ATTR
 from megacann.optimizer.clip_grads import DUPLICATE_ATTR, clip_grads_, global_grad_norm
 from megacann.optimizer.finalize import finalize_model_grads
 from megacann.optimizer.grad_buffer import GradBuffers
-from megacann.optimizer.loss_scaler import DynamicLossScaler, LossScaler
+from megacann.optimizer.loss_scaler import DynamicLossScaler, LossScaler, found_inf_across_ranks
 
 _COPIED_ATTRS = (SHARDING_ATTR, DUPLICATE_ATTR)
 
@@ -29,11 +30,16 @@ def no_weight_decay(param: torch.Tensor) -> bool:
     return param.dim() < 2
 
 
-def build_inner_optimizer(params: list[torch.nn.Parameter], cfg: MegacannConfig) -> torch.optim.Optimizer:
-    """torch AdamW / Adam / SGD over ``params`` with decay and no-decay groups; fused kernels when available."""
+def build_inner_optimizer(
+    params: list[torch.nn.Parameter], cfg: MegacannConfig, decays: Optional[list[bool]] = None
+) -> torch.optim.Optimizer:
+    """torch AdamW / Adam / SGD over ``params`` with decay and no-decay groups; fused kernels when available.
+    ``decays[i]`` says whether ``params[i]`` is decayed (default: not :func:`no_weight_decay`)."""
     o = cfg.optim
-    decay = [p for p in params if not no_weight_decay(p)]
-    plain = [p for p in params if no_weight_decay(p)]
+    if decays is None:
+        decays = [not no_weight_decay(p) for p in params]
+    decay = [p for p, d in zip(params, decays) if d]
+    plain = [p for p, d in zip(params, decays) if not d]
     groups = [
         g
         for g in ({"params": decay, "weight_decay": o.weight_decay}, {"params": plain, "weight_decay": 0.0})
@@ -73,20 +79,37 @@ class StateShard:
     tensors: dict[str, torch.Tensor]
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+StateAllocator = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def _zeros_like(param: torch.Tensor, key: str) -> torch.Tensor:
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The per-element state tensors ``optimizer`` keeps for each parameter."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return ("exp_avg", "exp_avg_sq")
+    if any(group.get("momentum", 0) for group in optimizer.param_groups):
+        return ("momentum_buffer",)
+    return ()
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer, allocate: StateAllocator = _zeros_like) -> None:
     """Create Adam / SGD state up front (torch creates it lazily at the first step), so checkpoints can
-    address it before any step and resumed runs match uninterrupted ones."""
+    address it before any step and resumed runs match uninterrupted ones. ``allocate(param, key)`` gives
+    each zeroed state tensor (ZeRO hands out views of its flat shard storage)."""
+    keys = state_keys(optimizer)
+    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
             if state:
                 continue
-            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            if adam:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if group.get("fused") else "cpu")
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif group.get("momentum", 0):
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for key in keys:
+                state[key] = allocate(p, key)
 
 
 def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int:
@@ -102,7 +125,81 @@ def set_optimizer_step_count(optimizer: torch.optim.Optimizer, step: int) -> Non
             state["step"].fill_(step)
 
 
-class MixedPrecisionOptimizer:
+class OptimizerBase:
+    """What every megacann optimizer shares: the trainable parameters, loss scaling, the update skeleton
+    (unscale, skip on overflow, clip by the global norm, update, copy to the model), the learning rate and
+    the checkpoint scalars. Subclasses decide where gradients, master weights and state live."""
+
+    grad_buffers: GradBuffers
+    optimizer: torch.optim.Optimizer  # the inner torch optimizer over fp32 masters (or shards of them)
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], cfg: MegacannConfig):
+        self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        self.model_params = [p for _, p in self.named_params]
+        self.bucket_size = int(cfg.distributed.bucket_size_mb * 2**18)  # MB of fp32 -> elements
+        self.clip_grad = cfg.optim.clip_grad
+        self.loss_scaler = build_loss_scaler(cfg)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def zero_grad(self) -> None:
+        self.grad_buffers.zero()
+
+    def finalize_grads(self) -> None:
+        """All gradient reductions of a step (data parallel, TP partial sums, tied embeddings)."""
+        finalize_model_grads(self.model_params, self.grad_buffers)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def grad_norm(self) -> float:
+        """The global gradient norm (every element of the model's gradient counted once)."""
+        return global_grad_norm(self.model_params)
+
+    def step(self) -> tuple[bool, Optional[float]]:
+        """Unscale, skip on overflow, clip, update, copy back. Returns (updated, grad_norm before clipping)."""
+        grads = self.grad_buffers.update_grads()
+        if self.loss_scaler.dynamic:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)
+            found_inf = found_inf_across_ranks(grads)
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                return False, None
+        grad_norm = self.grad_norm()
+        clip_grads_(grads, self.clip_grad, grad_norm)
+        self.optimizer.step()
+        self._copy_master_to_model()
+        return True, grad_norm
+
+    def _copy_master_to_model(self) -> None:
+        raise NotImplementedError
+
+    def finish_param_sync(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
+        """Wait until the model's parameters hold the last update (ZeRO may still be gathering them after
+        the step with ``overlap_param_gather``). Code reading parameters outside a forward calls this."""
+
+    # -- checkpointing ------------------------------------------------------------------------------
+    def state_shards(self) -> list[StateShard]:
+        """Every parameter's optimizer state held here (views; see :class:`StateShard`)."""
+        raise NotImplementedError
+
+    def scalar_state(self) -> dict[str, Any]:
+        """Layout-free scalars: the update count and the loss scaler."""
+        return {"step": optimizer_step_count(self.optimizer), "loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_scalar_state(self, state: dict[str, Any]) -> None:
+        set_optimizer_step_count(self.optimizer, state["step"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    def reload_model_params(self) -> None:
+        """After master weights were loaded in place, bring the model's (low-precision) copies in line."""
+        self._copy_master_to_model()
+
+
+class MixedPrecisionOptimizer(OptimizerBase):
     """Optimizer over all trainable parameters of this rank (no sharding across data parallelism)."""
 
     def __init__(
@@ -111,12 +208,10 @@ class MixedPrecisionOptimizer:
         cfg: MegacannConfig,
         grad_buffers: Optional[GradBuffers] = None,
     ):
-        self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
-        self.model_params = [p for _, p in self.named_params]
-        bucket = int(cfg.distributed.bucket_size_mb * 2**18)  # MB of fp32 -> elements
-        self.grad_buffers = grad_buffers or GradBuffers(self.model_params, bucket)
-        self.clip_grad = cfg.optim.clip_grad
-        self.loss_scaler = build_loss_scaler(cfg)
+        super().__init__(named_params, cfg)
+        self.grad_buffers = grad_buffers or GradBuffers(
+            self.model_params, self.bucket_size, overlap=cfg.distributed.overlap_grad_reduce
+        )
         self.master_params = [self._master_of(p) for p in self.model_params]
         self.optimizer = build_inner_optimizer(self.master_params, cfg)
         init_optimizer_state(self.optimizer)
@@ -132,35 +227,6 @@ class MixedPrecisionOptimizer:
                 setattr(master, attr, getattr(param, attr))
         master.main_grad = param.main_grad
         return master
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.scale
-
-    def zero_grad(self) -> None:
-        self.grad_buffers.zero()
-
-    def finalize_grads(self) -> None:
-        """All gradient reductions of a step (TP partial sums, tied embeddings, data parallel)."""
-        finalize_model_grads(self.model_params, self.grad_buffers)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def step(self) -> tuple[bool, Optional[float]]:
-        """Unscale, skip on overflow, clip, update, copy back. Returns (updated, grad_norm before clipping)."""
-        if self.loss_scaler.dynamic:
-            self.grad_buffers.scale_(1.0 / self.loss_scaler.scale)
-            found_inf = self.grad_buffers.check_for_inf_or_nan()
-            self.loss_scaler.update(found_inf)
-            if found_inf:
-                return False, None
-        grad_norm = global_grad_norm(self.model_params)
-        clip_grads_([p.main_grad for p in self.model_params], self.clip_grad, grad_norm)
-        self.optimizer.step()
-        self._copy_master_to_model()
-        return True, grad_norm
 
     @torch.no_grad()
     def _copy_master_to_model(self) -> None:
@@ -180,18 +246,6 @@ class MixedPrecisionOptimizer:
                     tensors[key] = state[key].view(-1)
             shards.append(StateShard(name, param, 0, param.numel(), tensors))
         return shards
-
-    def scalar_state(self) -> dict[str, Any]:
-        """Layout-free scalars: the update count and the loss scaler."""
-        return {"step": optimizer_step_count(self.optimizer), "loss_scaler": self.loss_scaler.state_dict()}
-
-    def load_scalar_state(self, state: dict[str, Any]) -> None:
-        set_optimizer_step_count(self.optimizer, state["step"])
-        self.loss_scaler.load_state_dict(state["loss_scaler"])
-
-    def reload_model_params(self) -> None:
-        """After master weights were loaded in place, bring the model's (low-precision) copies in line."""
-        self._copy_master_to_model()
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -4,6 +4,8 @@ Every schedule has the same signature and returns the sum of per-token losses of
 (on the last pipeline stage; zero elsewhere). Each micro-batch's loss is divided by ``loss_normalizer``
 (the number of target tokens in the whole global batch) and multiplied by the loss scale before backward,
 so gradient accumulation and data-parallel summation give exactly the gradient of one big batch.
+Each model chunk's last backward of the step runs inside ``last_micro_batch_backward()`` (see
+:mod:`megacann.pipeline.microbatches`), so gradient reductions may overlap it.
 
 All schedules run a plan (:mod:`megacann.pipeline.plan`) with one executor, :func:`run_plan`: no
 pipelining is a plan without transfers, 1F1B and interleaved 1F1B add the transfers of
@@ -21,6 +23,7 @@ import torch
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.pipeline import p2p
+from megacann.pipeline.microbatches import last_micro_batch_backward
 from megacann.pipeline.plan import Action, Backward, Exchange, Forward, build_plan
 from megacann.pipeline.timeline import Timeline
 
@@ -83,6 +86,7 @@ def run_plan(
     queues = _Queues(num_chunks)
     virtual = num_chunks > 1
     saved_virtual_rank = ps.get_virtual_pipeline_model_parallel_rank()
+    last_backward = {action.chunk: action for action in plan if isinstance(action, Backward)}
 
     def model_first(chunk: int) -> bool:
         return stage == 0 and chunk == 0
@@ -109,7 +113,7 @@ def run_plan(
         c = action.chunk
         x, out = queues.take(queues.saved[c], "saved forward", c)
         grad = None if model_last(c) else queues.take(queues.grads[c], "received gradient", c)
-        with Timeline.span_of(timeline, "backward"):
+        with Timeline.span_of(timeline, "backward"), last_micro_batch_backward(action == last_backward[c]):
             torch.autograd.backward(out, grad_tensors=grad)
         queues.to_prev = x.grad if x is not None else None
 

@@ -72,7 +72,7 @@ class Trainer:
         self.model_chunks = build_model_chunks(cfg, device=self.device)
         self.named_params = [(n, p) for chunk in self.model_chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
-        self.optimizer = build_optimizer(cfg, self.named_params)
+        self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)
         self.schedule = LRSchedule.from_config(cfg.optim)
         self.forward_backward = get_forward_backward_func(cfg)
         # logging.timers: per-stage forward/backward/transfer-wait seconds of each step, in the metrics
@@ -272,10 +272,12 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         """Save ``<output_dir>/checkpoint_<step>`` (in the background with logging.async_save)."""
+        self.optimizer.finish_param_sync()  # overlapped parameter gathers in flight land first
         return self.checkpointer.save(self)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore the full training state from a checkpoint written under any parallel layout."""
+        self.optimizer.finish_param_sync()  # no gather in flight may overwrite what is loaded
         self.checkpointer.load(self, path)
         if self._own_data or self._data_factory is not None:
             self._data = None  # rebuilt at the restored consumed_samples

@@ -1,0 +1,180 @@
+"""ZeRO memory: measured per-rank bytes of parameters, gradients and optimizer state beside the formulas.
+
+    python benchmarks/zero_memory.py [--dp 1 2 4] [--steps 2] [--hidden 512 --layers 6 --vocab 32000]
+
+One bf16 LLaMA of about 50M parameters, trained on random tokens by the real Trainer on ``dp`` gloo
+ranks (CPU processes, one thread each), under plain data parallelism (ZeRO-0), ZeRO-1 and ZeRO-2, with
+overlap_grad_reduce (and overlap_param_gather for ZeRO). Bytes come from the tensors' storages
+(``megacann.optimizer.memory``), after a step, on rank 0 (all ranks hold the same up to one bucket's
+padding). The prediction is megacann's, which keeps gradients in fp32 buffers as Megatron does:
+params 2 Psi, grads 4 Psi (ZeRO-2: 4 Psi / N), fp32 master + Adam moments 12 Psi (ZeRO-1/2: 12 Psi / N);
+the ZeRO paper's total (bf16 gradients: 16 Psi, 4 Psi + 12 Psi / N, 2 Psi + 14 Psi / N) is shown too.
+"grads peak" is the most gradient storage held at once during the step: ZeRO-2 frees reduced buckets
+during backward, but with gradient accumulation ("ZeRO-2 accum 2" rows) it keeps the full fp32
+gradients between micro-batches (it reduces once per step), so its peak is then ZeRO-1's.
+Step time: the fastest of the timed steps after one warm-up (each timed on its slowest rank): on a shared
+machine the least disturbed one. Ranks are single-threaded processes sharing the machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import torch  # noqa: E402
+from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher: N spawned ranks, hard timeout)
+
+MB = 2**20
+VARIANTS = [("ZeRO-0", 0, 1), ("ZeRO-1", 1, 1), ("ZeRO-2", 2, 1), ("ZeRO-2 accum 2", 2, 2)]
+
+
+class RandomTokens:
+    """Micro-batches of random tokens (the Trainer's data interface: ``.train`` and ``.valid()``)."""
+
+    def __init__(self, vocab: int, seq: int, batch: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+
+        def batches():
+            while True:
+                rows = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
+                yield {"tokens": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+
+        self.train = batches()
+
+    def valid(self):
+        return None
+
+
+def _config(args: argparse.Namespace, dp: int, stage: int, accum: int, out: str):
+    from megacann.config import config_from_dict, validate
+
+    cfg = config_from_dict(
+        {
+            "experiment": {"name": "zero_memory", "output_dir": out},
+            "model": {
+                "type": "llama",
+                "precision": "bf16",
+                "hidden_size": args.hidden,
+                "num_layers": args.layers,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 8,
+                "ffn_hidden_size": args.ffn,
+                "vocab_size": args.vocab,
+                "max_position_embeddings": args.seq,
+            },
+            "data": {"seq_length": args.seq, "batch_size": 1},
+            "optim": {"lr": 1e-4, "max_steps": 100, "warmup_steps": 1, "grad_accum_steps": accum},
+            "distributed": {
+                "zero_optimization": stage,
+                "overlap_grad_reduce": True,
+                "overlap_param_gather": stage > 0,
+                "bucket_size_mb": args.bucket_mb,
+            },
+            "logging": {"log_interval": 1000, "ckpt_interval": 0},
+        }
+    )
+    validate(cfg, world_size=dp)
+    return cfg
+
+
+def _measure(args: argparse.Namespace) -> list[dict]:
+    """On every rank: each variant in turn, a warm-up step, timed steps, then the bytes from the tensors."""
+    import torch.distributed as dist
+
+    from megacann import parallel_state as ps
+    from megacann.optimizer.memory import optimizer_memory
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    dp = dist.get_world_size()
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        for label, stage, accum in VARIANTS:
+            cfg = _config(args, dp, stage, accum, out)
+            runtime = setup_runtime(cfg)
+            trainer = Trainer(cfg, runtime, data=RandomTokens(args.vocab, args.seq, 1, seed=dist.get_rank()))
+            trainer.train_step()
+            times = []
+            for _ in range(args.steps):
+                dist.barrier()
+                start = time.perf_counter()
+                trainer.train_step()
+                slowest = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+                times.append(float(slowest.item()))
+            buffers = trainer.optimizer.grad_buffers.buffers
+            memory = optimizer_memory(trainer.optimizer)
+            shard_grads = sum(4 * b.shard.numel() for b in buffers if getattr(b, "shard", None) is not None)
+            rows.append(
+                {
+                    "variant": label,
+                    "stage": stage,
+                    "dp": dp,
+                    "psi": sum(p.numel() for p in trainer.optimizer.model_params),
+                    "padded": sum(b.numel for b in buffers),
+                    **memory,
+                    "grads_peak": shard_grads + 4 * sum(b.peak_allocated_numel for b in buffers),
+                    "step_time": min(times),
+                }
+            )
+            trainer.metrics.close()
+            del trainer
+            ps.destroy_model_parallel()
+    return rows
+
+
+def predicted(psi: int, n: int, stage: int) -> dict[str, float]:
+    """megacann's per-rank bytes (fp32 gradient buffers) and the ZeRO paper's total (bf16 gradients)."""
+    paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n}[stage]
+    return {
+        "params": 2 * psi,
+        "grads": 4 * psi / (n if stage == 2 else 1),
+        "optimizer_states": 12 * psi / (n if stage else 1),
+        "paper_total": paper,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--ffn", type=int, default=1408)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--bucket_mb", type=float, default=16.0)
+    args = parser.parse_args(argv)
+    header = (
+        f"{'dp':>2} {'variant':<15} | {'params':>7} {'grads':>7} {'peak':>7} {'states':>7} {'total':>7} | "
+        f"{'params':>7} {'grads':>7} {'states':>7} {'total':>7} {'paper':>7} | {'step s':>6}"
+    )
+    rows = []
+    for dp in args.dp:
+        rows += run_on_ranks(_measure, dp, args=(args,), timeout=900)[0]
+    psi = rows[0]["psi"]
+    print(f"model: {psi / 1e6:.1f}M parameters (Psi), bf16, seq {args.seq}, micro-batch 1; MB = 2^20 bytes per rank")
+    print(f"{'':19}| {'measured (from tensors)':^39} | {'predicted':^39} |")
+    print(header)
+    for r in rows:
+        p = predicted(r["psi"], r["dp"], r["stage"])
+        total = r["params"] + r["grads"] + r["optimizer_states"]
+        p_total = p["params"] + p["grads"] + p["optimizer_states"]
+        print(
+            f"{r['dp']:>2} {r['variant']:<15} | {r['params'] / MB:7.1f} {r['grads'] / MB:7.1f} "
+            f"{r['grads_peak'] / MB:7.1f} {r['optimizer_states'] / MB:7.1f} {total / MB:7.1f} | "
+            f"{p['params'] / MB:7.1f} {p['grads'] / MB:7.1f} {p['optimizer_states'] / MB:7.1f} {p_total / MB:7.1f} "
+            f"{p['paper_total'] / MB:7.1f} | {r['step_time']:6.2f}"
+        )
+    pad = max(r["padded"] - r["psi"] for r in rows)
+    print(f"padding: at most {pad} elements per rank's buffers (buckets padded to a multiple of dp)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""ZeRO stages 1 and 2: fp32 master weights, optimizer state and (stage 2) gradients sharded over data parallelism.
+
+Per gradient buffer (dense parameters over the data-parallel group, expert parameters over the
+expert-data-parallel group, one per dtype), each of the N ranks owns one contiguous range of every
+bucket (``zero_layout``). A step is:
+
+1. backward accumulates local gradients into the fp32 buckets; each bucket is reduce-scattered (summed:
+   the loss is already normalised by the global token count), from the backward hooks with
+   ``overlap_grad_reduce``; ZeRO-2 frees a bucket's full storage once it is reduced;
+2. the tensor-parallel partial sums and tied-embedding sums apply to the owned parts (``finalize``);
+3. unscale / overflow check (agreed by all ranks) / global norm from the shards / clipping;
+4. the inner torch optimizer (fused AdamW, decay per parameter) updates one fp32 piece per owned
+   parameter range: views of flat master and moment shards;
+5. the updated ranges are written into the model's (possibly bf16) parameters, which live in flat
+   buffers laid out like the gradients, and all-gathered in place; with ``overlap_param_gather``
+   asynchronously, each module waiting before its forward.
+
+In fp32 the master weights are the parameters' own owned ranges (no copy). Checkpoints see the state
+through :meth:`DistributedOptimizer.state_shards` (views) and :meth:`DistributedOptimizer.shard_layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from megacann.config import MegacannConfig
+from megacann.optimizer.clip_grads import global_grad_norm
+from megacann.optimizer.grad_buffer import GradBuffers
+from megacann.optimizer.optimizer import (
+    OptimizerBase,
+    StateShard,
+    build_inner_optimizer,
+    init_optimizer_state,
+    no_weight_decay,
+    state_keys,
+)
+from megacann.optimizer.param_buffer import ForwardGatherHooks, ParamBuffer
+from megacann.optimizer.sharded_grad_buffer import ShardedGradBuffer
+from megacann.optimizer.zero_layout import ShardRange, shard_ranges, shard_slice
+
+
+@dataclass
+class _Shard:
+    """This rank's optimizer shard of one buffer: flat fp32 tensors of ``buffer.shard_numel`` elements."""
+
+    buffer: ShardedGradBuffer
+    params: ParamBuffer
+    ranges: list[ShardRange]
+    master: Optional[torch.Tensor]  # None: fp32 parameters are their own masters
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def master_view(self, r: ShardRange) -> torch.Tensor:
+        if self.master is None:
+            return self.params.data[r.buffer_start : r.buffer_start + r.numel]
+        return self.master[r.shard_start : r.shard_start + r.numel]
+
+
+class DistributedOptimizer(OptimizerBase):
+    """ZeRO-1/2 over this rank's trainable parameters; the same interface as ``MixedPrecisionOptimizer``.
+
+    ``modules`` (the model chunks) are needed for ``distributed.overlap_param_gather`` (forward hooks).
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        cfg: MegacannConfig,
+        modules: Optional[list[torch.nn.Module]] = None,
+    ):
+        super().__init__(named_params, cfg)
+        d = cfg.distributed
+        self.stage = d.zero_stage
+        if self.stage not in (1, 2):
+            raise ValueError(f"DistributedOptimizer implements ZeRO stages 1 and 2, got zero_stage {self.stage}")
+        self.overlap_param_gather = d.overlap_param_gather
+        if self.overlap_param_gather and modules is None:
+            raise ValueError(
+                "distributed.overlap_param_gather needs the model's modules for its forward hooks: "
+                "build_optimizer(cfg, named_params, modules=model_chunks)"
+            )
+        self.grad_buffers = GradBuffers(
+            self.model_params,
+            self.bucket_size,
+            pad_for_zero=True,
+            overlap=d.overlap_grad_reduce,
+            buffer_cls=ShardedGradBuffer,
+            keep_full=self.stage == 1,
+        )
+        names = {id(p): n for n, p in self.named_params}
+        self.shards: list[_Shard] = []
+        for buffer in self.grad_buffers.buffers:
+            params = ParamBuffer(buffer, buffer.rank)
+            master = None
+            if params.data.dtype != torch.float32:
+                master = torch.zeros(buffer.shard_numel, dtype=torch.float32, device=buffer.device)
+                for bucket in buffer.buckets:
+                    master[shard_slice(bucket, buffer.group_size)].copy_(params.owned(bucket))
+            ranges = shard_ranges(buffer, buffer.rank, buffer.group_size, names)
+            self.shards.append(_Shard(buffer, params, ranges, master))
+        self._build_inner_optimizer(cfg)
+        self._gather_hooks = None
+        if self.overlap_param_gather:
+            self._gather_hooks = ForwardGatherHooks(modules, self.model_params, self.finish_param_sync)
+
+    def _build_inner_optimizer(self, cfg: MegacannConfig) -> None:
+        """One fp32 piece per owned range, a view of the master shard with its gradient's view as .grad;
+        Adam's moments are views of flat shard tensors too."""
+        self.pieces: list[tuple[_Shard, ShardRange, torch.nn.Parameter]] = []
+        for shard in self.shards:
+            for r in shard.ranges:
+                piece = torch.nn.Parameter(shard.master_view(r))
+                piece.grad = shard.buffer.reduced_grad(r.param)
+                self.pieces.append((shard, r, piece))
+        if not self.pieces:
+            raise ValueError(
+                f"data-parallel rank owns no parameter elements under ZeRO ({len(self.model_params)} trainable "
+                "parameters): use fewer data-parallel ranks or zero_optimization: false"
+            )
+        params = [piece for _, _, piece in self.pieces]
+        self.optimizer = build_inner_optimizer(params, cfg, [not no_weight_decay(r.param) for _, r, _ in self.pieces])
+        keys = state_keys(self.optimizer)
+        for shard in self.shards:
+            shard.states = {
+                k: torch.zeros(shard.buffer.shard_numel, dtype=torch.float32, device=shard.buffer.device) for k in keys
+            }
+        slot = {id(piece): (shard, r) for shard, r, piece in self.pieces}
+
+        def allocate(piece: torch.Tensor, key: str) -> torch.Tensor:
+            shard, r = slot[id(piece)]
+            return shard.states[key][r.shard_start : r.shard_start + r.numel]
+
+        init_optimizer_state(self.optimizer, allocate)
+
+    # -- the step -----------------------------------------------------------------------------------
+    def grad_norm(self) -> float:
+        grads = [self.grad_buffers.reduced_grad(p) for p in self.model_params]
+        return global_grad_norm(self.model_params, grads, sharded_over_data_parallel=True)
+
+    @torch.no_grad()
+    def _copy_master_to_model(self) -> None:
+        """Write the updated ranges into the model's parameters and all-gather them."""
+        for shard in self.shards:
+            if shard.master is not None:
+                for bucket in shard.buffer.buckets:
+                    size = shard.buffer.group_size
+                    shard.params.owned(bucket).copy_(shard.master[shard_slice(bucket, size)])
+            shard.params.gather(async_op=True)
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
+        """Wait for the parameter all-gathers in flight (those of ``params``; default all)."""
+        for shard in self.shards:
+            shard.params.wait(params)
+
+    # -- checkpointing ------------------------------------------------------------------------------
+    def state_shards(self) -> list[StateShard]:
+        """The optimizer state of every parameter range this rank owns (views; see :class:`StateShard`).
+        Checkpointing reads the parameters too, so the gathers in flight are waited for first."""
+        self.finish_param_sync()
+        return [
+            StateShard(
+                r.name,
+                r.param,
+                r.param_start,
+                r.param_end,
+                {
+                    "master": piece.detach(),
+                    **{k: v[r.shard_start : r.shard_start + r.numel] for k, v in shard.states.items()},
+                },
+            )
+            for shard, r, piece in self.pieces
+        ]
+
+    def shard_layout(self, dp_rank: Optional[int] = None) -> list[dict[str, Any]]:
+        """Per buffer: its group size, buckets and the parameter ranges ``dp_rank`` (default this rank) owns,
+        as plain data; every rank can compute every other rank's layout (for resharding)."""
+        names = {id(p): n for n, p in self.named_params}
+        layout = []
+        for shard in self.shards:
+            b = shard.buffer
+            rank = b.rank if dp_rank is None else dp_rank
+            layout.append(
+                {
+                    "dp_size": b.group_size,
+                    "dp_rank": rank,
+                    "dtype": str(shard.params.data.dtype),
+                    "numel": b.numel,
+                    "shard_numel": b.shard_numel,
+                    "buckets": [(bucket.start, bucket.end) for bucket in b.buckets],
+                    "ranges": [r.describe() for r in shard_ranges(b, rank, b.group_size, names)],
+                }
+            )
+        return layout
+
+    def reload_model_params(self) -> None:
+        """After masters were loaded in place: write them into the parameters and all-gather (waited)."""
+        self._copy_master_to_model()
+        self.finish_param_sync()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards (copies) and scalars, for a checkpoint of the same layout."""
+        return {
+            "zero_layout": self.shard_layout(),
+            "scalars": self.scalar_state(),
+            "shards": [{k: t.clone() for k, t in s.tensors.items()} for s in self.state_shards()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["zero_layout"] != self.shard_layout():
+            raise ValueError("ZeRO state was saved under another layout (data-parallel size, buckets or parameters)")
+        with torch.no_grad():
+            for shard, saved in zip(self.state_shards(), state["shards"]):
+                for key, tensor in shard.tensors.items():
+                    tensor.copy_(saved[key])
+        self.load_scalar_state(state["scalars"])
+        self.reload_model_params()
