@@ -6,8 +6,6 @@ groups and seeds, as a new process would.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch.distributed as dist
 from training_helpers import synthetic_data_factory, tiny_config
 
@@ -15,12 +13,6 @@ from megacann import parallel_state as ps
 from megacann.models.full_state import full_state_dict
 from megacann.training.runtime import setup_runtime
 from megacann.training.trainer import Trainer
-
-# features still being merged from their branches; cases needing them are skipped until they land
-FEATURES = {
-    "pipeline": importlib.util.find_spec("megacann.pipeline.plan") is not None,
-    "zero": importlib.util.find_spec("megacann.optimizer.zero") is not None,
-}
 
 # dropout on, so a resumed run is bitwise equal only if every RNG stream is restored
 COMMON = ["optim.clip_grad=0.5", "optim.lr=1e-3", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]

@@ -3,39 +3,27 @@ next steps' losses equal those of the run that kept its layout (fp32, relative 1
 
 Saved under tp2 x pp2 x dp2 with ZeRO-1 (tied embeddings, so the last stage holds a copy of the embedding)
 and loaded under tp4 x dp2, pp4 x dp2, interleaved pp2 x vpp2 with ZeRO-2, dp8 with ZeRO-2, and one
-process. Until pipeline parallelism and ZeRO are merged, the origin is tp2 x dp2 on 4 ranks."""
+process."""
 
 import pytest
-from checkpoint_helpers import FEATURES
 from dist_harness import run_on_ranks
 
 STOP, MORE = 3, 2
 REL = 1e-6
 # no dropout (masks differ between layouts); tied embeddings; the global batch stays 8 in every layout
 COMMON = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0", "model.tie_word_embeddings=true"]
-ZERO1 = ["distributed.zero_optimization=1"] if FEATURES["zero"] else []
-ZERO2 = ["distributed.zero_optimization=2"] if FEATURES["zero"] else []
-TP2, TP4, PP2 = (
-    "distributed.tensor_parallel_size=2",
-    "distributed.tensor_parallel_size=4",
-    "distributed.pipeline_parallel_size=2",
-)
-if FEATURES["pipeline"]:
-    WORLD = 8
-    ORIGIN = [TP2, PP2, "optim.grad_accum_steps=2"] + ZERO1
-    TARGETS = {
-        "tp4_dp2": [TP4, "optim.grad_accum_steps=2"],
-        "pp4_dp2": ["distributed.pipeline_parallel_size=4", "optim.grad_accum_steps=2"],
-        "tp2_pp2_vpp2_dp2": [TP2, PP2, "distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=2"] + ZERO2,
-        "dp8": ["data.batch_size=1", "optim.grad_accum_steps=1"] + ZERO2,
-    }
-    # stage 1 lacks layers 4 and 5, stage 0 finds nothing wrong: every rank must still refuse
-    MISMATCHED = [TP2, PP2, "optim.grad_accum_steps=2", "model.num_layers=6"]
-else:
-    WORLD = 4
-    ORIGIN = [TP2, "optim.grad_accum_steps=2"] + ZERO1
-    TARGETS = {"tp4": [TP4, "optim.grad_accum_steps=4"], "dp4": ["optim.grad_accum_steps=1"] + ZERO2}
-    MISMATCHED = [TP2, "optim.grad_accum_steps=2", "model.ffn_hidden_size=96"]
+TP2, PP2 = "distributed.tensor_parallel_size=2", "distributed.pipeline_parallel_size=2"
+ZERO2 = "distributed.zero_optimization=2"
+WORLD = 8
+ORIGIN = [TP2, PP2, "optim.grad_accum_steps=2", "distributed.zero_optimization=1"]
+TARGETS = {
+    "tp4_dp2": ["distributed.tensor_parallel_size=4", "optim.grad_accum_steps=2"],
+    "pp4_dp2": ["distributed.pipeline_parallel_size=4", "optim.grad_accum_steps=2"],
+    "tp2_pp2_vpp2_dp2_zero2": [TP2, PP2, "distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=2", ZERO2],
+    "dp8_zero2": ["data.batch_size=1", "optim.grad_accum_steps=1", ZERO2],
+}
+# stage 1 lacks layers 4 and 5, stage 0 finds nothing wrong: every rank must still refuse
+MISMATCHED = [TP2, PP2, "optim.grad_accum_steps=2", "model.num_layers=6"]
 TARGETS_WORLD1 = {"tp1_pp1_dp1": ["optim.grad_accum_steps=4"]}
 
 

@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-from checkpoint_helpers import FEATURES
 from dist_harness import run_on_ranks
 
 STOP, STEPS = 3, 6
@@ -21,12 +20,12 @@ CASES_WORLD2 = {
     "pp2_bf16_tied": ["distributed.pipeline_parallel_size=2", "model.tie_word_embeddings=true"] + BF16,
     "zero1_dp2_fp32": ["distributed.zero_optimization=1"],
     "zero1_dp2_bf16": ["distributed.zero_optimization=1"] + BF16,
+    "zero2_dp2_overlap": [  # gathers may be in flight when a save or a load comes
+        "distributed.zero_optimization=2",
+        "distributed.overlap_grad_reduce=true",
+        "distributed.overlap_param_gather=true",
+    ],
 }
-NEEDS = {"pp2": "pipeline", "zero1": "zero"}
-
-
-def _available(cases: dict) -> dict:
-    return {name: o for name, o in cases.items() if FEATURES.get(NEEDS.get(name.split("_")[0]), True)}
 
 
 def _resume_matrix(cases: dict, root: str) -> dict:
@@ -79,8 +78,7 @@ def world1(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    cases = _available(CASES_WORLD2)
-    return run_on_ranks(_resume_matrix, 2, args=(cases, str(tmp_path_factory.mktemp("w2"))), timeout=400)[0]
+    return run_on_ranks(_resume_matrix, 2, args=(CASES_WORLD2, str(tmp_path_factory.mktemp("w2"))), timeout=400)[0]
 
 
 @pytest.mark.parametrize("name", sorted(CASES_WORLD1))
@@ -89,7 +87,5 @@ def test_resume_is_bitwise_one_process(world1, name):
 
 
 @pytest.mark.parametrize("name", sorted(CASES_WORLD2))
-def test_resume_is_bitwise_two_ranks(request, name):
-    if name not in _available(CASES_WORLD2):
-        pytest.skip(f"needs {NEEDS[name.split('_')[0]]}, not merged yet")
-    _check(request.getfixturevalue("world2"), name)
+def test_resume_is_bitwise_two_ranks(world2, name):
+    _check(world2, name)
