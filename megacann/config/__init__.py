@@ -1,0 +1,63 @@
+"""Training recipes: dataclasses for every section, YAML loading, dotted overrides and validation.
+
+A recipe is a YAML file with the sections of :class:`MegacannConfig` (``schema``). Unknown keys, wrong
+types and inconsistent parallel sizes are errors that name the file, the key, the value and what was
+expected, with the closest valid key for a typo (``loading``, ``validation``). A model may be given inline
+or through ``model.config_path``, a Hugging Face style ``config.json`` mapped onto :class:`ModelConfig`.
+"""
+
+from megacann.config.loading import (
+    HF_MODEL_KEYS,
+    SYNONYMS,
+    all_dotted_keys,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    load_hf_model_config,
+    suggest_key,
+)
+from megacann.config.schema import (
+    CHOICES,
+    TOP_LEVEL_KEYS,
+    ConfigError,
+    DataConfig,
+    DistributedConfig,
+    ExperimentConfig,
+    LoggingConfig,
+    MegacannConfig,
+    ModelConfig,
+    OptimConfig,
+    PrecisionConfig,
+)
+from megacann.config.validation import (
+    interleaved_schedule_error,
+    pipeline_bubble_fraction,
+    resolve_parallel_sizes,
+    validate,
+)
+
+__all__ = [
+    "CHOICES",
+    "HF_MODEL_KEYS",
+    "SYNONYMS",
+    "TOP_LEVEL_KEYS",
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "ExperimentConfig",
+    "LoggingConfig",
+    "MegacannConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PrecisionConfig",
+    "all_dotted_keys",
+    "apply_overrides",
+    "config_from_dict",
+    "interleaved_schedule_error",
+    "load_config",
+    "load_hf_model_config",
+    "pipeline_bubble_fraction",
+    "resolve_parallel_sizes",
+    "suggest_key",
+    "validate",
+]

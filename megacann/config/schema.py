@@ -1,0 +1,201 @@
+"""The recipe's schema: one dataclass per section, with Megatron-style names and documented defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe that cannot be used as written."""
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "megacann"
+    output_dir: str = "./output"
+
+
+@dataclass
+class ModelConfig:
+    """Architecture and numerics. Sizes may come from ``config_path`` (HF config.json); inline keys win."""
+
+    type: str = "llama"  # llama | gpt | moe
+    config_path: Optional[str] = None
+    precision: str = "bf16"  # bf16 | fp16 | fp32
+    hidden_size: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None  # None: same as num_attention_heads (no GQA)
+    ffn_hidden_size: Optional[int] = None  # None: 4*hidden (gpt) or LLaMA's 2/3*4*hidden rounded to 256
+    vocab_size: Optional[int] = None  # None: taken from the tokenizer
+    max_position_embeddings: int = 4096
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # Llama-3 style: {rope_type: llama3, factor, low_freq_factor, ...}
+    rotary_interleaved: bool = False
+    tie_word_embeddings: bool = False
+    add_bias_linear: Optional[bool] = None  # None: True for gpt, False for llama
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    activation_checkpointing: str = "none"  # none | selective | full
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads  # type: ignore[return-value]
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        assert self.hidden_size is not None
+        if self.type == "gpt":
+            return 4 * self.hidden_size
+        return 256 * ((int(2 * 4 * self.hidden_size / 3) + 255) // 256)
+
+    @property
+    def use_bias(self) -> bool:
+        return self.add_bias_linear if self.add_bias_linear is not None else self.type == "gpt"
+
+
+@dataclass
+class DataConfig:
+    path: Optional[Union[str, list]] = None  # None: the embedded default corpus (stdlib sources)
+    tokenizer: Optional[str] = None  # None: byte-level BPE trained on the default corpus and cached
+    seq_length: int = 2048
+    batch_size: int = 1  # micro-batch per device
+    num_workers: int = 2
+    persistent_workers: bool = False
+    pin_memory: Optional[bool] = None  # None: pin when the device supports it
+    split: str = "98,2,0"  # train, validation, test weights
+    weights: Optional[list] = None  # blending weights, one per entry of `path`
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    tokenizer_vocab_size: int = 8192  # vocabulary of the BPE trained on the default corpus
+    cache_dir: Optional[str] = None  # index / tokenizer caches; None: next to the data
+    json_key: str = "text"
+    prompt_template: str = "alpaca"
+    skip_bad_lines: bool = False
+    pack_sft: bool = True
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | adam | sgd
+    lr: float = 3.0e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    scheduler: str = "cosine"  # cosine | linear | constant
+    warmup_ratio: float = 0.0
+    warmup_steps: Optional[int] = None  # wins over warmup_ratio when set
+    min_lr_ratio: float = 0.1
+    grad_accum_steps: int = 1
+    max_steps: int = 1000
+    clip_grad: float = 1.0  # 0 disables clipping
+    initial_loss_scale: float = 65536.0  # fp16 dynamic loss scaling
+    loss_scale_window: int = 1000
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class DistributedConfig:
+    world_size: Optional[int] = None  # None: from torchrun (WORLD_SIZE) or 1
+    parallel_mode: str = "hybrid"  # data | tensor | pipeline | hybrid
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: Optional[int] = None  # None: world / (tp * pp * cp)
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    virtual_pipeline_size: Optional[int] = None
+    sequence_parallel: bool = False
+    pipeline_layers: Optional[list] = None  # layers per (virtual) stage; None: even split
+    zero_optimization: Union[bool, int] = False  # false | true (=1) | 1 | 2
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size_mb: float = 40.0
+    device: Optional[str] = None  # npu | cuda | cpu; None: auto (MEGACANN_DEVICE wins)
+    timeout_minutes: float = 30.0
+
+    @property
+    def zero_stage(self) -> int:
+        z = self.zero_optimization
+        return int(z) if not isinstance(z, bool) else (1 if z else 0)
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    ckpt_interval: int = 1000  # 0: save only at the end
+    keep_last: Optional[int] = None  # None: keep all
+    eval_interval: int = 0  # 0: no evaluation during training
+    eval_iters: int = 10
+    wandb: bool = False
+    wandb_project: Optional[str] = None
+    tensorboard: bool = False
+    async_save: bool = False
+    timers: bool = False  # per-stage forward/backward/communication timing
+
+
+@dataclass
+class PrecisionConfig:
+    fp32_ops: list = field(default_factory=list)  # op names forced to fp32 (e.g. softmax, loss)
+    fused_ops: Union[bool, list] = True  # true: every available fused op; list: only those
+
+
+@dataclass
+class MegacannConfig:
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    seed: int = 1234
+    train_mode: str = "pretrain"  # pretrain | sft
+    lora: bool = False
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    @property
+    def global_batch_size(self) -> int:
+        dp = self.distributed.data_parallel_size or 1
+        return self.data.batch_size * dp * self.optim.grad_accum_steps
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+_SECTION_CLASSES = {
+    "experiment": ExperimentConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "distributed": DistributedConfig,
+    "logging": LoggingConfig,
+    "precision": PrecisionConfig,
+}
+TOP_LEVEL_KEYS = [f.name for f in dataclasses.fields(MegacannConfig) if f.name not in _SECTION_CLASSES]
+
+CHOICES = {
+    "model.type": ("llama", "gpt", "moe"),
+    "model.precision": ("bf16", "fp16", "fp32"),
+    "model.activation_checkpointing": ("none", "selective", "full"),
+    "optim.name": ("adamw", "adam", "sgd"),
+    "optim.scheduler": ("cosine", "linear", "constant"),
+    "distributed.parallel_mode": ("data", "tensor", "pipeline", "hybrid"),
+    "train_mode": ("pretrain", "sft"),
+}
