@@ -69,7 +69,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.set_num_threads(1)
     from megacann.checkpoint import Checkpointer
     from megacann.config import config_from_dict, validate
-    from megacann.models.full_state import logical_shape
+    from megacann.layers.sharding import get_sharding
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -112,7 +112,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
 
     def save(checkpointer) -> None:
         trainer.state.step += 1  # a new checkpoint_<step> each time, as in training
-        saved.append(checkpointer.save(trainer))
+        saved.append(checkpointer.save(trainer.checkpoint_parts(), trainer.cfg, log=trainer.metrics.print))
 
     for _ in range(args.repeat):
         rows.setdefault("megacann save", []).append(_timed(lambda: save(trainer.checkpointer)))
@@ -132,7 +132,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
         theirs_mb = _dir_mb(baseline_dir)
         print(
             f"world {args.world}, tp {args.tp}, {args.precision}, "
-            f"{sum(math.prod(logical_shape(p)) for p in trainer.params) / 1e6:.1f}M parameters"
+            f"{sum(math.prod(get_sharding(p).logical_shape) for p in trainer.params) / 1e6:.1f}M parameters"
         )
         print(f"{'what':36s} {'seconds':>8s} {'MB':>8s} {'MB/s':>8s} {'vs torch':>9s}")
         for name, times in rows.items():

@@ -124,8 +124,7 @@ def main() -> None:
     if args.cases:
         cases = [(int(c.split("v")[0]), int(c.split("v")[1]) if "v" in c else None) for c in args.cases]
 
-    from megacann.config import pipeline_bubble_fraction
-    from megacann.pipeline import simulate_schedule
+    from megacann.pipeline import pipeline_bubble_fraction, simulate_schedule
 
     m = args.micro_batches
     print(

@@ -17,8 +17,10 @@ import torch
 
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+# The recipe's precision names (model.precision, --dtype of megacann-convert) and their torch dtypes.
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Peak dense bf16 FLOP/s by device name (datasheet figures; see REFERENCE.md §4). Matched as substrings of
+# Peak dense bf16 FLOP/s by device name (vendors' datasheet figures). Matched as substrings of
 # the device name, first hit wins, so more specific names come first. Ascend figures differ per SKU and
 # are not listed until taken from the vendor sheet of the chip in hand: set MEGACANN_PEAK_FLOPS instead.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (

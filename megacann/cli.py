@@ -32,12 +32,17 @@ def train_main(argv: Optional[list[str]] = None, expected_model_type: Optional[s
             raise ConfigError(
                 f"{args.config}: model.type is {cfg.model.type!r}, this script trains {expected_model_type!r}"
             )
+        from megacann.training.recipe import prepare_recipe
+
+        _, advice = prepare_recipe(cfg, world_size=world, source=args.config)
     except ConfigError as err:
         print(f"megacann-train: error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
         from megacann.dry_run import print_dry_run
 
+        for line in advice:  # a run prints them itself, on its first rank
+            print(f"megacann-train: note: {line}", file=sys.stderr)
         print_dry_run(cfg, args.config)
         return 0
     from megacann.training import train

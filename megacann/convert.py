@@ -1,8 +1,8 @@
 """``megacann-convert``: checkpoints and weights between megacann's formats and Hugging Face's, on one process.
 
     megacann-convert consolidate SOURCE OUT [--dtype fp32|bf16|fp16]   checkpoint -> consolidated directory
-    megacann-convert to-hf SOURCE OUT [--dtype ...]                     checkpoint / consolidated -> HF LLaMA
-    megacann-convert from-hf HF_DIR OUT [--dtype ...]                   HF LLaMA -> consolidated directory
+    megacann-convert to-hf SOURCE OUT [--dtype ...]                     checkpoint / consolidated -> HF directory
+    megacann-convert from-hf HF_DIR OUT [--dtype ...]                   HF directory -> consolidated directory
 
 SOURCE is a checkpoint directory (``checkpoint_<step>``, written under any parallel layout), an output
 directory (its newest complete checkpoint is used) or a consolidated directory. No accelerator and no
@@ -16,12 +16,13 @@ import sys
 import time
 from typing import Optional
 
-from megacann.checkpoint.export import DTYPES, consolidate, export_hf, import_hf
+from megacann.accelerator import PRECISION_DTYPES
+from megacann.checkpoint.export import consolidate, export_hf, import_hf
 
 COMMANDS = {
     "consolidate": (consolidate, "checkpoint (any layout) -> consolidated safetensors directory with megacann names"),
-    "to-hf": (export_hf, "checkpoint or consolidated directory -> Hugging Face LLaMA directory"),
-    "from-hf": (import_hf, "Hugging Face LLaMA directory -> consolidated megacann directory"),
+    "to-hf": (export_hf, "checkpoint or consolidated directory -> Hugging Face directory"),
+    "from-hf": (import_hf, "Hugging Face directory -> consolidated megacann directory"),
 }
 
 
@@ -32,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text, description=text)
         sub.add_argument("source", help="input directory")
         sub.add_argument("out", help="output directory (created)")
-        sub.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as stored)")
+        sub.add_argument(
+            "--dtype", choices=sorted(PRECISION_DTYPES), default=None, help="cast weights (default: as stored)"
+        )
     return parser
 
 

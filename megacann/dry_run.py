@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, TextIO
 
-from megacann.config import MegacannConfig, pipeline_bubble_fraction
-from megacann.models.sizing import num_parameters, padded_vocab_size
+from megacann.config import MegacannConfig
+from megacann.models import padded_vocab_size, prepare_model_config
 from megacann.parallel_state import RankLayout, rank_layout
-from megacann.pipeline.partition import stage_layer_ids
+from megacann.pipeline import chunk_placements, pipeline_bubble_fraction
 
 GROUP_TITLES = (
     ("tp", "tensor-parallel"),
@@ -60,12 +61,12 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
     for stage in range(pp):
         ranks = sorted(group[stage] for group in layout.groups["pp"])
         chunks = []
-        for chunk in range(vpp):
+        for placement in chunk_placements(cfg, stage):
             parts = []
-            if stage == 0 and chunk == 0:
-                parts.append("embedding" + (" + positions" if m.type == "gpt" else ""))
-            parts.append(_fmt_layers(stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, d.pipeline_layers)))
-            if stage == pp - 1 and chunk == vpp - 1:
+            if placement.pre_process:
+                parts.append("embedding")
+            parts.append(_fmt_layers(list(placement.layer_ids)))
+            if placement.post_process:
                 if not tied:
                     head = "lm_head"
                 elif pp == 1:
@@ -73,13 +74,14 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
                 else:
                     head = "lm_head (copy of stage 0's tied embedding, gradients summed over the embedding group)"
                 parts += ["final norm", head, "loss"]
-            chunks.append((f"chunk {chunk}: " if vpp > 1 else "") + ", ".join(parts))
+            chunks.append((f"chunk {len(chunks)}: " if vpp > 1 else "") + ", ".join(parts))
         lines.append(f"stage {stage} (ranks {_fmt_ranks(ranks)}): " + " | ".join(chunks))
     return lines
 
 
 def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
     """The dry run's report as text."""
+    spec = prepare_model_config(cfg)
     d, m = cfg.distributed, cfg.model
     world = d.world_size or int(os.environ.get("WORLD_SIZE", 1))
     layout = rank_layout(
@@ -109,12 +111,16 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
     lines += describe_pipeline(cfg, layout)
     lines.append("-- model")
     if m.vocab_size:
-        total = num_parameters(m)
+        total = spec.num_parameters(m)
         padded = padded_vocab_size(m.vocab_size, d.tensor_parallel_size, m.make_vocab_size_divisible_by)
+        with_padding = spec.num_parameters(dataclasses.replace(m, vocab_size=padded))
         lines.append(
             f"{m.type}: {_fmt_int(total)} parameters ({total / 1e9:.2f} B); vocabulary {m.vocab_size} "
-            f"padded to {padded} for tp {d.tensor_parallel_size}: {_fmt_int(num_parameters(m, padded))}"
+            f"padded to {padded} for tp {d.tensor_parallel_size}: {_fmt_int(with_padding)}"
         )
+        active = spec.parameters_per_token(m)
+        if active != total:
+            lines.append(f"active per token: {_fmt_int(active)} parameters ({active / 1e9:.2f} B)")
     else:
         lines.append(f"{m.type}: parameter count needs the vocabulary size (taken from the tokenizer at run time)")
     lines.append(

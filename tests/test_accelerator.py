@@ -34,6 +34,7 @@ def test_environment_beats_recipe_and_bad_names_are_named(monkeypatch):
     with pytest.raises(ValueError, match="MEGACANN_DEVICE='gpu'"):
         acc.resolve_device_type()
     monkeypatch.setenv("MEGACANN_DEVICE", "npu")
+    monkeypatch.setattr(acc, "_ACCELERATOR", None)  # as in a fresh process (an earlier test may have made one)
     with pytest.raises(RuntimeError, match="torch_npu"):
         acc.get_accelerator()
 

@@ -29,9 +29,9 @@ def _train_and_kill_self(out: str, phase: str) -> None:
     saves = {"n": 0, "items": 0}
     original_save = checkpointer.Checkpointer.save
 
-    def counting_save(self, trainer):
+    def counting_save(self, *args, **kwargs):
         saves["n"] += 1
-        return original_save(self, trainer)
+        return original_save(self, *args, **kwargs)
 
     checkpointer.Checkpointer.save = counting_save
     if phase == "writing_data":  # a few tensors of the second checkpoint are in its file

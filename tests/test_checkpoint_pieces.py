@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megacann.checkpoint.pieces import flat_range_boxes, logical_shape, range_pieces, tensor_pieces
+from megacann.checkpoint.pieces import flat_range_boxes, range_pieces, tensor_pieces
 from megacann.layers.sharding import ParamSharding, shard_tensor
 
 SHARDINGS = {
@@ -53,7 +53,7 @@ def test_pieces_of_every_rank_tile_the_logical_tensor(name, tp_size, dp_parts):
     blocks = sharding.tp_blocks or ((sharding.full_shape[sharding.tp_dim],) if sharding.tp_dim is not None else ())
     if any(b % tp_size for b in blocks):
         pytest.skip("not divisible")
-    logical = logical_shape(sharding)
+    logical = sharding.logical_shape
     whole = torch.randn(logical)
     padded = torch.zeros(sharding.full_shape)
     padded[tuple(slice(0, s) for s in logical)] = whole

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from megacann.config import ConfigError, apply_overrides, config_from_dict, load_config, validate
+from megacann.training.recipe import prepare_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = os.path.join(ROOT, "examples", "configs", "llama", "llama_7b.yaml")
@@ -65,7 +66,7 @@ def test_overrides_convert_types(tmp_path):
             "optim.lr=3e-4",
             "optim.max_steps=7",
             "seed=7",
-            "lora=true",
+            "distributed.sequence_parallel=true",
             "distributed.zero_optimization=2",
             "experiment.name=run7",
             "data.path=[a, b]",
@@ -73,7 +74,7 @@ def test_overrides_convert_types(tmp_path):
         ],
     )
     assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
-    assert cfg.optim.max_steps == 7 and cfg.seed == 7 and cfg.lora is True
+    assert cfg.optim.max_steps == 7 and cfg.seed == 7 and cfg.distributed.sequence_parallel is True
     assert cfg.distributed.zero_stage == 2 and cfg.experiment.name == "run7"
     assert cfg.data.path == ["a", "b"] and cfg.model.num_layers == 2
 
@@ -118,7 +119,7 @@ def test_wrong_type_in_file(tmp_path):
 def test_validation_errors(tmp_path, extra, pattern):
     path = write(tmp_path, TINY + extra + "\n")
     with pytest.raises(ConfigError, match=pattern):
-        load_config(path)
+        prepare_recipe(load_config(path))  # the recipe's own rules, the model family's and the pipeline's
 
 
 def test_kv_heads_must_divide_or_be_multiple_of_tp():

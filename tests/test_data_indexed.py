@@ -14,7 +14,7 @@ from megacann.data.indexed_dataset import (
 )
 from megacann.data.tokenizer import ByteTokenizer
 
-# The spec (REFERENCE.md §1), written out independently of megacann's own code.
+# Megatron's .idx layout, written out independently of megacann's own code.
 SPEC_CODES = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "float64": 6, "float32": 7, "uint16": 8}
 SPEC_FORMATS = {"uint16": "H", "int32": "i", "int64": "q", "uint8": "B"}
 

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from megacann.config import ModelConfig
-from megacann.models import LlamaModel, from_pretrained_hf, num_parameters
-from megacann.models.decoder import initialize_weights
-from megacann.models.sizing import flops_per_token
+from megacann.layers import initialize_weights
+from megacann.models import GPT, LLAMA, LlamaModel, from_pretrained_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,7 +105,8 @@ def test_parameter_count_matches_model(kind, kw):
 
     cfg = ModelConfig(type=kind, hidden_size=32, num_layers=3, num_attention_heads=4, vocab_size=128, **kw)
     model = (LlamaModel if kind == "llama" else GPTModel)(cfg)
-    assert sum(p.numel() for p in model.parameters()) == num_parameters(cfg)
+    spec = LLAMA if kind == "llama" else GPT
+    assert sum(p.numel() for p in model.parameters()) == spec.num_parameters(model.config)
 
 
 def test_flops_per_token_palm_formula():
@@ -120,4 +120,4 @@ def test_flops_per_token_palm_formula():
     )
     d, L, kv = 2048, 22, 4 * 64
     n = L * (2 * d * d + 2 * d * kv + 3 * d * 5632) + d * 32000
-    assert flops_per_token(cfg, 2048) == 6 * n + 12 * L * d * 2048
+    assert LLAMA.flops_per_token(cfg, 2048) == 6 * n + 12 * L * d * 2048

@@ -1,15 +1,15 @@
-"""Pipeline recipes: validation of micro-batch counts, the bubble warning, the dry run's stage listing,
+"""Pipeline recipes: validation of micro-batch counts, the bubble advice, the dry run's stage listing,
 partitioning and the activation shape."""
 
 import os
-import warnings
+import re
 
 import pytest
 from training_helpers import tiny_config
 
-from megacann.config import ConfigError, load_config, pipeline_bubble_fraction
+from megacann.config import ConfigError, load_config
 from megacann.dry_run import describe
-from megacann.pipeline import activation_shape, stage_layer_ids
+from megacann.pipeline import activation_shape, check_pipeline_config, pipeline_bubble_fraction, stage_layer_ids
 
 SEED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples/configs/llama/llama_7b.yaml")
 PP4 = ["distributed.pipeline_parallel_size=4", "model.num_layers=8"]
@@ -19,31 +19,25 @@ def test_interleaved_needs_micro_batches_multiple_of_stages():
     for m in (2, 6):  # fewer than the stages, and not a multiple
         with pytest.raises(ConfigError, match=f"multiple of pipeline_parallel_size 4, got {m}: use"):
             tiny_config([*PP4, "distributed.virtual_pipeline_size=2", f"optim.grad_accum_steps={m}"], world_size=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tiny_config([*PP4, "distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=8"], world_size=4)
+    tiny_config([*PP4, "distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=8"], world_size=4)
 
 
-def test_fewer_micro_batches_than_stages_run_with_1f1b_and_warn():
-    with pytest.warns(UserWarning, match=r"pipeline bubble 60% > 25%.*p 4 .*m 2 .*= 3/5.*grad_accum_steps 9 or more"):
-        tiny_config([*PP4, "optim.grad_accum_steps=2"], world_size=4)
+def test_fewer_micro_batches_than_stages_run_with_1f1b_and_advise():
+    (advice,) = check_pipeline_config(tiny_config([*PP4, "optim.grad_accum_steps=2"], world_size=4))
+    assert re.search(r"pipeline bubble 60% > 25%.*p 4 .*m 2 .*= 3/5.*grad_accum_steps 9 or more", advice)
 
 
-def test_bubble_warning_threshold():
+def test_bubble_advice_threshold():
     assert pipeline_bubble_fraction(4, 9) == pytest.approx(0.25)
     assert pipeline_bubble_fraction(4, 8, 2) == pytest.approx(1.5 / 9.5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        tiny_config([*PP4, "optim.grad_accum_steps=9"], world_size=4)  # exactly 25%: no warning
-        tiny_config(["optim.grad_accum_steps=1"])  # no pipeline: no warning
+    assert check_pipeline_config(tiny_config([*PP4, "optim.grad_accum_steps=9"], world_size=4)) == []  # exactly 25%
+    assert check_pipeline_config(tiny_config(["optim.grad_accum_steps=1"])) == []  # no pipeline
 
 
 def test_dry_run_lists_stages_chunks_and_tied_head():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cfg = load_config(
-            SEED, ["distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=8", "model.tie_word_embeddings=true"]
-        )
+    cfg = load_config(
+        SEED, ["distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=8", "model.tie_word_embeddings=true"]
+    )
     text = describe(cfg)
     assert "-- pipeline: 4 stages, interleaved 1F1B, 2 chunks per stage, 8 micro-batches, bubble 15.8%" in text
     assert "stage 0 (ranks 0-7): chunk 0: embedding, layers 0-3 | chunk 1: layers 16-19" in text
@@ -52,9 +46,7 @@ def test_dry_run_lists_stages_chunks_and_tied_head():
 
 
 def test_dry_run_uneven_pipeline_layers():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cfg = load_config(SEED, ["distributed.pipeline_layers=[7,9,9,7]"])
+    cfg = load_config(SEED, ["distributed.pipeline_layers=[7,9,9,7]"])
     text = describe(cfg)
     assert "-- pipeline: 4 stages, 1F1B, 4 micro-batches, bubble 42.9%" in text
     assert "stage 0 (ranks 0-7): embedding, layers 0-6" in text

@@ -9,6 +9,8 @@ within 1e-7).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from dist_harness import run_on_ranks
@@ -106,23 +108,22 @@ def _zero_runs(runs: dict[str, list[str]], ckpt_dir: str = "") -> dict:
     import torch.distributed as dist
     from training_helpers import SyntheticData, tiny_config
 
-    import megacann.training.trainer as trainer_module
     from megacann import parallel_state as ps
+    from megacann.models import LLAMA
     from megacann.models.full_state import full_state_dict
     from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
 
-    build_chunks = trainer_module.build_model_chunks
+    # a family whose chunks come frozen in part: the trainer and optimizer see it only through the spec
+    frozen_llama = dataclasses.replace(
+        LLAMA, build_chunk=lambda cfg, placement, device=None: _freeze([LLAMA.build_chunk(cfg, placement, device)])[0]
+    )
     results = {}
     for name, overrides in runs.items():
         cfg = tiny_config(COMMON + overrides, world_size=dist.get_world_size())
         runtime = setup_runtime(cfg)
         data = SyntheticData(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-        if "frozen" in name:
-            trainer_module.build_model_chunks = lambda cfg, device=None: _freeze(build_chunks(cfg, device=device))
-        try:
-            trainer = trainer_module.Trainer(cfg, runtime, data=data)
-        finally:
-            trainer_module.build_model_chunks = build_chunks
+        trainer = Trainer(cfg, runtime, data=data, model_spec=frozen_llama if "frozen" in name else None)
         before = full_state_dict(trainer.model_chunks)
         record = {"losses": [], "norms": [], "updated": [], "scales": [], "overlapped": [], "peak_grad_numel": []}
         for _ in range(STEPS):

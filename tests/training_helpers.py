@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megacann.config import MegacannConfig, apply_overrides, config_from_dict, validate
+from megacann.config import MegacannConfig, apply_overrides, config_from_dict
+from megacann.training.recipe import prepare_recipe
 
 TINY_MODEL = {
     "type": "llama",
@@ -33,7 +34,7 @@ def tiny_config(overrides: list[str] = (), world_size: int = 1, **sections) -> M
         raw.setdefault(section, {}).update(values)
     cfg = config_from_dict(raw)
     apply_overrides(cfg, list(overrides))
-    validate(cfg, world_size=world_size)
+    prepare_recipe(cfg, world_size=world_size)
     return cfg
 
 

@@ -1,4 +1,4 @@
-"""Saving and loading a trainer's checkpoints with torch.distributed.checkpoint (DCP).
+"""Saving and loading checkpoints of explicit parts (:class:`CheckpointParts`) with torch.distributed.checkpoint.
 
 Every rank writes the pieces it holds into its own file, all at once (pieces several ranks hold alike
 are written by one of them, spread over the ranks); rank 0 then writes ``megacann.json`` and the recipe
@@ -17,13 +17,14 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megacann import parallel_state as ps
+from megacann.accelerator import get_accelerator
 from megacann.checkpoint.files import (
     TMP_SUFFIX,
     checkpoint_dir,
@@ -51,15 +52,16 @@ from megacann.checkpoint.rng import capture_rng, restore_rng
 from megacann.checkpoint.state import (
     MODEL_PREFIX,
     PROGRESS_KEY,
+    CheckpointParts,
     finish_load,
     load_request,
     progress,
     rng_key,
     save_entries,
 )
+from megacann.config import MegacannConfig
 
-if TYPE_CHECKING:
-    from megacann.training.trainer import Trainer
+Log = Callable[[str], None]
 
 _LAYOUT_KEYS_FOR_RNG = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
@@ -89,7 +91,8 @@ class _SaveJob:
 
 
 class Checkpointer:
-    """One trainer's checkpoint I/O: :meth:`save`, :meth:`load`, :meth:`wait` (for an asynchronous save)."""
+    """Checkpoint I/O of one training run: :meth:`save`, :meth:`load`, :meth:`wait` (an asynchronous save).
+    Collective: every rank of the job makes one and calls each method together."""
 
     def __init__(self, async_save: bool = False):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -115,25 +118,25 @@ class Checkpointer:
         return {"process_group": self.group, "no_dist": self.group is None}
 
     # -- saving -------------------------------------------------------------------------------------
-    def save(self, trainer: Trainer) -> str:
-        """Write ``<output_dir>/checkpoint_<step>``; returns its path (still being written when async)."""
+    def save(self, parts: CheckpointParts, cfg: MegacannConfig, log: Log = print) -> str:
+        """Write ``<output_dir>/checkpoint_<step>``; returns its path (still being written when async).
+        ``log`` prints on one rank (pass a no-op elsewhere)."""
         self.wait()
-        cfg = trainer.cfg
-        out, step = cfg.experiment.output_dir, trainer.state.step
+        if parts.optimizer is not None:
+            parts.optimizer.finish_param_sync()  # overlapped parameter gathers in flight land first
+        out, step = cfg.experiment.output_dir, parts.step
         final = checkpoint_dir(out, step)
         start = time.perf_counter()
-        state: dict[str, Any] = dict(save_entries(trainer))
-        state[PROGRESS_KEY] = progress(trainer)
-        state[rng_key(self.rank)] = capture_rng(trainer.runtime.accelerator)
-        info = checkpoint_info(cfg, step, trainer.state.consumed_samples)
-        job = _SaveJob(out, final, info, cfg.to_yaml(), cfg.logging.keep_last, trainer.metrics.print, start)
+        state: dict[str, Any] = dict(save_entries(parts))
+        state[PROGRESS_KEY] = progress(parts)
+        state[rng_key(self.rank)] = capture_rng(get_accelerator())
+        info = checkpoint_info(cfg, step, parts.consumed_samples)
+        job = _SaveJob(out, final, info, cfg.to_yaml(), cfg.logging.keep_last, log, start)
         if self._executor is None:
             self._write(state, job)
         else:
             state = _snapshot(state)
-            trainer.metrics.print(
-                f"checkpoint_{step}: state copied in {time.perf_counter() - start:.2f} s, writing in the background"
-            )
+            log(f"checkpoint_{step}: state copied in {time.perf_counter() - start:.2f} s, writing in the background")
             self._pending = self._executor.submit(self._write, state, job)
         return final
 
@@ -189,25 +192,28 @@ class Checkpointer:
             self._executor.shutdown()
 
     # -- loading ------------------------------------------------------------------------------------
-    def _rng_key(self, trainer: Trainer, saved_layout: dict[str, Any]) -> str:
+    def _rng_key(self, cfg: MegacannConfig, saved_layout: dict[str, Any]) -> str:
         """This rank's own RNG states when the layout is unchanged; otherwise those of the saved rank
         with the same tensor-parallel rank (rank t of the first TP group), else of rank 0."""
-        now = layout_of(trainer.cfg)
+        now = layout_of(cfg)
         if all(saved_layout.get(k) == now[k] for k in _LAYOUT_KEYS_FOR_RNG):
             return rng_key(self.rank)
         tp_rank = ps.get_tensor_model_parallel_rank()
         return rng_key(tp_rank if tp_rank < saved_layout["tensor_parallel_size"] else 0)
 
-    def load(self, trainer: Trainer, path: str) -> dict[str, Any]:
-        """Restore weights, optimizer state, progress and RNG from ``path`` (any layout); every problem
-        found in the files is reported, on every rank, before anything is read."""
+    def load(self, parts: CheckpointParts, cfg: MegacannConfig, path: str, log: Log = print) -> dict[str, Any]:
+        """Restore weights, optimizer state, progress and RNG from ``path`` (any layout) into ``parts``;
+        returns the checkpoint's description. Every problem found in the files is reported, on every rank,
+        before anything is read."""
         self.wait()
+        if parts.optimizer is not None:
+            parts.optimizer.finish_param_sync()  # no gather in flight may overwrite what is loaded
         start = time.perf_counter()
         info = read_info(path)
         metadata = read_dcp_metadata(path)
         stored = metadata.state_dict_metadata
-        request = load_request(trainer, set(stored))
-        key = self._rng_key(trainer, info["layout"])
+        request = load_request(parts, set(stored))
+        key = self._rng_key(cfg, info["layout"])
         objects: dict[str, Any] = {PROGRESS_KEY: None}
         if key in stored:
             objects[key] = None
@@ -233,16 +239,16 @@ class Checkpointer:
                 planner=planner,
                 **self._dcp_kwargs(),
             )
-        finish_load(trainer, request, planner.objects[PROGRESS_KEY])
+        finish_load(parts, request, planner.objects[PROGRESS_KEY])
         if key in planner.objects:
-            restore_rng(trainer.runtime.accelerator, planner.objects[key])
+            restore_rng(get_accelerator(), planner.objects[key])
         self._barrier()
         seconds = time.perf_counter() - start
         mb = sum(e.nbytes() for e in request.entries.values()) / 2**20
-        saved, now = describe_layout(info["layout"]), describe_layout(layout_of(trainer.cfg))
+        saved, now = describe_layout(info["layout"]), describe_layout(layout_of(cfg))
         change = "" if saved == now else f", resharded from {saved} to {now}"
-        trainer.metrics.print(
-            f"loaded {path} (step {trainer.state.step}, {trainer.state.consumed_samples} samples consumed{change}): "
+        log(
+            f"loaded {path} (step {parts.step}, {parts.consumed_samples} samples consumed{change}): "
             f"{mb:.2f} MB on rank 0 in {seconds:.2f} s, {mb / max(seconds, 1e-9):.1f} MB/s"
         )
         return info

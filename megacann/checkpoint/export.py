@@ -2,8 +2,8 @@
 
 - a *consolidated* directory: ``model.safetensors`` (every whole, unpadded weight under its megacann name)
   and ``model_config.json`` (the model settings; usable as a recipe's ``model.config_path``);
-- a Hugging Face LLaMA directory (``config.json`` + ``model.safetensors``, see models/hf_llama.py),
-  from a checkpoint or a consolidated directory, and back from Hugging Face to consolidated.
+- a Hugging Face directory (``config.json`` + ``model.safetensors``) of any model family with a Hugging
+  Face adapter (:mod:`megacann.models.hf`), from a checkpoint or a consolidated directory, and back.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 
+from megacann.accelerator import PRECISION_DTYPES
 from megacann.checkpoint.files import latest_checkpoint
 from megacann.checkpoint.metadata import (
     INFO_FILE,
@@ -31,11 +32,10 @@ from megacann.checkpoint.pieces import Piece
 from megacann.checkpoint.planner import PieceLoadPlanner, TensorPieces
 from megacann.checkpoint.state import MODEL_PREFIX
 from megacann.config import ModelConfig
-from megacann.models import hf_llama
+from megacann.models import hf
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def read_checkpoint_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
@@ -61,7 +61,7 @@ def read_checkpoint_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelCo
 def _cast(tensors: dict[str, torch.Tensor], dtype: Optional[str]) -> dict[str, torch.Tensor]:
     if dtype is None:
         return tensors
-    return {name: t.to(DTYPES[dtype]) for name, t in tensors.items()}
+    return {name: t.to(PRECISION_DTYPES[dtype]) for name, t in tensors.items()}
 
 
 def write_consolidated(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str) -> None:
@@ -113,21 +113,16 @@ def consolidate(source: str, out: str, dtype: Optional[str] = None) -> str:
 
 
 def export_hf(source: str, out: str, dtype: Optional[str] = None) -> str:
-    """Checkpoint or consolidated directory -> Hugging Face LLaMA directory."""
+    """Checkpoint or consolidated directory -> Hugging Face directory (the family's adapter names it)."""
     tensors, cfg = read_weights(source)
-    if cfg.type != "llama":
-        raise CheckpointError(f"{source}: a {cfg.type!r} model; Hugging Face export supports llama models only")
-    hf_llama.save_hf_tensors(_cast(tensors, dtype), cfg, out)
+    hf.save_hf_tensors(_cast(tensors, dtype), cfg, out)
     return out
 
 
 def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None) -> str:
-    """Hugging Face LLaMA directory -> consolidated directory (megacann names: fused qkv / gate-up)."""
-    from megacann.models.llama import LlamaModel
-
-    cfg = hf_llama.model_config_from_hf(hf_dir)
-    with torch.device("meta"):  # only the parameter names are needed: no memory, no initialisation cost
-        names_of = LlamaModel(cfg, device="meta")
-    tensors = hf_llama.from_hf_tensors(names_of, hf_llama.SafetensorsReader(hf_dir))
+    """Hugging Face directory -> consolidated directory (megacann names, e.g. fused qkv / gate-up)."""
+    spec, cfg = hf.hf_family(hf_dir)
+    names = hf.model_parameter_names(spec, cfg)
+    tensors = spec.hf.from_hf(names, hf.SafetensorsReader(hf_dir), cfg)
     write_consolidated(_cast(tensors, dtype), cfg, out)
     return out

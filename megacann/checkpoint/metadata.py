@@ -23,7 +23,7 @@ from megacann.checkpoint.planner import TensorPieces
 from megacann.config import MegacannConfig, ModelConfig
 
 FORMAT = "megacann-dcp"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: progress holds step, consumed_samples and the loop's counters
 INFO_FILE = "megacann.json"
 RECIPE_FILE = "config.yaml"
 DCP_METADATA = ".metadata"

@@ -35,14 +35,6 @@ class Piece:
     tensor: torch.Tensor
 
 
-def logical_shape(sharding: ParamSharding) -> tuple[int, ...]:
-    """The whole parameter's shape without vocabulary padding."""
-    shape = list(sharding.full_shape)
-    if sharding.logical_size is not None and sharding.tp_dim is not None:
-        shape[sharding.tp_dim] = sharding.logical_size
-    return tuple(shape)
-
-
 def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[Box, int]]:
     """Boxes covering elements ``[start, end)`` of a row-major tensor of ``shape``, in order, each
     contiguous in memory; returned with the flat index of their first element."""

@@ -1,11 +1,11 @@
-"""A trainer's state as layout-free checkpoint keys.
+"""The parts of a training state (:class:`CheckpointParts`) as layout-free checkpoint keys.
 
     model/<name>                    whole logical weight, in the model's dtype
     optim/<name>/<state>            whole logical fp32 optimizer state: exp_avg, exp_avg_sq (Adam),
                                     momentum_buffer (SGD), master (only where it is a separate copy:
                                     bf16 / fp16 runs, or a ZeRO master buffer)
-    progress                        step, consumed samples, skipped steps, optimizer scalars
-                                    (update count, loss scaler); the LR schedule is a function of step
+    progress                        step, consumed samples (the data position), the loop's own counters,
+                                    optimizer scalars (update count, loss scaler)
     rng/rank_<global rank>          every generator of that rank
 
 ``<name>`` is the global parameter name (global layer indices); a pipeline stage's copy of a tied
@@ -16,20 +16,44 @@ layout needs, so any layout loads any other.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from megacann import parallel_state as ps
-from megacann.checkpoint.pieces import Piece, logical_shape, range_pieces, tensor_pieces
+from megacann.checkpoint.pieces import Piece, range_pieces, tensor_pieces
 from megacann.checkpoint.planner import TensorPieces
-from megacann.layers.sharding import get_sharding
-from megacann.models.decoder import INIT_NAME_ATTR
+from megacann.layers.sharding import INIT_NAME_ATTR, get_sharding
 
 if TYPE_CHECKING:
-    from megacann.optimizer import StateShard
-    from megacann.training.trainer import Trainer
+    from megacann.optimizer import OptimizerBase, StateShard
+
+
+@dataclass
+class CheckpointParts:
+    """What a checkpoint saves and restores, named explicitly, so any training loop can use it.
+
+    ``model``: this rank's model chunks (parameters named by their global place). ``optimizer``: a megacann
+    optimizer (plain or ZeRO), or None to save weights alone. ``step`` names the checkpoint;
+    ``consumed_samples`` is the data position (samples of the global order used); ``progress`` holds the
+    loop's other counters (JSON-like values). Loading updates ``step``, ``consumed_samples`` and
+    ``progress`` in place and restores the weights, optimizer state and every RNG of the rank.
+    """
+
+    model: Sequence[torch.nn.Module]
+    optimizer: Optional[OptimizerBase] = None
+    step: int = 0
+    consumed_samples: int = 0
+    progress: dict[str, Any] = field(default_factory=dict)
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(name, param) for chunk in self.model for name, param in chunk.named_parameters()]
+
+    def state_shards(self) -> list[StateShard]:
+        return self.optimizer.state_shards() if self.optimizer is not None else []
+
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
@@ -58,7 +82,7 @@ def _tp() -> tuple[int, int]:
 
 
 def _add(entries: dict[str, TensorPieces], key: str, param: torch.Tensor, dtype: torch.dtype, pieces: list[Piece]):
-    entry = entries.setdefault(key, TensorPieces(logical_shape(get_sharding(param)), dtype))
+    entry = entries.setdefault(key, TensorPieces(get_sharding(param).logical_shape, dtype))
     for piece in pieces:
         entry.add(piece)
 
@@ -69,10 +93,10 @@ def _aliases(view: torch.Tensor, param: torch.Tensor) -> bool:
     return view.dtype == param.dtype and start <= view.data_ptr() < start + param.numel() * param.element_size()
 
 
-def _model_entries(trainer: Trainer) -> dict[str, TensorPieces]:
+def _model_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
     tp_rank, tp_size = _tp()
     entries: dict[str, TensorPieces] = {}
-    for name, param in trainer.named_params:
+    for name, param in parts.named_parameters():
         _add(
             entries,
             model_key(name, param),
@@ -88,14 +112,20 @@ def _shard_pieces(shard: StateShard, flat: torch.Tensor) -> list[Piece]:
     return range_pieces(flat, shard.start, shard.end, get_sharding(shard.param), tp_rank, tp_size)
 
 
-def progress(trainer: Trainer) -> dict[str, Any]:
-    return {"train_state": asdict(trainer.state), "optimizer": trainer.optimizer.scalar_state()}
+def progress(parts: CheckpointParts) -> dict[str, Any]:
+    optimizer = parts.optimizer.scalar_state() if parts.optimizer is not None else None
+    return {
+        "step": parts.step,
+        "consumed_samples": parts.consumed_samples,
+        "progress": dict(parts.progress),
+        "optimizer": optimizer,
+    }
 
 
-def save_entries(trainer: Trainer) -> dict[str, TensorPieces]:
+def save_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
     """Every tensor piece this rank holds, by key (views of live memory)."""
-    entries = _model_entries(trainer)
-    for shard in trainer.optimizer.state_shards():
+    entries = _model_entries(parts)
+    for shard in parts.state_shards():
         for state, flat in shard.tensors.items():
             if state == "master" and _aliases(flat, shard.param):
                 continue  # the model weights themselves
@@ -114,11 +144,11 @@ class LoadRequest:
     copies_after: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
-def load_request(trainer: Trainer, stored_keys: set[str]) -> LoadRequest:
+def load_request(parts: CheckpointParts, stored_keys: set[str]) -> LoadRequest:
     """The pieces this rank's layout needs. A master missing from the checkpoint (it was written in
     fp32) is read from the weights; a missing key otherwise is left for validation to report."""
-    request = LoadRequest(_model_entries(trainer))
-    for shard in trainer.optimizer.state_shards():
+    request = LoadRequest(_model_entries(parts))
+    for shard in parts.state_shards():
         for state, flat in shard.tensors.items():
             key = optim_key(shard.name, shard.param, state)
             if state == "master":
@@ -135,10 +165,17 @@ def load_request(trainer: Trainer, stored_keys: set[str]) -> LoadRequest:
 
 
 @torch.no_grad()
-def finish_load(trainer: Trainer, request: LoadRequest, loaded_progress: dict[str, Any]) -> None:
+def finish_load(parts: CheckpointParts, request: LoadRequest, loaded_progress: dict[str, Any]) -> None:
     """After the pieces were read: pending copies, model weights from masters, counters."""
     for source, destination in request.copies_after:
         destination.copy_(source)
-    trainer.optimizer.reload_model_params()
-    trainer.optimizer.load_scalar_state(loaded_progress["optimizer"])
-    trainer.load_train_state_dict(loaded_progress["train_state"])
+    if parts.optimizer is not None:
+        parts.optimizer.reload_model_params()
+        if loaded_progress.get("optimizer") is not None:
+            parts.optimizer.load_scalar_state(loaded_progress["optimizer"])
+    if "train_state" in loaded_progress:  # format 2: the trainer's counters in one dict
+        loaded_progress = {**loaded_progress, **loaded_progress["train_state"]}
+        loaded_progress["progress"] = {"skipped_steps": loaded_progress.pop("skipped_steps", 0)}
+    parts.step = loaded_progress["step"]
+    parts.consumed_samples = loaded_progress["consumed_samples"]
+    parts.progress = dict(loaded_progress["progress"])

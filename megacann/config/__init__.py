@@ -29,12 +29,7 @@ from megacann.config.schema import (
     OptimConfig,
     PrecisionConfig,
 )
-from megacann.config.validation import (
-    interleaved_schedule_error,
-    pipeline_bubble_fraction,
-    resolve_parallel_sizes,
-    validate,
-)
+from megacann.config.validation import resolve_parallel_sizes, validate
 
 __all__ = [
     "CHOICES",
@@ -53,10 +48,8 @@ __all__ = [
     "all_dotted_keys",
     "apply_overrides",
     "config_from_dict",
-    "interleaved_schedule_error",
     "load_config",
     "load_hf_model_config",
-    "pipeline_bubble_fraction",
     "resolve_parallel_sizes",
     "suggest_key",
     "validate",

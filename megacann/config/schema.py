@@ -23,14 +23,14 @@ class ExperimentConfig:
 class ModelConfig:
     """Architecture and numerics. Sizes may come from ``config_path`` (HF config.json); inline keys win."""
 
-    type: str = "llama"  # llama | gpt | moe
+    type: str = "llama"  # a registered model family: llama, gpt (megacann.models.register_model adds more)
     config_path: Optional[str] = None
     precision: str = "bf16"  # bf16 | fp16 | fp32
     hidden_size: Optional[int] = None
     num_layers: Optional[int] = None
     num_attention_heads: Optional[int] = None
     num_key_value_heads: Optional[int] = None  # None: same as num_attention_heads (no GQA)
-    ffn_hidden_size: Optional[int] = None  # None: 4*hidden (gpt) or LLaMA's 2/3*4*hidden rounded to 256
+    ffn_hidden_size: Optional[int] = None  # None: the family's default (LLaMA 2/3*4h rounded to 256, GPT 4h)
     vocab_size: Optional[int] = None  # None: taken from the tokenizer
     max_position_embeddings: int = 4096
     norm_eps: float = 1e-5
@@ -38,7 +38,7 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None  # Llama-3 style: {rope_type: llama3, factor, low_freq_factor, ...}
     rotary_interleaved: bool = False
     tie_word_embeddings: bool = False
-    add_bias_linear: Optional[bool] = None  # None: True for gpt, False for llama
+    add_bias_linear: Optional[bool] = None  # None: the family's default (GPT: true, LLaMA: false)
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
@@ -51,16 +51,20 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        if self.ffn_hidden_size:
-            return self.ffn_hidden_size
-        assert self.hidden_size is not None
-        if self.type == "gpt":
-            return 4 * self.hidden_size
-        return 256 * ((int(2 * 4 * self.hidden_size / 3) + 255) // 256)
+        return self._family_default("ffn_hidden_size")
 
     @property
     def use_bias(self) -> bool:
-        return self.add_bias_linear if self.add_bias_linear is not None else self.type == "gpt"
+        return self._family_default("add_bias_linear")
+
+    def _family_default(self, key: str):
+        value = getattr(self, key)
+        if value is None:
+            raise ConfigError(
+                f"model.{key} is not set and the model family's default was not filled in "
+                "(megacann.models.prepare_model_config does it)"
+            )
+        return value
 
 
 @dataclass
@@ -191,7 +195,6 @@ _SECTION_CLASSES = {
 TOP_LEVEL_KEYS = [f.name for f in dataclasses.fields(MegacannConfig) if f.name not in _SECTION_CLASSES]
 
 CHOICES = {
-    "model.type": ("llama", "gpt", "moe"),
     "model.precision": ("bf16", "fp16", "fp32"),
     "model.activation_checkpointing": ("none", "selective", "full"),
     "optim.name": ("adamw", "adam", "sgd"),

@@ -2,15 +2,24 @@
 
 Everything here takes its process group from :mod:`megacann.parallel_state` (or a ``group`` argument)
 and works in a plain one-process script when model parallelism is not initialised. Activations are
-batch-first, ``[batch, seq, hidden]``; sequence parallelism splits the sequence (dim 1). See
-``docs/layers.md`` for a complete example.
+batch-first, ``[batch, seq, hidden]``; sequence parallelism splits the sequence (dim 1). docs/layers.md
+shows a complete model and how to make the trainer run it.
 """
 
 from megacann.layers.attention import SelfAttention
 from megacann.layers.cross_entropy import vocab_parallel_cross_entropy
 from megacann.layers.embedding import VocabParallelEmbedding, pad_vocab_size
-from megacann.layers.init import init_normal, init_ones, init_scaled_normal, init_zeros, make_parameter
+from megacann.layers.init import (
+    init_normal,
+    init_ones,
+    init_scaled_normal,
+    init_zeros,
+    initialize_weights,
+    make_parameter,
+    parameter_seed,
+)
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megacann.layers.loss import IGNORE_INDEX, ChunkOutput, count_target_tokens, token_loss
 from megacann.layers.mappings import (
     SEQUENCE_DIM,
     copy_to_tensor_model_parallel_region,
@@ -24,6 +33,7 @@ from megacann.layers.mappings import (
 )
 from megacann.layers.mlp import GeluMLP, SwiGLUMLP
 from megacann.layers.norm import LayerNorm, RMSNorm
+from megacann.layers.output import LMHead, tie_embedding_across_stages
 from megacann.layers.random import (
     RNGStatesTracker,
     checkpoint,
@@ -32,44 +42,59 @@ from megacann.layers.random import (
     model_parallel_manual_seed,
 )
 from megacann.layers.rotary import RotaryEmbedding, rope_inv_freq
-from megacann.layers.sharding import ParamSharding, get_sharding, set_sharding
+from megacann.layers.sharding import ParamSharding, get_sharding, mark_tied_across_stages, set_sharding
 from megacann.layers.transformer import TransformerBlock, TransformerBlockConfig
 
 __all__ = [
-    "SEQUENCE_DIM",
+    # modules: embedding, blocks and their parts, the output head
+    "VocabParallelEmbedding",
     "ColumnParallelLinear",
-    "GeluMLP",
-    "LayerNorm",
-    "ParamSharding",
-    "RMSNorm",
-    "RNGStatesTracker",
-    "RotaryEmbedding",
     "RowParallelLinear",
     "SelfAttention",
     "SwiGLUMLP",
+    "GeluMLP",
+    "RMSNorm",
+    "LayerNorm",
+    "RotaryEmbedding",
     "TransformerBlock",
     "TransformerBlockConfig",
-    "VocabParallelEmbedding",
-    "checkpoint",
-    "copy_to_tensor_model_parallel_region",
-    "dropout",
-    "gather_from_sequence_parallel_region",
-    "gather_from_tensor_model_parallel_region",
-    "get_rng_tracker",
-    "get_sharding",
+    "LMHead",
+    # the loss
+    "IGNORE_INDEX",
+    "ChunkOutput",
+    "token_loss",
+    "count_target_tokens",
+    "vocab_parallel_cross_entropy",
+    # initialisation and tied embeddings
+    "make_parameter",
+    "initialize_weights",
+    "parameter_seed",
     "init_normal",
-    "init_ones",
     "init_scaled_normal",
     "init_zeros",
-    "make_parameter",
-    "model_parallel_manual_seed",
+    "init_ones",
+    "tie_embedding_across_stages",
     "pad_vocab_size",
-    "reduce_from_tensor_model_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
     "rope_inv_freq",
-    "scatter_to_sequence_parallel_region",
+    # collectives with autograd (tensor and sequence parallel regions)
+    "SEQUENCE_DIM",
+    "copy_to_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",
-    "set_sharding",
+    "gather_from_tensor_model_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
     "sync_partial_grads",
-    "vocab_parallel_cross_entropy",
+    # RNG, dropout and recompute
+    "RNGStatesTracker",
+    "get_rng_tracker",
+    "model_parallel_manual_seed",
+    "dropout",
+    "checkpoint",
+    # sharding metadata
+    "ParamSharding",
+    "get_sharding",
+    "set_sharding",
+    "mark_tied_across_stages",
 ]

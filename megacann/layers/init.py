@@ -14,12 +14,22 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from typing import Optional
 
 import torch
 
+from megacann import parallel_state as ps
 from megacann.accelerator import get_accelerator
-from megacann.layers.sharding import INIT_ATTR, InitMethod, ParamSharding, check_divisible, init_sharded_, set_sharding
+from megacann.layers.sharding import (
+    INIT_ATTR,
+    INIT_NAME_ATTR,
+    InitMethod,
+    ParamSharding,
+    check_divisible,
+    init_sharded_,
+    set_sharding,
+)
 
 
 def _normal(tensor: torch.Tensor, std: float) -> torch.Tensor:
@@ -88,3 +98,25 @@ def make_parameter(
     setattr(param, INIT_ATTR, init_method)
     init_sharded_(param, init_method, tp_rank, tp_size)
     return param
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A seed per parameter name, so weights do not depend on which rank builds which layer."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def initialize_weights(model: torch.nn.Module, seed: int) -> None:
+    """Draw every parameter's full tensor from a seed derived from its name, then keep this rank's slice.
+
+    Name parameters by their place in the whole model (global layer indices), and every TP / PP / virtual
+    stage layout starts from exactly the weights of one process. A parameter that copies another (a tied
+    embedding's copy on the last stage) is drawn from the name in ``INIT_NAME_ATTR``.
+    """
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    for name, param in model.named_parameters():
+        init = getattr(param, INIT_ATTR, None)
+        if init is None:
+            raise ValueError(f"parameter {name} has no init method (make it with megacann.layers.make_parameter)")
+        key = getattr(param, INIT_NAME_ATTR, name)
+        init_sharded_(param, init, tp_rank, tp_size, parameter_seed(seed, key))

@@ -34,6 +34,9 @@ SHARDING_ATTR = "megacann_sharding"
 INIT_ATTR = "megacann_init"
 SHARED_EMBEDDING_ATTR = "megacann_shared_embedding"  # tied across pipeline stages: grads summed over them
 DUPLICATE_ATTR = "megacann_duplicate"  # the other stage's copy of a tied parameter
+# A parameter that must start equal to another one (the last stage's copy of a tied embedding) names that
+# parameter here: initialisation seeds from that name, and checkpoints store the copy under it.
+INIT_NAME_ATTR = "megacann_init_name"
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -50,6 +53,14 @@ class ParamSharding:
     @property
     def is_tensor_parallel(self) -> bool:
         return self.tp_dim is not None
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape without padding (``logical_size`` along ``tp_dim``)."""
+        shape = list(self.full_shape)
+        if self.logical_size is not None and self.tp_dim is not None:
+            shape[self.tp_dim] = self.logical_size
+        return tuple(shape)
 
     def local_shape(self, tp_size: int) -> tuple[int, ...]:
         if self.tp_dim is None:

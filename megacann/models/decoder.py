@@ -1,79 +1,88 @@
 """A decoder-only language model (one pipeline stage of it), built only from ``megacann.layers``.
 
-    tokens -> embed_tokens (+ embed_positions for GPT) -> layers[i] ... -> norm -> lm_head -> loss
+    tokens -> embed_tokens (+ embed_positions) -> layers[i] ... -> norm -> lm_head -> per-token loss
 
-``LlamaModel`` and ``GPTModel`` are this model with LLaMA's and GPT's choices (RMSNorm + RoPE + SwiGLU,
-or LayerNorm + learned positions + GELU). A pipeline stage holds the embedding only if it is the first
-stage (``pre_process``), the head only if it is the last (``post_process``), and the layers whose
-*global* indices it is given; layers are stored under their global index (``layers.17.…``), so
-parameter names, initialisation and checkpoints do not depend on the parallel layout.
-
-Tied input/output embeddings split over stages: the last stage holds a copy as ``lm_head.weight``,
-initialised from the name ``embed_tokens.weight``; both are marked with ``mark_tied_across_stages`` so
-the optimizer sums their gradients over the embedding group and counts the copy once in norms.
+:class:`DecoderArch` names the architectural choices (normalisation, MLP activation, position encoding);
+LLaMA (``models/llama.py``) and GPT (``models/gpt.py``) are this model with their choices. A pipeline stage
+holds the embedding only if it is the first stage (``pre_process``), the head only if it is the last
+(``post_process``), and the layers whose *global* indices it is given; layers are stored under their
+global index (``layers.17.…``), so parameter names, initialisation and checkpoints do not depend on the
+parallel layout. Tied input/output embeddings split over stages are handled by
+:class:`megacann.layers.LMHead`.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterable
-from dataclasses import replace
-from typing import Optional, Union
+from dataclasses import dataclass, replace
+from typing import Callable, ClassVar, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from megacann import parallel_state as ps
-from megacann.config import ModelConfig
+from megacann.accelerator import PRECISION_DTYPES
+from megacann.config import MegacannConfig, ModelConfig
 from megacann.layers import (
-    ColumnParallelLinear,
     LayerNorm,
+    LMHead,
     RMSNorm,
     RotaryEmbedding,
     TransformerBlock,
     TransformerBlockConfig,
     VocabParallelEmbedding,
     dropout,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    get_sharding,
     init_normal,
+    initialize_weights,
     make_parameter,
-    pad_vocab_size,
-    set_sharding,
-    vocab_parallel_cross_entropy,
+    tie_embedding_across_stages,
 )
-from megacann.layers import copy_to_tensor_model_parallel_region as copy_to_tp
-from megacann.layers.sharding import INIT_ATTR, init_sharded_, mark_tied_across_stages
+from megacann.models import sizing
+from megacann.models.spec import ChunkPlacement, HFAdapter, ModelSpec
 
-# A parameter that must start equal to another one (the last stage's copy of a tied embedding) names
-# that parameter in this attribute; initialisation seeds from the named one.
-INIT_NAME_ATTR = "megacann_init_name"
+EMBEDDING_WEIGHT = "embed_tokens.weight"  # the name a last stage's tied copy of the embedding is drawn from
 
-IGNORE_INDEX = -100
+
+@dataclass(frozen=True)
+class DecoderArch:
+    """The choices that tell decoder families apart (LLaMA: RMSNorm, SwiGLU, RoPE; GPT: LayerNorm with
+    bias, GELU, learned positions)."""
+
+    normalization: str = "rmsnorm"  # rmsnorm | layernorm
+    activation: str = "swiglu"  # swiglu | gelu | gelu_tanh
+    position_embedding: str = "rope"  # rope | learned
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of one MLP (a gated activation has a gate projection besides up and down)."""
+        return 3 if self.activation == "swiglu" else 2
+
+    @property
+    def norm_parameters_per_width(self) -> int:
+        """Parameters of one norm per hidden unit (LayerNorm also has a bias)."""
+        return 2 if self.normalization == "layernorm" else 1
 
 
 def block_config(
-    cfg: ModelConfig, sequence_parallel: bool, params_dtype: Optional[torch.dtype]
+    cfg: ModelConfig, arch: DecoderArch, sequence_parallel: bool, params_dtype: Optional[torch.dtype]
 ) -> TransformerBlockConfig:
-    """The TransformerBlock settings of a model config (LLaMA or GPT flavour)."""
-    is_gpt = cfg.type == "gpt"
+    """The TransformerBlock settings of a model config and architecture."""
     return TransformerBlockConfig(
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.kv_heads,
         ffn_hidden_size=cfg.ffn_size,
-        normalization="layernorm" if is_gpt else "rmsnorm",
+        normalization=arch.normalization,
         norm_eps=cfg.norm_eps,
-        activation="gelu" if is_gpt else "swiglu",
+        activation=arch.activation,
         add_bias_linear=cfg.use_bias,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
         sequence_parallel=sequence_parallel,
         init_method_std=cfg.init_method_std,
         output_layer_init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers),
-        position_embedding="none" if is_gpt else "rope",
+        position_embedding="rope" if arch.position_embedding == "rope" else "none",
         rotary_theta=cfg.rope_theta,
         rotary_scaling=cfg.rope_scaling,
         rotary_interleaved=cfg.rotary_interleaved,
@@ -87,12 +96,20 @@ class DecoderLM(torch.nn.Module):
 
     ``forward(input_ids, position_ids=None, labels=None, segment_ids=None, hidden_states=None)`` returns
     hidden states ``[b, s_local, h]`` on a stage without the head; on the last stage the per-token loss
-    ``[b, s]`` (fp32) when ``labels`` are given, else logits ``[b, s, vocab_size]``.
+    ``[b, s]`` (fp32) when ``labels`` are given, else logits ``[b, s, vocab_size]``. ``arch`` defaults to
+    the class's ``ARCH``.
     """
+
+    ARCH: ClassVar[DecoderArch] = DecoderArch()
+
+    @staticmethod
+    def fill_defaults(cfg: ModelConfig) -> None:
+        """Fill the family's defaults (MLP width, biases) into ``cfg`` where it leaves them unset."""
 
     def __init__(
         self,
         cfg: ModelConfig,
+        arch: Optional[DecoderArch] = None,
         *,
         sequence_parallel: bool = False,
         layer_ids: Optional[Iterable[int]] = None,
@@ -104,33 +121,31 @@ class DecoderLM(torch.nn.Module):
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError("model.vocab_size is not set (it comes from the tokenizer when training)")
-        self.config = cfg
+        arch = arch or self.ARCH
+        cfg = replace(cfg)
+        self.fill_defaults(cfg)
+        self.config, self.arch = cfg, arch
         self.vocab_size = cfg.vocab_size
         self.sequence_parallel = sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
         self.pre_process, self.post_process = pre_process, post_process
-        self.block_config = block_config(cfg, self.sequence_parallel, params_dtype)
+        self.block_config = block_config(cfg, arch, self.sequence_parallel, params_dtype)
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         h, std = cfg.hidden_size, cfg.init_method_std
         common = dict(dtype=params_dtype, device=device)
-        tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        sp = dict(sequence_parallel=self.sequence_parallel)
 
         if pre_process:
             self.embed_tokens = VocabParallelEmbedding(
-                cfg.vocab_size,
-                h,
-                init_normal(std),
-                cfg.make_vocab_size_divisible_by,
-                sequence_parallel=self.sequence_parallel,
-                **common,
+                cfg.vocab_size, h, init_normal(std), cfg.make_vocab_size_divisible_by, **sp, **common
             )
             if cfg.tie_word_embeddings and not post_process:  # the last stage holds a copy (lm_head)
-                mark_tied_across_stages(self.embed_tokens.weight, duplicate=False)
-            if cfg.type == "gpt":
+                tie_embedding_across_stages(self.embed_tokens)
+            if arch.position_embedding == "learned":
                 self.embed_positions = make_parameter(
                     (cfg.max_position_embeddings, h),
                     init_normal(std),
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
+                    tp_rank=ps.get_tensor_model_parallel_rank(),
+                    tp_size=ps.get_tensor_model_parallel_world_size(),
                     name="embed_positions",
                     tp_partial_grad=self.sequence_parallel,  # each rank adds its own sequence shard
                     **common,
@@ -139,53 +154,38 @@ class DecoderLM(torch.nn.Module):
             {str(i): TransformerBlock(self.block_config, device=device) for i in layer_ids}
         )
         self.rotary = None
-        if cfg.type != "gpt" and layer_ids:
+        if arch.position_embedding == "rope" and layer_ids:
             self.rotary = RotaryEmbedding(
                 h // cfg.num_attention_heads, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_interleaved
             )
         if post_process:
-            norm_cls = LayerNorm if cfg.type == "gpt" else RMSNorm
-            norm_kwargs = {"bias": True} if cfg.type == "gpt" else {}
-            self.norm = norm_cls(h, cfg.norm_eps, sequence_parallel=self.sequence_parallel, **norm_kwargs, **common)
-            self.lm_head = None
-            if not cfg.tie_word_embeddings or not pre_process:
-                padded = pad_vocab_size(cfg.vocab_size, tp_size, cfg.make_vocab_size_divisible_by)
-                self.lm_head = ColumnParallelLinear(
-                    h,
-                    padded,
-                    bias=False,
-                    sequence_parallel=self.sequence_parallel,
-                    init_method=init_normal(std),
-                    **common,
-                )
-                weight = self.lm_head.weight
-                set_sharding(weight, replace(get_sharding(weight), logical_size=cfg.vocab_size))
-                with torch.no_grad():
-                    weight[max(0, cfg.vocab_size - tp_rank * weight.shape[0]) :].zero_()
-                if cfg.tie_word_embeddings:  # last stage's copy of the first stage's embedding
-                    setattr(weight, INIT_NAME_ATTR, "embed_tokens.weight")
-                    mark_tied_across_stages(weight, duplicate=True)
+            if arch.normalization == "layernorm":
+                self.norm = LayerNorm(h, cfg.norm_eps, bias=True, **sp, **common)
+            else:
+                self.norm = RMSNorm(h, cfg.norm_eps, **sp, **common)
+            tie_to = None
+            if cfg.tie_word_embeddings:
+                tie_to = self.embed_tokens if pre_process else EMBEDDING_WEIGHT
+            self.lm_head = LMHead(
+                h,
+                cfg.vocab_size,
+                init_method=init_normal(std),
+                make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+                tie_to=tie_to,
+                **sp,
+                **common,
+            )
 
     # -- forward ------------------------------------------------------------------------------------
-    def output_weight(self) -> torch.Tensor:
-        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.config.type == "gpt":
+        if self.arch.position_embedding == "learned":
             if self.sequence_parallel:  # this rank's shard of the sequence
                 s_local = hidden.shape[1]
                 start = ps.get_tensor_model_parallel_rank() * s_local
                 position_ids = position_ids[:, start : start + s_local]
             hidden = hidden + F.embedding(position_ids, self.embed_positions)
         return dropout(hidden, self.config.hidden_dropout, self.training, self.sequence_parallel)
-
-    def _logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden)
-        else:
-            hidden = copy_to_tp(hidden)
-        return F.linear(hidden, self.output_weight())
 
     def forward(
         self,
@@ -212,28 +212,39 @@ class DecoderLM(torch.nn.Module):
             hidden = layer(hidden, rotary, segment_ids)
         if not self.post_process:
             return hidden
-        logits = self._logits_shard(self.norm(hidden))
-        if labels is None:
-            logits = gather_from_tensor_model_parallel_region(logits)
-            return logits[..., : self.vocab_size]
-        return vocab_parallel_cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, vocab_size=self.vocab_size)
+        return self.lm_head(self.norm(hidden), labels)
 
 
-def parameter_seed(seed: int, name: str) -> int:
-    """A seed per parameter name, so weights do not depend on which rank builds which layer."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+def decoder_model_spec(
+    name: str,
+    model_class: type[DecoderLM],
+    *,
+    check_config: Optional[Callable[[MegacannConfig, str], None]] = None,
+    hf: Optional[HFAdapter] = None,
+) -> ModelSpec:
+    """The :class:`ModelSpec` of a :class:`DecoderLM` family (``model_class`` fixes its architecture)."""
+    arch = model_class.ARCH
 
+    def build_chunk(cfg: MegacannConfig, placement: ChunkPlacement, device=None) -> DecoderLM:
+        model = model_class(
+            cfg.model,
+            sequence_parallel=cfg.distributed.sequence_parallel,
+            layer_ids=placement.layer_ids,
+            pre_process=placement.pre_process,
+            post_process=placement.post_process,
+            params_dtype=PRECISION_DTYPES[cfg.model.precision],
+            device=device,
+        )
+        initialize_weights(model, cfg.seed)
+        return model
 
-@torch.no_grad()
-def initialize_weights(model: torch.nn.Module, seed: int) -> None:
-    """Draw every parameter's full tensor from a seed derived from its name, then keep this rank's slice.
-
-    Every TP / PP / virtual-stage layout therefore starts from exactly the weights of one process.
-    """
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    for name, param in model.named_parameters():
-        init = getattr(param, INIT_ATTR, None)
-        if init is None:
-            raise ValueError(f"parameter {name} has no init method (was it made by megacann.layers?)")
-        key = getattr(param, INIT_NAME_ATTR, name)
-        init_sharded_(param, init, tp_rank, tp_size, parameter_seed(seed, key))
+    extra = {"check_config": check_config} if check_config else {}
+    return ModelSpec(
+        name=name,
+        build_chunk=build_chunk,
+        flops_per_token=lambda m, seq: sizing.flops_per_token(m, seq, arch),
+        num_parameters=lambda m: sizing.num_parameters(m, arch),
+        fill_defaults=model_class.fill_defaults,
+        hf=hf,
+        **extra,
+    )

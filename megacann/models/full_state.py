@@ -32,15 +32,6 @@ def _pad(tensor: torch.Tensor, sharding: ParamSharding) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=sharding.tp_dim)
 
 
-def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The shape of the whole parameter without vocabulary padding."""
-    sharding = get_sharding(param)
-    shape = list(sharding.full_shape)
-    if sharding.logical_size is not None and sharding.tp_dim is not None:
-        shape[sharding.tp_dim] = sharding.logical_size
-    return tuple(shape)
-
-
 def gather_full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The whole parameter (all TP shards joined, padding dropped): a CPU copy, on every TP rank."""
     sharding = get_sharding(param)
@@ -75,9 +66,11 @@ def load_full_state_dict_(
     for module in modules:
         for name, param in module.named_parameters():
             if name not in tensors:
-                raise KeyError(f"{source}: missing tensor {name!r} (expected shape {list(logical_shape(param))})")
+                raise KeyError(
+                    f"{source}: missing tensor {name!r} (expected shape {list(get_sharding(param).logical_shape)})"
+                )
             full = tensors[name]
-            expected = logical_shape(param)
+            expected = get_sharding(param).logical_shape
             if tuple(full.shape) != expected:
                 raise ValueError(
                     f"{source}: tensor {name!r} has shape {list(full.shape)}, the model expects {list(expected)}"

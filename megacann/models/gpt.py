@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 
-from megacann.config import ModelConfig
-from megacann.models.decoder import DecoderLM
+
+def gpt_defaults(cfg: ModelConfig) -> None:
+    """GPT's MLP width (4h) and biases, unless the recipe says otherwise."""
+    if cfg.ffn_hidden_size is None and cfg.hidden_size:
+        cfg.ffn_hidden_size = 4 * cfg.hidden_size
+    if cfg.add_bias_linear is None:
+        cfg.add_bias_linear = True
 
 
 class GPTModel(DecoderLM):
     """A GPT-2/3 style model. See :class:`DecoderLM` for forward."""
 
-    def __init__(self, cfg: ModelConfig, **kwargs):
-        if cfg.type != "gpt":
-            cfg = replace(cfg, type="gpt")
-        super().__init__(cfg, **kwargs)
+    ARCH = DecoderArch(normalization="layernorm", activation="gelu", position_embedding="learned")
+    fill_defaults = staticmethod(gpt_defaults)
+
+
+def check_gpt_config(cfg: MegacannConfig, source: str) -> None:
+    if cfg.data.seq_length > cfg.model.max_position_embeddings:
+        raise ConfigError(
+            f"{source}: data.seq_length {cfg.data.seq_length} exceeds model.max_position_embeddings "
+            f"{cfg.model.max_position_embeddings} (GPT uses learned positions)"
+        )
+
+
+GPT = decoder_model_spec("gpt", GPTModel, check_config=check_gpt_config)

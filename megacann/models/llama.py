@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from megacann.config import ModelConfig
-from megacann.models.decoder import DecoderLM
+from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
+from megacann.models.hf_llama import LLAMA_HF
+
+
+def llama_defaults(cfg: ModelConfig) -> None:
+    """LLaMA's MLP width (2/3 of 4h, rounded up to 256) and no biases, unless the recipe says otherwise."""
+    if cfg.ffn_hidden_size is None and cfg.hidden_size:
+        cfg.ffn_hidden_size = 256 * ((int(2 * 4 * cfg.hidden_size / 3) + 255) // 256)
+    if cfg.add_bias_linear is None:
+        cfg.add_bias_linear = False
 
 
 class LlamaModel(DecoderLM):
     """A LLaMA-family model (LLaMA 1/2/3, Mistral-style GQA). See :class:`DecoderLM` for forward."""
 
-    def __init__(self, cfg: ModelConfig, **kwargs):
-        if cfg.type != "llama":
-            cfg = replace(cfg, type="llama")
-        super().__init__(cfg, **kwargs)
+    ARCH = DecoderArch(normalization="rmsnorm", activation="swiglu", position_embedding="rope")
+    fill_defaults = staticmethod(llama_defaults)
 
     def save_pretrained_hf(self, path: str) -> None:
         """Write a Hugging Face LLaMA directory (config.json + safetensors) that transformers loads."""
-        from megacann.models.hf_llama import save_pretrained_hf
+        from megacann.models.hf import save_pretrained_hf
 
-        save_pretrained_hf([self], path)
+        save_pretrained_hf([self], path, self.config)
+
+
+LLAMA = decoder_model_spec("llama", LlamaModel, hf=LLAMA_HF)

@@ -1,12 +1,13 @@
-"""Pipeline parallelism: stage partitioning, point-to-point transfers, plans and the schedules that run them."""
+"""Pipeline parallelism: stage partitioning and this rank's model chunks, the layout rules, point-to-point
+transfers, plans and the schedules that run them."""
 
 from megacann.pipeline.p2p import activation_shape
-from megacann.pipeline.partition import stage_layer_ids
+from megacann.pipeline.partition import build_model_chunks, chunk_placements, stage_layer_ids
 from megacann.pipeline.plan import build_plan
+from megacann.pipeline.rules import check_pipeline_config, interleaved_schedule_error, pipeline_bubble_fraction
 from megacann.pipeline.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining,
-    forward_step,
     get_forward_backward_func,
     run_plan,
 )
@@ -17,11 +18,15 @@ __all__ = [
     "PlanError",
     "Timeline",
     "activation_shape",
+    "build_model_chunks",
     "build_plan",
+    "check_pipeline_config",
+    "chunk_placements",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining",
-    "forward_step",
     "get_forward_backward_func",
+    "interleaved_schedule_error",
+    "pipeline_bubble_fraction",
     "run_plan",
     "simulate_schedule",
     "stage_layer_ids",

@@ -1,8 +1,14 @@
-"""Which transformer layers live on which (virtual) pipeline stage."""
+"""Which transformer layers live on which (virtual) pipeline stage, and building this rank's chunks."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
+
+import torch
+
+from megacann import parallel_state as ps
+from megacann.config import MegacannConfig
+from megacann.models.spec import ChunkPlacement, ModelSpec, get_model_spec
 
 
 def stage_layer_ids(
@@ -29,3 +35,28 @@ def stage_layer_ids(
     segment = virtual_rank * pipeline_size + pipeline_rank
     start = sum(pipeline_layers[:segment])
     return list(range(start, start + pipeline_layers[segment]))
+
+
+def chunk_placements(cfg: MegacannConfig, pipeline_rank: Optional[int] = None) -> list[ChunkPlacement]:
+    """Where each model chunk of a pipeline stage sits (one chunk per virtual stage): its layers, and
+    whether it holds the model's embedding (first chunk of stage 0) and head (last chunk of the last)."""
+    d = cfg.distributed
+    pp = d.pipeline_parallel_size
+    stage = ps.get_pipeline_model_parallel_rank() if pipeline_rank is None else pipeline_rank
+    vpp = d.virtual_pipeline_size or 1
+    return [
+        ChunkPlacement(
+            tuple(stage_layer_ids(cfg.model.num_layers, pp, stage, vpp, chunk, d.pipeline_layers)),
+            pre_process=stage == 0 and chunk == 0,
+            post_process=stage == pp - 1 and chunk == vpp - 1,
+        )
+        for chunk in range(vpp)
+    ]
+
+
+def build_model_chunks(
+    cfg: MegacannConfig, spec: Optional[ModelSpec] = None, device: Optional[Union[torch.device, str]] = None
+) -> list[torch.nn.Module]:
+    """This rank's model chunks, built by the model family's spec (default: the recipe's ``model.type``)."""
+    spec = spec or get_model_spec(cfg.model.type)
+    return [spec.build_chunk(cfg, placement, device) for placement in chunk_placements(cfg)]

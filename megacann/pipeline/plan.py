@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from megacann.config import interleaved_schedule_error
+from megacann.pipeline.rules import interleaved_schedule_error
 
 
 @dataclass(frozen=True)

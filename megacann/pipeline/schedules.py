@@ -1,9 +1,11 @@
 """Forward/backward schedules over the micro-batches of one step.
 
-Every schedule has the same signature and returns the sum of per-token losses of the micro-batches it ran
-(on the last pipeline stage; zero elsewhere). Each micro-batch's loss is divided by ``loss_normalizer``
-(the number of target tokens in the whole global batch) and multiplied by the loss scale before backward,
-so gradient accumulation and data-parallel summation give exactly the gradient of one big batch.
+Every schedule has the same signature and returns the :class:`~megacann.layers.loss.LossTotals` of the
+micro-batches it ran on this rank (the token-loss sum is zero off the last pipeline stage). A model chunk
+runs through the model family's ``forward_step`` (the model contract, :mod:`megacann.models.spec`); what
+its backward starts from is :func:`megacann.layers.loss.backward_objective`: each micro-batch's token-loss
+sum divided by ``loss_normalizer`` (the target tokens of the whole global batch), plus its auxiliary losses
+weighted by 1 / (micro-batches x data-parallel ranks), times the loss scale.
 Each model chunk's last backward of the step runs inside ``last_micro_batch_backward()`` (see
 :mod:`megacann.pipeline.microbatches`), so gradient reductions may overlap it.
 
@@ -22,23 +24,15 @@ import torch
 
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
+from megacann.layers.loss import LossTotals, aux_loss_weight, backward_objective
+from megacann.models.spec import decoder_forward_step
 from megacann.pipeline import p2p
 from megacann.pipeline.microbatches import last_micro_batch_backward
 from megacann.pipeline.plan import Action, Backward, Exchange, Forward, build_plan
 from megacann.pipeline.timeline import Timeline
 
-ForwardBackward = Callable[..., torch.Tensor]
-
-
-def forward_step(model: torch.nn.Module, batch: dict, input_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Run one model chunk on one micro-batch: hidden states out, or per-token losses on the last stage."""
-    return model(
-        input_ids=batch["tokens"],
-        position_ids=batch.get("position_ids"),
-        labels=batch.get("labels"),
-        segment_ids=batch.get("segment_ids"),
-        hidden_states=input_tensor,
-    )
+ForwardBackward = Callable[..., LossTotals]
+ForwardStep = Callable[[torch.nn.Module, dict, Optional[torch.Tensor]], object]
 
 
 class _Queues:
@@ -69,10 +63,11 @@ def run_plan(
     loss_normalizer: float,
     loss_scale: float = 1.0,
     forward_only: bool = False,
+    forward_step: ForwardStep = decoder_forward_step,
     tensor_shape: Optional[tuple[int, ...]] = None,
     timeline: Optional[Timeline] = None,
-) -> torch.Tensor:
-    """Execute one stage's plan; returns the sum of per-token losses (zero off the last stage).
+) -> LossTotals:
+    """Execute one stage's plan; returns this rank's loss totals.
 
     ``tensor_shape`` is the shape of the activations passed between stages (needed when the plan has
     transfers); they travel in the dtype of the model's parameters.
@@ -82,7 +77,8 @@ def run_plan(
     param = next(model_chunks[0].parameters(), None)
     dtype = param.dtype if param is not None else torch.float32
     device = param.device if param is not None else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    totals = LossTotals(device)
+    aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size())
     queues = _Queues(num_chunks)
     virtual = num_chunks > 1
     saved_virtual_rank = ps.get_virtual_pipeline_model_parallel_rank()
@@ -95,26 +91,39 @@ def run_plan(
         return stage == stages - 1 and chunk == num_chunks - 1
 
     def forward(action: Forward) -> None:
-        nonlocal total
         c = action.chunk
         x = None if model_first(c) else queues.take(queues.inputs[c], "received activation", c)
         with Timeline.span_of(timeline, "forward"), torch.set_grad_enabled(not forward_only):
             out = forward_step(model_chunks[c], micro_batches[action.micro_batch], x)
-            if model_last(c):
-                loss_sum = out.sum()
-                total = total + loss_sum.detach().float()
-                out = loss_sum * (loss_scale / loss_normalizer)
+            expected = "token_loss" if model_last(c) else "hidden_states"
+            if getattr(out, expected, None) is None:
+                raise RuntimeError(
+                    f"model chunk {c} returned no {expected}: the model's forward_step must return a ChunkOutput "
+                    "with hidden_states from a chunk without the head and token_loss from the last chunk"
+                )
+            totals.add(out)
+            objective = (
+                None
+                if forward_only
+                else backward_objective(out, normalizer=loss_normalizer, aux_weight=aux_weight, loss_scale=loss_scale)
+            )
         if not model_last(c):
-            queues.to_next = out
+            queues.to_next = out.hidden_states
         if not forward_only:
-            queues.saved[c].append((x, out))
+            queues.saved[c].append((x, None if model_last(c) else out.hidden_states, objective))
 
     def backward(action: Backward) -> None:
         c = action.chunk
-        x, out = queues.take(queues.saved[c], "saved forward", c)
-        grad = None if model_last(c) else queues.take(queues.grads[c], "received gradient", c)
+        x, hidden, objective = queues.take(queues.saved[c], "saved forward", c)
+        outputs, grads = [], []
+        if hidden is not None:
+            outputs.append(hidden)
+            grads.append(queues.take(queues.grads[c], "received gradient", c))
+        if objective is not None:
+            outputs.append(objective)
+            grads.append(None)
         with Timeline.span_of(timeline, "backward"), last_micro_batch_backward(action == last_backward[c]):
-            torch.autograd.backward(out, grad_tensors=grad)
+            torch.autograd.backward(outputs, grad_tensors=grads)
         queues.to_prev = x.grad if x is not None else None
 
     def transfer(action: Exchange) -> None:
@@ -160,7 +169,7 @@ def run_plan(
             ps.set_virtual_pipeline_model_parallel_rank(saved_virtual_rank)
     if queues.leftovers():
         raise RuntimeError(f"pipeline schedule: {queues.leftovers()} tensors left unused at the end (a plan bug)")
-    return total
+    return totals
 
 
 def forward_backward_no_pipelining(
@@ -170,8 +179,9 @@ def forward_backward_no_pipelining(
     loss_normalizer: float,
     loss_scale: float = 1.0,
     forward_only: bool = False,
+    forward_step: ForwardStep = decoder_forward_step,
     timeline: Optional[Timeline] = None,
-) -> torch.Tensor:
+) -> LossTotals:
     """Plain gradient accumulation over micro-batches on one stage."""
     if len(model_chunks) != 1:
         raise ValueError(f"no pipelining runs one model chunk, got {len(model_chunks)}")
@@ -183,6 +193,7 @@ def forward_backward_no_pipelining(
         loss_normalizer=loss_normalizer,
         loss_scale=loss_scale,
         forward_only=forward_only,
+        forward_step=forward_step,
         timeline=timeline,
     )
 
@@ -194,9 +205,10 @@ def forward_backward_pipelining(
     loss_normalizer: float,
     loss_scale: float = 1.0,
     forward_only: bool = False,
+    forward_step: ForwardStep = decoder_forward_step,
     tensor_shape: tuple[int, ...],
     timeline: Optional[Timeline] = None,
-) -> torch.Tensor:
+) -> LossTotals:
     """1F1B over this rank's pipeline, interleaved when the rank holds several model chunks (one per
     virtual stage; then the number of micro-batches must be a multiple of the pipeline size)."""
     stages = ps.get_pipeline_model_parallel_world_size()
@@ -204,7 +216,7 @@ def forward_backward_pipelining(
     if len(model_chunks) != virtual:
         raise ValueError(
             f"this rank holds {len(model_chunks)} model chunks, virtual_pipeline_size is {virtual}: "
-            "build them with megacann.models.build_model_chunks"
+            "build them with megacann.pipeline.build_model_chunks"
         )
     plan = build_plan(stages, ps.get_pipeline_model_parallel_rank(), len(micro_batches), virtual, forward_only)
     return run_plan(
@@ -214,17 +226,19 @@ def forward_backward_pipelining(
         loss_normalizer=loss_normalizer,
         loss_scale=loss_scale,
         forward_only=forward_only,
+        forward_step=forward_step,
         tensor_shape=tensor_shape,
         timeline=timeline,
     )
 
 
-def get_forward_backward_func(cfg: MegacannConfig) -> ForwardBackward:
-    """The schedule the recipe asks for: no pipelining, 1F1B, or interleaved 1F1B (virtual_pipeline_size)."""
+def get_forward_backward_func(cfg: MegacannConfig, forward_step: ForwardStep = decoder_forward_step) -> ForwardBackward:
+    """The schedule the recipe asks for (no pipelining, 1F1B, or interleaved 1F1B with
+    virtual_pipeline_size), running chunks through ``forward_step`` (the model family's)."""
     d = cfg.distributed
     if d.pipeline_parallel_size == 1:
-        return forward_backward_no_pipelining
+        return functools.partial(forward_backward_no_pipelining, forward_step=forward_step)
     shape = p2p.activation_shape(
         cfg.data.batch_size, cfg.data.seq_length, cfg.model.hidden_size, d.sequence_parallel, d.tensor_parallel_size
     )
-    return functools.partial(forward_backward_pipelining, tensor_shape=shape)
+    return functools.partial(forward_backward_pipelining, tensor_shape=shape, forward_step=forward_step)

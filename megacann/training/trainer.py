@@ -1,8 +1,9 @@
 """The training loop: data -> forward/backward schedule -> gradient reduction -> optimizer -> metrics.
 
-One :class:`Trainer` runs one rank. The pieces it drives are replaceable by the recipe: the schedule
-(no pipelining, 1F1B, interleaved) from ``megacann.pipeline``, the optimizer (plain or ZeRO) from
-``megacann.optimizer``, and the checkpoint format from ``megacann.checkpoint``.
+One :class:`Trainer` runs one rank. It knows the model only through its family's
+:class:`~megacann.models.ModelSpec`; the schedule (no pipelining, 1F1B, interleaved) comes from
+``megacann.pipeline``, the optimizer (plain or ZeRO) from ``megacann.optimizer``, checkpoints from
+``megacann.checkpoint`` (given the trainer's parts, not the trainer).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,11 +19,13 @@ import torch.distributed as dist
 
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
-from megacann.models import build_model_chunks, flops_per_token
+from megacann.layers.loss import aux_loss_weight, count_target_tokens
+from megacann.models import ModelSpec
 from megacann.optimizer import LRSchedule, build_optimizer
-from megacann.pipeline import Timeline, get_forward_backward_func
+from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
 from megacann.training.failure import guarded
 from megacann.training.metrics import MetricsLogger
+from megacann.training.recipe import prepare_recipe
 from megacann.training.runtime import Runtime, setup_runtime
 
 
@@ -39,13 +42,14 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _sum_over(value: torch.Tensor, *groups) -> torch.Tensor:
-    for group in groups:
-        ps.all_reduce_if_parallel(value, group)
-    return value
-
-
 class Trainer:
+    """Trains one rank of a recipe: builds this rank's model chunks through the model family's spec,
+    the optimizer and the schedule, then :meth:`fit` runs steps, evaluation, metrics and checkpoints.
+
+    Works for any registered family (``model.type``) or a ``model_spec`` passed in; the parallel layout,
+    precision and everything else come from the recipe.
+    """
+
     def __init__(
         self,
         cfg: MegacannConfig,
@@ -53,15 +57,20 @@ class Trainer:
         tokenizer=None,
         data=None,
         data_factory: Optional[Callable[[int], Any]] = None,
+        model_spec: Optional[ModelSpec] = None,
     ):
         """``tokenizer`` and ``data`` default to what the recipe's data section builds; tests and custom
         loops may pass their own (``data`` needs ``.train``, an iterator of micro-batches, and ``.valid()``),
-        or a ``data_factory(consumed_samples)`` that is called again after a checkpoint is loaded."""
+        or a ``data_factory(consumed_samples)`` that is called again after a checkpoint is loaded.
+        ``model_spec`` defaults to the registered family named by ``model.type``."""
         self.cfg = cfg
         self.runtime = runtime or setup_runtime(cfg)
         self.device = self.runtime.device
-        if cfg.lora:
-            raise NotImplementedError("lora: true is not implemented yet; set lora: false")
+        self.is_logging_rank = self.runtime.is_main
+        self.metrics = MetricsLogger(cfg, enabled=self.is_logging_rank)
+        self.model_spec, advice = prepare_recipe(cfg, self.runtime.world_size, spec=model_spec)
+        for line in advice:
+            self.metrics.print(f"note: {line}")
         if tokenizer is None and (data is None or cfg.model.vocab_size is None):
             from megacann.data import build_tokenizer
 
@@ -69,18 +78,16 @@ class Trainer:
         self.tokenizer = tokenizer
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = tokenizer.vocab_size
-        self.model_chunks = build_model_chunks(cfg, device=self.device)
+        self.model_chunks = build_model_chunks(cfg, self.model_spec, device=self.device)
         self.named_params = [(n, p) for chunk in self.model_chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
         self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)
         self.schedule = LRSchedule.from_config(cfg.optim)
-        self.forward_backward = get_forward_backward_func(cfg)
+        self.forward_backward = get_forward_backward_func(cfg, self.model_spec.forward_step)
         # logging.timers: per-stage forward/backward/transfer-wait seconds of each step, in the metrics
         self.timeline = Timeline(self.runtime.accelerator.synchronize) if cfg.logging.timers else None
         self.state = TrainState()
-        self.is_logging_rank = self.runtime.is_main
-        self.metrics = MetricsLogger(cfg, enabled=self.is_logging_rank)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_length)
+        self.flops_per_token = self.model_spec.flops_per_token(cfg.model, cfg.data.seq_length)
         self.peak_flops = self.runtime.accelerator.peak_bf16_flops()
         self._data = data
         self._data_factory = data_factory
@@ -109,16 +116,7 @@ class Trainer:
 
     def _global_token_count(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Target tokens in the whole global batch (every data-parallel rank's micro-batches)."""
-        count = sum((mb["labels"] != -100).sum() for mb in micro_batches).to(torch.float32).reshape(1)
-        return _sum_over(count, ps.get_data_parallel_group())
-
-    def _global_loss(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> float:
-        """Mean loss over the global batch, from the last pipeline stage, known on every rank."""
-        value = loss_sum.detach().reshape(1).to(torch.float32)
-        if not ps.is_pipeline_last_stage(ignore_virtual=True):
-            value = torch.zeros_like(value)
-        _sum_over(value, ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group())
-        return float(value.item() / max(1.0, num_tokens.item()))
+        return count_target_tokens(micro_batches, ps.get_data_parallel_group())
 
     def _stage_timers(self) -> dict[str, list[float]]:
         """The last step's timeline of every pipeline stage (stage 0 first), known on every rank."""
@@ -149,7 +147,7 @@ class Trainer:
         timing = {"timeline": self.timeline} if self.timeline is not None else {}
         if self.timeline is not None:
             self.timeline.reset()
-        loss_sum = self.forward_backward(
+        totals = self.forward_backward(
             self.model_chunks,
             micro_batches,
             loss_normalizer=float(num_tokens.item()),
@@ -162,8 +160,9 @@ class Trainer:
         self.state.consumed_samples += self.cfg.global_batch_size
         if not updated:
             self.state.skipped_steps += 1
+        aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size())
         result = {
-            "loss": self._global_loss(loss_sum, num_tokens),
+            **totals.reduce(float(num_tokens.item()), aux_weight),  # loss, auxiliary losses, model stats
             "grad_norm": grad_norm,
             "lr": lr,
             "num_tokens": int(num_tokens.item()),
@@ -190,8 +189,8 @@ class Trainer:
             except StopIteration:
                 break
             num_tokens = self._global_token_count(batches)
-            loss_sum = self.forward_backward(self.model_chunks, batches, loss_normalizer=1.0, forward_only=True)
-            total_loss += self._global_loss(loss_sum, num_tokens) * num_tokens.item()
+            totals = self.forward_backward(self.model_chunks, batches, loss_normalizer=1.0, forward_only=True)
+            total_loss += totals.reduce(float(num_tokens.item()), 0.0)["loss"] * num_tokens.item()
             total_tokens += num_tokens.item()
         if total_tokens == 0:
             return None
@@ -215,6 +214,8 @@ class Trainer:
         }
         if "stage_timers" in step_metrics:  # per pipeline stage: forward_s, backward_s, *_wait_s, idle_fraction
             record["stage_timers"] = step_metrics["stage_timers"]
+        for name in self._model_metric_names(step_metrics):  # the model's auxiliary losses and stats
+            record[name] = step_metrics[name]
         if self.peak_flops:
             record["mfu"] = tps * self.flops_per_token / (self.runtime.world_size * self.peak_flops)
         if cfg.model.precision == "fp16":
@@ -222,6 +223,11 @@ class Trainer:
             record["skipped_steps"] = self.state.skipped_steps
         record.update(self.runtime.accelerator.memory_stats())
         return record
+
+    @staticmethod
+    def _model_metric_names(step_metrics: dict[str, Any]) -> list[str]:
+        own = {"loss", "grad_norm", "lr", "num_tokens", "updated", "stage_timers"}
+        return [name for name in step_metrics if name not in own]
 
     def fit(self) -> list[dict[str, Any]]:
         """Train to max_steps; returns the logged records (on the logging rank)."""
@@ -270,15 +276,24 @@ class Trainer:
             self._checkpointer = Checkpointer(async_save=self.cfg.logging.async_save)
         return self._checkpointer
 
+    def checkpoint_parts(self):
+        """The trainer's state as checkpoint parts: model chunks, optimizer, step, data position, counters."""
+        from megacann.checkpoint import CheckpointParts
+
+        s = self.state
+        return CheckpointParts(
+            self.model_chunks, self.optimizer, s.step, s.consumed_samples, {"skipped_steps": s.skipped_steps}
+        )
+
     def save_checkpoint(self) -> str:
         """Save ``<output_dir>/checkpoint_<step>`` (in the background with logging.async_save)."""
-        self.optimizer.finish_param_sync()  # overlapped parameter gathers in flight land first
-        return self.checkpointer.save(self)
+        return self.checkpointer.save(self.checkpoint_parts(), self.cfg, log=self.metrics.print)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore the full training state from a checkpoint written under any parallel layout."""
-        self.optimizer.finish_param_sync()  # no gather in flight may overwrite what is loaded
-        self.checkpointer.load(self, path)
+        parts = self.checkpoint_parts()
+        self.checkpointer.load(parts, self.cfg, path, log=self.metrics.print)
+        self.state = TrainState(parts.step, parts.consumed_samples, **parts.progress)
         if self._own_data or self._data_factory is not None:
             self._data = None  # rebuilt at the restored consumed_samples
 
@@ -296,12 +311,6 @@ class Trainer:
         self.metrics.print(f"resuming from {path} ({why})")
         self.load_checkpoint(path)
         return path
-
-    def train_state_dict(self) -> dict[str, Any]:
-        return asdict(self.state)
-
-    def load_train_state_dict(self, state: dict[str, Any]) -> None:
-        self.state = TrainState(**state)
 
 
 def train(cfg: MegacannConfig, resume_from: Optional[str] = None) -> list[dict[str, Any]]:

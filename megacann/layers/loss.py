@@ -1,0 +1,129 @@
+"""The training loss, in one place: ignored targets, the per-token loss, its normalisation, auxiliary losses.
+
+- Targets equal to :data:`IGNORE_INDEX` take no loss (prompt tokens in SFT, padding, masked EOD).
+- :func:`token_loss` is the per-token fp32 cross entropy over vocabulary-parallel logits.
+- A step's loss is the sum of every target token's loss in the *global* batch divided by the number of
+  target tokens in it (:func:`count_target_tokens`); each micro-batch's sum is divided by that count before
+  backward, and gradients are summed (not averaged) over data-parallel ranks, so any data / tensor /
+  pipeline layout and any split into micro-batches gives the gradient of one big batch.
+- Auxiliary losses (an MoE router's balancing loss, say) are scalars a model chunk returns beside its
+  output, on any pipeline stage, already multiplied by their coefficients. Each micro-batch's value is
+  weighted by 1 / (micro-batches x data-parallel ranks), so the step optimises their mean, and they are
+  logged as that mean, summed over layers and pipeline stages (:class:`LossTotals`).
+- ``stats`` are numbers a chunk reports for logging only (per-expert token counts, say): summed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann import parallel_state as ps
+from megacann.layers.cross_entropy import vocab_parallel_cross_entropy
+
+IGNORE_INDEX = -100
+
+
+def token_loss(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """Per-token fp32 cross entropy ``[b, s]`` of vocabulary-parallel logits; 0 where ``labels`` is ignored."""
+    return vocab_parallel_cross_entropy(
+        logits_shard, labels, ignore_index=IGNORE_INDEX, vocab_size=vocab_size, group=group
+    )
+
+
+@dataclass
+class ChunkOutput:
+    """What one model chunk gives back for one micro-batch (see :class:`megacann.models.ModelSpec`).
+
+    ``hidden_states`` out of a chunk without the head (sent to the next pipeline stage); ``token_loss``
+    (``[b, s]`` fp32, 0 at ignored targets) out of the model's last chunk; ``aux_losses`` from any chunk.
+    """
+
+    hidden_states: Optional[torch.Tensor] = None
+    token_loss: Optional[torch.Tensor] = None
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def count_target_tokens(micro_batches: Iterable[dict[str, torch.Tensor]], group=None) -> torch.Tensor:
+    """Target tokens (labels not ignored) in these micro-batches, summed over ``group`` (the data-parallel
+    group: the whole global batch). A 1-element fp32 tensor, on the labels' device."""
+    count = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(torch.float32).reshape(1)
+    return ps.all_reduce_if_parallel(count, group)
+
+
+def aux_loss_weight(num_micro_batches: int, data_parallel_size: int) -> float:
+    """The factor of each micro-batch's auxiliary loss, so that summed gradients optimise their mean."""
+    return 1.0 / (num_micro_batches * data_parallel_size)
+
+
+def backward_objective(
+    output: ChunkOutput, *, normalizer: float, aux_weight: float, loss_scale: float = 1.0
+) -> Optional[torch.Tensor]:
+    """The scalar a chunk's backward starts from, besides the gradient its hidden states receive:
+    ``(sum(token_loss) / normalizer + aux_weight * sum(aux_losses)) * loss_scale``; None when neither."""
+    objective = None
+    if output.token_loss is not None:
+        objective = output.token_loss.sum() * (loss_scale / normalizer)
+    if output.aux_losses:
+        aux = torch.stack([v.float().reshape(()) for v in output.aux_losses.values()]).sum() * (aux_weight * loss_scale)
+        objective = aux if objective is None else objective + aux
+    return objective
+
+
+class LossTotals:
+    """Detached sums over a step's micro-batches on this rank: token loss, auxiliary losses, stats."""
+
+    def __init__(self, device: torch.device):
+        self.token_loss = torch.zeros((), dtype=torch.float32, device=device)
+        self.aux: dict[str, torch.Tensor] = {}
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def add(self, output: ChunkOutput) -> None:
+        if output.token_loss is not None:
+            self.token_loss = self.token_loss + output.token_loss.detach().float().sum()
+        for target, values in ((self.aux, output.aux_losses), (self.stats, output.stats)):
+            for name, value in values.items():
+                value = value.detach().float()
+                target[name] = target[name] + value if name in target else value
+
+    def reduce(self, num_tokens: float, aux_weight: float) -> dict[str, object]:
+        """The step's figures, the same on every rank: ``loss`` (mean per target token of the global batch),
+        each auxiliary loss as its mean over micro-batches and data-parallel ranks (summed over layers
+        and stages), each stat summed over everything (a float, or a list for a vector)."""
+        dp, pp = ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()
+        names = sorted(self.aux), sorted(self.stats)
+        parts = [self.token_loss.reshape(1)]
+        parts += [self.aux[n].reshape(-1) for n in names[0]] + [self.stats[n].reshape(-1) for n in names[1]]
+        flat = ps.all_reduce_if_parallel(torch.cat(parts), dp)  # every data-parallel rank holds the same names
+        local: dict[str, torch.Tensor] = {}
+        offset = 1
+        for prefix, group_names, source in (("aux", names[0], self.aux), ("stats", names[1], self.stats)):
+            for n in group_names:
+                size = source[n].numel()
+                local[f"{prefix}/{n}"] = flat[offset : offset + size].cpu()
+                offset += size
+        merged = {"loss": flat[:1].cpu()}
+        merged.update(local)
+        if pp is not None and dist.get_world_size(pp) > 1:  # stages hold different layers, hence names
+            gathered: list = [None] * dist.get_world_size(pp)
+            dist.all_gather_object(gathered, merged, group=pp)
+            merged = {}
+            for stage in gathered:
+                for name, value in stage.items():
+                    merged[name] = merged[name] + value if name in merged else value
+        out: dict[str, object] = {"loss": float(merged.pop("loss")) / max(1.0, num_tokens)}
+        for name, value in sorted(merged.items()):
+            kind, short = name.split("/", 1)
+            value = value * aux_weight if kind == "aux" else value
+            out[short] = float(value) if value.numel() == 1 else [float(v) for v in value]
+        return out

@@ -1,0 +1,148 @@
+"""Hugging Face checkpoints (config.json + safetensors) to and from any family with an HF adapter.
+
+Offline only: a local directory is read or written. The family is found from config.json's
+``model_type`` (:func:`megacann.models.spec.find_hf_family`); its :class:`~megacann.models.spec.HFAdapter`
+maps names and settings, this module does the reading, sharding and writing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megacann import parallel_state as ps
+from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.models.full_state import full_state_dict, load_full_state_dict_
+from megacann.models.spec import ChunkPlacement, ModelSpec, find_hf_family, get_model_spec, prepare_model_config
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+def hf_family(path: str) -> tuple[ModelSpec, ModelConfig]:
+    """The megacann family and model config of a Hugging Face directory (its config.json)."""
+    config_file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{path}: no {CONFIG_FILE} (expected a Hugging Face model directory)")
+    with open(config_file) as f:
+        try:
+            model_type = json.load(f).get("model_type", "llama")
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{config_file}: not valid JSON: {err}") from None
+    spec = find_hf_family(model_type)
+    return spec, spec.hf.config_from_hf(config_file)
+
+
+class SafetensorsReader:
+    """Reads tensors by name from a single safetensors file or a sharded set with an index."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = path
+        index = os.path.join(path, SAFETENSORS_INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+            with safe_open(os.path.join(path, SINGLE_FILE), framework="pt") as handle:
+                weight_map = dict.fromkeys(handle.keys(), SINGLE_FILE)
+        else:
+            raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {SAFETENSORS_INDEX} found")
+        self.weight_map = weight_map
+        self._open = safe_open
+        self._handles: dict[str, Any] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            full = os.path.join(self.path, file)
+            if not os.path.isfile(full):
+                raise FileNotFoundError(f"{self.path}: shard {file} named by the index is missing")
+            self._handles[file] = self._open(full, framework="pt")
+        return self._handles[file].get_tensor(name)
+
+
+def model_parameter_names(spec: ModelSpec, model_cfg: ModelConfig) -> list[str]:
+    """The parameter names of a family's whole model (built on the meta device: no memory, no init cost)."""
+    cfg = MegacannConfig(model=model_cfg)
+    prepare_model_config(cfg, spec)
+    with torch.device("meta"):
+        model = spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "meta")
+    return [name for name, _ in model.named_parameters()]
+
+
+def from_pretrained_hf(
+    path: str,
+    precision: str = "fp32",
+    device: Optional[Union[str, torch.device]] = None,
+    sequence_parallel: bool = False,
+    **overrides: Any,
+) -> torch.nn.Module:
+    """The whole model of a local HF directory (this rank's tensor-parallel slice), with its weights."""
+    spec, model_cfg = hf_family(path)
+    for key, value in overrides.items():
+        setattr(model_cfg, key, value)
+    model_cfg.precision = precision
+    cfg = MegacannConfig(model=model_cfg)
+    cfg.distributed.tensor_parallel_size = ps.get_tensor_model_parallel_world_size()
+    cfg.distributed.sequence_parallel = sequence_parallel
+    prepare_model_config(cfg, spec, source=path)
+    model = spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
+    names = [name for name, _ in model.named_parameters()]
+    load_full_state_dict_([model], spec.hf.from_hf(names, SafetensorsReader(path), model_cfg), source=path)
+    return model
+
+
+def _adapter(cfg: ModelConfig):
+    spec = get_model_spec(cfg.type)
+    if spec.hf is None:
+        raise ConfigError(f"model family {cfg.type!r} has no Hugging Face adapter")
+    return spec.hf
+
+
+def write_hf_config(path: str, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(_adapter(cfg).config_to_hf(cfg, dtype), f, indent=1)
+
+
+def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfig) -> None:
+    """Write a Hugging Face directory from this rank's model chunks. Collective over the tensor-parallel
+    group; with pipeline stages every stage writes its own safetensors shard and the first the index."""
+    from safetensors.torch import save_file
+
+    tensors = _adapter(cfg).to_hf(full_state_dict(chunks), cfg)
+    dtype = next(iter(tensors.values())).dtype
+    pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    file = SINGLE_FILE if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+    if writes:
+        os.makedirs(path, exist_ok=True)
+        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+    if pp_size > 1:
+        names = [None] * pp_size
+        dist.all_gather_object(names, (file, sorted(tensors)), group=ps.get_pipeline_model_parallel_group())
+        if writes and pp_rank == 0:
+            weight_map = {name: f for f, keys in names for name in keys}
+            with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    if writes and pp_rank == 0:
+        write_hf_config(path, cfg, dtype)
+
+
+def save_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, path: str) -> None:
+    """Write whole megacann tensors held by one process (e.g. read from a checkpoint) as a Hugging Face
+    directory with a single safetensors file."""
+    from safetensors.torch import save_file
+
+    hf = _adapter(cfg).to_hf(tensors, cfg)
+    os.makedirs(path, exist_ok=True)
+    save_file(hf, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
+    write_hf_config(path, cfg, next(iter(hf.values())).dtype)

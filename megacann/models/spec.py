@@ -1,0 +1,158 @@
+"""The model contract: what the trainer, pipeline, optimizer, checkpoints, dry run and converter know
+about a model family, and the registry that ``model.type`` picks from.
+
+A family is one :class:`ModelSpec`:
+
+- ``build_chunk(cfg, placement, device)`` builds the part of the model a pipeline stage holds for one of
+  its (virtual) chunks: the layers of ``placement.layer_ids`` (global indices), the input embedding when
+  ``placement.pre_process`` and the head when ``placement.post_process``, initialised from ``cfg.seed``
+  the same way whatever the layout (name parameters by their global place and use
+  :func:`megacann.layers.initialize_weights`).
+- ``forward_step(chunk, batch, hidden_states)`` runs one micro-batch through a chunk and returns a
+  :class:`~megacann.layers.ChunkOutput`: hidden states out of a chunk without the head, the per-token
+  loss out of the last one, auxiliary losses out of any (Megatron-Core's ``forward_step_func``).
+- ``flops_per_token`` and ``num_parameters`` from the config alone (MFU, dry run);
+  ``active_parameters`` where fewer take part per token (MoE).
+- ``prepare_config`` fills the family's defaults and checks what only the family knows;
+  ``hf`` optionally converts to and from Hugging Face checkpoints.
+
+Register a family with :func:`register_model` (``model.type`` then names it), or hand a spec to
+``Trainer(cfg, model_spec=...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.layers.loss import ChunkOutput
+
+Device = Optional[Union[torch.device, str]]
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ChunkPlacement:
+    """Where a model chunk sits: its layers (global indices) and whether it holds the input embedding
+    (the model's first chunk) and the head (the model's last chunk)."""
+
+    layer_ids: tuple[int, ...]
+    pre_process: bool = True
+    post_process: bool = True
+
+
+def decoder_forward_step(chunk: torch.nn.Module, batch: Batch, hidden_states: Optional[torch.Tensor]) -> ChunkOutput:
+    """The forward step of a model whose ``forward`` takes megacann's batch keys (``DecoderLM`` and any
+    model with its signature): hidden states out of a middle chunk, the per-token loss out of the last."""
+    out = chunk(
+        input_ids=batch["tokens"],
+        position_ids=batch.get("position_ids"),
+        labels=batch.get("labels"),
+        segment_ids=batch.get("segment_ids"),
+        hidden_states=hidden_states,
+    )
+    if isinstance(out, ChunkOutput):
+        return out
+    if getattr(chunk, "post_process", True):
+        return ChunkOutput(token_loss=out)
+    return ChunkOutput(hidden_states=out)
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """Conversion between a family's whole tensors (megacann names) and a Hugging Face checkpoint.
+
+    ``model_types``: the ``model_type`` values of config.json this adapter reads. ``config_from_hf`` maps a
+    config.json dict onto a :class:`ModelConfig`; ``config_to_hf`` writes one. ``to_hf`` renames (and splits
+    fused) tensors; ``from_hf(names, read, cfg)`` returns the whole tensors of megacann ``names`` using
+    ``read(hf_name)``.
+    """
+
+    model_types: tuple[str, ...]
+    config_from_hf: Callable[[dict[str, Any]], ModelConfig]
+    config_to_hf: Callable[[ModelConfig, torch.dtype], dict[str, Any]]
+    to_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
+    from_hf: Callable[[Sequence[str], Callable[[str], torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
+
+
+def _no_defaults(cfg: ModelConfig) -> None:
+    return None
+
+
+def _no_checks(cfg: MegacannConfig, source: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family. Only ``name``, ``build_chunk``, ``flops_per_token`` and ``num_parameters`` are
+    required; see the module docstring for each field."""
+
+    name: str
+    build_chunk: Callable[[MegacannConfig, ChunkPlacement, Device], torch.nn.Module]
+    flops_per_token: Callable[[ModelConfig, int], float]
+    num_parameters: Callable[[ModelConfig], int]
+    forward_step: Callable[[torch.nn.Module, Batch, Optional[torch.Tensor]], ChunkOutput] = decoder_forward_step
+    active_parameters: Optional[Callable[[ModelConfig], int]] = None
+    fill_defaults: Callable[[ModelConfig], None] = _no_defaults
+    check_config: Callable[[MegacannConfig, str], None] = _no_checks
+    hf: Optional[HFAdapter] = None
+
+    def parameters_per_token(self, cfg: ModelConfig) -> int:
+        """Parameters a token meets (all of them, unless the family says fewer: MoE)."""
+        return (self.active_parameters or self.num_parameters)(cfg)
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
+    """Make ``spec`` available as ``model.type: <spec.name>``; returns it (usable as a one-liner)."""
+    if spec.name in _REGISTRY and not replace and _REGISTRY[spec.name] is not spec:
+        raise ValueError(f"a model family named {spec.name!r} is already registered (pass replace=True)")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def registered_models() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_model_spec(name: str, source: str = "<recipe>") -> ModelSpec:
+    """The registered family ``name``; a ConfigError lists the registered ones."""
+    if name not in _REGISTRY:
+        raise ConfigError(
+            f"{source}: model.type {name!r} is not a registered model family; registered: "
+            f"{', '.join(registered_models())} (a script adds its own with megacann.models.register_model)"
+        )
+    return _REGISTRY[name]
+
+
+def prepare_model_config(cfg: MegacannConfig, spec: Optional[ModelSpec] = None, source: str = "<recipe>") -> ModelSpec:
+    """Fill the family's defaults into ``cfg.model`` and run its checks, plus the checks every family
+    shares; returns the spec. Idempotent."""
+    spec = spec or get_model_spec(cfg.model.type, source)
+    spec.fill_defaults(cfg.model)
+    m, tp = cfg.model, cfg.distributed.tensor_parallel_size
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size % tp:
+        raise ConfigError(
+            f"{source}: model.ffn_hidden_size {m.ffn_hidden_size} is not divisible by "
+            f"distributed.tensor_parallel_size {tp}"
+        )
+    spec.check_config(cfg, source)
+    return spec
+
+
+def find_hf_family(model_type: str) -> ModelSpec:
+    """The registered family whose Hugging Face adapter reads config.json's ``model_type``."""
+    for spec in _REGISTRY.values():
+        if spec.hf is not None and model_type in spec.hf.model_types:
+            return spec
+    readable = sorted(t for s in _REGISTRY.values() if s.hf for t in s.hf.model_types)
+    raise ConfigError(
+        f"Hugging Face model_type {model_type!r} has no megacann adapter; readable: {', '.join(readable)}"
+    )

@@ -1,0 +1,95 @@
+"""What a pipeline layout allows: stage sizes, the interleaved schedule's micro-batch rule, the bubble."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megacann.config import ConfigError, MegacannConfig
+
+BUBBLE_ADVICE = 0.25  # advise when a pipeline idles longer than this share of a step
+
+
+def pipeline_bubble_fraction(pipeline_size: int, num_microbatches: int, virtual_size: Optional[int] = None) -> float:
+    """Share of a step a pipeline stage idles in (1F1B): (p - 1)/(m + p - 1); interleaving divides the
+    bubble time by v: ((p - 1)/v)/(m + (p - 1)/v)."""
+    bubble = (pipeline_size - 1) / (virtual_size or 1)
+    return bubble / (num_microbatches + bubble)
+
+
+def interleaved_schedule_error(pipeline_size: int, virtual_size: int, num_microbatches: int) -> Optional[str]:
+    """Why the interleaved 1F1B schedule cannot run this many micro-batches, or None when it can."""
+    p, m = pipeline_size, num_microbatches
+    if m % p == 0:
+        return None
+    lower, upper = m - m % p, m + p - m % p
+    options = f"{lower} or {upper}" if lower else f"{upper}"
+    return (
+        f"the interleaved 1F1B schedule (virtual_pipeline_size {virtual_size}) needs the number of "
+        f"micro-batches, optim.grad_accum_steps, to be a multiple of pipeline_parallel_size {p}, got {m}: "
+        f"use {options}, or no virtual stages (1F1B takes any number)"
+    )
+
+
+def microbatches_for_bubble(pp: int, vpp: int) -> int:
+    """The fewest micro-batches that keep the bubble at most BUBBLE_ADVICE (a multiple of pp if interleaved)."""
+    m = 1
+    while pipeline_bubble_fraction(pp, m, vpp) > BUBBLE_ADVICE or (vpp > 1 and m % pp):
+        m += 1
+    return m
+
+
+def _check_stage_sizes(cfg: MegacannConfig, source: str) -> None:
+    d, layers = cfg.distributed, cfg.model.num_layers
+    pp = d.pipeline_parallel_size
+    if d.virtual_pipeline_size is not None and d.virtual_pipeline_size < 1:
+        raise ConfigError(f"{source}: distributed.virtual_pipeline_size must be >= 1, got {d.virtual_pipeline_size}")
+    vpp = d.virtual_pipeline_size or 1
+    if vpp > 1 and pp < 2:
+        raise ConfigError(
+            f"{source}: distributed.virtual_pipeline_size {vpp} needs pipeline_parallel_size > 1, got {pp}"
+        )
+    if d.pipeline_layers is not None:
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in d.pipeline_layers):
+            raise ConfigError(
+                f"{source}: distributed.pipeline_layers {d.pipeline_layers} must list non-negative layer counts"
+            )
+        if len(d.pipeline_layers) != pp * vpp or sum(d.pipeline_layers) != layers:
+            raise ConfigError(
+                f"{source}: distributed.pipeline_layers {d.pipeline_layers} must list {pp * vpp} stage sizes "
+                f"(pipeline_parallel_size {pp} x virtual_pipeline_size {vpp}) summing to model.num_layers {layers}"
+            )
+    elif layers % (pp * vpp):
+        raise ConfigError(
+            f"{source}: model.num_layers {layers} is not divisible by pipeline_parallel_size {pp} x "
+            f"virtual_pipeline_size {vpp} = {pp * vpp} (or give distributed.pipeline_layers)"
+        )
+
+
+def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list[str]:
+    """Raise ConfigError for a layout the schedules cannot run; return advice (a large bubble) as text."""
+    _check_stage_sizes(cfg, source)
+    pp, vpp, m = (
+        cfg.distributed.pipeline_parallel_size,
+        cfg.distributed.virtual_pipeline_size or 1,
+        cfg.optim.grad_accum_steps,
+    )
+    if pp < 2:
+        return []
+    if vpp > 1:
+        error = interleaved_schedule_error(pp, vpp, m)
+        if error:
+            raise ConfigError(f"{source}: {error}")
+    bubble = pipeline_bubble_fraction(pp, m, vpp)
+    if bubble <= BUBBLE_ADVICE:
+        return []
+    if vpp == 1:
+        formula = f"(p - 1)/(m + p - 1) = {pp - 1}/{m + pp - 1}"
+        remedy = "or set distributed.virtual_pipeline_size (interleaved 1F1B)"
+    else:
+        formula = f"((p - 1)/v)/(m + (p - 1)/v) with v {vpp} = {(pp - 1) / vpp:g}/{m + (pp - 1) / vpp:g}"
+        remedy = "or a larger distributed.virtual_pipeline_size"
+    return [
+        f"{source}: pipeline bubble {bubble:.0%} > {BUBBLE_ADVICE:.0%}: pipeline_parallel_size p {pp} with "
+        f"optim.grad_accum_steps m {m} micro-batches idles each stage {formula} of a step; use "
+        f"grad_accum_steps {microbatches_for_bubble(pp, vpp)} or more {remedy}"
+    ]

@@ -1,0 +1,24 @@
+"""A recipe checked whole, once, before anything starts: the recipe's own rules, the model family's
+defaults and checks, the pipeline layout's rules. Used by the trainer, ``megacann-train`` (before any rank
+starts), the dry run and the planner."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megacann.config import MegacannConfig, validate
+from megacann.models import ModelSpec, prepare_model_config
+from megacann.pipeline import check_pipeline_config
+
+
+def prepare_recipe(
+    cfg: MegacannConfig,
+    world_size: Optional[int] = None,
+    source: str = "<recipe>",
+    spec: Optional[ModelSpec] = None,
+) -> tuple[ModelSpec, list[str]]:
+    """Validate ``cfg`` and fill what it leaves to others (sizes, family defaults). Returns the model family
+    and advice to print once (e.g. a large pipeline bubble); raises ConfigError for what cannot run."""
+    validate(cfg, world_size=world_size, source=source)
+    spec = prepare_model_config(cfg, spec, source)
+    return spec, check_pipeline_config(cfg, source)
