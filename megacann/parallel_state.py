@@ -17,7 +17,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 ORDER = ("tp", "cp", "ep", "dp", "pp")
@@ -360,10 +359,3 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     if not ignore_virtual and vpp and get_virtual_pipeline_model_parallel_rank() != vpp - 1:
         return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
-
-
-def all_reduce_if_parallel(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], op=None) -> torch.Tensor:
-    """In-place all-reduce that is a no-op for a one-rank (or absent) group."""
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group)
-    return tensor

@@ -21,6 +21,7 @@ from layers_reference import (
     split_dim,
 )
 
+from megacann import collectives
 from megacann import parallel_state as ps
 from megacann.layers import (
     ColumnParallelLinear,
@@ -80,13 +81,13 @@ def _check_mappings(errs):
     weight = sum(range(1, tp + 1))
     x = _randn(2, 8, 4, seed=1)
     for fallback in (False, True):  # True: a backend without flat all-gather / reduce-scatter
-        real = mappings._all_gather_base, mappings._reduce_scatter_base
+        real = collectives._all_gather_base, collectives._reduce_scatter_base
         if fallback:
 
             def unsupported(*args, **kwargs):
                 raise RuntimeError("no support for _reduce_scatter_base in Gloo process group")
 
-            mappings._all_gather_base = mappings._reduce_scatter_base = unsupported
+            collectives._all_gather_base = collectives._reduce_scatter_base = unsupported
         try:
             full = (x * (rank + 1)).requires_grad_()
             out = mappings.reduce_scatter_to_sequence_parallel_region(full)
@@ -95,8 +96,8 @@ def _check_mappings(errs):
             gathered = mappings.gather_from_sequence_parallel_region(local)
             gathered.backward(x * (rank + 1))
         finally:
-            mappings._all_gather_base, mappings._reduce_scatter_base = real
-            mappings._MISSING.clear()
+            collectives._all_gather_base, collectives._reduce_scatter_base = real
+            collectives._MISSING.clear()
         errs[f"mappings/sp_reduce_scatter/fallback={fallback}"] = rel_err(out, split_dim(x, 1) * weight)
         errs[f"mappings/sp_reduce_scatter_grad/fallback={fallback}"] = rel_err(full.grad, x)
         errs[f"mappings/sp_gather/fallback={fallback}"] = rel_err(gathered, x)

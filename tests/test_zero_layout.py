@@ -5,8 +5,8 @@ import torch
 
 from megacann.layers.sharding import SHARED_EMBEDDING_ATTR
 from megacann.optimizer.grad_buffer import GradBuffer, GradBuffers
-from megacann.optimizer.sharded_grad_buffer import ShardedGradBuffer
-from megacann.optimizer.zero_layout import owned_range, shard_ranges
+from megacann.optimizer.zero.grad_buffer import ShardedGradBuffer
+from megacann.optimizer.zero.layout import owned_range, shard_ranges
 from megacann.pipeline.microbatches import is_last_micro_batch_backward, last_micro_batch_backward
 
 SHAPES = [(7, 3), (5,), (11, 4), (1,), (6, 6), (13,)]

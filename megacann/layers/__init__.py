@@ -7,7 +7,6 @@ shows a complete model and how to make the trainer run it.
 """
 
 from megacann.layers.attention import SelfAttention
-from megacann.layers.cross_entropy import vocab_parallel_cross_entropy
 from megacann.layers.embedding import VocabParallelEmbedding, pad_vocab_size
 from megacann.layers.init import (
     init_normal,
@@ -19,7 +18,13 @@ from megacann.layers.init import (
     parameter_seed,
 )
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
-from megacann.layers.loss import IGNORE_INDEX, ChunkOutput, count_target_tokens, token_loss
+from megacann.layers.loss import (
+    IGNORE_INDEX,
+    ChunkOutput,
+    count_target_tokens,
+    token_loss,
+    vocab_parallel_cross_entropy,
+)
 from megacann.layers.mappings import (
     SEQUENCE_DIM,
     copy_to_tensor_model_parallel_region,

@@ -11,6 +11,15 @@
   weighted by 1 / (micro-batches x data-parallel ranks), so the step optimises their mean, and they are
   logged as that mean, summed over layers and pipeline stages (:class:`LossTotals`).
 - ``stats`` are numbers a chunk reports for logging only (per-expert token counts, say): summed.
+
+The cross entropy runs over vocabulary-parallel logits, in fp32, without ever gathering the full logits.
+Each TP rank holds the logits of its vocabulary range ``[..., V/tp]``. The softmax needs only three numbers
+per token from the other ranks (the max, the sum of exponentials, the target's logit, plus the sum of
+logits for label smoothing), exchanged in two small all-reduces. The backward is the textbook
+``softmax - target distribution``, computed on each rank's slice. Padded vocabulary columns (ids
+``>= vocab_size``) are excluded, as if their logits were -inf, and label smoothing spreads over the
+``vocab_size`` real tokens only: different TP sizes pad the vocabulary differently and must give the same
+loss.
 """
 
 from __future__ import annotations
@@ -23,9 +32,111 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.layers.cross_entropy import vocab_parallel_cross_entropy
+from megacann.collectives import all_reduce_if_parallel
+from megacann.layers import mappings
 
 IGNORE_INDEX = -100
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, vocab_size, group, inplace):
+        world = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        local_vocab = logits.shape[-1]
+        start = rank * local_vocab
+        valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
+        classes = local_vocab * world if vocab_size is None else vocab_size
+
+        if valid > 0:
+            row_max = logits[..., :valid].amax(dim=-1).float()
+        else:  # this rank holds only padding columns
+            row_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+        if world > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        # the one fp32 working buffer of the logits' size: shifted logits, then their exponentials
+        if inplace and logits.dtype == torch.float32:
+            work = logits.sub_(row_max.unsqueeze(-1))
+        else:
+            work = torch.sub(logits, row_max.unsqueeze(-1))
+        if valid < local_vocab:
+            work[..., valid:] = float("-inf")
+
+        ignored = target == ignore_index
+        local_target = target - start
+        in_shard = (local_target >= 0) & (local_target < valid) & ~ignored
+        local_target = local_target.masked_fill(~in_shard, 0)
+        target_logit = work.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill_(~in_shard, 0.0)
+        stats = [target_logit]
+        if label_smoothing > 0.0:
+            stats.append(work[..., :valid].sum(dim=-1))
+        work.exp_()
+        stats.append(work.sum(dim=-1))
+        stats = torch.stack(stats)
+        if world > 1:
+            dist.all_reduce(stats, group=group)
+        sum_exp = stats[-1]
+        log_z = sum_exp.log()
+        loss = log_z - stats[0]
+        if label_smoothing > 0.0:
+            smooth = log_z - stats[1] / classes  # mean over the real classes of -log p
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+        loss.masked_fill_(ignored, 0.0)
+
+        ctx.save_for_backward(work, sum_exp, local_target, in_shard, ignored)
+        ctx.label_smoothing, ctx.classes, ctx.valid = label_smoothing, classes, valid
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        exp, sum_exp, local_target, in_shard, ignored = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        scale = grad_loss.float().masked_fill(ignored, 0.0)
+        # softmax * g, written over the saved exponentials: this graph can be walked backward once
+        grad = exp.mul_((scale / sum_exp).unsqueeze(-1))
+        hit = (scale * in_shard).mul_(-(1.0 - eps)).unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), hit)
+        if eps > 0.0:
+            grad[..., : ctx.valid] -= (scale * (eps / ctx.classes)).unsqueeze(-1)
+        return grad.to(ctx.logits_dtype), None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
+    vocab_size: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """Per-token cross entropy (fp32, shape of ``target``, 0 where ``target == ignore_index``).
+
+    Args:
+        logits_shard: ``[..., V_padded/tp]``, this TP rank's vocabulary range (any float dtype).
+        target: ``[...]`` token ids in ``[0, vocab_size)`` or ``ignore_index``.
+        label_smoothing: as in ``torch.nn.functional.cross_entropy``, over the real vocabulary.
+        vocab_size: the logical vocabulary; logit columns at or past it (padding) are excluded.
+            None: every column is a real class.
+        inplace: fp32 logits only: use ``logits_shard``'s memory as the working buffer instead of a new
+            one (faster, less memory); its values are destroyed, so nothing may read it afterwards.
+    """
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    group = mappings.tp_group(group)
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None
+    if vocab_size is not None:
+        world = dist.get_world_size(group) if group is not None else 1
+        if vocab_size > logits_shard.shape[-1] * world:
+            raise ValueError(
+                f"vocab_size {vocab_size} exceeds the {logits_shard.shape[-1] * world} logit columns "
+                f"({logits_shard.shape[-1]} per rank x {world} TP ranks)"
+            )
+    return _VocabParallelCrossEntropy.apply(
+        logits_shard, target, ignore_index, label_smoothing, vocab_size, group, inplace
+    )
 
 
 def token_loss(
@@ -58,7 +169,7 @@ def count_target_tokens(micro_batches: Iterable[dict[str, torch.Tensor]], group=
     """Target tokens (labels not ignored) in these micro-batches, summed over ``group`` (the data-parallel
     group: the whole global batch). A 1-element fp32 tensor, on the labels' device."""
     count = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(torch.float32).reshape(1)
-    return ps.all_reduce_if_parallel(count, group)
+    return all_reduce_if_parallel(count, group)
 
 
 def aux_loss_weight(num_micro_batches: int, data_parallel_size: int) -> float:
@@ -104,7 +215,7 @@ class LossTotals:
         names = sorted(self.aux), sorted(self.stats)
         parts = [self.token_loss.reshape(1)]
         parts += [self.aux[n].reshape(-1) for n in names[0]] + [self.stats[n].reshape(-1) for n in names[1]]
-        flat = ps.all_reduce_if_parallel(torch.cat(parts), dp)  # every data-parallel rank holds the same names
+        flat = all_reduce_if_parallel(torch.cat(parts), dp)  # every data-parallel rank holds the same names
         local: dict[str, torch.Tensor] = {}
         offset = 1
         for prefix, group_names, source in (("aux", names[0], self.aux), ("stats", names[1], self.stats)):

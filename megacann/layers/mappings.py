@@ -16,30 +16,26 @@ gather_from_sequence_parallel_region                    all-gather seq dim    re
 reduce_scatter_to_sequence_parallel_region              reduce-scatter seq    all-gather seq dim
 ======================================================  ====================  ========================
 
-The collectives use ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (or their newer ``*_single``
-names) which NCCL, HCCL and recent gloo provide; where a backend lacks reduce-scatter it falls back to
-all-reduce and slicing. ``inplace=True`` lets an all-reduce overwrite its input (forward) or incoming
+The raw collectives underneath are :mod:`megacann.collectives` (flat all-gather / reduce-scatter with a
+fallback where a backend lacks them). ``inplace=True`` lets an all-reduce overwrite its input (forward) or incoming
 gradient (backward); layers pass it only for tensors nobody else reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
+from megacann.collectives import all_gather_flat, all_reduce_coalesced, reduce_scatter_flat
 from megacann.layers.sharding import get_sharding
 
 SEQUENCE_DIM = 1
 
 Group = Optional[dist.ProcessGroup]
-
-_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-_MISSING: set[tuple[str, str]] = set()  # (collective, backend) pairs found unsupported
 
 
 def tp_group(group: Group = None) -> Group:
@@ -76,64 +72,13 @@ def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return x.narrow(dim, dist.get_rank(group) * (size // world), size // world).contiguous()
 
 
-def _backend(group: Group) -> str:
-    return str(dist.get_backend(group))
-
-
-def _try_flat(
-    name: str, collective, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
-) -> tuple[bool, Optional[dist.Work]]:
-    """Run a flat-tensor collective: (True, its work handle when ``async_op``), or (False, None) when this
-    backend lacks it (remembered), so the caller falls back. Older gloo raises e.g. "no support for
-    _reduce_scatter_base in Gloo process group"."""
-    key = (name, _backend(group))
-    if collective is None or key in _MISSING:
-        return False, None
-    try:
-        return True, collective(out, inp, group=group, async_op=async_op)
-    except RuntimeError as err:
-        if "support" not in str(err).lower():
-            raise
-        _MISSING.add(key)
-        return False, None
-
-
-def reduce_scatter_flat(
-    out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False
-) -> Optional[dist.Work]:
-    """``out`` (n elements) = this rank's n-element slice of the sum of every rank's 1-D ``inp``
-    (world * n elements). ``out`` may be that slice of ``inp`` itself (in place). ``inp`` is scratch: a
-    backend without flat reduce-scatter sums it in place (synchronously) instead. Returns the work handle
-    when ``async_op`` and the collective is still running, else None."""
-    done, work = _try_flat("reduce_scatter", _reduce_scatter_base, out, inp, group, async_op)
-    if done:
-        return work
-    dist.all_reduce(inp, group=group)
-    n = out.numel()
-    out.copy_(inp[dist.get_rank(group) * n : (dist.get_rank(group) + 1) * n])
-    return None
-
-
-def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Optional[dist.Work]:
-    """Every rank's 1-D ``inp`` (n elements) concatenated in rank order into ``out`` (world * n); ``inp``
-    may be this rank's slice of ``out`` (in place). Returns the work handle when ``async_op`` and the
-    collective is still running, else None (a backend without flat all-gather runs synchronously)."""
-    done, work = _try_flat("all_gather", _all_gather_base, out, inp, group, async_op)
-    if done:
-        return work
-    world = dist.get_world_size(group)
-    dist.all_gather(list(out.chunk(world)), inp.clone(), group=group)
-    return None
-
-
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (one copy when ``dim`` is not the leading one)."""
     world = dist.get_world_size(group)
     x = x.contiguous()
     dim = dim % x.dim()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    if not _try_flat("all_gather", _all_gather_base, out, x, group)[0]:
-        dist.all_gather(list(out.chunk(world)), x, group=group)  # fills the views of ``out`` in place
+    all_gather_flat(out.view(-1), x.view(-1), group)
     if dim == 0:
         return out
     out = out.view((world,) + tuple(x.shape)).movedim(0, dim)
@@ -156,10 +101,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     shape[dim : dim + 1] = [world, local]
     staged = x.reshape(shape).movedim(dim, 0).contiguous()
     out = torch.empty(staged.shape[1:], dtype=x.dtype, device=x.device)
-    if _try_flat("reduce_scatter", _reduce_scatter_base, out, staged.flatten(0, 1), group)[0]:
-        return out
-    total = _all_reduce(x, group, inplace=False)
-    return total.narrow(dim, dist.get_rank(group) * local, local).contiguous()
+    reduce_scatter_flat(out.view(-1), staged.view(-1), group)  # ``staged`` is this function's own copy
+    return out
 
 
 # -- autograd functions --------------------------------------------------------------------------------
@@ -286,17 +229,16 @@ def reduce_scatter_to_sequence_parallel_region(
     return _ReduceScatterToRegion.apply(x, seq_dim, group) if active else x
 
 
-def sync_partial_grads(params: Iterable[torch.nn.Parameter], group: Group = None) -> None:
+def sync_partial_grads(
+    params: Iterable[torch.nn.Parameter],
+    group: Group = None,
+    grad_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = lambda p: p.grad,
+) -> None:
     """Sum over the TP group the gradients of parameters marked ``tp_partial_grad`` (norm weights under
     sequence parallelism, replicated kv projections). A training loop calls this after backward; the
-    megacann optimizer does it for you."""
+    megacann optimizer does it for you (on its fp32 gradients: ``grad_of``)."""
     active, group = _active(group)
     if not active:
         return
-    grads = [p.grad for p in params if p.grad is not None and get_sharding(p).tp_partial_grad]
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        grad.copy_(synced)
+    grads = [grad_of(p) for p in params if p.requires_grad and get_sharding(p).tp_partial_grad]
+    all_reduce_coalesced([g for g in grads if g is not None], group)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
+from megacann.collectives import all_reduce_if_parallel
 from megacann.layers.sharding import DUPLICATE_ATTR, get_sharding, is_duplicate
 
 # A parameter that duplicates another rank's (the tied output embedding on the last pipeline stage)
@@ -25,8 +26,7 @@ def counts_toward_norm(param: torch.nn.Parameter) -> bool:
 
 def _all_reduce_sum(value: torch.Tensor, groups: Iterable[Optional[dist.ProcessGroup]]) -> torch.Tensor:
     for group in groups:
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(value, group=group)
+        all_reduce_if_parallel(value, group)
     return value
 
 

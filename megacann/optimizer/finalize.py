@@ -6,10 +6,11 @@ from collections.abc import Iterable
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.layers.sharding import SHARED_EMBEDDING_ATTR, get_sharding
+from megacann.collectives import all_reduce_coalesced
+from megacann.layers.mappings import sync_partial_grads
+from megacann.layers.sharding import SHARED_EMBEDDING_ATTR
 
 # Parameters tied across pipeline stages (the word embedding used by the first and last stage) carry
 # SHARED_EMBEDDING_ATTR (set by megacann.layers.sharding.mark_tied_across_stages); their gradients are
@@ -24,30 +25,12 @@ def _main_grad(param: torch.nn.Parameter) -> torch.Tensor:
     return param.main_grad
 
 
-def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
-    grads = [g for g in grads if g.numel()]
-    if not grads or group is None or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def reduce_tensor_parallel_partial_grads(params: Iterable[torch.nn.Parameter], grad_of: GradOf = _main_grad) -> None:
-    """Sum gradients that each TP rank computed only in part (sequence-parallel norms, replicated kv)."""
-    grads = [grad_of(p) for p in params if p.requires_grad and get_sharding(p).tp_partial_grad]
-    _all_reduce_coalesced(grads, ps.get_tensor_model_parallel_group())
-
-
 def reduce_shared_embedding_grads(params: Iterable[torch.nn.Parameter], grad_of: GradOf = _main_grad) -> None:
     """Sum the gradients of embeddings tied between the first and last pipeline stage."""
     if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
         return
     grads = [grad_of(p) for p in params if p.requires_grad and getattr(p, SHARED_EMBEDDING_ATTR, False)]
-    _all_reduce_coalesced(grads, ps.get_embedding_group())
+    all_reduce_coalesced(grads, ps.get_embedding_group())
 
 
 def finalize_model_grads(params: list[torch.nn.Parameter], grad_sync) -> None:
@@ -61,5 +44,5 @@ def finalize_model_grads(params: list[torch.nn.Parameter], grad_sync) -> None:
     of their own on both pipeline stages.
     """
     grad_sync.finish_grad_sync()
-    reduce_tensor_parallel_partial_grads(params, grad_sync.reduced_grad)
+    sync_partial_grads(params, grad_of=grad_sync.reduced_grad)  # sums over TP of partly computed gradients
     reduce_shared_embedding_grads(params, grad_sync.reduced_grad)

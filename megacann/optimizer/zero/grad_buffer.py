@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megacann.layers.mappings import reduce_scatter_flat
+from megacann.collectives import reduce_scatter_flat
 from megacann.optimizer.grad_buffer import Bucket, GradBuffer
-from megacann.optimizer.zero_layout import owned_range, shard_slice
+from megacann.optimizer.zero.layout import owned_range, shard_slice
 
 
 class ShardedGradBuffer(GradBuffer):

@@ -15,9 +15,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megacann.layers.mappings import all_gather_flat
+from megacann.collectives import all_gather_flat
 from megacann.optimizer.grad_buffer import Bucket, GradBuffer
-from megacann.optimizer.zero_layout import owned_range
+from megacann.optimizer.zero.layout import owned_range
 
 
 class ParamBuffer:

@@ -2,7 +2,7 @@
 
 Per gradient buffer (dense parameters over the data-parallel group, expert parameters over the
 expert-data-parallel group, one per dtype), each of the N ranks owns one contiguous range of every
-bucket (``zero_layout``). A step is:
+bucket (``zero.layout``). A step is:
 
 1. backward accumulates local gradients into the fp32 buckets; each bucket is reduce-scattered (summed:
    the loss is already normalised by the global token count), from the backward hooks with
@@ -37,9 +37,9 @@ from megacann.optimizer.optimizer import (
     no_weight_decay,
     state_keys,
 )
-from megacann.optimizer.param_buffer import ForwardGatherHooks, ParamBuffer
-from megacann.optimizer.sharded_grad_buffer import ShardedGradBuffer
-from megacann.optimizer.zero_layout import ShardRange, shard_ranges, shard_slice
+from megacann.optimizer.zero.grad_buffer import ShardedGradBuffer
+from megacann.optimizer.zero.layout import ShardRange, shard_ranges, shard_slice
+from megacann.optimizer.zero.param_buffer import ForwardGatherHooks, ParamBuffer
 
 
 @dataclass
