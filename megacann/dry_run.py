@@ -111,9 +111,9 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
     lines += describe_pipeline(cfg, layout)
     lines.append("-- model")
     if m.vocab_size:
-        total = spec.num_parameters(m)
+        total = spec.total_parameters(m)
         padded = padded_vocab_size(m.vocab_size, d.tensor_parallel_size, m.make_vocab_size_divisible_by)
-        with_padding = spec.num_parameters(dataclasses.replace(m, vocab_size=padded))
+        with_padding = spec.total_parameters(dataclasses.replace(m, vocab_size=padded))
         lines.append(
             f"{m.type}: {_fmt_int(total)} parameters ({total / 1e9:.2f} B); vocabulary {m.vocab_size} "
             f"padded to {padded} for tp {d.tensor_parallel_size}: {_fmt_int(with_padding)}"

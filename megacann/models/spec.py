@@ -11,8 +11,9 @@ A family is one :class:`ModelSpec`:
 - ``forward_step(chunk, batch, hidden_states)`` runs one micro-batch through a chunk and returns a
   :class:`~megacann.layers.ChunkOutput`: hidden states out of a chunk without the head, the per-token
   loss out of the last one, auxiliary losses out of any (Megatron-Core's ``forward_step_func``).
-- ``flops_per_token`` and ``num_parameters`` from the config alone (MFU, dry run);
-  ``active_parameters`` where fewer take part per token (MoE).
+- ``flops_per_token`` from the config alone (MFU); ``num_parameters`` likewise (the dry run; without it
+  the whole model is built on the meta device and counted), ``active_parameters`` where fewer take part
+  per token (MoE).
 - ``prepare_config`` fills the family's defaults and checks what only the family knows;
   ``hf`` optionally converts to and from Hugging Face checkpoints.
 
@@ -22,6 +23,8 @@ Register a family with :func:`register_model` (``model.type`` then names it), or
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -30,6 +33,7 @@ import torch
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers.loss import ChunkOutput
+from megacann.layers.sharding import get_sharding
 
 Device = Optional[Union[torch.device, str]]
 Batch = dict[str, torch.Tensor]
@@ -89,22 +93,32 @@ def _no_checks(cfg: MegacannConfig, source: str) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model family. Only ``name``, ``build_chunk``, ``flops_per_token`` and ``num_parameters`` are
-    required; see the module docstring for each field."""
+    """One model family. Only ``name``, ``build_chunk`` and ``flops_per_token`` are required; see the
+    module docstring for each field."""
 
     name: str
     build_chunk: Callable[[MegacannConfig, ChunkPlacement, Device], torch.nn.Module]
     flops_per_token: Callable[[ModelConfig, int], float]
-    num_parameters: Callable[[ModelConfig], int]
+    num_parameters: Optional[Callable[[ModelConfig], int]] = None
     forward_step: Callable[[torch.nn.Module, Batch, Optional[torch.Tensor]], ChunkOutput] = decoder_forward_step
     active_parameters: Optional[Callable[[ModelConfig], int]] = None
     fill_defaults: Callable[[ModelConfig], None] = _no_defaults
     check_config: Callable[[MegacannConfig, str], None] = _no_checks
     hf: Optional[HFAdapter] = None
 
+    def total_parameters(self, cfg: ModelConfig) -> int:
+        """Parameters of the whole model (vocabulary unpadded), from the family's formula or by counting."""
+        if self.num_parameters is not None:
+            return self.num_parameters(cfg)
+        recipe = MegacannConfig(model=dataclasses.replace(cfg))
+        self.fill_defaults(recipe.model)
+        with torch.device("meta"):  # no memory, no initialisation cost
+            model = self.build_chunk(recipe, ChunkPlacement(tuple(range(cfg.num_layers))), "meta")
+        return sum(math.prod(get_sharding(p).logical_shape) for p in model.parameters())
+
     def parameters_per_token(self, cfg: ModelConfig) -> int:
         """Parameters a token meets (all of them, unless the family says fewer: MoE)."""
-        return (self.active_parameters or self.num_parameters)(cfg)
+        return self.active_parameters(cfg) if self.active_parameters else self.total_parameters(cfg)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
