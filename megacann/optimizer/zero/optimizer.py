@@ -1,19 +1,5 @@
-"""ZeRO stages 1 and 2: fp32 master weights, optimizer state and (stage 2) gradients sharded over data parallelism.
-
-Per gradient buffer (dense parameters over the data-parallel group, expert parameters over the
-expert-data-parallel group, one per dtype), each of the N ranks owns one contiguous range of every
-bucket (``zero.layout``). A step is:
-
-1. backward accumulates local gradients into the fp32 buckets; each bucket is reduce-scattered (summed:
-   the loss is already normalised by the global token count), from the backward hooks with
-   ``overlap_grad_reduce``; ZeRO-2 frees a bucket's full storage once it is reduced;
-2. the tensor-parallel partial sums and tied-embedding sums apply to the owned parts (``finalize``);
-3. unscale / overflow check (agreed by all ranks) / global norm from the shards / clipping;
-4. the inner torch optimizer (fused AdamW, decay per parameter) updates one fp32 piece per owned
-   parameter range: views of flat master and moment shards;
-5. the updated ranges are written into the model's (possibly bf16) parameters, which live in flat
-   buffers laid out like the gradients, and all-gathered in place; with ``overlap_param_gather``
-   asynchronously, each module waiting before its forward.
+"""ZeRO stages 1 and 2: fp32 master weights, optimizer state and (stage 2) gradients sharded over data
+parallelism. How a step runs (reduce-scatter, shard update, all-gather, overlap) is in docs/zero.md.
 
 In fp32 the master weights are the parameters' own owned ranges (no copy). Checkpoints see the state
 through :meth:`DistributedOptimizer.state_shards` (views) and :meth:`DistributedOptimizer.shard_layout`.
