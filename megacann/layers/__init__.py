@@ -3,10 +3,20 @@
 Everything here takes its process group from :mod:`megacann.parallel_state` (or a ``group`` argument)
 and works in a plain one-process script when model parallelism is not initialised. Activations are
 batch-first, ``[batch, seq, hidden]``; sequence parallelism splits the sequence (dim 1). See
-``docs/layers.md`` for a complete example.
+``docs/layers.md`` for a complete example. Context parallelism (the sequence split across the cp group,
+attention by ring, all-gather or all-to-all) is in :mod:`megacann.layers.context_parallel`, see
+``docs/context_parallel.md``.
 """
 
 from megacann.layers.attention import SelfAttention
+from megacann.layers.context_parallel import (
+    CONTEXT_PARALLEL_ALGORITHMS,
+    context_parallel_attention,
+    context_parallel_chunk_ids,
+    context_parallel_gather,
+    context_parallel_position_ids,
+    context_parallel_split,
+)
 from megacann.layers.cross_entropy import vocab_parallel_cross_entropy
 from megacann.layers.embedding import VocabParallelEmbedding, pad_vocab_size
 from megacann.layers.init import init_normal, init_ones, init_scaled_normal, init_zeros, make_parameter
@@ -36,6 +46,14 @@ from megacann.layers.sharding import ParamSharding, get_sharding, set_sharding
 from megacann.layers.transformer import TransformerBlock, TransformerBlockConfig
 
 __all__ = [
+    # context parallelism
+    "CONTEXT_PARALLEL_ALGORITHMS",
+    "context_parallel_attention",
+    "context_parallel_chunk_ids",
+    "context_parallel_gather",
+    "context_parallel_position_ids",
+    "context_parallel_split",
+    # tensor/sequence parallelism and the rest
     "SEQUENCE_DIM",
     "ColumnParallelLinear",
     "GeluMLP",
