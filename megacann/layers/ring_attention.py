@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 _NEG_INF = float("-inf")
+ROW_TILE = 1024  # query rows per score matrix in a block (bounds the transient memory of one step)
 
 
 # -- point-to-point around the ring ---------------------------------------------------------------------
@@ -54,10 +55,11 @@ class _Ring:
         """Send ``tensor`` to the next rank and receive the previous rank's tensor of the same shape
         into a new buffer. Returns (buffer, pending works): wait on them before reading the buffer."""
         received = torch.empty_like(tensor)
-        send = lambda: dist.isend(tensor, self.next, group=self.group)  # noqa: E731
-        recv = lambda: dist.irecv(received, self.prev, group=self.group)  # noqa: E731
-        first, second = (send, recv) if self.rank % 2 == 0 else (recv, send)
-        return received, [first(), second()]
+        if self.rank % 2 == 0:
+            works = [dist.isend(tensor, self.next, group=self.group), dist.irecv(received, self.prev, group=self.group)]
+        else:
+            works = [dist.irecv(received, self.prev, group=self.group), dist.isend(tensor, self.next, group=self.group)]
+        return received, works
 
 
 def _wait(works: list[dist.Work]) -> None:
@@ -96,12 +98,40 @@ def _scores(q, k, scale, mask):
     return scores if mask is None else scores.masked_fill(~mask, _NEG_INF)
 
 
-def _block_forward(q, k, v, scale, mask):
+def _tiles(rows: int, causal: bool):
+    """Row tiles ``(first, end, key_end)`` of a block: ``ROW_TILE`` query rows at a time, so a block's
+    scores never take more than ``ROW_TILE x block length``; under the local causal mask a tile needs
+    keys ``[0, end)`` only."""
+    for first in range(0, rows, ROW_TILE):
+        end = min(first + ROW_TILE, rows)
+        yield first, end, (end if causal else None)
+
+
+def _tile_mask(segments, causal, first, end, key_end, device) -> Optional[torch.Tensor]:
+    """Mask of query rows ``[first, end)`` over keys ``[0, key_end)`` (True = attend), broadcastable to
+    [b, hkv, g, rows, keys], or None: equal segment ids (``segments`` = (ids of the rows, of the keys))
+    and, when ``causal``, key index <= row index. Built per tile, so no block-sized mask is ever held."""
+    mask = None
+    if segments is not None:
+        seg_q, seg_k = segments
+        mask = (seg_q[:, first:end, None] == seg_k[:, None, :key_end])[:, None, None]
+    if causal:
+        tri = torch.arange(first, end, device=device)[:, None] >= torch.arange(end, device=device)[None, :]
+        mask = tri if mask is None else mask & tri
+    return mask
+
+
+def _block_forward(q, k, v, scale, segments, causal):
     """Attention of query rows ``q`` [b, hkv, g, sq, d] to one block ``k, v`` [b, hkv, 1, sk, d]: the
     block-normalised output and the rows' log-sum-exp over the block."""
-    scores = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - _finite(lse).unsqueeze(-1)), v), lse
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+    for first, end, key_end in _tiles(q.shape[-2], causal):
+        tile_mask = _tile_mask(segments, causal, first, end, key_end, q.device)
+        scores = _scores(q[..., first:end, :], k[..., :key_end, :], scale, tile_mask)
+        tile_lse = torch.logsumexp(scores, dim=-1)
+        out[..., first:end, :] = torch.matmul(torch.exp(scores - _finite(tile_lse).unsqueeze(-1)), v[..., :key_end, :])
+        lse[..., first:end] = tile_lse
+    return out, lse
 
 
 def _merge(out, lse, block_out, block_lse) -> None:
@@ -112,13 +142,18 @@ def _merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(total)
 
 
-def _block_backward(q, k, v, scale, mask, lse, dout, delta):
+def _block_backward(q, k, v, scale, segments, causal, lse, dout, delta):
     """Gradients of one block from the final ``lse`` and ``delta = rowsum(dout * out)``: (dq, dk, dv)."""
-    probs = torch.exp(_scores(q, k, scale, mask) - _finite(lse).unsqueeze(-1))
-    dv = torch.matmul(probs.transpose(-1, -2), dout).sum(2, keepdim=True)
-    dscores = probs * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(dscores, k) * scale
-    dk = torch.matmul(dscores.transpose(-1, -2), q).sum(2, keepdim=True) * scale
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for first, end, key_end in _tiles(q.shape[-2], causal):
+        rows, keys = slice(first, end), slice(None, key_end)
+        tile_mask = _tile_mask(segments, causal, first, end, key_end, q.device)
+        q_t, k_t, v_t, dout_t = q[..., rows, :], k[..., keys, :], v[..., keys, :], dout[..., rows, :]
+        probs = torch.exp(_scores(q_t, k_t, scale, tile_mask) - _finite(lse[..., rows]).unsqueeze(-1))
+        dv[..., keys, :] += torch.matmul(probs.transpose(-1, -2), dout_t).sum(2, keepdim=True)
+        dscores = probs * (torch.matmul(dout_t, v_t.transpose(-1, -2)) - delta[..., rows].unsqueeze(-1))
+        dq[..., rows, :] = torch.matmul(dscores, k_t) * scale
+        dk[..., keys, :] += torch.matmul(dscores.transpose(-1, -2), q_t).sum(2, keepdim=True) * scale
     return dq, dk, dv
 
 
@@ -141,28 +176,27 @@ class _RingAttention(torch.autograd.Function):
         qg = _grouped(q, hkv)
         out = torch.zeros_like(qg)
         lse = torch.full(qg.shape[:-1], _NEG_INF, dtype=qg.dtype, device=q.device)
-        causal_mask = torch.ones(s_local, s_local, dtype=torch.bool, device=q.device).tril_()
         kv = torch.stack([k, v]).contiguous()
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             if step < ring.size - 1:
                 incoming, works = ring.pass_on(kv)  # the next block travels while this one is computed
             rows, cols, causal = _step_plan(ring.rank, source, chunk)
-            mask = _mask(rows, cols, causal, causal_mask, seg_all, ring.rank, source)
+            segments = _segments(seg_all, ring.rank, source, rows, cols)
             kb, vb = (_grouped(t, hkv)[:, :, :, cols] for t in kv)
-            block_out, block_lse = _block_forward(qg[:, :, :, rows], kb, vb, scale, mask)
+            block_out, block_lse = _block_forward(qg[:, :, :, rows], kb, vb, scale, segments, causal)
             _merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
             if step < ring.size - 1:
                 _wait(works)
                 kv = incoming
         result = _ungrouped(out, q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse, seg_all, causal_mask)
+        ctx.save_for_backward(q, k, v, result, lse, seg_all)
         ctx.scale, ctx.group = scale, group
         return result
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, seg_all, causal_mask = ctx.saved_tensors
+        q, k, v, out, lse, seg_all = ctx.saved_tensors
         ring, scale = _Ring(ctx.group), ctx.scale
         hkv, chunk = k.shape[2], q.shape[1] // 2
         qg, dout = _grouped(q, hkv), _grouped(grad, hkv)
@@ -176,10 +210,18 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.size - 1:
                 incoming, kv_works = ring.pass_on(kv)
             rows, cols, causal = _step_plan(ring.rank, source, chunk)
-            mask = _mask(rows, cols, causal, causal_mask, seg_all, ring.rank, source)
+            segments = _segments(seg_all, ring.rank, source, rows, cols)
             kb, vb = (_grouped(t, hkv)[:, :, :, cols] for t in kv)
             dq_b, dk_b, dv_b = _block_backward(
-                qg[:, :, :, rows], kb, vb, scale, mask, lse[:, :, :, rows], dout[:, :, :, rows], delta[:, :, :, rows]
+                qg[:, :, :, rows],
+                kb,
+                vb,
+                scale,
+                segments,
+                causal,
+                lse[:, :, :, rows],
+                dout[:, :, :, rows],
+                delta[:, :, :, rows],
             )
             dq[:, :, :, rows] += dq_b
             # this block's dk, dv in fp32, laid out like the block ([2, b, s, hkv, d]), plus what earlier
@@ -213,13 +255,11 @@ def _gather_segments(segment_ids: Optional[torch.Tensor], ring: _Ring) -> Option
     return out
 
 
-def _mask(rows, cols, causal, causal_mask, seg_all, rank, source) -> Optional[torch.Tensor]:
-    """The block's mask, broadcastable to [b, hkv, g, sq, sk] (True = attend), or None."""
-    mask = causal_mask if causal else None
-    if seg_all is not None:
-        same = (seg_all[rank][:, rows, None] == seg_all[source][:, None, cols])[:, None, None]
-        mask = same if mask is None else same & mask
-    return mask
+def _segments(seg_all, rank, source, rows, cols) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(segment ids of this step's query rows, of its key columns), or None without packing."""
+    if seg_all is None:
+        return None
+    return seg_all[rank][:, rows], seg_all[source][:, cols]
 
 
 def ring_attention(
