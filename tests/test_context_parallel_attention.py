@@ -273,7 +273,7 @@ def _check_layout_helpers(errs, layout):
 def _cp_checks() -> tuple[dict[str, float], dict[str, object]]:
     errs: dict[str, float] = {}
     info: dict[str, object] = {}
-    ring_module.ROW_TILE = 3  # several (uneven) row tiles per ring block
+    ring_module.SCORE_TILE_ELEMENTS = 200  # several (uneven) row tiles per ring block
     for layout, sizes in LAYER_LAYOUTS.items():
         ps.initialize_model_parallel(**sizes)
         try:

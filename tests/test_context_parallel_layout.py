@@ -70,9 +70,9 @@ def _inputs(dtype):
     return q, k, v, segments
 
 
-@pytest.mark.parametrize("row_tile", [1024, 3])
-def test_ring_block_math_gradcheck_fp64(monkeypatch, row_tile):
-    monkeypatch.setattr(ring_module, "ROW_TILE", row_tile)  # one tile, or uneven tiles of 3 rows
+@pytest.mark.parametrize("tile", [1 << 22, 200])
+def test_ring_block_math_gradcheck_fp64(monkeypatch, tile):
+    monkeypatch.setattr(ring_module, "SCORE_TILE_ELEMENTS", tile)  # one tile, or uneven tiles of 3 rows
     q, k, v, segments = _inputs(torch.float64)
     assert torch.autograd.gradcheck(lambda *t: ring_attention(*t, segment_ids=segments), (q, k, v), fast_mode=True)
     assert torch.autograd.gradcheck(lambda *t: ring_attention(*t, scale=0.3), (q, k, v), fast_mode=True)

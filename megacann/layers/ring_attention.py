@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 _NEG_INF = float("-inf")
-ROW_TILE = 1024  # query rows per score matrix in a block (bounds the transient memory of one step)
+SCORE_TILE_ELEMENTS = 1 << 22  # most score-matrix elements computed at once (16 MiB in fp32)
 
 
 # -- point-to-point around the ring ---------------------------------------------------------------------
@@ -94,16 +94,24 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _scores(q, k, scale, mask):
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return scores if mask is None else scores.masked_fill(~mask, _NEG_INF)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    return scores if mask is None else scores.masked_fill_(~mask, _NEG_INF)
 
 
-def _tiles(rows: int, causal: bool):
-    """Row tiles ``(first, end, key_end)`` of a block: ``ROW_TILE`` query rows at a time, so a block's
-    scores never take more than ``ROW_TILE x block length``; under the local causal mask a tile needs
-    keys ``[0, end)`` only."""
-    for first in range(0, rows, ROW_TILE):
-        end = min(first + ROW_TILE, rows)
+def _probs(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``exp(scores - lse)`` in place (masked entries become 0)."""
+    return scores.sub_(_finite(lse).unsqueeze(-1)).exp_()
+
+
+def _tiles(q: torch.Tensor, keys: int, causal: bool):
+    """Row tiles ``(first, end, key_end)`` of a block: as many query rows at a time as keep a tile's
+    scores within ``SCORE_TILE_ELEMENTS``, so no block-sized score matrix is ever held; under the local
+    causal mask a tile needs keys ``[0, end)`` only."""
+    rows = q.shape[-2]
+    per_row = q.numel() // (rows * q.shape[-1]) * keys  # score elements of one query row (all heads)
+    step = max(1, SCORE_TILE_ELEMENTS // max(1, per_row))
+    for first in range(0, rows, step):
+        end = min(first + step, rows)
         yield first, end, (end if causal else None)
 
 
@@ -125,11 +133,11 @@ def _block_forward(q, k, v, scale, segments, causal):
     """Attention of query rows ``q`` [b, hkv, g, sq, d] to one block ``k, v`` [b, hkv, 1, sk, d]: the
     block-normalised output and the rows' log-sum-exp over the block."""
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
-    for first, end, key_end in _tiles(q.shape[-2], causal):
+    for first, end, key_end in _tiles(q, k.shape[-2], causal):
         tile_mask = _tile_mask(segments, causal, first, end, key_end, q.device)
         scores = _scores(q[..., first:end, :], k[..., :key_end, :], scale, tile_mask)
         tile_lse = torch.logsumexp(scores, dim=-1)
-        out[..., first:end, :] = torch.matmul(torch.exp(scores - _finite(tile_lse).unsqueeze(-1)), v[..., :key_end, :])
+        out[..., first:end, :] = torch.matmul(_probs(scores, tile_lse), v[..., :key_end, :])
         lse[..., first:end] = tile_lse
     return out, lse
 
@@ -145,13 +153,13 @@ def _merge(out, lse, block_out, block_lse) -> None:
 def _block_backward(q, k, v, scale, segments, causal, lse, dout, delta):
     """Gradients of one block from the final ``lse`` and ``delta = rowsum(dout * out)``: (dq, dk, dv)."""
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for first, end, key_end in _tiles(q.shape[-2], causal):
+    for first, end, key_end in _tiles(q, k.shape[-2], causal):
         rows, keys = slice(first, end), slice(None, key_end)
         tile_mask = _tile_mask(segments, causal, first, end, key_end, q.device)
         q_t, k_t, v_t, dout_t = q[..., rows, :], k[..., keys, :], v[..., keys, :], dout[..., rows, :]
-        probs = torch.exp(_scores(q_t, k_t, scale, tile_mask) - _finite(lse[..., rows]).unsqueeze(-1))
+        probs = _probs(_scores(q_t, k_t, scale, tile_mask), lse[..., rows])
         dv[..., keys, :] += torch.matmul(probs.transpose(-1, -2), dout_t).sum(2, keepdim=True)
-        dscores = probs * (torch.matmul(dout_t, v_t.transpose(-1, -2)) - delta[..., rows].unsqueeze(-1))
+        dscores = torch.matmul(dout_t, v_t.transpose(-1, -2)).sub_(delta[..., rows].unsqueeze(-1)).mul_(probs)
         dq[..., rows, :] = torch.matmul(dscores, k_t) * scale
         dk[..., keys, :] += torch.matmul(dscores.transpose(-1, -2), q_t).sum(2, keepdim=True) * scale
     return dq, dk, dv
