@@ -4,7 +4,8 @@ allgather, ulysses) at cp 4 and cp 2, for causal, packed, GQA and MQA inputs; an
 
 It also checks that the mode was really on: each rank held s/cp tokens, the ring received cp-1 key/value
 blocks forward and cp-1 blocks plus cp gradient blocks backward, posting each receive before computing on
-the current block, and Ulysses made its all-to-alls.
+the current block, all-gather gathered once per pass and reduce-scattered the gradients once, and Ulysses
+made its all-to-alls.
 
 One spawn of 4 gloo ranks runs every layout in turn (``_cp_checks``); the tests assert on its results.
 """
@@ -31,7 +32,7 @@ from megacann.layers import (
     model_parallel_manual_seed,
 )
 from megacann.layers import attention as attention_module
-from megacann.layers import ring_attention as ring_module
+from megacann.layers import blockwise_attention as ring_module
 
 TOL = 1e-5
 B, S, D = 2, 16, 8
@@ -94,6 +95,8 @@ class _Recorder:
         wrap(ring_module, "_block_forward", "compute")
         wrap(ring_module, "_block_backward", "compute")
         wrap(attention_module, "context_parallel_attention", "cp_attention")
+        wrap(ring_module, "all_gather_flat", "all_gather")
+        wrap(ring_module, "reduce_scatter_flat", "reduce_scatter")
         return self
 
     def __exit__(self, *exc):
@@ -158,6 +161,12 @@ def _check_functional(errs, info, layout):
                 info[f"{name}/backward_blocks_received"] = backward.kinds().count("recv")
                 first = forward.kinds()[0]
                 info[f"{name}/even_sends_first"] = first == ("send" if rank % 2 == 0 else "recv")
+            if algo == "allgather":  # the blocks gathered once per pass, gradients reduce-scattered once
+                info[f"{name}/collectives"] = (
+                    [k for k in forward.kinds() if k != "compute"],
+                    [k for k in backward.kinds() if k != "compute"],
+                    forward.kinds().count("compute"),
+                )
             if algo == "ulysses":
                 info[f"{name}/all_to_alls"] = (
                     forward.kinds().count("all_to_all"),
@@ -335,10 +344,16 @@ def test_ring_passes_blocks_around_and_overlaps(results, layout):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_ulysses_all_to_alls_and_layout_helpers(results, layout):
+def test_allgather_and_ulysses_collectives_and_layout_helpers(results, layout):
+    cp = _cp_of(layout)
     for rank, (errs, info) in enumerate(results):
         for case in CASES:
             assert info[f"{layout}/fn/{case}/ulysses/all_to_alls"] == (2, 2), (rank, case)
+            assert info[f"{layout}/fn/{case}/allgather/collectives"] == (
+                ["all_gather"],
+                ["all_gather", "reduce_scatter"],
+                cp,
+            ), (rank, case)
         helpers = {k: v for k, v in errs.items() if k.startswith(f"{layout}/helpers/")}
         assert len(helpers) == 4 and all(v <= TOL for v in helpers.values()), (rank, helpers)
 

@@ -17,9 +17,9 @@ from megacann.layers import (
     context_parallel_position_ids,
     context_parallel_split,
 )
-from megacann.layers import ring_attention as ring_module
+from megacann.layers import blockwise_attention as ring_module
+from megacann.layers.blockwise_attention import blockwise_attention
 from megacann.layers.context_parallel import ulysses_kv_repeat
-from megacann.layers.ring_attention import ring_attention
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
@@ -74,13 +74,13 @@ def _inputs(dtype):
 def test_ring_block_math_gradcheck_fp64(monkeypatch, tile):
     monkeypatch.setattr(ring_module, "SCORE_TILE_ELEMENTS", tile)  # one tile, or uneven tiles of 3 rows
     q, k, v, segments = _inputs(torch.float64)
-    assert torch.autograd.gradcheck(lambda *t: ring_attention(*t, segment_ids=segments), (q, k, v), fast_mode=True)
-    assert torch.autograd.gradcheck(lambda *t: ring_attention(*t, scale=0.3), (q, k, v), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *t: blockwise_attention(*t, segment_ids=segments), (q, k, v), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *t: blockwise_attention(*t, scale=0.3), (q, k, v), fast_mode=True)
 
 
 def test_ring_at_one_rank_equals_reference_attention_fp32():
     q, k, v, segments = _inputs(torch.float32)
-    out = ring_attention(q, k, v, segments)
+    out = blockwise_attention(q, k, v, segments)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     got = torch.autograd.grad(out, (q, k, v), grad)
     ref = ops.scaled_dot_product_attention(q, k, v, causal=True, segment_ids=segments)

@@ -158,7 +158,9 @@ class SelfAttention(torch.nn.Module):
         """Softmax attention of this rank's heads (dropout from the TP-rank RNG stream), over the whole
         context-parallel group when there is one."""
         p = self.dropout_p if self.training else 0.0
-        cp_group = self.context_parallel_group or ps.get_context_parallel_group()
+        cp_group = self.context_parallel_group
+        if cp_group is None:
+            cp_group = ps.get_context_parallel_group()
         if cp_group is not None and dist.get_world_size(cp_group) > 1:
             if p > 0.0:
                 raise ValueError(

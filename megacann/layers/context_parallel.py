@@ -11,14 +11,13 @@ names the global positions of a rank's tokens (for rotary embeddings).
 group. :func:`context_parallel_attention` takes this rank's ``q, k, v`` (and ``segment_ids`` of packed
 documents) in the layout above and returns this rank's output, causal, with GQA, by one of:
 
-- ``ring``: key/value blocks travel around the ring, overlapped with computation
-  (:mod:`megacann.layers.ring_attention`);
-- ``allgather``: keys and values are all-gathered once, then local masked attention (backward
-  reduce-scatters their gradients);
+- ``ring``: key/value blocks travel around the ring, overlapped with computation;
+- ``allgather``: keys and values are all-gathered at once, then the same blockwise computation
+  (backward gathers them again and reduce-scatters their gradients);
 - ``ulysses``: all-to-all trades the sequence shards for head shards, each rank attends over the whole
   sequence with ``heads/cp`` heads, and a second all-to-all trades back (DeepSpeed-Ulysses).
 
-See ``docs/context_parallel.md`` for when each wins.
+The first two share :mod:`megacann.layers.blockwise_attention`. See ``docs/context_parallel.md`` for when each wins.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ import torch.distributed as dist
 
 from megacann import ops
 from megacann import parallel_state as ps
+from megacann.layers.blockwise_attention import blockwise_attention
 from megacann.layers.mappings import gather_from_sequence_parallel_region
-from megacann.layers.ring_attention import ring_attention
 
 CONTEXT_PARALLEL_ALGORITHMS = ("ring", "allgather", "ulysses")
 
@@ -121,23 +120,6 @@ def context_parallel_gather(x: torch.Tensor, dim: int = 1, group: Group = None) 
     gathered = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=False, seq_dim=dim)
     order = _gathered_positions(x.shape[dim], size, x.device).argsort()
     return gathered.index_select(dim, order)
-
-
-# -- all-gather of keys and values -------------------------------------------------------------------
-
-
-def _allgather_attention(q, k, v, segment_ids, scale, group, size, rank):
-    """Local queries over all-gathered keys/values; the mask comes from the tokens' global positions."""
-    hkv = k.shape[2]
-    kv = gather_from_sequence_parallel_region(torch.cat([k, v], dim=2), group)  # backward: reduce-scatter
-    k_all, v_all = kv.split(hkv, dim=2)
-    key_pos = _gathered_positions(q.shape[1], size, q.device)
-    query_pos = context_parallel_position_ids(q.shape[1] * size, size, rank, q.device)
-    mask = query_pos[:, None] >= key_pos[None, :]
-    if segment_ids is not None:
-        seg_all = gather_from_sequence_parallel_region(segment_ids, group, tensor_parallel_output_grad=False)
-        mask = (mask & (segment_ids[:, :, None] == seg_all[:, None, :])).unsqueeze(1)
-    return ops.scaled_dot_product_attention(q, k_all, v_all, causal=False, attn_mask=mask, scale=scale)
 
 
 # -- Ulysses: all-to-all between sequence and head shards ----------------------------------------------
@@ -246,12 +228,10 @@ def context_parallel_attention(
             f"segment_ids must be [b, s_local] = {list(q.shape[:2])} (this rank's tokens), "
             f"got {list(segment_ids.shape)}"
         )
-    group, size, rank = _cp_group(group)
+    group, size, _ = _cp_group(group)
     if size == 1:
         return ops.scaled_dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=scale)
     _check_divisible(q.shape[1] * size, size)
-    if algo == "ring":
-        return ring_attention(q, k, v, segment_ids, scale, group)
-    if algo == "allgather":
-        return _allgather_attention(q, k, v, segment_ids, scale, group, size, rank)
-    return _ulysses_attention(q, k, v, segment_ids, scale, group, size)
+    if algo == "ulysses":
+        return _ulysses_attention(q, k, v, segment_ids, scale, group, size)
+    return blockwise_attention(q, k, v, segment_ids, scale, group, transport=algo)

@@ -1,24 +1,34 @@
-"""Ring attention: causal attention over a context-parallel group whose keys and values travel the ring.
+"""Blockwise causal attention over a context-parallel group: ring (blocks travel) or all-gather.
 
 Each of the ``cp`` ranks holds two of the ``2·cp`` sequence chunks (chunk ``r`` and chunk ``2·cp-1-r``, see
 :func:`megacann.layers.context_parallel.context_parallel_split`), as ``q, k, v`` of shape
-``[b, s_local, heads, head_dim]``. In ``cp`` steps every rank sees every rank's key/value block: at step
-``t`` rank ``r`` attends to the block of rank ``(r - t) mod cp`` while the block for step ``t + 1`` is
-already on its way from the previous rank (``isend``/``irecv`` posted before the computation). With the
-load-balanced layout the causal mask makes each off-diagonal step exactly half a block of work:
+``[b, s_local, heads, head_dim]``. A rank's queries attend to every rank's key/value block in turn,
+one block per step, and with the load-balanced layout the causal mask makes every step but the rank's
+own exactly half a block of work, with no mask:
 
-    block of an earlier rank (j < r): all local queries, the block's first chunk only, no mask
-    block of a later rank (j > r):    the second local chunk of queries, the whole block, no mask
+    block of an earlier rank (j < r): all local queries, the block's first chunk only
+    block of a later rank (j > r):    the second local chunk of queries, the whole block
     own block (j = r):                everything, causal (local order is global order)
 
 Partial results merge by online softmax in fp32: ``out`` and the log-sum-exp ``lse`` of each query row.
-Backward runs the ring again (flash-attention's backward per block, from the saved ``out`` and ``lse``);
-each block's ``dk, dv`` accumulate in fp32 as they travel with the block and arrive back at the owner
-after ``cp`` hops. Packed sequences add ``segment_ids`` equality to every block's mask (the ids of all
-ranks are all-gathered once, they are small). GQA needs no copies: queries are viewed as
+Backward recomputes each block's scores from the saved ``out`` and ``lse`` (flash-attention's backward)
+and sends each block's ``dk, dv`` (fp32) back to its owner. Scores are computed a tile of query rows at a
+time (``SCORE_TILE_ELEMENTS``) with the tile's mask built on the spot, so no block-sized score or mask
+matrix is held. Packed sequences add ``segment_ids`` equality to the masks (the ids of all ranks are
+all-gathered once, they are small). GQA needs no copies: queries are viewed as
 ``[b, kv_heads, group, s, d]`` and broadcast against their kv head.
 
-Transfers are single ``isend``/``irecv`` calls in a fixed order, never ``batch_isend_irecv`` (it has
+How the blocks reach a rank is the transport:
+
+- ``ring``: at step ``t`` rank ``r`` works on the block of rank ``(r - t) mod cp`` while the block for
+  step ``t + 1`` is already on its way from the previous rank (``isend``/``irecv`` posted before the
+  computation). In backward the blocks travel again and each block's ``dk, dv`` accumulate as they
+  travel with it, reaching the owner after ``cp`` hops.
+- ``allgather``: the blocks are all-gathered at once (again in backward, so only the rank's own keys and
+  values are kept between forward and backward), and the gradients of all blocks are reduce-scattered
+  back to their owners at the end.
+
+Ring transfers are single ``isend``/``irecv`` calls in a fixed order, never ``batch_isend_irecv`` (it has
 hung on gloo): even ranks send to the next rank then receive from the previous one, odd ranks receive
 then send, so both ends of every link post matching operations in the same order (what NCCL and HCCL
 need when the ring has two ranks and both directions share one link). No tags, so gloo on CPU checks
@@ -28,10 +38,13 @@ the order a cluster will see.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megacann.layers.mappings import all_gather_flat, reduce_scatter_flat
 
 _NEG_INF = float("-inf")
 SCORE_TILE_ELEMENTS = 1 << 22  # most score-matrix elements computed at once (16 MiB in fp32)
@@ -41,7 +54,7 @@ SCORE_TILE_ELEMENTS = 1 << 22  # most score-matrix elements computed at once (16
 
 
 class _Ring:
-    """This rank's place in the context-parallel ring: its rank, size and global neighbour ranks."""
+    """Ring transport: blocks pass from each rank to the next; gradients travel with them."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]):
         self.group = group
@@ -50,6 +63,8 @@ class _Ring:
         if self.size > 1:
             ranks = dist.get_process_group_ranks(group)
             self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
+        self._grad: Optional[torch.Tensor] = None
+        self._grad_works: list[dist.Work] = []
 
     def pass_on(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work]]:
         """Send ``tensor`` to the next rank and receive the previous rank's tensor of the same shape
@@ -60,6 +75,58 @@ class _Ring:
         else:
             works = [dist.irecv(received, self.prev, group=self.group), dist.isend(tensor, self.next, group=self.group)]
         return received, works
+
+    def blocks(self, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """(source rank, its [2, b, s, kv_heads, d] block) for every rank, own first; the next block's
+        transfer is posted before the current one is handed out, so it overlaps the computation."""
+        for step in range(self.size):
+            if step < self.size - 1:
+                incoming, works = self.pass_on(kv)
+            yield (self.rank - step) % self.size, kv
+            if step < self.size - 1:
+                _wait(works)
+                kv = incoming
+
+    def add_grad(self, source: int, grad: torch.Tensor) -> None:
+        """This rank's part of block ``source``'s gradient (called in :meth:`blocks` order): added to what
+        earlier ranks sent along, and passed on to the next holder (the last hop reaches the owner)."""
+        if self._grad is not None:
+            _wait(self._grad_works)
+            grad += self._grad
+        if self.size > 1:
+            self._grad, self._grad_works = self.pass_on(grad)
+        else:
+            self._grad = grad
+
+    def own_grad(self) -> torch.Tensor:
+        """The full gradient of this rank's block, once every step has called :meth:`add_grad`."""
+        _wait(self._grad_works)
+        return self._grad
+
+
+class _AllGather(_Ring):
+    """All-gather transport: every block at once; gradients summed into all blocks, reduce-scattered."""
+
+    def blocks(self, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        kv = kv.contiguous()
+        gathered = torch.empty((self.size,) + tuple(kv.shape), dtype=kv.dtype, device=kv.device)
+        all_gather_flat(gathered.view(-1), kv.view(-1), self.group)
+        for step in range(self.size):
+            source = (self.rank - step) % self.size
+            yield source, gathered[source]
+
+    def add_grad(self, source: int, grad: torch.Tensor) -> None:
+        if self._grad is None:
+            self._grad = grad.new_zeros((self.size,) + tuple(grad.shape))
+        self._grad[source] += grad
+
+    def own_grad(self) -> torch.Tensor:
+        own = torch.empty_like(self._grad[0])
+        reduce_scatter_flat(own.view(-1), self._grad.view(-1), self.group)
+        return own
+
+
+TRANSPORTS = {"ring": _Ring, "allgather": _AllGather}
 
 
 def _wait(works: list[dist.Work]) -> None:
@@ -174,51 +241,37 @@ def _step_plan(rank: int, source: int, chunk: int) -> tuple[slice, slice, bool]:
     return slice(chunk, None), slice(None), False
 
 
-class _RingAttention(torch.autograd.Function):
+class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, scale, group):
-        ring = _Ring(group)
-        hkv, s_local = k.shape[2], q.shape[1]
-        chunk = s_local // 2
-        seg_all = _gather_segments(segment_ids, ring)
+    def forward(ctx, q, k, v, segment_ids, scale, group, transport):
+        blocks = TRANSPORTS[transport](group)
+        hkv, chunk = k.shape[2], q.shape[1] // 2
+        seg_all = _gather_segments(segment_ids, blocks)
         qg = _grouped(q, hkv)
         out = torch.zeros_like(qg)
         lse = torch.full(qg.shape[:-1], _NEG_INF, dtype=qg.dtype, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        for step in range(ring.size):
-            source = (ring.rank - step) % ring.size
-            if step < ring.size - 1:
-                incoming, works = ring.pass_on(kv)  # the next block travels while this one is computed
-            rows, cols, causal = _step_plan(ring.rank, source, chunk)
-            segments = _segments(seg_all, ring.rank, source, rows, cols)
+        for source, kv in blocks.blocks(torch.stack([k, v])):
+            rows, cols, causal = _step_plan(blocks.rank, source, chunk)
+            segments = _segments(seg_all, blocks.rank, source, rows, cols)
             kb, vb = (_grouped(t, hkv)[:, :, :, cols] for t in kv)
             block_out, block_lse = _block_forward(qg[:, :, :, rows], kb, vb, scale, segments, causal)
             _merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
-            if step < ring.size - 1:
-                _wait(works)
-                kv = incoming
         result = _ungrouped(out, q.dtype)
         ctx.save_for_backward(q, k, v, result, lse, seg_all)
-        ctx.scale, ctx.group = scale, group
+        ctx.scale, ctx.group, ctx.transport = scale, group, transport
         return result
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse, seg_all = ctx.saved_tensors
-        ring, scale = _Ring(ctx.group), ctx.scale
+        blocks, scale = TRANSPORTS[ctx.transport](ctx.group), ctx.scale
         hkv, chunk = k.shape[2], q.shape[1] // 2
         qg, dout = _grouped(q, hkv), _grouped(grad, hkv)
         delta = (dout * _grouped(out, hkv)).sum(-1)
         dq = torch.zeros_like(qg)
-        kv = torch.stack([k, v]).contiguous()
-        dkv_works: list[dist.Work] = []
-        dkv_incoming = None
-        for step in range(ring.size):
-            source = (ring.rank - step) % ring.size
-            if step < ring.size - 1:
-                incoming, kv_works = ring.pass_on(kv)
-            rows, cols, causal = _step_plan(ring.rank, source, chunk)
-            segments = _segments(seg_all, ring.rank, source, rows, cols)
+        for source, kv in blocks.blocks(torch.stack([k, v])):
+            rows, cols, causal = _step_plan(blocks.rank, source, chunk)
+            segments = _segments(seg_all, blocks.rank, source, rows, cols)
             kb, vb = (_grouped(t, hkv)[:, :, :, cols] for t in kv)
             dq_b, dk_b, dv_b = _block_backward(
                 qg[:, :, :, rows],
@@ -232,23 +285,12 @@ class _RingAttention(torch.autograd.Function):
                 delta[:, :, :, rows],
             )
             dq[:, :, :, rows] += dq_b
-            # this block's dk, dv in fp32, laid out like the block ([2, b, s, hkv, d]), plus what earlier
-            # ranks of the ring added to it
-            dkv = torch.zeros((2,) + tuple(k.shape), dtype=qg.dtype, device=k.device)
+            dkv = torch.zeros((2,) + tuple(k.shape), dtype=qg.dtype, device=k.device)  # laid out like the block
             dkv[0][:, cols] = dk_b.squeeze(2).transpose(1, 2)
             dkv[1][:, cols] = dv_b.squeeze(2).transpose(1, 2)
-            if dkv_incoming is not None:
-                _wait(dkv_works)
-                dkv += dkv_incoming
-            if ring.size > 1:
-                dkv_incoming, dkv_works = ring.pass_on(dkv)  # on to the next holder; the last hop reaches the owner
-            if step < ring.size - 1:
-                _wait(kv_works)
-                kv = incoming
-        if ring.size > 1:
-            _wait(dkv_works)
-            dkv = dkv_incoming
-        return _ungrouped(dq, q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+            blocks.add_grad(source, dkv)
+        dkv = blocks.own_grad()
+        return _ungrouped(dq, q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def _gather_segments(segment_ids: Optional[torch.Tensor], ring: _Ring) -> Optional[torch.Tensor]:
@@ -270,23 +312,27 @@ def _segments(seg_all, rank, source, rows, cols) -> Optional[tuple[torch.Tensor,
     return seg_all[rank][:, rows], seg_all[source][:, cols]
 
 
-def ring_attention(
+def blockwise_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     segment_ids: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     group: Optional[dist.ProcessGroup] = None,
+    transport: str = "ring",
 ) -> torch.Tensor:
-    """Causal attention of this rank's two sequence chunks over the whole sequence of the ring ``group``.
+    """Causal attention of this rank's two sequence chunks over the whole sequence of ``group``.
 
     ``q`` ``[b, s_local, heads, d]``, ``k``/``v`` ``[b, s_local, kv_heads, d]`` and ``segment_ids``
     ``[b, s_local]`` are this rank's tokens in the load-balanced layout; returns ``[b, s_local, heads, d]``
-    in ``q``'s dtype. ``group`` None or of one rank: plain (single block) attention.
+    in ``q``'s dtype. ``transport``: ``ring`` or ``allgather``. ``group`` None or of one rank: plain
+    (single block) attention.
     """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport {transport!r} is not one of {tuple(TRANSPORTS)}")
     if group is not None and dist.get_world_size(group) > 1 and q.shape[1] % 2:
         raise ValueError(
-            f"ring attention needs this rank's two sequence chunks, an even local length; got {q.shape[1]}"
+            f"blockwise attention needs this rank's two sequence chunks, an even local length; got {q.shape[1]}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, segment_ids, scale, group)
+    return _BlockwiseAttention.apply(q, k, v, segment_ids, scale, group, transport)
