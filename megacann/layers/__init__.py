@@ -3,10 +3,20 @@
 Everything here takes its process group from :mod:`megacann.parallel_state` (or a ``group`` argument)
 and works in a plain one-process script when model parallelism is not initialised. Activations are
 batch-first, ``[batch, seq, hidden]``; sequence parallelism splits the sequence (dim 1). docs/layers.md
-shows a complete model and how to make the trainer run it.
+shows a complete model and how to make the trainer run it. Context parallelism (the sequence split across
+the cp group, attention by ring, all-gather or all-to-all) is in :mod:`megacann.layers.context_parallel`,
+see docs/context_parallel.md.
 """
 
 from megacann.layers.attention import SelfAttention
+from megacann.layers.context_parallel import (
+    CONTEXT_PARALLEL_ALGORITHMS,
+    context_parallel_attention,
+    context_parallel_chunk_ids,
+    context_parallel_gather,
+    context_parallel_position_ids,
+    context_parallel_split,
+)
 from megacann.layers.embedding import VocabParallelEmbedding, pad_vocab_size
 from megacann.layers.init import (
     init_normal,
@@ -81,6 +91,13 @@ __all__ = [
     "tie_embedding_across_stages",
     "pad_vocab_size",
     "rope_inv_freq",
+    # context parallelism
+    "CONTEXT_PARALLEL_ALGORITHMS",
+    "context_parallel_attention",
+    "context_parallel_split",
+    "context_parallel_gather",
+    "context_parallel_position_ids",
+    "context_parallel_chunk_ids",
     # collectives with autograd (tensor and sequence parallel regions)
     "SEQUENCE_DIM",
     "copy_to_tensor_model_parallel_region",

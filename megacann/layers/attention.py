@@ -7,6 +7,10 @@ core attention runs through :func:`megacann.ops.scaled_dot_product_attention`, s
 
 Parameter names follow Hugging Face LLaMA: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (or one fused
 ``qkv_proj`` whose full weight is ``cat(q_proj, k_proj, v_proj)`` along the output rows).
+
+Under context parallelism (a context-parallel group of more than one rank) the layer holds this rank's
+sequence chunks and the core attention runs over the whole group with ``context_parallel_algo``
+(:mod:`megacann.layers.context_parallel`); everything else is unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from megacann import ops
+from megacann import parallel_state as ps
 from megacann.layers import mappings
+from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_attention
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.random import checkpoint, get_rng_tracker
 from megacann.layers.sharding import InitMethod
@@ -41,6 +47,11 @@ class SelfAttention(torch.nn.Module):
     ``rotary`` tables and ``segment_ids`` ``[b, s]`` cover the whole sequence (under sequence parallelism
     the projections gather it). ``segment_ids`` limits attention to positions with the same id (packed
     documents); attention is always causal.
+
+    Under context parallelism ``s`` is this cp rank's share (``context_parallel_split``): ``hidden``,
+    ``rotary`` (tables of the share's global positions) and ``segment_ids`` all cover those tokens, and
+    ``context_parallel_algo`` (``ring``, ``allgather``, ``ulysses``) picks how attention crosses the
+    ranks of ``context_parallel_group`` (default: parallel_state's cp group).
     """
 
     def __init__(
@@ -57,6 +68,8 @@ class SelfAttention(torch.nn.Module):
         rotary_interleaved: bool = False,
         softmax_scale: Optional[float] = None,
         recompute_core_attention: bool = False,
+        context_parallel_algo: str = "ring",
+        context_parallel_group: Optional[dist.ProcessGroup] = None,
         init_method: Optional[InitMethod] = None,
         output_init_method: Optional[InitMethod] = None,
         group: Optional[dist.ProcessGroup] = None,
@@ -75,6 +88,10 @@ class SelfAttention(torch.nn.Module):
             raise ValueError(f"num_attention_heads {heads} is not divisible by tensor_model_parallel_size {tp}")
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        if context_parallel_algo not in CONTEXT_PARALLEL_ALGORITHMS:
+            raise ValueError(
+                f"context_parallel_algo {context_parallel_algo!r} is not one of {CONTEXT_PARALLEL_ALGORITHMS}"
+            )
         kv_sharded = kv_heads % tp == 0
         if fused_qkv and not kv_sharded:
             raise ValueError(
@@ -84,6 +101,7 @@ class SelfAttention(torch.nn.Module):
         self.head_dim, self.dropout_p, self.softmax_scale = head_dim, attention_dropout, softmax_scale
         self.rotary_interleaved = rotary_interleaved
         self.recompute_core_attention = recompute_core_attention
+        self.context_parallel_algo, self.context_parallel_group = context_parallel_algo, context_parallel_group
         self.local_heads = heads // tp
         if kv_sharded:
             self.local_kv_heads, self.kv_rows = kv_heads // tp, None
@@ -137,8 +155,21 @@ class SelfAttention(torch.nn.Module):
     def core_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        """Softmax attention of this rank's heads (dropout from the TP-rank RNG stream)."""
+        """Softmax attention of this rank's heads (dropout from the TP-rank RNG stream), over the whole
+        context-parallel group when there is one."""
         p = self.dropout_p if self.training else 0.0
+        cp_group = self.context_parallel_group
+        if cp_group is None:
+            cp_group = ps.get_context_parallel_group()
+        if cp_group is not None and dist.get_world_size(cp_group) > 1:
+            if p > 0.0:
+                raise ValueError(
+                    f"attention_dropout {self.dropout_p} is not supported under context parallelism "
+                    "(context_parallel_size > 1): set it to 0"
+                )
+            return context_parallel_attention(
+                q, k, v, segment_ids, algo=self.context_parallel_algo, scale=self.softmax_scale, group=cp_group
+            )
         if p > 0.0:
             with get_rng_tracker().fork():
                 return ops.scaled_dot_product_attention(

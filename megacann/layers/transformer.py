@@ -22,8 +22,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megacann import parallel_state as ps
 from megacann.layers import mappings
 from megacann.layers.attention import SelfAttention
+from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_position_ids
 from megacann.layers.init import init_normal
 from megacann.layers.mlp import GeluMLP, SwiGLUMLP
 from megacann.layers.norm import LayerNorm, RMSNorm
@@ -35,6 +37,7 @@ _CHOICES = {
     "activation": ("swiglu", "gelu", "gelu_tanh"),
     "position_embedding": ("rope", "none"),
     "recompute": ("none", "selective", "full"),
+    "context_parallel_algo": CONTEXT_PARALLEL_ALGORITHMS,
 }
 
 
@@ -43,7 +46,8 @@ class TransformerBlockConfig:
     """Shape and options of one block. ``output_layer_init_std`` is the std of the projections that feed
     the residual (``o_proj``, ``down_proj``); Megatron uses ``init_method_std / sqrt(2 * num_layers)``,
     which the model sets (None: ``init_method_std``). ``recompute``: ``selective`` recomputes the core
-    attention in backward, ``full`` the whole block."""
+    attention in backward, ``full`` the whole block. ``context_parallel_algo`` is how attention crosses the
+    context-parallel group when it has more than one rank (``ring``, ``allgather``, ``ulysses``)."""
 
     hidden_size: int
     num_attention_heads: int
@@ -68,6 +72,7 @@ class TransformerBlockConfig:
     fused_gate_up: bool = True
     softmax_scale: Optional[float] = None
     recompute: str = "none"
+    context_parallel_algo: str = "ring"
     params_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
@@ -97,6 +102,8 @@ class TransformerBlock(torch.nn.Module):
     :class:`RotaryEmbedding` and share across blocks), or position ids ``[b, s]``, or None (positions
     ``0..s-1``; ignored when ``position_embedding="none"``). ``segment_ids`` ``[b, s]`` separates packed
     documents. Under sequence parallelism ``hidden`` is this rank's sequence shard, ``s_local = s / tp``.
+    Under context parallelism ``s`` is this cp rank's share of the sequence and the tables, position ids
+    and ``segment_ids`` cover that share (None: the share's global positions).
     """
 
     def __init__(
@@ -124,6 +131,7 @@ class TransformerBlock(torch.nn.Module):
             rotary_interleaved=c.rotary_interleaved,
             softmax_scale=c.softmax_scale,
             recompute_core_attention=c.recompute == "selective",
+            context_parallel_algo=c.context_parallel_algo,
             init_method=init,
             output_init_method=out_init,
             group=group,
@@ -153,7 +161,7 @@ class TransformerBlock(torch.nn.Module):
             return rotary[0], rotary[1]
         if rotary is None:
             seq = hidden.shape[1] * (mappings.tp_world_size(self.group) if self.config.sequence_parallel else 1)
-            rotary = torch.arange(seq, device=hidden.device)
+            rotary = context_parallel_position_ids(seq * ps.get_context_parallel_world_size(), device=hidden.device)
         return self.rotary(rotary, dtype=hidden.dtype)
 
     def forward(
