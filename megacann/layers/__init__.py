@@ -23,6 +23,18 @@ from megacann.layers.mappings import (
     sync_partial_grads,
 )
 from megacann.layers.mlp import GeluMLP, SwiGLUMLP
+
+# mixture of experts
+from megacann.layers.moe import (
+    MoEConfig,
+    MoELayer,
+    MoEStats,
+    TokenDispatcher,
+    TopKRouter,
+    moe_aux_loss,
+    moe_layers,
+    update_expert_biases,
+)
 from megacann.layers.norm import LayerNorm, RMSNorm
 from megacann.layers.random import (
     RNGStatesTracker,
@@ -40,6 +52,9 @@ __all__ = [
     "ColumnParallelLinear",
     "GeluMLP",
     "LayerNorm",
+    "MoEConfig",
+    "MoELayer",
+    "MoEStats",
     "ParamSharding",
     "RMSNorm",
     "RNGStatesTracker",
@@ -48,6 +63,8 @@ __all__ = [
     "SelfAttention",
     "SwiGLUMLP",
     "TransformerBlock",
+    "TokenDispatcher",
+    "TopKRouter",
     "TransformerBlockConfig",
     "VocabParallelEmbedding",
     "checkpoint",
@@ -63,6 +80,8 @@ __all__ = [
     "init_zeros",
     "make_parameter",
     "model_parallel_manual_seed",
+    "moe_aux_loss",
+    "moe_layers",
     "pad_vocab_size",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
@@ -71,5 +90,6 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region",
     "set_sharding",
     "sync_partial_grads",
+    "update_expert_biases",
     "vocab_parallel_cross_entropy",
 ]
