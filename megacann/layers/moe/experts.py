@@ -47,7 +47,9 @@ class _Projection(torch.nn.Module):
 
 
 class ExpertMLP(torch.nn.Module):
-    """One expert: ``down(silu(gate(x)) * up(x))``; on one TP rank, its slice (output partial over TP)."""
+    """One expert: ``down(silu(gate(x)) * up(x))``. With ``tensor_parallel`` and ``tp_size > 1`` this
+    rank holds its slice (and computes a partial output); otherwise the whole expert, whose gradient is
+    partial per TP rank when ``tp_size > 1``."""
 
     def __init__(
         self,
@@ -59,20 +61,26 @@ class ExpertMLP(torch.nn.Module):
         output_init_method: InitMethod,
         tp_rank: int = 0,
         tp_size: int = 1,
-        partial_grad: bool = False,
+        tensor_parallel: bool = True,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
     ):
         super().__init__()
+        split = tensor_parallel  # a whole expert on every TP rank records no TP dimension
         common = dict(
-            tp_rank=tp_rank, tp_size=tp_size, tp_partial_grad=partial_grad, expert=True, dtype=dtype, device=device
+            tp_rank=tp_rank if split else 0,
+            tp_size=tp_size if split else 1,
+            tp_partial_grad=not split and tp_size > 1,
+            expert=True,
+            dtype=dtype,
+            device=device,
         )
         self.gate_up_proj = _Projection(
             make_parameter(
                 (2 * ffn_hidden_size, hidden_size),
                 init_method,
-                tp_dim=0,
-                tp_blocks=(ffn_hidden_size, ffn_hidden_size),
+                tp_dim=0 if split else None,
+                tp_blocks=(ffn_hidden_size, ffn_hidden_size) if split else None,
                 name=f"expert {expert_index} gate_up_proj (2 x ffn_hidden_size {ffn_hidden_size})",
                 generator_seed=expert_seed(layer_seed, expert_index, "gate_up_proj.weight"),
                 **common,
@@ -82,7 +90,7 @@ class ExpertMLP(torch.nn.Module):
             make_parameter(
                 (hidden_size, ffn_hidden_size),
                 output_init_method,
-                tp_dim=1,
+                tp_dim=1 if split else None,
                 name=f"expert {expert_index} down_proj (ffn_hidden_size {ffn_hidden_size})",
                 generator_seed=expert_seed(layer_seed, expert_index, "down_proj.weight"),
                 **common,
@@ -128,9 +136,9 @@ class GroupedExperts(torch.nn.ModuleDict):
                 layer_seed,
                 init_method,
                 output_init_method,
-                tp_rank=mappings.tp_rank(group) if tensor_parallel else 0,
-                tp_size=tp_size if tensor_parallel else 1,
-                partial_grad=not tensor_parallel and tp_size > 1,
+                tp_rank=mappings.tp_rank(group),
+                tp_size=tp_size,
+                tensor_parallel=tensor_parallel,
                 dtype=dtype,
                 device=device,
             )
