@@ -93,12 +93,21 @@ def test_grouped_mm_path_takes_aligned_shapes_and_falls_back_otherwise():
 
 
 def test_moe_ops_are_registered_with_their_device_kernels():
-    assert registry.implementations("grouped_matmul") == ["torch_npu", "torch_grouped_mm", "reference"]
+    assert registry.implementations("grouped_matmul") == [
+        "torch_npu",
+        "torch_grouped_mm",
+        "reference",
+        "torch_grouped_mm_cpu",
+    ]
     assert registry.implementations("moe_permute") == ["torch_npu", "reference"]
     assert registry.implementations("moe_unpermute") == ["torch_npu", "reference"]
-    expected = "torch_grouped_mm" if hasattr(torch, "_grouped_mm") else "reference"
-    assert registry.selected("grouped_matmul", "cpu") == expected
+    assert registry.selected("grouped_matmul", "cpu") == "reference"  # the grouped kernel only when pinned
     assert registry.selected("moe_permute", "cpu") == "reference"
+    try:
+        ops.pin("grouped_matmul", "torch_grouped_mm_cpu")
+        assert registry.selected("grouped_matmul", "cpu") == "torch_grouped_mm_cpu"
+    finally:
+        ops.pin("grouped_matmul", None)
 
 
 def test_grouped_matmul_rejects_mismatched_groups():

@@ -14,8 +14,8 @@ Three ops, each with a PyTorch reference that runs anywhere:
   mixed with bf16 tokens have given NaN gradients in the NPU kernel).
 
 Faster paths: torch_npu's ``npu_grouped_matmul`` / ``npu_moe_token_permute`` / ``npu_moe_token_unpermute``
-on ``npu`` (imported lazily), and ``torch._grouped_mm`` on ``cuda`` (bf16) and ``cpu`` where it exists;
-shapes it cannot take fall back to the reference.
+on ``npu`` (imported lazily), and ``torch._grouped_mm`` on ``cuda`` (bf16) where it exists (on ``cpu``
+only when pinned); shapes it cannot take fall back to the reference.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from megacann.accelerator import import_torch_npu
 from megacann.ops.registry import REFERENCE, register, resolve
 
 __all__ = ["grouped_matmul", "moe_permute", "moe_unpermute"]
@@ -81,7 +82,7 @@ def _grouped_matmul_reference(x: torch.Tensor, weights: list[torch.Tensor], grou
     return torch.cat(outs)
 
 
-# -- torch._grouped_mm (CUDA bf16; CPU) ----------------------------------------------------------------
+# -- torch._grouped_mm (CUDA bf16; CPU when pinned) ----------------------------------------------------------------
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -111,13 +112,11 @@ def _grouped_mm_takes(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     return (x.shape[1] * size) % 16 == 0 and (weights[0].shape[0] * size) % 16 == 0
 
 
-@register(
-    "grouped_matmul",
-    "torch_grouped_mm",
-    priority=10,
-    device_types=("cuda", "cpu"),
-    available=lambda: hasattr(torch, "_grouped_mm"),
-)
+def _has_grouped_mm() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+@register("grouped_matmul", "torch_grouped_mm", priority=10, device_types=("cuda",), available=_has_grouped_mm)
 def _grouped_matmul_torch(x: torch.Tensor, weights: list[torch.Tensor], group_sizes: list[int]) -> torch.Tensor:
     if not _grouped_mm_takes(x, weights):
         return _grouped_matmul_reference(x, weights, group_sizes)
@@ -126,17 +125,23 @@ def _grouped_matmul_torch(x: torch.Tensor, weights: list[torch.Tensor], group_si
     return _ContiguousGrad.apply(torch._grouped_mm(x, stacked, offs=offsets))
 
 
+# On CPU torch's grouped matmul was not faster than the per-group loop here (benchmarks/moe_dispatch.py),
+# so there it only serves when pinned (``ops.pin("grouped_matmul", "torch_grouped_mm_cpu")``).
+@register("grouped_matmul", "torch_grouped_mm_cpu", priority=-1, device_types=("cpu",), available=_has_grouped_mm)
+def _grouped_matmul_torch_cpu(x: torch.Tensor, weights: list[torch.Tensor], group_sizes: list[int]) -> torch.Tensor:
+    return _grouped_matmul_torch(x, weights, group_sizes)
+
+
 # -- torch_npu (Ascend) --------------------------------------------------------------------------------
 
 
 def _torch_npu():
-    import torch_npu  # noqa: PLC0415  (optional; needs the CANN toolkit)
-
-    return torch_npu
+    return import_torch_npu()  # lazily, once; None without the CANN toolkit
 
 
 def _npu_has(name: str) -> bool:
-    return hasattr(_torch_npu(), name)
+    npu = _torch_npu()
+    return npu is not None and hasattr(npu, name)
 
 
 class _NpuGroupedMatmul(torch.autograd.Function):
