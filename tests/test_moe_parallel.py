@@ -5,11 +5,14 @@ counts and (summed over data-parallel ranks) weight gradients, starts from the s
 balancing biases alike, and each rank's experts receive the tokens the other ranks routed to them.
 
 One spawn runs every layout (``_layout_checks``); the one-process reference is built in the same
-processes before the layout's groups exist, and runs every data-parallel rank's batch in turn.
+processes before the layout's groups exist, and runs every data-parallel rank's batch in turn. The same
+spawn runs the example of docs/moe.md, whose losses must equal those of one process.
 """
 
 from __future__ import annotations
 
+import pathlib
+import re
 from dataclasses import replace
 
 import pytest
@@ -131,12 +134,24 @@ def _check_layout(tp: int, ep: int, moe: dict) -> dict[str, float]:
     return errs
 
 
-def _layout_checks() -> dict[str, dict[str, float]]:
-    return {name: _check_layout(**layout) for name, layout in LAYOUTS.items()}
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "moe.md"
+
+
+def _doc_example() -> list[float]:
+    code = "\n".join(re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S))
+    namespace = {"__name__": "docs_moe_example"}
+    exec(compile(code, str(DOC), "exec"), namespace)
+    return namespace["main"]()
+
+
+def _layout_checks() -> dict:
+    results = {name: _check_layout(**layout) for name, layout in LAYOUTS.items()}
+    results["doc_example"] = _doc_example()
+    return results
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, dict[str, float]]]:
+def results() -> list[dict]:
     return run_on_ranks(_layout_checks, world_size=4, timeout=300)
 
 
@@ -147,3 +162,10 @@ def test_layout_equals_one_process(results, layout):
         assert any(k.startswith("grad.experts.") for k in errs) and "received" in errs
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, f"{layout}, rank {rank}: {bad}"
+
+
+def test_doc_example_same_losses_on_one_and_four_ranks(results):
+    one = run_on_ranks(_doc_example, world_size=1, timeout=120)[0]
+    assert len(one) == 3 and one[-1] < one[0], one  # it trains
+    for per_rank in results:
+        assert per_rank["doc_example"] == pytest.approx(one, rel=TOL)

@@ -135,7 +135,8 @@ class TopKRouter(torch.nn.Module):
         )
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if bias_update_rate > 0 else None
         self.register_buffer("expert_bias", bias)
-        self.register_buffer("load_since_update", None if bias is None else torch.zeros_like(bias), persistent=False)
+        load = None if bias is None else torch.zeros(num_experts, dtype=torch.int64, device=device)  # exact counts
+        self.register_buffer("load_since_update", load, persistent=False)
 
     def extra_repr(self) -> str:
         return (
@@ -161,7 +162,7 @@ class TopKRouter(torch.nn.Module):
         if self.tp_size > 1:
             dist.all_reduce(tokens_per_expert, group=mappings.tp_group(self.group))
         if self.expert_bias is not None and self.training and not is_recomputing():
-            self.load_since_update += tokens_per_expert.to(self.load_since_update.dtype)
+            self.load_since_update += tokens_per_expert
         routing = Routing(probs, expert_ids, scores.detach().gather(1, expert_ids), tokens_per_expert)
         num_tokens = x.shape[0] * self.tp_size
         if self.aux_loss_coeff > 0:
@@ -184,6 +185,6 @@ class TopKRouter(torch.nn.Module):
         data-parallel group first."""
         if self.expert_bias is None:
             raise RuntimeError("TopKRouter.update_expert_bias: bias-based balancing is off (bias_update_rate 0)")
-        load = self.load_since_update if load is None else load.to(self.expert_bias)
-        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        load = (self.load_since_update if load is None else load).double()
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load).to(self.expert_bias)
         self.load_since_update.zero_()
