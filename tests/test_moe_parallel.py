@@ -1,6 +1,6 @@
 """Expert parallelism on 4 gloo ranks equals one process: for ep 4, ep 2 (x expert-data-parallel 2),
-ep 2 with capacity dropping, and ep 2 x tp 2 with experts split over TP (sequence parallel) or whole on
-every TP rank, the MoE layer gives the one-process outputs, input gradients, auxiliary losses, token
+ep 2 with capacity dropping, and ep 2 x tp 2 with experts split over TP (sequence parallel, dropless and
+with capacity) or whole on every TP rank, the MoE layer gives the one-process outputs, input gradients, auxiliary losses, token
 counts and (summed over data-parallel ranks) weight gradients, starts from the same weights, moves its
 balancing biases alike, and each rank's experts receive the tokens the other ranks routed to them.
 
@@ -32,6 +32,9 @@ LAYOUTS = {
     "ep2": dict(tp=1, ep=2, moe=dict(score_function="sigmoid", routed_scaling_factor=2.0, top_k=3, **BALANCING)),
     "ep2_capacity": dict(tp=1, ep=2, moe=dict(capacity_factor=1.0, aux_loss_coeff=0.01)),
     "ep2_tp2_sp": dict(tp=2, ep=2, moe=dict(sequence_parallel=True, num_shared_experts=1, **BALANCING)),
+    "ep2_tp2_sp_capacity": dict(
+        tp=2, ep=2, moe=dict(sequence_parallel=True, num_shared_experts=1, capacity_factor=1.0, **BALANCING)
+    ),
     "ep2_tp2_whole_experts": dict(
         tp=2, ep=2, moe=dict(expert_tensor_parallel=False, num_shared_experts=1, **BALANCING)
     ),
