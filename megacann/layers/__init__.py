@@ -47,6 +47,16 @@ from megacann.layers.mappings import (
     sync_partial_grads,
 )
 from megacann.layers.mlp import GeluMLP, SwiGLUMLP
+from megacann.layers.moe import (
+    MoEConfig,
+    MoELayer,
+    MoEStats,
+    TokenDispatcher,
+    TopKRouter,
+    moe_aux_loss,
+    moe_layers,
+    update_expert_biases,
+)
 from megacann.layers.norm import LayerNorm, RMSNorm
 from megacann.layers.output import LMHead, tie_embedding_across_stages
 from megacann.layers.random import (
@@ -91,6 +101,15 @@ __all__ = [
     "tie_embedding_across_stages",
     "pad_vocab_size",
     "rope_inv_freq",
+    # mixture of experts
+    "MoEConfig",
+    "MoELayer",
+    "MoEStats",
+    "TopKRouter",
+    "TokenDispatcher",
+    "moe_aux_loss",
+    "moe_layers",
+    "update_expert_biases",
     # context parallelism
     "CONTEXT_PARALLEL_ALGORITHMS",
     "context_parallel_attention",

@@ -74,18 +74,22 @@ def make_parameter(
     tp_blocks: Optional[tuple[int, ...]] = None,
     tp_partial_grad: bool = False,
     logical_size: Optional[int] = None,
+    expert: bool = False,
+    generator_seed: Optional[int] = None,
     dtype: Optional[torch.dtype] = None,
     device: Optional[torch.device | str] = None,
 ) -> torch.nn.Parameter:
     """Create this rank's shard of a parameter whose whole is ``full_shape``, initialised from the full
     tensor, tagged with its sharding and init method. ``name`` appears in the error raised when a size
-    does not divide ``tp_size``."""
+    does not divide ``tp_size``. ``expert`` marks an expert-parallel parameter; ``generator_seed`` draws
+    from a generator of its own instead of torch's CPU RNG (for parameters only some ranks create)."""
     sharding = ParamSharding(
         full_shape=tuple(full_shape),
         tp_dim=tp_dim,
         tp_blocks=tuple(tp_blocks) if tp_blocks is not None else None,
         tp_partial_grad=tp_partial_grad,
         logical_size=logical_size,
+        expert=expert,
     )
     if tp_blocks is not None and tp_dim is not None and sum(tp_blocks) != full_shape[tp_dim]:
         raise ValueError(f"{name}: tp_blocks {tuple(tp_blocks)} do not add up to {full_shape[tp_dim]}")
@@ -96,7 +100,7 @@ def make_parameter(
     param = torch.nn.Parameter(local)
     set_sharding(param, sharding)
     setattr(param, INIT_ATTR, init_method)
-    init_sharded_(param, init_method, tp_rank, tp_size)
+    init_sharded_(param, init_method, tp_rank, tp_size, generator_seed)
     return param
 
 

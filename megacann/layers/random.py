@@ -146,6 +146,15 @@ def dropout(x: torch.Tensor, p: float, training: bool, tensor_parallel: bool) ->
     return F.dropout(x, p, True)
 
 
+_RECOMPUTING = [0]  # depth of recomputations running now
+
+
+def is_recomputing() -> bool:
+    """True while :func:`checkpoint` recomputes a forward pass in backward (layers that count or record
+    something per forward, such as an MoE router's token counts, skip it then)."""
+    return _RECOMPUTING[0] > 0
+
+
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward with
     the RNG states of the forward pass (CPU and device generators, and the tracker's streams), so dropout
@@ -161,9 +170,11 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             return function(*a, **kw)
         live = _TRACKER.get_states()  # a recompute, during backward
         _TRACKER.set_states(start_states)
+        _RECOMPUTING[0] += 1
         try:
             return function(*a, **kw)
         finally:
+            _RECOMPUTING[0] -= 1
             _TRACKER.set_states(live)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

@@ -104,6 +104,9 @@ class TransformerBlock(torch.nn.Module):
     documents. Under sequence parallelism ``hidden`` is this rank's sequence shard, ``s_local = s / tp``.
     Under context parallelism ``s`` is this cp rank's share of the sequence and the tables, position ids
     and ``segment_ids`` cover that share (None: the share's global positions).
+
+    ``mlp`` replaces the dense feed-forward block the config describes (e.g. a
+    :class:`~megacann.layers.moe.MoELayer`): any module mapping ``[b, s_local, h]`` to the same shape.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class TransformerBlock(torch.nn.Module):
         config: TransformerBlockConfig,
         group: Optional[dist.ProcessGroup] = None,
         device: Optional[Union[torch.device, str]] = None,
+        mlp: Optional[torch.nn.Module] = None,
     ):
         super().__init__()
         self.config = c = config
@@ -138,12 +142,14 @@ class TransformerBlock(torch.nn.Module):
             **common,
         )
         self.post_attention_layernorm = self._norm(common)
-        mlp = dict(bias=c.add_bias_linear, init_method=init, output_init_method=out_init, group=group, **common)
-        if c.activation == "swiglu":
-            self.mlp = SwiGLUMLP(c.hidden_size, c.ffn_hidden_size, fused_gate_up=c.fused_gate_up, **mlp)
+        dense = dict(bias=c.add_bias_linear, init_method=init, output_init_method=out_init, group=group, **common)
+        if mlp is not None:
+            self.mlp = mlp
+        elif c.activation == "swiglu":
+            self.mlp = SwiGLUMLP(c.hidden_size, c.ffn_hidden_size, fused_gate_up=c.fused_gate_up, **dense)
         else:
             approximate = "tanh" if c.activation == "gelu_tanh" else "none"
-            self.mlp = GeluMLP(c.hidden_size, c.ffn_hidden_size, approximate=approximate, **mlp)
+            self.mlp = GeluMLP(c.hidden_size, c.ffn_hidden_size, approximate=approximate, **dense)
         self.rotary = None
         if c.position_embedding == "rope":
             self.rotary = RotaryEmbedding(c.attention_head_dim, c.rotary_theta, c.rotary_scaling, c.rotary_interleaved)

@@ -14,11 +14,15 @@ from typing import Optional
 import torch
 
 from megacann.ops import reference as _reference  # noqa: F401  (registers the reference implementations)
+from megacann.ops.moe import grouped_matmul, moe_permute, moe_unpermute
 from megacann.ops.registry import implementations, pin, register, resolve, selected
 
 __all__ = [
     "apply_rotary",
+    "grouped_matmul",
     "implementations",
+    "moe_permute",
+    "moe_unpermute",
     "pin",
     "register",
     "resolve",

@@ -1,0 +1,124 @@
+"""MoE dispatch + expert compute against a dense SwiGLU MLP with the same active FLOPs, in one run.
+
+    python benchmarks/moe_dispatch.py [--tokens 4096] [--hidden 512] [--ffn 512] [--experts 8] [--top_k 2]
+                                      [--dtype fp32|bf16] [--repeats 10] [--threads N]
+
+Three timings of forward + backward on ``tokens`` tokens (median of ``repeats`` after two warm-up rounds;
+the three take turns in every round):
+
+- ``moe reference``: permute by expert, one ``F.linear`` per expert for each projection, unpermute and
+  weight (every MoE op pinned to its PyTorch reference);
+- ``moe grouped``: the same with the device's grouped kernels: ``torch._grouped_mm`` on CPU (pinned: it
+  is not the CPU default) and CUDA, torch_npu's grouped matmul and permute kernels on NPU;
+- ``dense``: a SwiGLU MLP of width ``top_k * ffn``, which does the same matmul FLOPs per token as
+  ``top_k`` experts of width ``ffn``.
+
+The routing is drawn once (uniform random choices, softmax weights) and is not timed; expert
+parallelism's all-to-all is not part of it (one process). The ratios MoE / dense are the overhead of
+permuting, unpermuting and computing experts in groups. On a shared CPU the figures are noisy: compare
+the ratios of one run, not absolute times across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megacann import ops
+from megacann.accelerator import get_accelerator
+from megacann.layers import SwiGLUMLP
+from megacann.layers.init import init_normal
+from megacann.layers.moe import GroupedExperts, TokenDispatcher
+
+MOE_OPS = ("moe_permute", "moe_unpermute", "grouped_matmul")
+GROUPED_ON_CPU = "torch_grouped_mm_cpu"  # not the CPU default, so pinned here
+
+
+def _pin(kernels: dict[str, str | None]) -> None:
+    for op, name in kernels.items():
+        ops.pin(op, name)
+
+
+def _interleaved_medians(steps: dict, repeats: int, sync) -> dict[str, float]:
+    """Median seconds per step; the steps take turns in every round, so a machine whose load drifts
+    during the run slows them alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(repeats + 2):  # two warm-up rounds
+        for name, (kernels, step) in steps.items():
+            _pin(kernels)
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            if round_ >= 2:
+                times[name].append(time.perf_counter() - start)
+    _pin({op: None for op in MOE_OPS})
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--ffn", type=int, default=512, help="width of one expert")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top_k", type=int, default=2)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    accelerator = get_accelerator()
+    device = accelerator.current_device()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    torch.manual_seed(0)
+
+    init = init_normal(0.02)
+    experts = GroupedExperts(args.experts, args.hidden, args.ffn, init, init, layer_seed=0, dtype=dtype, device=device)
+    dense = SwiGLUMLP(args.hidden, args.top_k * args.ffn, init_method=init, dtype=dtype, device=device)
+    dispatcher = TokenDispatcher(args.experts)
+    x = torch.randn(args.tokens, args.hidden, dtype=dtype, device=device, requires_grad=True)
+    choice = torch.rand(args.tokens, args.experts, device=device)
+    expert_ids = choice.topk(args.top_k, dim=-1).indices
+    probs = torch.softmax(torch.randn(args.tokens, args.top_k, device=device), dim=-1)
+    grad = torch.randn(args.tokens, args.hidden, dtype=dtype, device=device)
+
+    def moe_step():
+        expert_input, counts, state = dispatcher.dispatch(x, probs, expert_ids)
+        dispatcher.combine(experts(expert_input, counts), state).backward(grad)
+
+    def dense_step():
+        dense(x).backward(grad)
+
+    reference = {op: "reference" for op in MOE_OPS}
+    grouped = {op: None for op in MOE_OPS}  # the device's choice ...
+    if device.type == "cpu" and GROUPED_ON_CPU in ops.implementations("grouped_matmul"):
+        grouped["grouped_matmul"] = GROUPED_ON_CPU  # ... except on CPU, where it is not the default
+    steps = {"moe reference": (reference, moe_step), "moe grouped": (grouped, moe_step), "dense": ({}, dense_step)}
+    details = {}
+    for name, (kernels, _) in steps.items():
+        _pin(kernels)
+        details[name] = ", ".join(f"{op}={ops.selected(op, device.type)}" for op in MOE_OPS)
+    details["dense"] = f"SwiGLU ffn {args.top_k * args.ffn}"
+    medians = _interleaved_medians(steps, args.repeats, accelerator.synchronize)
+    timings = {name: (medians[name], details[name]) for name in steps}
+
+    flops = 3 * 2 * 3 * args.tokens * args.top_k * args.hidden * args.ffn  # fwd + bwd, three matmuls
+    print(
+        f"device {device.type}, {args.dtype}, threads {torch.get_num_threads()}: {args.tokens} tokens, hidden "
+        f"{args.hidden}, {args.experts} experts x ffn {args.ffn}, top-{args.top_k}; forward + backward"
+    )
+    dense_time = timings["dense"][0]
+    for label, (seconds, detail) in timings.items():
+        print(
+            f"  {label:14s} {seconds * 1e3:8.2f} ms  {flops / seconds / 1e9:7.1f} GFLOP/s  "
+            f"x{seconds / dense_time:5.2f} of dense   ({detail})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Shape and options of one mixture-of-experts layer."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoEConfig:
+    """One MoE feed-forward layer: ``num_experts`` SwiGLU experts of width ``ffn_hidden_size``, each token
+    sent to ``top_k`` of them, plus optional shared experts every token passes through.
+
+    Routing: ``score_function`` turns the router logits into scores (``softmax`` over the experts, as
+    Mixtral; ``sigmoid`` per expert, as DeepSeek-V3); the ``top_k`` highest are chosen and their scores,
+    divided by their sum when ``normalize_top_k`` (and ``top_k > 1``: for one expert it would make the
+    weight 1 and leave the router without gradient), times ``routed_scaling_factor``, weight the experts'
+    outputs.
+
+    Balancing: ``aux_loss_coeff`` weights the switch-transformer load-balancing loss, ``z_loss_coeff`` the
+    router z-loss; ``bias_update_rate > 0`` turns on auxiliary-loss-free balancing (a per-expert bias added
+    to the scores for choosing only, moved by this rate after each optimizer step).
+
+    Capacity: ``capacity_factor=None`` is dropless; a number caps every expert at
+    ``ceil(capacity_factor * tokens * top_k / num_experts)`` tokens per forward (see
+    :func:`megacann.layers.moe.router.capacity_mask` for which tokens drop).
+
+    Shared experts: ``num_shared_experts`` experts' worth of one dense SwiGLU MLP, of width
+    ``shared_expert_ffn_hidden_size`` (default ``num_shared_experts * ffn_hidden_size``).
+
+    Parallelism: with tensor parallelism, ``expert_tensor_parallel=True`` splits every expert's
+    matrices across the TP ranks (each rank computes its slice for all tokens of the TP group);
+    ``False`` keeps whole experts on every TP rank, each rank routing only its own share of the tokens.
+    ``sequence_parallel`` says the layer's input and output are sequence shards ``[b, s/tp, h]``.
+    """
+
+    hidden_size: int
+    num_experts: int
+    ffn_hidden_size: int
+    top_k: int = 2
+    score_function: str = "softmax"
+    normalize_top_k: bool = True
+    routed_scaling_factor: float = 1.0
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: Optional[float] = None
+    num_shared_experts: int = 0
+    shared_expert_ffn_hidden_size: Optional[int] = None
+    expert_tensor_parallel: bool = True
+    sequence_parallel: bool = False
+    init_method_std: float = 0.02
+    output_layer_init_std: Optional[float] = None
+    params_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        for key in ("hidden_size", "num_experts", "ffn_hidden_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"MoEConfig.{key} must be >= 1, got {getattr(self, key)}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoEConfig.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.score_function not in SCORE_FUNCTIONS:
+            close = difflib.get_close_matches(str(self.score_function), SCORE_FUNCTIONS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"MoEConfig.score_function={self.score_function!r} is not one of {SCORE_FUNCTIONS}{hint}")
+        for key in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"MoEConfig.{key} must be >= 0, got {getattr(self, key)}")
+        if self.routed_scaling_factor <= 0:
+            raise ValueError(f"MoEConfig.routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(
+                f"MoEConfig.capacity_factor must be > 0 (or None for dropless routing), got {self.capacity_factor}"
+            )
+        if self.num_shared_experts < 0:
+            raise ValueError(f"MoEConfig.num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        if self.shared_expert_ffn_hidden_size is not None and self.shared_expert_ffn_hidden_size < 1:
+            raise ValueError(
+                f"MoEConfig.shared_expert_ffn_hidden_size must be >= 1, got {self.shared_expert_ffn_hidden_size}"
+            )
+
+    @property
+    def shared_ffn_hidden_size(self) -> int:
+        """Width of the shared-expert MLP (0: none)."""
+        if self.shared_expert_ffn_hidden_size is not None:
+            return self.shared_expert_ffn_hidden_size
+        return self.num_shared_experts * self.ffn_hidden_size

@@ -1,0 +1,118 @@
+"""Token dispatch: each token copy to the rank holding its expert, and the expert outputs back.
+
+``dispatch(tokens [T, h], probs [T, k], expert_ids [T, k])`` returns the rows this rank's experts must
+compute, grouped by local expert, and their counts; ``combine(expert_output, state)`` returns ``[T, h]``,
+every token's expert outputs weighted by ``probs`` and summed. Steps:
+
+1. permute: one copy of each token per chosen expert, sorted by expert (:func:`megacann.ops.moe_permute`).
+   Assignments dropped by capacity carry the id ``num_experts`` and sort last; they are not sent and
+   come back as zeros;
+2. with expert parallelism (``ep > 1``; experts split in consecutive blocks, so sorting by expert also
+   sorts by destination rank): exchange the per-expert counts (an all-to-all of ``ep × E/ep`` integers),
+   then the tokens (``all_to_all_single`` with those split sizes), and regroup what arrived from
+   (source rank, expert) order to (expert, source rank) order, so each local expert's rows are contiguous;
+3. the caller computes the experts; ``combine`` reverses step 2 and unpermutes
+   (:func:`megacann.ops.moe_unpermute`).
+
+With ``ep == 1`` nothing is communicated. The exchange happens in the expert-parallel group; the
+all-to-alls are autograd functions whose backward is the opposite all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann import ops
+from megacann import parallel_state as ps
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with split sizes; backward sends the gradients the opposite way."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _reorder_chunks(x: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
+    """Split ``x`` into consecutive chunks of ``sizes`` rows and concatenate them in ``order``."""
+    chunks = x.split(sizes)
+    return torch.cat([chunks[i] for i in order])
+
+
+@dataclass
+class DispatchState:
+    """What :meth:`TokenDispatcher.combine` needs from the matching :meth:`TokenDispatcher.dispatch`."""
+
+    row_id_map: torch.Tensor
+    probs: torch.Tensor
+    num_kept: int  # permuted rows that went to an expert (dropped ones sort last)
+    send_splits: Optional[list[int]] = None  # rows sent to each expert-parallel rank
+    recv_splits: Optional[list[int]] = None  # rows received from each
+    recv_counts: Optional[list[list[int]]] = None  # [source rank][local expert]
+
+
+class TokenDispatcher:
+    """Moves token copies between this rank and the experts over ``group`` (default: the expert-parallel
+    group of :mod:`megacann.parallel_state`); ``num_experts`` in all, ``num_experts / ep`` per rank."""
+
+    def __init__(self, num_experts: int, group: Optional[dist.ProcessGroup] = None):
+        self.group = group if group is not None else ps.get_expert_model_parallel_group()
+        self.ep_size = dist.get_world_size(self.group) if self.group is not None else 1
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts {num_experts} is not divisible by expert_model_parallel_size {self.ep_size}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+
+    def dispatch(
+        self, tokens: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int], DispatchState]:
+        """``(expert_input [N, h], tokens_per_local_expert, state)``; ``expert_ids`` equal to
+        ``num_experts`` mark dropped assignments."""
+        permuted, row_id_map = ops.moe_permute(tokens, expert_ids)
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts + 1)
+        num_kept = permuted.shape[0] - int(counts[self.num_experts])
+        kept = permuted[:num_kept] if num_kept < permuted.shape[0] else permuted
+        state = DispatchState(row_id_map, probs, num_kept)
+        if self.ep_size == 1:
+            return kept, counts[: self.num_experts].tolist(), state
+        send = counts[: self.num_experts].view(self.ep_size, self.num_local_experts)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        state.send_splits, state.recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        state.recv_counts = recv.tolist()
+        received = _AllToAll.apply(kept, state.recv_splits, state.send_splits, self.group)
+        if self.num_local_experts > 1:  # (source, expert) -> (expert, source)
+            order = [s * self.num_local_experts + e for e in range(self.num_local_experts) for s in range(self.ep_size)]
+            received = _reorder_chunks(received, recv.reshape(-1).tolist(), order)
+        return received, recv.sum(0).tolist(), state
+
+    def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """Return the expert outputs to their tokens' ranks and sum each token's, weighted: ``[T, h]``."""
+        out = expert_output
+        if self.ep_size > 1:
+            if self.num_local_experts > 1:  # (expert, source) -> (source, expert)
+                sizes = [state.recv_counts[s][e] for e in range(self.num_local_experts) for s in range(self.ep_size)]
+                order = [e * self.ep_size + s for s in range(self.ep_size) for e in range(self.num_local_experts)]
+                out = _reorder_chunks(out, sizes, order)
+            out = _AllToAll.apply(out, state.send_splits, state.recv_splits, self.group)
+        dropped = state.row_id_map.numel() - state.num_kept
+        if dropped:
+            out = torch.cat([out, out.new_zeros((dropped,) + tuple(out.shape[1:]))])
+        return ops.moe_unpermute(out, state.row_id_map, state.probs)

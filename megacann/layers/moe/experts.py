@@ -1,0 +1,157 @@
+"""The routed experts held by one rank: SwiGLU MLPs named by their global index, computed together.
+
+Expert parallelism gives each rank of the expert-parallel group ``num_experts / ep`` consecutive experts
+(rank ``r`` holds ``r·E/ep … (r+1)·E/ep − 1``). Every expert is its own module, named by its *global*
+index, so a parameter's name and value do not depend on the layout::
+
+    experts.<e>.gate_up_proj.weight   [2·ffn, hidden]  cat(gate, up) by rows (each half split over TP)
+    experts.<e>.down_proj.weight      [hidden, ffn]    (split over TP by columns)
+
+Expert ``e``'s weights are drawn from a seed made of the layer's seed (one draw from torch's CPU RNG, the
+same on every rank), ``e`` and the parameter's name, so whichever rank creates expert ``e`` creates the
+same tensor. Checkpoints and Hugging Face exports keyed by parameter name therefore move between
+expert-parallel sizes unchanged: a rank saves and loads the names it holds.
+
+With expert tensor parallelism the matrices are split across the TP group like a column- then
+row-parallel MLP, without the collectives: the caller gathers the TP group's tokens before and
+reduce-scatters the (partial) outputs after. Without it every TP rank holds whole experts and their
+gradients are partial per rank (``tp_partial_grad``), as each rank routes different tokens.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from megacann import ops
+from megacann.layers import mappings
+from megacann.layers.init import make_parameter
+from megacann.layers.sharding import InitMethod
+
+
+def expert_seed(layer_seed: int, expert_index: int, name: str) -> int:
+    """The seed expert ``expert_index``'s parameter ``name`` is drawn from."""
+    return (layer_seed * 1_000_003 + zlib.crc32(f"{expert_index}.{name}".encode())) % (2**63)
+
+
+class _Projection(torch.nn.Module):
+    """Holds one expert matrix as ``weight`` (``F.linear`` layout), for Hugging-Face-like names."""
+
+    def __init__(self, weight: torch.nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
+class ExpertMLP(torch.nn.Module):
+    """One expert: ``down(silu(gate(x)) * up(x))``. With ``tensor_parallel`` and ``tp_size > 1`` this
+    rank holds its slice (and computes a partial output); otherwise the whole expert, whose gradient is
+    partial per TP rank when ``tp_size > 1``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        expert_index: int,
+        layer_seed: int,
+        init_method: InitMethod,
+        output_init_method: InitMethod,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tensor_parallel: bool = True,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        super().__init__()
+        split = tensor_parallel  # a whole expert on every TP rank records no TP dimension
+        common = dict(
+            tp_rank=tp_rank if split else 0,
+            tp_size=tp_size if split else 1,
+            tp_partial_grad=not split and tp_size > 1,
+            expert=True,
+            dtype=dtype,
+            device=device,
+        )
+        self.gate_up_proj = _Projection(
+            make_parameter(
+                (2 * ffn_hidden_size, hidden_size),
+                init_method,
+                tp_dim=0 if split else None,
+                tp_blocks=(ffn_hidden_size, ffn_hidden_size) if split else None,
+                name=f"expert {expert_index} gate_up_proj (2 x ffn_hidden_size {ffn_hidden_size})",
+                generator_seed=expert_seed(layer_seed, expert_index, "gate_up_proj.weight"),
+                **common,
+            )
+        )
+        self.down_proj = _Projection(
+            make_parameter(
+                (hidden_size, ffn_hidden_size),
+                output_init_method,
+                tp_dim=1 if split else None,
+                name=f"expert {expert_index} down_proj (ffn_hidden_size {ffn_hidden_size})",
+                generator_seed=expert_seed(layer_seed, expert_index, "down_proj.weight"),
+                **common,
+            )
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(ops.swiglu(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+
+
+class GroupedExperts(torch.nn.ModuleDict):
+    """This rank's experts, keyed by global index. ``forward(x, tokens_per_expert)`` takes the tokens of
+    its experts in expert order (``tokens_per_expert[i]`` rows for its ``i``-th expert) and computes all
+    of them with two grouped matmuls (:func:`megacann.ops.grouped_matmul`)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        init_method: InitMethod,
+        output_init_method: InitMethod,
+        layer_seed: int,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        tensor_parallel: bool = True,
+        group: Optional[torch.distributed.ProcessGroup] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts {num_experts} is not divisible by expert_model_parallel_size {ep_size}")
+        super().__init__()
+        tp_size = mappings.tp_world_size(group)
+        local = num_experts // ep_size
+        self.num_experts = num_experts
+        self.first_expert = ep_rank * local
+        experts = {
+            str(e): ExpertMLP(
+                hidden_size,
+                ffn_hidden_size,
+                e,
+                layer_seed,
+                init_method,
+                output_init_method,
+                tp_rank=mappings.tp_rank(group),
+                tp_size=tp_size,
+                tensor_parallel=tensor_parallel,
+                dtype=dtype,
+                device=device,
+            )
+            for e in range(self.first_expert, self.first_expert + local)
+        }
+        self.update(experts)
+
+    @property
+    def expert_indices(self) -> range:
+        """Global indices of the experts this rank holds."""
+        return range(self.first_expert, self.first_expert + len(self))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
+        experts = list(self.values())
+        gate_up = ops.grouped_matmul(x, [e.gate_up_proj.weight for e in experts], tokens_per_expert)
+        return ops.grouped_matmul(ops.swiglu(gate_up), [e.down_proj.weight for e in experts], tokens_per_expert)

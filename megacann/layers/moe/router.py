@@ -1,0 +1,190 @@
+"""The top-k router: scores, expert choice, auxiliary losses, capacity and bias-based balancing.
+
+For tokens ``x [T, h]`` the router computes logits ``x Wᵀ`` (in fp32 at least), scores (softmax over the experts
+or a sigmoid per expert), picks the ``top_k`` experts with the highest ``score + expert_bias`` (the bias,
+zero unless bias-based balancing is on, only steers the choice) and weights them with their scores,
+optionally normalised to sum to one and scaled.
+
+Auxiliary losses, already multiplied by their coefficients, over the ``N`` tokens of the tensor-parallel
+group (every TP rank routes its own share of them):
+
+- load balancing (Switch Transformer): ``coeff · E · Σ_e f_e · P_e`` with ``f_e`` the fraction of the
+  ``N · top_k`` assignments that went to expert ``e`` and ``P_e`` the mean over tokens of the scores
+  normalised to sum to one per token. Perfect balance gives ``coeff``;
+- z-loss (ST-MoE): ``coeff · mean_t logsumexp(logits_t)²``.
+
+Under tensor parallelism each rank computes its tokens' share of a loss and the shares are summed in
+forward only, so every rank holds the whole value and backward reaches each token once; the router
+weight's gradient is then partial per rank (marked ``tp_partial_grad``).
+
+Bias-based balancing (DeepSeek-V3): in training the router adds up how many tokens each expert was
+chosen for; :meth:`TopKRouter.update_expert_bias` (after the optimizer step) moves each bias by
+``bias_update_rate`` towards balance: ``bias_e += rate · sign(mean load − load_e)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megacann.layers import mappings
+from megacann.layers.init import init_normal, make_parameter
+from megacann.layers.random import is_recomputing
+from megacann.layers.sharding import InitMethod
+
+
+@dataclass
+class Routing:
+    """The router's decision for ``T`` tokens.
+
+    ``probs`` ``[T, k]`` weights of the chosen experts (fp32 or wider, with grad); ``expert_ids`` ``[T, k]``
+    (int64); ``scores`` ``[T, k]`` the chosen experts' raw scores (no grad; capacity priority);
+    ``tokens_per_expert`` ``[E]`` assignments per expert over the TP group's tokens; ``aux_losses``
+    weighted auxiliary losses by name (only those with a non-zero coefficient)."""
+
+    probs: torch.Tensor
+    expert_ids: torch.Tensor
+    scores: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def load_balancing_loss(
+    scores: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int, top_k: int, coeff: float
+) -> torch.Tensor:
+    """Switch-transformer loss of the tokens whose normalised scores are ``scores`` ``[T, E]``, with
+    ``tokens_per_expert`` and ``num_tokens`` counted over all tokens the loss is about (``T`` may be a
+    share of them; the shares' losses add up to the whole)."""
+    num_experts = scores.shape[-1]
+    fraction = tokens_per_expert.to(scores.dtype) / (num_tokens * top_k)
+    mean_score = scores.sum(0) / num_tokens
+    return coeff * num_experts * (fraction * mean_score).sum()
+
+
+def z_loss(logits: torch.Tensor, num_tokens: int, coeff: float) -> torch.Tensor:
+    """``coeff · Σ_t logsumexp(logits_t)² / num_tokens`` over the rows of ``logits``."""
+    return coeff * torch.logsumexp(logits, dim=-1).square().sum() / num_tokens
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Most tokens one expert takes in a forward: ``ceil(capacity_factor · tokens · top_k / experts)``."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def capacity_mask(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Which assignments ``[T, k]`` an expert of ``capacity`` keeps: within each expert, the ``capacity``
+    assignments with the highest router score; among equal scores the earlier token (then the earlier
+    of its top-k slots) wins. The rest are dropped: that expert does not see the token, whose output
+    lacks that expert's share (it still gets its other experts and the shared experts)."""
+    flat_ids, flat_scores = expert_ids.reshape(-1), scores.reshape(-1)
+    by_score = torch.argsort(-flat_scores, stable=True)  # ties keep token order
+    order = by_score[torch.argsort(flat_ids[by_score], stable=True)]  # grouped by expert, best first
+    counts = torch.bincount(flat_ids, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.empty_like(flat_ids)
+    rank_in_expert[order] = torch.arange(order.numel(), device=order.device) - starts[flat_ids[order]]
+    return (rank_in_expert < capacity).view_as(expert_ids)
+
+
+class TopKRouter(torch.nn.Module):
+    """``forward(x [T, h]) -> Routing``. ``weight`` ``[num_experts, hidden_size]`` is whole on every rank;
+    ``expert_bias`` (a persistent fp32 buffer, present when ``bias_update_rate > 0``) steers the choice.
+
+    ``group`` is the tensor-parallel group over which the tokens of one sequence are split (each rank
+    routes its share); the token counts and auxiliary losses are summed over it."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        score_function: str = "softmax",
+        normalize_top_k: bool = True,
+        routed_scaling_factor: float = 1.0,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        bias_update_rate: float = 0.0,
+        init_method: Optional[InitMethod] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_function = score_function
+        self.normalize_top_k = normalize_top_k
+        self.routed_scaling_factor = routed_scaling_factor
+        self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
+        self.bias_update_rate = bias_update_rate
+        self.group = group
+        self.tp_size = mappings.tp_world_size(group)
+        self.weight = make_parameter(
+            (num_experts, hidden_size),
+            init_method or init_normal(),
+            tp_rank=0,
+            tp_size=1,
+            tp_partial_grad=self.tp_size > 1,
+            name="TopKRouter weight",
+            dtype=dtype,
+            device=device,
+        )
+        bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if bias_update_rate > 0 else None
+        self.register_buffer("expert_bias", bias)
+        load = None if bias is None else torch.zeros(num_experts, dtype=torch.int64, device=device)  # exact counts
+        self.register_buffer("load_since_update", load, persistent=False)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, score_function={self.score_function}, "
+            f"normalize_top_k={self.normalize_top_k}, bias_update_rate={self.bias_update_rate}"
+        )
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        if self.score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+        choice = scores.detach() if self.expert_bias is None else scores.detach() + self.expert_bias
+        expert_ids = torch.topk(choice, self.top_k, dim=-1).indices
+        probs = scores.gather(1, expert_ids)
+        if self.normalize_top_k and self.top_k > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.routed_scaling_factor != 1.0:
+            probs = probs * self.routed_scaling_factor
+        tokens_per_expert = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts)
+        if self.tp_size > 1:
+            dist.all_reduce(tokens_per_expert, group=mappings.tp_group(self.group))
+        if self.expert_bias is not None and self.training and not is_recomputing():
+            self.load_since_update += tokens_per_expert
+        routing = Routing(probs, expert_ids, scores.detach().gather(1, expert_ids), tokens_per_expert)
+        num_tokens = x.shape[0] * self.tp_size
+        if self.aux_loss_coeff > 0:
+            normalised = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
+            loss = load_balancing_loss(normalised, tokens_per_expert, num_tokens, self.top_k, self.aux_loss_coeff)
+            routing.aux_losses["load_balancing"] = self._sum_over_tp(loss)
+        if self.z_loss_coeff > 0:
+            routing.aux_losses["z_loss"] = self._sum_over_tp(z_loss(logits, num_tokens, self.z_loss_coeff))
+        return routing
+
+    def _sum_over_tp(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' shares in forward; backward passes the gradient through unchanged."""
+        return mappings.reduce_from_tensor_model_parallel_region(loss, self.group) if self.tp_size > 1 else loss
+
+    @torch.no_grad()
+    def update_expert_bias(self, load: Optional[torch.Tensor] = None) -> None:
+        """Move the bias by ``bias_update_rate`` towards balance, from ``load`` (default: the load this
+        router counted since the last update, which is then reset). For the same bias on every rank the
+        load must be the same everywhere: :func:`megacann.layers.moe.update_expert_biases` sums it over the
+        data-parallel group first."""
+        if self.expert_bias is None:
+            raise RuntimeError("TopKRouter.update_expert_bias: bias-based balancing is off (bias_update_rate 0)")
+        load = (self.load_since_update if load is None else load).double()
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load).to(self.expert_bias)
+        self.load_since_update.zero_()
