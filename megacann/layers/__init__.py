@@ -11,6 +11,19 @@ from megacann.layers.cross_entropy import vocab_parallel_cross_entropy
 from megacann.layers.embedding import VocabParallelEmbedding, pad_vocab_size
 from megacann.layers.init import init_normal, init_ones, init_scaled_normal, init_zeros, make_parameter
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megacann.layers.lora import (
+    FUSED_PROJECTIONS,
+    LoRAAdapter,
+    LoRAConfig,
+    attach_lora,
+    count_parameters,
+    init_adapters_,
+    is_lora_parameter,
+    lora_adapters,
+    lora_parameters,
+    merge_lora,
+    unmerge_lora,
+)
 from megacann.layers.mappings import (
     SEQUENCE_DIM,
     copy_to_tensor_model_parallel_region,
@@ -72,4 +85,16 @@ __all__ = [
     "set_sharding",
     "sync_partial_grads",
     "vocab_parallel_cross_entropy",
+    # LoRA adapters on the parallel linear layers
+    "FUSED_PROJECTIONS",
+    "LoRAAdapter",
+    "LoRAConfig",
+    "attach_lora",
+    "count_parameters",
+    "init_adapters_",
+    "is_lora_parameter",
+    "lora_adapters",
+    "lora_parameters",
+    "merge_lora",
+    "unmerge_lora",
 ]
