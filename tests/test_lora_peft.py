@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megacann.config import ModelConfig
-from megacann.layers import LoRAConfig, attach_lora, init_adapters_, init_normal, lora_parameters
+from megacann.layers import LoRAConfig, attach_lora, init_adapters_, init_normal, lora_parameters, unload_lora
 from megacann.layers.sharding import init_sharded_
 from megacann.models import LlamaModel, decoder, from_pretrained_hf
 from megacann.models.decoder import initialize_weights, parameter_seed
@@ -110,6 +110,19 @@ def test_a_peft_adapter_loads_into_fused_projections(tmp_path):
     load_peft_adapter(fused, str(tmp_path / "adapter"))
     assert tuple(fused.layers["0"].self_attn.qkv_proj.adapter.lora_A.shape) == (12, 32)  # 3 parts, rank 4 each
     torch.testing.assert_close(_logits(fused), _logits(separate), rtol=0, atol=1e-5)
+
+
+def test_merged_and_unloaded_model_exports_to_transformers_with_the_adapter_logits(tmp_path):
+    model = _base(fused_qkv=True)
+    attach_lora(model, LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "gate_up_proj", "o_proj")))
+    _randomise_adapters(model)
+    adapted = _logits(model)
+    assert unload_lora(model, merge=True) == 2 * 3
+    assert not any(".adapter." in name for name, _ in model.named_parameters())
+    model.save_pretrained_hf(str(tmp_path))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(IDS).logits, adapted, rtol=0, atol=1e-4)
 
 
 def _write_adapter(path, **changes):

@@ -22,6 +22,7 @@ from megacann.layers.lora import (
     lora_adapters,
     lora_parameters,
     merge_lora,
+    unload_lora,
     unmerge_lora,
 )
 from megacann.layers.mappings import (
@@ -96,5 +97,6 @@ __all__ = [
     "lora_adapters",
     "lora_parameters",
     "merge_lora",
+    "unload_lora",
     "unmerge_lora",
 ]

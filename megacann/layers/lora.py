@@ -349,6 +349,19 @@ def unmerge_lora(model: torch.nn.Module) -> int:
     return count
 
 
+def unload_lora(model: torch.nn.Module, merge: bool = True) -> int:
+    """Take every LoRA out of ``model`` (merged into the base weights first when ``merge``), leaving a plain
+    model with the base's parameter names, e.g. to export it. Returns the number of adapters removed."""
+    if merge:
+        merge_lora(model)
+    count = 0
+    for _, layer in _parallel_linears(model):
+        if isinstance(layer.adapter, LoRAAdapter):
+            layer.adapter = None
+            count += 1
+    return count
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` numbers of elements held by this rank."""
     params = list(model.parameters())
