@@ -61,6 +61,10 @@ def test_adapted_model_equals_base_at_init_and_base_is_frozen():
     with torch.no_grad():
         expected = base(input_ids=ids)
     model = _lora_model(LoRAConfig(rank=4, alpha=8, dropout=0.1, target_modules="all-linear"))
+    drawn = {name: p.detach().clone() for name, p in lora_parameters(model)}
+    initialize_weights(model, 3)  # the whole-model initialiser draws adapters from their names alike
+    assert all(torch.equal(p, drawn[name]) for name, p in lora_parameters(model))
+    assert all(p.abs().sum() > 0 for name, p in drawn.items() if name.endswith("lora_A"))
     model.train()  # dropout on: B = 0 still makes every adapter output exactly zero
     assert torch.equal(model(input_ids=ids), expected)
     assert len(list(lora_adapters(model))) == 2 * 6  # q, k, v, o, gate_up (fused: gate and up parts), down

@@ -15,7 +15,7 @@ import torch
 from megacann.config import ModelConfig
 from megacann.layers import LoRAConfig, attach_lora, init_adapters_, init_normal, lora_parameters, unload_lora
 from megacann.layers.sharding import init_sharded_
-from megacann.models import LlamaModel, decoder, from_pretrained_hf
+from megacann.models import GPTModel, LlamaModel, decoder, from_pretrained_hf
 from megacann.models.decoder import initialize_weights, parameter_seed
 from megacann.models.full_state import load_full_state_dict_
 from megacann.models.hf_llama import SafetensorsReader, from_hf_tensors
@@ -152,3 +152,11 @@ def test_adapters_megacann_cannot_honour_are_refused(tmp_path, changes, message)
     _write_adapter(tmp_path, **changes)
     with pytest.raises(PeftFormatError, match=message):
         load_peft_adapter(_base(), str(tmp_path))
+
+
+def test_peft_export_is_refused_for_models_it_does_not_name(tmp_path):
+    gpt = GPTModel(replace(CFG, type="gpt", num_key_value_heads=None))
+    lora = LoRAConfig(target_modules=("q_proj",))
+    attach_lora(gpt, lora)
+    with pytest.raises(PeftFormatError, match="written for LLaMA models, not model.type 'gpt'"):
+        save_peft_adapter([gpt], str(tmp_path), lora)

@@ -149,6 +149,8 @@ def write_peft_adapter(
     """Write whole megacann adapter tensors (held by one process) as a PEFT adapter directory."""
     from safetensors.torch import save_file
 
+    if cfg.type != "llama":
+        raise PeftFormatError(f"{path}: PEFT adapters are written for LLaMA models, not model.type {cfg.type!r}")
     peft_tensors = to_peft_tensors(tensors, cfg, lora)
     if not peft_tensors:
         raise PeftFormatError(f"{path}: no LoRA tensors to write (is a LoRA attached to the model?)")
