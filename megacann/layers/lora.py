@@ -272,28 +272,29 @@ def attach_lora(model: torch.nn.Module, config: LoRAConfig, freeze_base: bool = 
     that may hold no such layer, and check across stages)."""
     targets = config.target_modules
     used: set[str] = set()
-    adapted = []
-    for name, layer in _parallel_linears(model):
+    plans = []  # checked in full before any layer changes
+    for name, layer in list(_parallel_linears(model)):
         leaf = name.rsplit(".", 1)[-1]
         target = resolve_target(leaf, _num_blocks(layer), targets)
         if target is None:
             continue
         if layer.adapter is not None:
             raise ValueError(f"{name} already has an adapter ({type(layer.adapter).__name__})")
-        layer.adapter = LoRAAdapter(layer, target, config.rank, config.alpha, config.dropout)
         used.update(
             t for t in targets if t == leaf or t in target.selected_parts or leaf in FUSED_PROJECTIONS.get(t, ())
         )
-        adapted.append(name)
+        plans.append((name, layer, target))
     missing = [t for t in targets if t not in used]
     if strict and missing:
         have = sorted({n.rsplit(".", 1)[-1] for n, _ in _parallel_linears(model)} & set(PROJECTION_NAMES))
         raise ValueError(f"LoRA target_modules {missing} match no layer of the model; its projections are {have}")
+    for _, layer, target in plans:
+        layer.adapter = LoRAAdapter(layer, target, config.rank, config.alpha, config.dropout)
     if freeze_base:
         for param in model.parameters():
             if not is_lora_parameter(param):
                 param.requires_grad_(False)
-    return adapted
+    return [name for name, _, _ in plans]
 
 
 def lora_adapters(model: torch.nn.Module) -> Iterator[tuple[str, LoRAAdapter]]:
