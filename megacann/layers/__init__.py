@@ -28,6 +28,20 @@ from megacann.layers.init import (
     parameter_seed,
 )
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megacann.layers.lora import (
+    FUSED_PROJECTIONS,
+    LoRAAdapter,
+    LoRAConfig,
+    attach_lora,
+    count_parameters,
+    init_adapters_,
+    is_lora_parameter,
+    lora_adapters,
+    lora_parameters,
+    merge_lora,
+    unload_lora,
+    unmerge_lora,
+)
 from megacann.layers.loss import (
     IGNORE_INDEX,
     ChunkOutput,
@@ -101,6 +115,19 @@ __all__ = [
     "tie_embedding_across_stages",
     "pad_vocab_size",
     "rope_inv_freq",
+    # LoRA adapters on the parallel linear layers
+    "LoRAConfig",
+    "LoRAAdapter",
+    "attach_lora",
+    "init_adapters_",
+    "merge_lora",
+    "unmerge_lora",
+    "unload_lora",
+    "lora_adapters",
+    "lora_parameters",
+    "is_lora_parameter",
+    "count_parameters",
+    "FUSED_PROJECTIONS",
     # mixture of experts
     "MoEConfig",
     "MoELayer",

@@ -9,6 +9,10 @@ MLP) needs one all-reduce forward and one backward.
 Under sequence parallelism the activations between blocks are split along the sequence (dim 1 of
 ``[batch, seq, hidden]``): the column layer all-gathers the sequence first, and the row layer
 reduce-scatters its output back to sequence shards instead of all-reducing.
+
+Both layers have an ``adapter`` slot (None by default): a module called as ``adapter(x_local, rows)`` on
+the same local input as the weight, whose output (or None) is added to the local output before any gather
+or reduction, so it is sharded and reduced like the base layer (LoRA: :mod:`megacann.layers.lora`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ from megacann.layers.init import init_normal, init_zeros, make_parameter
 from megacann.layers.sharding import InitMethod, ParamSharding, unshard_tensors
 
 LinearOutput = Union[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def add_adapter_output(
+    adapter: Optional[torch.nn.Module], y: torch.Tensor, x: torch.Tensor, rows: Optional[tuple[int, int]]
+) -> torch.Tensor:
+    """``y`` plus the adapter's output on the same local input (an adapter may return None: inactive)."""
+    if adapter is None:
+        return y
+    delta = adapter(x, rows)
+    return y if delta is None else y + delta
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -91,6 +105,7 @@ class ColumnParallelLinear(torch.nn.Module):
             self.bias = make_parameter(
                 (output_size,), init_zeros(), name=f"ColumnParallelLinear output_size {output_size}", **common
             )
+        self.adapter: Optional[torch.nn.Module] = None
 
     def extra_repr(self) -> str:
         return (
@@ -115,6 +130,7 @@ class ColumnParallelLinear(torch.nn.Module):
             weight = weight[rows[0] : rows[1]]
             bias = bias[rows[0] : rows[1]] if bias is not None else None
         y = F.linear(x, weight, None if self.skip_bias_add else bias)
+        y = add_adapter_output(self.adapter, y, x, rows)
         if self.gather_output and self.tp_size > 1:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.group)
             if self.tp_blocks is not None and len(self.tp_blocks) > 1:
@@ -191,6 +207,7 @@ class RowParallelLinear(torch.nn.Module):
                 dtype=dtype,
                 device=device,
             )
+        self.adapter: Optional[torch.nn.Module] = None
 
     def extra_repr(self) -> str:
         return (
@@ -205,10 +222,12 @@ class RowParallelLinear(torch.nn.Module):
         add_bias = self.bias is not None and not self.skip_bias_add
         if self.tp_size == 1:
             y = F.linear(x, self.weight, self.bias if add_bias else None)
+            y = add_adapter_output(self.adapter, y, x, None)
         else:
             if not self.input_is_parallel:
                 x = mappings.scatter_to_tensor_model_parallel_region(x, self.group)
             y = F.linear(x, self.weight)
+            y = add_adapter_output(self.adapter, y, x, None)  # partial sums, reduced with the base layer's
             if self.sequence_parallel:
                 y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.group)
             else:

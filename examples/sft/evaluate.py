@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Exact-match accuracy of a model's greedy answers on held-out SFT questions.
+
+    python examples/sft/evaluate.py --model out/hf --tokenizer byte --data data/add3/test.jsonl \
+        --template plain [--adapter out/peft] [--predictions preds.jsonl] [--output summary.json]
+
+``--model`` is a Hugging Face LLaMA directory (what megacann exports); ``--adapter`` a PEFT LoRA directory
+put on it. Each question of the JSONL file (megacann's SFT format, docs/data.md) becomes the prompt the
+training data path builds (``[BOS] + prompt`` in ``--template``, tokenized segment by segment); the answer
+is generated greedily until EOS or ``--max_new_tokens``. A prediction is correct when it equals the
+reference answer after stripping surrounding whitespace (and the template's answer suffix, e.g. ChatML's
+``<|im_end|>``). Generation is batched with left padding (padding is its own segment, so no real token
+attends to it) and recomputes the whole sequence each step: no KV cache, fine at demonstration size.
+
+Prints one JSON line ``{"correct", "total", "accuracy", ...}``; ``--output`` writes it to a file and
+``--predictions`` writes every question with its prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+import torch
+
+from megacann.data.sft import SFTStats, read_jsonl, tokenize_conversation
+from megacann.data.sft_templates import PromptTemplate, get_template
+from megacann.data.tokenizer import load_tokenizer
+
+
+def prompt_ids(messages: list[dict], template: PromptTemplate, tokenizer) -> list[int]:
+    """The tokens training puts before the last answer: the conversation without its last assistant turn,
+    tokenized exactly as the SFT data path does (its trailing EOS dropped)."""
+    ids, _ = tokenize_conversation(messages[:-1], template, tokenizer)
+    return ids[:-1].tolist()
+
+
+def _left_padded(rows: list[list[int]], pad_id: int, device: torch.device):
+    """``input_ids``, ``position_ids`` and ``segment_ids`` ``[b, width]``; padding is segment 0."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions = torch.zeros_like(ids)
+    segments = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        start = width - len(row)
+        ids[i, start:] = torch.tensor(row)
+        positions[i, start:] = torch.arange(len(row))
+        segments[i, start:] = 1
+    return ids.to(device), positions.to(device), segments.to(device)
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    eos_id: int,
+    max_new_tokens: int,
+    batch_size: int = 32,
+    pad_id: Optional[int] = None,
+) -> list[list[int]]:
+    """The tokens each prompt continues with, greedily, up to (not including) EOS. ``model(input_ids,
+    position_ids, segment_ids)`` must return logits ``[b, s, vocab]`` (a megacann DecoderLM does)."""
+    model.eval()
+    device = next(model.parameters()).device
+    pad = eos_id if pad_id is None else pad_id
+    generated: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        rows = [list(p) for p in prompts[start : start + batch_size]]
+        new: list[list[int]] = [[] for _ in rows]
+        done = [False] * len(rows)
+        for _ in range(max_new_tokens):
+            ids, positions, segments = _left_padded(rows, pad, device)
+            logits = model(input_ids=ids, position_ids=positions, segment_ids=segments)
+            for i, token in enumerate(logits[:, -1].argmax(dim=-1).tolist()):
+                if done[i]:
+                    continue
+                if token == eos_id:
+                    done[i] = True
+                else:
+                    new[i].append(token)
+                    rows[i].append(token)
+            if all(done):
+                break
+        generated += new
+    return generated
+
+
+def normalise(text: str, template: PromptTemplate) -> str:
+    text = text.strip()
+    suffix = template.assistant_suffix.strip()
+    if suffix and text.endswith(suffix):
+        text = text[: -len(suffix)].rstrip()
+    return text
+
+
+def exact_match(prediction: str, answer: str, template: PromptTemplate) -> bool:
+    return normalise(prediction, template) == answer.strip()
+
+
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer,
+    conversations: list[list[dict]],
+    template: PromptTemplate,
+    max_new_tokens: int = 16,
+    batch_size: int = 32,
+) -> tuple[dict, list[dict]]:
+    """(summary, per-question records) of greedy exact-match accuracy on ``conversations``."""
+    prompts = [prompt_ids(m, template, tokenizer) for m in conversations]
+    outputs = greedy_generate(model, prompts, tokenizer.eos_id, max_new_tokens, batch_size, tokenizer.pad_id)
+    records = []
+    for messages, tokens in zip(conversations, outputs):
+        prediction, answer = tokenizer.decode(tokens), messages[-1]["content"]
+        question = messages[-2]["content"] + (f"\n{messages[-2]['input']}" if messages[-2].get("input") else "")
+        records.append(
+            {
+                "question": question,
+                "answer": answer,
+                "prediction": prediction,
+                "tokens": tokens,
+                "correct": exact_match(prediction, answer, template),
+            }
+        )
+    correct = sum(r["correct"] for r in records)
+    total = len(records)
+    summary = {"correct": correct, "total": total, "accuracy": correct / total if total else 0.0}
+    return summary, records
+
+
+def load_model(path: str, adapter: Optional[str], precision: str, device: str) -> torch.nn.Module:
+    from megacann.models import from_pretrained_hf
+    from megacann.models.peft import load_peft_adapter
+
+    model = from_pretrained_hf(path, precision=precision, device=device)
+    if adapter:
+        load_peft_adapter(model, adapter)
+    return model
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="Hugging Face LLaMA directory")
+    parser.add_argument("--adapter", default=None, help="PEFT LoRA directory to put on the model")
+    parser.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json or a tokenizer directory")
+    parser.add_argument("--data", required=True, help="JSONL questions in megacann's SFT format")
+    parser.add_argument("--template", default="alpaca", help="data.prompt_template used in training")
+    parser.add_argument("--max_new_tokens", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N questions only")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--predictions", default=None, help="write every question and prediction (JSONL)")
+    parser.add_argument("--output", default=None, help="write the summary (JSON)")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        parser.error("--max_new_tokens and --batch_size must be >= 1")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    tokenizer = load_tokenizer(args.tokenizer)
+    template = get_template(args.template)
+    conversations = [m for _, m in read_jsonl(args.data, skip_bad_lines=False, stats=SFTStats())]
+    if args.limit is not None:
+        conversations = conversations[: args.limit]
+    model = load_model(args.model, args.adapter, args.precision, args.device)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise SystemExit(
+            f"evaluate: the tokenizer has {tokenizer.vocab_size} tokens but {args.model} only {model.vocab_size}"
+        )
+    summary, records = evaluate(model, tokenizer, conversations, template, args.max_new_tokens, args.batch_size)
+    summary.update(model=args.model, adapter=args.adapter, data=args.data, template=args.template)
+    if args.predictions:
+        with open(args.predictions, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(summary, f, indent=1)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,369 @@
+"""LoRA (low-rank adaptation) on column- and row-parallel linear layers, sharded like the layer it adapts.
+
+A LoRA adds ``scaling * B A x`` to a frozen projection ``W x`` (``A`` ``[r, in]`` drawn at random, ``B``
+``[out, r]`` zero, so the adapted model starts equal to the base; ``scaling = alpha / r``). Under tensor
+parallelism the adapter follows its base layer, and tp N computes what one process computes:
+
+- column-parallel (output rows split): ``B`` is split by rows with the weight (fused blocks each split,
+  like the weight's ``tp_blocks``), ``A`` is replicated; each rank's ``A`` gradient covers only its rows,
+  so it is marked ``tp_partial_grad`` (summed over TP by ``sync_partial_grads`` / the optimizer). The
+  adapter reads the layer's prepared input, so sequence parallelism's gather (and its gradient's
+  reduce-scatter) serve both;
+- row-parallel (input columns split): ``A`` is split by columns with the weight, ``B`` is replicated and
+  ``tp_partial_grad``; each rank's ``B A x_local`` is a partial sum added to the layer's partial output
+  before its all-reduce (or reduce-scatter under sequence parallelism), so no extra collective runs;
+- a column layer replicated over TP (kv heads fewer than TP ranks): ``A`` and ``B`` replicated, both
+  ``tp_partial_grad``, and ``B`` sliced to the rows the layer serves.
+
+Dropout on the adapter's input draws one mask over the whole input from the default generator (equal on
+every TP rank) and keeps this rank's slice, so masks do not depend on the layout either.
+
+Targets are leaf names of projection layers. megacann may fuse projections: ``qkv_proj`` is q, k, v and
+``gate_up_proj`` is gate, up (output blocks, see :data:`FUSED_PROJECTIONS`). Naming the fused layer puts
+one rank-r LoRA on the whole fused matrix (one ``A`` shared by the blocks, ``B`` spanning all of them).
+Naming parts (``q_proj``, ``v_proj``, ``gate_proj``…) on a fused layer gives each named block its own
+rank-r LoRA (own ``A`` and ``B``) and leaves the other blocks unchanged: exactly Hugging Face PEFT's LoRA on
+separate projections. On a model with separate projections, a fused name selects each of its parts.
+
+Adapter parameters live in the layer's ``adapter`` slot (``…qkv_proj.adapter.lora_A`` / ``.lora_B``), are
+made with :func:`make_parameter` (sharding and init method attached), so ``initialize_weights`` or
+:func:`init_adapters_` draws them from their names, identically under every layout.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from megacann.layers import mappings
+from megacann.layers.init import init_zeros, make_parameter
+from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megacann.layers.sharding import INIT_ATTR, init_sharded_
+
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTION_NAMES = (*HF_PROJECTIONS, *FUSED_PROJECTIONS)
+ALL_PROJECTIONS = "all-linear"  # PEFT's shorthand: every attention and MLP projection
+LORA_ATTR = "megacann_lora"  # marks adapter parameters
+
+ParallelLinear = Union[ColumnParallelLinear, RowParallelLinear]
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Rank ``rank``, scaling ``alpha / rank``, input dropout ``dropout``, and the projection names to adapt
+    (``target_modules``: names from :data:`PROJECTION_NAMES`, or ``"all-linear"``)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self) -> None:
+        targets = self.target_modules
+        if isinstance(targets, str):
+            targets = HF_PROJECTIONS if targets == ALL_PROJECTIONS else (targets,)
+        object.__setattr__(self, "target_modules", tuple(targets))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            raise ValueError(f"LoRA target_modules is empty; choose from {', '.join(PROJECTION_NAMES)}")
+        for name in self.target_modules:
+            if name not in PROJECTION_NAMES:
+                close = difflib.get_close_matches(str(name), PROJECTION_NAMES, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"LoRA target_modules: {name!r} is not a projection name ({', '.join(PROJECTION_NAMES)} "
+                    f"or {ALL_PROJECTIONS!r}){hint}"
+                )
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """What a LoRA does on one layer: which of its output blocks (``parts``) get a delta (``selected``), and
+    whether those share one ``A`` (a LoRA on the fused matrix) or each has its own."""
+
+    parts: tuple[str, ...]
+    selected: tuple[bool, ...]
+    shared: bool
+
+    @property
+    def groups(self) -> int:
+        """Number of independent (A, B) pairs."""
+        return 1 if self.shared else sum(self.selected)
+
+    @property
+    def selected_parts(self) -> tuple[str, ...]:
+        return tuple(p for p, s in zip(self.parts, self.selected) if s)
+
+
+def resolve_target(leaf: str, num_blocks: int, targets: Sequence[str]) -> Optional[LoRATarget]:
+    """The LoRA a layer named ``leaf`` with ``num_blocks`` fused output blocks gets from ``targets``
+    (None: not adapted). Shared by :func:`attach_lora` and the PEFT writer/reader, so both agree."""
+    parts = FUSED_PROJECTIONS.get(leaf)
+    if parts is not None and num_blocks == len(parts):
+        named = tuple(p in targets for p in parts)
+        if leaf in targets:
+            if any(named):
+                both = [p for p, n in zip(parts, named) if n]
+                raise ValueError(
+                    f"LoRA target_modules names both the fused {leaf!r} and its parts {both}; name either the "
+                    f"fused projection (one LoRA on the whole matrix) or its parts (one LoRA each)"
+                )
+            return LoRATarget(parts, (True,) * len(parts), shared=True)
+        return LoRATarget(parts, named, shared=False) if any(named) else None
+    if leaf in targets or any(leaf in FUSED_PROJECTIONS.get(t, ()) for t in targets):
+        return LoRATarget((leaf,), (True,), shared=True)
+    return None
+
+
+def _kaiming_uniform(tensor: torch.Tensor, a: float) -> torch.Tensor:
+    return torch.nn.init.kaiming_uniform_(tensor, a=a)
+
+
+def init_lora_a() -> Callable[[torch.Tensor], object]:
+    """Kaiming-uniform with ``a = sqrt(5)`` on the whole ``A`` (PEFT's and ``nn.Linear``'s default)."""
+    return functools.partial(_kaiming_uniform, a=math.sqrt(5.0))
+
+
+def _mark(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    setattr(param, LORA_ATTR, True)
+    return param
+
+
+def is_lora_parameter(param: torch.Tensor) -> bool:
+    return bool(getattr(param, LORA_ATTR, False))
+
+
+class LoRAAdapter(torch.nn.Module):
+    """The LoRA of one parallel linear layer; installed in its ``adapter`` slot by :func:`attach_lora`.
+
+    ``lora_A`` is ``[groups * r, in]`` (one ``[r, in]`` block per independent LoRA; split by columns on a
+    row-parallel layer) and ``lora_B`` ``[rows of the selected blocks, r]`` (split by rows on a
+    column-parallel layer). ``forward(x, rows)`` returns ``scaling * B A dropout(x)`` for this rank (None
+    while merged into the base weight).
+    """
+
+    def __init__(self, base: ParallelLinear, target: LoRATarget, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+            raise TypeError(f"LoRA attaches to ColumnParallelLinear / RowParallelLinear, not {type(base).__name__}")
+        self.column = isinstance(base, ColumnParallelLinear)
+        self.rank, self.alpha, self.scaling, self.dropout_p = rank, alpha, alpha / rank, dropout
+        self.target = target
+        self.tp_rank, self.tp_size = mappings.tp_rank(base.group), base.tp_size
+        self.merged = False
+        out_size, in_size = base.output_size, base.input_size
+        blocks = tuple(base.tp_blocks) if self.column and base.tp_blocks else (out_size,)
+        if len(blocks) != len(target.parts):
+            raise ValueError(f"LoRA target {target.parts} does not match the layer's {len(blocks)} output blocks")
+        chosen = tuple(b for b, s in zip(blocks, target.selected) if s)
+        replicated = self.column and base.replicated
+        shards = 1 if replicated or not self.column else self.tp_size
+        self.local_blocks = tuple(b // shards for b in blocks)
+        self.local_chosen = tuple(b // shards for b in chosen)
+        groups = target.groups
+        common = dict(tp_rank=self.tp_rank, tp_size=self.tp_size, dtype=base.weight.dtype, device=base.weight.device)
+        what = f"LoRA on {type(base).__name__}({in_size}, {out_size})"
+        if self.column:
+            self.lora_A = make_parameter(
+                (groups * rank, in_size), init_lora_a(), name=what, tp_partial_grad=True, **common
+            )
+            self.lora_B = make_parameter(
+                (sum(chosen), rank),
+                init_zeros(),
+                name=what,
+                tp_dim=None if replicated else 0,
+                tp_blocks=chosen if len(chosen) > 1 and not replicated else None,
+                tp_partial_grad=replicated,
+                **common,
+            )
+        else:
+            self.lora_A = make_parameter((rank, in_size), init_lora_a(), name=what, tp_dim=1, **common)
+            self.lora_B = make_parameter((out_size, rank), init_zeros(), name=what, tp_partial_grad=True, **common)
+        _mark(self.lora_A)
+        _mark(self.lora_B)
+
+    def extra_repr(self) -> str:
+        parts = "+".join(self.target.selected_parts)
+        sharing = "shared A" if self.target.shared else "A per part"
+        return f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout_p}, parts={parts} ({sharing})"
+
+    def local_b(self) -> torch.Tensor:
+        """This rank's ``B`` laid out over the layer's local output rows ``[out_local, groups * r]``: zero rows
+        for unselected blocks, and each independent LoRA's rows in its own ``r`` columns."""
+        target, b = self.target, self.lora_B
+        if all(target.selected) and target.groups == 1:
+            return b
+        pieces, rows, k = b.split(self.local_chosen, dim=0), [], 0
+        width = target.groups * self.rank
+        for size, selected in zip(self.local_blocks, target.selected):
+            if not selected:
+                rows.append(b.new_zeros(size, width))
+                continue
+            piece = pieces[k]
+            if target.groups > 1:
+                piece = F.pad(piece, (k * self.rank, width - (k + 1) * self.rank))
+            rows.append(piece)
+            k += 1
+        return torch.cat(rows, dim=0)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.dropout_p == 0.0:
+            return x
+        keep = 1.0 - self.dropout_p
+        split = not self.column and self.tp_size > 1  # a row layer's input is this rank's slice
+        shape = (*x.shape[:-1], x.shape[-1] * (self.tp_size if split else 1))
+        mask = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
+        if split:
+            mask = mask.narrow(-1, self.tp_rank * x.shape[-1], x.shape[-1])
+        return x * mask / keep
+
+    def forward(self, x: torch.Tensor, rows: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
+        if self.merged:
+            return None
+        b = self.local_b()
+        if rows is not None:
+            b = b[rows[0] : rows[1]]
+        return F.linear(F.linear(self._dropout(x), self.lora_A) * self.scaling, b)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling * B A`` for this rank's slice of the base weight."""
+        return (self.local_b() * self.scaling) @ self.lora_A
+
+
+# -- a whole model ------------------------------------------------------------------------------------
+
+
+def _parallel_linears(model: torch.nn.Module) -> Iterator[tuple[str, ParallelLinear]]:
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            yield name, module
+
+
+def _num_blocks(layer: ParallelLinear) -> int:
+    tp_blocks = getattr(layer, "tp_blocks", None)
+    return len(tp_blocks) if tp_blocks else 1
+
+
+def attach_lora(model: torch.nn.Module, config: LoRAConfig, freeze_base: bool = True, strict: bool = True) -> list[str]:
+    """Install a :class:`LoRAAdapter` on every projection of ``model`` that ``config.target_modules`` names
+    and return the adapted layers' names. ``freeze_base`` sets ``requires_grad=False`` on every other
+    parameter. ``strict``: a target that matches no layer is an error (pass False for a pipeline stage
+    that may hold no such layer, and check across stages)."""
+    targets = config.target_modules
+    used: set[str] = set()
+    plans = []  # checked in full before any layer changes
+    for name, layer in list(_parallel_linears(model)):
+        leaf = name.rsplit(".", 1)[-1]
+        target = resolve_target(leaf, _num_blocks(layer), targets)
+        if target is None:
+            continue
+        if layer.adapter is not None:
+            raise ValueError(f"{name} already has an adapter ({type(layer.adapter).__name__})")
+        used.update(
+            t for t in targets if t == leaf or t in target.selected_parts or leaf in FUSED_PROJECTIONS.get(t, ())
+        )
+        plans.append((name, layer, target))
+    missing = [t for t in targets if t not in used]
+    if strict and missing:
+        have = sorted({n.rsplit(".", 1)[-1] for n, _ in _parallel_linears(model)} & set(PROJECTION_NAMES))
+        raise ValueError(f"LoRA target_modules {missing} match no layer of the model; its projections are {have}")
+    for _, layer, target in plans:
+        layer.adapter = LoRAAdapter(layer, target, config.rank, config.alpha, config.dropout)
+    if freeze_base:
+        for param in model.parameters():
+            if not is_lora_parameter(param):
+                param.requires_grad_(False)
+    return [name for name, _, _ in plans]
+
+
+def lora_adapters(model: torch.nn.Module) -> Iterator[tuple[str, LoRAAdapter]]:
+    """``(name of the adapted layer, its adapter)`` for every LoRA in ``model``."""
+    for name, layer in _parallel_linears(model):
+        if isinstance(layer.adapter, LoRAAdapter):
+            yield name, layer.adapter
+
+
+def lora_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``(full name, parameter)`` of every adapter parameter (this rank's shards)."""
+    for name, param in model.named_parameters():
+        if is_lora_parameter(param):
+            yield name, param
+
+
+@torch.no_grad()
+def init_adapters_(model: torch.nn.Module, seed_for_name: Callable[[str], int]) -> None:
+    """Re-draw every adapter parameter from a seed given by its full name (e.g. ``functools.partial(
+    megacann.models.decoder.parameter_seed, seed)``), leaving the base weights alone: for adapters put on a
+    loaded base model. The result is the same under every TP layout."""
+    for layer_name, adapter in lora_adapters(model):
+        for name, param in adapter.named_parameters():
+            full_name = f"{layer_name}.adapter.{name}"
+            init_sharded_(param, getattr(param, INIT_ATTR), adapter.tp_rank, adapter.tp_size, seed_for_name(full_name))
+
+
+@torch.no_grad()
+def merge_lora(model: torch.nn.Module) -> int:
+    """Add ``scaling * B A`` into every adapted layer's weight (this rank's slice; no communication) and
+    switch the adapters off. Returns the number of layers merged. Keep a merged model for inference or
+    export: its adapters no longer act, and :func:`unmerge_lora` undoes the merge (up to rounding)."""
+    count = 0
+    for _, layer in _parallel_linears(model):
+        adapter = layer.adapter
+        if isinstance(adapter, LoRAAdapter) and not adapter.merged:
+            layer.weight.add_(adapter.delta_weight().to(layer.weight.dtype))
+            adapter.merged = True
+            count += 1
+    return count
+
+
+@torch.no_grad()
+def unmerge_lora(model: torch.nn.Module) -> int:
+    """Subtract merged adapters from their layers' weights and switch them back on."""
+    count = 0
+    for _, layer in _parallel_linears(model):
+        adapter = layer.adapter
+        if isinstance(adapter, LoRAAdapter) and adapter.merged:
+            layer.weight.sub_(adapter.delta_weight().to(layer.weight.dtype))
+            adapter.merged = False
+            count += 1
+    return count
+
+
+def unload_lora(model: torch.nn.Module, merge: bool = True) -> int:
+    """Take every LoRA out of ``model`` (merged into the base weights first when ``merge``), leaving a plain
+    model with the base's parameter names, e.g. to export it. Returns the number of adapters removed."""
+    if merge:
+        merge_lora(model)
+    count = 0
+    for _, layer in _parallel_linears(model):
+        if isinstance(layer.adapter, LoRAAdapter):
+            layer.adapter = None
+            count += 1
+    return count
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` numbers of elements held by this rank."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)

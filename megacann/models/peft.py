@@ -1,0 +1,276 @@
+"""LoRA adapters in Hugging Face PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+The files load with ``peft.PeftModel.from_pretrained(LlamaForCausalLM base, dir)`` on the base exported by
+:func:`megacann.models.hf.save_pretrained_hf`, and back into megacann with :func:`load_peft_adapter`.
+
+Names: megacann's ``layers.3.self_attn.q_proj.adapter.lora_A`` is PEFT's
+``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``. A LoRA on a fused projection
+(``qkv_proj`` = q, k, v; ``gate_up_proj`` = gate, up) is split by output rows: each part gets its rows of
+``B`` and its ``A``, the one ``A`` of the fused matrix when it is shared (target ``qkv_proj``), or the part's
+own block of ``A`` (targets ``q_proj``, ``v_proj``…). Either way ``B_part A_part x`` is exactly the fused
+adapter's output on that part's rows. Reading does the reverse for the model at hand, fused or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann import parallel_state as ps
+from megacann.config import ModelConfig
+from megacann.layers.lora import (
+    ALL_PROJECTIONS,
+    FUSED_PROJECTIONS,
+    HF_PROJECTIONS,
+    LoRAConfig,
+    attach_lora,
+    lora_adapters,
+    lora_parameters,
+    resolve_target,
+)
+from megacann.layers.sharding import get_sharding, shard_tensor
+from megacann.models.full_state import gather_full_tensor
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+ADAPTER_SLOT = ".adapter."
+
+# PEFT settings megacann's LoRA does not implement: loading an adapter that uses them would be wrong.
+_UNSUPPORTED = {
+    "bias": ("none", None),
+    "use_dora": (False, None),
+    "use_rslora": (False, None),
+    "fan_in_fan_out": (False, None),
+    "modules_to_save": (None, []),
+    "layers_to_transform": (None, []),
+    "rank_pattern": ({}, None),
+    "alpha_pattern": ({}, None),
+}
+
+
+class PeftFormatError(ValueError):
+    """An adapter directory megacann cannot read, or tensors that do not fit the LoRA settings."""
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    """``layers.0.self_attn.q_proj.adapter.lora_A`` -> (``layers.0.self_attn.q_proj``, ``lora_A``)."""
+    layer, _, param = name.partition(ADAPTER_SLOT)
+    return layer, param
+
+
+def _peft_key(layer: str, part: str, which: str) -> str:
+    """PEFT's key of ``which`` (lora_A / lora_B) of ``part`` of megacann layer ``layer``."""
+    module = layer.rsplit(".", 1)[0] + "." + part
+    return f"{PEFT_PREFIX}model.{module}.{which}.weight"
+
+
+def fused_block_sizes(leaf: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """Output rows of each part of a projection named ``leaf`` (one entry for an unfused projection)."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if leaf == "qkv_proj":
+        kv = cfg.kv_heads * head_dim
+        return (cfg.num_attention_heads * head_dim, kv, kv)
+    if leaf == "gate_up_proj":
+        return (cfg.ffn_size, cfg.ffn_size)
+    raise ValueError(f"{leaf} is not a fused projection")
+
+
+# -- writing ----------------------------------------------------------------------------------------
+
+
+def lora_full_tensors(chunks: Iterable[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Whole adapter tensors of this rank's chunks, by megacann name (collective over tensor parallel)."""
+    return {name: gather_full_tensor(p) for chunk in chunks for name, p in lora_parameters(chunk)}
+
+
+def to_peft_tensors(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, lora: LoRAConfig) -> dict[str, torch.Tensor]:
+    """Whole megacann adapter tensors -> PEFT's names and shapes (fused projections split by rows)."""
+    out: dict[str, torch.Tensor] = {}
+    layers = sorted({_split_name(n)[0] for n in tensors if ADAPTER_SLOT in n})
+    for layer in layers:
+        leaf = layer.rsplit(".", 1)[-1]
+        a, b = tensors[f"{layer}{ADAPTER_SLOT}lora_A"], tensors[f"{layer}{ADAPTER_SLOT}lora_B"]
+        parts = FUSED_PROJECTIONS.get(leaf, (leaf,))
+        sizes = fused_block_sizes(leaf, cfg) if leaf in FUSED_PROJECTIONS else (b.shape[0],)
+        target = resolve_target(leaf, len(parts), lora.target_modules)
+        if target is None:
+            raise PeftFormatError(f"{layer} holds a LoRA but target_modules {list(lora.target_modules)} do not name it")
+        rows = [size for size, chosen in zip(sizes, target.selected) if chosen]
+        if sum(rows) != b.shape[0] or a.shape[0] != target.groups * lora.rank:
+            raise PeftFormatError(
+                f"{layer}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit rank {lora.rank} on "
+                f"parts {list(target.selected_parts)} with rows {rows}"
+            )
+        a_parts = [a] * len(rows) if target.shared else list(a.split(lora.rank, dim=0))
+        for part, a_part, b_part in zip(target.selected_parts, a_parts, b.split(rows, dim=0)):
+            out[_peft_key(layer, part, "lora_A")] = a_part.contiguous().clone()
+            out[_peft_key(layer, part, "lora_B")] = b_part.contiguous().clone()
+    return out
+
+
+def peft_config_dict(
+    lora: LoRAConfig, target_modules: list[str], base_model_name_or_path: Optional[str] = None
+) -> dict[str, Any]:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": target_modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def write_peft_adapter(
+    tensors: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    lora: LoRAConfig,
+    path: str,
+    base_model_name_or_path: Optional[str] = None,
+) -> None:
+    """Write whole megacann adapter tensors (held by one process) as a PEFT adapter directory."""
+    from safetensors.torch import save_file
+
+    if cfg.type != "llama":
+        raise PeftFormatError(f"{path}: PEFT adapters are written for LLaMA models, not model.type {cfg.type!r}")
+    peft_tensors = to_peft_tensors(tensors, cfg, lora)
+    if not peft_tensors:
+        raise PeftFormatError(f"{path}: no LoRA tensors to write (is a LoRA attached to the model?)")
+    found = {key[len(PEFT_PREFIX) :].rsplit(".", 2)[0].rsplit(".", 1)[-1] for key in peft_tensors}
+    targets = [name for name in HF_PROJECTIONS if name in found]
+    os.makedirs(path, exist_ok=True)
+    save_file(peft_tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+        json.dump(peft_config_dict(lora, targets, base_model_name_or_path), f, indent=1)
+
+
+def save_peft_adapter(
+    chunks: list[torch.nn.Module], path: str, lora: LoRAConfig, base_model_name_or_path: Optional[str] = None
+) -> None:
+    """Write the adapters of a (tensor- and pipeline-parallel) model as one PEFT directory. Collective over
+    the tensor- and pipeline-parallel groups; the first rank of the model writes."""
+    tensors = lora_full_tensors(chunks)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        stages: list[Optional[dict]] = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
+        tensors = {name: t for stage in stages for name, t in stage.items()}
+    first = (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+        and ps.get_pipeline_model_parallel_rank() == 0
+    )
+    if first:
+        write_peft_adapter(tensors, chunks[0].config, lora, path, base_model_name_or_path)
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+
+def read_peft_config(path: str) -> LoRAConfig:
+    """The LoRA settings of a PEFT adapter directory; settings megacann does not implement are refused."""
+    file = os.path.join(path, ADAPTER_CONFIG)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{path}: no {ADAPTER_CONFIG} (expected a PEFT adapter directory)")
+    with open(file) as f:
+        raw = json.load(f)
+    if raw.get("peft_type") != "LORA":
+        raise PeftFormatError(f"{file}: peft_type {raw.get('peft_type')!r}; only 'LORA' adapters are supported")
+    for key, allowed in _UNSUPPORTED.items():
+        if raw.get(key, allowed[0]) not in allowed:
+            raise PeftFormatError(f"{file}: {key}={raw[key]!r} is not supported (expected {allowed[0]!r})")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str) and targets != ALL_PROJECTIONS:
+        raise PeftFormatError(f"{file}: target_modules {targets!r} is a pattern; list the projection names instead")
+    try:
+        return LoRAConfig(
+            rank=raw["r"], alpha=raw["lora_alpha"], dropout=raw.get("lora_dropout", 0.0), target_modules=targets
+        )
+    except KeyError as err:
+        raise PeftFormatError(f"{file}: missing {err.args[0]!r}") from None
+    except ValueError as err:
+        raise PeftFormatError(f"{file}: {err}") from None
+
+
+def read_peft_tensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    file = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{path}: no {ADAPTER_WEIGHTS}")
+    return load_file(file)
+
+
+def from_peft_tensors(
+    model: torch.nn.Module, peft_tensors: Mapping[str, torch.Tensor], source: str = "adapter"
+) -> dict[str, torch.Tensor]:
+    """The whole tensors of ``model``'s attached adapters, built from PEFT tensors (parts joined by rows).
+    Keys for layers this model does not hold (other pipeline stages) are ignored; any other unused key,
+    or a missing one, is an error."""
+    unused = set(peft_tensors)
+    out: dict[str, torch.Tensor] = {}
+    held_layers = set()
+    for layer, adapter in lora_adapters(model):
+        held_layers.add(layer.split(".")[1])
+        parts = adapter.target.selected_parts
+        pieces = {}
+        for which in ("lora_A", "lora_B"):
+            keys = [_peft_key(layer, part, which) for part in parts]
+            missing = [k for k in keys if k not in peft_tensors]
+            if missing:
+                raise PeftFormatError(f"{source}: missing tensor {missing[0]!r}")
+            unused.difference_update(keys)
+            pieces[which] = [peft_tensors[k] for k in keys]
+        if adapter.target.shared and len(parts) > 1:
+            if any(not torch.equal(a, pieces["lora_A"][0]) for a in pieces["lora_A"]):
+                raise PeftFormatError(
+                    f"{source}: {'/'.join(parts)} of {layer} have different lora_A matrices, so they cannot share "
+                    f"one A on the fused layer; target the parts ({', '.join(parts)}) instead"
+                )
+            a = pieces["lora_A"][0]
+        else:
+            a = torch.cat(pieces["lora_A"], dim=0)
+        out[f"{layer}{ADAPTER_SLOT}lora_A"] = a
+        out[f"{layer}{ADAPTER_SLOT}lora_B"] = torch.cat(pieces["lora_B"], dim=0)
+    elsewhere = re.compile(re.escape(PEFT_PREFIX) + r"model\.layers\.(\d+)\.")
+    stray = sorted(k for k in unused if not (m := elsewhere.match(k)) or m.group(1) in held_layers)
+    if stray:
+        raise PeftFormatError(f"{source}: tensors {stray[:3]} match no LoRA of the model")
+    return out
+
+
+@torch.no_grad()
+def load_peft_adapter(model: torch.nn.Module, path: str, freeze_base: bool = True) -> LoRAConfig:
+    """Attach the LoRA described by a PEFT directory to ``model`` (this rank's chunk; strict target
+    matching is left to the caller for pipeline stages) and load its weights into this rank's shards."""
+    lora = read_peft_config(path)
+    attach_lora(model, lora, freeze_base=freeze_base, strict=False)
+    tensors = from_peft_tensors(model, read_peft_tensors(path), source=os.path.join(path, ADAPTER_WEIGHTS))
+    adapters = dict(lora_adapters(model))
+    for name, param in lora_parameters(model):
+        full, sharding = tensors[name], get_sharding(param)
+        if tuple(full.shape) != sharding.full_shape:
+            raise PeftFormatError(
+                f"{path}: {name} has shape {list(full.shape)}, the model expects {list(sharding.full_shape)}"
+            )
+        adapter = adapters[_split_name(name)[0]]
+        local = shard_tensor(full.to(torch.float32), sharding, adapter.tp_rank, adapter.tp_size)
+        param.copy_(local.to(dtype=param.dtype, device=param.device))
+    return lora
