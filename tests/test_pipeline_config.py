@@ -2,12 +2,14 @@
 partitioning and the activation shape."""
 
 import os
+import re
 import warnings
 
 import pytest
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError, load_config, pipeline_bubble_fraction
+from megacann.config.advice import forget_advice
 from megacann.dry_run import describe
 from megacann.pipeline import activation_shape, stage_layer_ids
 
@@ -24,18 +26,22 @@ def test_interleaved_needs_micro_batches_multiple_of_stages():
         tiny_config([*PP4, "distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=8"], world_size=4)
 
 
-def test_fewer_micro_batches_than_stages_run_with_1f1b_and_warn():
-    with pytest.warns(UserWarning, match=r"pipeline bubble 60% > 25%.*p 4 .*m 2 .*= 3/5.*grad_accum_steps 9 or more"):
-        tiny_config([*PP4, "optim.grad_accum_steps=2"], world_size=4)
+def test_fewer_micro_batches_than_stages_run_with_1f1b_and_advise(capsys):
+    forget_advice()
+    tiny_config([*PP4, "optim.grad_accum_steps=2"], world_size=4)
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"megacann: note: .*pipeline bubble 60% > 25%.*p 4 .*m 2 .*= 3/5.*grad_accum_steps 9 or more.*\n", err)
+    tiny_config([*PP4, "optim.grad_accum_steps=2"], world_size=4)
+    assert capsys.readouterr().err == ""  # once per process
 
 
-def test_bubble_warning_threshold():
+def test_bubble_advice_threshold(capsys):
     assert pipeline_bubble_fraction(4, 9) == pytest.approx(0.25)
     assert pipeline_bubble_fraction(4, 8, 2) == pytest.approx(1.5 / 9.5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        tiny_config([*PP4, "optim.grad_accum_steps=9"], world_size=4)  # exactly 25%: no warning
-        tiny_config(["optim.grad_accum_steps=1"])  # no pipeline: no warning
+    forget_advice()
+    tiny_config([*PP4, "optim.grad_accum_steps=9"], world_size=4)  # exactly 25%: no advice
+    tiny_config(["optim.grad_accum_steps=1"])  # no pipeline: no advice
+    assert capsys.readouterr().err == ""
 
 
 def test_dry_run_lists_stages_chunks_and_tied_head():

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional
 
+from megacann.config.advice import advise
 from megacann.config.schema import CHOICES, ConfigError, MegacannConfig
 
 
@@ -88,11 +88,10 @@ def _check_pipeline(cfg: MegacannConfig, source: str) -> None:
         else:
             formula = f"((p - 1)/v)/(m + (p - 1)/v) with v {vpp} = {(pp - 1) / vpp:g}/{m + (pp - 1) / vpp:g}"
             remedy = "or a larger distributed.virtual_pipeline_size"
-        warnings.warn(
+        advise(
             f"{source}: pipeline bubble {bubble:.0%} > {BUBBLE_WARNING:.0%}: pipeline_parallel_size p {pp} with "
             f"optim.grad_accum_steps m {m} micro-batches idles each stage {formula} of a step; use "
-            f"grad_accum_steps {_microbatches_for_bubble(pp, vpp)} or more {remedy}",
-            stacklevel=3,
+            f"grad_accum_steps {_microbatches_for_bubble(pp, vpp)} or more {remedy}"
         )
 
 
