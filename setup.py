@@ -21,7 +21,7 @@ setup(
         "npu": ["torch_npu"],
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
-        "dev": ["pytest", "transformers>=4.40", "ruff", "matplotlib", "sentencepiece"],
+        "dev": ["pytest", "transformers>=4.40", "ruff", "matplotlib", "sentencepiece", "wandb", "tensorboard"],
     },
     entry_points={
         "console_scripts": [

@@ -228,6 +228,7 @@ class Trainer:
         cfg = self.cfg
         log = cfg.logging
         history: list[dict[str, Any]] = []
+        self.metrics.start(self.state.step)  # fresh: an earlier metrics.jsonl moves aside; resumed: later records go
         self.metrics.print(
             f"training {cfg.experiment.name}: {cfg.optim.max_steps} steps, global batch {cfg.global_batch_size} x "
             f"seq {cfg.data.seq_length}, world {self.runtime.world_size} (tp {cfg.distributed.tensor_parallel_size}, "
