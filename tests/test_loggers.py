@@ -62,7 +62,8 @@ def _train(out, *overrides):
 
 
 def _records(path) -> list[dict]:
-    return [json.loads(line) for line in open(path).read().splitlines()]
+    with open(path) as f:
+        return [json.loads(line) for line in f]
 
 
 def _wandb_history(run_file: str) -> tuple[dict, list[dict]]:
@@ -71,7 +72,8 @@ def _wandb_history(run_file: str) -> tuple[dict, list[dict]]:
     file header."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data = open(run_file, "rb").read()
+    with open(run_file, "rb") as f:
+        data = f.read()
     assert data[:4] == b":W&B"
     pos, block, chunks, pending = 7, 32768, [], b""
     while pos + 7 <= len(data):

@@ -30,7 +30,9 @@ def test_fewer_micro_batches_than_stages_run_with_1f1b_and_advise(capsys):
     forget_advice()
     tiny_config([*PP4, "optim.grad_accum_steps=2"], world_size=4)
     err = capsys.readouterr().err
-    assert re.fullmatch(r"megacann: note: .*pipeline bubble 60% > 25%.*p 4 .*m 2 .*= 3/5.*grad_accum_steps 9 or more.*\n", err)
+    assert re.fullmatch(
+        r"megacann: note: .*pipeline bubble 60% > 25%.*p 4 .*m 2 .*= 3/5.*grad_accum_steps 9 or more.*\n", err
+    )
     tiny_config([*PP4, "optim.grad_accum_steps=2"], world_size=4)
     assert capsys.readouterr().err == ""  # once per process
 
