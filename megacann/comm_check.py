@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 CHECKS = ("all_reduce", "all_gather", "p2p_ring")
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
 _POLL_S = 0.05
 
 
@@ -88,7 +89,7 @@ def _run_op(name: str, numel: int, device: torch.device, iters: int, timeout: fl
         if name == "all_gather":
             x = torch.full((numel,), float(rank), device=device)
             out = torch.empty(world * numel, device=device)
-            dist.all_gather_into_tensor(out, x, async_op=True).wait(wait)
+            _all_gather_flat(out, x, async_op=True).wait(wait)
             got = out.view(world, numel)[:, 0].tolist()
             return None if got == [float(r) for r in range(world)] else f"all_gather gave chunks {got}"
         # p2p ring: send to the next rank, receive from the previous one
