@@ -28,6 +28,7 @@ setup(
             "megacann-train=megacann.cli:train_main",
             "megacann-preprocess=megacann.data.preprocess:main",
             "megacann-convert=megacann.convert:main",
+            "megacann-plan=megacann.cli:plan_main",
         ],
     },
 )

@@ -64,5 +64,53 @@ def train_main(argv: Optional[list[str]] = None, expected_model_type: Optional[s
     return 0
 
 
+def _plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megacann-plan",
+        description="Per-device memory and pipeline bubble of a recipe's layout, and the layouts that fit a "
+        "world size and a device memory (estimates; formulas in megacann/planning/formulas.py).",
+    )
+    parser.add_argument("--config", required=True, help="path to the YAML recipe")
+    parser.add_argument("--world_size", type=int, help="devices to plan for (default: the recipe's world size)")
+    parser.add_argument("--device_memory_gb", type=float, help="memory of one device in GB (1e9 bytes)")
+    parser.add_argument("--devices_per_node", type=int, default=8, help="TP stays within a node (default 8)")
+    parser.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides as section.key=value (or key=value)")
+    return parser
+
+
+def plan_main(argv: Optional[list[str]] = None) -> int:
+    """``megacann-plan``: the planner's report on stdout; a config error is one message and exit code 2."""
+    args = _plan_parser().parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = _planning_vocab_size(cfg)
+        world = args.world_size or cfg.distributed.world_size or 1
+        if args.world_size is not None and args.world_size < 1:
+            raise ConfigError(f"--world_size must be >= 1, got {args.world_size}")
+    except ConfigError as err:
+        print(f"megacann-plan: error: {err}", file=sys.stderr)
+        return 2
+    from megacann.planning import plan_report
+
+    print(plan_report(cfg, args.config, world, args.device_memory_gb, args.devices_per_node, args.top))
+    return 0
+
+
+def _planning_vocab_size(cfg) -> int:
+    """The vocabulary the run will have: the default BPE's size, or the recipe's tokenizer's."""
+    if cfg.data.tokenizer is None:
+        return cfg.data.tokenizer_vocab_size
+    from megacann.data.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        return load_tokenizer(cfg.data.tokenizer).vocab_size
+    except TokenizerError as err:
+        raise ConfigError(
+            f"model.vocab_size is not set and data.tokenizer cannot tell it ({err}): give model.vocab_size"
+        ) from None
+
+
 if __name__ == "__main__":
     sys.exit(train_main())

@@ -6,8 +6,10 @@ that already showed it before starting ranks sets ``MEGACANN_ADVICE_SHOWN=1`` so
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 ADVICE_SHOWN_ENV = "MEGACANN_ADVICE_SHOWN"
 _shown: set[str] = set()
@@ -24,3 +26,17 @@ def advise(message: str) -> None:
 def forget_advice() -> None:
     """Let advice already shown in this process be shown again (for a new recipe in a long-lived process)."""
     _shown.clear()
+
+
+@contextlib.contextmanager
+def quiet_advice() -> Iterator[None]:
+    """No advice inside the block (a planner validating many candidate layouts)."""
+    saved = os.environ.get(ADVICE_SHOWN_ENV)
+    os.environ[ADVICE_SHOWN_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ADVICE_SHOWN_ENV, None)
+        else:
+            os.environ[ADVICE_SHOWN_ENV] = saved
