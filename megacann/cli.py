@@ -8,21 +8,15 @@ import sys
 from typing import Optional
 
 from megacann.config import ConfigError, load_config
-from megacann.launch import add_launch_arguments, launch, wants_launch
+from megacann.launch import build_parser, launch, wants_launch
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="megacann-train",
-        description="Train a model from a YAML recipe: one process, or one rank per process under torchrun; "
-        "with --nproc_per_node (or any option below) it checks the recipe and starts torchrun itself.",
+    return build_parser(
+        "megacann-train",
+        "Train a model from a YAML recipe: one process, or one rank per process under torchrun; with "
+        "--nproc_per_node (or any launcher option) it checks the recipe and starts torchrun itself.",
     )
-    parser.add_argument("--config", required=True, help="path to the YAML recipe")
-    parser.add_argument("--resume_from", default=None, help="checkpoint directory, or 'latest'")
-    parser.add_argument("--dry_run", action="store_true", help="print layout, batch and model size; run nothing")
-    add_launch_arguments(parser)
-    parser.add_argument("overrides", nargs="*", help="recipe overrides as section.key=value (or key=value)")
-    return parser
 
 
 def _under_torchrun() -> bool:

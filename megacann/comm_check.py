@@ -14,6 +14,7 @@ the time; bus bandwidth scales it to the traffic on each link, ``2(n-1)/n`` for 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import time
@@ -73,6 +74,18 @@ def _roll_call(store: dist.Store, key: str, rank: int, world: int, value: str, d
     while not store.check(keys) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
     return {r: store.get(k).decode() for r, k in enumerate(keys) if store.check([k])}
+
+
+def _leave(store: dist.Store, rank: int, answering: set[int], timeout: float) -> None:
+    """The last store operation of a check run: rank 0, whose process may host the store (outside torchrun),
+    returns only once every rank still answering has left, so none of them loses the store mid-read."""
+    store.set(f"left/{rank}", "1")
+    if rank != 0:
+        return
+    keys = [f"left/{r}" for r in sorted(answering)]
+    deadline = time.monotonic() + timeout
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
 
 
 def _run_op(name: str, numel: int, device: torch.device, iters: int, timeout: float) -> tuple[float, Optional[str]]:
@@ -145,7 +158,11 @@ def run_comm_checks(
     numel = max(1, int(size_mb * 2**20) // 4)
     results = []
     for name in checks:
-        arrived = _roll_call(store, f"{name}/arrive", rank, world, "1", time.monotonic() + timeout)
+        try:
+            arrived = _roll_call(store, f"{name}/arrive", rank, world, "1", time.monotonic() + timeout)
+        except Exception as err:  # the store's host (rank 0's process) is gone
+            results.append(CheckResult(name, False, world, failed_ranks={rank: f"store unreachable: {err}"}))
+            break
         missing = sorted(set(range(world)) - set(arrived))
         if missing:
             results.append(CheckResult(name, False, world, missing_ranks=missing))
@@ -155,7 +172,11 @@ def run_comm_checks(
             continue
         seconds, error = _run_op(name, numel, device, iters, timeout)
         outcome = json.dumps({"seconds": seconds, "error": error})
-        reports = _roll_call(store, f"{name}/done", rank, world, outcome, time.monotonic() + timeout)
+        try:
+            reports = _roll_call(store, f"{name}/done", rank, world, outcome, time.monotonic() + timeout)
+        except Exception as err:
+            results.append(CheckResult(name, False, world, failed_ranks={rank: f"store unreachable: {err}"}))
+            break
         parsed = {r: json.loads(v) for r, v in reports.items()}
         result = CheckResult(name, True, world, message_bytes=numel * 4 * (world if name == "all_gather" else 1))
         result.missing_ranks = sorted(set(range(world)) - set(parsed))
@@ -168,6 +189,9 @@ def run_comm_checks(
         results.append(result)
         if not result.ok:  # the group may be broken now: later checks would only wait for it
             break
+    missing = {r for result in results for r in result.missing_ranks}
+    with contextlib.suppress(Exception):  # a store already gone leaves nothing to protect
+        _leave(store, rank, set(range(world)) - missing, timeout)
     return results
 
 

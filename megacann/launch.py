@@ -188,11 +188,13 @@ def launch(args: argparse.Namespace, prog: str, python: str = sys.executable) ->
     return 0  # not reached
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="run_pretrain.sh",
-        description="Check a recipe, then start one training process per device under torchrun.",
-    )
+def build_parser(
+    prog: str = "run_pretrain.sh",
+    description: str = "Check a recipe, then start one training process per device under torchrun.",
+) -> argparse.ArgumentParser:
+    """The training command line (recipe, resume, dry run, launcher options, overrides), for the launcher
+    script and for megacann-train."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", required=True, help="path to the YAML recipe")
     parser.add_argument("--resume_from", default=None, help="checkpoint directory, or 'latest'")
     parser.add_argument("--dry_run", action="store_true", help="print layout, batch and model size; run nothing")

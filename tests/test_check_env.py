@@ -6,9 +6,9 @@ import subprocess
 import sys
 import time
 
+from cli_helpers import ROOT, user_env
 from dist_harness import free_port, run_on_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "check_env.py")
 
 
@@ -47,15 +47,8 @@ def test_comm_check_on_four_ranks_names_the_rank_that_does_not_answer():
         assert seconds < 3.0 + 10  # the timeout, not a hang
 
 
-def _env(extra=None):
-    env = {**os.environ, "MEGACANN_DEVICE": "cpu", "OMP_NUM_THREADS": "1", **(extra or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
-    return env
-
-
 def test_check_env_reports_versions_and_devices():
-    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, env=_env(), timeout=120)
+    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, env=user_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line for line in proc.stdout.splitlines()}
     import torch
@@ -69,7 +62,7 @@ def test_check_env_reports_versions_and_devices():
 def test_check_env_comm_under_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     cmd += [SCRIPT, "--comm", "--size_mb", "0.5", "--iters", "2", "--timeout", "30"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=180)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=user_env(), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "communication check: 2 ranks, backend gloo, 0.5 MiB per rank"

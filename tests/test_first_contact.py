@@ -9,10 +9,9 @@ import shlex
 import subprocess
 import sys
 
-from megacann.data.progress import ProgressBar
+from cli_helpers import ROOT, console_script, user_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
+from megacann.data.progress import ProgressBar
 
 
 def _readme_block(heading: str) -> list[str]:
@@ -21,13 +20,6 @@ def _readme_block(heading: str) -> list[str]:
         text = f.read()
     block = text.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
-
-
-def _env():
-    env = {**os.environ, "MEGACANN_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTEST_ADDOPTS"):
-        env.pop(key, None)
-    return env
 
 
 def test_quick_start_is_two_make_commands_and_ci_runs_the_same_test_command():
@@ -56,7 +48,7 @@ def test_the_test_command_ends_with_a_visible_summary():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env=_env(),
+        env=user_env(),
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout
@@ -64,14 +56,14 @@ def test_the_test_command_ends_with_a_visible_summary():
 
 
 def test_a_typo_of_a_synonym_leads_to_the_real_key():
-    train = os.path.join(BIN, "megacann-train")
+    train = console_script("megacann-train")
     for override in ("optim.learnig_rate=1e-3", "optim.learning_rate=1e-3"):
         proc = subprocess.run(
             [train, "--config", "examples/configs/llama/tiny.yaml", override],
             cwd=ROOT,
             capture_output=True,
             text=True,
-            env=_env(),
+            env=user_env(),
             timeout=120,
         )
         assert proc.returncode == 2
@@ -83,7 +75,7 @@ def test_readme_preprocessing_example_runs_as_written(tmp_path):
     args = shlex.split(line)
     args[args.index("--output_prefix") + 1] = str(tmp_path / "megacann_src")  # the README writes into data/
     proc = subprocess.run(
-        [os.path.join(BIN, args[0]), *args[1:]], cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=600
+        [console_script(args[0]), *args[1:]], cwd=ROOT, capture_output=True, text=True, env=user_env(), timeout=600
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"wrote {tmp_path / 'megacann_src'}.bin/.idx: ")
@@ -94,11 +86,11 @@ def test_missing_tokenizer_names_the_ways_out(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"text": "hello world"}\n')
     proc = subprocess.run(
-        [os.path.join(BIN, "megacann-preprocess"), "--input", str(corpus), "--output_prefix", str(tmp_path / "c")]
+        [console_script("megacann-preprocess"), "--input", str(corpus), "--output_prefix", str(tmp_path / "c")]
         + ["--tokenizer", "tok/"],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=user_env(),
         timeout=120,
     )
     assert proc.returncode == 1

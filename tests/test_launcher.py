@@ -8,21 +8,17 @@ import sys
 import time
 
 import pytest
+from cli_helpers import ROOT, console_script, user_env
 
 import megacann.launch as launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "examples/configs/llama/tiny.yaml"
 SEED_7B = "examples/configs/llama/llama_7b.yaml"
-MEGACANN_TRAIN = os.path.join(os.path.dirname(sys.executable), "megacann-train")
+MEGACANN_TRAIN = console_script("megacann-train")
 
 
 def _run(args, env=None, cwd=ROOT):
-    full = {**os.environ, "PYTHON": sys.executable, "MEGACANN_DEVICE": "cpu"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        full.pop(key, None)
-    full.update(env or {})
-    return subprocess.run(args, capture_output=True, text=True, env=full, cwd=cwd, timeout=120)
+    return subprocess.run(args, capture_output=True, text=True, env=user_env(env), cwd=cwd, timeout=120)
 
 
 def _command(proc) -> list[str]:

@@ -4,17 +4,15 @@ metrics.jsonl aside and a resume drops the records logged past the step it resum
 
 import glob
 import json
-import os
 import shutil
 import subprocess
-import sys
 
 import pytest
+from cli_helpers import ROOT, console_script, user_env
 
 from megacann.training.metrics import EtaEstimate, flatten_scalars
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MEGACANN_TRAIN = os.path.join(os.path.dirname(sys.executable), "megacann-train")
+MEGACANN_TRAIN = console_script("megacann-train")
 SMALL = [
     "examples/configs/llama/tiny.yaml",
     "model.hidden_size=64",
@@ -52,9 +50,8 @@ def test_flatten_scalars_names_nested_values():
 
 
 def _train(out, *overrides):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGACANN_DEVICE": "cpu", "WANDB_SILENT": "true"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_API_KEY"):
-        env.pop(key, None)
+    env = user_env({"WANDB_SILENT": "true"})
+    env.pop("WANDB_API_KEY", None)
     args = [MEGACANN_TRAIN, "--config", *SMALL, f"experiment.output_dir={out}", *overrides]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
