@@ -49,10 +49,12 @@ def test_flatten_scalars_names_nested_values():
     }
 
 
-def _train(out, *overrides):
+def _train(out, *overrides, ranks: int = 2):
     env = user_env({"WANDB_SILENT": "true"})
     env.pop("WANDB_API_KEY", None)
-    args = [MEGACANN_TRAIN, "--config", *SMALL, f"experiment.output_dir={out}", *overrides]
+    # by default two ranks (data parallel) through the launcher: the loggers live on rank 0 only
+    launch = ["--nproc_per_node", str(ranks)] if ranks > 1 else []
+    args = [MEGACANN_TRAIN, *launch, "--config", *SMALL, f"experiment.output_dir={out}", *overrides]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -120,7 +122,8 @@ def test_wandb_offline_tensorboard_and_metrics_file_across_restarts(tmp_path):
         expected.update({(record["step"], k): v for k, v in flatten_scalars(record).items()})
     assert ("eval_loss" in {k for _, k in expected}) and (2, "tokens_per_second") in expected
 
-    # TensorBoard: every metric of every record, at its step
+    # TensorBoard: one writer, every metric of every record at its step
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     seen = {(e.step, tag): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
@@ -152,7 +155,7 @@ def test_wandb_offline_tensorboard_and_metrics_file_across_restarts(tmp_path):
     for path in out.glob("checkpoint_*"):
         shutil.rmtree(path)
     (out / "latest").unlink()
-    third = _train(out, "optim.max_steps=2")
+    third = _train(out, "optim.max_steps=2", ranks=1)
     (aside,) = glob.glob(str(out / "metrics.*.jsonl"))
     assert f"metrics.jsonl of an earlier run in this output_dir moved aside to {aside}" in third.stdout
     assert _records(aside) == records
