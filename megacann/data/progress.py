@@ -17,6 +17,7 @@ BAR_WIDTH = 24
 
 
 def format_seconds(seconds: float) -> str:
+    """``7s``, ``5m03s``, ``1h05m``: durations in progress bars and ETAs."""
     seconds = int(max(0, seconds))
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -10,17 +10,9 @@ import time
 from typing import Any, Optional, TextIO
 
 from megacann.config import MegacannConfig
+from megacann.data.progress import format_seconds
 
 GRAD_NORM_WARNING = 10.0
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
-    if seconds >= 60:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds}s"
 
 
 def format_step_line(record: dict[str, Any], max_steps: int, eta_seconds: Optional[float]) -> str:
@@ -39,7 +31,7 @@ def format_step_line(record: dict[str, Any], max_steps: int, eta_seconds: Option
     if record.get("loss_scale") is not None:
         parts.append(f"scale {record['loss_scale']:.0f}")
     if eta_seconds is not None:
-        parts.append(f"eta {format_duration(eta_seconds)}")
+        parts.append(f"eta {format_seconds(eta_seconds)}")
     return " | ".join(parts)
 
 
