@@ -202,9 +202,9 @@ def _compare(runs, results, world):
             assert memory["optimizer_states"] == pytest.approx(stage.optimizer, rel=0.02), (name, memory, stage)
             plan = build_plan(layout.pp, stage_index, layout.num_microbatches, layout.vpp if layout.vpp > 1 else None)
             predicted, _ = replay_in_flight(plan, stage.chunk_saved)
-            error = abs(peak - predicted) / peak
+            error = abs(peak - predicted) / peak  # exact when measured; 0.5% catches any real drift
             worst = max(worst, error)
-            assert error < 0.02, (name, stage_index, peak, predicted)
+            assert error < 0.005, (name, stage_index, peak, predicted)
     return worst
 
 

@@ -36,9 +36,10 @@ Sequence parallelism divides only the norms' part by t: the column-parallel proj
 gathered over the sequence (the whole s). ``selective`` recompute drops the log-sum-exp (the attention
 core is recomputed; with flash-style attention it holds nothing else); ``full`` keeps only each layer's
 input (h, or h/t with sequence parallelism) and recomputes one layer at a time in backward (one layer's
-full activations at the peak). Also saved: token ids (8 per token, first stage), the rotary tables of
-each model chunk (2 x head_dim x a per token), the last stage's final norm and output-layer input and the
-vocabulary-parallel loss's float32 exponentials (4 x padded vocab / t + 18 per token).
+full activations at the peak). Also saved: token ids (8 per token on the first stage, 9 under TP: the
+shard's ids and a mask of the others), the rotary tables of each model chunk (2 x head_dim x a per token),
+the last stage's final norm and output-layer input and the vocabulary-parallel loss's float32
+exponentials (4 x padded vocab / t + 18 per token).
 The pipeline executor keeps each in-flight micro-batch's received input and its output (h x a per token
 each, s/t tokens with sequence parallelism) until its backward. Not counted: attention masks of packed
 documents (``reset_attention_mask`` materialises s x s scores), dropout masks, temporary buffers of a
@@ -241,7 +242,8 @@ def chunk_extra_terms(
     tokens = b * s
     terms: dict[str, float] = {}
     if first:
-        terms["token ids"] = tokens * 8 + (s * 8 if m.type == "gpt" else 0)  # + GPT's position ids
+        # int64 ids (this shard's, under TP, with a bool mask of the ids outside it), + GPT's position ids
+        terms["token ids"] = tokens * (8 + (t > 1)) + (s * 8 if m.type == "gpt" else 0)
     if has_layers and m.type != "gpt":
         terms["rotary tables"] = tokens * 2 * (m.hidden_size // m.num_attention_heads) * a
     if last:
