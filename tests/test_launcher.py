@@ -76,10 +76,9 @@ def test_multi_node_flags_reach_torchrun():
 )
 def test_multi_node_mistakes_are_refused(nodes, message):
     args = ["--config", TINY, "--nproc_per_node", "1", "--nnodes", "2", *nodes]
-    with pytest.raises(
-        launch.LaunchError, match="^" + message.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")
-    ):
+    with pytest.raises(launch.LaunchError) as err:
         launch.check_nodes(launch.build_parser().parse_intermixed_args(args))
+    assert str(err.value).startswith(message)
 
 
 def test_loopback_master_is_refused_by_the_script_with_exit_code_2():
