@@ -21,7 +21,8 @@ GB = 1e9
 
 
 def _gb(n: float) -> str:
-    return f"{n / GB:.1f}"
+    """GB with one decimal, or three below 1 GB (small models stay readable)."""
+    return f"{n / GB:.1f}" if n >= GB else f"{n / GB:.3f}"
 
 
 def stage_table(stages: list[StageEstimate]) -> list[str]:
@@ -68,7 +69,8 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
         f"largest: stage {largest.stage}, {_gb(largest.total)} GB per device (activations: peak of the "
         f"micro-batches in flight, their count in brackets)"
     )
-    split = f"tp {layout.tp} x pp {layout.pp} split the parameters {layout.tp * layout.pp} ways"
+    ways = layout.tp * layout.pp
+    split = f"tp {layout.tp} x pp {layout.pp} split the parameters {ways} ways" if ways > 1 else "no model parallelism"
     zero = f"; ZeRO-{layout.zero} divides the optimizer state by dp {layout.dp}" if layout.zero else ""
     lines.append(
         f"weights + gradients + optimizer: {_gb(whole)} GB unsharded -> {_gb(largest.static)} GB on stage "

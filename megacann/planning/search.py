@@ -6,7 +6,8 @@ The estimate is deliberately simple and says what it counts: compute grows by th
 FLOPs, the pipeline idles its bubble, and each doubling of TP costs ``TP_COST_PER_DOUBLING`` (its
 all-reduces run in every layer; keep TP inside a node, as the search does). Data-parallel and ZeRO
 traffic is the same for ZeRO 0/1/2 (a reduce-scatter and an all-gather move what one all-reduce moves), so
-ZeRO changes memory, not the estimate. Ties go to the layout with more memory to spare.
+ZeRO changes memory, not the estimate. Ties go to the larger micro-batch (devices run larger matrix
+multiplies more efficiently), then to the layout with more memory to spare.
 """
 
 from __future__ import annotations
@@ -116,5 +117,5 @@ def rank_layouts(
             continue  # ZeRO-2 saves nothing here (gradients accumulate in full): ZeRO-1 is listed
         extra = recompute_extra_flops(candidate, layout.recompute)
         ranked.append(RankedLayout(layout, stages, time_factor(candidate, layout), extra))
-    ranked.sort(key=lambda r: (round(r.time_factor, 4), r.largest.total))
+    ranked.sort(key=lambda r: (round(r.time_factor, 4), -r.layout.micro_batch, r.largest.total))
     return ranked
