@@ -30,13 +30,20 @@ SMALL = [
 ]
 
 
-def test_eta_leaves_out_the_first_logged_step():
+def test_eta_leaves_out_the_warm_up_and_follows_the_recent_pace():
     eta = EtaEstimate(max_steps=100)
     assert eta.update(1, now=50.0) is None  # warm-up step: a slow one, no basis for a forecast
-    assert eta.update(10, now=59.0) == pytest.approx(1.0 * 90)  # 9 steps in 9 s after step 1
-    assert eta.update(20, now=64.0) == pytest.approx(14.0 / 19 * 80)
-    resumed = EtaEstimate(max_steps=100)
-    assert resumed.update(60, now=0.0) is None and resumed.update(70, now=5.0) == pytest.approx(15.0)
+    assert eta.update(10, now=62.0) is None  # steps 2-10 still warm up (data workers, allocator)
+    assert eta.update(20, now=67.0) == pytest.approx(0.5 * 80)  # 10 steps in 5 s after step 10
+    assert eta.update(30, now=69.0) == pytest.approx(7.0 / 20 * 70)
+    for step in range(40, 100, 10):  # a slower stretch: the window forgets the old pace
+        eta.update(step, now=69.0 + (step - 30) * 0.2)
+    assert eta.update(100, now=69.0 + 70 * 0.2) == 0.0
+    assert eta.marks[-1] == (100, pytest.approx(83.0))
+    late = EtaEstimate(max_steps=1000)
+    for i, step in enumerate(range(10, 400, 10)):
+        remaining = late.update(step, now=float(i if step <= 200 else 19 + 3 * (i - 19)))
+    assert remaining == pytest.approx(0.3 * 610)  # 3 s per 10 steps lately, whatever came before
 
 
 def test_flatten_scalars_names_nested_values():
@@ -138,9 +145,9 @@ def test_wandb_offline_tensorboard_and_metrics_file_across_restarts(tmp_path):
     logged = {(row["_step"], k): v for row in rows for k, v in row.items() if not k.startswith("_")}
     assert logged == pytest.approx(expected)
 
-    # the console: no ETA on the warm-up line, one on the next lines
+    # the console: no ETA on the first two lines (warm-up), one on the next lines
     lines = [line for line in first.stdout.splitlines() if line.startswith("step ") and " | loss " in line]
-    assert "eta" not in lines[0] and all(" | eta " in line for line in lines[1:]), lines
+    assert not any("eta" in line for line in lines[:2]) and all(" | eta " in line for line in lines[2:]), lines
 
     # a run that died after logging step 4 but before its checkpoint: resuming from step 2 redoes 3 and 4
     shutil.rmtree(out / "checkpoint_4")

@@ -36,23 +36,27 @@ def format_step_line(record: dict[str, Any], max_steps: int, eta_seconds: Option
 
 
 class EtaEstimate:
-    """Time left to max_steps from the pace since the first logged step. That step (warm-up: first
-    allocations, caches, data workers starting) is the origin and never part of the pace, so the first
-    line shows no ETA rather than one extrapolated from the slowest step of the run."""
+    """Time left to max_steps from the recent pace: the last ``WINDOW`` intervals between logged steps.
+    The start of a run is slow (first allocations, caches, data workers filling their queues), so neither
+    the steps up to the first logged line nor the interval after it count: the first two lines show no
+    ETA rather than one extrapolated from the warm-up. A recent window follows a run whose pace changes."""
+
+    WINDOW = 5
 
     def __init__(self, max_steps: int):
         self.max_steps = max_steps
-        self.origin: Optional[tuple[int, float]] = None
+        self.marks: list[tuple[int, float]] = []  # (logged step, time), the first one dropped once used
 
     def update(self, step: int, now: Optional[float] = None) -> Optional[float]:
         now = time.monotonic() if now is None else now
-        if self.origin is None:
-            self.origin = (step, now)
+        self.marks.append((step, now))
+        if len(self.marks) < 3:
             return None
-        first_step, first_time = self.origin
-        if step <= first_step:
+        window = self.marks[1:][-(self.WINDOW + 1) :]
+        (first_step, first_time), (last_step, last_time) = window[0], window[-1]
+        if last_step <= first_step:
             return None
-        return (now - first_time) / (step - first_step) * max(0, self.max_steps - step)
+        return (last_time - first_time) / (last_step - first_step) * max(0, self.max_steps - step)
 
 
 def flatten_scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
