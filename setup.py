@@ -21,13 +21,23 @@ setup(
         "npu": ["torch_npu"],
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
-        "dev": ["pytest", "transformers>=4.40", "peft>=0.10", "ruff", "matplotlib", "sentencepiece"],
+        "dev": [
+            "pytest",
+            "transformers>=4.40",
+            "peft>=0.10",
+            "ruff",
+            "matplotlib",
+            "sentencepiece",
+            "wandb",
+            "tensorboard",
+        ],
     },
     entry_points={
         "console_scripts": [
             "megacann-train=megacann.cli:train_main",
             "megacann-preprocess=megacann.data.preprocess:main",
             "megacann-convert=megacann.convert:main",
+            "megacann-plan=megacann.cli:plan_main",
         ],
     },
 )

@@ -8,23 +8,34 @@ import sys
 from typing import Optional
 
 from megacann.config import ConfigError, load_config
+from megacann.launch import build_parser, launch, wants_launch
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="megacann-train",
-        description="Train a model from a YAML recipe (one rank per process under torchrun).",
+    return build_parser(
+        "megacann-train",
+        "Train a model from a YAML recipe: one process, or one rank per process under torchrun; with "
+        "--nproc_per_node (or any launcher option) it checks the recipe and starts torchrun itself.",
     )
-    parser.add_argument("--config", required=True, help="path to the YAML recipe")
-    parser.add_argument("--resume_from", default=None, help="checkpoint directory, or 'latest'")
-    parser.add_argument("--dry_run", action="store_true", help="print layout, batch and model size; run nothing")
-    parser.add_argument("overrides", nargs="*", help="recipe overrides as section.key=value (or key=value)")
-    return parser
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
 
 
 def train_main(argv: Optional[list[str]] = None, expected_model_type: Optional[str] = None) -> int:
     """``megacann-train``; ``expected_model_type`` lets an example script insist on llama or gpt."""
-    args = _train_parser().parse_intermixed_args(argv)
+    parser = _train_parser()
+    args = parser.parse_intermixed_args(argv)
+    if wants_launch(args):
+        if _under_torchrun():
+            print(
+                "megacann-train: error: --nproc_per_node and the other launcher options start torchrun; "
+                "this process already runs under torchrun (drop them)",
+                file=sys.stderr,
+            )
+            return 2
+        return launch(args, parser.prog)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     try:
         cfg = load_config(args.config, args.overrides, world_size=world)
@@ -34,21 +45,71 @@ def train_main(argv: Optional[list[str]] = None, expected_model_type: Optional[s
             )
         from megacann.training.recipe import prepare_recipe
 
-        _, advice = prepare_recipe(cfg, world_size=world, source=args.config)
+        prepare_recipe(cfg, world_size=world, source=args.config)  # advice printed once, on rank 0
     except ConfigError as err:
-        print(f"megacann-train: error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun without the launcher: say it once
+            print(f"megacann-train: error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
         from megacann.dry_run import print_dry_run
 
-        for line in advice:  # a run prints them itself, on its first rank
-            print(f"megacann-train: note: {line}", file=sys.stderr)
         print_dry_run(cfg, args.config)
         return 0
     from megacann.training import train
 
     train(cfg, resume_from=args.resume_from)
     return 0
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megacann-plan",
+        description="Per-device memory and pipeline bubble of a recipe's layout, and the layouts that fit a "
+        "world size and a device memory (estimates; formulas in megacann/planning/formulas.py).",
+    )
+    parser.add_argument("--config", required=True, help="path to the YAML recipe")
+    parser.add_argument("--world_size", type=int, help="devices to plan for (default: the recipe's world size)")
+    parser.add_argument("--device_memory_gb", type=float, help="memory of one device in GB (1e9 bytes)")
+    parser.add_argument("--devices_per_node", type=int, default=8, help="TP stays within a node (default 8)")
+    parser.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides as section.key=value (or key=value)")
+    return parser
+
+
+def plan_main(argv: Optional[list[str]] = None) -> int:
+    """``megacann-plan``: the planner's report on stdout; a config error is one message and exit code 2."""
+    args = _plan_parser().parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = _planning_vocab_size(cfg)
+        from megacann.training.recipe import prepare_recipe
+
+        prepare_recipe(cfg, source=args.config)
+        world = args.world_size or cfg.distributed.world_size or 1
+        if args.world_size is not None and args.world_size < 1:
+            raise ConfigError(f"--world_size must be >= 1, got {args.world_size}")
+    except ConfigError as err:
+        print(f"megacann-plan: error: {err}", file=sys.stderr)
+        return 2
+    from megacann.planning import plan_report
+
+    print(plan_report(cfg, args.config, world, args.device_memory_gb, args.devices_per_node, args.top))
+    return 0
+
+
+def _planning_vocab_size(cfg) -> int:
+    """The vocabulary the run will have: the default BPE's size, or the recipe's tokenizer's."""
+    if cfg.data.tokenizer is None:
+        return cfg.data.tokenizer_vocab_size
+    from megacann.data.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        return load_tokenizer(cfg.data.tokenizer).vocab_size
+    except TokenizerError as err:
+        raise ConfigError(
+            f"model.vocab_size is not set and data.tokenizer cannot tell it ({err}): give model.vocab_size"
+        ) from None
 
 
 if __name__ == "__main__":

@@ -99,6 +99,8 @@ READ_BY = {
     "logging.eval_iters": "training/trainer.py",
     "logging.wandb": "training/metrics.py",
     "logging.wandb_project": "training/metrics.py",
+    "logging.wandb_run_name": "training/metrics.py",
+    "logging.wandb_mode": "training/metrics.py",
     "logging.tensorboard": "training/metrics.py",
     "logging.async_save": "training/trainer.py",
     "logging.timers": "training/trainer.py",

@@ -8,6 +8,7 @@ import pytest
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError, load_config
+from megacann.config.advice import forget_advice
 from megacann.dry_run import describe
 from megacann.pipeline import activation_shape, check_pipeline_config, pipeline_bubble_fraction, stage_layer_ids
 
@@ -25,6 +26,15 @@ def test_interleaved_needs_micro_batches_multiple_of_stages():
 def test_fewer_micro_batches_than_stages_run_with_1f1b_and_advise():
     (advice,) = check_pipeline_config(tiny_config([*PP4, "optim.grad_accum_steps=2"], world_size=4))
     assert re.search(r"pipeline bubble 60% > 25%.*p 4 .*m 2 .*= 3/5.*grad_accum_steps 9 or more", advice)
+
+
+def test_bubble_advice_is_printed_once_per_process(capsys):
+    forget_advice()
+    tiny_config([*PP4, "optim.grad_accum_steps=2"], world_size=4)
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"megacann: note: .*pipeline bubble 60% > 25%.*grad_accum_steps 9 or more.*\n", err)
+    tiny_config([*PP4, "optim.grad_accum_steps=2"], world_size=4)
+    assert capsys.readouterr().err == ""
 
 
 def test_bubble_advice_threshold():

@@ -8,11 +8,11 @@ import difflib
 import json
 import os
 import typing
-import warnings
 from typing import Any, Optional, Union
 
 import yaml
 
+from megacann.config.advice import advise
 from megacann.config.schema import (
     _SECTION_CLASSES,
     TOP_LEVEL_KEYS,
@@ -100,17 +100,22 @@ def all_dotted_keys() -> list[str]:
 
 
 def suggest_key(dotted: str) -> Optional[str]:
-    """The closest valid dotted key for a misspelt or foreign one."""
+    """The closest valid dotted key for a misspelt or foreign one. Near-misses of a synonym lead to the key
+    it stands for (``optim.learnig_rate`` -> ``optim.lr``), so the synonyms compete with the section's keys."""
     leaf = dotted.split(".")[-1]
     if leaf in SYNONYMS:
         return SYNONYMS[leaf]
     keys = all_dotted_keys()
     section = dotted.split(".")[0] if "." in dotted else None
-    same_section = [k for k in keys if section and k.startswith(section + ".")]
-    leaves = {k.split(".")[-1]: k for k in same_section}
-    match = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
+    if section:
+        candidates = {k.split(".")[-1]: k for k in keys if k.startswith(section + ".")}
+    else:  # a top-level name: a section or a top-level key
+        candidates = {k: k for k in [*_SECTION_CLASSES, *TOP_LEVEL_KEYS]}
+    for synonym, key in SYNONYMS.items():
+        candidates.setdefault(synonym, key)
+    match = difflib.get_close_matches(leaf, list(candidates), n=1, cutoff=0.6)
     if match:
-        return leaves[match[0]]
+        return candidates[match[0]]
     match = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.6)
     if match:
         return match[0]
@@ -222,7 +227,7 @@ def load_hf_model_config(path: str) -> dict[str, Any]:
         elif key in {f.name for f in dataclasses.fields(ModelConfig)}:
             mapped[key] = value
         elif key not in HF_IGNORED_KEYS:
-            warnings.warn(f"{path}: model key '{key}' is not used by megacann and is ignored", stacklevel=3)
+            advise(f"{path}: model key '{key}' is not used by megacann and is ignored")
     act = raw.get("hidden_act")
     if act is not None and act not in ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"{path}: hidden_act {act!r} is not supported (expected silu or gelu)")

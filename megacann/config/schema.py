@@ -143,6 +143,8 @@ class LoggingConfig:
     eval_iters: int = 10
     wandb: bool = False
     wandb_project: Optional[str] = None
+    wandb_run_name: Optional[str] = None  # None: experiment.name
+    wandb_mode: str = "online"  # online | offline (no network; `wandb sync` later) | disabled
     tensorboard: bool = False
     async_save: bool = False
     timers: bool = False  # per-stage forward/backward/communication timing
@@ -201,4 +203,5 @@ CHOICES = {
     "optim.scheduler": ("cosine", "linear", "constant"),
     "distributed.parallel_mode": ("data", "tensor", "pipeline", "hybrid"),
     "train_mode": ("pretrain", "sft"),
+    "logging.wandb_mode": ("online", "offline", "disabled"),
 }

@@ -23,6 +23,7 @@ import time
 
 from megacann.data.cache import cache_root, digest, file_lock, publish_dir
 from megacann.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab, exists
+from megacann.data.progress import ProgressBar
 from megacann.data.tokenizer import HFTokenizer, tokenizer_fingerprint, train_bpe
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -74,7 +75,7 @@ def default_tokenizer(cache_dir: str | None = None, vocab_size: int = 8192, verb
             texts = read_sources(stdlib_sources())
             tmp = tempfile.mkdtemp(dir=os.path.dirname(directory), prefix=".tmp-tokenizer-")
             try:
-                train_bpe(texts, vocab_size, tmp)
+                train_bpe(texts, vocab_size, tmp, show_progress=verbose and sys.stderr.isatty())
                 publish_dir(tmp, directory)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -95,14 +96,18 @@ def default_corpus_prefix(tokenizer, cache_dir: str | None = None, verbose: bool
             start = time.perf_counter()
             relpaths = stdlib_sources()
             builder = IndexedDatasetBuilder(prefix, dtype_for_vocab(tokenizer.vocab_size))
+            bar = ProgressBar("tokenizing the default corpus", len(relpaths), "files", enabled=verbose)
             try:
                 for i in range(0, len(relpaths), ENCODE_CHUNK):
-                    for ids in tokenizer.encode_batch(read_sources(relpaths[i : i + ENCODE_CHUNK])):
+                    batch = relpaths[i : i + ENCODE_CHUNK]
+                    for ids in tokenizer.encode_batch(read_sources(batch)):
                         builder.add_document(ids + [tokenizer.eos_id])
+                    bar.advance(len(batch))
             except BaseException:
                 builder.abort()
                 raise
             builder.finalize()
+            bar.close()
             _say(
                 verbose, f"tokenized the default corpus ({len(relpaths)} files) in {time.perf_counter() - start:.1f} s"
             )

@@ -26,12 +26,17 @@ import numpy as np
 
 from megacann.data.default_corpus import default_tokenizer
 from megacann.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab, strip_suffix
-from megacann.data.tokenizer import load_tokenizer, train_bpe
+from megacann.data.progress import ProgressBar
+from megacann.data.tokenizer import TokenizerError, load_tokenizer, train_bpe
 
 JSON_EXTS = (".jsonl", ".json")
 TEXT_EXTS = (".txt", ".text", ".md", ".rst", ".py")
 CHUNK_BYTES = 1 << 20  # characters of text per task
 CHUNK_DOCS = 2048
+TOKENIZER_HINT = (
+    "use --tokenizer default (the BPE trained on the default corpus, cached on first use), --tokenizer byte, "
+    "or --train_tokenizer N --tokenizer DIR to train an N-token byte-level BPE on these inputs first and save it in DIR"
+)
 
 
 class PreprocessError(ValueError):
@@ -57,12 +62,23 @@ def list_inputs(paths: list[str]) -> list[str]:
     return files
 
 
-def iter_documents(files: list[str], json_key: str, text_unit: str = "file") -> Iterator[str]:
-    """Documents of the input files, one at a time."""
+class BytesRead:
+    """Bytes of input read so far (what the progress bar measures against the inputs' total size)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def iter_documents(
+    files: list[str], json_key: str, text_unit: str = "file", read: Optional[BytesRead] = None
+) -> Iterator[str]:
+    """Documents of the input files, one at a time (``read`` counts the bytes consumed)."""
     for path in files:
         if path.endswith(JSON_EXTS):
             with open(path, encoding="utf-8") as f:
                 for line_no, line in enumerate(f, start=1):
+                    if read is not None:
+                        read.count += len(line.encode("utf-8"))
                     if not line.strip():
                         continue
                     try:
@@ -78,11 +94,16 @@ def iter_documents(files: list[str], json_key: str, text_unit: str = "file") -> 
         elif text_unit == "line":
             with open(path, encoding="utf-8", errors="replace") as f:
                 for line in f:
+                    if read is not None:
+                        read.count += len(line.encode("utf-8"))
                     if line.strip():
                         yield line.rstrip("\n")
         else:
             with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
+                text = f.read()
+            if read is not None:
+                read.count += os.path.getsize(path)
+            yield text
 
 
 def chunk_documents(docs: Iterator[str]) -> Iterator[list[str]]:
@@ -114,32 +135,20 @@ def _encode_chunk(texts: list[str], append_eod: bool, dtype: str, tokenizer=None
     return [np.asarray(ids, dtype=dtype) for ids in encoded]
 
 
-class Progress:
-    """One status line on stderr (redrawn on a terminal, else printed every 10 s)."""
+class Tally:
+    """Documents, tokens and characters written, drawn on the progress bar as bytes of input are read."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled, self.tty = enabled, sys.stderr.isatty()
-        self.start = self.last = time.perf_counter()
+    def __init__(self, bar: ProgressBar, read: BytesRead):
+        self.bar, self.read = bar, read
         self.docs = self.tokens = self.chars = 0
 
     def update(self, docs: int, tokens: int, chars: int) -> None:
         self.docs += docs
         self.tokens += tokens
         self.chars += chars
-        now = time.perf_counter()
-        if self.enabled and now - self.last >= (0.5 if self.tty else 10.0):
-            self.last = now
-            elapsed = now - self.start
-            line = (
-                f"{self.docs:,} docs | {self.chars / 1e6:,.1f} M chars | {self.tokens:,} tokens | "
-                f"{self.tokens / elapsed:,.0f} tokens/s"
-            )
-            print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def finish(self) -> float:
-        if self.enabled and self.tty:
-            print(file=sys.stderr)
-        return time.perf_counter() - self.start
+        elapsed = max(time.perf_counter() - self.bar.start, 1e-9)
+        detail = f"{self.docs:,} docs | {self.tokens:,} tokens | {self.tokens / elapsed:,.0f} tokens/s"
+        self.bar.advance(self.read.count / 2**20 - self.bar.done, detail)
 
 
 def preprocess(
@@ -155,8 +164,10 @@ def preprocess(
     """Tokenize ``files`` into ``output_prefix``.bin/.idx; returns counts and throughput."""
     tokenizer = load_tokenizer(tokenizer_spec)
     dtype = dtype_for_vocab(tokenizer.vocab_size)
-    chunks = chunk_documents(iter_documents(files, json_key, text_unit))
-    bar = Progress(progress)
+    read = BytesRead()
+    chunks = chunk_documents(iter_documents(files, json_key, text_unit, read))
+    total_mib = sum(os.path.getsize(f) for f in files) / 2**20
+    bar = Tally(ProgressBar("tokenizing", total_mib, "MiB read", enabled=progress), read)
     builder = IndexedDatasetBuilder(output_prefix, dtype)
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: --workers means what it says
@@ -178,7 +189,7 @@ def preprocess(
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
     builder.finalize()
-    seconds = bar.finish()
+    seconds = bar.bar.close()
     return {
         "documents": bar.docs,
         "tokens": bar.tokens,
@@ -202,7 +213,7 @@ def _bounded_map(pool, chunks: Iterator[list[str]], append_eod: bool, dtype: str
         yield result.get(), chars
 
 
-def _write_all(results, builder: IndexedDatasetBuilder, bar: Progress) -> None:
+def _write_all(results, builder: IndexedDatasetBuilder, bar: Tally) -> None:
     for arrays, chars in results:
         for array in arrays:
             builder.add_document(array)
@@ -252,6 +263,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             text_unit=args.text_unit,
             progress=not args.quiet,
         )
+    except TokenizerError as err:
+        print(f"megacann-preprocess: error: {err}; {TOKENIZER_HINT}", file=sys.stderr)
+        return 1
     except (PreprocessError, ValueError, OSError) as err:
         print(f"megacann-preprocess: error: {err}", file=sys.stderr)
         return 1

@@ -175,9 +175,10 @@ def load_tokenizer(spec: str):
     )
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, output_dir: str) -> HFTokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int, output_dir: str, show_progress: bool = False) -> HFTokenizer:
     """Train a byte-level BPE of ``vocab_size`` tokens (incl. ``<|endoftext|>`` = EOS and ``<|pad|>``) on
-    ``texts`` and save it to ``output_dir`` as ``tokenizer.json`` + ``tokenizer_config.json``."""
+    ``texts`` and save it to ``output_dir`` as ``tokenizer.json`` + ``tokenizer_config.json``.
+    ``show_progress``: the ``tokenizers`` trainer's own progress bars on stderr (meant for a terminal)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 258:
@@ -189,7 +190,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output_dir: str) -> HFToken
         vocab_size=vocab_size,
         special_tokens=[BPE_EOS, BPE_PAD],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tok.train_from_iterator(texts, trainer)
     os.makedirs(output_dir, exist_ok=True)

@@ -246,5 +246,6 @@ def decoder_model_spec(
         num_parameters=lambda m: sizing.num_parameters(m, arch),
         fill_defaults=model_class.fill_defaults,
         hf=hf,
+        architecture=arch,
         **extra,
     )

@@ -105,6 +105,7 @@ class ModelSpec:
     fill_defaults: Callable[[ModelConfig], None] = _no_defaults
     check_config: Callable[[MegacannConfig, str], None] = _no_checks
     hf: Optional[HFAdapter] = None
+    architecture: Any = None  # what estimators need of its structure (a DecoderArch); None: no memory plan
 
     def total_parameters(self, cfg: ModelConfig) -> int:
         """Parameters of the whole model (vocabulary unpadded), from the family's formula or by counting."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megacann.config import MegacannConfig, validate
+from megacann.config.advice import advise
 from megacann.models import ModelSpec, prepare_model_config
 from megacann.pipeline import check_pipeline_config
 
@@ -18,7 +19,11 @@ def prepare_recipe(
     spec: Optional[ModelSpec] = None,
 ) -> tuple[ModelSpec, list[str]]:
     """Validate ``cfg`` and fill what it leaves to others (sizes, family defaults). Returns the model family
-    and advice to print once (e.g. a large pipeline bubble); raises ConfigError for what cannot run."""
+    and the advice (e.g. a large pipeline bubble), which is also printed once, on rank 0; raises
+    ConfigError for what cannot run."""
     validate(cfg, world_size=world_size, source=source)
     spec = prepare_model_config(cfg, spec, source)
-    return spec, check_pipeline_config(cfg, source)
+    advice = check_pipeline_config(cfg, source)
+    for line in advice:
+        advise(line)
+    return spec, advice

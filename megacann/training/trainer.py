@@ -68,9 +68,7 @@ class Trainer:
         self.device = self.runtime.device
         self.is_logging_rank = self.runtime.is_main
         self.metrics = MetricsLogger(cfg, enabled=self.is_logging_rank)
-        self.model_spec, advice = prepare_recipe(cfg, self.runtime.world_size, spec=model_spec)
-        for line in advice:
-            self.metrics.print(f"note: {line}")
+        self.model_spec, _ = prepare_recipe(cfg, self.runtime.world_size, spec=model_spec)  # advice printed once
         if tokenizer is None and (data is None or cfg.model.vocab_size is None):
             from megacann.data import build_tokenizer
 
@@ -234,6 +232,7 @@ class Trainer:
         cfg = self.cfg
         log = cfg.logging
         history: list[dict[str, Any]] = []
+        self.metrics.start(self.state.step)  # fresh: an earlier metrics.jsonl moves aside; resumed: later records go
         self.metrics.print(
             f"training {cfg.experiment.name}: {cfg.optim.max_steps} steps, global batch {cfg.global_batch_size} x "
             f"seq {cfg.data.seq_length}, world {self.runtime.world_size} (tp {cfg.distributed.tensor_parallel_size}, "

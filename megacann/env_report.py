@@ -1,0 +1,134 @@
+"""What this machine runs megacann with: Python, torch, torch_npu / CANN or CUDA, optional packages, and the
+visible devices with their memory, each version judged against what megacann needs and was tested with."""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+# Versions megacann's test suite ran with (CI: CPU build of torch), and the minimums setup.py asks for.
+TESTED_WITH = {"python": "3.11", "torch": "2.13.0"}
+MINIMUM = {"python": (3, 9), "torch": (2, 1)}
+OPTIONAL_PACKAGES = ("tokenizers", "transformers", "safetensors", "wandb", "tensorboard", "matplotlib")
+CANN_INFO_GLOBS = (
+    "{home}/*-linux/ascend_toolkit_install.info",
+    "{home}/latest/*-linux/ascend_toolkit_install.info",
+)
+
+
+@dataclass
+class Item:
+    name: str
+    value: str
+    verdict: str = ""  # "", "ok", or what is wrong / untested
+
+    def line(self) -> str:
+        return f"{self.name:<14} {self.value}" + (f"  [{self.verdict}]" if self.verdict else "")
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _judge(name: str, version: str) -> str:
+    if _version_tuple(version)[:2] < MINIMUM[name]:
+        return f"too old: megacann needs {name} >= {'.'.join(map(str, MINIMUM[name]))}"
+    tested = TESTED_WITH[name]
+    base = version.split("+")[0]
+    return "tested" if base == tested or base.startswith(tested + ".") else f"untested here (tested with {tested})"
+
+
+def _package_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cann_version() -> Optional[str]:
+    """The CANN toolkit version from its install record (ASCEND_HOME_PATH or the default install place)."""
+    homes = [
+        os.environ.get("ASCEND_HOME_PATH", ""),
+        "/usr/local/Ascend/ascend-toolkit/latest",
+        "/usr/local/Ascend/cann",
+    ]
+    for home in filter(None, homes):
+        for pattern in CANN_INFO_GLOBS:
+            for path in sorted(glob.glob(pattern.format(home=home))):
+                with open(path, errors="replace") as f:
+                    for line in f:
+                        if line.startswith("version="):
+                            return line.split("=", 1)[1].strip()
+    return None
+
+
+def software_items() -> list[Item]:
+    import torch
+
+    python = platform.python_version()
+    items = [Item("python", f"{python} ({sys.executable})", _judge("python", python))]
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    items.append(Item("torch", f"{torch.__version__} ({build})", _judge("torch", torch.__version__)))
+    npu = _package_version("torch_npu") or _package_version("torch-npu")
+    if npu:
+        same = _version_tuple(npu)[:3] == _version_tuple(torch.__version__)[:3]
+        verdict = (
+            "matches torch"
+            if same
+            else f"mismatch: torch_npu {npu} is built for another torch than {torch.__version__}"
+        )
+        items.append(Item("torch_npu", npu, verdict))
+        cann = cann_version()
+        items.append(
+            Item("CANN", cann or "not found", "" if cann else "source CANN's set_env.sh (see docs/operations.md)")
+        )
+    else:
+        items.append(Item("torch_npu", "not installed", ""))
+    for name in OPTIONAL_PACKAGES:
+        items.append(Item(name, _package_version(name) or "not installed"))
+    return items
+
+
+def _meminfo_gib() -> Optional[float]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        return None
+    return None
+
+
+def device_items() -> list[Item]:
+    """The device megacann would pick here, and every visible device of that kind with its memory."""
+    import torch
+
+    from megacann.accelerator import resolve_device_type
+
+    device_type = resolve_device_type()
+    items = [Item("device", device_type, "MEGACANN_DEVICE" if os.environ.get("MEGACANN_DEVICE") else "auto-detected")]
+    if device_type == "cpu":
+        ram = _meminfo_gib()
+        items.append(Item("cpu", f"{os.cpu_count()} cores" + (f", {ram:.1f} GiB RAM" if ram else "")))
+        return items
+    module = getattr(torch, device_type)
+    for index in range(module.device_count()):
+        props = module.get_device_properties(index)
+        items.append(Item(f"{device_type}:{index}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB"))
+    return items
+
+
+def environment_report() -> list[Item]:
+    return software_items() + device_items()

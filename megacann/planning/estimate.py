@@ -1,0 +1,138 @@
+"""Per-device memory of a layout, stage by stage, and its pipeline bubble, from the formulas module.
+
+Activations are counted per micro-batch in flight: the stage's own schedule plan (the one the trainer
+runs, from ``megacann.pipeline.plan``) is replayed, adding a model chunk's activations at each forward and
+removing them at its backward, so 1F1B's ``pp - stage`` micro-batches on stage ``stage`` and interleaving's
+extra chunks come out of the real schedule, not an approximation of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megacann.config import MegacannConfig
+from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
+from megacann.pipeline.plan import Backward, Forward, build_plan
+from megacann.planning.formulas import (
+    Layout,
+    architecture,
+    chunk_extra_terms,
+    chunk_parameters_per_rank,
+    layer_activation_bytes,
+    pipeline_buffer_bytes,
+    static_bytes,
+)
+
+
+@dataclass
+class StageEstimate:
+    """One pipeline stage's device (any of its TP / DP ranks): what it holds, in bytes at the peak."""
+
+    stage: int
+    holds: str
+    params: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float  # peak: saved tensors and pipeline buffers of the micro-batches in flight, + recompute
+    in_flight: int  # most chunk-forwards waiting for their backward at once
+    chunk_saved: list[float] = field(default_factory=list)  # per chunk: bytes autograd saves for one micro-batch
+    chunk_buffers: list[float] = field(default_factory=list)  # per chunk: pipeline executor's tensors per micro-batch
+    recompute_transient: float = 0.0  # full recompute: one layer's activations rebuilt during backward
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.static + self.activations
+
+
+def _describe_layers(ids: list[int]) -> str:
+    if not ids:
+        return "no layers"
+    return f"layer {ids[0]}" if len(ids) == 1 else f"layers {ids[0]}-{ids[-1]}"
+
+
+def replay_in_flight(plan, chunk_bytes: list[float]) -> tuple[float, int]:
+    """(peak bytes, peak count) of chunk activations alive while ``plan`` runs."""
+    live = peak = 0.0
+    count = peak_count = 0
+    for action in plan:
+        if isinstance(action, Forward):
+            live += chunk_bytes[action.chunk]
+            count += 1
+            peak, peak_count = max(peak, live), max(peak_count, count)
+        elif isinstance(action, Backward):
+            live -= chunk_bytes[action.chunk]
+            count -= 1
+    return peak, peak_count
+
+
+def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEstimate:
+    m, d = cfg.model, cfg.distributed
+    pp, vpp = layout.pp, layout.vpp
+    pipeline_layers = (
+        d.pipeline_layers if (pp, vpp) == (d.pipeline_parallel_size, d.virtual_pipeline_size or 1) else None
+    )
+    params, saved, buffers, holds, transient = 0, [], [], [], 0.0
+    for chunk in range(vpp):
+        ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers)
+        first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == vpp - 1
+        params += chunk_parameters_per_rank(cfg, layout.tp, len(ids), first, last, pp)
+        saved.append(
+            len(ids) * layer_activation_bytes(cfg, layout, layout.recompute)
+            + sum(chunk_extra_terms(cfg, layout, first, last, bool(ids)).values())
+        )
+        buffers.append(pipeline_buffer_bytes(cfg, layout, first, last))
+        if layout.recompute == "full" and ids:  # backward re-runs one layer at a time
+            transient = layer_activation_bytes(cfg, layout, "none")
+        parts = (["embedding"] if first else []) + [_describe_layers(ids)] + (["output layer"] if last else [])
+        holds.append(" + ".join(parts))
+    plan = build_plan(pp, stage, layout.num_microbatches, vpp if vpp > 1 else None)
+    peak, in_flight = replay_in_flight(plan, [a + b for a, b in zip(saved, buffers)])
+    static = static_bytes(cfg, layout, params)
+    return StageEstimate(
+        stage,
+        " | ".join(holds),
+        params,
+        static["weights"],
+        static["grads"],
+        static["optimizer"],
+        peak + transient,
+        in_flight,
+        saved,
+        buffers,
+        transient,
+    )
+
+
+def estimate_stages(cfg: MegacannConfig, layout: Layout) -> list[StageEstimate]:
+    """Every pipeline stage's estimate (stage 0 first)."""
+    return [estimate_stage(cfg, layout, stage) for stage in range(layout.pp)]
+
+
+def bubble_fraction(layout: Layout) -> float:
+    if layout.pp == 1:
+        return 0.0
+    return pipeline_bubble_fraction(layout.pp, layout.num_microbatches, layout.vpp)
+
+
+def recompute_extra_flops(cfg: MegacannConfig, recompute: str) -> float:
+    """Extra compute of recomputation as a share of a step's (PaLM-formula) FLOPs: ``full`` repeats every
+    layer's forward (2 of the 6 FLOPs per parameter and token, and a third of the attention's), ``selective``
+    only the attention core's forward."""
+    from megacann.models.sizing import matmul_parameters
+
+    m, s = cfg.model, cfg.data.seq_length
+    vocab = m.vocab_size or 0
+    matmul = matmul_parameters(m, architecture(m))
+    attention = 12.0 * m.num_layers * m.hidden_size * s  # per token, forward + backward
+    total = 6.0 * matmul + attention
+    if recompute == "full":
+        layers = matmul - vocab * m.hidden_size
+        return (2.0 * layers + attention / 3) / total
+    if recompute == "selective":
+        return (attention / 3) / total
+    return 0.0

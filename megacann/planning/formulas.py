@@ -1,0 +1,277 @@
+"""Memory formulas of megacann training, in one place: what each device holds, from the recipe alone.
+
+Everything here counts what megacann's own code allocates, checked against measurement
+(``tests/test_planner.py``: parameter, gradient and optimizer bytes read from the tensors, activation bytes
+from the tensors autograd saves), not textbook figures.
+
+**Parameters and optimizer** (bytes per parameter held on a device; Ψ = that device's parameters):
+
+- weights: 2 (bf16/fp16) or 4 (fp32);
+- gradients: 4, always: they accumulate in fp32 buffers (``main_grad``) whatever the weights' dtype;
+  ZeRO-2 keeps 4/N after each step but the whole 4 while gradients accumulate, i.e. at the peak unless
+  there is one micro-batch per step *and* ``overlap_grad_reduce`` frees each bucket during backward;
+- optimizer: fp32 master weights (4, none when the weights are fp32 already) + Adam's two moments (8;
+  SGD's momentum 4), divided over the N data-parallel ranks with ZeRO-1/2.
+
+So mixed-precision Adam is 2 + 4 + 12 = 18 B/param without ZeRO; the ZeRO paper counts 16 (bf16
+gradients); ``unsharded_bytes`` gives both.
+
+Parameters per device follow the layers' sharding: column/row-parallel weights and the vocabulary split
+over TP, norms and row-parallel biases replicated, k/v projections replicated when there are fewer kv
+heads than TP ranks; the first pipeline stage holds the embedding, the last the final norm and the
+output layer (a copy of the embedding when tied and pp > 1).
+
+**Activations** (bytes autograd saves for backward, per micro-batch of b sequences of s tokens; a = bytes
+of the weights' dtype; t = TP size; h hidden, f ffn, k = kv heads x head dim, n = attention heads):
+per transformer layer, per token,
+
+- LLaMA: a * [4h + 2 + (2h + 2k + 4f)/t] + 4n/t: two RMSNorms save their normalised input and 1/rms
+  (h + 1 each), the q/k/v and gate/up projections save their input (h each), attention saves q, k, v
+  after rotary and its output (2h/t + 2k/t) plus a float32 log-sum-exp per head (4n/t), the SwiGLU saves
+  the gate|up output (2f/t) and silu(gate) (f/t), the down projection its input (f/t);
+- GPT: a * [4h + 4 + (2h + 2k + 2f)/t] + 4n/t: LayerNorms save their input, mean and 1/std, the GELU MLP
+  its input and output (2f/t).
+
+Sequence parallelism divides only the norms' part by t: the column-parallel projections save the input
+gathered over the sequence (the whole s). ``selective`` recompute drops the log-sum-exp (the attention
+core is recomputed; with flash-style attention it holds nothing else); ``full`` keeps only each layer's
+input (h, or h/t with sequence parallelism) and recomputes one layer at a time in backward (one layer's
+full activations at the peak). Also saved: token ids (8 per token on the first stage, 9 under TP: the
+shard's ids and a mask of the others), the rotary tables of each model chunk (2 x head_dim x a per token),
+the last stage's final norm and output-layer input and the vocabulary-parallel loss's float32
+exponentials (4 x padded vocab / t + 18 per token).
+The pipeline executor keeps each in-flight micro-batch's received input and its output (h x a per token
+each, s/t tokens with sequence parallelism) until its backward. Not counted: attention masks of packed
+documents (``reset_attention_mask`` materialises s x s scores), dropout masks, temporary buffers of a
+single op, communication buffers, the allocator's fragmentation and the device runtime itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megacann.accelerator import PRECISION_DTYPES
+from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.layers.embedding import pad_vocab_size
+from megacann.models import DecoderArch, get_model_spec
+
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in PRECISION_DTYPES.items()}
+GRAD_BYTES = 4  # fp32 gradient buffers
+MASTER_BYTES = 4  # fp32 master copy of low-precision weights
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+SGD_STATE_BYTES = 4  # momentum, fp32
+PAPER_BYTES = 16  # the ZeRO paper's mixed-precision Adam: 2 weights + 2 grads + 12 optimizer
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and the recompute / micro-batch choices that decide per-device memory."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    zero: int = 0
+    recompute: str = "none"  # none | selective | full
+    micro_batch: int = 1
+    num_microbatches: int = 1  # per step: grad_accum_steps
+    sequence_parallel: bool = False
+    overlap_grad_reduce: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        parts = [f"tp {self.tp}", f"pp {self.pp}" + (f" (vpp {self.vpp})" if self.vpp > 1 else ""), f"dp {self.dp}"]
+        extra = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", f"recompute {self.recompute}"]
+        if self.sequence_parallel:
+            extra.append("SP")
+        return (
+            " x ".join(parts) + ", " + ", ".join(extra) + f", micro-batch {self.micro_batch} x {self.num_microbatches}"
+        )
+
+
+def layout_of(cfg: MegacannConfig) -> Layout:
+    """The layout a (validated) recipe asks for."""
+    d = cfg.distributed
+    return Layout(
+        tp=d.tensor_parallel_size,
+        pp=d.pipeline_parallel_size,
+        dp=d.data_parallel_size or 1,
+        vpp=d.virtual_pipeline_size or 1,
+        zero=d.zero_stage,
+        recompute=cfg.model.activation_checkpointing,
+        micro_batch=cfg.data.batch_size,
+        num_microbatches=cfg.optim.grad_accum_steps,
+        sequence_parallel=d.sequence_parallel and d.tensor_parallel_size > 1,
+        overlap_grad_reduce=d.overlap_grad_reduce,
+    )
+
+
+# -- parameters ---------------------------------------------------------------------------------------
+
+
+def _local_kv(m: ModelConfig, tp: int) -> int:
+    """Rows of each k/v projection on one TP rank: split when kv heads divide by tp, else replicated."""
+    head_dim = m.hidden_size // m.num_attention_heads
+    kv = m.kv_heads * head_dim
+    return kv // tp if m.kv_heads % tp == 0 else kv
+
+
+def _kv_read(m: ModelConfig, tp: int) -> int:
+    """Rows of k (and of v) one TP rank computes: its share, or with replicated k/v projections the kv heads
+    its query heads read."""
+    from megacann.layers.attention import kv_heads_for_rank
+
+    head_dim = m.hidden_size // m.num_attention_heads
+    if m.kv_heads % tp == 0:
+        return m.kv_heads * head_dim // tp
+    first, end = kv_heads_for_rank(m.num_attention_heads, m.kv_heads, tp, 0)
+    return (end - first) * head_dim
+
+
+def architecture(m: ModelConfig) -> DecoderArch:
+    """The decoder architecture of the recipe's model family (the formulas below are a decoder's)."""
+    arch = get_model_spec(m.type).architecture
+    if not isinstance(arch, DecoderArch):
+        raise ConfigError(
+            f"model.type {m.type!r}: the memory planner's formulas are a decoder's (llama, gpt); this family "
+            "describes no DecoderArch in its ModelSpec.architecture"
+        )
+    return arch
+
+
+def layer_parameters_per_rank(m: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer held by one TP rank."""
+    arch = architecture(m)
+    h, f, kv = m.hidden_size, m.ffn_size, _local_kv(m, tp)
+    bias = m.use_bias
+    attention = h * h // tp + 2 * kv * h + h * h // tp
+    attention += (h // tp + 2 * kv + h) if bias else 0  # q/k/v biases split like their rows; o_proj's replicated
+    mats = arch.mlp_matrices  # gate (if gated), up, down
+    mlp = mats * h * f // tp + (((mats - 1) * f // tp + h) if bias else 0)
+    norms = 2 * arch.norm_parameters_per_width * h
+    return attention + mlp + norms
+
+
+def padded_vocab(cfg: MegacannConfig, tp: int) -> int:
+    return pad_vocab_size(cfg.model.vocab_size, tp, cfg.model.make_vocab_size_divisible_by)
+
+
+def chunk_parameters_per_rank(cfg: MegacannConfig, tp: int, layers: int, first: bool, last: bool, pp: int) -> int:
+    """Parameters of one model chunk on one TP rank: its layers, plus the embedding (first chunk of the
+    model) and the final norm and output layer (last chunk)."""
+    m = cfg.model
+    h, vocab = m.hidden_size, padded_vocab(cfg, tp) // tp
+    total = layers * layer_parameters_per_rank(m, tp)
+    arch = architecture(m)
+    if first:
+        total += vocab * h + (m.max_position_embeddings * h if arch.position_embedding == "learned" else 0)
+    if last:
+        total += arch.norm_parameters_per_width * h
+        if not m.tie_word_embeddings or pp > 1:  # tied with one stage: the embedding is the output layer
+            total += vocab * h
+    return total
+
+
+def weight_bytes_per_param(cfg: MegacannConfig) -> int:
+    return DTYPE_BYTES[cfg.model.precision]
+
+
+def optimizer_bytes_per_param(cfg: MegacannConfig) -> int:
+    """Master weights and optimizer state per parameter, before ZeRO sharding."""
+    master = 0 if cfg.model.precision == "fp32" else MASTER_BYTES
+    state = SGD_STATE_BYTES if cfg.optim.name == "sgd" else ADAM_STATE_BYTES
+    return master + state
+
+
+def static_bytes(cfg: MegacannConfig, layout: Layout, params: int) -> dict[str, float]:
+    """{"weights", "grads", "optimizer"}: bytes at the peak for ``params`` parameters on one device."""
+    grads = GRAD_BYTES * params
+    grads_sharded = layout.zero >= 2 and layout.num_microbatches == 1 and layout.overlap_grad_reduce
+    if grads_sharded:
+        grads = grads / layout.dp
+    optimizer = optimizer_bytes_per_param(cfg) * params / (layout.dp if layout.zero else 1)
+    return {"weights": weight_bytes_per_param(cfg) * params, "grads": grads, "optimizer": optimizer}
+
+
+def unsharded_bytes(cfg: MegacannConfig, params: int) -> dict[str, float]:
+    """Weights, gradients and optimizer state of ``params`` parameters on one device, without any sharding,
+    as megacann holds them and as the ZeRO paper counts them (16 B/param)."""
+    return {
+        "weights": weight_bytes_per_param(cfg) * params,
+        "grads": GRAD_BYTES * params,
+        "optimizer": optimizer_bytes_per_param(cfg) * params,
+        "paper_total": PAPER_BYTES * params,
+    }
+
+
+# -- activations --------------------------------------------------------------------------------------
+
+
+def layer_activation_terms(cfg: MegacannConfig, layout: Layout) -> dict[str, float]:
+    """Bytes one transformer layer saves for one micro-batch, by what saves them (recompute: none)."""
+    m = cfg.model
+    a, t = DTYPE_BYTES[m.precision], layout.tp
+    h, f, kv = m.hidden_size, m.ffn_size, _kv_read(m, t)
+    tokens = layout.micro_batch * cfg.data.seq_length
+    norm_share = t if layout.sequence_parallel else 1
+    arch = architecture(m)
+    stats = 2 if arch.normalization == "layernorm" else 1  # LayerNorm: mean and 1/std; RMSNorm: 1/rms
+    mlp = (4 if arch.mlp_matrices == 3 else 2) * f // t  # gate and up (and their product), or up
+    return {
+        "norms": tokens * a * 2 * (h + stats) / norm_share,
+        "projection inputs": tokens * a * 2 * h,
+        "attention q k v out": tokens * a * (2 * h // t + 2 * kv),
+        "attention log-sum-exp": tokens * 4 * (m.num_attention_heads // t),
+        "mlp": tokens * a * mlp,
+    }
+
+
+def layer_activation_bytes(cfg: MegacannConfig, layout: Layout, recompute: str = "none") -> float:
+    """Bytes one layer keeps between its forward and backward for one micro-batch."""
+    terms = layer_activation_terms(cfg, layout)
+    if recompute == "full":
+        tokens = layout.micro_batch * cfg.data.seq_length
+        return (
+            tokens
+            * DTYPE_BYTES[cfg.model.precision]
+            * cfg.model.hidden_size
+            / (layout.tp if layout.sequence_parallel else 1)
+        )
+    if recompute == "selective":
+        terms = {k: v for k, v in terms.items() if k != "attention log-sum-exp"}
+    return sum(terms.values())
+
+
+def chunk_extra_terms(
+    cfg: MegacannConfig, layout: Layout, first: bool, last: bool, has_layers: bool
+) -> dict[str, float]:
+    """Bytes a model chunk saves besides its layers, for one micro-batch."""
+    m = cfg.model
+    a, t = DTYPE_BYTES[m.precision], layout.tp
+    b, s = layout.micro_batch, cfg.data.seq_length
+    tokens = b * s
+    terms: dict[str, float] = {}
+    arch = architecture(m)
+    learned = arch.position_embedding == "learned"
+    if first:
+        # int64 ids (this shard's, under TP, with a bool mask of the ids outside it), + learned positions' ids
+        terms["token ids"] = tokens * (8 + (t > 1)) + (s * 8 if learned else 0)
+    if has_layers and arch.position_embedding == "rope":
+        terms["rotary tables"] = tokens * 2 * (m.hidden_size // m.num_attention_heads) * a
+    if last:
+        stats = 2 if arch.normalization == "layernorm" else 1
+        norm = tokens * a * (m.hidden_size + stats) / (t if layout.sequence_parallel else 1)
+        terms["final norm + output input"] = norm + tokens * a * m.hidden_size
+        terms["loss (fp32 exponentials)"] = tokens * (4 * padded_vocab(cfg, t) // t + 18)
+    return terms
+
+
+def pipeline_buffer_bytes(cfg: MegacannConfig, layout: Layout, first: bool, last: bool) -> float:
+    """What the pipeline executor holds per in-flight micro-batch of a chunk: the received input (not on
+    the model's first chunk) and the output to back-propagate (not on the last)."""
+    tokens = layout.micro_batch * cfg.data.seq_length / (layout.tp if layout.sequence_parallel else 1)
+    per = tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.model.precision]
+    return per * ((not first) + (not last))

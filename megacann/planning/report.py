@@ -1,0 +1,131 @@
+"""megacann-plan's report: the model unsharded, the recipe's layout stage by stage, and ranked layouts."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megacann.config import MegacannConfig
+from megacann.models import get_model_spec
+from megacann.planning.estimate import StageEstimate, bubble_fraction, estimate_stages
+from megacann.planning.formulas import (
+    DTYPE_BYTES,
+    Layout,
+    layer_activation_bytes,
+    layout_of,
+    optimizer_bytes_per_param,
+    unsharded_bytes,
+)
+from megacann.planning.search import HEADROOM, rank_layouts
+
+GB = 1e9
+
+
+def _gb(n: float) -> str:
+    """GB with one decimal, or three below 1 GB (small models stay readable)."""
+    return f"{n / GB:.1f}" if n >= GB else f"{n / GB:.3f}"
+
+
+def stage_table(stages: list[StageEstimate]) -> list[str]:
+    header = f"{'stage':<6}{'params/device':>15}{'weights':>9}{'grads':>8}{'optimizer':>11}{'activations':>13}{'total':>8}  holds"
+    lines = [header]
+    for s in stages:
+        act = f"{_gb(s.activations)} ({s.in_flight})"
+        lines.append(
+            f"{s.stage:<6}{s.params:>15,}{_gb(s.weights):>9}{_gb(s.grads):>8}{_gb(s.optimizer):>11}{act:>13}"
+            f"{_gb(s.total):>8}  {s.holds}"
+        )
+    return lines
+
+
+def unsharded_lines(cfg: MegacannConfig, params: int) -> list[str]:
+    m = cfg.model
+    u = unsharded_bytes(cfg, params)
+    a = DTYPE_BYTES[m.precision]
+    master = "fp32 master 4 + " if m.precision != "fp32" else ""
+    state = "momentum 4" if cfg.optim.name == "sgd" else "Adam moments 8"
+    total = u["weights"] + u["grads"] + u["optimizer"]
+    lines = [
+        f"weights {_gb(u['weights'])} GB ({m.precision}, {a} B/param) + gradients {_gb(u['grads'])} GB (fp32 "
+        f"buffers, 4 B/param) + optimizer {_gb(u['optimizer'])} GB ({master}{state} B/param) = {_gb(total)} GB "
+        f"({a + 4 + optimizer_bytes_per_param(cfg)} B/param)"
+    ]
+    if m.precision != "fp32" and cfg.optim.name != "sgd":
+        lines.append(
+            f"the ZeRO paper's count (2 + 2 + 12 = 16 B/param, bf16 gradients): {_gb(u['paper_total'])} GB; "
+            f"for a round {params / 1e9:.0f}e9 parameters: {_gb(16 * round(params / 1e9) * 1e9)} GB"
+        )
+    return lines
+
+
+def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
+    """The recipe's layout: per-stage table, largest stage, how it divides the unsharded memory, bubble."""
+    stages = estimate_stages(cfg, layout)
+    largest = max(stages, key=lambda s: s.total)
+    u = unsharded_bytes(cfg, params)
+    whole = u["weights"] + u["grads"] + u["optimizer"]
+    lines = [f"-- the recipe's layout: {layout.describe()} (world {layout.world_size})"]
+    lines += stage_table(stages)
+    lines.append(
+        f"largest: stage {largest.stage}, {_gb(largest.total)} GB per device (activations: peak of the "
+        f"micro-batches in flight, their count in brackets)"
+    )
+    ways = layout.tp * layout.pp
+    split = f"tp {layout.tp} x pp {layout.pp} split the parameters {ways} ways" if ways > 1 else "no model parallelism"
+    zero = f"; ZeRO-{layout.zero} divides the optimizer state by dp {layout.dp}" if layout.zero else ""
+    lines.append(
+        f"weights + gradients + optimizer: {_gb(whole)} GB unsharded -> {_gb(largest.static)} GB on stage "
+        f"{largest.stage}'s devices ({split}{zero})"
+    )
+    by_recompute = {r: layer_activation_bytes(cfg, layout, r) for r in ("none", "selective", "full")}
+    lines.append(
+        "activations per layer and micro-batch: "
+        + ", ".join(f"{r} {by_recompute[r] / 2**20:,.0f} MiB" for r in by_recompute)
+        + f" (recipe: {layout.recompute})"
+    )
+    if layout.pp > 1:
+        m, v = layout.num_microbatches, layout.vpp
+        kind = f"interleaved 1F1B ({v} chunks per stage)" if v > 1 else "1F1B"
+        lines.append(f"pipeline: {kind}, {m} micro-batches, bubble {bubble_fraction(layout):.1%}")
+    else:
+        lines.append("pipeline: none (no bubble)")
+    return lines
+
+
+def plan_report(
+    cfg: MegacannConfig,
+    recipe_path: Optional[str],
+    world_size: int,
+    device_memory_gb: Optional[float],
+    devices_per_node: int = 8,
+    top: int = 10,
+) -> str:
+    """The whole report; ``cfg`` is the validated recipe (vocab_size set)."""
+    m = cfg.model
+    params = get_model_spec(m.type).total_parameters(m)
+    layout = layout_of(cfg)
+    lines = [
+        f"== megacann plan: {cfg.experiment.name}" + (f" ({recipe_path})" if recipe_path else "") + "; GB = 1e9 bytes"
+    ]
+    lines.append(
+        f"model: {m.type}, {params:,} parameters ({params / 1e9:.2f} B), {m.num_layers} layers, {m.precision}; "
+        f"seq {cfg.data.seq_length}, micro-batch {cfg.data.batch_size} x {cfg.optim.grad_accum_steps} per step, "
+        f"global batch {cfg.global_batch_size}"
+    )
+    lines.append("-- on one device, nothing sharded")
+    lines += unsharded_lines(cfg, params)
+    lines += layout_lines(cfg, layout, params)
+    if device_memory_gb is None:
+        lines.append("-- give --device_memory_gb (and --world_size) to list the layouts that fit")
+        return "\n".join(lines)
+    budget = device_memory_gb * GB * (1 - HEADROOM)
+    ranked = rank_layouts(cfg, world_size, device_memory_gb * GB, devices_per_node)
+    lines.append(
+        f"-- layouts of {world_size} devices with {device_memory_gb:g} GB each (budget {_gb(budget)} GB after "
+        f"{HEADROOM:.0%} headroom), global batch {cfg.global_batch_size}, fastest estimate first "
+        f"({len(ranked)} fit)"
+    )
+    if not ranked:
+        lines.append("none fits: more devices, more memory per device, or a shorter sequence / smaller batch")
+    for i, entry in enumerate(ranked[:top], 1):
+        lines.append(f"{i:>2}. {entry.layout.describe()}: {entry.reason(budget)}")
+    return "\n".join(lines)
