@@ -14,6 +14,7 @@ from megacann.pipeline.plan import build_plan
 from megacann.planning import estimate_stages, layout_of, rank_layouts, unsharded_bytes
 from megacann.planning.estimate import replay_in_flight
 from megacann.planning.formulas import layer_activation_bytes
+from megacann.training.recipe import prepare_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED_7B = os.path.join(ROOT, "examples/configs/llama/llama_7b.yaml")
@@ -22,6 +23,7 @@ PSI_7B = 6_738_415_616  # 32 x 202,383,360 per layer + 2 x 32000 x 4096 + 4096 (
 
 def test_seed_7b_unsharded_and_divided_by_its_layout():
     cfg = load_config(SEED_7B)
+    prepare_recipe(cfg)  # the model family fills its defaults
     u = unsharded_bytes(cfg, PSI_7B)
     assert (u["weights"], u["grads"], u["optimizer"]) == (2 * PSI_7B, 4 * PSI_7B, 12 * PSI_7B)  # 18 B/param
     assert u["paper_total"] == 16 * PSI_7B and round(16 * 7e9 / 1e9) == 112  # the ~112 GB of the ZeRO count
@@ -72,6 +74,7 @@ def test_megacann_plan_command_shows_the_seed_recipe_and_ranked_layouts():
 
 def test_ranked_layouts_fit_and_respect_the_recipe():
     cfg = load_config(SEED_7B)
+    prepare_recipe(cfg)  # the model family fills its defaults
     ranked = rank_layouts(cfg, 32, 64e9)
     assert ranked and all(max(s.total for s in r.stages) <= 0.9 * 64e9 for r in ranked)
     for r in ranked:
