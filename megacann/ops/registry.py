@@ -25,6 +25,7 @@ import torch
 REFERENCE = "reference"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 logger = logging.getLogger("megacann.ops")
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,11 @@ def resolve(op: str, device_type: str) -> Callable:
     hit = _CACHE.get(key)
     if hit is not None:
         return hit[1]
+    if _is_compiling():  # availability checks import packages / build kernels: not traceable
+        raise RuntimeError(
+            f"megacann.ops: {op!r} on {device_type} is resolved for the first time inside torch.compile; "
+            f"call megacann.ops.selection({device_type!r}) (or run one eager step) before compiling"
+        )
     impl = _choose(op, device_type)
     fn = _in_fp32(impl.fn, op in _FP32_RESULT) if op in _FP32 else impl.fn
     _CACHE[key] = (impl, fn)
