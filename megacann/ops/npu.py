@@ -113,10 +113,8 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         allowed = reference.attention_mask(s, causal, segment_ids, q.device)
         allowed = attn_mask if allowed is None else allowed & attn_mask
-        out = npu.npu_fusion_attention(q, k, v, heads, "BSND", atten_mask=~allowed, sparse_mode=SPARSE_NONE, **common)[
-            0
-        ]
-        return out
+        masked = dict(atten_mask=~allowed, sparse_mode=SPARSE_NONE)
+        return npu.npu_fusion_attention(q, k, v, heads, "BSND", **masked, **common)[0]
     if segment_ids is not None:
         lens = cumulative_seq_lens(segment_ids)
         mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_RIGHT_DOWN_CAUSAL) if causal else {}
