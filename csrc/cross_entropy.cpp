@@ -32,17 +32,22 @@ void stats_kernel(const T* logits, int64_t stride, const int64_t* target, int64_
   });
 }
 
+// out may be x itself (the in-place form): each element is read before it is written, and the target's
+// logit is read before the row is overwritten, so the target column is still rounded only once.
 template <typename T>
-void grad_kernel(const T* logits, int64_t stride, const int64_t* target, const acc_t<T>* lse,
-                 const acc_t<T>* grad_loss, int64_t rows, int64_t cols, int64_t start, int64_t valid,
-                 int64_t ignore_index, T* grad) {
+void grad_kernel(const T* x_base, int64_t x_stride, T* out_base, int64_t out_stride, const int64_t* target,
+                 const acc_t<T>* lse, const acc_t<T>* grad_loss, int64_t rows, int64_t cols, int64_t start,
+                 int64_t valid, int64_t ignore_index) {
   using A = acc_t<T>;
   parallel_rows(rows, cols, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* x = logits + r * stride;
-      T* out = grad + r * cols;
+      const T* x = x_base + r * x_stride;
+      T* out = out_base + r * out_stride;
       const A g = target[r] == ignore_index ? A(0) : grad_loss[r];
       const A shift = lse[r];
+      const int64_t t = target[r] - start;
+      const bool hit = g != A(0) && t >= 0 && t < valid;
+      const A target_logit = hit ? A(load(x, t)) : A(0);
       if (g == A(0)) {
 #pragma omp simd
         for (int64_t i = 0; i < cols; ++i) store(out, i, A(0));
@@ -52,8 +57,7 @@ void grad_kernel(const T* logits, int64_t stride, const int64_t* target, const a
       for (int64_t i = 0; i < valid; ++i) store(out, i, exp_fast(A(load(x, i)) - shift) * g);
 #pragma omp simd
       for (int64_t i = valid; i < cols; ++i) store(out, i, A(0));
-      const int64_t t = target[r] - start;
-      if (t >= 0 && t < valid) store(out, t, exp_fast(A(load(x, t)) - shift) * g - g);
+      if (hit) store(out, t, exp_fast(target_logit - shift) * g - g);
     }
   });
 }
@@ -94,22 +98,33 @@ std::tuple<at::Tensor, at::Tensor> vocab_shard_stats(const at::Tensor& logits, c
   return {lse, target_logit};
 }
 
-at::Tensor vocab_shard_grad(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
-                            const at::Tensor& grad_loss, int64_t start, int64_t valid, int64_t ignore_index) {
+namespace {
+
+// (softmax - onehot) * grad_loss of logits' rows, written to out (which may be logits).
+void shard_grad_into(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                     const at::Tensor& grad_loss, int64_t start, int64_t valid, int64_t ignore_index, at::Tensor& out) {
   check_args(logits, target, start, valid);
   at::Tensor x = logit_rows(logits);
+  at::Tensor o = out.view({-1, out.size(-1)});
   at::Tensor t = target.contiguous();
   const at::ScalarType acc = acc_type_of(logits);
   at::Tensor l = lse.to(acc).contiguous();
   at::Tensor g = grad_loss.to(acc).contiguous();
-  at::Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
   MEGACANN_DISPATCH_FLOATS(logits.scalar_type(), "megacann::vocab_shard_grad", [&] {
     using A = acc_t<scalar_t>;
-    grad_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), x.stride(0), t.const_data_ptr<int64_t>(), l.const_data_ptr<A>(),
-                          g.const_data_ptr<A>(), x.size(0), x.size(1), start, valid, ignore_index,
-                          grad.mutable_data_ptr<scalar_t>());
+    grad_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), x.stride(0), o.mutable_data_ptr<scalar_t>(), o.stride(0),
+                          t.const_data_ptr<int64_t>(), l.const_data_ptr<A>(), g.const_data_ptr<A>(), x.size(0),
+                          x.size(1), start, valid, ignore_index);
   });
-  return grad;
+}
+
+}  // namespace
+
+// In place: the logits become their gradient (the fused head loss needs no second buffer per chunk).
+void vocab_shard_grad_(at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                       const at::Tensor& grad_loss, int64_t start, int64_t valid, int64_t ignore_index) {
+  TORCH_CHECK(logits.is_contiguous(), "megacann::vocab_shard_grad_: logits must be contiguous");
+  shard_grad_into(logits, target, lse, grad_loss, start, valid, ignore_index, logits);
 }
 
 // Whole-vocabulary cross entropy: loss = lse - logit[target] (0 where target == ignore_index), and lse
@@ -123,7 +138,9 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logit
 
 at::Tensor cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
                                   const at::Tensor& lse, int64_t ignore_index) {
-  return vocab_shard_grad(logits, target, lse, grad_loss, 0, logits.size(-1), ignore_index);
+  at::Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  shard_grad_into(logits, target, lse, grad_loss, 0, logits.size(-1), ignore_index, grad);
+  return grad;
 }
 
 }  // namespace megacann

@@ -18,8 +18,8 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const
                                                    const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> vocab_shard_stats(const at::Tensor& logits, const at::Tensor& target,
                                                      int64_t start, int64_t valid, int64_t ignore_index);
-at::Tensor vocab_shard_grad(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
-                            const at::Tensor& grad_loss, int64_t start, int64_t valid, int64_t ignore_index);
+void vocab_shard_grad_(at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                       const at::Tensor& grad_loss, int64_t start, int64_t valid, int64_t ignore_index);
 std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits, const at::Tensor& target,
                                                          int64_t ignore_index);
 at::Tensor cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
@@ -38,8 +38,8 @@ TORCH_LIBRARY(megacann, m) {
   m.def("cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index) -> Tensor");
   m.def("vocab_shard_stats(Tensor logits, Tensor target, int start, int valid, int ignore_index) -> (Tensor, Tensor)");
   m.def(
-      "vocab_shard_grad(Tensor logits, Tensor target, Tensor lse, Tensor grad_loss, int start, int valid, "
-      "int ignore_index) -> Tensor");
+      "vocab_shard_grad_(Tensor(a!) logits, Tensor target, Tensor lse, Tensor grad_loss, int start, int valid, "
+      "int ignore_index) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megacann, CPU, m) {
@@ -53,7 +53,7 @@ TORCH_LIBRARY_IMPL(megacann, CPU, m) {
   m.impl("cross_entropy_forward", &megacann::cross_entropy_forward);
   m.impl("cross_entropy_backward", &megacann::cross_entropy_backward);
   m.impl("vocab_shard_stats", &megacann::vocab_shard_stats);
-  m.impl("vocab_shard_grad", &megacann::vocab_shard_grad);
+  m.impl("vocab_shard_grad_", &megacann::vocab_shard_grad_);
 }
 
 // An importable, empty Python module (`import megacann._C` loads the library and runs the registrations

@@ -72,7 +72,7 @@ def test_registry_failing_check_means_unavailable_and_errors_name_things(demo_op
 def test_every_op_has_a_reference():
     for op in ("scaled_dot_product_attention", "rms_norm", "apply_rotary", "swiglu"):
         assert "reference" in registry.implementations(op)
-        assert registry.selected(op, "cpu") == "reference"
+        assert registry.selected(op, "xpu") == "reference"  # a device no fused kernel serves
 
 
 # -- reference ops -------------------------------------------------------------------------------------
@@ -112,8 +112,8 @@ def test_rms_norm_forward_and_backward():
 def test_swiglu_fused_and_split_agree():
     x = torch.randn(2, 3, 8)
     gate, up = x.chunk(2, -1)
-    assert torch.equal(ops.swiglu(x), F.silu(gate) * up)
-    assert torch.equal(ops.swiglu(gate, up), F.silu(gate) * up)
+    assert rel_err(ops.swiglu(x), F.silu(gate) * up) < 1e-6  # the C++ kernel's exp differs in the last bits
+    assert rel_err(ops.swiglu(gate, up), F.silu(gate) * up) < 1e-6
 
 
 # -- rotary --------------------------------------------------------------------------------------------

@@ -172,7 +172,7 @@ def test_custom_ops_pass_opcheck():
         (m.swiglu, (gate_up[:, :5], gate_up[:, 5:])),
         (m.cross_entropy_forward, (logits, target, -100)),
         (m.vocab_shard_stats, (logits.detach(), target, 4, 5, -100)),
-        (m.vocab_shard_grad, (logits.detach(), target, torch.randn(6), torch.rand(6), 4, 5, -100)),
+        (m.vocab_shard_grad_, (logits.detach().clone(), target, torch.randn(6), torch.rand(6), 4, 5, -100)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

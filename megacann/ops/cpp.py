@@ -80,9 +80,9 @@ def _register_fakes() -> None:
         stat = _stat_dtype(logits)
         return logits.new_empty(target.shape, dtype=stat), logits.new_empty(target.shape, dtype=stat)
 
-    @fake(lib + "vocab_shard_grad")
+    @fake(lib + "vocab_shard_grad_")
     def _(logits, target, lse, grad_loss, start, valid, ignore_index):
-        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+        return None
 
 
 def _register_autograd() -> None:
@@ -201,11 +201,11 @@ def _shard_stats(logits, target, start, valid, ignore_index):
     return torch.ops.megacann.vocab_shard_stats(logits, target, start, valid, ignore_index)
 
 
-def _shard_grad(logits, target, lse, grad_loss, start, valid, ignore_index):
-    return torch.ops.megacann.vocab_shard_grad(logits, target, lse, grad_loss, start, valid, ignore_index)
+def _shard_grad_(logits, target, lse, grad_loss, start, valid, ignore_index):
+    torch.ops.megacann.vocab_shard_grad_(logits, target, lse, grad_loss, start, valid, ignore_index)
 
 
-CPP_KERNELS = head_loss.ShardKernels(_shard_stats, _shard_grad)
+CPP_KERNELS = head_loss.ShardKernels(_shard_stats, _shard_grad_)
 
 
 @register("vocab_parallel_head_loss", CPP, priority=PRIORITY, device_types=("cpu",), available=available)

@@ -28,11 +28,11 @@ MODES = ("auto", "jit", "off")
 
 
 def compile_flags() -> list[str]:
-    """C++ flags for both builds: -O3, OpenMP (ATen's parallel_for), `omp simd` reductions, no
-    floating-point contraction (so fp32 results match PyTorch's), and no FP-trap semantics (lets GCC
-    vectorise selects)."""
+    """C++ flags for both builds: -O3 without debug info, OpenMP (ATen's parallel_for), `omp simd`
+    reductions, no floating-point contraction (so fp32 results match PyTorch's), and no FP-trap semantics
+    (lets GCC vectorise selects)."""
     arch = os.environ.get("MEGACANN_CPU_ARCH", "native")
-    flags = ["-O3", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
+    flags = ["-O3", "-g0", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
     return flags + ([f"-march={arch}"] if arch else [])
 
 

@@ -5,11 +5,11 @@ Tokens are processed in chunks of ``chunk_size``. Forward: for each chunk, the c
 rank's vocabulary shard give a local log-sum-exp and the target's logit; after the last chunk two small
 all-reduces over the tensor-parallel group combine the shards (max of the local log-sum-exps, then the sum
 of ``exp(lse_r - max)`` together with the target logits). Only the per-token log-sum-exp (fp32) is kept.
-Backward: each chunk's logits are recomputed (one more matmul of the chunk), turned into
+Backward: each chunk's logits are recomputed (one more matmul of the chunk), overwritten in place by
 ``(softmax - onehot) * grad`` and multiplied back into the gradients of ``hidden`` and ``weight``.
 
-Peak memory is a chunk's logits and their gradient instead of the whole micro-batch's logits in the
-model dtype, their fp32 copy and their fp32 gradient. The result equals ``F.linear`` followed by
+Peak memory is one chunk's logits (besides the gradients themselves) instead of the whole micro-batch's
+logits in the model dtype, their fp32 working copy and their gradient. The result equals ``F.linear`` followed by
 :func:`megacann.layers.vocab_parallel_cross_entropy` (same ignore_index and vocabulary-padding rules), and
 so do the gradients: ``hidden``'s gradient is this rank's partial sum, as ``F.linear``'s would be; the
 caller reduces it over the tensor-parallel group (``copy_to_tensor_model_parallel_region``) exactly as
@@ -38,11 +38,11 @@ DEFAULT_CHUNK_SIZE = 1024
 class ShardKernels:
     """``stats(logits, target, start, valid, ignore_index) -> (lse, target_logit)`` over the first ``valid``
     columns of a vocabulary shard that starts at token id ``start`` (fp32, target logit 0 when the target is
-    elsewhere or ignored); ``grad(logits, target, lse, grad_loss, start, valid, ignore_index)`` gives
-    ``(softmax - onehot) * grad_loss`` in the logits' dtype (0 in padding columns and ignored rows)."""
+    elsewhere or ignored); ``grad_(logits, target, lse, grad_loss, start, valid, ignore_index)`` overwrites
+    the (contiguous) logits with ``(softmax - onehot) * grad_loss`` (0 in padding columns and ignored rows)."""
 
     stats: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    grad: Callable[..., torch.Tensor]
+    grad_: Callable[..., None]
 
 
 def _target_in_shard(target: torch.Tensor, start: int, valid: int, ignore_index: int):
@@ -69,19 +69,21 @@ def torch_stats(logits, target, start: int, valid: int, ignore_index: int):
     return lse, target_logit
 
 
-def torch_grad(logits, target, lse, grad_loss, start: int, valid: int, ignore_index: int):
+def torch_grad_(logits, target, lse, grad_loss, start: int, valid: int, ignore_index: int) -> None:
     acc = acc_dtype(logits.dtype)
     scale = grad_loss.to(acc).masked_fill(target == ignore_index, 0.0)
-    grad = torch.zeros(logits.shape, dtype=acc, device=logits.device)
     if valid > 0:
-        probs = (logits[:, :valid].to(acc) - lse.unsqueeze(-1)).exp_()
-        grad[:, :valid] = probs.mul_(scale.unsqueeze(-1))
+        x = logits[:, :valid]
+        work = x if x.dtype == acc else x.to(acc)  # in place for fp32 logits
+        work.sub_(lse.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))
         local, hit = _target_in_shard(target, start, valid, ignore_index)
-        grad.scatter_add_(-1, local.unsqueeze(-1), (-scale * hit).unsqueeze(-1))
-    return grad.to(logits.dtype)
+        work.scatter_add_(-1, local.unsqueeze(-1), (-scale * hit).unsqueeze(-1))
+        if work is not x:
+            x.copy_(work)
+    logits[:, valid:] = 0
 
 
-TORCH_KERNELS = ShardKernels(torch_stats, torch_grad)
+TORCH_KERNELS = ShardKernels(torch_stats, torch_grad_)
 
 
 def _chunks(n: int, size: int):
@@ -126,9 +128,8 @@ class _HeadLoss(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=acc_dtype(weight.dtype), device=weight.device)
         for rows in _chunks(target.shape[0], chunk_size):
             h = hidden[rows]
-            logits = F.linear(h, weight)
-            grad_logits = kernels.grad(logits, target[rows], lse[rows], grad_loss[rows], start, valid, ignore_index)
-            del logits
+            grad_logits = F.linear(h, weight)  # the chunk's logits, overwritten by their gradient
+            kernels.grad_(grad_logits, target[rows], lse[rows], grad_loss[rows], start, valid, ignore_index)
             if need_hidden:
                 torch.mm(grad_logits, weight, out=grad_hidden[rows])
             if need_weight:
@@ -136,6 +137,7 @@ class _HeadLoss(torch.autograd.Function):
                     grad_weight.addmm_(grad_logits.t(), h)
                 else:
                     grad_weight += grad_logits.t().mm(h)
+            del grad_logits  # before the next chunk's logits exist
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None
