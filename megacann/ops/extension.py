@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import platform
 import shutil
 import threading
 from pathlib import Path
@@ -29,11 +30,15 @@ MODES = ("auto", "jit", "off")
 
 def compile_flags() -> list[str]:
     """C++ flags for both builds: -O3 without debug info, OpenMP (ATen's parallel_for), `omp simd`
-    reductions, no floating-point contraction (so fp32 results match PyTorch's), and no FP-trap semantics
-    (lets GCC vectorise selects)."""
+    reductions, no floating-point contraction (so fp32 results match PyTorch's), no FP-trap semantics
+    (lets GCC vectorise selects), the host's instruction set with full-width vectors."""
     arch = os.environ.get("MEGACANN_CPU_ARCH", "native")
     flags = ["-O3", "-g0", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
-    return flags + ([f"-march={arch}"] if arch else [])
+    if arch:
+        flags.append(f"-march={arch}")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-mprefer-vector-width=512")  # use AVX-512 where the CPU has it (measured 1.2-1.4x on exp loops)
+    return flags
 
 
 LINK_FLAGS = ["-fopenmp"]
