@@ -52,29 +52,38 @@ def shapes(small: bool) -> dict:
 
 
 def fwd_bwd(fn: Callable, leaves: list[torch.Tensor], fixed: tuple) -> Callable[[], None]:
-    """A closure running fn forward and backward (gradient of ones) on fresh gradients."""
+    """A closure running fn forward and backward on fresh gradients. The incoming gradient (ones) is made
+    once: in a model it comes from the next layer, so it is not part of the op's cost."""
+    upstream: dict[str, torch.Tensor] = {}
 
     def step():
         for leaf in leaves:
             leaf.grad = None
         out = fn(*leaves, *fixed)
-        out.backward(torch.ones_like(out))
+        if "grad" not in upstream:
+            upstream["grad"] = torch.ones_like(out)
+        out.backward(upstream["grad"])
 
     step.leaves = leaves
     return step
 
 
-def median_times(steps: dict[str, Callable[[], None]], rounds: int, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each step, the steps alternating round by round."""
-    for step in steps.values():
+def median_times(steps: dict[str, Callable[[], None]], rounds: int, min_seconds: float) -> dict[str, float]:
+    """Median seconds per call of each step over ``rounds`` alternating rounds; a round repeats a step
+    until it has run ``min_seconds`` (short steps are noisy on a shared machine)."""
+    repeats = {}
+    for name, step in steps.items():
         step()  # warm-up (allocations, first-call work)
+        start = time.perf_counter()
+        step()
+        repeats[name] = max(1, min(100, int(min_seconds / max(time.perf_counter() - start, 1e-6))))
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             start = time.perf_counter()
-            for _ in range(repeats):
+            for _ in range(repeats[name]):
                 step()
-            samples[name].append((time.perf_counter() - start) / repeats)
+            samples[name].append((time.perf_counter() - start) / repeats[name])
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -200,7 +209,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="small shapes (a quick run)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per case")
-    parser.add_argument("--repeats", type=int, default=1, help="calls per round")
+    parser.add_argument("--min-seconds", type=float, default=0.2, help="least time per step and round")
     parser.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
     parser.add_argument("--memory-dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--only", nargs="+", default=None, help="ops to time (default: all, and the head loss)")
@@ -217,12 +226,14 @@ def main(argv=None) -> dict:
     if not cpp.available():
         raise SystemExit("the C++ kernels are not available here (see the log line above)")
     s = shapes(args.small)
-    print(f"threads {args.threads}, rounds {args.rounds} x {args.repeats}, median time per forward + backward")
+    print(
+        f"threads {args.threads}, {args.rounds} rounds of >= {args.min_seconds} s, median time per forward + backward"
+    )
     results = {}
     for op, desc, steps in kernel_cases(s, args.dtype):
         if args.only and op not in args.only:
             continue
-        times = median_times(steps, args.rounds, args.repeats)
+        times = median_times(steps, args.rounds, args.min_seconds)
         kernel = times.pop("cpp")
         line = ", ".join(f"{name} {t * 1e3:.1f} ms ({t / kernel:.2f}x)" for name, t in times.items())
         ratio = times["eager (reference)"] / kernel
@@ -235,7 +246,7 @@ def main(argv=None) -> dict:
         return results
     h = s["hiddens"][0]
     for dname in args.dtype:
-        times = median_times(head_steps(s, DTYPES[dname]), args.rounds, args.repeats)
+        times = median_times(head_steps(s, DTYPES[dname]), args.rounds, args.min_seconds)
         base = times["unfused"]
         line = ", ".join(f"{name} {t * 1e3:.1f} ms ({base / t:.2f}x)" for name, t in times.items())
         print(f"head loss     [{s['tokens']}, {h}] x [{s['vocab']}, {h}] {dname}: {line}")
