@@ -104,13 +104,13 @@ READ_BY = {
     "logging.tensorboard": "training/metrics.py",
     "logging.async_save": "training/trainer.py",
     "logging.timers": "training/trainer.py",
+    "precision.fp32_ops": "training/runtime.py",
+    "precision.fused_ops": "training/runtime.py",
 }
 # keys whose only effect is through another key that is refused for now
 ONLY_WITH = {key: "lora" for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")}
 # a value each refused key takes only once its feature lands
 REFUSED_VALUES = {
-    "precision.fp32_ops": "[softmax]",
-    "precision.fused_ops": "[rms_norm]",
     "lora": "true",
     "distributed.context_parallel_size": "2",
     "distributed.expert_parallel_size": "2",
@@ -146,3 +146,16 @@ def test_seed_recipes_still_load():
     for recipe in sorted(root.glob("*/*.yaml")):
         if "custom" not in recipe.parts:  # the custom family registers itself in its script
             load_config(str(recipe))
+
+
+def test_precision_keys_name_ops_and_default_to_the_documented_list():
+    from megacann import ops
+    from megacann.config import MegacannConfig
+
+    assert MegacannConfig().precision.fp32_ops == list(ops.DEFAULT_FP32_OPS)
+    tiny_config(["precision.fused_ops=[rms_norm,swiglu]", "precision.fp32_ops=[swiglu]"])
+    for key in ("precision.fused_ops", "precision.fp32_ops"):
+        with pytest.raises(
+            ConfigError, match=rf"{key}: unknown op name\(s\) \['rmsnorm'\]; valid op names: .*rms_norm"
+        ):
+            tiny_config([f"{key}=[rmsnorm]"])

@@ -152,8 +152,9 @@ class LoggingConfig:
 
 @dataclass
 class PrecisionConfig:
-    fp32_ops: list = field(default_factory=list)  # op names forced to fp32 (e.g. softmax, loss)
-    fused_ops: Union[bool, list] = True  # true: every available fused op; list: only those
+    # ops computed in fp32 whatever the model precision (megacann.ops names; default: ops.DEFAULT_FP32_OPS)
+    fp32_ops: list = field(default_factory=lambda: ["rms_norm"])
+    fused_ops: Union[bool, list] = True  # true: every available fused op; false: none; list: only those
 
 
 @dataclass

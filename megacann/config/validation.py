@@ -14,14 +14,6 @@ from megacann.config.schema import CHOICES, ConfigError, MegacannConfig
 # reason, rather than accepted and ignored. Each feature's work removes its entry; tests/test_config_keys.py
 # checks that every other key is read by the code it names.
 NOT_YET_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "precision.fp32_ops": (
-        lambda v: not v,
-        "operator-level fp32 (a list of ops forced to fp32) is not implemented yet",
-    ),
-    "precision.fused_ops": (
-        lambda v: isinstance(v, bool),
-        "choosing fused operators by name is not implemented yet (true or false select every available one or none)",
-    ),
     "lora": (lambda v: not v, "LoRA fine-tuning is not implemented yet; set lora: false"),
     "distributed.context_parallel_size": (
         lambda v: v == 1,

@@ -2,7 +2,8 @@
 
 Each tensor-parallel rank holds the rows of its vocabulary range of the ``[padded_vocab, hidden]`` weight
 and computes the logits of that range only; the loss (:func:`megacann.layers.loss.token_loss`) never
-gathers the full logits. The weight is the head's own, the input embedding's (tied, same chunk), or, when
+gathers the full logits, and with the fused op (``precision.fused_ops``) the fp32 logits of the whole
+micro-batch are never held either: :func:`megacann.ops.vocab_parallel_head_loss` works in chunks of tokens. The weight is the head's own, the input embedding's (tied, same chunk), or, when
 the embedding sits on the first pipeline stage and the head on the last, a copy of it initialised from the
 embedding's name and kept equal by summing both gradients over the embedding group
 (:func:`tie_embedding_across_stages` marks the first stage's side).
@@ -16,11 +17,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megacann import ops
 from megacann.layers import mappings
 from megacann.layers.embedding import VocabParallelEmbedding, pad_vocab_size
 from megacann.layers.init import init_normal, make_parameter
 from megacann.layers.loss import token_loss
 from megacann.layers.sharding import INIT_NAME_ATTR, InitMethod, mark_tied_across_stages
+
+HEAD_LOSS = "vocab_parallel_head_loss"  # the fused op, used when precision.fused_ops allows it
 
 
 def tie_embedding_across_stages(embedding: VocabParallelEmbedding) -> None:
@@ -93,6 +97,14 @@ class LMHead(torch.nn.Module):
         return F.linear(hidden, self.output_weight)
 
     def forward(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if labels is not None and ops.fused_enabled(HEAD_LOSS):  # chunks of tokens: no full fp32 logits
+            if self.sequence_parallel:
+                hidden = mappings.gather_from_sequence_parallel_region(hidden, self.group)
+            else:
+                hidden = mappings.copy_to_tensor_model_parallel_region(hidden, self.group)
+            return ops.vocab_parallel_head_loss(
+                hidden, self.output_weight, labels, vocab_size=self.vocab_size, group=mappings.tp_group(self.group)
+            )
         logits = self.logits_shard(hidden)
         if labels is None:
             logits = mappings.gather_from_tensor_model_parallel_region(logits, self.group)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megacann.ops.registry import REFERENCE, register
+from megacann.ops.registry import REFERENCE, mark_fp32_result, register
 
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
@@ -145,3 +145,17 @@ def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
     if up is None:
         x, up = x.chunk(2, dim=-1)
     return F.silu(x) * up
+
+
+@register("cross_entropy", REFERENCE)
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token cross entropy in fp32 (shape of ``target``; 0 where ``target == ignore_index``) of
+    ``logits`` ``[..., V]`` in any float dtype."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.dtype != torch.float64:
+        flat = flat.float()
+    loss = F.cross_entropy(flat, target.reshape(-1), ignore_index=ignore_index, reduction="none")
+    return loss.view(target.shape)
+
+
+mark_fp32_result("cross_entropy")  # a loss: fp32 whatever the logits' dtype

@@ -4,15 +4,28 @@ Every op has a PyTorch ``reference`` implementation that runs anywhere. Faster o
 the C++ extension in ``csrc/``, CUDA kernels) register under the same op name with a priority, the device
 types they serve and an availability check; the check runs once, lazily, on first use, so registering
 never imports an optional package. :func:`resolve` returns the highest-priority available implementation
-for a device type and caches the answer; :func:`pin` forces one (tests, benchmarks, ``precision.fused_ops``).
+for a device type and caches the answer; :func:`pin` forces one (tests, benchmarks).
+
+:func:`configure` applies a recipe's ``precision.fused_ops`` (which ops may use a fused implementation)
+and ``precision.fp32_ops`` (which ops compute in fp32: floating inputs in bf16/fp16 are upcast, results
+cast back). :func:`selection` names what each op resolves to on a device, :func:`selection_line` says it
+in one line for the start of a run.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Union
+
+import torch
 
 REFERENCE = "reference"
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+logger = logging.getLogger("megacann.ops")
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 @dataclass(frozen=True)
@@ -31,7 +44,10 @@ class OpImpl:
 _IMPLS: dict[str, dict[str, OpImpl]] = {}
 _PINNED: dict[str, str] = {}
 _PIN_ALL: Optional[str] = None
-_CACHE: dict[tuple[str, str], Callable] = {}
+_FUSED: Optional[frozenset[str]] = None  # None: every op may use a fused implementation
+_FP32: frozenset[str] = frozenset()
+_FP32_RESULT: set[str] = set()  # ops whose results are fp32 by contract (losses): never cast back
+_CACHE: dict[tuple[str, str], tuple[OpImpl, Callable]] = {}
 _AVAILABLE: dict[tuple[str, str], bool] = {}
 
 
@@ -85,13 +101,28 @@ def _impls(op: str) -> dict[str, OpImpl]:
 
 
 def resolve(op: str, device_type: str) -> Callable:
-    """The implementation of ``op`` to use on ``device_type`` (cached)."""
+    """The implementation of ``op`` to use on ``device_type`` (cached), wrapped to compute in fp32 when
+    ``op`` is one of the fp32 ops."""
     key = (op, device_type)
-    fn = _CACHE.get(key)
-    if fn is not None:
-        return fn
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit[1]
+    if _is_compiling():  # availability checks import packages / build kernels: not traceable
+        raise RuntimeError(
+            f"megacann.ops: {op!r} on {device_type} is resolved for the first time inside torch.compile; "
+            f"call megacann.ops.selection({device_type!r}) (or run one eager step) before compiling"
+        )
+    impl = _choose(op, device_type)
+    fn = _in_fp32(impl.fn, op in _FP32_RESULT) if op in _FP32 else impl.fn
+    _CACHE[key] = (impl, fn)
+    return fn
+
+
+def _choose(op: str, device_type: str) -> OpImpl:
     impls = _impls(op)
     pinned = _PINNED.get(op) or _PIN_ALL
+    if pinned is None and _FUSED is not None and op not in _FUSED:
+        pinned = REFERENCE
     if pinned is not None and pinned in impls:
         impl = impls[pinned]
         if not (impl.serves(device_type) and _is_available(impl)):
@@ -101,14 +132,13 @@ def resolve(op: str, device_type: str) -> Callable:
         if not candidates:
             raise RuntimeError(f"op {op!r} has no implementation available on {device_type}")
         impl = max(candidates, key=lambda i: i.priority)
-    _CACHE[key] = impl.fn
-    return impl.fn
+    return impl
 
 
 def selected(op: str, device_type: str) -> str:
     """Name of the implementation :func:`resolve` picks."""
-    fn = resolve(op, device_type)
-    return next(i.name for i in _impls(op).values() if i.fn is fn)
+    resolve(op, device_type)
+    return _CACHE[(op, device_type)][0].name
 
 
 def pin(op: Optional[str], name: Optional[str]) -> None:
@@ -125,3 +155,116 @@ def pin(op: Optional[str], name: Optional[str]) -> None:
         else:
             _PINNED[op] = name
     _CACHE.clear()
+
+
+# -- fp32 ops ------------------------------------------------------------------------------------------
+
+
+def _in_fp32(fn: Callable, fp32_result: bool) -> Callable:
+    """``fn`` computing in fp32: bf16/fp16 tensor arguments are upcast, and floating results are cast back
+    to the dtype of the first upcast argument (unless the op's results are fp32 by contract)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        low = next((a.dtype for a in (*args, *kwargs.values()) if _is_low(a)), None)
+        if low is None:
+            return fn(*args, **kwargs)
+        out = fn(*(_up(a) for a in args), **{k: _up(v) for k, v in kwargs.items()})
+        return out if fp32_result else _cast_back(out, low)
+
+    return run
+
+
+def _is_low(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION
+
+
+def _up(value: Any) -> Any:
+    return value.float() if _is_low(value) else value
+
+
+def _cast_back(out: Any, dtype: torch.dtype) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.to(dtype) if out.dtype == torch.float32 else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_cast_back(o, dtype) for o in out)
+    return out
+
+
+def mark_fp32_result(op: str) -> None:
+    """Declare that ``op`` returns fp32 whatever its inputs (a loss): fp32_ops never casts it back."""
+    _FP32_RESULT.add(op)
+    _CACHE.clear()
+
+
+# -- recipe selection ----------------------------------------------------------------------------------
+
+
+def fused_enabled(op: str) -> bool:
+    """Whether ``precision.fused_ops`` lets ``op`` use a fused implementation (for callers that choose
+    between a fused op and an unfused composition, like the output head's loss)."""
+    return _FUSED is None or op in _FUSED
+
+
+def check_op_names(key: str, names: Sequence[str]) -> list[str]:
+    """``names`` if every one is a registered op; TypeError / ValueError naming ``key`` and the valid ops."""
+    return _check_names(key, names)
+
+
+def _check_names(key: str, names: Sequence[str]) -> list[str]:
+    if isinstance(names, (str, bytes)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{key} must be a list of op names, got {names!r}; valid op names: {ops()}")
+    unknown = [n for n in names if n not in _IMPLS]
+    if unknown:
+        raise ValueError(f"{key}: unknown op name(s) {unknown}; valid op names: {ops()}")
+    return list(names)
+
+
+def configure(fused_ops: Union[bool, Sequence[str]] = True, fp32_ops: Sequence[str] = ()) -> None:
+    """Apply ``precision.fused_ops`` and ``precision.fp32_ops``.
+
+    ``fused_ops``: True lets every op use its best available implementation; False pins the PyTorch
+    reference everywhere; a list lets only those ops use a fused implementation (the others run the
+    reference). ``fp32_ops``: the listed ops compute in fp32 whatever the model precision. Unknown names
+    raise ValueError listing the valid ones. Pins set with :func:`pin` still take precedence.
+    """
+    global _FUSED, _FP32
+    if isinstance(fused_ops, bool):
+        fused = None if fused_ops else frozenset()
+    elif fused_ops is None:
+        raise TypeError(f"fused_ops must be true, false or a list of op names; valid op names: {ops()}")
+    else:
+        fused = frozenset(_check_names("fused_ops", fused_ops))
+    fp32 = frozenset(_check_names("fp32_ops", fp32_ops or ()))
+    _FUSED, _FP32 = fused, fp32
+    _CACHE.clear()
+
+
+def fp32_ops() -> list[str]:
+    """The ops that currently compute in fp32."""
+    return sorted(_FP32)
+
+
+def selection(device_type: str) -> dict[str, str]:
+    """``{op: implementation}`` that each op resolves to on ``device_type`` (``" (fp32)"`` appended for the
+    fp32 ops; ``"unavailable"`` where nothing serves the device)."""
+    chosen = {}
+    for op in ops():
+        try:
+            name = selected(op, device_type)
+        except RuntimeError:
+            name = "unavailable"
+        chosen[op] = name + (" (fp32)" if op in _FP32 else "")
+    return chosen
+
+
+def selection_line(device_type: str) -> str:
+    """One line naming the implementation of every op on ``device_type``, for the start of a run."""
+    return f"megacann.ops on {device_type}: " + ", ".join(f"{op}={name}" for op, name in selection(device_type).items())
+
+
+def log_selection(device_type: str) -> str:
+    """Log :func:`selection_line` once (logger ``megacann.ops``, level INFO) and return it."""
+    line = selection_line(device_type)
+    logger.info(line)
+    return line

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megacann.config import MegacannConfig, validate
+from megacann import ops
+from megacann.config import ConfigError, MegacannConfig, validate
 from megacann.config.advice import advise
 from megacann.models import ModelSpec, prepare_model_config
 from megacann.pipeline import check_pipeline_config
@@ -22,6 +23,13 @@ def prepare_recipe(
     and the advice (e.g. a large pipeline bubble), which is also printed once, on rank 0; raises
     ConfigError for what cannot run."""
     validate(cfg, world_size=world_size, source=source)
+    p = cfg.precision
+    try:
+        ops.check_op_names("precision.fp32_ops", p.fp32_ops)
+        if not isinstance(p.fused_ops, bool):
+            ops.check_op_names("precision.fused_ops", p.fused_ops)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{source}: {err}") from None
     spec = prepare_model_config(cfg, spec, source)
     advice = check_pipeline_config(cfg, source)
     for line in advice:

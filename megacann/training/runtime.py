@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megacann import ops
 from megacann import parallel_state as ps
 from megacann.accelerator import Accelerator, get_accelerator
 from megacann.config import MegacannConfig, validate
@@ -54,6 +55,7 @@ def setup_runtime(cfg: MegacannConfig) -> Runtime:
             expert_model_parallel_size=d.expert_parallel_size,
         )
     seed_everything(cfg.seed)
+    ops.configure(cfg.precision.fused_ops, cfg.precision.fp32_ops)
     start_failure_monitor(rank, world, d.timeout_minutes)
     return Runtime(accelerator, accelerator.current_device(), rank, world, local_rank)
 

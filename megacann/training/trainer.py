@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megacann import ops
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.layers.loss import aux_loss_weight, count_target_tokens
@@ -239,6 +240,7 @@ class Trainer:
             f"pp {cfg.distributed.pipeline_parallel_size}, dp {cfg.distributed.data_parallel_size}), "
             f"device {self.runtime.accelerator.device_type}, precision {cfg.model.precision}"
         )
+        self.metrics.print(ops.selection_line(self.runtime.accelerator.device_type))
         self.runtime.accelerator.reset_peak_memory_stats()
         window: list[float] = []  # losses since the last logged step: the logged loss is their mean
         while self.state.step < cfg.optim.max_steps:

@@ -1,0 +1,65 @@
+// The operator schemas of megacann's CPU kernels, registered with torch.library under the `megacann`
+// namespace (torch.ops.megacann.*). Fake (meta) implementations and autograd formulas are registered in
+// Python (megacann/ops/cpp.py), which makes the ops work under autograd and torch.compile.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace megacann {
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                     const at::Tensor& weight, const at::Tensor& rstd);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved, bool inverse);
+at::Tensor swiglu_fused(const at::Tensor& x);
+at::Tensor swiglu_fused_backward(const at::Tensor& grad, const at::Tensor& x);
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const at::Tensor& gate,
+                                                   const at::Tensor& up);
+std::tuple<at::Tensor, at::Tensor> vocab_shard_stats(const at::Tensor& logits, const at::Tensor& target,
+                                                     int64_t start, int64_t valid, int64_t ignore_index);
+void vocab_shard_grad_(at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                       const at::Tensor& grad_loss, int64_t start, int64_t valid, int64_t ignore_index);
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits, const at::Tensor& target,
+                                                         int64_t ignore_index);
+at::Tensor cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+                                  const at::Tensor& lse, int64_t ignore_index);
+}  // namespace megacann
+
+TORCH_LIBRARY(megacann, m) {
+  m.def("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool inverse) -> Tensor");
+  m.def("swiglu_fused(Tensor x) -> Tensor");
+  m.def("swiglu_fused_backward(Tensor grad, Tensor x) -> Tensor");
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  m.def("cross_entropy_forward(Tensor logits, Tensor target, int ignore_index) -> (Tensor, Tensor)");
+  m.def("cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, int ignore_index) -> Tensor");
+  m.def("vocab_shard_stats(Tensor logits, Tensor target, int start, int valid, int ignore_index) -> (Tensor, Tensor)");
+  m.def(
+      "vocab_shard_grad_(Tensor(a!) logits, Tensor target, Tensor lse, Tensor grad_loss, int start, int valid, "
+      "int ignore_index) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(megacann, CPU, m) {
+  m.impl("rms_norm_forward", &megacann::rms_norm_forward);
+  m.impl("rms_norm_backward", &megacann::rms_norm_backward);
+  m.impl("rotary", &megacann::rotary);
+  m.impl("swiglu_fused", &megacann::swiglu_fused);
+  m.impl("swiglu_fused_backward", &megacann::swiglu_fused_backward);
+  m.impl("swiglu", &megacann::swiglu);
+  m.impl("swiglu_backward", &megacann::swiglu_backward);
+  m.impl("cross_entropy_forward", &megacann::cross_entropy_forward);
+  m.impl("cross_entropy_backward", &megacann::cross_entropy_backward);
+  m.impl("vocab_shard_stats", &megacann::vocab_shard_stats);
+  m.impl("vocab_shard_grad_", &megacann::vocab_shard_grad_);
+}
+
+// An importable, empty Python module (`import megacann._C` loads the library and runs the registrations
+// above); no pybind11 needed.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "megacann CPU kernels (torch.ops.megacann)", -1,
+                                      nullptr};
+  return PyModule_Create(&module);
+}

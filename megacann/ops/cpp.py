@@ -1,0 +1,216 @@
+"""The C++ CPU kernels of ``csrc/`` as registry implementations (name ``cpp``, device type ``cpu``).
+
+The kernels are torch.library operators (``torch.ops.megacann.*``, schemas in ``csrc/ops.cpp``). This
+module adds what makes them first-class PyTorch ops: fake (meta) implementations, so ``torch.compile`` can
+trace them, and autograd formulas (``torch.library.register_autograd``) whose backward is again a C++
+kernel. The registry's availability check loads the library (:func:`megacann.ops.extension.load`); if
+that fails, the reference ops run.
+
+Inputs the kernels do not take (fp16, a weight whose dtype differs from the input, rotary tables that
+need a gradient) go to the reference implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from megacann.ops import extension, head_loss, reference
+from megacann.ops.registry import register
+
+CPP = "cpp"
+PRIORITY = 10
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _register_fakes() -> None:
+    lib = "megacann::"
+    fake = torch.library.register_fake
+
+    @fake(lib + "rms_norm_forward")
+    def _(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
+            x.shape[:-1], dtype=_stat_dtype(x)
+        )
+
+    @fake(lib + "rms_norm_backward")
+    def _(grad, x, weight, rstd):
+        return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+    @fake(lib + "rotary")
+    def _(x, cos, sin, interleaved, inverse):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @fake(lib + "swiglu_fused")
+    def _(x):
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+    @fake(lib + "swiglu_fused_backward")
+    def _(grad, x):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @fake(lib + "swiglu")
+    def _(gate, up):
+        return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+    @fake(lib + "swiglu_backward")
+    def _(grad, gate, up):
+        return (
+            torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(up, memory_format=torch.contiguous_format),
+        )
+
+    @fake(lib + "cross_entropy_forward")
+    def _(logits, target, ignore_index):
+        stat = _stat_dtype(logits)
+        return logits.new_empty(target.shape, dtype=stat), logits.new_empty(target.shape, dtype=stat)
+
+    @fake(lib + "cross_entropy_backward")
+    def _(grad_loss, logits, target, lse, ignore_index):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    @fake(lib + "vocab_shard_stats")
+    def _(logits, target, start, valid, ignore_index):
+        stat = _stat_dtype(logits)
+        return logits.new_empty(target.shape, dtype=stat), logits.new_empty(target.shape, dtype=stat)
+
+    @fake(lib + "vocab_shard_grad_")
+    def _(logits, target, lse, grad_loss, start, valid, ignore_index):
+        return None
+
+
+def _register_autograd() -> None:
+    ops = torch.ops.megacann
+
+    def rms_setup(ctx, inputs, output):
+        x, weight, _ = inputs
+        ctx.save_for_backward(x, weight, output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    def rms_backward(ctx, grad, _grad_rstd):
+        x, weight, rstd = ctx.saved_tensors
+        grad_x, grad_w = ops.rms_norm_backward(grad, x, weight, rstd)
+        return grad_x, grad_w, None
+
+    torch.library.register_autograd("megacann::rms_norm_forward", rms_backward, setup_context=rms_setup)
+
+    def rotary_setup(ctx, inputs, output):
+        _, cos, sin, interleaved, inverse = inputs
+        ctx.save_for_backward(cos, sin)
+        ctx.flags = (interleaved, inverse)
+
+    def rotary_backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        interleaved, inverse = ctx.flags
+        return ops.rotary(grad, cos, sin, interleaved, not inverse), None, None, None, None
+
+    torch.library.register_autograd("megacann::rotary", rotary_backward, setup_context=rotary_setup)
+
+    def fused_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    def fused_backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return ops.swiglu_fused_backward(grad, x)
+
+    torch.library.register_autograd("megacann::swiglu_fused", fused_backward, setup_context=fused_setup)
+
+    def split_setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def split_backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return ops.swiglu_backward(grad, gate, up)
+
+    torch.library.register_autograd("megacann::swiglu", split_backward, setup_context=split_setup)
+
+    def ce_setup(ctx, inputs, output):
+        logits, target, ignore_index = inputs
+        ctx.save_for_backward(logits, target, output[1])
+        ctx.mark_non_differentiable(output[1])
+        ctx.ignore_index = ignore_index
+
+    def ce_backward(ctx, grad_loss, _grad_lse):
+        logits, target, lse = ctx.saved_tensors
+        return ops.cross_entropy_backward(grad_loss, logits, target, lse, ctx.ignore_index), None, None
+
+    torch.library.register_autograd("megacann::cross_entropy_forward", ce_backward, setup_context=ce_setup)
+
+
+def available() -> bool:
+    """Load the library (installed or built now) and register the Python parts, once."""
+    return _ready()
+
+
+@functools.lru_cache(maxsize=1)
+def _ready() -> bool:
+    if not extension.load():
+        return False
+    _register_fakes()
+    _register_autograd()
+    return True
+
+
+def _kernel_dtype(*tensors: torch.Tensor) -> bool:
+    dtype = tensors[0].dtype
+    return dtype in KERNEL_DTYPES and all(t.dtype == dtype for t in tensors)
+
+
+@register("rms_norm", CPP, priority=PRIORITY, device_types=("cpu",), available=available)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _kernel_dtype(x, weight):
+        return reference.rms_norm(x, weight, eps)
+    return torch.ops.megacann.rms_norm_forward(x, weight, eps)[0]
+
+
+@register("apply_rotary", CPP, priority=PRIORITY, device_types=("cpu",), available=available)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    if x.dim() != 4 or x.dtype not in KERNEL_DTYPES or cos.requires_grad or sin.requires_grad:
+        return reference.apply_rotary(x, cos, sin, interleaved)
+    table = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    return torch.ops.megacann.rotary(x, cos.to(table), sin.to(table), interleaved, False)
+
+
+@register("swiglu", CPP, priority=PRIORITY, device_types=("cpu",), available=available)
+def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if up is None:
+        if x.dtype not in KERNEL_DTYPES:
+            return reference.swiglu(x)
+        return torch.ops.megacann.swiglu_fused(x)
+    if not _kernel_dtype(x, up) or x.shape != up.shape:
+        return reference.swiglu(x, up)
+    return torch.ops.megacann.swiglu(x, up)
+
+
+@register("cross_entropy", CPP, priority=PRIORITY, device_types=("cpu",), available=available)
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    if logits.dtype not in KERNEL_DTYPES:
+        return reference.cross_entropy(logits, target, ignore_index)
+    return torch.ops.megacann.cross_entropy_forward(logits, target.long(), ignore_index)[0]
+
+
+def _shard_stats(logits, target, start, valid, ignore_index):
+    return torch.ops.megacann.vocab_shard_stats(logits, target, start, valid, ignore_index)
+
+
+def _shard_grad_(logits, target, lse, grad_loss, start, valid, ignore_index):
+    torch.ops.megacann.vocab_shard_grad_(logits, target, lse, grad_loss, start, valid, ignore_index)
+
+
+CPP_KERNELS = head_loss.ShardKernels(_shard_stats, _shard_grad_)
+
+
+@register("vocab_parallel_head_loss", CPP, priority=PRIORITY, device_types=("cpu",), available=available)
+def vocab_parallel_head_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **kwargs
+) -> torch.Tensor:
+    kernels = CPP_KERNELS if _kernel_dtype(hidden, weight) else head_loss.TORCH_KERNELS
+    return head_loss.head_loss(hidden, weight, target, kernels=kernels, **kwargs)

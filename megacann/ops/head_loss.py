@@ -1,0 +1,184 @@
+"""The output head and its cross entropy fused: per-token loss of ``hidden @ weight.T`` without ever holding
+the logits of the whole micro-batch.
+
+Tokens are processed in chunks of ``chunk_size``. Forward: for each chunk, the chunk's logits over this
+rank's vocabulary shard give a local log-sum-exp and the target's logit; after the last chunk two small
+all-reduces over the tensor-parallel group combine the shards (max of the local log-sum-exps, then the sum
+of ``exp(lse_r - max)`` together with the target logits). Only the per-token log-sum-exp (fp32) is kept.
+Backward: each chunk's logits are recomputed (one more matmul of the chunk), overwritten in place by
+``(softmax - onehot) * grad`` and multiplied back into the gradients of ``hidden`` and ``weight``.
+
+Peak memory is one chunk's logits (besides the gradients themselves) instead of the whole micro-batch's
+logits in the model dtype, their fp32 working copy and their gradient. The result equals ``F.linear`` followed by
+:func:`megacann.layers.vocab_parallel_cross_entropy` (same ignore_index and vocabulary-padding rules), and
+so do the gradients: ``hidden``'s gradient is this rank's partial sum, as ``F.linear``'s would be; the
+caller reduces it over the tensor-parallel group (``copy_to_tensor_model_parallel_region``) exactly as
+``ColumnParallelLinear`` does.
+
+The per-chunk arithmetic comes from a :class:`ShardKernels` pair: plain PyTorch here (any device), the C++
+kernels of ``csrc/`` on CPU (:mod:`megacann.ops.cpp`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megacann import parallel_state as ps
+from megacann.ops.registry import REFERENCE, mark_fp32_result, register
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class ShardKernels:
+    """``stats(logits, target, start, valid, ignore_index) -> (lse, target_logit)`` over the first ``valid``
+    columns of a vocabulary shard that starts at token id ``start`` (fp32, target logit 0 when the target is
+    elsewhere or ignored); ``grad_(logits, target, lse, grad_loss, start, valid, ignore_index)`` overwrites
+    the (contiguous) logits with ``(softmax - onehot) * grad_loss`` (0 in padding columns and ignored rows)."""
+
+    stats: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    grad_: Callable[..., None]
+
+
+def _target_in_shard(target: torch.Tensor, start: int, valid: int, ignore_index: int):
+    local = target - start
+    hit = (local >= 0) & (local < valid) & (target != ignore_index)
+    return local.masked_fill(~hit, 0), hit
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the loss is computed and accumulated in: fp64 for fp64 inputs, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def torch_stats(logits, target, start: int, valid: int, ignore_index: int):
+    acc = acc_dtype(logits.dtype)
+    if valid == 0:
+        lse = torch.full(target.shape, float("-inf"), dtype=acc, device=logits.device)
+        return lse, torch.zeros(target.shape, dtype=acc, device=logits.device)
+    x = logits[:, :valid].to(acc)
+    row_max = x.amax(dim=-1)
+    lse = row_max + (x - row_max.unsqueeze(-1)).exp_().sum(dim=-1).log_()
+    local, hit = _target_in_shard(target, start, valid, ignore_index)
+    target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill_(~hit, 0.0)
+    return lse, target_logit
+
+
+def torch_grad_(logits, target, lse, grad_loss, start: int, valid: int, ignore_index: int) -> None:
+    acc = acc_dtype(logits.dtype)
+    scale = grad_loss.to(acc).masked_fill(target == ignore_index, 0.0)
+    if valid > 0:
+        x = logits[:, :valid]
+        work = x if x.dtype == acc else x.to(acc)  # in place for fp32 logits
+        work.sub_(lse.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))
+        local, hit = _target_in_shard(target, start, valid, ignore_index)
+        work.scatter_add_(-1, local.unsqueeze(-1), (-scale * hit).unsqueeze(-1))
+        if work is not x:
+            x.copy_(work)
+    logits[:, valid:] = 0
+
+
+TORCH_KERNELS = ShardKernels(torch_stats, torch_grad_)
+
+
+def _chunks(n: int, size: int):
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+class _HeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, vocab_size, ignore_index, group, chunk_size, kernels):
+        world = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        local_vocab = weight.shape[0]
+        start = rank * local_vocab
+        valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
+        lse = torch.empty(target.shape, dtype=acc_dtype(hidden.dtype), device=hidden.device)
+        target_logit = torch.empty_like(lse)
+        for rows in _chunks(target.shape[0], chunk_size):
+            logits = F.linear(hidden[rows], weight)
+            lse[rows], target_logit[rows] = kernels.stats(logits, target[rows], start, valid, ignore_index)
+            del logits
+        if world > 1:  # combine the shards: lse = max + log(sum_r exp(lse_r - max))
+            top = lse.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            stats = torch.stack(((lse - top).exp_(), target_logit))
+            dist.all_reduce(stats, group=group)
+            lse = top + stats[0].log()
+            target_logit = stats[1]
+        ignored = target == ignore_index
+        ctx.save_for_backward(hidden, weight, target, lse)
+        ctx.shard = (start, valid, ignore_index, chunk_size, kernels)
+        return (lse - target_logit).masked_fill_(ignored, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, target, lse = ctx.saved_tensors
+        start, valid, ignore_index, chunk_size, kernels = ctx.shard
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = None
+        if need_weight:  # accumulated over chunks in fp32, cast once
+            grad_weight = torch.zeros(weight.shape, dtype=acc_dtype(weight.dtype), device=weight.device)
+        for rows in _chunks(target.shape[0], chunk_size):
+            h = hidden[rows]
+            grad_logits = F.linear(h, weight)  # the chunk's logits, overwritten by their gradient
+            kernels.grad_(grad_logits, target[rows], lse[rows], grad_loss[rows], start, valid, ignore_index)
+            if need_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[rows])
+            if need_weight:
+                if grad_weight.dtype == grad_logits.dtype:
+                    grad_weight.addmm_(grad_logits.t(), h)
+                else:
+                    grad_weight += grad_logits.t().mm(h)
+            del grad_logits  # before the next chunk's logits exist
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_size: Optional[int] = None,
+    ignore_index: int = -100,
+    group: Optional[dist.ProcessGroup] = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    kernels: ShardKernels = TORCH_KERNELS,
+) -> torch.Tensor:
+    """Per-token fp32 loss of ``F.linear(hidden, weight)`` against ``target`` (shape of ``target``, 0 where
+    ignored); see the module docstring. ``hidden`` ``[..., h]``, ``weight`` ``[V_padded/tp, h]`` (this
+    rank's vocabulary shard), ``target`` ``[...]``; ``group`` None means the tensor-parallel group of
+    :mod:`megacann.parallel_state` (none when it is not initialised)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    if hidden.shape[:-1] != target.shape or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"vocab_parallel_head_loss: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and "
+            f"target {tuple(target.shape)} do not fit (hidden [..., h], weight [V, h], target [...])"
+        )
+    group = group if group is not None else ps.get_tensor_model_parallel_group()
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None
+    world = dist.get_world_size(group) if group is not None else 1
+    if vocab_size is not None and vocab_size > weight.shape[0] * world:
+        raise ValueError(
+            f"vocab_size {vocab_size} exceeds the {weight.shape[0] * world} head rows "
+            f"({weight.shape[0]} per rank x {world} TP ranks)"
+        )
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_target = target.reshape(-1).long()
+    loss = _HeadLoss.apply(flat_hidden, weight, flat_target, vocab_size, ignore_index, group, chunk_size, kernels)
+    return loss.view(target.shape)
+
+
+register("vocab_parallel_head_loss", REFERENCE)(head_loss)
+mark_fp32_result("vocab_parallel_head_loss")

@@ -1,0 +1,174 @@
+"""The Ascend route: torch_npu's fused CANN kernels as registry implementations (name ``npu``, device type
+``npu``). torch_npu is imported only when an op first resolves on an NPU (through
+:func:`megacann.accelerator.import_torch_npu`), never by ``import megacann``.
+
+Calls follow torch_npu's documented signatures:
+
+- ``npu_rms_norm(x, gamma, epsilon=eps) -> (y, rstd)``
+- ``npu_rotary_mul(x, r1, r2, rotary_mode='half'|'interleave')``: 4-D; the cos/sin tables are passed as
+  ``[b or 1, s, 1, d]`` in ``x``'s dtype
+- ``npu_swiglu(x, dim=-1)``: the fused gate|up form (the split form runs the reference)
+- ``npu_fusion_attention(q, k, v, head_num, input_layout, ...)``: ``BSND`` for unpacked batches (causal:
+  the 2048x2048 upper-triangular bool mask, True = masked, with ``sparse_mode=2``); ``TND`` for packed
+  sequences (``segment_ids``), with the cumulative document ends as ``actual_seq_qlen`` /
+  ``actual_seq_kvlen`` and ``sparse_mode=3`` when causal; an explicit ``attn_mask`` goes in as its
+  complement with ``sparse_mode=0``. Key/value may have fewer heads (GQA).
+- ``npu_cross_entropy_loss(logits, target, reduction='none', ...)`` for fp32 logits (its loss has the input's
+  dtype, so bf16 logits use the reference, which computes the loss in fp32)
+- ``npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, eps, grad, None, False,
+  False, out=(param, exp_avg, exp_avg_sq))``, where the powers are ``beta ** (step - 1)`` (the kernel
+  multiplies by ``beta`` once more)
+
+A packed batch's documents are the runs of equal ``segment_ids`` in each row (what GPT packing makes);
+the reference masks by equality of ids, which is the same for contiguous runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from megacann.accelerator import import_torch_npu
+from megacann.ops import reference
+from megacann.ops.registry import register
+
+NPU = "npu"
+PRIORITY = 20
+COMPRESSED_MASK_SIZE = 2048  # the optimised causal mask torch_npu expects with sparse_mode 2/3
+SPARSE_NONE, SPARSE_LEFT_UP_CAUSAL, SPARSE_RIGHT_DOWN_CAUSAL = 0, 2, 3
+
+_causal_masks: dict[torch.device, torch.Tensor] = {}
+
+
+def available() -> bool:
+    return import_torch_npu() is not None
+
+
+def _npu():
+    return import_torch_npu()
+
+
+def _npu_op(name: str, priority: int = PRIORITY):
+    return register(name, NPU, priority=priority, device_types=("npu",), available=available)
+
+
+@_npu_op("rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _npu().npu_rms_norm(x, weight, epsilon=eps)[0]
+
+
+@_npu_op("apply_rotary")
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    if x.dim() != 4:
+        return reference.apply_rotary(x, cos, sin, interleaved)
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    r1, r2 = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)  # [b or 1, s, 1, d]
+    return _npu().npu_rotary_mul(x, r1, r2, rotary_mode="interleave" if interleaved else "half")
+
+
+@_npu_op("swiglu")
+def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if up is not None:
+        return reference.swiglu(x, up)
+    return _npu().npu_swiglu(x, dim=-1)
+
+
+def causal_mask(device: torch.device) -> torch.Tensor:
+    """The compressed causal mask: ``[2048, 2048]`` bool, True above the diagonal (= masked)."""
+    mask = _causal_masks.get(device)
+    if mask is None:
+        ones = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device)
+        mask = _causal_masks[device] = torch.triu(ones, diagonal=1)
+    return mask
+
+
+def cumulative_seq_lens(segment_ids: torch.Tensor) -> list[int]:
+    """End offsets (exclusive, cumulative over the flattened ``[b * s]`` tokens) of each run of equal ids
+    in each row: the ``actual_seq_qlen`` of the TND layout."""
+    b, s = segment_ids.shape
+    starts = torch.ones(b, s, dtype=torch.bool, device=segment_ids.device)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = starts.flatten().nonzero().flatten().tolist()
+    return first[1:] + [b * s]
+
+
+@_npu_op("scaled_dot_product_attention")
+def scaled_dot_product_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    segment_ids: Optional[torch.Tensor] = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    b, s, heads, d = q.shape
+    common = dict(scale=scale if scale is not None else 1.0 / math.sqrt(d), keep_prob=1.0 - dropout_p)
+    npu = _npu()
+    if attn_mask is not None:
+        allowed = reference.attention_mask(s, causal, segment_ids, q.device)
+        allowed = attn_mask if allowed is None else allowed & attn_mask
+        masked = dict(atten_mask=~allowed, sparse_mode=SPARSE_NONE)
+        return npu.npu_fusion_attention(q, k, v, heads, "BSND", **masked, **common)[0]
+    if segment_ids is not None:
+        lens = cumulative_seq_lens(segment_ids)
+        mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_RIGHT_DOWN_CAUSAL) if causal else {}
+        flat = [t.reshape(b * s, t.shape[2], d) for t in (q, k, v)]
+        out = npu.npu_fusion_attention(
+            *flat, heads, "TND", actual_seq_qlen=lens, actual_seq_kvlen=lens, **mask, **common
+        )[0]
+        return out.view(b, s, heads, d)
+    mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_LEFT_UP_CAUSAL) if causal else {}
+    return npu.npu_fusion_attention(q, k, v, heads, "BSND", **mask, **common)[0]
+
+
+@_npu_op("cross_entropy")
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    if logits.dtype != torch.float32:
+        return reference.cross_entropy(logits, target, ignore_index)
+    flat_target = target.reshape(-1).long()
+    ignored = flat_target == ignore_index
+    # torch_npu treats a negative ignore_index as "ignore nothing": give ignored rows a valid class and
+    # zero their loss (and so their gradient) afterwards
+    loss = _npu().npu_cross_entropy_loss(
+        logits.reshape(-1, logits.shape[-1]),
+        flat_target.masked_fill(ignored, 0),
+        reduction="none",
+        ignore_index=ignore_index,
+    )[0]
+    return loss.masked_fill(ignored, 0.0).view(target.shape)
+
+
+@_npu_op("adamw_step_")
+def adamw_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    _npu().npu_apply_adam_w(
+        beta1 ** (step - 1),
+        beta2 ** (step - 1),
+        lr,
+        weight_decay,
+        beta1,
+        beta2,
+        eps,
+        grad,
+        None,
+        False,
+        False,
+        out=(param, exp_avg, exp_avg_sq),
+    )
