@@ -14,8 +14,9 @@ A family is one :class:`ModelSpec`:
 - ``flops_per_token`` from the config alone (MFU); ``num_parameters`` likewise (the dry run; without it
   the whole model is built on the meta device and counted), ``active_parameters`` where fewer take part
   per token (MoE).
-- ``prepare_config`` fills the family's defaults and checks what only the family knows;
-  ``hf`` optionally converts to and from Hugging Face checkpoints.
+- ``fill_defaults`` / ``check_config`` fill the family's defaults and check what only the family knows;
+  ``hf`` optionally converts to and from Hugging Face checkpoints; ``after_optimizer_step(chunks)`` runs
+  after every optimizer update (e.g. an MoE router's load-balancing bias).
 
 Register a family with :func:`register_model` (``model.type`` then names it), or hand a spec to
 ``Trainer(cfg, model_spec=...)``.
@@ -106,6 +107,7 @@ class ModelSpec:
     check_config: Callable[[MegacannConfig, str], None] = _no_checks
     hf: Optional[HFAdapter] = None
     architecture: Any = None  # what estimators need of its structure (a DecoderArch); None: no memory plan
+    after_optimizer_step: Optional[Callable[[list[torch.nn.Module]], None]] = None
 
     def total_parameters(self, cfg: ModelConfig) -> int:
         """Parameters of the whole model (vocabulary unpadded), from the family's formula or by counting."""

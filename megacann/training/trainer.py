@@ -155,6 +155,8 @@ class Trainer:
         )
         self.optimizer.finalize_grads()
         updated, grad_norm = self.optimizer.step()
+        if updated and self.model_spec.after_optimizer_step is not None:
+            self.model_spec.after_optimizer_step(self.model_chunks)
         self.state.step += 1
         self.state.consumed_samples += self.cfg.global_batch_size
         if not updated:
