@@ -4,7 +4,8 @@
 PaLM / GPT-J style parallel blocks: attention and MLP read the same normalised input and both add to the
 residual, ``h = h + attn(norm(h)) + mlp(norm(h))``; RoPE, SwiGLU, RMSNorm, a vocabulary-parallel head.
 Registering its spec (last lines) is all it takes for every layout of the recipe to work: tensor and
-sequence parallel, pipeline stages (also interleaved), data parallel with ZeRO, checkpoints and resume.
+sequence parallel, context parallel (the schedules hand each cp rank its tokens and their global
+``position_ids``), pipeline stages (also interleaved), data parallel with ZeRO, checkpoints and resume.
 
     python examples/custom_model.py --config examples/configs/custom/tiny.yaml [section.key=value ...]
     torchrun --nproc_per_node 4 examples/custom_model.py --config examples/configs/custom/tiny.yaml \\
@@ -42,7 +43,7 @@ from megacann.parallel_state import get_tensor_model_parallel_world_size
 class ParallelBlock(torch.nn.Module):
     """One shared norm, then attention and MLP side by side; both outputs join the residual."""
 
-    def __init__(self, m: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device):
+    def __init__(self, m: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device, cp_algo: str = "ring"):
         super().__init__()
         init, out_init = init_normal(m.init_method_std), init_scaled_normal(m.init_method_std, m.num_layers)
         common = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
@@ -58,6 +59,7 @@ class ParallelBlock(torch.nn.Module):
             attention_dropout=m.attention_dropout,
             rotary_interleaved=m.rotary_interleaved,
             recompute_core_attention=m.activation_checkpointing == "selective",
+            context_parallel_algo=cp_algo,  # how attention crosses the cp ranks (distributed.context_parallel_size)
             init_method=init,
             output_init_method=out_init,
             **common,
@@ -100,7 +102,10 @@ class ParallelLM(torch.nn.Module):
             )  # fmt: skip
             if m.tie_word_embeddings and not self.post_process:
                 tie_embedding_across_stages(self.embed_tokens)
-        self.layers = torch.nn.ModuleDict({str(i): ParallelBlock(m, sp, dtype, device) for i in placement.layer_ids})
+        cp_algo = cfg.distributed.context_parallel_algo
+        self.layers = torch.nn.ModuleDict(
+            {str(i): ParallelBlock(m, sp, dtype, device, cp_algo) for i in placement.layer_ids}
+        )
         self.rotary = RotaryEmbedding(
             m.hidden_size // m.num_attention_heads, m.rope_theta, m.rope_scaling, m.rotary_interleaved
         )

@@ -16,6 +16,7 @@ GROUP_TITLES = (
     ("pp", "pipeline"),
     ("dp", "data-parallel"),
     ("cp", "context-parallel"),
+    ("dp_cp", "data x context-parallel (gradient reduction)"),
     ("ep", "expert-parallel"),
     ("embedding", "embedding (first+last stage)"),
 )
@@ -79,6 +80,23 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
     return lines
 
 
+def describe_context_parallel(cfg: MegacannConfig) -> list[str]:
+    """Each cp rank's share of a sequence (none without context parallelism)."""
+    d = cfg.distributed
+    cp, seq = d.context_parallel_size, cfg.data.seq_length
+    if cp == 1:
+        return []
+    chunk, share = seq // (2 * cp), seq // cp
+    line = (
+        f"-- context parallel: cp {cp}, attention by {d.context_parallel_algo}; each sequence of {seq} tokens is "
+        f"cut into {2 * cp} chunks of {chunk}, cp rank i holds chunks i and {2 * cp - 1}-i: {share} tokens per "
+        f"rank ({1 / cp:.3g} of the activations)"
+    )
+    if d.sequence_parallel and d.tensor_parallel_size > 1:
+        line += f", {share // d.tensor_parallel_size} per rank between tensor-parallel layers (sequence parallel)"
+    return [line, "the cp ranks of a data-parallel rank read the same samples; gradients are summed over dp x cp"]
+
+
 def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
     """The dry run's report as text."""
     spec = prepare_model_config(cfg)
@@ -98,7 +116,7 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
     ]
     for kind, title in GROUP_TITLES:
         groups = layout.groups[kind]
-        if kind in ("cp", "ep") and len(groups[0]) == 1:
+        if kind in ("cp", "ep") and len(groups[0]) == 1 or kind == "dp_cp" and layout.context_parallel_size == 1:
             continue
         lines.append(f"{title} groups ({len(groups)}): {_fmt_groups(groups)}")
     tokens = cfg.global_batch_size * cfg.data.seq_length
@@ -108,6 +126,7 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
         f"{cfg.optim.grad_accum_steps} = global batch {cfg.global_batch_size} sequences "
         f"({_fmt_int(tokens)} tokens at seq_length {cfg.data.seq_length})",
     ]
+    lines += describe_context_parallel(cfg)
     lines += describe_pipeline(cfg, layout)
     lines.append("-- model")
     if m.vocab_size:

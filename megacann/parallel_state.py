@@ -108,6 +108,7 @@ def rank_layout(
         "dp": groups_over(("ep", "dp")),
         "dp_cp": groups_over(("cp", "ep", "dp")),
         "expert_dp": groups_over(("dp",)),
+        "expert_dp_cp": groups_over(("cp", "dp")),
         "pp": pipeline,
         "mp": groups_over(("tp", "pp")),
         "embedding": [sorted({g[0], g[-1]}) for g in pipeline],
@@ -304,16 +305,17 @@ def get_expert_model_parallel_rank() -> int:
     return _group_rank("ep")
 
 
-def get_expert_data_parallel_group() -> Optional[dist.ProcessGroup]:
-    return _group("expert_dp")
+def get_expert_data_parallel_group(with_context_parallel: bool = False) -> Optional[dist.ProcessGroup]:
+    """Ranks holding the same experts; ``with_context_parallel``: and their cp peers (expert gradients)."""
+    return _group("expert_dp_cp" if with_context_parallel else "expert_dp")
 
 
-def get_expert_data_parallel_world_size() -> int:
-    return _group_size("expert_dp")
+def get_expert_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return _group_size("expert_dp_cp" if with_context_parallel else "expert_dp")
 
 
-def get_expert_data_parallel_rank() -> int:
-    return _group_rank("expert_dp")
+def get_expert_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _group_rank("expert_dp_cp" if with_context_parallel else "expert_dp")
 
 
 def get_model_parallel_group() -> Optional[dist.ProcessGroup]:

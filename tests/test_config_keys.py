@@ -83,6 +83,8 @@ READ_BY = {
     "distributed.tensor_parallel_size": "training/runtime.py",
     "distributed.pipeline_parallel_size": "training/runtime.py",
     "distributed.data_parallel_size": "config/validation.py",
+    "distributed.context_parallel_size": "training/runtime.py",
+    "distributed.context_parallel_algo": "models/decoder.py",
     "distributed.virtual_pipeline_size": "training/runtime.py",
     "distributed.sequence_parallel": "models/decoder.py",
     "distributed.pipeline_layers": "pipeline/partition.py",
@@ -112,7 +114,6 @@ ONLY_WITH = {key: "lora" for key in ("lora_rank", "lora_alpha", "lora_dropout", 
 # a value each refused key takes only once its feature lands
 REFUSED_VALUES = {
     "lora": "true",
-    "distributed.context_parallel_size": "2",
     "distributed.expert_parallel_size": "2",
     "data.json_key": "content",
 }

@@ -63,7 +63,13 @@ from megacann.config import MegacannConfig
 
 Log = Callable[[str], None]
 
-_LAYOUT_KEYS_FOR_RNG = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+_LAYOUT_KEYS_FOR_RNG = (
+    "world_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "context_parallel_size",
+)
 
 
 def _snapshot(state: dict[str, Any]) -> dict[str, Any]:

@@ -116,7 +116,8 @@ class DistributedConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: Optional[int] = None  # None: world / (tp * pp * cp)
-    context_parallel_size: int = 1
+    context_parallel_size: int = 1  # cp ranks share every sequence (each holds s / cp tokens)
+    context_parallel_algo: str = "ring"  # ring | allgather | ulysses: how attention crosses the cp ranks
     expert_parallel_size: int = 1
     virtual_pipeline_size: Optional[int] = None
     sequence_parallel: bool = False
@@ -203,6 +204,7 @@ CHOICES = {
     "optim.name": ("adamw", "adam", "sgd"),
     "optim.scheduler": ("cosine", "linear", "constant"),
     "distributed.parallel_mode": ("data", "tensor", "pipeline", "hybrid"),
+    "distributed.context_parallel_algo": ("ring", "allgather", "ulysses"),
     "train_mode": ("pretrain", "sft"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
 }

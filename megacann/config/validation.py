@@ -15,11 +15,6 @@ from megacann.config.schema import CHOICES, ConfigError, MegacannConfig
 # checks that every other key is read by the code it names.
 NOT_YET_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lora": (lambda v: not v, "LoRA fine-tuning is not implemented yet; set lora: false"),
-    "distributed.context_parallel_size": (
-        lambda v: v == 1,
-        "context parallelism is not implemented yet: no layer would split the sequence, so the ranks of a "
-        "context-parallel group would repeat each other's work",
-    ),
     "distributed.expert_parallel_size": (
         lambda v: v == 1,
         "expert parallelism needs a mixture-of-experts model family, which is not implemented yet",
@@ -71,6 +66,36 @@ def resolve_parallel_sizes(cfg: MegacannConfig, world_size: Optional[int], sourc
             )
         world = product
     d.world_size = world
+
+
+def check_context_parallel(cfg: MegacannConfig, source: str) -> None:
+    """What splitting every sequence over ``context_parallel_size`` ranks needs of the recipe."""
+    d, m = cfg.distributed, cfg.model
+    cp, tp, seq = d.context_parallel_size, d.tensor_parallel_size, cfg.data.seq_length
+    if cp == 1:
+        return
+    if seq % (2 * cp):
+        raise ConfigError(
+            f"{source}: data.seq_length {seq} must be divisible by 2 x distributed.context_parallel_size {cp} = "
+            f"{2 * cp} (each cp rank holds two of 2 x cp equal chunks, for balanced causal attention)"
+        )
+    if d.sequence_parallel and tp > 1 and (seq // cp) % tp:
+        raise ConfigError(
+            f"{source}: sequence parallelism splits each cp rank's {seq // cp} tokens (data.seq_length {seq} / "
+            f"context_parallel_size {cp}) over tensor_parallel_size {tp}: they must divide"
+        )
+    if m.attention_dropout:
+        raise ConfigError(
+            f"{source}: model.attention_dropout {m.attention_dropout} is not supported with "
+            f"distributed.context_parallel_size {cp}: set it to 0"
+        )
+    heads = m.num_attention_heads // tp
+    if d.context_parallel_algo == "ulysses" and heads % cp:
+        raise ConfigError(
+            f"{source}: distributed.context_parallel_algo 'ulysses' splits each tensor-parallel rank's {heads} "
+            f"attention heads (num_attention_heads {m.num_attention_heads} / tp {tp}) over "
+            f"context_parallel_size {cp}: they must divide; use 'ring' or 'allgather'"
+        )
 
 
 def _check_choice(cfg: MegacannConfig, dotted: str, source: str) -> None:
@@ -146,6 +171,7 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
             f"{source}: distributed.zero_optimization must be false, true, 1 or 2, got {d.zero_optimization!r}"
         )
     resolve_parallel_sizes(cfg, world_size, source)
+    check_context_parallel(cfg, source)
     dp = d.data_parallel_size
     if dp is not None and dp % d.expert_parallel_size:
         raise ConfigError(

@@ -12,6 +12,7 @@ from megacann.layers.attention import SelfAttention
 from megacann.layers.context_parallel import (
     CONTEXT_PARALLEL_ALGORITHMS,
     context_parallel_attention,
+    context_parallel_batch,
     context_parallel_chunk_ids,
     context_parallel_gather,
     context_parallel_position_ids,
@@ -140,6 +141,7 @@ __all__ = [
     # context parallelism
     "CONTEXT_PARALLEL_ALGORITHMS",
     "context_parallel_attention",
+    "context_parallel_batch",
     "context_parallel_split",
     "context_parallel_gather",
     "context_parallel_position_ids",

@@ -4,6 +4,7 @@
 ``i`` and ``2·cp-1-i`` (Megatron-Core's load-balanced layout): with a causal mask the early chunk sees
 few keys and the late one many, so every rank does the same attention work. :func:`context_parallel_split`
 takes a rank's share of any ``[b, s, ...]`` tensor (tokens, labels, position ids, segment ids),
+:func:`context_parallel_batch` of a whole micro-batch (what the pipeline schedules hand the model),
 :func:`context_parallel_gather` puts the shares back in order, :func:`context_parallel_position_ids`
 names the global positions of a rank's tokens (for rotary embeddings).
 
@@ -101,6 +102,32 @@ def context_parallel_split(
     chunks = x.chunk(2 * size, dim=dim)
     first, second = context_parallel_chunk_ids(rank, size)
     return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def context_parallel_batch(
+    batch: dict[str, torch.Tensor], cp_size: Optional[int] = None, cp_rank: Optional[int] = None
+) -> dict[str, torch.Tensor]:
+    """This cp rank's share of a micro-batch of whole sequences (``tokens``, ``labels``, ``position_ids``,
+    ``segment_ids``, ...): every tensor ``[b, s, ...]`` with the sequence length of ``tokens`` (else
+    ``labels``) is split along ``s`` by :func:`context_parallel_split`; other entries pass unchanged.
+
+    Positions are taken from the whole sequence before the split: the batch's ``position_ids`` (packed
+    documents' restarts included), or ``0..s-1`` when it has none, added so that a model reads the global
+    positions of its tokens. With one cp rank the batch is returned as it is."""
+    size, rank = _size_rank(cp_size, cp_rank)
+    if size == 1:
+        return batch
+    reference = batch.get("tokens", batch.get("labels"))
+    if reference is None or reference.dim() < 2:
+        raise ValueError("context_parallel_batch needs 'tokens' or 'labels' of shape [b, s] to know the sequence")
+    b, s = reference.shape[:2]
+    out = dict(batch)
+    if out.get("position_ids") is None:
+        out["position_ids"] = torch.arange(s, device=reference.device).expand(b, s)
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == s:
+            out[key] = context_parallel_split(value, 1, size, rank)
+    return out
 
 
 def _gathered_positions(local_len: int, cp_size: int, device: torch.device) -> torch.Tensor:

@@ -5,11 +5,13 @@
 - A step's loss is the sum of every target token's loss in the *global* batch divided by the number of
   target tokens in it (:func:`count_target_tokens`); each micro-batch's sum is divided by that count before
   backward, and gradients are summed (not averaged) over data-parallel ranks, so any data / tensor /
-  pipeline layout and any split into micro-batches gives the gradient of one big batch.
+  pipeline layout and any split into micro-batches gives the gradient of one big batch. Under context
+  parallelism each cp rank holds a share of every sequence's tokens, so the sums run over the
+  data-parallel x context-parallel group.
 - Auxiliary losses (an MoE router's balancing loss, say) are scalars a model chunk returns beside its
   output, on any pipeline stage, already multiplied by their coefficients. Each micro-batch's value is
-  weighted by 1 / (micro-batches x data-parallel ranks), so the step optimises their mean, and they are
-  logged as that mean, summed over layers and pipeline stages (:class:`LossTotals`).
+  weighted by 1 / (micro-batches x data-parallel x context-parallel ranks), so the step optimises their
+  mean, and they are logged as that mean, summed over layers and pipeline stages (:class:`LossTotals`).
 - ``stats`` are numbers a chunk reports for logging only (per-expert token counts, say): summed.
 
 The cross entropy runs over vocabulary-parallel logits, in fp32, without ever gathering the full logits.
@@ -173,7 +175,8 @@ def count_target_tokens(micro_batches: Iterable[dict[str, torch.Tensor]], group=
 
 
 def aux_loss_weight(num_micro_batches: int, data_parallel_size: int) -> float:
-    """The factor of each micro-batch's auxiliary loss, so that summed gradients optimise their mean."""
+    """The factor of each micro-batch's auxiliary loss, so that summed gradients optimise their mean
+    (``data_parallel_size``: the ranks gradients are summed over, dp x cp)."""
     return 1.0 / (num_micro_batches * data_parallel_size)
 
 
@@ -210,8 +213,9 @@ class LossTotals:
     def reduce(self, num_tokens: float, aux_weight: float) -> dict[str, object]:
         """The step's figures, the same on every rank: ``loss`` (mean per target token of the global batch),
         each auxiliary loss as its mean over micro-batches and data-parallel ranks (summed over layers
-        and stages), each stat summed over everything (a float, or a list for a vector)."""
-        dp, pp = ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()
+        and stages), each stat summed over everything (a float, or a list for a vector). Sums run over the
+        data-parallel x context-parallel group: each cp rank holds the losses of its share of the tokens."""
+        dp, pp = ps.get_data_parallel_group(with_context_parallel=True), ps.get_pipeline_model_parallel_group()
         names = sorted(self.aux), sorted(self.stats)
         parts = [self.token_loss.reshape(1)]
         parts += [self.aux[n].reshape(-1) for n in names[0]] + [self.stats[n].reshape(-1) for n in names[1]]

@@ -32,6 +32,7 @@ from megacann.layers import (
     TransformerBlock,
     TransformerBlockConfig,
     VocabParallelEmbedding,
+    context_parallel_position_ids,
     dropout,
     init_normal,
     initialize_weights,
@@ -65,9 +66,14 @@ class DecoderArch:
 
 
 def block_config(
-    cfg: ModelConfig, arch: DecoderArch, sequence_parallel: bool, params_dtype: Optional[torch.dtype]
+    cfg: ModelConfig,
+    arch: DecoderArch,
+    sequence_parallel: bool,
+    params_dtype: Optional[torch.dtype],
+    context_parallel_algo: str = "ring",
 ) -> TransformerBlockConfig:
-    """The TransformerBlock settings of a model config and architecture."""
+    """The TransformerBlock settings of a model config and architecture (``context_parallel_algo``: the
+    recipe's ``distributed.context_parallel_algo``, used when the cp group has more than one rank)."""
     return TransformerBlockConfig(
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -87,6 +93,7 @@ def block_config(
         rotary_scaling=cfg.rope_scaling,
         rotary_interleaved=cfg.rotary_interleaved,
         recompute=cfg.activation_checkpointing,
+        context_parallel_algo=context_parallel_algo,
         params_dtype=params_dtype,
     )
 
@@ -97,7 +104,9 @@ class DecoderLM(torch.nn.Module):
     ``forward(input_ids, position_ids=None, labels=None, segment_ids=None, hidden_states=None)`` returns
     hidden states ``[b, s_local, h]`` on a stage without the head; on the last stage the per-token loss
     ``[b, s]`` (fp32) when ``labels`` are given, else logits ``[b, s, vocab_size]``. ``arch`` defaults to
-    the class's ``ARCH``.
+    the class's ``ARCH``. Under context parallelism every input is this cp rank's share of the sequence
+    (``s = seq_length / cp``) and ``position_ids`` name the tokens' global positions (the schedules give
+    both; see :func:`megacann.layers.context_parallel_batch`).
     """
 
     ARCH: ClassVar[DecoderArch] = DecoderArch()
@@ -117,6 +126,7 @@ class DecoderLM(torch.nn.Module):
         post_process: bool = True,
         params_dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
+        context_parallel_algo: str = "ring",
     ):
         super().__init__()
         if cfg.vocab_size is None:
@@ -128,7 +138,7 @@ class DecoderLM(torch.nn.Module):
         self.vocab_size = cfg.vocab_size
         self.sequence_parallel = sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
         self.pre_process, self.post_process = pre_process, post_process
-        self.block_config = block_config(cfg, arch, self.sequence_parallel, params_dtype)
+        self.block_config = block_config(cfg, arch, self.sequence_parallel, params_dtype, context_parallel_algo)
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         h, std = cfg.hidden_size, cfg.init_method_std
         common = dict(dtype=params_dtype, device=device)
@@ -199,8 +209,9 @@ class DecoderLM(torch.nn.Module):
         if position_ids is None:
             if reference is None:
                 raise ValueError("forward needs input_ids, labels or position_ids to know the sequence")
-            b, s = reference.shape
-            position_ids = torch.arange(s, device=reference.device).unsqueeze(0).expand(b, s)
+            b, s = reference.shape  # this cp rank's share: its tokens' global positions
+            cp = ps.get_context_parallel_world_size()
+            position_ids = context_parallel_position_ids(s * cp, device=reference.device).unsqueeze(0).expand(b, s)
         if self.pre_process:
             hidden = self._embed(input_ids, position_ids)
         elif hidden_states is None:
@@ -234,6 +245,7 @@ def decoder_model_spec(
             post_process=placement.post_process,
             params_dtype=PRECISION_DTYPES[cfg.model.precision],
             device=device,
+            context_parallel_algo=cfg.distributed.context_parallel_algo,
         )
         initialize_weights(model, cfg.seed)
         return model

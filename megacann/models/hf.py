@@ -121,7 +121,7 @@ def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfi
     tensors = _adapter(cfg).to_hf(full_state_dict(chunks), cfg)
     dtype = next(iter(tensors.values())).dtype
     pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
     file = SINGLE_FILE if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
     if writes:
         os.makedirs(path, exist_ok=True)

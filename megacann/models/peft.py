@@ -174,7 +174,7 @@ def save_peft_adapter(
         tensors = {name: t for stage in stages for name, t in stage.items()}
     first = (
         ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_data_parallel_rank() == 0
+        and ps.get_data_parallel_rank(with_context_parallel=True) == 0
         and ps.get_pipeline_model_parallel_rank() == 0
     )
     if first:

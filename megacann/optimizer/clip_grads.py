@@ -38,8 +38,9 @@ def global_grad_norm(
     """L2 norm of the gradients over the whole model (TP shards, pipeline stages and expert ranks).
 
     ``grads`` are the gradients of ``params`` in the same order (default: each one's ``main_grad``). With
-    ``sharded_over_data_parallel`` (ZeRO) every data-parallel rank holds a disjoint part of each gradient,
-    so the squared sums are first added over the data-parallel (experts: expert-data-parallel) group.
+    ``sharded_over_data_parallel`` (ZeRO) every rank of the data-parallel x context-parallel group (the
+    group gradients are reduced over) holds a disjoint part of each gradient, so the squared sums are first
+    added over it (experts: the expert-data-parallel x context-parallel group).
     """
     params = list(params)
     grads = [p.main_grad for p in params] if grads is None else list(grads)
@@ -54,8 +55,8 @@ def global_grad_norm(
     if expert:
         sums[1] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in expert]).sum()
     if sharded_over_data_parallel:
-        dense_sum = _all_reduce_sum(sums[:1].clone(), [ps.get_data_parallel_group()])
-        expert_sum = _all_reduce_sum(sums[1:].clone(), [ps.get_expert_data_parallel_group()])
+        dense_sum = _all_reduce_sum(sums[:1].clone(), [ps.get_data_parallel_group(with_context_parallel=True)])
+        expert_sum = _all_reduce_sum(sums[1:].clone(), [ps.get_expert_data_parallel_group(with_context_parallel=True)])
         sums = torch.cat([dense_sum, expert_sum])
     _all_reduce_sum(sums, [ps.get_model_parallel_group()])
     if expert:  # expert shards differ across the expert-parallel group as well

@@ -13,7 +13,8 @@ final, i.e. during the backward of the last micro-batch (announced by the schedu
 ZeRO (``ShardedGradBuffer``) reduce-scatters the same buckets instead, which is why buckets are then
 padded to a multiple of the data-parallel size, and may keep a bucket's full storage only until it is
 reduced (``persistent=False``). Buffers are per (expert or dense, parameter dtype): dense parameters are
-reduced over the data-parallel group, expert-parallel ones over the expert-data-parallel group.
+reduced over the data-parallel group, expert-parallel ones over the expert-data-parallel group, both
+joined with the context-parallel group (each cp rank's gradients come from its share of the tokens).
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ class GradBuffer:
 
 class GradBuffers:
     """The gradient buffers of a model: per parameter dtype, dense (data-parallel group) and expert
-    (expert-data-parallel group). ``buffer_cls`` and ``buffer_kwargs`` choose the reduction (ZeRO)."""
+    (expert-data-parallel group), each with the context-parallel ranks. ``buffer_cls`` and ``buffer_kwargs`` choose the reduction (ZeRO)."""
 
     def __init__(
         self,
@@ -251,10 +252,13 @@ class GradBuffers:
             groups.setdefault((get_sharding(p).expert, p.dtype), []).append(p)
         self.buffers: list[GradBuffer] = []
         for (expert, _), members in groups.items():
+            # every cp rank computes part of every gradient from its own tokens: sum over dp x cp
             if expert:
-                group, size = ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_world_size()
+                group = ps.get_expert_data_parallel_group(with_context_parallel=True)
+                size = ps.get_expert_data_parallel_world_size(with_context_parallel=True)
             else:
-                group, size = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
+                group = ps.get_data_parallel_group(with_context_parallel=True)
+                size = ps.get_data_parallel_world_size(with_context_parallel=True)
             self.buffers.append(
                 buffer_cls(
                     members,

@@ -14,8 +14,8 @@ operations in issue order (NCCL, HCCL) need, and gloo needs no batching (``batch
 there). No tags are used, so gloo matches messages exactly as NCCL does and a test on CPU checks the
 order a cluster will see.
 
-Shapes are known ahead (:func:`activation_shape`): ``[micro_batch, seq_length / tp under sequence
-parallelism, hidden]``, in the dtype of the model's parameters; a tensor of another shape or dtype is an
+Shapes are known ahead (:func:`activation_shape`): ``[micro_batch, seq_length / cp (/ tp under sequence
+parallelism), hidden]``, in the dtype of the model's parameters; a tensor of another shape or dtype is an
 error naming both, never a silent mismatch.
 """
 
@@ -34,17 +34,29 @@ ODD_ORDER = ("recv_prev", "send_next", "recv_next", "send_prev")
 
 
 def activation_shape(
-    micro_batch: int, seq_length: int, hidden_size: int, sequence_parallel: bool = False, tp_size: int = 1
+    micro_batch: int,
+    seq_length: int,
+    hidden_size: int,
+    sequence_parallel: bool = False,
+    tp_size: int = 1,
+    cp_size: int = 1,
 ) -> tuple[int, int, int]:
-    """The shape of the hidden states passed between stages (this rank's sequence shard under SP)."""
+    """The shape of the hidden states passed between stages: ``[b, s / cp (/ tp under SP), h]`` (this rank's
+    share of the sequence under context parallelism, and its shard of that under sequence parallelism)."""
+    if seq_length % cp_size:
+        raise ValueError(
+            f"context parallelism splits seq_length {seq_length} over context_parallel_size {cp_size}: "
+            "it must be divisible"
+        )
+    local = seq_length // cp_size
     if sequence_parallel and tp_size > 1:
-        if seq_length % tp_size:
+        if local % tp_size:
+            what = f"seq_length {seq_length}" + (f" / context_parallel_size {cp_size}" if cp_size > 1 else "")
             raise ValueError(
-                f"sequence parallelism splits seq_length {seq_length} over tensor_parallel_size {tp_size}: "
-                "it must be divisible"
+                f"sequence parallelism splits {what} over tensor_parallel_size {tp_size}: it must be divisible"
             )
-        seq_length //= tp_size
-    return (micro_batch, seq_length, hidden_size)
+        local //= tp_size
+    return (micro_batch, local, hidden_size)
 
 
 def _neighbours() -> tuple[int, int]:
@@ -59,7 +71,8 @@ def _check(tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, wha
         raise ValueError(
             f"pipeline stage {ps.get_pipeline_model_parallel_rank()}: {what} has shape {list(tensor.shape)} and "
             f"dtype {tensor.dtype}, the schedule expects {list(shape)} and {dtype} "
-            "(micro-batch x seq_length[/tp under sequence parallelism] x hidden, in the parameters' dtype)"
+            "(micro-batch x seq_length / context_parallel_size [/ tp under sequence parallelism] x hidden, "
+            "in the parameters' dtype)"
         )
     return tensor.detach().contiguous()
 

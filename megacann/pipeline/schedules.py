@@ -5,7 +5,8 @@ micro-batches it ran on this rank (the token-loss sum is zero off the last pipel
 runs through the model family's ``forward_step`` (the model contract, :mod:`megacann.models.spec`); what
 its backward starts from is :func:`megacann.layers.loss.backward_objective`: each micro-batch's token-loss
 sum divided by ``loss_normalizer`` (the target tokens of the whole global batch), plus its auxiliary losses
-weighted by 1 / (micro-batches x data-parallel ranks), times the loss scale.
+weighted by 1 / (micro-batches x data-parallel x context-parallel ranks), times the loss scale. Micro-batches
+come whole; under context parallelism the executor hands the model this cp rank's share of each.
 Each model chunk's last backward of the step runs inside ``last_micro_batch_backward()`` (see
 :mod:`megacann.pipeline.microbatches`), so gradient reductions may overlap it.
 
@@ -24,6 +25,7 @@ import torch
 
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
+from megacann.layers.context_parallel import context_parallel_batch
 from megacann.layers.loss import LossTotals, aux_loss_weight, backward_objective
 from megacann.models.spec import decoder_forward_step
 from megacann.pipeline import p2p
@@ -69,6 +71,10 @@ def run_plan(
 ) -> LossTotals:
     """Execute one stage's plan; returns this rank's loss totals.
 
+    ``micro_batches`` hold whole sequences; under context parallelism each is cut to this cp rank's share
+    (:func:`~megacann.layers.context_parallel_batch`: tokens, labels, position ids of the whole sequence,
+    segment ids) before the model sees it.
+
     ``tensor_shape`` is the shape of the activations passed between stages (needed when the plan has
     transfers); they travel in the dtype of the model's parameters.
     """
@@ -78,7 +84,8 @@ def run_plan(
     dtype = param.dtype if param is not None else torch.float32
     device = param.device if param is not None else torch.device("cpu")
     totals = LossTotals(device)
-    aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size())
+    aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True))
+    micro_batches = [context_parallel_batch(batch) for batch in micro_batches]  # this cp rank's tokens
     queues = _Queues(num_chunks)
     virtual = num_chunks > 1
     saved_virtual_rank = ps.get_virtual_pipeline_model_parallel_rank()
@@ -239,6 +246,11 @@ def get_forward_backward_func(cfg: MegacannConfig, forward_step: ForwardStep = d
     if d.pipeline_parallel_size == 1:
         return functools.partial(forward_backward_no_pipelining, forward_step=forward_step)
     shape = p2p.activation_shape(
-        cfg.data.batch_size, cfg.data.seq_length, cfg.model.hidden_size, d.sequence_parallel, d.tensor_parallel_size
+        cfg.data.batch_size,
+        cfg.data.seq_length,
+        cfg.model.hidden_size,
+        d.sequence_parallel,
+        d.tensor_parallel_size,
+        d.context_parallel_size,
     )
     return functools.partial(forward_backward_pipelining, tensor_shape=shape, forward_step=forward_step)

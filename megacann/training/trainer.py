@@ -114,7 +114,9 @@ class Trainer:
         return [_to_device(next(self.data.train), self.device) for _ in range(self.cfg.optim.grad_accum_steps)]
 
     def _global_token_count(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Target tokens in the whole global batch (every data-parallel rank's micro-batches)."""
+        """Target tokens in the whole global batch (every data-parallel rank's micro-batches). The batches
+        hold whole sequences (the cp ranks of one data-parallel rank read the same samples; the schedule
+        hands each its share), so counting them over the data-parallel group counts every token once."""
         return count_target_tokens(micro_batches, ps.get_data_parallel_group())
 
     def _stage_timers(self) -> dict[str, list[float]]:
@@ -161,7 +163,7 @@ class Trainer:
         self.state.consumed_samples += self.cfg.global_batch_size
         if not updated:
             self.state.skipped_steps += 1
-        aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size())
+        aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True))
         result = {
             **totals.reduce(float(num_tokens.item()), aux_weight),  # loss, auxiliary losses, model stats
             "grad_norm": grad_norm,
@@ -225,6 +227,13 @@ class Trainer:
         record.update(self.runtime.accelerator.memory_stats())
         return record
 
+    def _context_parallel_note(self) -> str:
+        d = self.cfg.distributed
+        if d.context_parallel_size == 1:
+            return ""
+        share = self.cfg.data.seq_length // d.context_parallel_size
+        return f", cp {d.context_parallel_size} {d.context_parallel_algo}: {share} tokens of each sequence per rank"
+
     @staticmethod
     def _model_metric_names(step_metrics: dict[str, Any]) -> list[str]:
         own = {"loss", "grad_norm", "lr", "num_tokens", "updated", "stage_timers"}
@@ -239,7 +248,8 @@ class Trainer:
         self.metrics.print(
             f"training {cfg.experiment.name}: {cfg.optim.max_steps} steps, global batch {cfg.global_batch_size} x "
             f"seq {cfg.data.seq_length}, world {self.runtime.world_size} (tp {cfg.distributed.tensor_parallel_size}, "
-            f"pp {cfg.distributed.pipeline_parallel_size}, dp {cfg.distributed.data_parallel_size}), "
+            f"pp {cfg.distributed.pipeline_parallel_size}, dp {cfg.distributed.data_parallel_size}"
+            f"{self._context_parallel_note()}), "
             f"device {self.runtime.accelerator.device_type}, precision {cfg.model.precision}"
         )
         self.metrics.print(ops.selection_line(self.runtime.accelerator.device_type))

@@ -1,5 +1,5 @@
 """ZeRO stages 1 and 2: fp32 master weights, optimizer state and (stage 2) gradients sharded over data
-parallelism. How a step runs (reduce-scatter, shard update, all-gather, overlap) is in docs/zero.md.
+parallelism (the data-parallel x context-parallel group, the one gradients are reduced over). How a step runs (reduce-scatter, shard update, all-gather, overlap) is in docs/zero.md.
 
 In fp32 the master weights are the parameters' own owned ranges (no copy). Checkpoints see the state
 through :meth:`DistributedOptimizer.state_shards` (views) and :meth:`DistributedOptimizer.shard_layout`.
