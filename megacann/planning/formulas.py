@@ -11,7 +11,7 @@ from the tensors autograd saves), not textbook figures.
   ZeRO-2 keeps 4/N after each step but the whole 4 while gradients accumulate, i.e. at the peak unless
   there is one micro-batch per step *and* ``overlap_grad_reduce`` frees each bucket during backward;
 - optimizer: fp32 master weights (4, none when the weights are fp32 already) + Adam's two moments (8;
-  SGD's momentum 4), divided over the N data-parallel ranks with ZeRO-1/2.
+  SGD's momentum 4), divided over the N data-parallel (x context-parallel) ranks with ZeRO-1/2.
 
 So mixed-precision Adam is 2 + 4 + 12 = 18 B/param without ZeRO; the ZeRO paper counts 16 (bf16
 gradients); ``unsharded_bytes`` gives both.
@@ -41,7 +41,14 @@ shard's ids and a mask of the others), the rotary tables of each model chunk (2 
 the last stage's final norm and output-layer input and the vocabulary-parallel loss's float32
 exponentials (4 x padded vocab / t + 18 per token).
 The pipeline executor keeps each in-flight micro-batch's received input and its output (h x a per token
-each, s/t tokens with sequence parallelism) until its backward. Not counted: attention masks of packed
+each, s/t tokens with sequence parallelism) until its backward.
+
+Context parallelism divides every per-token count by cp: a rank holds s/cp tokens of every sequence
+through the whole model, and ring / all-gather attention save the same q, k, v, output and log-sum-exp for
+the rank's own tokens (Ulysses a little more: measured in docs/context_parallel.md). ZeRO shards over the
+data-parallel x context-parallel group (dp x cp ranks), the group gradients are summed over. Not counted:
+the attention's transient buffers under cp (fp32 block copies and a score tile; all-gather: the whole
+sequence's keys and values during the layer). Not counted either: attention masks of packed
 documents (``reset_attention_mask`` materialises s x s scores), dropout masks, temporary buffers of a
 single op, communication buffers, the allocator's fragmentation and the device runtime itself.
 """
@@ -77,13 +84,21 @@ class Layout:
     num_microbatches: int = 1  # per step: grad_accum_steps
     sequence_parallel: bool = False
     overlap_grad_reduce: bool = False
+    cp: int = 1  # context parallel: each rank holds seq_length / cp tokens of every sequence
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks ZeRO shards over: the data-parallel x context-parallel group gradients are reduced over."""
+        return self.dp * self.cp
 
     def describe(self) -> str:
         parts = [f"tp {self.tp}", f"pp {self.pp}" + (f" (vpp {self.vpp})" if self.vpp > 1 else ""), f"dp {self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
         extra = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", f"recompute {self.recompute}"]
         if self.sequence_parallel:
             extra.append("SP")
@@ -106,6 +121,7 @@ def layout_of(cfg: MegacannConfig) -> Layout:
         num_microbatches=cfg.optim.grad_accum_steps,
         sequence_parallel=d.sequence_parallel and d.tensor_parallel_size > 1,
         overlap_grad_reduce=d.overlap_grad_reduce,
+        cp=d.context_parallel_size,
     )
 
 
@@ -191,8 +207,8 @@ def static_bytes(cfg: MegacannConfig, layout: Layout, params: int) -> dict[str, 
     grads = GRAD_BYTES * params
     grads_sharded = layout.zero >= 2 and layout.num_microbatches == 1 and layout.overlap_grad_reduce
     if grads_sharded:
-        grads = grads / layout.dp
-    optimizer = optimizer_bytes_per_param(cfg) * params / (layout.dp if layout.zero else 1)
+        grads = grads / layout.zero_shards
+    optimizer = optimizer_bytes_per_param(cfg) * params / (layout.zero_shards if layout.zero else 1)
     return {"weights": weight_bytes_per_param(cfg) * params, "grads": grads, "optimizer": optimizer}
 
 
@@ -210,12 +226,17 @@ def unsharded_bytes(cfg: MegacannConfig, params: int) -> dict[str, float]:
 # -- activations --------------------------------------------------------------------------------------
 
 
+def tokens_per_rank(cfg: MegacannConfig, layout: Layout) -> float:
+    """Tokens of one micro-batch a rank's layers hold: b x s, divided by cp under context parallelism."""
+    return layout.micro_batch * cfg.data.seq_length / layout.cp
+
+
 def layer_activation_terms(cfg: MegacannConfig, layout: Layout) -> dict[str, float]:
     """Bytes one transformer layer saves for one micro-batch, by what saves them (recompute: none)."""
     m = cfg.model
     a, t = DTYPE_BYTES[m.precision], layout.tp
     h, f, kv = m.hidden_size, m.ffn_size, _kv_read(m, t)
-    tokens = layout.micro_batch * cfg.data.seq_length
+    tokens = tokens_per_rank(cfg, layout)
     norm_share = t if layout.sequence_parallel else 1
     arch = architecture(m)
     stats = 2 if arch.normalization == "layernorm" else 1  # LayerNorm: mean and 1/std; RMSNorm: 1/rms
@@ -233,7 +254,7 @@ def layer_activation_bytes(cfg: MegacannConfig, layout: Layout, recompute: str =
     """Bytes one layer keeps between its forward and backward for one micro-batch."""
     terms = layer_activation_terms(cfg, layout)
     if recompute == "full":
-        tokens = layout.micro_batch * cfg.data.seq_length
+        tokens = tokens_per_rank(cfg, layout)
         return (
             tokens
             * DTYPE_BYTES[cfg.model.precision]
@@ -251,14 +272,16 @@ def chunk_extra_terms(
     """Bytes a model chunk saves besides its layers, for one micro-batch."""
     m = cfg.model
     a, t = DTYPE_BYTES[m.precision], layout.tp
-    b, s = layout.micro_batch, cfg.data.seq_length
-    tokens = b * s
+    tokens = tokens_per_rank(cfg, layout)
+    s = cfg.data.seq_length / layout.cp
     terms: dict[str, float] = {}
     arch = architecture(m)
     learned = arch.position_embedding == "learned"
     if first:
         # int64 ids (this shard's, under TP, with a bool mask of the ids outside it), + learned positions' ids
-        terms["token ids"] = tokens * (8 + (t > 1)) + (s * 8 if learned else 0)
+        # (one row 0..s-1 shared by the batch; under cp the split copy of every sample's share)
+        positions = (s if layout.cp == 1 else tokens) * 8
+        terms["token ids"] = tokens * (8 + (t > 1)) + (positions if learned else 0)
     if has_layers and arch.position_embedding == "rope":
         terms["rotary tables"] = tokens * 2 * (m.hidden_size // m.num_attention_heads) * a
     if last:
@@ -272,6 +295,6 @@ def chunk_extra_terms(
 def pipeline_buffer_bytes(cfg: MegacannConfig, layout: Layout, first: bool, last: bool) -> float:
     """What the pipeline executor holds per in-flight micro-batch of a chunk: the received input (not on
     the model's first chunk) and the output to back-propagate (not on the last)."""
-    tokens = layout.micro_batch * cfg.data.seq_length / (layout.tp if layout.sequence_parallel else 1)
+    tokens = tokens_per_rank(cfg, layout) / (layout.tp if layout.sequence_parallel else 1)
     per = tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.model.precision]
     return per * ((not first) + (not last))

@@ -71,7 +71,8 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
     )
     ways = layout.tp * layout.pp
     split = f"tp {layout.tp} x pp {layout.pp} split the parameters {ways} ways" if ways > 1 else "no model parallelism"
-    zero = f"; ZeRO-{layout.zero} divides the optimizer state by dp {layout.dp}" if layout.zero else ""
+    shards = f"dp {layout.dp}" + (f" x cp {layout.cp}" if layout.cp > 1 else "")
+    zero = f"; ZeRO-{layout.zero} divides the optimizer state by {shards}" if layout.zero else ""
     lines.append(
         f"weights + gradients + optimizer: {_gb(whole)} GB unsharded -> {_gb(largest.static)} GB on stage "
         f"{largest.stage}'s devices ({split}{zero})"
@@ -82,6 +83,12 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
         + ", ".join(f"{r} {by_recompute[r] / 2**20:,.0f} MiB" for r in by_recompute)
         + f" (recipe: {layout.recompute})"
     )
+    if layout.cp > 1:
+        share = cfg.data.seq_length // layout.cp
+        lines.append(
+            f"context parallel: cp {layout.cp}, {share} of every {cfg.data.seq_length} tokens per rank: "
+            f"activations {1 / layout.cp:.3g} of one rank's"
+        )
     if layout.pp > 1:
         m, v = layout.num_microbatches, layout.vpp
         kind = f"interleaved 1F1B ({v} chunks per stage)" if v > 1 else "1F1B"

@@ -1,5 +1,5 @@
 """Layouts for a world size and a device memory: every (tp, pp, vpp, dp, ZeRO, recompute, micro-batch) the
-recipe's validation accepts, at the recipe's global batch, kept when its largest stage fits, and ranked by
+recipe's validation accepts (with the recipe's context-parallel size), at the recipe's global batch, kept when its largest stage fits, and ranked by
 a relative step-time estimate.
 
 The estimate is deliberately simple and says what it counts: compute grows by the recompute's extra
@@ -49,7 +49,8 @@ class RankedLayout:
         if lay.recompute != "none":
             parts.append(f"{lay.recompute} recompute +{self.extra_flops:.0%} compute")
         if lay.zero:
-            parts.append(f"ZeRO-{lay.zero} shards optimizer{' and grads' if lay.zero == 2 else ''} over dp {lay.dp}")
+            over = f"dp {lay.dp}" + (f" x cp {lay.cp}" if lay.cp > 1 else "")
+            parts.append(f"ZeRO-{lay.zero} shards optimizer{' and grads' if lay.zero == 2 else ''} over {over}")
         parts.append(f"est. time x{self.time_factor:.2f}")
         return "; ".join(parts)
 
@@ -64,6 +65,7 @@ def layout_config(cfg: MegacannConfig, layout: Layout, world: int) -> MegacannCo
     d = new.distributed
     d.world_size, d.data_parallel_size = world, None
     d.tensor_parallel_size, d.pipeline_parallel_size = layout.tp, layout.pp
+    d.context_parallel_size = layout.cp
     d.virtual_pipeline_size = layout.vpp if layout.vpp > 1 else None
     d.zero_optimization = layout.zero
     d.sequence_parallel = layout.sequence_parallel
@@ -77,11 +79,15 @@ def layout_config(cfg: MegacannConfig, layout: Layout, world: int) -> MegacannCo
 
 
 def candidate_layouts(cfg: MegacannConfig, world: int, devices_per_node: int = 8) -> Iterator[Layout]:
-    """Layouts of ``world`` ranks at the recipe's global batch (TP within a node; ZeRO only with dp > 1)."""
+    """Layouts of ``world`` ranks at the recipe's global batch (TP within a node; ZeRO only with dp > 1;
+    the recipe's context-parallel size, which the sequence length calls for, is kept)."""
     global_batch = cfg.global_batch_size
-    for tp in (t for t in _divisors(world) if t <= devices_per_node):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
+    cp = cfg.distributed.context_parallel_size
+    if world % cp:
+        return
+    for tp in (t for t in _divisors(world // cp) if t <= devices_per_node):
+        for pp in _divisors(world // (cp * tp)):
+            dp = world // (cp * tp * pp)
             if global_batch % dp:
                 continue
             for vpp in (1, 2) if pp > 1 else (1,):
@@ -89,7 +95,7 @@ def candidate_layouts(cfg: MegacannConfig, world: int, devices_per_node: int = 8
                     m = global_batch // (dp * micro_batch)
                     for zero in (0, 1, 2) if dp > 1 else (0,):
                         for recompute in RECOMPUTE:
-                            yield Layout(tp, pp, dp, vpp, zero, recompute, micro_batch, m, tp > 1, zero == 2)
+                            yield Layout(tp, pp, dp, vpp, zero, recompute, micro_batch, m, tp > 1, zero == 2, cp)
 
 
 def time_factor(cfg: MegacannConfig, layout: Layout) -> float:
