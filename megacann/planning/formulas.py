@@ -39,7 +39,13 @@ input (h, or h/t with sequence parallelism) and recomputes one layer at a time i
 full activations at the peak). Also saved: token ids (8 per token on the first stage, 9 under TP: the
 shard's ids and a mask of the others), the rotary tables of each model chunk (2 x head_dim x a per token),
 the last stage's final norm and output-layer input and the vocabulary-parallel loss's float32
-exponentials (4 x padded vocab / t + 18 per token).
+exponentials (4 x padded vocab / t + 18 per token), or with the fused head loss (``precision.fused_ops``)
+only the targets and a log-sum-exp (12 per token).
+
+The layer terms are those of the PyTorch reference operators with ``precision.fp32_ops: []``. Other kernels
+save other tensors: on CPU (tiny LLaMA, 4 layers), megacann's C++ kernels saved 13% less than these formulas in fp32, and in bf16
+the default ``fp32_ops: [rms_norm]`` (fp32 copies for the norms) 14% more (tests/test_planner.py measures
+the reference exactly; the figures above come from the same measurement with the defaults).
 The pipeline executor keeps each in-flight micro-batch's received input and its output (h x a per token
 each, s/t tokens with sequence parallelism) until its backward.
 
@@ -60,6 +66,7 @@ from dataclasses import dataclass
 from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers.embedding import pad_vocab_size
+from megacann.layers.output import HEAD_LOSS
 from megacann.models import DecoderArch, get_model_spec
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in PRECISION_DTYPES.items()}
@@ -191,6 +198,12 @@ def chunk_parameters_per_rank(cfg: MegacannConfig, tp: int, layers: int, first: 
     return total
 
 
+def fused_head_loss(cfg: MegacannConfig) -> bool:
+    """Whether the recipe lets the output head use the fused, chunked loss (precision.fused_ops)."""
+    fused = cfg.precision.fused_ops
+    return fused is True or (not isinstance(fused, bool) and HEAD_LOSS in fused)
+
+
 def weight_bytes_per_param(cfg: MegacannConfig) -> int:
     return DTYPE_BYTES[cfg.model.precision]
 
@@ -288,7 +301,10 @@ def chunk_extra_terms(
         stats = 2 if arch.normalization == "layernorm" else 1
         norm = tokens * a * (m.hidden_size + stats) / (t if layout.sequence_parallel else 1)
         terms["final norm + output input"] = norm + tokens * a * m.hidden_size
-        terms["loss (fp32 exponentials)"] = tokens * (4 * padded_vocab(cfg, t) // t + 18)
+        if fused_head_loss(cfg):  # chunked: the targets (int64) and a float32 log-sum-exp per token
+            terms["loss (targets, log-sum-exp)"] = tokens * 12
+        else:
+            terms["loss (fp32 exponentials)"] = tokens * (4 * padded_vocab(cfg, t) // t + 18)
     return terms
 
 
