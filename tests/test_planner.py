@@ -191,6 +191,31 @@ RUNS_4 = {
         "model.activation_checkpointing=full",
     ],
 }
+# context parallelism: per-rank activations over s/cp tokens (ring: the layer terms as they are; Ulysses:
+# its copies, with replicated kv heads at cp 4 > 2 kv heads); ZeRO shards over dp x cp
+RUNS_4["cp2 tp2 sp ring"] = [
+    *COMMON,
+    "distributed.context_parallel_size=2",
+    "distributed.tensor_parallel_size=2",
+    "distributed.sequence_parallel=true",
+    "optim.grad_accum_steps=2",
+]
+RUNS_4["gpt cp2 pp2 ulysses zero1 bf16"] = [
+    *COMMON,
+    "model.type=gpt",
+    "model.precision=bf16",
+    "distributed.context_parallel_size=2",
+    "distributed.context_parallel_algo=ulysses",
+    "distributed.pipeline_parallel_size=2",
+    "distributed.zero_optimization=1",
+    "optim.grad_accum_steps=4",
+]
+RUNS_4["cp4 ulysses"] = [
+    *COMMON,
+    "distributed.context_parallel_size=4",
+    "distributed.context_parallel_algo=ulysses",
+    "optim.grad_accum_steps=2",
+]
 RUNS_1 = {
     "llama bf16 none": [*COMMON, "model.precision=bf16", "optim.grad_accum_steps=2"],
     "llama unfused loss": [*COMMON, "precision.fused_ops=false", "optim.grad_accum_steps=2"],

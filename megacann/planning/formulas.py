@@ -51,7 +51,8 @@ each, s/t tokens with sequence parallelism) until its backward.
 
 Context parallelism divides every per-token count by cp: a rank holds s/cp tokens of every sequence
 through the whole model, and ring / all-gather attention save the same q, k, v, output and log-sum-exp for
-the rank's own tokens (Ulysses a little more: measured in docs/context_parallel.md). ZeRO shards over the
+the rank's own tokens; Ulysses also keeps the attention output from before its all-to-all back (h/t
+per token), replicated kv heads when there are fewer than cp, and two position indices. ZeRO shards over the
 data-parallel x context-parallel group (dp x cp ranks), the group gradients are summed over. Not counted:
 the attention's transient buffers under cp (fp32 block copies and a score tile; all-gather: the whole
 sequence's keys and values during the layer). Not counted either: attention masks of packed
@@ -254,13 +255,32 @@ def layer_activation_terms(cfg: MegacannConfig, layout: Layout) -> dict[str, flo
     arch = architecture(m)
     stats = 2 if arch.normalization == "layernorm" else 1  # LayerNorm: mean and 1/std; RMSNorm: 1/rms
     mlp = (4 if arch.mlp_matrices == 3 else 2) * f // t  # gate and up (and their product), or up
-    return {
+    terms = {
         "norms": tokens * a * 2 * (h + stats) / norm_share,
         "projection inputs": tokens * a * 2 * h,
         "attention q k v out": tokens * a * (2 * h // t + 2 * kv),
         "attention log-sum-exp": tokens * 4 * (m.num_attention_heads // t),
         "mlp": tokens * a * mlp,
     }
+    if layout.cp > 1 and cfg.distributed.context_parallel_algo == "ulysses":
+        terms[ULYSSES_TERM] = ulysses_extra_bytes(cfg, layout, tokens)
+    return terms
+
+
+ULYSSES_TERM = "attention: Ulysses' head-sharded copies"
+
+
+def ulysses_extra_bytes(cfg: MegacannConfig, layout: Layout, tokens: float) -> float:
+    """What Ulysses saves beyond ring attention: the attention output both before and after the all-to-all
+    back (h/t per token more), replicated kv heads when there are fewer than cp, and the two int64
+    position indices of the whole sequence that reorder the exchanged tokens."""
+    from megacann.layers.context_parallel import ulysses_kv_repeat
+
+    m, t = cfg.model, layout.tp
+    a, h, kv = DTYPE_BYTES[m.precision], m.hidden_size, _kv_read(m, t)
+    head_dim = h // m.num_attention_heads
+    repeat = ulysses_kv_repeat(m.num_attention_heads // t, kv // head_dim, layout.cp)
+    return tokens * a * (h // t + 2 * kv * (repeat - 1)) + 2 * 8 * cfg.data.seq_length
 
 
 def layer_activation_bytes(cfg: MegacannConfig, layout: Layout, recompute: str = "none") -> float:
@@ -274,8 +294,8 @@ def layer_activation_bytes(cfg: MegacannConfig, layout: Layout, recompute: str =
             * cfg.model.hidden_size
             / (layout.tp if layout.sequence_parallel else 1)
         )
-    if recompute == "selective":
-        terms = {k: v for k, v in terms.items() if k != "attention log-sum-exp"}
+    if recompute == "selective":  # the core attention (and Ulysses' exchanges) rerun in backward
+        terms = {k: v for k, v in terms.items() if k not in ("attention log-sum-exp", ULYSSES_TERM)}
     return sum(terms.values())
 
 
