@@ -1,24 +1,26 @@
-"""Context parallelism: per-rank activation memory of one training step against the ideal 1/cp.
+"""Context parallelism: per-rank activation memory of one training step of a whole model against the ideal 1/cp.
 
     python benchmarks/context_parallel.py [--seq 4096 8192 16384 32768] [--cp 1 2 4]
-        [--algo ring allgather ulysses] [--hidden 128 --heads 4 --kv-heads 2 --ffn 256 --layers 2]
+        [--algo ring allgather ulysses] [--hidden 128 --heads 4 --kv-heads 2 --ffn 256 --layers 2 --vocab 1024]
 
-A stack of LLaMA-style ``TransformerBlock``s (RMSNorm, GQA attention with RoPE, SwiGLU; fp32, micro-batch
-1) built from ``megacann.layers`` runs one forward and backward on ``cp`` gloo ranks (CPU processes, one
-thread each), each holding its load-balanced share of the sequence. This is the layer stack alone: the
-embedding, the output layer and the loss come with the model integration.
+A small LLaMA (embedding, ``--layers`` blocks with GQA attention, RoPE and SwiGLU, final norm, output
+layer and loss; fp32, micro-batch 1, the recipe's default operators) is built by the model family and run
+through the trainer's own schedule (``Trainer.forward_backward``: one forward and backward of a
+micro-batch of ``seq`` random tokens) on ``cp`` gloo ranks (CPU processes, one thread each). The schedule
+hands each rank its load-balanced share of the sequence (``context_parallel_batch``), as in training.
 
-Bytes are counted exactly, from the tensors themselves: every tensor an operator creates during the step
-is tracked (a ``TorchDispatchMode``) until its storage is freed; parameters and the input exist before and
-are not counted, nor is scratch memory a fused kernel allocates internally. Two figures per rank:
+Bytes are counted exactly, from the tensors themselves; parameters, gradient buffers and the batch exist
+before the step and are not counted:
 
-- ``stored``: bytes alive at the end of forward, i.e. what is kept for backward (the activations);
-- ``peak``: the most bytes alive at any moment of forward + backward (stored activations, temporaries,
-  gradients in flight, communication buffers).
+- ``stored``: the most bytes autograd keeps for backward at once (saved-tensor hooks; each storage once),
+  i.e. the activations;
+- ``peak``: the most bytes alive at any moment of the step, of every tensor an operator creates (a
+  ``TorchDispatchMode``, until the storage is freed): stored activations, temporaries, gradients in
+  flight, communication buffers (scratch memory a fused kernel allocates internally is not seen).
 
 Each is shown as a ratio to cp 1 at the same sequence length beside the ideal ``1/cp``; the largest rank
-is reported (the layout gives every rank the same work, so they agree). cp 1 runs plain attention (the
-algorithm does not matter there).
+is reported (the layout gives every rank the same work). The loss of the step is printed too: every
+layout computes the same one. cp 1 runs plain attention (the algorithm does not matter there).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import weakref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,39 +67,100 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _measure(args: argparse.Namespace, algo: str) -> list[dict]:
-    from megacann import parallel_state as ps
-    from megacann.layers import (
-        TransformerBlock,
-        TransformerBlockConfig,
-        context_parallel_split,
-        model_parallel_manual_seed,
+class SavedBytes:
+    """Bytes of the storages autograd saves for backward, each counted once while any save holds it (use
+    ``pack`` / ``unpack`` as saved-tensor hooks)."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude, self.refs = exclude, {}
+        self.current = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.exclude or storage.nbytes() == 0:
+            return tensor
+        return _Held(self, key, storage.nbytes(), tensor)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+
+class _Held:
+    """One saved tensor: counted while autograd holds it."""
+
+    def __init__(self, meter: SavedBytes, key: int, nbytes: int, tensor: torch.Tensor):
+        self.meter, self.key, self.nbytes, self.tensor = meter, key, nbytes, tensor
+        count = meter.refs.get(key, 0)
+        meter.refs[key] = count + 1
+        if count == 0:
+            meter.current += nbytes
+            meter.peak = max(meter.peak, meter.current)
+
+    def __del__(self):
+        refs = self.meter.refs
+        refs[self.key] -= 1
+        if refs[self.key] == 0:
+            del refs[self.key]
+            self.meter.current -= self.nbytes
+
+
+def _config(args: argparse.Namespace, seq: int, cp: int, algo: str, out: str):
+    from megacann.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "experiment": {"name": "context_parallel", "output_dir": out},
+            "model": {
+                "type": "llama",
+                "precision": "fp32",
+                "hidden_size": args.hidden,
+                "num_layers": args.layers,
+                "num_attention_heads": args.heads,
+                "num_key_value_heads": args.kv_heads,
+                "ffn_hidden_size": args.ffn,
+                "vocab_size": args.vocab,
+                "max_position_embeddings": max(args.seq),
+            },
+            "data": {"seq_length": seq, "batch_size": 1},
+            "optim": {"grad_accum_steps": 1, "max_steps": 1},
+            "distributed": {"context_parallel_size": cp, "context_parallel_algo": algo},
+            "logging": {"ckpt_interval": 0},
+        }
     )
 
-    ps.initialize_model_parallel(context_parallel_size=torch.distributed.get_world_size())
-    cfg = TransformerBlockConfig(
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        ffn_hidden_size=args.ffn,
-        context_parallel_algo=algo,
-    )
-    model_parallel_manual_seed(1)
-    blocks = torch.nn.ModuleList(TransformerBlock(cfg) for _ in range(args.layers))
-    for p in blocks.parameters():  # gradients accumulate into buffers that exist before the step
-        p.grad = torch.zeros_like(p)
+
+class _NoData:
+    """The trainer's data interface, unused: the benchmark hands the schedule its micro-batch itself."""
+
+    train = iter(())
+
+    def valid(self):
+        return None
+
+
+def _measure(args: argparse.Namespace, algo: str) -> list[dict]:
+    from megacann import parallel_state as ps
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    cp = torch.distributed.get_world_size()
     rows = []
-    for seq in args.seq:
-        generator = torch.Generator().manual_seed(seq)
-        x = context_parallel_split(torch.randn(1, seq, args.hidden, generator=generator)).requires_grad_()
-        with LiveBytes() as meter:
-            hidden = x
-            for block in blocks:
-                hidden = block(hidden)
-            stored = meter.current
-            hidden.square().mean().backward()
-            del hidden
-        rows.append(dict(seq=seq, local=x.shape[1], stored=stored, peak=meter.peak))
+    with tempfile.TemporaryDirectory() as out:
+        for seq in args.seq:
+            ps.destroy_model_parallel()
+            cfg = _config(args, seq, cp, algo, out)
+            trainer = Trainer(cfg, setup_runtime(cfg), data=_NoData())
+            generator = torch.Generator().manual_seed(seq)  # the same sample on every rank and layout
+            row = torch.randint(0, args.vocab, (1, seq + 1), generator=generator)
+            batch = {"tokens": row[:, :-1].contiguous(), "labels": row[:, 1:].contiguous()}
+            params = {p.untyped_storage().data_ptr() for p in trainer.params}
+            saved = SavedBytes(params)
+            with LiveBytes() as live, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                totals = trainer.forward_backward(trainer.model_chunks, [batch], loss_normalizer=float(seq))
+            loss = totals.reduce(float(seq), 0.0)["loss"]
+            rows.append(dict(seq=seq, local=seq // cp, stored=saved.peak, peak=live.peak, loss=loss))
     ps.destroy_model_parallel()
     return rows
 
@@ -111,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--timeout", type=float, default=7200)
     args = parser.parse_args(argv)
 
     results: dict[tuple[int, str], list[dict]] = {}
@@ -124,19 +189,22 @@ def main(argv: list[str] | None = None) -> None:
             ]
     base = {row["seq"]: row for row in results.get((1, "ring"), [])}
     print(
-        f"{args.layers} x TransformerBlock(hidden {args.hidden}, heads {args.heads}, kv heads {args.kv_heads}, "
-        f"ffn {args.ffn}), fp32, micro-batch 1, CPU; MiB per rank (largest rank)"
+        f"LLaMA: {args.layers} layers, hidden {args.hidden}, heads {args.heads}, kv heads {args.kv_heads}, "
+        f"ffn {args.ffn}, vocab {args.vocab}; fp32, micro-batch 1, one training step's forward and backward "
+        f"on CPU; MiB per rank (largest rank)"
     )
     print(
-        f"{'seq':>6} {'cp':>3} {'algo':>9} {'tokens':>7} | {'stored':>9} {'/cp1':>6} | {'peak':>9} {'/cp1':>6} | ideal"
+        f"{'seq':>6} {'cp':>3} {'algo':>9} {'tokens':>7} | {'stored':>8} {'/cp1':>6} | {'peak':>8} {'/cp1':>6} | "
+        f"{'ideal':>5} | loss"
     )
-    for (cp, algo), rows in results.items():
+    for (cp, algo), rows in sorted(results.items()):
         for row in rows:
             ref = base.get(row["seq"])
             ratio = {key: f"{row[key] / ref[key]:6.3f}" if ref else f"{'-':>6}" for key in ("stored", "peak")}
             print(
                 f"{row['seq']:>6} {cp:>3} {algo if cp > 1 else '-':>9} {row['local']:>7} | "
-                f"{row['stored'] / MIB:9.1f} {ratio['stored']} | {row['peak'] / MIB:9.1f} {ratio['peak']} | {1 / cp:.3f}"
+                f"{row['stored'] / MIB:8.1f} {ratio['stored']} | {row['peak'] / MIB:8.1f} {ratio['peak']} | "
+                f"{1 / cp:5.3f} | {row['loss']:.6f}"
             )
 
 
