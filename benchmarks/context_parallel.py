@@ -36,6 +36,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import torch  # noqa: E402
 from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher: N spawned ranks, hard timeout)
+from test_planner import SavedTensorTracker  # noqa: E402  (bytes autograd saves, as the planner's test counts them)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
@@ -65,45 +66,6 @@ class LiveBytes(TorchDispatchMode):
                     self.peak = max(self.peak, self.current)
                     weakref.finalize(storage, self._free, key)
         return out
-
-
-class SavedBytes:
-    """Bytes of the storages autograd saves for backward, each counted once while any save holds it (use
-    ``pack`` / ``unpack`` as saved-tensor hooks)."""
-
-    def __init__(self, exclude: set[int]):
-        self.exclude, self.refs = exclude, {}
-        self.current = self.peak = 0
-
-    def pack(self, tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.exclude or storage.nbytes() == 0:
-            return tensor
-        return _Held(self, key, storage.nbytes(), tensor)
-
-    @staticmethod
-    def unpack(held):
-        return held.tensor if isinstance(held, _Held) else held
-
-
-class _Held:
-    """One saved tensor: counted while autograd holds it."""
-
-    def __init__(self, meter: SavedBytes, key: int, nbytes: int, tensor: torch.Tensor):
-        self.meter, self.key, self.nbytes, self.tensor = meter, key, nbytes, tensor
-        count = meter.refs.get(key, 0)
-        meter.refs[key] = count + 1
-        if count == 0:
-            meter.current += nbytes
-            meter.peak = max(meter.peak, meter.current)
-
-    def __del__(self):
-        refs = self.meter.refs
-        refs[self.key] -= 1
-        if refs[self.key] == 0:
-            del refs[self.key]
-            self.meter.current -= self.nbytes
 
 
 def _config(args: argparse.Namespace, seq: int, cp: int, algo: str, out: str):
@@ -156,7 +118,7 @@ def _measure(args: argparse.Namespace, algo: str) -> list[dict]:
             row = torch.randint(0, args.vocab, (1, seq + 1), generator=generator)
             batch = {"tokens": row[:, :-1].contiguous(), "labels": row[:, 1:].contiguous()}
             params = {p.untyped_storage().data_ptr() for p in trainer.params}
-            saved = SavedBytes(params)
+            saved = SavedTensorTracker(params)
             with LiveBytes() as live, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 totals = trainer.forward_backward(trainer.model_chunks, [batch], loss_normalizer=float(seq))
             loss = totals.reduce(float(seq), 0.0)["loss"]
