@@ -1,6 +1,7 @@
 """Context parallelism end to end: the tiny recipe trains the loss trace of one process (fp32, relative
 1e-5) at cp 2 (ring, allgather, ulysses; LLaMA, GPT with learned positions, the custom family of
-examples/custom_model.py), cp 2 x dp 2 (+ ZeRO-1), cp 2 x tp 2 with sequence parallelism and cp 2 x pp 2;
+examples/custom_model.py), cp 2 x dp 2 (+ ZeRO-1), cp 2 x tp 2 with sequence parallelism and cp 2 x pp 2
+(1F1B and interleaved);
 packed documents read by the real data pipeline (reset_position_ids / reset_attention_mask /
 eod_mask_loss) at cp 2 equal one process, in training and evaluation; a checkpoint saved at cp 2 resumes at cp 1 with the next losses
 of the cp 2 run.
@@ -54,6 +55,7 @@ WORLD4 = {
     "gpt_cp2_tp2_sp_ring": (GPT + [CP2, *TP2_SP], "gpt"),
     "cp2_pp2_ring": ([CP2, PP2], "base"),
     "cp2_pp2_ulysses": ([CP2, PP2, ULYSSES], "base"),
+    "cp2_pp2_vpp2_allgather": ([CP2, PP2, "distributed.virtual_pipeline_size=2", ALLGATHER], "base"),
 }
 PACKED_RUNS = {"packed_cp2_ring": [CP2], "packed_cp2_ulysses": [CP2, ULYSSES]}
 EOS, VOCAB = 1, 200
