@@ -71,11 +71,15 @@ class Trainer:
         self.is_logging_rank = self.runtime.is_main
         self.metrics = MetricsLogger(cfg, enabled=self.is_logging_rank)
         self.model_spec, _ = prepare_recipe(cfg, self.runtime.world_size, spec=model_spec)  # advice printed once
+        # checkpoints keep the tokenizer the data is known to be tokenized with: the caller's, or the recipe's
+        # when the trainer builds the data itself
+        keep_tokenizer = tokenizer is not None or (data is None and data_factory is None)
         if tokenizer is None and (data is None or cfg.model.vocab_size is None):
             from megacann.data import build_tokenizer
 
             tokenizer = build_tokenizer(cfg)
         self.tokenizer = tokenizer
+        self.run_tokenizer = tokenizer if keep_tokenizer else None
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = tokenizer.vocab_size
         self.model_chunks = build_model_chunks(cfg, self.model_spec, device=self.device)
@@ -299,7 +303,12 @@ class Trainer:
 
         s = self.state
         return CheckpointParts(
-            self.model_chunks, self.optimizer, s.step, s.consumed_samples, {"skipped_steps": s.skipped_steps}
+            self.model_chunks,
+            self.optimizer,
+            s.step,
+            s.consumed_samples,
+            {"skipped_steps": s.skipped_steps},
+            tokenizer=self.run_tokenizer,  # saved beside the weights, so exports carry it
         )
 
     def save_checkpoint(self) -> str:
