@@ -97,7 +97,7 @@ class Timeline:
 
     @property
     def busy(self) -> float:
-        return self.totals["forward"] + self.totals["backward"]
+        return self.totals.get("forward", 0.0) + self.totals.get("backward", 0.0)
 
     @property
     def idle_fraction(self) -> float:
