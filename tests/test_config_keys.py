@@ -106,6 +106,8 @@ READ_BY = {
     "logging.tensorboard": "training/metrics.py",
     "logging.async_save": "training/trainer.py",
     "logging.timers": "training/trainer.py",
+    "logging.profile_breakdown": "training/profiling.py",
+    "logging.profiler": "training/profiling.py",
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
 }

@@ -28,6 +28,7 @@ from megacann.accelerator import get_accelerator
 from megacann.checkpoint.files import (
     TMP_SUFFIX,
     checkpoint_dir,
+    fsync_path,
     publish,
     remove_stale_temporaries,
     rotate,
@@ -60,6 +61,7 @@ from megacann.checkpoint.state import (
     save_entries,
 )
 from megacann.config import MegacannConfig
+from megacann.data.tokenizer_files import TOKENIZER_DIR, save_tokenizer, tokenizer_record
 
 Log = Callable[[str], None]
 
@@ -94,6 +96,7 @@ class _SaveJob:
     keep_last: Optional[int]
     log: Callable[[str], None]
     start: float
+    tokenizer: Any = None
 
 
 class Checkpointer:
@@ -137,7 +140,10 @@ class Checkpointer:
         state[PROGRESS_KEY] = progress(parts)
         state[rng_key(self.rank)] = capture_rng(get_accelerator())
         info = checkpoint_info(cfg, step, parts.consumed_samples)
-        job = _SaveJob(out, final, info, cfg.to_yaml(), cfg.logging.keep_last, log, start)
+        record = tokenizer_record(parts.tokenizer) if parts.tokenizer is not None else None
+        if record is not None:
+            info["tokenizer"] = record
+        job = _SaveJob(out, final, info, cfg.to_yaml(), cfg.logging.keep_last, log, start, parts.tokenizer)
         if self._executor is None:
             self._write(state, job)
         else:
@@ -170,6 +176,11 @@ class Checkpointer:
 
     def _publish(self, tmp: str, job: _SaveJob, metadata: Metadata) -> None:
         """Rank 0, once every rank's files are written: describe, mark complete, rename, ``latest``, rotate."""
+        if "tokenizer" in job.info:  # the run's tokenizer travels with its weights (exports need it)
+            for path in save_tokenizer(
+                job.tokenizer, os.path.join(tmp, TOKENIZER_DIR), job.info["model"].get("max_position_embeddings")
+            ):
+                fsync_path(path)
         write_file_synced(os.path.join(tmp, INFO_FILE), json.dumps(job.info, indent=1) + "\n")
         write_file_synced(os.path.join(tmp, RECIPE_FILE), job.recipe)
         publish(tmp, job.final, job.info["step"])

@@ -4,6 +4,11 @@
   and ``model_config.json`` (the model settings; usable as a recipe's ``model.config_path``);
 - a Hugging Face directory (``config.json`` + ``model.safetensors``) of any model family with a Hugging
   Face adapter (:mod:`megacann.models.hf`), from a checkpoint or a consolidated directory, and back.
+
+The tokenizer the weights were trained with goes along (:mod:`megacann.checkpoint.tokenizer`): into a
+consolidated directory's ``tokenizer/``, and into a Hugging Face directory as ``tokenizer.json`` (or
+``tokenizer.model``), ``tokenizer_config.json`` and ``generation_config.json``, so that
+``AutoTokenizer.from_pretrained`` and ``generate`` work on the export as they are.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import json
 import os
 import warnings
 from dataclasses import asdict, fields
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,8 +36,19 @@ from megacann.checkpoint.metadata import (
 from megacann.checkpoint.pieces import Piece
 from megacann.checkpoint.planner import PieceLoadPlanner, TensorPieces
 from megacann.checkpoint.state import MODEL_PREFIX
+from megacann.checkpoint.tokenizer import find_tokenizer
 from megacann.config import ModelConfig
+from megacann.data.tokenizer import TokenizerError, load_tokenizer
+from megacann.data.tokenizer_files import (
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_DIR,
+    generation_config,
+    save_tokenizer,
+    tokenizer_record,
+)
 from megacann.models import hf
+
+Log = Callable[[str], None]
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
@@ -65,11 +81,9 @@ def _cast(tensors: dict[str, torch.Tensor], dtype: Optional[str]) -> dict[str, t
 
 
 def write_consolidated(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str) -> None:
-    from safetensors.torch import save_file
-
     os.makedirs(out, exist_ok=True)
     contiguous = {name: t.contiguous() for name, t in sorted(tensors.items())}
-    save_file(contiguous, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt", "producer": "megacann"})
+    hf.save_safetensors(contiguous, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt", "producer": "megacann"})
     with open(os.path.join(out, CONFIG_FILE), "w") as f:
         json.dump(asdict(cfg), f, indent=1)
 
@@ -89,40 +103,81 @@ def read_consolidated(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     return load_file(weights), ModelConfig(**{k: v for k, v in values.items() if k in known})
 
 
-def read_weights(source: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """Whole weights and model config from a checkpoint, an output directory (its latest checkpoint)
-    or a consolidated directory."""
+def resolve_source(source: str) -> tuple[str, bool]:
+    """(directory, whether it is a checkpoint) for a checkpoint, an output directory (its latest
+    checkpoint) or a consolidated directory."""
     if os.path.isfile(os.path.join(source, INFO_FILE)):
-        return read_checkpoint_weights(source)
+        return source, True
     if os.path.isfile(os.path.join(source, CONFIG_FILE)):
-        return read_consolidated(source)
+        return source, False
     latest = latest_checkpoint(source) if os.path.isdir(source) else None
     if latest is not None:
-        return read_checkpoint_weights(latest)
+        return latest, True
     raise CheckpointError(
         f"{source}: neither a megacann checkpoint ({INFO_FILE}), a consolidated directory ({CONFIG_FILE}), "
         "nor an output directory holding a complete checkpoint"
     )
 
 
-def consolidate(source: str, out: str, dtype: Optional[str] = None) -> str:
-    """Checkpoint (any layout) -> consolidated directory."""
+def read_weights(source: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """Whole weights and model config from a checkpoint, an output directory (its latest checkpoint)
+    or a consolidated directory."""
+    path, is_checkpoint = resolve_source(source)
+    return read_checkpoint_weights(path) if is_checkpoint else read_consolidated(path)
+
+
+def _source_tokenizer(source: str, cfg: ModelConfig, log: Log) -> Optional[Any]:
+    """The tokenizer the source's weights were trained with (said where it came from), or None (said why)."""
+    tokenizer, where = find_tokenizer(*resolve_source(source), cfg.vocab_size)
+    if tokenizer is None:
+        log(f"no tokenizer to export: {where}")
+        return None
+    if cfg.vocab_size is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer from {where} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
+            f"{cfg.vocab_size}: it is not the tokenizer these weights were trained with"
+        )
+    log(f"tokenizer: {where}")
+    return tokenizer
+
+
+def consolidate(source: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:
+    """Checkpoint (any layout) -> consolidated directory (with the run's tokenizer in ``tokenizer/``)."""
     tensors, cfg = read_weights(source)
     write_consolidated(_cast(tensors, dtype), cfg, out)
+    tokenizer = _source_tokenizer(source, cfg, log)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, os.path.join(out, TOKENIZER_DIR))
     return out
 
 
-def export_hf(source: str, out: str, dtype: Optional[str] = None) -> str:
-    """Checkpoint or consolidated directory -> Hugging Face directory (the family's adapter names it)."""
+def export_hf(source: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:
+    """Checkpoint or consolidated directory -> Hugging Face directory (the family's adapter names the
+    weights), with the run's tokenizer and a generation config naming its special tokens."""
     tensors, cfg = read_weights(source)
-    hf.save_hf_tensors(_cast(tensors, dtype), cfg, out)
+    tokenizer = _source_tokenizer(source, cfg, log)
+    token_ids = {}
+    if tokenizer is not None:
+        token_ids = generation_config(tokenizer_record(tokenizer))
+    hf.save_hf_tensors(_cast(tensors, dtype), cfg, out, extra_config=token_ids)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out, model_max_length=cfg.max_position_embeddings)
+        with open(os.path.join(out, GENERATION_CONFIG_FILE), "w") as f:
+            json.dump(token_ids, f, indent=1)
     return out
 
 
-def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None) -> str:
-    """Hugging Face directory -> consolidated directory (megacann names, e.g. fused qkv / gate-up)."""
+def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:
+    """Hugging Face directory -> consolidated directory (megacann names, e.g. fused qkv / gate-up), with the
+    directory's tokenizer (if it has one) in ``tokenizer/``."""
     spec, cfg = hf.hf_family(hf_dir)
     names = hf.model_parameter_names(spec, cfg)
     tensors = spec.hf.from_hf(names, hf.SafetensorsReader(hf_dir), cfg)
     write_consolidated(_cast(tensors, dtype), cfg, out)
+    try:
+        tokenizer = load_tokenizer(hf_dir)
+    except TokenizerError as err:
+        log(f"no tokenizer copied: {err}")
+    else:
+        save_tokenizer(tokenizer, os.path.join(out, TOKENIZER_DIR))
     return out

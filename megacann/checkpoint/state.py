@@ -40,6 +40,8 @@ class CheckpointParts:
     ``consumed_samples`` is the data position (samples of the global order used); ``progress`` holds the
     loop's other counters (JSON-like values). Loading updates ``step``, ``consumed_samples`` and
     ``progress`` in place and restores the weights, optimizer state and every RNG of the rank.
+    ``tokenizer``: the run's tokenizer, saved beside the weights (``tokenizer/``, named in ``megacann.json``)
+    so that exports carry it; not restored by loading.
     """
 
     model: Sequence[torch.nn.Module]
@@ -47,6 +49,7 @@ class CheckpointParts:
     step: int = 0
     consumed_samples: int = 0
     progress: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, param) for chunk in self.model for name, param in chunk.named_parameters()]

@@ -149,6 +149,8 @@ class LoggingConfig:
     tensorboard: bool = False
     async_save: bool = False
     timers: bool = False  # per-stage forward/backward/communication timing
+    profile_breakdown: bool = False  # each step split into data wait, forward, backward, communication, optimizer
+    profiler: Optional[dict] = None  # {start_step, end_step}: a torch.profiler trace (and CUDA memory snapshot)
 
 
 @dataclass

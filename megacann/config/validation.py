@@ -186,3 +186,31 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
         raise ConfigError(f"{source}: optim.lr must be positive, got {o.lr}")
     if o.clip_grad < 0:
         raise ConfigError(f"{source}: optim.clip_grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
+    check_profiler_window(cfg.logging.profiler, o.max_steps, source)
+
+
+PROFILER_KEYS = ("start_step", "end_step")
+
+
+def check_profiler_window(window: Optional[dict], max_steps: int, source: str) -> None:
+    """``logging.profiler`` is null or ``{start_step: A, end_step: B}`` with 1 <= A <= B <= max_steps."""
+    if window is None:
+        return
+    where = f"{source}: logging.profiler"
+    unknown = sorted(set(window) - set(PROFILER_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected {{start_step: A, end_step: B}}")
+    missing = [k for k in PROFILER_KEYS if k not in window]
+    if missing:
+        raise ConfigError(f"{where}: {' and '.join(missing)} missing; expected {{start_step: A, end_step: B}}")
+    for key in PROFILER_KEYS:
+        value = window[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{where}.{key} must be a positive integer (a step number, from 1), got {value!r}")
+    start, end = window["start_step"], window["end_step"]
+    if start > end:
+        raise ConfigError(f"{where}: start_step {start} is after end_step {end}")
+    if end > max_steps:
+        raise ConfigError(
+            f"{where}.end_step {end} is past optim.max_steps {max_steps}: the trace would never be written"
+        )

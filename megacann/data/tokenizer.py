@@ -88,6 +88,9 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def id_to_token(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
+
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
 
@@ -123,6 +126,9 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode(list(ids))
+
+    def id_to_token(self, token_id: int) -> str:
+        return self._sp.id_to_piece(token_id)
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({self.path!r}, vocab_size={self.vocab_size})"

@@ -108,16 +108,30 @@ def _adapter(cfg: ModelConfig):
     return spec.hf
 
 
-def write_hf_config(path: str, cfg: ModelConfig, dtype: torch.dtype) -> None:
+def write_hf_config(path: str, cfg: ModelConfig, dtype: torch.dtype, extra: Optional[dict[str, Any]] = None) -> None:
+    """config.json of the family's adapter, with ``extra`` settings (e.g. the tokenizer's token ids) on top."""
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(_adapter(cfg).config_to_hf(cfg, dtype), f, indent=1)
+        json.dump({**_adapter(cfg).config_to_hf(cfg, dtype), **(extra or {})}, f, indent=1)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], file: str, metadata: dict[str, str]) -> None:
+    """``safetensors`` save with the permissions of any new file (0666 less the umask): the library
+    itself creates its files readable by their owner only."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, file, metadata=metadata)
+    os.chmod(file, 0o666 & ~_umask())
 
 
 def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfig) -> None:
     """Write a Hugging Face directory from this rank's model chunks. Collective over the tensor-parallel
     group; with pipeline stages every stage writes its own safetensors shard and the first the index."""
-    from safetensors.torch import save_file
-
     tensors = _adapter(cfg).to_hf(full_state_dict(chunks), cfg)
     dtype = next(iter(tensors.values())).dtype
     pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
@@ -125,7 +139,7 @@ def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfi
     file = SINGLE_FILE if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
     if writes:
         os.makedirs(path, exist_ok=True)
-        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+        save_safetensors(tensors, os.path.join(path, file), metadata={"format": "pt"})
     if pp_size > 1:
         names = [None] * pp_size
         dist.all_gather_object(names, (file, sorted(tensors)), group=ps.get_pipeline_model_parallel_group())
@@ -137,12 +151,12 @@ def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfi
         write_hf_config(path, cfg, dtype)
 
 
-def save_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, path: str) -> None:
+def save_hf_tensors(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, path: str, extra_config: Optional[dict[str, Any]] = None
+) -> None:
     """Write whole megacann tensors held by one process (e.g. read from a checkpoint) as a Hugging Face
-    directory with a single safetensors file."""
-    from safetensors.torch import save_file
-
+    directory with a single safetensors file (``extra_config`` goes into config.json)."""
     hf = _adapter(cfg).to_hf(tensors, cfg)
     os.makedirs(path, exist_ok=True)
-    save_file(hf, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
-    write_hf_config(path, cfg, next(iter(hf.values())).dtype)
+    save_safetensors(hf, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
+    write_hf_config(path, cfg, next(iter(hf.values())).dtype, extra_config)

@@ -147,7 +147,7 @@ def write_peft_adapter(
     base_model_name_or_path: Optional[str] = None,
 ) -> None:
     """Write whole megacann adapter tensors (held by one process) as a PEFT adapter directory."""
-    from safetensors.torch import save_file
+    from megacann.models.hf import save_safetensors
 
     if cfg.type != "llama":
         raise PeftFormatError(f"{path}: PEFT adapters are written for LLaMA models, not model.type {cfg.type!r}")
@@ -157,7 +157,7 @@ def write_peft_adapter(
     found = {key[len(PEFT_PREFIX) :].rsplit(".", 2)[0].rsplit(".", 1)[-1] for key in peft_tensors}
     targets = [name for name in HF_PROJECTIONS if name in found]
     os.makedirs(path, exist_ok=True)
-    save_file(peft_tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(peft_tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
         json.dump(peft_config_dict(lora, targets, base_model_name_or_path), f, indent=1)
 

@@ -5,6 +5,11 @@ true). The schedule marks its whole run with :meth:`Timeline.run` and every piec
 :meth:`Timeline.span`; what is neither forward nor backward is the stage's idle time, the pipeline bubble
 plus communication. Spans are wall-clock; on an accelerator pass ``synchronize`` so queued kernels are
 counted where they run (this serialises the device, so leave timers off for speed runs).
+
+Work that follows one piece after another (the phases of a training step) is timed with laps instead of
+spans: :meth:`Timeline.mark` starts the clock and each :meth:`Timeline.lap` books the time since the last
+mark or lap to its kind. A timeline made with other ``kinds`` serves such phases
+(:mod:`megacann.training.profiling`).
 """
 
 from __future__ import annotations
@@ -19,16 +24,23 @@ KINDS = ("forward", "backward", "recv_wait", "send_wait")
 
 
 class Timeline:
-    def __init__(self, synchronize: Optional[Callable[[], None]] = None, keep_events: bool = False):
+    def __init__(
+        self,
+        synchronize: Optional[Callable[[], None]] = None,
+        keep_events: bool = False,
+        kinds: tuple[str, ...] = KINDS,
+    ):
         self.synchronize = synchronize
         self.keep_events = keep_events
+        self.kinds = kinds
         self.reset()
 
     def reset(self) -> None:
         """Forget everything measured so far."""
-        self.totals = dict.fromkeys(KINDS, 0.0)
+        self.totals = dict.fromkeys(self.kinds, 0.0)
         self.wall = 0.0
         self.events: list[tuple[str, float, float]] = []  # (kind, start, end), with keep_events
+        self._mark: Optional[float] = None
 
     def _now(self) -> float:
         if self.synchronize is not None:
@@ -39,15 +51,31 @@ class Timeline:
     def span(self, kind: str) -> Iterator[None]:
         """Time one piece of work of ``kind`` (one of KINDS)."""
         if kind not in self.totals:
-            raise ValueError(f"unknown timeline kind {kind!r}; expected one of {', '.join(KINDS)}")
+            raise ValueError(f"unknown timeline kind {kind!r}; expected one of {', '.join(self.kinds)}")
         start = self._now()
         try:
             yield
         finally:
-            end = self._now()
-            self.totals[kind] += end - start
-            if self.keep_events:
-                self.events.append((kind, start, end))
+            self._book(kind, start, self._now())
+
+    def _book(self, kind: str, start: float, end: float) -> None:
+        self.totals[kind] += end - start
+        if self.keep_events:
+            self.events.append((kind, start, end))
+
+    def mark(self) -> None:
+        """Start the lap clock: the next :meth:`lap` counts from here."""
+        self._mark = self._now()
+
+    def lap(self, kind: str) -> None:
+        """Book the time since the last mark or lap to ``kind`` and restart the lap clock there."""
+        if kind not in self.totals:
+            raise ValueError(f"unknown timeline kind {kind!r}; expected one of {', '.join(self.kinds)}")
+        if self._mark is None:
+            raise RuntimeError("Timeline.lap before Timeline.mark: start the lap clock first")
+        now = self._now()
+        self._book(kind, self._mark, now)
+        self._mark = now
 
     @contextlib.contextmanager
     def run(self) -> Iterator[None]:
@@ -69,7 +97,7 @@ class Timeline:
 
     @property
     def busy(self) -> float:
-        return self.totals["forward"] + self.totals["backward"]
+        return self.totals.get("forward", 0.0) + self.totals.get("backward", 0.0)
 
     @property
     def idle_fraction(self) -> float:

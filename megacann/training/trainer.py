@@ -26,6 +26,7 @@ from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
 from megacann.training.failure import guarded
 from megacann.training.metrics import MetricsLogger
+from megacann.training.profiling import StepProfiling
 from megacann.training.recipe import prepare_recipe
 from megacann.training.runtime import Runtime, setup_runtime
 
@@ -70,11 +71,15 @@ class Trainer:
         self.is_logging_rank = self.runtime.is_main
         self.metrics = MetricsLogger(cfg, enabled=self.is_logging_rank)
         self.model_spec, _ = prepare_recipe(cfg, self.runtime.world_size, spec=model_spec)  # advice printed once
+        # checkpoints keep the tokenizer the data is known to be tokenized with: the caller's, or the recipe's
+        # when the trainer builds the data itself
+        keep_tokenizer = tokenizer is not None or (data is None and data_factory is None)
         if tokenizer is None and (data is None or cfg.model.vocab_size is None):
             from megacann.data import build_tokenizer
 
             tokenizer = build_tokenizer(cfg)
         self.tokenizer = tokenizer
+        self.run_tokenizer = tokenizer if keep_tokenizer else None
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = tokenizer.vocab_size
         self.model_chunks = build_model_chunks(cfg, self.model_spec, device=self.device)
@@ -84,7 +89,12 @@ class Trainer:
         self.schedule = LRSchedule.from_config(cfg.optim)
         self.forward_backward = get_forward_backward_func(cfg, self.model_spec.forward_step)
         # logging.timers: per-stage forward/backward/transfer-wait seconds of each step, in the metrics
-        self.timeline = Timeline(self.runtime.accelerator.synchronize) if cfg.logging.timers else None
+        timed = cfg.logging.timers or cfg.logging.profile_breakdown
+        self.timeline = Timeline(self.runtime.accelerator.synchronize) if timed else None
+        # logging.profile_breakdown / logging.profiler: each step's time split, a torch.profiler trace
+        self.profiling = StepProfiling(
+            cfg, self.runtime, self.timeline, self.metrics.print, self.optimizer.grad_buffers
+        )
         self.state = TrainState()
         self.flops_per_token = self.model_spec.flops_per_token(cfg.model, cfg.data.seq_length)
         self.peak_flops = self.runtime.accelerator.peak_bf16_flops()
@@ -141,6 +151,7 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.train()
         micro_batches = self._next_micro_batches()
+        self.profiling.lap("data_wait")
         num_tokens = self._global_token_count(micro_batches)
         lr = self.schedule.lr_at(self.state.step)
         self.optimizer.zero_grad()
@@ -155,10 +166,13 @@ class Trainer:
             loss_scale=self.optimizer.loss_scale,
             **timing,
         )
+        self.profiling.lap("schedule")
         self.optimizer.finalize_grads()
+        self.profiling.lap("grad_comm")
         updated, grad_norm = self.optimizer.step()
         if updated and self.model_spec.after_optimizer_step is not None:
             self.model_spec.after_optimizer_step(self.model_chunks)
+        self.profiling.lap("optimizer")
         self.state.step += 1
         self.state.consumed_samples += self.cfg.global_batch_size
         if not updated:
@@ -171,7 +185,7 @@ class Trainer:
             "num_tokens": int(num_tokens.item()),
             "updated": updated,
         }
-        if self.timeline is not None:
+        if self.cfg.logging.timers:
             result["stage_timers"] = self._stage_timers()
         return result
 
@@ -256,14 +270,17 @@ class Trainer:
         self.runtime.accelerator.reset_peak_memory_stats()
         window: list[float] = []  # losses since the last logged step: the logged loss is their mean
         while self.state.step < cfg.optim.max_steps:
+            self.profiling.before_step(self.state.step + 1)
             start = time.perf_counter()
             step_metrics = self.train_step()
             self.runtime.accelerator.synchronize()
             step_time = time.perf_counter() - start
             step = self.state.step
+            self.profiling.after_step(step, step_time)
             window.append(step_metrics["loss"])
             if step % log.log_interval == 0 or step == 1 or step == cfg.optim.max_steps:
                 record = self._record({**step_metrics, "loss": sum(window) / len(window)}, step_time)
+                self.profiling.log_window(record, self.metrics.print)  # logging.profile_breakdown
                 self.metrics.log(record)
                 history.append(record)
                 window.clear()
@@ -274,6 +291,7 @@ class Trainer:
                     history.append({"step": step, **result})
             if (log.ckpt_interval and step % log.ckpt_interval == 0) or step == cfg.optim.max_steps:
                 self.save_checkpoint()
+        self.profiling.close()
         if self._checkpointer is not None:
             self._checkpointer.wait()  # an asynchronous save is published before training returns
         self.metrics.close()
@@ -295,7 +313,12 @@ class Trainer:
 
         s = self.state
         return CheckpointParts(
-            self.model_chunks, self.optimizer, s.step, s.consumed_samples, {"skipped_steps": s.skipped_steps}
+            self.model_chunks,
+            self.optimizer,
+            s.step,
+            s.consumed_samples,
+            {"skipped_steps": s.skipped_steps},
+            tokenizer=self.run_tokenizer,  # saved beside the weights, so exports carry it
         )
 
     def save_checkpoint(self) -> str:
