@@ -50,6 +50,8 @@ def layout_of(cfg: MegacannConfig) -> dict[str, Any]:
 
 def describe_layout(layout: dict[str, Any]) -> str:
     text = f"tp{layout['tensor_parallel_size']} pp{layout['pipeline_parallel_size']} dp{layout['data_parallel_size']}"
+    if (layout.get("expert_parallel_size") or 1) > 1:
+        text += f" ep{layout['expert_parallel_size']}"
     if layout.get("virtual_pipeline_size"):
         text += f" vpp{layout['virtual_pipeline_size']}"
     if layout.get("zero_stage"):

@@ -20,10 +20,6 @@ NOT_YET_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "context parallelism is not implemented yet: no layer would split the sequence, so the ranks of a "
         "context-parallel group would repeat each other's work",
     ),
-    "distributed.expert_parallel_size": (
-        lambda v: v == 1,
-        "expert parallelism needs a mixture-of-experts model family, which is not implemented yet",
-    ),
     "data.json_key": (
         lambda v: v == "text",
         "training reads prepared .bin/.idx data or SFT JSONL records; the text key of raw JSONL is a "

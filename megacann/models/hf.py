@@ -118,6 +118,11 @@ def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfi
     group; with pipeline stages every stage writes its own safetensors shard and the first the index."""
     from safetensors.torch import save_file
 
+    if ps.get_expert_model_parallel_world_size() > 1:
+        raise ValueError(
+            "save_pretrained_hf: under expert parallelism each rank holds only its experts; save a checkpoint "
+            "and write the Hugging Face directory with megacann-convert to-hf (any layout)"
+        )
     tensors = _adapter(cfg).to_hf(full_state_dict(chunks), cfg)
     dtype = next(iter(tensors.values())).dtype
     pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
