@@ -156,7 +156,31 @@ def _world1(path: str, root: str) -> dict:
     run = _run(trainer, STEPS - SAVE_AT)
     run.update(loaded=loaded, state=_whole_state(trainer))
     results["reshard_ep1"] = run
+    results["fit"] = _fit_with_collapsed_router(f"{root}/fit")
     return results
+
+
+def _fit_with_collapsed_router(out: str) -> dict:
+    """Trainer.fit for 2 steps with every router weight zeroed: all scores tie, every token picks the same
+    two experts, so step 1's figures are known by hand (capacity 1.0: each expert keeps 8 of a
+    micro-batch's 16 tokens)."""
+    import io
+    import json
+
+    import torch
+
+    from megacann.layers import moe_layers
+
+    overrides = [ACCUM[4], "optim.max_steps=2", "logging.log_interval=1", "model.moe_capacity_factor=1.0"]
+    trainer = _trainer(overrides, out)
+    with torch.no_grad():
+        for layer in moe_layers(trainer.model_chunks[0]):
+            layer.router.weight.zero_()
+    trainer.metrics.stream = console = io.StringIO()
+    trainer.fit()
+    with open(f"{out}/metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    return {"console": console.getvalue(), "records": records}
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +256,21 @@ def test_checkpoints_reshard_across_expert_parallel_sizes(world4, world1, target
     assert_params_close(got["state"], kept["state"], 1e-4)
     if target == "reshard_ep4":
         assert [rank[target]["facts"]["experts"] for rank in world4] == [[0], [1], [2], [3]]
+
+
+def test_metrics_hold_auxiliary_losses_and_expert_counts_and_the_console_warns(world1):
+    import math
+
+    fit = world1["fit"]
+    first = fit["records"][0]
+    assert first["step"] == 1
+    # uniform softmax scores: the balancing loss is its coefficient, the z-loss coeff * ln(4)^2, per layer
+    assert first["moe_load_balancing"] == pytest.approx(2 * 1e-2, rel=1e-6)
+    assert first["moe_z_loss"] == pytest.approx(2 * 1e-3 * math.log(4) ** 2, rel=1e-6)
+    for layer in (0, 1):  # 4 micro-batches x 16 tokens, each choosing the same 2 of the 4 experts
+        assert sorted(first[f"moe_tokens_per_expert/layer_{layer}"]) == [0, 0, 64, 64]
+    assert first["moe_dropped_tokens"] == 2 * 2 * 4 * 8  # layers x experts x micro-batches x (16 - capacity 8)
+    assert all("moe_tokens_per_expert/layer_1" in r and "moe_load_balancing" in r for r in fit["records"])
+    warnings = [line for line in fit["console"].splitlines() if line.startswith("WARNING: step 1: MoE layer")]
+    assert len(warnings) == 2 and all("got under 1/10 of it ([0, 0])" in line for line in warnings), fit["console"]
+    assert "fair share 32 token choices per expert" in warnings[0]
