@@ -135,7 +135,10 @@ def test_dense_families_refuse_expert_parallelism():
         (MOE_RECIPE + ["model.moe_capacity_factor=0"], r"model.moe_capacity_factor must be > 0 \(or null"),
         (MOE_RECIPE + ["model.moe_bias_update_rate=-1"], r"model.moe_bias_update_rate must be >= 0"),
         (MOE_RECIPE + ["model.moe_router=sigmoidd"], r"model.moe_router: 'sigmoidd' is not one of softmax, sigmoid"),
-        (MOE_RECIPE + ["model.moe_ffn_hidden_size=33", "distributed.tensor_parallel_size=2"], r"divisible by .*tensor_p"),
+        (
+            MOE_RECIPE + ["model.moe_ffn_hidden_size=33", "distributed.tensor_parallel_size=2"],
+            r"divisible by .*tensor_p",
+        ),
     ],
 )
 def test_moe_recipe_errors_name_the_key(overrides, message):

@@ -2,7 +2,7 @@
 and its checkpoints reshard across expert-parallel sizes.
 
 Two spawns. World 4: expert parallelism 2 and 4 (data parallelism 4), ep 2 with tensor + sequence
-parallelism, with pipeline stages, and with ZeRO-1; the ep 2 run saves a checkpoint after step 2 and goes on,
+parallelism, with pipeline stages, with ZeRO-1, and with full activation recompute; the ep 2 run saves a checkpoint after step 2 and goes on,
 then a fresh ep 2 trainer resumes from it (bitwise equal) and an ep 4 trainer reshards it. World 1: the
 one-process references and a one-process (ep 1) load of the ep 2 checkpoint. Every run has the
 load-balancing loss, the z-loss, bias balancing and shared experts on, so the router's buffers, the
@@ -44,6 +44,8 @@ WORLD4 = {
     "tp2_sp_ep2": [EP2, ACCUM[2], "distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"],
     "pp2_ep2": [EP2, ACCUM[2], "distributed.pipeline_parallel_size=2"],
     "zero1_ep2": [EP2, ACCUM[1], "distributed.zero_optimization=1"],
+    # whole blocks recomputed in backward: the all-to-alls run again there, the auxiliary losses backpropagate
+    "ep2_full_recompute": [EP2, ACCUM[1], "model.activation_checkpointing=full"],
 }
 REFERENCE = {"ep1": [ACCUM[4]]}
 
