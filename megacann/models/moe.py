@@ -189,7 +189,7 @@ def moe_forward_step(chunk: torch.nn.Module, batch: Batch, hidden_states: Option
     ``moe_tokens_per_expert/layer_<i>`` (choices per expert, before dropping) and, with a capacity,
     ``moe_dropped_tokens``."""
     out = decoder_forward_step(chunk, batch, hidden_states)
-    dropped, capacity = None, False
+    dropped: list[int] = []
     for layer_id, block in chunk.layers.items():
         moe = getattr(block, "mlp", None)
         if not isinstance(moe, MoELayer) or moe.last_stats is None:
@@ -198,12 +198,11 @@ def moe_forward_step(chunk: torch.nn.Module, batch: Batch, hidden_states: Option
         for name, loss in stats.aux_losses.items():
             key = f"moe_{name}"
             out.aux_losses[key] = out.aux_losses[key] + loss if key in out.aux_losses else loss
-        out.stats[f"{TOKENS_PER_EXPERT}/layer_{layer_id}"] = stats.tokens_per_expert
-        capacity = capacity or moe.config.capacity_factor is not None
-        dropped = stats.dropped_tokens + (dropped or 0)
-        device = stats.tokens_per_expert.device
-    if capacity:
-        out.stats[DROPPED_TOKENS] = torch.tensor(float(dropped), device=device)
+        counts = out.stats[f"{TOKENS_PER_EXPERT}/layer_{layer_id}"] = stats.tokens_per_expert
+        if moe.config.capacity_factor is not None:
+            dropped.append(stats.dropped_tokens)
+    if dropped:
+        out.stats[DROPPED_TOKENS] = torch.tensor(float(sum(dropped)), device=counts.device)
     return out
 
 
