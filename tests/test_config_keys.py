@@ -45,6 +45,17 @@ READ_BY = {
     "model.init_method_std": "models/decoder.py",
     "model.make_vocab_size_divisible_by": "models/decoder.py",
     "model.activation_checkpointing": "models/decoder.py",
+    # mixture of experts: read by the moe family; refused away from their defaults by the others (models/spec.py)
+    "model.num_experts": "models/moe.py",
+    "model.moe_top_k": "models/moe.py",
+    "model.moe_router": "models/moe.py",
+    "model.moe_capacity_factor": "models/moe.py",
+    "model.moe_aux_loss_coeff": "models/moe.py",
+    "model.moe_z_loss_coeff": "models/moe.py",
+    "model.moe_bias_update_rate": "models/moe.py",
+    "model.moe_layer_freq": "models/moe.py",
+    "model.moe_shared_experts": "models/moe.py",
+    "model.moe_ffn_hidden_size": "models/moe.py",
     "data.path": "data/builders.py",
     "data.tokenizer": "data/builders.py",
     "data.seq_length": "data/builders.py",
@@ -86,6 +97,7 @@ READ_BY = {
     "distributed.context_parallel_size": "training/runtime.py",
     "distributed.context_parallel_algo": "models/decoder.py",
     "distributed.virtual_pipeline_size": "training/runtime.py",
+    "distributed.expert_parallel_size": "training/runtime.py",
     "distributed.sequence_parallel": "models/decoder.py",
     "distributed.pipeline_layers": "pipeline/partition.py",
     "distributed.zero_optimization": "config/schema.py",  # zero_stage, read by optimizer/__init__.py
@@ -116,7 +128,6 @@ ONLY_WITH = {key: "lora" for key in ("lora_rank", "lora_alpha", "lora_dropout", 
 # a value each refused key takes only once its feature lands
 REFUSED_VALUES = {
     "lora": "true",
-    "distributed.expert_parallel_size": "2",
     "data.json_key": "content",
 }
 

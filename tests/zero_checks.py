@@ -31,8 +31,8 @@ def _expert_check() -> dict:
     from megacann.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
     from megacann.pipeline.microbatches import last_micro_batch_backward
 
-    # the optimizer reads only the groups and the ZeRO settings: the recipe refuses expert parallelism
-    # until an MoE family exists, so the groups are made here directly
+    # the optimizer reads only the groups and the ZeRO settings: the recipe's llama family refuses expert
+    # parallelism (it has no experts), so the groups are made here directly
     cfg = tiny_config(COMMON + Z2 + ["distributed.overlap_grad_reduce=true"], 4)
     cfg.distributed.bucket_size_mb = 40 / 2**18  # 40 elements per bucket
     ps.initialize_model_parallel(expert_model_parallel_size=2)

@@ -52,6 +52,8 @@ def describe_layout(layout: dict[str, Any]) -> str:
     text = f"tp{layout['tensor_parallel_size']} pp{layout['pipeline_parallel_size']} dp{layout['data_parallel_size']}"
     if layout.get("context_parallel_size", 1) > 1:
         text += f" cp{layout['context_parallel_size']}"
+    if (layout.get("expert_parallel_size") or 1) > 1:
+        text += f" ep{layout['expert_parallel_size']}"
     if layout.get("virtual_pipeline_size"):
         text += f" vpp{layout['virtual_pipeline_size']}"
     if layout.get("zero_stage"):

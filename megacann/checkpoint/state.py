@@ -1,6 +1,8 @@
 """The parts of a training state (:class:`CheckpointParts`) as layout-free checkpoint keys.
 
-    model/<name>                    whole logical weight, in the model's dtype
+    model/<name>                    whole logical weight, in the model's dtype; also every persistent
+                                    buffer of a chunk (e.g. an MoE router's balancing bias), whole on
+                                    every rank that holds it
     optim/<name>/<state>            whole logical fp32 optimizer state: exp_avg, exp_avg_sq (Adam),
                                     momentum_buffer (SGD), master (only where it is a separate copy:
                                     bf16 / fp16 runs, or a ZeRO master buffer)
@@ -25,7 +27,7 @@ import torch
 from megacann import parallel_state as ps
 from megacann.checkpoint.pieces import Piece, range_pieces, tensor_pieces
 from megacann.checkpoint.planner import TensorPieces
-from megacann.layers.sharding import INIT_NAME_ATTR, get_sharding
+from megacann.layers.sharding import INIT_NAME_ATTR, ParamSharding, get_sharding
 
 if TYPE_CHECKING:
     from megacann.optimizer import OptimizerBase, StateShard
@@ -96,6 +98,16 @@ def _aliases(view: torch.Tensor, param: torch.Tensor) -> bool:
     return view.dtype == param.dtype and start <= view.data_ptr() < start + param.numel() * param.element_size()
 
 
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``module`` keeps in its ``state_dict`` (not the caches it marks non-persistent), by name."""
+    found = []
+    for name, buffer in module.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in module.get_submodule(owner)._non_persistent_buffers_set:
+            found.append((name, buffer))
+    return found
+
+
 def _model_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
     tp_rank, tp_size = _tp()
     entries: dict[str, TensorPieces] = {}
@@ -107,6 +119,10 @@ def _model_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
             param.dtype,
             tensor_pieces(param.data, get_sharding(param), tp_rank, tp_size),
         )
+    for chunk in parts.model:  # buffers are whole (replicated) wherever they are held
+        for name, buffer in persistent_buffers(chunk):
+            whole = ParamSharding(tuple(buffer.shape))
+            _add(entries, MODEL_PREFIX + name, buffer, buffer.dtype, tensor_pieces(buffer, whole, 0, 1))
     return entries
 
 

@@ -18,6 +18,7 @@ from megacann.config.loading import (
 )
 from megacann.config.schema import (
     CHOICES,
+    MOE_MODEL_KEYS,
     TOP_LEVEL_KEYS,
     ConfigError,
     DataConfig,
@@ -34,6 +35,7 @@ from megacann.config.validation import resolve_parallel_sizes, validate
 __all__ = [
     "CHOICES",
     "HF_MODEL_KEYS",
+    "MOE_MODEL_KEYS",
     "SYNONYMS",
     "TOP_LEVEL_KEYS",
     "ConfigError",

@@ -66,6 +66,9 @@ HF_MODEL_KEYS = {
     "initializer_range": "init_method_std",
     "attention_dropout": "attention_dropout",
     "attention_bias": "add_bias_linear",
+    "num_local_experts": "num_experts",  # Mixtral
+    "num_experts_per_tok": "moe_top_k",
+    "router_aux_loss_coef": "moe_aux_loss_coeff",
 }
 # Keys of HF configs that carry nothing megacann needs (accepted silently).
 HF_IGNORED_KEYS = {
@@ -87,7 +90,10 @@ HF_IGNORED_KEYS = {
     "output_attentions",
     "output_hidden_states",
     "auto_map",
+    "output_router_logits",
 }
+# Keys of HF configs megacann reads only at the value that changes nothing (others are refused).
+HF_INERT_KEYS = {"sliding_window": None, "router_jitter_noise": 0.0}
 # Aliases accepted inline in the recipe's model section too (HF names are familiar to users).
 MODEL_ALIASES = {k: v for k, v in HF_MODEL_KEYS.items() if k != v}
 
@@ -222,7 +228,10 @@ def load_hf_model_config(path: str) -> dict[str, Any]:
         if rope.get("rope_type", "default") != "default":
             raw.setdefault("rope_scaling", rope)
     for key, value in raw.items():
-        if key in HF_MODEL_KEYS:
+        if key in HF_INERT_KEYS:
+            if value != HF_INERT_KEYS[key]:
+                raise ConfigError(f"{path}: {key} {value!r} is not supported (only {HF_INERT_KEYS[key]!r})")
+        elif key in HF_MODEL_KEYS:
             mapped[HF_MODEL_KEYS[key]] = value
         elif key in {f.name for f in dataclasses.fields(ModelConfig)}:
             mapped[key] = value

@@ -23,7 +23,7 @@ class ExperimentConfig:
 class ModelConfig:
     """Architecture and numerics. Sizes may come from ``config_path`` (HF config.json); inline keys win."""
 
-    type: str = "llama"  # a registered model family: llama, gpt (megacann.models.register_model adds more)
+    type: str = "llama"  # a registered model family: llama, gpt, moe (megacann.models.register_model adds more)
     config_path: Optional[str] = None
     precision: str = "bf16"  # bf16 | fp16 | fp32
     hidden_size: Optional[int] = None
@@ -44,6 +44,17 @@ class ModelConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     activation_checkpointing: str = "none"  # none | selective | full
+    # mixture of experts (model.type: moe; every other family refuses them unless left at these defaults)
+    num_experts: Optional[int] = None  # routed experts per MoE layer
+    moe_top_k: int = 2  # experts per token
+    moe_router: str = "softmax"  # softmax (Mixtral) | sigmoid (DeepSeek-V3) scores
+    moe_capacity_factor: Optional[float] = None  # None: dropless; else tokens per expert capped
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight
+    moe_z_loss_coeff: float = 0.0  # router z-loss weight
+    moe_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing step (0: off)
+    moe_layer_freq: Union[int, list] = 1  # every N-th layer is MoE (from layer 0), or a 0/1 flag per layer
+    moe_shared_experts: int = 0  # shared experts every token passes through
+    moe_ffn_hidden_size: Optional[int] = None  # width of one expert; None: ffn_hidden_size
 
     @property
     def kv_heads(self) -> int:
@@ -189,6 +200,11 @@ class MegacannConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
 
+# The keys only a mixture-of-experts family reads (ModelSpec.mixture_of_experts); others refuse non-defaults.
+MOE_MODEL_KEYS = tuple(
+    f.name for f in dataclasses.fields(ModelConfig) if f.name == "num_experts" or f.name.startswith("moe_")
+)
+
 _SECTION_CLASSES = {
     "experiment": ExperimentConfig,
     "model": ModelConfig,
@@ -203,6 +219,7 @@ TOP_LEVEL_KEYS = [f.name for f in dataclasses.fields(MegacannConfig) if f.name n
 CHOICES = {
     "model.precision": ("bf16", "fp16", "fp32"),
     "model.activation_checkpointing": ("none", "selective", "full"),
+    "model.moe_router": ("softmax", "sigmoid"),
     "optim.name": ("adamw", "adam", "sgd"),
     "optim.scheduler": ("cosine", "linear", "constant"),
     "distributed.parallel_mode": ("data", "tensor", "pipeline", "hybrid"),

@@ -15,10 +15,6 @@ from megacann.config.schema import CHOICES, ConfigError, MegacannConfig
 # checks that every other key is read by the code it names.
 NOT_YET_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lora": (lambda v: not v, "LoRA fine-tuning is not implemented yet; set lora: false"),
-    "distributed.expert_parallel_size": (
-        lambda v: v == 1,
-        "expert parallelism needs a mixture-of-experts model family, which is not implemented yet",
-    ),
     "data.json_key": (
         lambda v: v == "text",
         "training reads prepared .bin/.idx data or SFT JSONL records; the text key of raw JSONL is a "

@@ -1,7 +1,7 @@
 """Model families built only from megacann.layers, the contract the rest of megacann knows them by, and
 Hugging Face interop.
 
-``model.type`` names a registered :class:`ModelSpec` (LLaMA and GPT here); a script registers its own
+``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT and MoE here); a script registers its own
 with :func:`register_model` or hands one to ``Trainer(cfg, model_spec=...)``.
 """
 
@@ -11,6 +11,7 @@ from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.gpt import GPT, GPTModel
 from megacann.models.hf import from_pretrained_hf
 from megacann.models.llama import LLAMA, LlamaModel
+from megacann.models.moe import MOE, MoEModel
 from megacann.models.sizing import padded_vocab_size
 from megacann.models.spec import (
     ChunkPlacement,
@@ -26,10 +27,12 @@ from megacann.models.spec import (
 
 register_model(LLAMA)
 register_model(GPT)
+register_model(MOE)
 
 __all__ = [
     "GPT",
     "LLAMA",
+    "MOE",
     "ChunkPlacement",
     "DecoderArch",
     "DecoderLM",
@@ -37,6 +40,7 @@ __all__ = [
     "HFAdapter",
     "LlamaModel",
     "ModelSpec",
+    "MoEModel",
     "decoder_forward_step",
     "decoder_model_spec",
     "find_hf_family",

@@ -160,9 +160,7 @@ class DecoderLM(torch.nn.Module):
                     tp_partial_grad=self.sequence_parallel,  # each rank adds its own sequence shard
                     **common,
                 )
-        self.layers = torch.nn.ModuleDict(
-            {str(i): TransformerBlock(self.block_config, device=device) for i in layer_ids}
-        )
+        self.layers = torch.nn.ModuleDict({str(i): self.build_layer(i, device) for i in layer_ids})
         self.rotary = None
         if arch.position_embedding == "rope" and layer_ids:
             self.rotary = RotaryEmbedding(
@@ -185,6 +183,11 @@ class DecoderLM(torch.nn.Module):
                 **sp,
                 **common,
             )
+
+    def build_layer(self, layer_id: int, device: Optional[Union[torch.device, str]]) -> torch.nn.Module:
+        """Layer ``layer_id`` (global index): a dense block here; a family with another feed-forward
+        block (MoE) overrides this. ``self.config`` and ``self.block_config`` are set when it runs."""
+        return TransformerBlock(self.block_config, device=device)
 
     # -- forward ------------------------------------------------------------------------------------
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

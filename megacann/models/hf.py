@@ -132,6 +132,11 @@ def save_safetensors(tensors: dict[str, torch.Tensor], file: str, metadata: dict
 def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfig) -> None:
     """Write a Hugging Face directory from this rank's model chunks. Collective over the tensor-parallel
     group; with pipeline stages every stage writes its own safetensors shard and the first the index."""
+    if ps.get_expert_model_parallel_world_size() > 1:
+        raise ValueError(
+            "save_pretrained_hf: under expert parallelism each rank holds only its experts; save a checkpoint "
+            "and write the Hugging Face directory with megacann-convert to-hf (any layout)"
+        )
     tensors = _adapter(cfg).to_hf(full_state_dict(chunks), cfg)
     dtype = next(iter(tensors.values())).dtype
     pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()

@@ -83,14 +83,15 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def model_config_from_hf(config_file: str) -> ModelConfig:
-    """A LLaMA ModelConfig from a Hugging Face config.json (fp32 unless the caller says otherwise)."""
+def model_config_from_hf(config_file: str, family: str = "llama") -> ModelConfig:
+    """A ModelConfig of ``family`` (LLaMA's, or one built on it) from a Hugging Face config.json (fp32
+    unless the caller says otherwise)."""
     values = load_hf_model_config(config_file)
     names = {f.name for f in fields(ModelConfig)}
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(f"{config_file}: unknown model settings {unknown}")
-    values.update(type="llama", precision=values.get("precision", "fp32"))
+    values.update(type=family, precision=values.get("precision", "fp32"))
     values.setdefault("add_bias_linear", False)
     return ModelConfig(**values)
 

@@ -38,12 +38,17 @@ def num_parameters(cfg: ModelConfig, arch: DecoderArch) -> int:
     return total
 
 
-def matmul_parameters(cfg: ModelConfig, arch: DecoderArch) -> int:
-    """Parameters that take part in matrix multiplies: layers' weights and the output head (PaLM's N)."""
+def attention_matmul_parameters(cfg: ModelConfig) -> int:
+    """Weights of one layer's q, k, v and output projections (no biases)."""
     h = cfg.hidden_size
     kv = cfg.kv_heads * (h // cfg.num_attention_heads)
-    per_layer = 2 * h * h + 2 * h * kv + arch.mlp_matrices * h * cfg.ffn_size
-    return cfg.num_layers * per_layer + (cfg.vocab_size or 0) * h
+    return 2 * h * h + 2 * h * kv
+
+
+def matmul_parameters(cfg: ModelConfig, arch: DecoderArch) -> int:
+    """Parameters that take part in matrix multiplies: layers' weights and the output head (PaLM's N)."""
+    per_layer = attention_matmul_parameters(cfg) + arch.mlp_matrices * cfg.hidden_size * cfg.ffn_size
+    return cfg.num_layers * per_layer + (cfg.vocab_size or 0) * cfg.hidden_size
 
 
 def palm_flops_per_token(matmul_params: int, cfg: ModelConfig, seq_length: int) -> float:

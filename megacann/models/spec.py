@@ -16,7 +16,11 @@ A family is one :class:`ModelSpec`:
   per token (MoE).
 - ``fill_defaults`` / ``check_config`` fill the family's defaults and check what only the family knows;
   ``hf`` optionally converts to and from Hugging Face checkpoints; ``after_optimizer_step(chunks)`` runs
-  after every optimizer update (e.g. an MoE router's load-balancing bias).
+  after every optimizer update (e.g. an MoE router's load-balancing bias); ``metric_warnings(record)``
+  returns lines the console warns with after a logged step (e.g. an expert far from its fair share).
+- ``mixture_of_experts``: the family reads ``model.num_experts`` / ``model.moe_*`` and may hold
+  expert-parallel parameters. For any other family those keys must keep their defaults and
+  ``distributed.expert_parallel_size`` must be 1 (:func:`prepare_model_config` refuses them otherwise).
 
 Register a family with :func:`register_model` (``model.type`` then names it), or hand a spec to
 ``Trainer(cfg, model_spec=...)``.
@@ -32,7 +36,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.config import MOE_MODEL_KEYS, ConfigError, MegacannConfig, ModelConfig
 from megacann.layers.loss import ChunkOutput
 from megacann.layers.sharding import get_sharding
 
@@ -108,6 +112,8 @@ class ModelSpec:
     hf: Optional[HFAdapter] = None
     architecture: Any = None  # what estimators need of its structure (a DecoderArch); None: no memory plan
     after_optimizer_step: Optional[Callable[[list[torch.nn.Module]], None]] = None
+    metric_warnings: Optional[Callable[[dict[str, Any]], list[str]]] = None
+    mixture_of_experts: bool = False
 
     def total_parameters(self, cfg: ModelConfig) -> int:
         """Parameters of the whole model (vocabulary unpadded), from the family's formula or by counting."""
@@ -160,8 +166,29 @@ def prepare_model_config(cfg: MegacannConfig, spec: Optional[ModelSpec] = None, 
             f"{source}: model.ffn_hidden_size {m.ffn_hidden_size} is not divisible by "
             f"distributed.tensor_parallel_size {tp}"
         )
+    if not spec.mixture_of_experts:
+        refuse_expert_settings(cfg, spec.name, source)
     spec.check_config(cfg, source)
     return spec
+
+
+def refuse_expert_settings(cfg: MegacannConfig, family: str, source: str = "<recipe>") -> None:
+    """A family without experts would ignore the mixture-of-experts keys and expert parallelism: refuse
+    any of them set away from its default."""
+    defaults = ModelConfig()
+    for key in MOE_MODEL_KEYS:
+        value = getattr(cfg.model, key)
+        if value != getattr(defaults, key):
+            raise ConfigError(
+                f"{source}: model.{key}: {value!r} is refused: model family {family!r} has no mixture of "
+                "experts (use model.type: moe)"
+            )
+    ep = cfg.distributed.expert_parallel_size
+    if ep != 1:
+        raise ConfigError(
+            f"{source}: distributed.expert_parallel_size: {ep} is refused: model family {family!r} has no "
+            "experts to spread (expert parallelism needs a mixture-of-experts family such as model.type: moe)"
+        )
 
 
 def find_hf_family(model_type: str) -> ModelSpec:

@@ -282,6 +282,9 @@ class Trainer:
                 record = self._record({**step_metrics, "loss": sum(window) / len(window)}, step_time)
                 self.profiling.log_window(record, self.metrics.print)  # logging.profile_breakdown
                 self.metrics.log(record)
+                if self.model_spec.metric_warnings is not None:  # e.g. an MoE expert far from its fair share
+                    for line in self.model_spec.metric_warnings(record):
+                        self.metrics.warn(f"step {step}: {line}")
                 history.append(record)
                 window.clear()
             if log.eval_interval and (step % log.eval_interval == 0 or step == cfg.optim.max_steps):

@@ -105,7 +105,8 @@ class MoELayer(torch.nn.Module):
             )
         self.dispatcher = TokenDispatcher(c.num_experts, expert_group)
         ep_rank = dist.get_rank(self.dispatcher.group) if self.dispatcher.ep_size > 1 else 0
-        layer_seed = int(torch.randint(0, 2**62, ()))  # the same draw on every rank
+        # the same draw on every rank, from torch's CPU RNG (also when building on the meta device)
+        layer_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.experts = GroupedExperts(
             c.num_experts,
             c.hidden_size,
