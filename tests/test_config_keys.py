@@ -104,6 +104,13 @@ READ_BY = {
     "logging.tensorboard": "training/metrics.py",
     "logging.async_save": "training/trainer.py",
     "logging.timers": "training/trainer.py",
+    "training.max_skipped_steps": "training/guards.py",
+    "training.loss_spike_factor": "training/guards.py",
+    "training.loss_spike_window": "training/guards.py",
+    "training.skip_loss_spikes": "training/guards.py",
+    "training.hang_factor": "training/watchdog.py",
+    "training.hang_min_seconds": "training/watchdog.py",
+    "training.save_on_signal": "training/trainer.py",
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
 }

@@ -116,6 +116,12 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
             f"{source}: model.num_attention_heads {m.num_attention_heads} is not divisible by "
             f"model.num_key_value_heads {m.kv_heads}"
         )
+    if cfg.data.seq_length > m.max_position_embeddings:
+        raise ConfigError(
+            f"{source}: data.seq_length {cfg.data.seq_length} exceeds model.max_position_embeddings "
+            f"{m.max_position_embeddings}, the longest sequence the model is made for: shorten data.seq_length "
+            "or raise model.max_position_embeddings (LLaMA: with rope_scaling to extend a trained model)"
+        )
     tp, pp = d.tensor_parallel_size, d.pipeline_parallel_size
     if m.num_attention_heads % tp:
         raise ConfigError(
@@ -158,5 +164,25 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
         raise ConfigError(f"{source}: optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     if o.lr <= 0:
         raise ConfigError(f"{source}: optim.lr must be positive, got {o.lr}")
+    check_training_section(cfg, source)
     if o.clip_grad < 0:
         raise ConfigError(f"{source}: optim.clip_grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
+
+
+def check_training_section(cfg: MegacannConfig, source: str) -> None:
+    """The ``training`` section: skip limits, the loss spike detector and the hang watchdog."""
+    t = cfg.training
+    if t.max_skipped_steps < 1:
+        raise ConfigError(f"{source}: training.max_skipped_steps must be >= 1, got {t.max_skipped_steps}")
+    if t.loss_spike_window < 1:
+        raise ConfigError(f"{source}: training.loss_spike_window must be >= 1, got {t.loss_spike_window}")
+    for key, value in (("loss_spike_factor", t.loss_spike_factor), ("hang_factor", t.hang_factor)):
+        if not (value == 0 or value > 1):  # also refuses nan
+            raise ConfigError(f"{source}: training.{key} must be 0 (off) or a multiple above 1, got {value}")
+    if not t.hang_min_seconds >= 0:
+        raise ConfigError(f"{source}: training.hang_min_seconds must be >= 0, got {t.hang_min_seconds}")
+    if t.skip_loss_spikes and not t.loss_spike_factor:
+        raise ConfigError(
+            f"{source}: training.skip_loss_spikes needs training.loss_spike_factor (the multiple of the running "
+            "mean that counts as a spike), which is 0 (off)"
+        )

@@ -137,12 +137,22 @@ class DataIterators:
 
 
 def build_data_iterators(
-    cfg, tokenizer, consumed_samples: int = 0, dp_rank: int = 0, dp_size: int = 1
+    cfg,
+    tokenizer,
+    consumed_samples: int = 0,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    remaining_steps: Optional[int] = None,
 ) -> DataIterators:
-    """Train and held-out iterators for the recipe; ``consumed_samples`` = steps done x global batch."""
+    """Train and held-out iterators for the recipe from ``consumed_samples`` on (the samples of the steps
+    done, whatever global batch they had). The train order holds ``max_steps x global batch`` samples, or,
+    when a resumed run has ``remaining_steps`` to go with a different global batch than it had, enough
+    for those steps after the consumed samples."""
     d = cfg.data
     global_batch = cfg.global_batch_size
     train_n = cfg.optim.max_steps * global_batch
+    if remaining_steps is not None:  # a resumed run whose global batch changed (another data-parallel size)
+        train_n = max(train_n, consumed_samples + max(0, remaining_steps) * global_batch)
     valid_n = max(cfg.logging.eval_iters, 1) * global_batch
     if cfg.train_mode == "sft":
         train, valid = build_sft_datasets(cfg, tokenizer, train_n, valid_n)

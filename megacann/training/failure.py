@@ -11,13 +11,15 @@ rendezvous store (torchrun's, or the one at MASTER_ADDR:MASTER_PORT):
    if the process is still alive after a grace period (half the collective timeout, at most 60 s),
    prints the record and exits, which on every backend also frees the peers that wait for it;
 3. the failing rank waits (up to the grace period) until the others have acknowledged, so the store,
-   which rank 0 may host, outlives their reading, and then re-raises its own error;
+   which rank 0 may host, outlives their reading (not under torchrun, whose agent hosts the store), and
+   then re-raises its own error;
 4. a rank whose step fails afterwards (gloo reports a closed connection at once) raises
    :class:`PeerFailure` naming the recorded rank, with its own error as the cause.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import functools
@@ -33,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
+from megacann.errors import TrainingAborted
 
 FAILURE_KEY = "megacann/failure"
 ACK_KEY = "megacann/failure_acks"
@@ -69,14 +72,17 @@ def describe_rank() -> str:
     )
 
 
-def _store_client(timeout_s: float) -> Optional[dist.Store]:
-    """A new client of the rendezvous store (one per thread), or None outside a torchrun-style launch."""
+def store_client(timeout_s: float) -> Optional[dist.Store]:
+    """A new client of the rendezvous store (one per thread), or None outside a torchrun-style launch.
+    Keys live under this attempt's prefix: after a restart (torchrun --max-restarts) the store still holds
+    the previous attempt's failure record, which must not end the new ranks."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return None
-    return dist.TCPStore(
+    store = dist.TCPStore(
         addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
     )
+    return dist.PrefixStore(f"megacann/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 class FailureMonitor:
@@ -96,7 +102,11 @@ class FailureMonitor:
         return self
 
     def stop(self) -> None:
+        """End the monitor thread and wait for it: a thread caught inside a store call when the interpreter
+        exits is terminated by C++ (SIGABRT, "terminate called without an active exception")."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.grace_s + 10)  # a store call in flight returns within its timeout
 
     # -- main thread --------------------------------------------------------------------------------
     def known_failure(self) -> Optional[FailureRecord]:
@@ -118,8 +128,8 @@ class FailureMonitor:
             held = FailureRecord.decode(self._store.compare_set(FAILURE_KEY, "", mine.encode()))
         except Exception:
             return None
-        if held.rank != self.rank:
-            return held
+        if held.rank != self.rank or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return held  # torchrun's agent hosts the store: it outlives this rank, no need to wait
         deadline = time.monotonic() + self.grace_s
         with contextlib.suppress(Exception):
             while self._store.add(ACK_KEY, 0) < self.world_size - 1 and time.monotonic() < deadline:
@@ -151,6 +161,7 @@ class FailureMonitor:
 
 
 _MONITOR: Optional[FailureMonitor] = None
+_AT_EXIT: list[bool] = []
 
 
 def start_failure_monitor(rank: int, world_size: int, timeout_minutes: float) -> Optional[FailureMonitor]:
@@ -160,21 +171,25 @@ def start_failure_monitor(rank: int, world_size: int, timeout_minutes: float) ->
     if _MONITOR is not None or world_size < 2:
         return _MONITOR
     grace = min(60.0, 30.0 * timeout_minutes)  # half the collective timeout, in seconds
-    factory = functools.partial(_store_client, max(5.0, grace))
+    factory = functools.partial(store_client, max(5.0, grace))
     try:
         if factory() is None:
             return None
     except Exception:
         return None
     _MONITOR = FailureMonitor(rank, world_size, grace, factory).start()
+    if not _AT_EXIT:  # also for loops that never call shutdown_runtime()
+        atexit.register(stop_failure_monitor)
+        _AT_EXIT.append(True)
     return _MONITOR
 
 
 def stop_failure_monitor() -> None:
+    """Stop and join the monitor thread (safe to call more than once)."""
     global _MONITOR
     if _MONITOR is not None:
-        _MONITOR.stop()
-        _MONITOR = None
+        monitor, _MONITOR = _MONITOR, None
+        monitor.stop()
 
 
 @contextlib.contextmanager
@@ -186,7 +201,7 @@ def failure_guard() -> Iterator[None]:
         return
     try:
         yield
-    except PeerFailure:
+    except (PeerFailure, TrainingAborted):  # a stop every rank decided alike is no rank's failure
         raise
     except Exception as err:
         held = monitor.known_failure()
