@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from megacann.checkpoint.files import COMPLETE_MARKER, find_resume_checkpoint, list_complete_checkpoints
-from megacann.checkpoint.metadata import CheckpointError, read_info
 from megacann.config import ConfigError, MegacannConfig
 
 # Model settings that decide tensor shapes: a checkpoint made with other values cannot be resumed.
@@ -91,6 +89,9 @@ def check_tokenizer_fits(cfg: MegacannConfig, tokenizer: Any) -> None:
 def resume_path(cfg: MegacannConfig, resume_from: Optional[str]) -> Optional[str]:
     """The checkpoint a run would resume from (None: a fresh start), or a CheckpointError saying why the
     one asked for cannot be used."""
+    from megacann.checkpoint import CheckpointError, find_resume_checkpoint, list_complete_checkpoints
+    from megacann.checkpoint.files import COMPLETE_MARKER
+
     out = cfg.experiment.output_dir
     try:
         return find_resume_checkpoint(out, resume_from)
@@ -113,6 +114,8 @@ def resume_path(cfg: MegacannConfig, resume_from: Optional[str]) -> Optional[str
 
 def check_checkpoint_model(cfg: MegacannConfig, path: str) -> None:
     """The checkpoint at ``path`` holds the model the recipe describes (any parallel layout is fine)."""
+    from megacann.checkpoint import CheckpointError, read_info
+
     saved = read_info(path).get("model", {})
     differ = [
         f"{key} {saved[key]!r} (recipe: {getattr(cfg.model, key)!r})"
@@ -128,6 +131,8 @@ def check_checkpoint_model(cfg: MegacannConfig, path: str) -> None:
 
 def finished_run_message(cfg: MegacannConfig, resume_from: Optional[str]) -> Optional[str]:
     """What to say instead of training when the checkpoint to resume from is already at optim.max_steps."""
+    from megacann.checkpoint import read_info
+
     path = resume_path(cfg, resume_from)
     if path is None:
         return None

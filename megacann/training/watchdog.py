@@ -131,6 +131,9 @@ class Watchdog:
         summary = self._exchange(line, waiting)
         if summary:
             print(f"megacann watchdog: {summary}", file=sys.stderr, flush=True)
+            if path:
+                with contextlib.suppress(OSError), open(path, "a") as f:
+                    f.write(f"\n{summary}\n")
         saved = f"; report in {path}" if path else ""
         print(
             f"megacann watchdog: rank {self.rank} exits with code {HANG_EXIT_CODE} (hang in {what}){saved}",
@@ -167,6 +170,11 @@ class Watchdog:
             while not store.check(keys) and time.monotonic() < deadline:
                 time.sleep(0.2)
             reports = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
+            read = store.add(f"{HANG_KEY}read", 1)
+            # outside torchrun rank 0 hosts the store: it leaves once every rank that reported has read
+            while self.rank == 0 and read < len(reports) and time.monotonic() < deadline + EXCHANGE_S:
+                time.sleep(0.1)
+                read = store.add(f"{HANG_KEY}read", 0)
         except Exception:
             return ""
         silent = [r for r in range(self.world_size) if r not in reports]
