@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from dist_harness import RankFailure, run_on_ranks
@@ -71,7 +72,7 @@ def saves(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("saves"))
     with pytest.raises(RankFailure, match=r"rank\(s\) \[1\] exited without a result|failed on rank 0"):
         run_on_ranks(_full_disk_then_killed, 2, args=(root,), timeout=240)
-    full = [json.load(open(f"{root}/full_rank{rank}.json")) for rank in (0, 1)]
+    full = [json.loads(Path(f"{root}/full_rank{rank}.json").read_text()) for rank in (0, 1)]
     return full, run_on_ranks(_resume_both, 1, args=(root,), timeout=240)[0]
 
 
