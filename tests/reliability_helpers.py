@@ -134,5 +134,3 @@ def logged_steps(output_dir: Path) -> int:
         return 0
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
     return max(steps, default=0)
-
-

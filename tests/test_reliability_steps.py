@@ -92,7 +92,12 @@ def _steps_and_signals(root: str) -> dict:
     # 2. fp16: a huge initial scale overflows the first steps; the scaler halves it, the guard does not count
     trainer = _trainer(
         f"{root}/fp16",
-        ["model.precision=fp16", "optim.initial_loss_scale=1048576", "training.max_skipped_steps=1", "optim.max_steps=8"],
+        [
+            "model.precision=fp16",
+            "optim.initial_loss_scale=1048576",
+            "training.max_skipped_steps=1",
+            "optim.max_steps=8",
+        ],
     )
     history = trainer.fit()
     result["fp16"] = [(r["step"], r["loss_scale"], r["skipped_steps"]) for r in history if "loss" in r]
