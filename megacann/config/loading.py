@@ -301,6 +301,16 @@ def apply_overrides(cfg: MegacannConfig, overrides: list[str], source: str = "co
     return cfg
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error as one line, with the line (and column) numbers where it was found, 1-based."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    started = f" ({context} started at line {context_mark.line + 1})" if context and context_mark is not None else ""
+    return f"{where}{problem}{started}"
+
+
 def load_config(path: str, overrides: Optional[list[str]] = None, world_size: Optional[int] = None) -> MegacannConfig:
     """Load, override and validate a recipe. ``world_size`` is the runtime world (torchrun), if known."""
     if not os.path.exists(path):
@@ -309,7 +319,7 @@ def load_config(path: str, overrides: Optional[list[str]] = None, world_size: Op
         try:
             raw = yaml.safe_load(f)
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+            raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(err)}") from None
     cfg = config_from_dict(raw, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
     apply_overrides(cfg, overrides or [])
     validate(cfg, world_size=world_size, source=path)

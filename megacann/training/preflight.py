@@ -55,7 +55,7 @@ def check_data(cfg: MegacannConfig) -> None:
     """data.path names usable data: existing files, readable .bin/.idx headers of the right sizes."""
     if cfg.data.path is None:
         return  # the embedded default corpus
-    from megacann.data.indexed_dataset import IndexedDataset
+    from megacann.data.indexed_dataset import IndexedDataset, IndexedDatasetError
     from megacann.data.sources import resolve_sources
 
     sft = cfg.train_mode == "sft"
@@ -64,7 +64,13 @@ def check_data(cfg: MegacannConfig) -> None:
             if os.path.getsize(path) == 0:
                 raise _data_error(f"data.path: {path!r} is empty (expected JSONL records, one per line)")
         else:
-            dataset = IndexedDataset(path)  # checks the header and that the .bin holds what the .idx says
+            try:  # the header, and that the .bin holds what the .idx says
+                dataset = IndexedDataset(path)
+            except IndexedDatasetError as err:
+                raise IndexedDatasetError(
+                    f"data.path: {err}; the pair is damaged or incomplete: write it again with megacann-preprocess "
+                    "(or copy it again)"
+                ) from None
             if len(dataset) == 0:
                 raise _data_error(f"data.path: {path}.idx lists no sequences (an empty corpus?)")
 
@@ -84,6 +90,19 @@ def check_tokenizer_fits(cfg: MegacannConfig, tokenizer: Any) -> None:
             f"up would index past the embedding. Set model.vocab_size >= {tokenizer.vocab_size} (or leave it out "
             "to take the tokenizer's), or use the tokenizer the model was made for"
         )
+
+
+def check_tokenizer(cfg: MegacannConfig) -> None:
+    """A tokenizer named by the recipe loads, and fits model.vocab_size when that is given."""
+    if cfg.data.tokenizer is None or cfg.model.vocab_size is None:
+        return  # the default corpus's BPE is built on first use; without a vocab_size the model takes its size
+    from megacann.data.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    except TokenizerError as err:
+        raise TokenizerError(f"data.tokenizer: {err}") from None
+    check_tokenizer_fits(cfg, tokenizer)
 
 
 def resume_path(cfg: MegacannConfig, resume_from: Optional[str]) -> Optional[str]:
@@ -151,6 +170,7 @@ def preflight(cfg: MegacannConfig, resume_from: Optional[str] = None, create: bo
     ``create``: make the output directory (a dry run only checks that it could be made)."""
     check_output_dir(cfg)
     check_data(cfg)
+    check_tokenizer(cfg)
     path = resume_path(cfg, resume_from)
     if path is not None:
         check_checkpoint_model(cfg, path)
