@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import difflib
 import json
+import math
 import os
 import typing
 from typing import Any, Optional, Union
@@ -125,6 +126,8 @@ def suggest_key(dotted: str) -> Optional[str]:
 
 
 def _unknown_key(dotted: str, source: str) -> ConfigError:
+    if not isinstance(dotted, str):  # YAML reads `0:` or `true:` as a number or a boolean key
+        return ConfigError(f"{source}: key {dotted!r} is not a name: recipe keys are words like optim.lr")
     hint = suggest_key(dotted)
     extra = f"; did you mean '{hint}'?" if hint else ""
     return ConfigError(f"{source}: unknown key '{dotted}'{extra}")
@@ -171,6 +174,8 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
                 value = float(value)
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):
+            raise ConfigError(f"{source}: {where}: expected a finite number, got {value!r}")
     elif target is str:
         ok = isinstance(value, str)
     elif target in (list, dict):
@@ -243,7 +248,7 @@ def _apply_section(obj: Any, section: str, values: Any, source: str) -> None:
     for key, value in values.items():
         name = MODEL_ALIASES.get(key, key) if section == "model" else key
         if name not in names:
-            raise _unknown_key(f"{section}.{key}", source)
+            raise _unknown_key(f"{section}.{key}" if isinstance(key, str) else key, source)
         _set_field(obj, name, value, f"{section}.{key}", source)
 
 
@@ -255,7 +260,10 @@ def config_from_dict(raw: dict, source: str = "<recipe>", base_dir: Optional[str
         raise ConfigError(f"{source}: a recipe must be a mapping of sections, got {type(raw).__name__}")
     cfg = MegacannConfig()
     model_raw = raw.get("model") or {}
-    if isinstance(model_raw, dict) and model_raw.get("config_path"):
+    if isinstance(model_raw, dict) and model_raw.get("config_path") is not None:
+        if not isinstance(model_raw["config_path"], str):
+            value = model_raw["config_path"]
+            raise ConfigError(f"{source}: model.config_path: expected str, got {value!r} ({type(value).__name__})")
         json_path = _resolve_path(model_raw["config_path"], base_dir, "model.config_path", source)
         _apply_section(cfg.model, "model", load_hf_model_config(json_path), json_path)
         model_raw = {**model_raw, "config_path": json_path}

@@ -32,6 +32,58 @@ NOT_YET_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# Numeric keys and the values they accept (None, where allowed, is checked by the type, not here).
+def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _above(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v > low), f"> {low}"
+
+
+def _fraction() -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: 0.0 <= v < 1.0), "in [0, 1)"
+
+
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "model.ffn_hidden_size": _at_least(1),
+    "model.vocab_size": _at_least(1),
+    "model.max_position_embeddings": _at_least(1),
+    "model.make_vocab_size_divisible_by": _at_least(1),
+    "model.norm_eps": _above(0),
+    "model.rope_theta": _above(0),
+    "model.init_method_std": _above(0),
+    "model.hidden_dropout": _fraction(),
+    "model.attention_dropout": _fraction(),
+    "data.num_workers": _at_least(0),
+    "data.tokenizer_vocab_size": _at_least(258),  # a byte-level BPE: 256 bytes + EOS + pad
+    "optim.weight_decay": _at_least(0),
+    "optim.adam_beta1": _fraction(),
+    "optim.adam_beta2": _fraction(),
+    "optim.adam_eps": _above(0),
+    "optim.warmup_steps": _at_least(0),
+    "optim.initial_loss_scale": _above(0),
+    "optim.loss_scale_window": _at_least(1),
+    "optim.min_loss_scale": _above(0),
+    "distributed.world_size": _at_least(1),
+    "distributed.data_parallel_size": _at_least(1),
+    "distributed.virtual_pipeline_size": _at_least(1),
+    "distributed.bucket_size_mb": _above(0),
+    "distributed.timeout_minutes": _above(0),
+    "logging.ckpt_interval": _at_least(0),
+    "logging.keep_last": _at_least(1),
+    "logging.eval_interval": _at_least(0),
+    "logging.eval_iters": _at_least(1),
+}
+
+
+def check_ranges(cfg: MegacannConfig, source: str) -> None:
+    for key, (accepts, expected) in RANGES.items():
+        value = _value_of(cfg, key)
+        if value is not None and not isinstance(value, bool) and not accepts(value):
+            raise ConfigError(f"{source}: {key} must be {expected}, got {value!r}")
+
+
 def _value_of(cfg: MegacannConfig, dotted: str) -> Any:
     obj: Any = cfg
     for part in dotted.split("."):
@@ -84,6 +136,7 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
     for dotted in CHOICES:
         _check_choice(cfg, dotted, source)
     refuse_unimplemented(cfg, source)
+    check_ranges(cfg, source)
     m, d, o = cfg.model, cfg.distributed, cfg.optim
     for key in ("hidden_size", "num_layers", "num_attention_heads"):
         if getattr(m, key) is None:
