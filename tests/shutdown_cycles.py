@@ -4,7 +4,7 @@
 
 with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR) set. For each port it starts the runtime of a
 tp 2 x pp 2 x dp 2 recipe (process groups, failure monitor with its store clients), sends traffic through
-every group, and shuts it down; the last cycle goes through megacann-train's run_training with a recipe
+every group, and shuts it down; each group must carry the recipe's collective timeout; the last cycle goes through megacann-train's run_training with a recipe
 that fails after the runtime started. After each cycle no megacann thread may be alive and no process
 group initialised; the process must then exit 0, without any C++ "terminate called" on stderr.
 """
@@ -36,6 +36,8 @@ def _cycle(overrides: list[str]):
         value = torch.ones(1)
         dist.all_reduce(value, group=group)
         assert value.item() == 2.0
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+        assert timeout.total_seconds() == 60, timeout  # the recipe's distributed.timeout_minutes, in every group
     assert start_failure_monitor(dist.get_rank(), 8, 1.0) is not None  # the monitor is running
     assert make_stop_signals().agreed() is None
     shutdown_runtime()
