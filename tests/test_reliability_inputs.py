@@ -3,6 +3,7 @@ once, through megacann-train's entry point (in this process, which is cheap; the
 exercised by the other reliability and install tests)."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -103,3 +104,23 @@ def test_checkpoint_of_another_model_and_sft_lines(tmp_path, capsys, corpus):
     assert train_main(["--config", str(recipe), *sft_args, "data.skip_bad_lines=true", "data.split=100,0,0"]) == 0
     err = capsys.readouterr().err
     assert "2 samples from 3 lines; 1 bad lines skipped" in err and f"{sft}:2: malformed SFT record" in err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("training.max_skipped_steps=0", "training.max_skipped_steps must be >= 1, got 0"),
+        ("training.hang_factor=1", "training.hang_factor must be 0 (off) or a multiple above 1, got 1.0"),
+        ("training.skip_loss_spikes=true", "training.skip_loss_spikes needs training.loss_spike_factor"),
+        ("logging.keep_last=0", "logging.keep_last must be >= 1, got 0"),
+        ("optim.adam_beta2=1.5", "optim.adam_beta2 must be in [0, 1), got 1.5"),
+        ("optim.lr=.nan", "optim.lr: expected a finite number, got nan"),
+    ],
+)
+def test_values_out_of_range_are_refused(override, message):
+    from training_helpers import tiny_config
+
+    from megacann.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        tiny_config([override])

@@ -171,3 +171,34 @@ def test_sigterm_on_one_rank_stops_all_after_the_same_step_with_a_checkpoint(ran
         assert message.endswith("checkpoint_3 saved; continue with --resume_from latest")
         assert "checkpoint_3" in rank["term_saved"] and rank["resumed"] == (3, 3 * 4)
         assert rank["handler"]
+
+
+def test_loss_spike_detector_warns_or_skips_against_the_running_mean():
+    from megacann.config.schema import TrainingConfig
+    from megacann.errors import TrainingAborted
+    from megacann.training.guards import StepGuard
+
+    lines = []
+    guard = StepGuard(TrainingConfig(loss_spike_factor=2.0, loss_spike_window=3, max_skipped_steps=2), lines.append)
+    for step, loss in enumerate([4.0, 3.0, 2.0], start=1):  # the window fills: mean 3.0
+        assert guard.check_loss(loss) is None and guard.end_step(step, loss, True, (0, 1)) is None
+    assert guard.running_mean() == 3.0
+    assert guard.check_loss(6.5) is None  # 6.5 > 2 x 3.0: a warning only, the step is applied
+    assert lines[-1].startswith(
+        "warning: loss 6.5000 is 2.2 x its running mean 3.0000 (training.loss_spike_factor 2.0)"
+    )
+    guard.end_step(4, 6.5, True, (0, 1))  # the mean is now (3 + 2 + 6.5) / 3
+
+    skipping = StepGuard(
+        TrainingConfig(loss_spike_factor=2.0, loss_spike_window=2, skip_loss_spikes=True, max_skipped_steps=2),
+        lines.append,
+    )
+    for step, loss in enumerate([2.0, 2.0], start=1):
+        skipping.check_loss(loss)
+        skipping.end_step(step, loss, True, (0, 1))
+    assert skipping.check_loss(5.0) == "loss 5.0000 is 2.5 x its running mean 2.0000 (training.loss_spike_factor 2.0)"
+    assert skipping.end_step(3, 5.0, False, (8, 12)) is not None and "update skipped because loss 5.0000" in lines[-1]
+    assert skipping.running_mean() == 2.0  # a skipped loss does not enter the mean
+    assert skipping.check_loss(4.1) is not None
+    with pytest.raises(TrainingAborted, match=r"^step 4: 2 consecutive steps skipped \(steps 3-4"):
+        skipping.end_step(4, 4.1, False, (12, 16))
