@@ -40,7 +40,16 @@ PLATFORM_ENV_NAMES = (
     "OMP_NUM_THREADS",
     "TORCH_DEVICE_BACKEND_AUTOLOAD",
 )
-LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id")
+LAUNCH_FLAGS = (
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "max_restarts",
+)
 
 
 class LaunchError(MegacannError, ValueError):
@@ -57,6 +66,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--master_port", type=int, help=f"port on node 0 (default {DEFAULT_MASTER_PORT})")
     group.add_argument("--rdzv_endpoint", help="HOST:PORT of a c10d rendezvous (instead of a static master)")
     group.add_argument("--rdzv_id", help="rendezvous id, the same on every node (e.g. the Slurm job id)")
+    group.add_argument(
+        "--max_restarts",
+        type=int,
+        help="restart the job this many times when a rank fails (each restart resumes from the newest checkpoint)",
+    )
     group.add_argument("--print_only", action="store_true", help="print the environment and command; start nothing")
 
 
@@ -97,6 +111,8 @@ def check_nodes(args: argparse.Namespace) -> None:
         raise LaunchError(f"--nnodes must be >= 1, got {nnodes}")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise LaunchError(f"--nproc_per_node must be >= 1, got {args.nproc_per_node}")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise LaunchError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.rdzv_endpoint and (args.master_addr or args.node_rank is not None):
         raise LaunchError(
             "give either --rdzv_endpoint (c10d rendezvous: node ranks are assigned) or --master_addr/--node_rank "
@@ -130,6 +146,8 @@ def torchrun_command(
     """The torchrun command line for these launcher options; the ranks run ``python -m <entry>``."""
     nnodes = args.nnodes or 1
     cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node), "--nnodes", str(nnodes)]
+    if args.max_restarts:
+        cmd += ["--max-restarts", str(args.max_restarts)]
     if args.rdzv_endpoint:
         cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", args.rdzv_endpoint]
         cmd += ["--rdzv_id", args.rdzv_id or "megacann"]

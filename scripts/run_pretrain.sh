@@ -3,7 +3,7 @@
 #
 #   bash scripts/run_pretrain.sh --config R.yaml [--nproc_per_node N]
 #        [--nnodes N --node_rank R --master_addr A --master_port P | --nnodes N --rdzv_endpoint HOST:PORT --rdzv_id ID]
-#        [--resume_from DIR|latest] [--dry_run] [--print_only] [section.key=value ...]
+#        [--resume_from DIR|latest] [--max_restarts K] [--dry_run] [--print_only] [section.key=value ...]
 #
 # --nproc_per_node defaults to this node's device count (NPUs, else CUDA GPUs; 1 process on CPU). The recipe
 # and overrides are validated here, once, for the world size about to start: a config error is one message

@@ -108,3 +108,16 @@ def test_ctrl_c_saves_says_one_line_and_the_run_resumes_on_one_rank(tmp_path):
     )
     assert export.returncode == 0, export.stderr[-3000:]
     assert any(name.endswith(".safetensors") for name in os.listdir(tmp_path / "whole"))
+
+
+def test_launcher_passes_max_restarts_to_torchrun(tmp_path):
+    launcher = ["bash", os.path.join(ROOT, "scripts", "run_pretrain.sh"), "--config"]
+    recipe = os.path.join(ROOT, "examples", "configs", "llama", "tiny.yaml")
+    shown = run_command([*launcher, recipe, "--nproc_per_node", "2", "--max_restarts", "3", "--print_only"], tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert " -m torch.distributed.run --nproc_per_node 2 --nnodes 1 --max-restarts 3 " in shown.stdout.splitlines()[-1]
+    refused = run_command([*launcher, recipe, "--max_restarts", "-1"], tmp_path)
+    assert (
+        refused.returncode == 2
+        and refused.stderr.strip() == "run_pretrain.sh: error: --max_restarts must be >= 0, got -1"
+    )
