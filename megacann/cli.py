@@ -88,6 +88,10 @@ def run_training(cfg, resume_from: Optional[str], prog: str = "megacann-train") 
         train(cfg, resume_from=resume_from)
     except (MegacannError, PeerFailure) as err:
         return _report(prog, err)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over SIGINT (while building)
+        if _is_first_rank():
+            print(f"{prog}: SIGINT: stopped before training started; nothing saved", file=sys.stderr, flush=True)
+        return 130
     finally:
         shutdown_runtime()
     return 0
