@@ -13,7 +13,7 @@ import sys
 from cli_helpers import user_env
 from dist_harness import free_port
 
-WORLD, CYCLES = 8, 6
+WORLD, CYCLES = 8, 10
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shutdown_cycles.py")
 
 

@@ -92,7 +92,7 @@ class FailureMonitor:
         self.rank, self.world_size, self.grace_s = rank, world_size, grace_s
         self.poll_s = min(1.0, max(0.1, grace_s / 20))
         self._store_factory = store_factory
-        self._store = store_factory()  # used by the main thread only
+        self._main_store: Optional[dist.Store] = None  # the main thread's client, made on first use (a failure)
         self._seen: Optional[FailureRecord] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="megacann-failure-monitor", daemon=True)
@@ -107,6 +107,15 @@ class FailureMonitor:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.grace_s + 10)  # a store call in flight returns within its timeout
+        self._main_store = None  # close this client's connection now, before the store it talks to goes away
+
+    @property
+    def _store(self) -> dist.Store:
+        """The main thread's client. Made only when a failure needs it: every connection a rank opens at start
+        waits on the store's host, which may also be busy accepting every other rank's."""
+        if self._main_store is None:
+            self._main_store = self._store_factory()
+        return self._main_store
 
     # -- main thread --------------------------------------------------------------------------------
     def known_failure(self) -> Optional[FailureRecord]:
@@ -171,12 +180,9 @@ def start_failure_monitor(rank: int, world_size: int, timeout_minutes: float) ->
     if _MONITOR is not None or world_size < 2:
         return _MONITOR
     grace = min(60.0, 30.0 * timeout_minutes)  # half the collective timeout, in seconds
+    if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+        return None  # no rendezvous store to meet at (store_client would give None)
     factory = functools.partial(store_client, max(5.0, grace))
-    try:
-        if factory() is None:
-            return None
-    except Exception:
-        return None
     _MONITOR = FailureMonitor(rank, world_size, grace, factory).start()
     if not _AT_EXIT:  # also for loops that never call shutdown_runtime()
         atexit.register(stop_failure_monitor)
