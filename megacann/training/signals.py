@@ -90,3 +90,18 @@ def make_stop_signals(timeout_minutes: float = 30.0) -> StopSignals:
         timeout = datetime.timedelta(minutes=timeout_minutes)
         return StopSignals(dist.new_group(backend="gloo", timeout=timeout))
     return StopSignals()
+
+
+def stop_after_signal(trainer, signum: int, saved: bool) -> None:
+    """Every rank, after the same step: save a checkpoint there (``training.save_on_signal``; ``saved``: the
+    step's own checkpoint was just written), then raise :class:`RunInterrupted` with the one line to print."""
+    cfg, step, name = trainer.cfg, trainer.state.step, signal_name(signum)
+    if cfg.training.save_on_signal and not saved:
+        trainer.checkpointer.save(trainer.checkpoint_parts(), cfg, log=lambda _: None)
+    if saved or cfg.training.save_on_signal:
+        trainer.checkpointer.wait()  # an asynchronous save is published before the process ends
+        path = os.path.join(cfg.experiment.output_dir, f"checkpoint_{step}")
+        what = f"checkpoint {path} saved; continue with --resume_from latest"
+    else:
+        what = "no checkpoint saved (training.save_on_signal: false)"
+    raise RunInterrupted(f"{name}: stopped after step {step} of {cfg.optim.max_steps}, {what}", signum)

@@ -36,7 +36,7 @@ from megacann.training.preflight import (
 )
 from megacann.training.recipe import prepare_recipe
 from megacann.training.runtime import Runtime, setup_runtime
-from megacann.training.signals import RunInterrupted, make_stop_signals, signal_name
+from megacann.training.signals import make_stop_signals, stop_after_signal
 from megacann.training.watchdog import start_watchdog
 
 
@@ -299,8 +299,8 @@ class Trainer:
                     with watchdog.watch(f"checkpoint save at step {step}"):
                         self.save_checkpoint()
                 signum = signals.agreed()
-                if signum is not None:
-                    self._stop_on_signal(signum, saved=due and step_metrics["skipped"] is None)
+                if signum is not None:  # saves a checkpoint at this step, raises RunInterrupted
+                    stop_after_signal(self, signum, saved=due and step_metrics["skipped"] is None)
             if self._checkpointer is not None:
                 self._checkpointer.wait()  # an asynchronous save is published before training returns
         finally:
@@ -308,21 +308,6 @@ class Trainer:
             watchdog.stop()
             self.metrics.close()
         return history
-
-    def _stop_on_signal(self, signum: int, saved: bool) -> None:
-        """Every rank, after the same step: save a checkpoint there (training.save_on_signal), then raise
-        :class:`RunInterrupted` with the one line to print."""
-        step, name = self.state.step, signal_name(signum)
-        if self.cfg.training.save_on_signal and not saved:
-            self.checkpointer.save(self.checkpoint_parts(), self.cfg, log=lambda _: None)
-        if self._checkpointer is not None:
-            self._checkpointer.wait()
-        out = self.cfg.experiment.output_dir
-        if self.cfg.training.save_on_signal or saved:
-            what = f"checkpoint {os.path.join(out, f'checkpoint_{step}')} saved; continue with --resume_from latest"
-        else:
-            what = "no checkpoint saved (training.save_on_signal: false)"
-        raise RunInterrupted(f"{name}: stopped after step {step} of {self.cfg.optim.max_steps}, {what}", signum)
 
     # -- checkpoints --------------------------------------------------------------------------------
     @property
