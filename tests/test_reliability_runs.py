@@ -53,7 +53,8 @@ def test_killed_rank_restarts_and_matches_the_uninterrupted_run(tmp_path):
 
 
 def test_ctrl_c_saves_says_one_line_and_the_run_resumes_on_one_rank(tmp_path):
-    recipe = write_recipe(tmp_path, write_corpus(tmp_path), logging={"ckpt_interval": 0})
+    # a data-loader worker per rank: Ctrl-C reaches it too, and it must not die mid-step
+    recipe = write_recipe(tmp_path, write_corpus(tmp_path), logging={"ckpt_interval": 0}, data={"num_workers": 1})
     out = tmp_path / "run"
     cmd = [
         "bash",
