@@ -111,6 +111,7 @@ setup(
         "tensorboard": ["tensorboard"],
         "dev": [
             "pytest",
+            "hypothesis",
             "transformers>=4.40",
             "peft>=0.10",
             "ruff",

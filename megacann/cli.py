@@ -8,6 +8,7 @@ import sys
 from typing import Optional
 
 from megacann.config import ConfigError, load_config
+from megacann.errors import MegacannError
 from megacann.launch import build_parser, launch, wants_launch
 
 
@@ -46,18 +47,53 @@ def train_main(argv: Optional[list[str]] = None, expected_model_type: Optional[s
         from megacann.training.recipe import prepare_recipe
 
         prepare_recipe(cfg, world_size=world, source=args.config)  # advice printed once, on rank 0
-    except ConfigError as err:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun without the launcher: say it once
-            print(f"megacann-train: error: {err}", file=sys.stderr)
-        return 2
+        if not args.dry_run:
+            from megacann.training.preflight import preflight
+
+            preflight(cfg, args.resume_from)  # output directory, data files, the checkpoint to resume
+    except MegacannError as err:
+        return _report(parser.prog, err)
     if args.dry_run:
         from megacann.dry_run import print_dry_run
 
         print_dry_run(cfg, args.config)
         return 0
-    from megacann.training import train
+    return run_training(cfg, args.resume_from, parser.prog)
 
-    train(cfg, resume_from=args.resume_from)
+
+def _is_first_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _report(prog: str, err: BaseException) -> int:
+    """One line on rank 0 (every rank stops alike; a rank's own failure reaches rank 0 as PeerFailure)."""
+    from megacann.training.signals import RunInterrupted
+
+    if _is_first_rank():
+        label = "" if isinstance(err, RunInterrupted) else "error: "
+        print(f"{prog}: {label}{err}", file=sys.stderr, flush=True)
+    return getattr(err, "exit_code", 1)
+
+
+def run_training(cfg, resume_from: Optional[str], prog: str = "megacann-train") -> int:
+    """Train ``cfg``; whatever happens, end cleanly: the failure monitor stopped and joined, the process
+    groups destroyed (a process that exits with them alive can die of SIGABRT after finishing). Errors
+    megacann explains (bad input, a stop on skipped steps, a signal, a failed peer) are one line and an
+    exit code; anything else keeps its traceback."""
+    from megacann.training import train
+    from megacann.training.failure import PeerFailure
+    from megacann.training.runtime import shutdown_runtime
+
+    try:
+        train(cfg, resume_from=resume_from)
+    except (MegacannError, PeerFailure) as err:
+        return _report(prog, err)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over SIGINT (while building)
+        if _is_first_rank():
+            print(f"{prog}: SIGINT: stopped before training started; nothing saved", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        shutdown_runtime()
     return 0
 
 

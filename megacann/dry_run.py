@@ -101,7 +101,8 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
     """The dry run's report as text."""
     spec = prepare_model_config(cfg)
     d, m = cfg.distributed, cfg.model
-    world = d.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    smallest = d.tensor_parallel_size * d.pipeline_parallel_size * d.context_parallel_size * (d.data_parallel_size or 1)
+    world = d.world_size or int(os.environ.get("WORLD_SIZE", 0)) or smallest  # unknown: the layout's smallest
     layout = rank_layout(
         world, d.tensor_parallel_size, d.pipeline_parallel_size, d.context_parallel_size, d.expert_parallel_size
     )

@@ -16,13 +16,16 @@ traceback per rank under torchrun's own. Then:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
+import signal
 import sys
 from typing import Optional
 
-from megacann.config import ConfigError, MegacannConfig, load_config
+from megacann.config import MegacannConfig, load_config
 from megacann.config.advice import ADVICE_SHOWN_ENV
+from megacann.errors import MegacannError
 
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "::1", "0.0.0.0")
 DEFAULT_MASTER_PORT = 29500
@@ -37,10 +40,19 @@ PLATFORM_ENV_NAMES = (
     "OMP_NUM_THREADS",
     "TORCH_DEVICE_BACKEND_AUTOLOAD",
 )
-LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id")
+LAUNCH_FLAGS = (
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "max_restarts",
+)
 
 
-class LaunchError(ValueError):
+class LaunchError(MegacannError, ValueError):
     """Launcher options that cannot start a run as given."""
 
 
@@ -54,6 +66,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--master_port", type=int, help=f"port on node 0 (default {DEFAULT_MASTER_PORT})")
     group.add_argument("--rdzv_endpoint", help="HOST:PORT of a c10d rendezvous (instead of a static master)")
     group.add_argument("--rdzv_id", help="rendezvous id, the same on every node (e.g. the Slurm job id)")
+    group.add_argument(
+        "--max_restarts",
+        type=int,
+        help="restart the job this many times when a rank fails (each restart resumes from the newest checkpoint)",
+    )
     group.add_argument("--print_only", action="store_true", help="print the environment and command; start nothing")
 
 
@@ -94,6 +111,8 @@ def check_nodes(args: argparse.Namespace) -> None:
         raise LaunchError(f"--nnodes must be >= 1, got {nnodes}")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise LaunchError(f"--nproc_per_node must be >= 1, got {args.nproc_per_node}")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise LaunchError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.rdzv_endpoint and (args.master_addr or args.node_rank is not None):
         raise LaunchError(
             "give either --rdzv_endpoint (c10d rendezvous: node ranks are assigned) or --master_addr/--node_rank "
@@ -127,6 +146,8 @@ def torchrun_command(
     """The torchrun command line for these launcher options; the ranks run ``python -m <entry>``."""
     nnodes = args.nnodes or 1
     cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node), "--nnodes", str(nnodes)]
+    if args.max_restarts:
+        cmd += ["--max-restarts", str(args.max_restarts)]
     if args.rdzv_endpoint:
         cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", args.rdzv_endpoint]
         cmd += ["--rdzv_id", args.rdzv_id or "megacann"]
@@ -171,9 +192,13 @@ def launch(args: argparse.Namespace, prog: str, python: str = sys.executable) ->
         from megacann.training.recipe import prepare_recipe  # the model family's and pipeline's rules too
 
         prepare_recipe(cfg, world_size=world, source=args.config)
-    except (ConfigError, LaunchError, ValueError) as err:
+        if not (args.dry_run or args.print_only):  # the files the run reads, checked here once
+            from megacann.training.preflight import preflight
+
+            preflight(cfg, args.resume_from, create=False)
+    except (MegacannError, ValueError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_code", 2)
     if args.dry_run:
         from megacann.dry_run import print_dry_run
 
@@ -187,8 +212,47 @@ def launch(args: argparse.Namespace, prog: str, python: str = sys.executable) ->
         return 0
     sys.stdout.flush()
     os.environ[ADVICE_SHOWN_ENV] = "1"  # advice was printed here; the ranks need not repeat it
-    os.execv(cmd[0], cmd)
-    return 0  # not reached
+    return run_torchrun(cmd[3:], prog)
+
+
+# Exit codes after which the ranks have already said what happened (input error, hang, SIGINT, SIGTERM).
+SELF_EXPLAINED_EXIT_CODES = (2, 3, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
+class _QuietShutdown(logging.Filter):
+    """Drops torchrun's chatter while it stops workers that megacann is already stopping cleanly."""
+
+    NOISE = ("death signal", "Closing process", "closing signal")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(part in record.getMessage() for part in self.NOISE)
+
+
+def run_torchrun(torchrun_args: list[str], prog: str) -> int:
+    """Run torchrun in this process with ``torchrun_args``; its failures become one line and an exit code
+    instead of its tracebacks (a rank's own message, printed by the rank, stays the one to read)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    quiet = _QuietShutdown()
+    for name in ("", "torch", "torch.distributed", "torch.distributed.elastic"):  # torch's handlers sit here
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(quiet)
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_args))
+    except SignalException as err:  # Ctrl-C / SIGTERM: the ranks stopped after a step and said so
+        return 128 + int(err.sigval)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        if failure.exitcode in SELF_EXPLAINED_EXIT_CODES:
+            return failure.exitcode
+        how = (
+            f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+        )
+        print(f"{prog}: rank {rank} {how} (its output above says why)", file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    return 0
 
 
 def build_parser(

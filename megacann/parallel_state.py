@@ -132,6 +132,18 @@ class _State:
 _STATE: Optional[_State] = None
 
 
+def _attempt_store(world: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """Under torchrun, whose agent hosts the rendezvous store for the whole job, a client of that store
+    whose keys are this attempt's own: after a restart (``--max-restarts``) the store still holds the
+    previous attempt's keys (a dead rank's address among them), which a new rank could read first."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"megacann/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
 def initialize_distributed(
     backend: str = "gloo",
     timeout_minutes: float = 30.0,
@@ -150,9 +162,13 @@ def initialize_distributed(
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ and init_method is None]
         if missing:
             raise RuntimeError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not")
-        dist.init_process_group(
-            backend, init_method=init_method or "env://", rank=rank, world_size=world, timeout=timeout
-        )
+        store = _attempt_store(world, timeout) if init_method is None else None
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, init_method=init_method or "env://", rank=rank, world_size=world, timeout=timeout
+            )
     else:
         rank, world, local_rank = 0, 1, 0
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -165,8 +181,11 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    timeout_minutes: Optional[float] = None,
 ) -> RankLayout:
-    """Create every process group of the ``tp-cp-ep-dp-pp`` grid (all ranks must call this)."""
+    """Create every process group of the ``tp-cp-ep-dp-pp`` grid (all ranks must call this).
+    ``timeout_minutes``: the groups' collective timeout (None: torch's default for the backend, which is
+    not the world group's)."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call initialize_distributed() first")
@@ -188,11 +207,12 @@ def initialize_model_parallel(
         )
     mine: dict[str, Optional[dist.ProcessGroup]] = {}
     created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes is not None else None
     for kind, groups in layout.groups.items():
         for ranks in groups:  # every rank creates every group, in the same order
             key = tuple(ranks)
             if key not in created:
-                created[key] = dist.new_group(ranks) if world > 1 else dist.group.WORLD
+                created[key] = dist.new_group(ranks, timeout=timeout) if world > 1 else dist.group.WORLD
             if rank in ranks:
                 mine[kind] = created[key]
     vpp_rank = 0 if virtual_pipeline_model_parallel_size else None

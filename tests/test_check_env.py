@@ -22,10 +22,9 @@ def _healthy_then_one_rank_silent(silent_rank: int, timeout: float):
     if rank == silent_rank:  # answers the all-reduce, then stops answering (a hung process)
         run_comm_checks(size_mb=0.25, iters=1, timeout=timeout, checks=("all_reduce",), run_id="silent")
         time.sleep(timeout + 4)
-        return healthy, None, None
-    start = time.monotonic()
+        return healthy, None
     silent = run_comm_checks(size_mb=0.25, iters=1, timeout=timeout, run_id="silent")
-    return healthy, silent, time.monotonic() - start
+    return healthy, silent
 
 
 def test_comm_check_on_four_ranks_names_the_rank_that_does_not_answer():
@@ -38,13 +37,12 @@ def test_comm_check_on_four_ranks_names_the_rank_that_does_not_answer():
     assert healthy[0][0].busbw_gbps == healthy[0][0].algbw_gbps * 2 * 3 / 4
     assert healthy[0][1].message_bytes == 4 * healthy[0][0].message_bytes  # all-gather: 4 chunks
     assert all(h == healthy[0] for h in healthy)  # every rank reports the same
-    for rank, (_, silent, seconds) in enumerate(results):
+    for rank, (_, silent) in enumerate(results):
         if rank == 2:
             continue
         assert [c.name for c in silent] == ["all_reduce", "all_gather"]
         assert silent[0].ok and not silent[1].ok and silent[1].missing_ranks == [2]
         assert silent[1].describe() == "all_gather: FAILED: rank(s) 2 did not answer (hung, or the process died)"
-        assert seconds < 3.0 + 10  # the timeout, not a hang
 
 
 def test_check_env_reports_versions_and_devices():

@@ -75,6 +75,7 @@ def world1(origin, tmp_path_factory):
 
 
 def _assert_close(got: list[float], kept: list[float], name: str) -> None:
+    assert len(got) == len(kept), f"{name}: {len(got)} steps vs {len(kept)} in the kept layout"
     for step, (a, b) in enumerate(zip(got, kept), start=STOP + 1):
         assert abs(a - b) <= REL * abs(b), f"{name}: step {step} loss {a!r} vs kept layout {b!r}"
 

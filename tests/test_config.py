@@ -167,7 +167,7 @@ def test_hf_config_json_merges_and_inline_wins(tmp_path):
             }
         )
     )
-    path = write(tmp_path, "model: {config_path: m.json, num_layers: 2}\n")
+    path = write(tmp_path, "model: {config_path: m.json, num_layers: 2}\ndata: {seq_length: 256}\n")
     cfg = load_config(path)
     m = cfg.model
     assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.kv_heads) == (128, 2, 8, 2)

@@ -120,6 +120,13 @@ READ_BY = {
     "logging.timers": "training/trainer.py",
     "logging.profile_breakdown": "training/profiling.py",
     "logging.profiler": "training/profiling.py",
+    "training.max_skipped_steps": "training/guards.py",
+    "training.loss_spike_factor": "training/guards.py",
+    "training.loss_spike_window": "training/guards.py",
+    "training.skip_loss_spikes": "training/guards.py",
+    "training.hang_factor": "training/watchdog.py",
+    "training.hang_min_seconds": "training/watchdog.py",
+    "training.save_on_signal": "training/signals.py",
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
 }

@@ -3,22 +3,21 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from cli_helpers import console_script, user_env
 
 from megacann.data.convert import main as convert_main
 from megacann.data.indexed_dataset import IndexedDataset
 from megacann.data.preprocess import main as preprocess_main
 from megacann.data.tokenizer import load_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [f"def f{i}(x):\n    return x ** {i}  # café {'☕' * (i % 3)}\n" * (1 + i % 4) for i in range(60)]
 
 
 def run_cli(*args):
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    cmd = [sys.executable, "-m", "megacann.data.preprocess", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    cmd = [console_script("megacann-preprocess"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=user_env(), timeout=120)
 
 
 def test_cli_with_two_workers_trains_tokenizer_and_writes_every_document(tmp_path):

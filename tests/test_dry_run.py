@@ -2,17 +2,15 @@
 
 import os
 import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cli_helpers import ROOT, console_script, user_env
+
 SEED = os.path.join(ROOT, "examples", "configs", "llama", "llama_7b.yaml")
 
 
 def run_cli(*args, env=None):
-    full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
-    full_env.pop("WORLD_SIZE", None)
     return subprocess.run(
-        [sys.executable, "-m", "megacann.train", *args], capture_output=True, text=True, env=full_env, timeout=120
+        [console_script("megacann-train"), *args], capture_output=True, text=True, env=user_env(env), timeout=120
     )
 
 

@@ -5,7 +5,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 
 import pytest
 from cli_helpers import ROOT, console_script, user_env
@@ -104,7 +103,6 @@ def test_loopback_master_is_refused_by_the_script_with_exit_code_2():
 
 def test_config_errors_are_one_message_before_any_rank_starts():
     """A typo (near a synonym) and an impossible layout: one line, exit 2, torchrun never started."""
-    start = time.monotonic()
     typo = _run(
         ["bash", "scripts/run_pretrain.sh", "--config", TINY, "--nproc_per_node", "2", "optim.learnig_rate=1e-3"]
     )
@@ -123,7 +121,7 @@ def test_config_errors_are_one_message_before_any_rank_starts():
     )
     for proc in (typo, layout, seed):
         assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
-    assert time.monotonic() - start < 60  # no rank was started (each would import torch and build a model)
+        assert not proc.stdout  # no rank was started (ranks print the training banner)
 
 
 def test_seed_recipe_prints_its_advice_once_as_a_plain_note():

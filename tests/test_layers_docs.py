@@ -29,5 +29,6 @@ def test_doc_example_same_loss_on_one_and_two_ranks():
     two = run_on_ranks(_run_doc_example, world_size=2, timeout=180)
     assert len(one) == 3 and one[-1] < one[0], one  # it trains
     for rank_losses in two:
+        assert len(rank_losses) == len(one), (rank_losses, one)
         for a, b in zip(rank_losses, one):
             assert abs(a - b) <= 1e-5 * abs(b), (rank_losses, one)

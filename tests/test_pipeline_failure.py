@@ -41,22 +41,21 @@ def _crash_one_stage(failing_rank: int) -> tuple:
             return forward(*args, **kwargs)
 
         chunk.forward = failing_forward
-    start = time.monotonic()
     try:
         trainer.train_step()
         outcome = ("finished", "")
     except Exception as err:
         outcome = (type(err).__name__, str(err))
-    return (*outcome, time.monotonic() - start, ps.get_pipeline_model_parallel_rank())
+    return (*outcome, ps.get_pipeline_model_parallel_rank())
 
 
 def test_stage_crash_ends_every_rank_naming_the_failing_one():
     failing = 2  # pipeline stage 1 of data-parallel replica 0; ranks 1 and 3 are the other replica
     results = run_on_ranks(_crash_one_stage, 4, args=(failing,), timeout=120)
-    kind, message, seconds, stage = results[failing]
+    kind, message, stage = results[failing]
     assert (kind, stage) == ("RuntimeError", 1) and "injected failure" in message
-    for rank, (kind, message, seconds, _) in enumerate(results):
-        assert seconds < 60 * TIMEOUT_MINUTES, (rank, seconds)  # well within the collective timeout
+    # every other rank stops with the failure protocol's error (not a collective timeout), naming the rank
+    for rank, (kind, message, _) in enumerate(results):
         if rank != failing:
             assert kind == "PeerFailure", (rank, kind, message)
             assert f"stops: rank {failing} (pipeline stage 1/2, tensor rank 0/1, data rank 0/2) failed" in message
@@ -83,7 +82,7 @@ def _blocked_behind_a_live_failed_rank() -> None:
 
 
 def test_monitor_ends_a_rank_blocked_behind_a_failed_one():
-    start = time.monotonic()
+    # exit code 1 from the monitor (os._exit), no result: a gloo timeout (2 min, beyond the harness's 90 s)
+    # would have raised inside the rank and been reported as its error instead
     with pytest.raises(RankFailure, match=r"rank\(s\) \[0\] exited without a result \{0: 1\}"):
         run_on_ranks(_blocked_behind_a_live_failed_rank, 2, timeout=90)
-    assert time.monotonic() - start < 45  # start-up + half the 12 s timeout, far from the 2 min gloo timeout

@@ -165,6 +165,7 @@ def test_tied_embeddings_stay_identical_on_first_and_last_stage(layouts, layout)
     per_stage = layouts[layout]["tied"]  # per stage owner: one {name: tensor} per step
     first = next(steps for steps in per_stage if TIED[0] in steps[0])
     last = next(steps for steps in per_stage if TIED[1] in steps[0])
+    assert len(first) == len(last) > 0
     for step, (embedding, head) in enumerate(zip(first, last)):
         assert torch.equal(embedding[TIED[0]], head[TIED[1]]), f"tied weights differ after step {step}"
 

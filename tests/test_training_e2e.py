@@ -1,13 +1,11 @@
 """End to end: overfitting a few samples, and the command line writing metrics, checkpoints, plot, config."""
 
 import json
-import os
 import subprocess
 import sys
 
+from cli_helpers import ROOT, user_env
 from dist_harness import run_on_ranks
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _overfit() -> list[float]:
@@ -38,10 +36,7 @@ def test_overfits_a_few_dozen_samples():
 
 
 def _cli(args, env=None, cwd=None):
-    full = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        full.pop(key, None)
-    return subprocess.run(args, capture_output=True, text=True, env=full, cwd=cwd or ROOT, timeout=600)
+    return subprocess.run(args, capture_output=True, text=True, env=user_env(env), cwd=cwd or ROOT, timeout=600)
 
 
 def test_run_pretrain_script_on_two_ranks_writes_everything(tmp_path):

@@ -74,6 +74,7 @@ def world2():
 
 
 def assert_close_trace(actual, expected, rel):
+    assert len(actual) == len(expected), (actual, expected)
     for a, e in zip(actual, expected):
         assert abs(a - e) <= rel * abs(e), (actual, expected)
 

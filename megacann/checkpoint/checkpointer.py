@@ -11,8 +11,10 @@ training's collectives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megacann import parallel_state as ps
@@ -29,6 +32,7 @@ from megacann.checkpoint.files import (
     TMP_SUFFIX,
     checkpoint_dir,
     fsync_path,
+    latest_checkpoint,
     publish,
     remove_stale_temporaries,
     rotate,
@@ -38,6 +42,7 @@ from megacann.checkpoint.files import (
 from megacann.checkpoint.metadata import (
     INFO_FILE,
     RECIPE_FILE,
+    CheckpointError,
     check_entries,
     check_files,
     checkpoint_info,
@@ -83,6 +88,23 @@ def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
             value = TensorPieces(value.shape, value.dtype, copies)
         out[key] = value
     return out
+
+
+def _root_cause(err: BaseException) -> str:
+    """The first OSError (e.g. "No space left on device") inside a (DCP-wrapped) error, else the error."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [err]
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            return f"{type(current).__name__}: {current}"
+        todo += [e for e in (current.__cause__, current.__context__) if e is not None]
+        if isinstance(current, CheckpointException):  # rank -> (error, traceback)
+            todo += [pair[0] for pair in current.failures.values()]
+    return f"{type(err).__name__}: {err}"
 
 
 @dataclass
@@ -161,18 +183,49 @@ class Checkpointer:
             os.makedirs(tmp)
         self._barrier()
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            metadata = dcp.save(state, storage_writer=writer, planner=PieceSavePlanner(), **self._dcp_kwargs())
-        failure: Optional[BaseException] = None
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                metadata = dcp.save(state, storage_writer=writer, planner=PieceSavePlanner(), **self._dcp_kwargs())
+        except (Exception, CheckpointException) as err:  # DCP raises on every rank when any rank's write failed
+            raise self._save_failed(tmp, job, _root_cause(err)) from err
+        failure: Optional[str] = None
+        published = False
         if self.rank == 0:
             try:
                 self._publish(tmp, job, metadata)
-            except BaseException as err:  # reach the barrier below, so no rank waits forever
-                failure = err
-        self._barrier()
+            except Exception as err:  # every rank learns of it below, so none waits forever or trains on
+                failure, published = _root_cause(err), not os.path.isdir(tmp)
+        failure, published = self._all_gather((failure, published))[0]  # rank 0's outcome, on every rank
+        if failure is not None and not published:
+            raise self._save_failed(tmp, job, failure)
         if failure is not None:
-            raise failure
+            raise CheckpointError(f"{job.final} was saved, but updating 'latest' or rotating failed: {failure}")
+
+    def _save_failed(self, tmp: str, job: _SaveJob, reason: str) -> CheckpointError:
+        """The error of a save that did not complete: the previous checkpoint is untouched and still
+        ``latest`` (rotation runs only after a complete save), the partial one is removed to free space."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(Exception):  # every rank raises alike once it is gone (a dead rank: at once)
+            self._barrier()
+        previous = latest_checkpoint(job.out)
+        kept = (
+            f"the previous checkpoint {previous} is intact and still 'latest'"
+            if previous
+            else "there is no earlier checkpoint"
+        )
+        space = ""
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(job.out).free / 2**30
+            space = f" ({free:.2f} GiB free on that file system)"
+        error = CheckpointError(
+            f"saving {job.final} failed: {reason}{space}; {kept}; nothing was deleted (logging.keep_last rotates "
+            "only after a complete save). Free space or point experiment.output_dir elsewhere, then continue "
+            "with --resume_from latest"
+        )
+        error.exit_code = 1  # a failure during training, not bad input
+        return error
 
     def _publish(self, tmp: str, job: _SaveJob, metadata: Metadata) -> None:
         """Rank 0, once every rank's files are written: describe, mark complete, rename, ``latest``, rotate."""

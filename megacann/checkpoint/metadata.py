@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from megacann import parallel_state as ps
 from megacann.checkpoint.planner import TensorPieces
 from megacann.config import MegacannConfig, ModelConfig
+from megacann.errors import MegacannError
 
 FORMAT = "megacann-dcp"
 FORMAT_VERSION = 3  # 3: progress holds step, consumed_samples and the loop's counters
@@ -30,7 +31,7 @@ DCP_METADATA = ".metadata"
 MAX_LISTED = 8
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegacannError, RuntimeError):
     """A checkpoint that cannot be used: missing or truncated files, missing tensors, other shapes."""
 
 

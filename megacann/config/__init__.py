@@ -29,6 +29,7 @@ from megacann.config.schema import (
     ModelConfig,
     OptimConfig,
     PrecisionConfig,
+    TrainingConfig,
 )
 from megacann.config.validation import resolve_parallel_sizes, validate
 
@@ -47,6 +48,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "PrecisionConfig",
+    "TrainingConfig",
     "all_dotted_keys",
     "apply_overrides",
     "config_from_dict",

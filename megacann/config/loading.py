@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import difflib
 import json
+import math
 import os
 import typing
 from typing import Any, Optional, Union
@@ -131,6 +132,8 @@ def suggest_key(dotted: str) -> Optional[str]:
 
 
 def _unknown_key(dotted: str, source: str) -> ConfigError:
+    if not isinstance(dotted, str):  # YAML reads `0:` or `true:` as a number or a boolean key
+        return ConfigError(f"{source}: key {dotted!r} is not a name: recipe keys are words like optim.lr")
     hint = suggest_key(dotted)
     extra = f"; did you mean '{hint}'?" if hint else ""
     return ConfigError(f"{source}: unknown key '{dotted}'{extra}")
@@ -177,6 +180,8 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
                 value = float(value)
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):
+            raise ConfigError(f"{source}: {where}: expected a finite number, got {value!r}")
     elif target is str:
         ok = isinstance(value, str)
     elif target in (list, dict):
@@ -252,7 +257,7 @@ def _apply_section(obj: Any, section: str, values: Any, source: str) -> None:
     for key, value in values.items():
         name = MODEL_ALIASES.get(key, key) if section == "model" else key
         if name not in names:
-            raise _unknown_key(f"{section}.{key}", source)
+            raise _unknown_key(f"{section}.{key}" if isinstance(key, str) else key, source)
         _set_field(obj, name, value, f"{section}.{key}", source)
 
 
@@ -264,7 +269,10 @@ def config_from_dict(raw: dict, source: str = "<recipe>", base_dir: Optional[str
         raise ConfigError(f"{source}: a recipe must be a mapping of sections, got {type(raw).__name__}")
     cfg = MegacannConfig()
     model_raw = raw.get("model") or {}
-    if isinstance(model_raw, dict) and model_raw.get("config_path"):
+    if isinstance(model_raw, dict) and model_raw.get("config_path") is not None:
+        if not isinstance(model_raw["config_path"], str):
+            value = model_raw["config_path"]
+            raise ConfigError(f"{source}: model.config_path: expected str, got {value!r} ({type(value).__name__})")
         json_path = _resolve_path(model_raw["config_path"], base_dir, "model.config_path", source)
         _apply_section(cfg.model, "model", load_hf_model_config(json_path), json_path)
         model_raw = {**model_raw, "config_path": json_path}
@@ -310,6 +318,16 @@ def apply_overrides(cfg: MegacannConfig, overrides: list[str], source: str = "co
     return cfg
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error as one line, with the line (and column) numbers where it was found, 1-based."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    started = f" ({context} started at line {context_mark.line + 1})" if context and context_mark is not None else ""
+    return f"{where}{problem}{started}"
+
+
 def load_config(path: str, overrides: Optional[list[str]] = None, world_size: Optional[int] = None) -> MegacannConfig:
     """Load, override and validate a recipe. ``world_size`` is the runtime world (torchrun), if known."""
     if not os.path.exists(path):
@@ -318,7 +336,7 @@ def load_config(path: str, overrides: Optional[list[str]] = None, world_size: Op
         try:
             raw = yaml.safe_load(f)
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+            raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(err)}") from None
     cfg = config_from_dict(raw, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
     apply_overrides(cfg, overrides or [])
     validate(cfg, world_size=world_size, source=path)

@@ -8,8 +8,10 @@ from typing import Optional, Union
 
 import yaml
 
+from megacann.errors import MegacannError
 
-class ConfigError(ValueError):
+
+class ConfigError(MegacannError, ValueError):
     """A recipe that cannot be used as written."""
 
 
@@ -165,6 +167,19 @@ class LoggingConfig:
 
 
 @dataclass
+class TrainingConfig:
+    """What the trainer does when a step goes wrong: a non-finite or spiking loss, a hang, a stop signal."""
+
+    max_skipped_steps: int = 10  # consecutive skipped steps (non-finite loss / grad norm, spikes) before stopping
+    loss_spike_factor: float = 0.0  # warn when the loss exceeds this multiple of its running mean; 0: off
+    loss_spike_window: int = 50  # steps in that running mean (warnings start once it is full)
+    skip_loss_spikes: bool = False  # skip a spiking step (like a non-finite one) instead of only warning
+    hang_factor: float = 10.0  # watchdog: report and stop a step running this many times the median; 0: off
+    hang_min_seconds: float = 300.0  # ... never sooner than this (and always before the collective timeout)
+    save_on_signal: bool = True  # SIGTERM / SIGINT: save a checkpoint at the step reached, then exit
+
+
+@dataclass
 class PrecisionConfig:
     # ops computed in fp32 whatever the model precision (megacann.ops names; default: ops.DEFAULT_FP32_OPS)
     fp32_ops: list = field(default_factory=lambda: ["rms_norm"])
@@ -180,6 +195,7 @@ class MegacannConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
     seed: int = 1234
     train_mode: str = "pretrain"  # pretrain | sft
     lora: bool = False
@@ -213,6 +229,7 @@ _SECTION_CLASSES = {
     "distributed": DistributedConfig,
     "logging": LoggingConfig,
     "precision": PrecisionConfig,
+    "training": TrainingConfig,
 }
 TOP_LEVEL_KEYS = [f.name for f in dataclasses.fields(MegacannConfig) if f.name not in _SECTION_CLASSES]
 

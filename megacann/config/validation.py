@@ -23,6 +23,58 @@ NOT_YET_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# Numeric keys and the values they accept (None, where allowed, is checked by the type, not here).
+def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _above(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v > low), f"> {low}"
+
+
+def _fraction() -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: 0.0 <= v < 1.0), "in [0, 1)"
+
+
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "model.ffn_hidden_size": _at_least(1),
+    "model.vocab_size": _at_least(1),
+    "model.max_position_embeddings": _at_least(1),
+    "model.make_vocab_size_divisible_by": _at_least(1),
+    "model.norm_eps": _above(0),
+    "model.rope_theta": _above(0),
+    "model.init_method_std": _above(0),
+    "model.hidden_dropout": _fraction(),
+    "model.attention_dropout": _fraction(),
+    "data.num_workers": _at_least(0),
+    "data.tokenizer_vocab_size": _at_least(258),  # a byte-level BPE: 256 bytes + EOS + pad
+    "optim.weight_decay": _at_least(0),
+    "optim.adam_beta1": _fraction(),
+    "optim.adam_beta2": _fraction(),
+    "optim.adam_eps": _above(0),
+    "optim.warmup_steps": _at_least(0),
+    "optim.initial_loss_scale": _above(0),
+    "optim.loss_scale_window": _at_least(1),
+    "optim.min_loss_scale": _above(0),
+    "distributed.world_size": _at_least(1),
+    "distributed.data_parallel_size": _at_least(1),
+    "distributed.virtual_pipeline_size": _at_least(1),
+    "distributed.bucket_size_mb": _above(0),
+    "distributed.timeout_minutes": _above(0),
+    "logging.ckpt_interval": _at_least(0),
+    "logging.keep_last": _at_least(1),
+    "logging.eval_interval": _at_least(0),
+    "logging.eval_iters": _at_least(1),
+}
+
+
+def check_ranges(cfg: MegacannConfig, source: str) -> None:
+    for key, (accepts, expected) in RANGES.items():
+        value = _value_of(cfg, key)
+        if value is not None and not isinstance(value, bool) and not accepts(value):
+            raise ConfigError(f"{source}: {key} must be {expected}, got {value!r}")
+
+
 def _value_of(cfg: MegacannConfig, dotted: str) -> Any:
     obj: Any = cfg
     for part in dotted.split("."):
@@ -105,6 +157,7 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
     for dotted in CHOICES:
         _check_choice(cfg, dotted, source)
     refuse_unimplemented(cfg, source)
+    check_ranges(cfg, source)
     m, d, o = cfg.model, cfg.distributed, cfg.optim
     for key in ("hidden_size", "num_layers", "num_attention_heads"):
         if getattr(m, key) is None:
@@ -136,6 +189,12 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
         raise ConfigError(
             f"{source}: model.num_attention_heads {m.num_attention_heads} is not divisible by "
             f"model.num_key_value_heads {m.kv_heads}"
+        )
+    if cfg.data.seq_length > m.max_position_embeddings:
+        raise ConfigError(
+            f"{source}: data.seq_length {cfg.data.seq_length} exceeds model.max_position_embeddings "
+            f"{m.max_position_embeddings}, the longest sequence the model is made for: shorten data.seq_length "
+            "or raise model.max_position_embeddings (LLaMA: with rope_scaling to extend a trained model)"
         )
     tp, pp = d.tensor_parallel_size, d.pipeline_parallel_size
     if m.num_attention_heads % tp:
@@ -180,6 +239,7 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
         raise ConfigError(f"{source}: optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     if o.lr <= 0:
         raise ConfigError(f"{source}: optim.lr must be positive, got {o.lr}")
+    check_training_section(cfg, source)
     if o.clip_grad < 0:
         raise ConfigError(f"{source}: optim.clip_grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
     check_profiler_window(cfg.logging.profiler, o.max_steps, source)
@@ -209,4 +269,23 @@ def check_profiler_window(window: Optional[dict], max_steps: int, source: str) -
     if end > max_steps:
         raise ConfigError(
             f"{where}.end_step {end} is past optim.max_steps {max_steps}: the trace would never be written"
+        )
+
+
+def check_training_section(cfg: MegacannConfig, source: str) -> None:
+    """The ``training`` section: skip limits, the loss spike detector and the hang watchdog."""
+    t = cfg.training
+    if t.max_skipped_steps < 1:
+        raise ConfigError(f"{source}: training.max_skipped_steps must be >= 1, got {t.max_skipped_steps}")
+    if t.loss_spike_window < 1:
+        raise ConfigError(f"{source}: training.loss_spike_window must be >= 1, got {t.loss_spike_window}")
+    for key, value in (("loss_spike_factor", t.loss_spike_factor), ("hang_factor", t.hang_factor)):
+        if not (value == 0 or value > 1):  # also refuses nan
+            raise ConfigError(f"{source}: training.{key} must be 0 (off) or a multiple above 1, got {value}")
+    if not t.hang_min_seconds >= 0:
+        raise ConfigError(f"{source}: training.hang_min_seconds must be >= 0, got {t.hang_min_seconds}")
+    if t.skip_loss_spikes and not t.loss_spike_factor:
+        raise ConfigError(
+            f"{source}: training.skip_loss_spikes needs training.loss_spike_factor (the multiple of the running "
+            "mean that counts as a spike), which is 0 (off)"
         )

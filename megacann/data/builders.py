@@ -22,7 +22,7 @@ from megacann.data.sampler import ConsumedSamplesSampler
 from megacann.data.sft import load_sft_samples
 from megacann.data.sft_dataset import SFTDataset
 from megacann.data.sft_templates import get_template
-from megacann.data.sources import resolve_sources
+from megacann.data.sources import DataPathError, resolve_sources
 from megacann.data.tokenizer import TokenizerError, load_tokenizer
 
 
@@ -55,7 +55,10 @@ def _assemble(splits: list[tuple[Optional[float], object, object, float]], train
     train = [(w if w is not None else size, t) for w, t, _, size in splits if t is not None]
     train = [(w, t) for w, t in train if w > 0]
     if not train:
-        raise ValueError(f"{what}: the train split is empty (check data.split and data.weights)")
+        raise DataPathError(
+            f"{what}: the train split holds no usable sample (check data.split and data.weights; SFT records "
+            "whose answer lies beyond data.seq_length are dropped)"
+        )
     valid = [(w if w is not None else size, v) for w, _, v, size in splits if v is not None and v.samples_per_epoch > 0]
     valid = [(w, v) for w, v in valid if w > 0]
     train_ds = _combine([t for _, t in train], [w for w, _ in train], train_n)
@@ -137,12 +140,22 @@ class DataIterators:
 
 
 def build_data_iterators(
-    cfg, tokenizer, consumed_samples: int = 0, dp_rank: int = 0, dp_size: int = 1
+    cfg,
+    tokenizer,
+    consumed_samples: int = 0,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    remaining_steps: Optional[int] = None,
 ) -> DataIterators:
-    """Train and held-out iterators for the recipe; ``consumed_samples`` = steps done x global batch."""
+    """Train and held-out iterators for the recipe from ``consumed_samples`` on (the samples of the steps
+    done, whatever global batch they had). The train order holds ``max_steps x global batch`` samples, or,
+    when a resumed run has ``remaining_steps`` to go with a different global batch than it had, enough
+    for those steps after the consumed samples."""
     d = cfg.data
     global_batch = cfg.global_batch_size
     train_n = cfg.optim.max_steps * global_batch
+    if remaining_steps is not None:  # a resumed run whose global batch changed (another data-parallel size)
+        train_n = max(train_n, consumed_samples + max(0, remaining_steps) * global_batch)
     valid_n = max(cfg.logging.eval_iters, 1) * global_batch
     if cfg.train_mode == "sft":
         train, valid = build_sft_datasets(cfg, tokenizer, train_n, valid_n)

@@ -21,12 +21,14 @@ import sys
 from collections.abc import Iterator
 from typing import Optional
 
+from megacann.errors import MegacannError
+
 INSTRUCTION_NAMES = ("instruction", "prompt", "question", "query", "input")
 OUTPUT_NAMES = ("output", "response", "answer", "completion", "target")
 INPUT_NAMES = ("input", "context")
 
 
-class ConvertError(ValueError):
+class ConvertError(MegacannError, ValueError):
     """An input row that cannot become an SFT record."""
 
 

@@ -21,12 +21,13 @@ import numpy as np
 from megacann.data.cache import cache_root, cached_npy_dir, digest, writable_dir
 from megacann.data.indexed_dataset import IndexedDataset, index_path
 from megacann.data.random_order import permutation
+from megacann.errors import MegacannError
 from megacann.layers.loss import IGNORE_INDEX
 
 BLOCK_SAMPLES = 1 << 16  # epochs are indexed in blocks of about this many samples (one block per small epoch)
 
 
-class DatasetTooSmallError(ValueError):
+class DatasetTooSmallError(MegacannError, ValueError):
     """A split with fewer tokens than one sample."""
 
 

@@ -16,6 +16,8 @@ from typing import Optional, Union
 
 import numpy as np
 
+from megacann.errors import MegacannError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
@@ -33,7 +35,7 @@ DTYPE_CODES: dict[int, type] = {
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(MegacannError, ValueError):
     """An ``.idx`` / ``.bin`` pair that does not follow the format."""
 
 

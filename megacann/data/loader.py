@@ -8,6 +8,7 @@ accelerator (``data.pin_memory: null``) or when asked.
 from __future__ import annotations
 
 import random
+import signal
 from typing import Callable, Optional
 
 import numpy as np
@@ -39,6 +40,9 @@ def collate(items: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
 
 
 def _seed_worker(worker_id: int) -> None:
+    # Ctrl-C reaches every process of the terminal: the trainer decides when to stop (after a step, with a
+    # checkpoint), so a worker must not die mid-step of its KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     seed = torch.initial_seed() % (2**32)  # set by the DataLoader from our seeded generator + worker_id
     np.random.seed(seed)
     random.seed(seed)

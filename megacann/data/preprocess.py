@@ -28,6 +28,7 @@ from megacann.data.default_corpus import default_tokenizer
 from megacann.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab, strip_suffix
 from megacann.data.progress import ProgressBar
 from megacann.data.tokenizer import TokenizerError, load_tokenizer, train_bpe
+from megacann.errors import MegacannError
 
 JSON_EXTS = (".jsonl", ".json")
 TEXT_EXTS = (".txt", ".text", ".md", ".rst", ".py")
@@ -39,7 +40,7 @@ TOKENIZER_HINT = (
 )
 
 
-class PreprocessError(ValueError):
+class PreprocessError(MegacannError, ValueError):
     """An input that cannot be preprocessed as asked."""
 
 

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megacann.data.sft_templates import PromptTemplate
+from megacann.errors import MegacannError
 
 ROLES = ("system", "user", "assistant")
 
 
-class SFTDataError(ValueError):
+class SFTDataError(MegacannError, ValueError):
     """A JSONL line that is not a usable SFT record."""
 
 

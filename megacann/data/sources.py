@@ -18,9 +18,10 @@ import os
 from typing import Optional, Union
 
 from megacann.data.indexed_dataset import exists, strip_suffix
+from megacann.errors import MegacannError
 
 
-class DataPathError(ValueError):
+class DataPathError(MegacannError, ValueError):
     """A ``data.path`` / ``data.weights`` that names no usable data."""
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Optional
 
 from megacann.data.cache import digest, file_digest
+from megacann.errors import MegacannError
 
 # Names of special tokens recognised when a tokenizer directory does not name them itself.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
@@ -23,7 +24,7 @@ PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
 BPE_EOS, BPE_PAD = "<|endoftext|>", "<|pad|>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MegacannError, ValueError):
     """A tokenizer that cannot be found or used."""
 
 

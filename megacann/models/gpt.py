@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.config import ModelConfig
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 
 
@@ -21,12 +21,4 @@ class GPTModel(DecoderLM):
     fill_defaults = staticmethod(gpt_defaults)
 
 
-def check_gpt_config(cfg: MegacannConfig, source: str) -> None:
-    if cfg.data.seq_length > cfg.model.max_position_embeddings:
-        raise ConfigError(
-            f"{source}: data.seq_length {cfg.data.seq_length} exceeds model.max_position_embeddings "
-            f"{cfg.model.max_position_embeddings} (GPT uses learned positions)"
-        )
-
-
-GPT = decoder_model_spec("gpt", GPTModel, check_config=check_gpt_config)
+GPT = decoder_model_spec("gpt", GPTModel)  # seq_length vs positions: config/validation.py

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megacann import parallel_state as ps
 from megacann.config import ModelConfig
+from megacann.errors import MegacannError
 from megacann.layers.lora import (
     ALL_PROJECTIONS,
     FUSED_PROJECTIONS,
@@ -55,7 +56,7 @@ _UNSUPPORTED = {
 }
 
 
-class PeftFormatError(ValueError):
+class PeftFormatError(MegacannError, ValueError):
     """An adapter directory megacann cannot read, or tensors that do not fit the LoRA settings."""
 
 

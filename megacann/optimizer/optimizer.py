@@ -159,8 +159,10 @@ class OptimizerBase:
         """The global gradient norm (every element of the model's gradient counted once)."""
         return global_grad_norm(self.model_params)
 
-    def step(self) -> tuple[bool, Optional[float]]:
-        """Unscale, skip on overflow, clip, update, copy back. Returns (updated, grad_norm before clipping)."""
+    def step(self, veto: Optional[Callable[[float], bool]] = None) -> tuple[bool, Optional[float]]:
+        """Unscale, skip on overflow, clip, update, copy back. Returns (updated, grad_norm before clipping).
+        ``veto(grad_norm)`` returning True skips the update too (parameters and state untouched); it must
+        decide alike on every rank (the norm is global, so a function of it does)."""
         grads = self.grad_buffers.update_grads()
         if self.loss_scaler.dynamic:
             torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)
@@ -169,6 +171,8 @@ class OptimizerBase:
             if found_inf:
                 return False, None
         grad_norm = self.grad_norm()
+        if veto is not None and veto(grad_norm):
+            return False, grad_norm
         clip_grads_(grads, self.clip_grad, grad_norm)
         self.optimizer.step()
         self._copy_master_to_model()

@@ -16,11 +16,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from megacann.errors import MegacannError
 from megacann.pipeline.p2p import EVEN_ORDER, ODD_ORDER
 from megacann.pipeline.plan import Action, Exchange, Forward, build_plan
 
 
-class PlanError(RuntimeError):
+class PlanError(MegacannError, RuntimeError):
     """The plans of a pipeline are inconsistent (would hang or deliver a tensor to the wrong place)."""
 
 

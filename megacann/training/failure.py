@@ -11,13 +11,15 @@ rendezvous store (torchrun's, or the one at MASTER_ADDR:MASTER_PORT):
    if the process is still alive after a grace period (half the collective timeout, at most 60 s),
    prints the record and exits, which on every backend also frees the peers that wait for it;
 3. the failing rank waits (up to the grace period) until the others have acknowledged, so the store,
-   which rank 0 may host, outlives their reading, and then re-raises its own error;
+   which rank 0 may host, outlives their reading (not under torchrun, whose agent hosts the store), and
+   then re-raises its own error;
 4. a rank whose step fails afterwards (gloo reports a closed connection at once) raises
    :class:`PeerFailure` naming the recorded rank, with its own error as the cause.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import functools
@@ -33,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
+from megacann.errors import TrainingAborted
 
 FAILURE_KEY = "megacann/failure"
 ACK_KEY = "megacann/failure_acks"
@@ -69,14 +72,17 @@ def describe_rank() -> str:
     )
 
 
-def _store_client(timeout_s: float) -> Optional[dist.Store]:
-    """A new client of the rendezvous store (one per thread), or None outside a torchrun-style launch."""
+def store_client(timeout_s: float) -> Optional[dist.Store]:
+    """A new client of the rendezvous store (one per thread), or None outside a torchrun-style launch.
+    Keys live under this attempt's prefix: after a restart (torchrun --max-restarts) the store still holds
+    the previous attempt's failure record, which must not end the new ranks."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return None
-    return dist.TCPStore(
+    store = dist.TCPStore(
         addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
     )
+    return dist.PrefixStore(f"megacann/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 class FailureMonitor:
@@ -86,7 +92,7 @@ class FailureMonitor:
         self.rank, self.world_size, self.grace_s = rank, world_size, grace_s
         self.poll_s = min(1.0, max(0.1, grace_s / 20))
         self._store_factory = store_factory
-        self._store = store_factory()  # used by the main thread only
+        self._main_store: Optional[dist.Store] = None  # the main thread's client, made on first use (a failure)
         self._seen: Optional[FailureRecord] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="megacann-failure-monitor", daemon=True)
@@ -96,7 +102,20 @@ class FailureMonitor:
         return self
 
     def stop(self) -> None:
+        """End the monitor thread and wait for it: a thread caught inside a store call when the interpreter
+        exits is terminated by C++ (SIGABRT, "terminate called without an active exception")."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.grace_s + 10)  # a store call in flight returns within its timeout
+        self._main_store = None  # close this client's connection now, before the store it talks to goes away
+
+    @property
+    def _store(self) -> dist.Store:
+        """The main thread's client. Made only when a failure needs it: every connection a rank opens at start
+        waits on the store's host, which may also be busy accepting every other rank's."""
+        if self._main_store is None:
+            self._main_store = self._store_factory()
+        return self._main_store
 
     # -- main thread --------------------------------------------------------------------------------
     def known_failure(self) -> Optional[FailureRecord]:
@@ -118,8 +137,8 @@ class FailureMonitor:
             held = FailureRecord.decode(self._store.compare_set(FAILURE_KEY, "", mine.encode()))
         except Exception:
             return None
-        if held.rank != self.rank:
-            return held
+        if held.rank != self.rank or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return held  # torchrun's agent hosts the store: it outlives this rank, no need to wait
         deadline = time.monotonic() + self.grace_s
         with contextlib.suppress(Exception):
             while self._store.add(ACK_KEY, 0) < self.world_size - 1 and time.monotonic() < deadline:
@@ -151,6 +170,7 @@ class FailureMonitor:
 
 
 _MONITOR: Optional[FailureMonitor] = None
+_AT_EXIT: list[bool] = []
 
 
 def start_failure_monitor(rank: int, world_size: int, timeout_minutes: float) -> Optional[FailureMonitor]:
@@ -160,21 +180,22 @@ def start_failure_monitor(rank: int, world_size: int, timeout_minutes: float) ->
     if _MONITOR is not None or world_size < 2:
         return _MONITOR
     grace = min(60.0, 30.0 * timeout_minutes)  # half the collective timeout, in seconds
-    factory = functools.partial(_store_client, max(5.0, grace))
-    try:
-        if factory() is None:
-            return None
-    except Exception:
-        return None
+    if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+        return None  # no rendezvous store to meet at (store_client would give None)
+    factory = functools.partial(store_client, max(5.0, grace))
     _MONITOR = FailureMonitor(rank, world_size, grace, factory).start()
+    if not _AT_EXIT:  # also for loops that never call shutdown_runtime()
+        atexit.register(stop_failure_monitor)
+        _AT_EXIT.append(True)
     return _MONITOR
 
 
 def stop_failure_monitor() -> None:
+    """Stop and join the monitor thread (safe to call more than once)."""
     global _MONITOR
     if _MONITOR is not None:
-        _MONITOR.stop()
-        _MONITOR = None
+        monitor, _MONITOR = _MONITOR, None
+        monitor.stop()
 
 
 @contextlib.contextmanager
@@ -186,7 +207,7 @@ def failure_guard() -> Iterator[None]:
         return
     try:
         yield
-    except PeerFailure:
+    except (PeerFailure, TrainingAborted):  # a stop every rank decided alike is no rank's failure
         raise
     except Exception as err:
         held = monitor.known_failure()

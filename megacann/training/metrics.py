@@ -90,9 +90,9 @@ class MetricsLogger:
     """Writes ``<output_dir>/metrics.jsonl``, console lines and (optionally) wandb / TensorBoard, on the
     logging rank only. :meth:`start` is called once the starting step is known (after a resume)."""
 
-    def __init__(self, cfg: MegacannConfig, enabled: bool, stream: TextIO = sys.stdout):
+    def __init__(self, cfg: MegacannConfig, enabled: bool, stream: Optional[TextIO] = None):
         self.enabled = enabled
-        self.stream = stream
+        self.stream = stream  # None: sys.stdout as it is when a line is printed
         self.max_steps = cfg.optim.max_steps
         self.path = os.path.join(cfg.experiment.output_dir, "metrics.jsonl")
         self.eta = EtaEstimate(self.max_steps)
@@ -104,7 +104,7 @@ class MetricsLogger:
 
     def print(self, message: str) -> None:
         if self.enabled:
-            print(message, file=self.stream, flush=True)
+            print(message, file=self.stream or sys.stdout, flush=True)
 
     def warn(self, message: str) -> None:
         self.print(f"WARNING: {message}")

@@ -53,6 +53,7 @@ def setup_runtime(cfg: MegacannConfig) -> Runtime:
             virtual_pipeline_model_parallel_size=d.virtual_pipeline_size,
             context_parallel_size=d.context_parallel_size,
             expert_model_parallel_size=d.expert_parallel_size,
+            timeout_minutes=d.timeout_minutes,
         )
     seed_everything(cfg.seed)
     ops.configure(cfg.precision.fused_ops, cfg.precision.fp32_ops)
@@ -61,6 +62,8 @@ def setup_runtime(cfg: MegacannConfig) -> Runtime:
 
 
 def shutdown_runtime() -> None:
+    """End a rank cleanly: stop and join the failure monitor, forget and destroy every process group.
+    Safe to call more than once, and when nothing was started."""
     stop_failure_monitor()
     ps.destroy_model_parallel()
     if dist.is_initialized():

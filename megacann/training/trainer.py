@@ -25,10 +25,20 @@ from megacann.models import ModelSpec
 from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
 from megacann.training.failure import guarded
+from megacann.training.guards import StepGuard
 from megacann.training.metrics import MetricsLogger
+from megacann.training.preflight import (
+    check_checkpoint_model,
+    check_output_dir,
+    check_tokenizer_fits,
+    finished_run_message,
+    resume_path,
+)
 from megacann.training.profiling import StepProfiling
 from megacann.training.recipe import prepare_recipe
 from megacann.training.runtime import Runtime, setup_runtime
+from megacann.training.signals import make_stop_signals, stop_after_signal
+from megacann.training.watchdog import start_watchdog
 
 
 @dataclass
@@ -37,7 +47,7 @@ class TrainState:
 
     step: int = 0  # optimizer updates done
     consumed_samples: int = 0  # samples of the global order already used
-    skipped_steps: int = 0  # fp16 overflow steps
+    skipped_steps: int = 0  # steps without an update: fp16 overflow, or skipped by the step guard
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -80,6 +90,8 @@ class Trainer:
             tokenizer = build_tokenizer(cfg)
         self.tokenizer = tokenizer
         self.run_tokenizer = tokenizer if keep_tokenizer else None
+        if tokenizer is not None and data is None and data_factory is None:  # the recipe's data and tokenizer
+            check_tokenizer_fits(cfg, tokenizer)  # ids past the embedding would fail deep in the first step
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = tokenizer.vocab_size
         self.model_chunks = build_model_chunks(cfg, self.model_spec, device=self.device)
@@ -102,6 +114,7 @@ class Trainer:
         self._data_factory = data_factory
         self._own_data = data is None
         self._checkpointer = None
+        self.guard = StepGuard(cfg.training, log=self.metrics.print)  # non-finite / spiking steps are skipped
 
     # -- data ---------------------------------------------------------------------------------------
     @property
@@ -115,6 +128,7 @@ class Trainer:
                 self.cfg,
                 self.tokenizer,
                 consumed_samples=self.state.consumed_samples,
+                remaining_steps=self.cfg.optim.max_steps - self.state.step,
                 dp_rank=ps.get_data_parallel_rank(),
                 dp_size=ps.get_data_parallel_world_size(),
             )
@@ -169,21 +183,30 @@ class Trainer:
         self.profiling.lap("schedule")
         self.optimizer.finalize_grads()
         self.profiling.lap("grad_comm")
-        updated, grad_norm = self.optimizer.step()
+        aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True))
+        figures = totals.reduce(float(num_tokens.item()), aux_weight)  # loss, auxiliary losses, model stats
+        # the guard skips a non-finite (or spiking) loss or grad norm; both are the same on every rank
+        if self.guard.check_loss(figures["loss"]) is None:
+            updated, grad_norm = self.optimizer.step(veto=self.guard.check_grad_norm)
+        else:
+            updated, grad_norm = False, None
         if updated and self.model_spec.after_optimizer_step is not None:
             self.model_spec.after_optimizer_step(self.model_chunks)
         self.profiling.lap("optimizer")
         self.state.step += 1
+        first_sample = self.state.consumed_samples
         self.state.consumed_samples += self.cfg.global_batch_size
         if not updated:
             self.state.skipped_steps += 1
-        aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True))
+        samples = (first_sample, self.state.consumed_samples)
+        skipped = self.guard.end_step(self.state.step, figures["loss"], updated, samples)  # raises after too many
         result = {
-            **totals.reduce(float(num_tokens.item()), aux_weight),  # loss, auxiliary losses, model stats
+            **figures,
             "grad_norm": grad_norm,
             "lr": lr,
             "num_tokens": int(num_tokens.item()),
             "updated": updated,
+            "skipped": skipped,
         }
         if self.cfg.logging.timers:
             result["stage_timers"] = self._stage_timers()
@@ -237,6 +260,7 @@ class Trainer:
             record["mfu"] = tps * self.flops_per_token / (self.runtime.world_size * self.peak_flops)
         if cfg.model.precision == "fp16":
             record["loss_scale"] = self.optimizer.loss_scale
+        if cfg.model.precision == "fp16" or self.state.skipped_steps:
             record["skipped_steps"] = self.state.skipped_steps
         record.update(self.runtime.accelerator.memory_stats())
         return record
@@ -250,7 +274,7 @@ class Trainer:
 
     @staticmethod
     def _model_metric_names(step_metrics: dict[str, Any]) -> list[str]:
-        own = {"loss", "grad_norm", "lr", "num_tokens", "updated", "stage_timers"}
+        own = {"loss", "grad_norm", "lr", "num_tokens", "updated", "skipped", "stage_timers"}
         return [name for name in step_metrics if name not in own]
 
     def fit(self) -> list[dict[str, Any]]:
@@ -269,35 +293,51 @@ class Trainer:
         self.metrics.print(ops.selection_line(self.runtime.accelerator.device_type))
         self.runtime.accelerator.reset_peak_memory_stats()
         window: list[float] = []  # losses since the last logged step: the logged loss is their mean
-        while self.state.step < cfg.optim.max_steps:
-            self.profiling.before_step(self.state.step + 1)
-            start = time.perf_counter()
-            step_metrics = self.train_step()
-            self.runtime.accelerator.synchronize()
-            step_time = time.perf_counter() - start
-            step = self.state.step
-            self.profiling.after_step(step, step_time)
-            window.append(step_metrics["loss"])
-            if step % log.log_interval == 0 or step == 1 or step == cfg.optim.max_steps:
-                record = self._record({**step_metrics, "loss": sum(window) / len(window)}, step_time)
-                self.profiling.log_window(record, self.metrics.print)  # logging.profile_breakdown
-                self.metrics.log(record)
-                if self.model_spec.metric_warnings is not None:  # e.g. an MoE expert far from its fair share
-                    for line in self.model_spec.metric_warnings(record):
-                        self.metrics.warn(f"step {step}: {line}")
-                history.append(record)
-                window.clear()
-            if log.eval_interval and (step % log.eval_interval == 0 or step == cfg.optim.max_steps):
-                result = self.evaluate()
-                if result is not None:
-                    self.metrics.log({"step": step, **result})
-                    history.append({"step": step, **result})
-            if (log.ckpt_interval and step % log.ckpt_interval == 0) or step == cfg.optim.max_steps:
-                self.save_checkpoint()
-        self.profiling.close()
-        if self._checkpointer is not None:
-            self._checkpointer.wait()  # an asynchronous save is published before training returns
-        self.metrics.close()
+        signals = make_stop_signals(cfg.distributed.timeout_minutes)  # SIGTERM / SIGINT: stop after a step
+        watchdog = start_watchdog(cfg, self.runtime.rank, self.runtime.world_size)  # hangs: report, exit
+        signals.install()
+        try:
+            while self.state.step < cfg.optim.max_steps:
+                self.profiling.before_step(self.state.step + 1)
+                start = time.perf_counter()
+                with watchdog.watch(f"step {self.state.step + 1}", is_step=True):
+                    step_metrics = self.train_step()
+                    self.runtime.accelerator.synchronize()
+                step_time = time.perf_counter() - start
+                step = self.state.step
+                self.profiling.after_step(step, step_time)
+                if step_metrics["skipped"] is None:
+                    window.append(step_metrics["loss"])
+                if step % log.log_interval == 0 or step == 1 or step == cfg.optim.max_steps:
+                    mean = sum(window) / len(window) if window else step_metrics["loss"]
+                    record = self._record({**step_metrics, "loss": mean}, step_time)
+                    self.profiling.log_window(record, self.metrics.print)  # logging.profile_breakdown
+                    self.metrics.log(record)
+                    if self.model_spec.metric_warnings is not None:  # e.g. an MoE expert far from its fair share
+                        for line in self.model_spec.metric_warnings(record):
+                            self.metrics.warn(f"step {step}: {line}")
+                    history.append(record)
+                    window.clear()
+                if log.eval_interval and (step % log.eval_interval == 0 or step == cfg.optim.max_steps):
+                    with watchdog.watch(f"evaluation after step {step}"):
+                        result = self.evaluate()
+                    if result is not None:
+                        self.metrics.log({"step": step, **result})
+                        history.append({"step": step, **result})
+                due = (log.ckpt_interval and step % log.ckpt_interval == 0) or step == cfg.optim.max_steps
+                if due and step_metrics["skipped"] is None:  # a skipped step saves nothing new
+                    with watchdog.watch(f"checkpoint save at step {step}"):
+                        self.save_checkpoint()
+                signum = signals.agreed()
+                if signum is not None:  # saves a checkpoint at this step, raises RunInterrupted
+                    stop_after_signal(self, signum, saved=due and step_metrics["skipped"] is None)
+            if self._checkpointer is not None:
+                self._checkpointer.wait()  # an asynchronous save is published before training returns
+        finally:
+            self.profiling.close()
+            signals.restore()
+            watchdog.stop()
+            self.metrics.close()
         return history
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -339,15 +379,14 @@ class Trainer:
     def resume(self, resume_from: Optional[str] = None) -> Optional[str]:
         """Load ``resume_from`` (a checkpoint directory, or 'latest'), or with None the newest complete
         checkpoint in output_dir if there is one. Returns the path loaded."""
-        from megacann.checkpoint import find_resume_checkpoint
-
         out = self.cfg.experiment.output_dir
-        path = find_resume_checkpoint(out, resume_from)
+        path = resume_path(self.cfg, resume_from)  # errors say why a checkpoint asked for cannot be used
         if path is None:
             self.metrics.print(f"no checkpoint in {out}: starting from step 0")
             return None
         why = f"--resume_from {resume_from}" if resume_from else "automatically: output_dir holds a complete checkpoint"
         self.metrics.print(f"resuming from {path} ({why})")
+        check_checkpoint_model(self.cfg, path)
         self.load_checkpoint(path)
         return path
 
@@ -356,8 +395,15 @@ def train(cfg: MegacannConfig, resume_from: Optional[str] = None) -> list[dict[s
     """Entry point of ``megacann-train``: set up, resume if asked (or if a checkpoint exists), train."""
     from megacann.training.plot import plot_metrics
 
+    check_output_dir(cfg)
+    finished = finished_run_message(cfg, resume_from)
+    if finished is not None:  # a finished run: say so rather than start nothing
+        if os.environ.get("RANK", "0") == "0":
+            print(finished, flush=True)
+        return []
     trainer = Trainer(cfg)
     trainer.resume(resume_from)
+    trainer.data  # noqa: B018 -- built now: a data error is reported before the first step
     if trainer.is_logging_rank:
         os.makedirs(cfg.experiment.output_dir, exist_ok=True)
         with open(os.path.join(cfg.experiment.output_dir, "config.yaml"), "w") as f:
