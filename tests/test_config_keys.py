@@ -106,6 +106,7 @@ READ_BY = {
     "logging.timers": "training/trainer.py",
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
+    "precision.compile": "training/recipe.py",
 }
 # keys whose only effect is through another key that is refused for now
 ONLY_WITH = {key: "lora" for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")}

@@ -155,12 +155,14 @@ class OptimizerBase:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def grad_norm(self) -> float:
-        """The global gradient norm (every element of the model's gradient counted once)."""
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm (every element of the model's gradient counted once), a 0-d device tensor."""
         return global_grad_norm(self.model_params)
 
-    def step(self) -> tuple[bool, Optional[float]]:
-        """Unscale, skip on overflow, clip, update, copy back. Returns (updated, grad_norm before clipping)."""
+    def step(self) -> tuple[bool, Optional[torch.Tensor]]:
+        """Unscale, skip on overflow, clip, update, copy back. Returns (updated, grad_norm before clipping);
+        the norm stays on the device (0-d tensor), so a bf16/fp32 step never waits for the device here
+        (fp16's overflow check must: it decides on the host whether to skip)."""
         grads = self.grad_buffers.update_grads()
         if self.loss_scaler.dynamic:
             torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)

@@ -20,13 +20,15 @@ import torch.distributed as dist
 from megacann import ops
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
+from megacann.layers.compile import compile_blocks
 from megacann.layers.loss import aux_loss_weight, count_target_tokens
 from megacann.models import ModelSpec
 from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
 from megacann.training.failure import guarded
+from megacann.training.host_values import to_host
 from megacann.training.metrics import MetricsLogger
-from megacann.training.recipe import prepare_recipe
+from megacann.training.recipe import compile_backend, prepare_recipe
 from megacann.training.runtime import Runtime, setup_runtime
 
 
@@ -41,6 +43,13 @@ class TrainState:
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def step_values_on_host(result: dict[str, Any]) -> dict[str, Any]:
+    """A step's figures as host numbers (one synchronisation); ``num_tokens`` an int."""
+    values = to_host(result)
+    values["num_tokens"] = int(values["num_tokens"])
+    return values
 
 
 class Trainer:
@@ -78,6 +87,8 @@ class Trainer:
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = tokenizer.vocab_size
         self.model_chunks = build_model_chunks(cfg, self.model_spec, device=self.device)
+        if compile_backend(cfg) is not None:  # precision.compile: torch.compile per transformer block
+            compile_blocks(self.model_chunks, backend=compile_backend(cfg))
         self.named_params = [(n, p) for chunk in self.model_chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
         self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)
@@ -132,8 +143,14 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------------
     @guarded
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self, synchronize: bool = True) -> dict[str, Any]:
         """One optimizer update over grad_accum_steps micro-batches per data-parallel rank.
+
+        The step itself never waits for the device (no ``.item()``): its figures stay device tensors until
+        the end, where ``synchronize=True`` reads them all at once (floats); with ``synchronize=False`` they
+        are returned as tensors, for :func:`~megacann.training.host_values.to_host` when wanted (``fit``
+        reads them only at logging steps). fp16's overflow check and pipeline stages' metric merge are the
+        exceptions: they decide or exchange on the host.
 
         An error on any rank ends every rank promptly, naming the failing one (see training.failure)."""
         for chunk in self.model_chunks:
@@ -149,7 +166,7 @@ class Trainer:
         totals = self.forward_backward(
             self.model_chunks,
             micro_batches,
-            loss_normalizer=float(num_tokens.item()),
+            loss_normalizer=num_tokens,  # a device tensor: the step does not wait for the count
             loss_scale=self.optimizer.loss_scale,
             **timing,
         )
@@ -163,15 +180,15 @@ class Trainer:
             self.state.skipped_steps += 1
         aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size())
         result = {
-            **totals.reduce(float(num_tokens.item()), aux_weight),  # loss, auxiliary losses, model stats
+            **totals.reduce(num_tokens, aux_weight),  # loss, auxiliary losses, model stats (device tensors)
             "grad_norm": grad_norm,
             "lr": lr,
-            "num_tokens": int(num_tokens.item()),
+            "num_tokens": num_tokens,
             "updated": updated,
         }
         if self.timeline is not None:
             result["stage_timers"] = self._stage_timers()
-        return result
+        return step_values_on_host(result) if synchronize else result
 
     @guarded
     @torch.no_grad()
@@ -191,7 +208,7 @@ class Trainer:
                 break
             num_tokens = self._global_token_count(batches)
             totals = self.forward_backward(self.model_chunks, batches, loss_normalizer=1.0, forward_only=True)
-            total_loss += totals.reduce(float(num_tokens.item()), 0.0)["loss"] * num_tokens.item()
+            total_loss += float(totals.reduce(num_tokens, 0.0)["loss"]) * num_tokens.item()
             total_tokens += num_tokens.item()
         if total_tokens == 0:
             return None
@@ -244,26 +261,31 @@ class Trainer:
         )
         self.metrics.print(ops.selection_line(self.runtime.accelerator.device_type))
         self.runtime.accelerator.reset_peak_memory_stats()
-        window: list[float] = []  # losses since the last logged step: the logged loss is their mean
+        # Between logging steps nothing is read on the host, so the host keeps queueing work ahead of the
+        # device; a logging step reads its figures (one synchronisation) and times the steps since the last.
+        window: list[torch.Tensor] = []  # losses (device tensors) since the last logged step: logged as their mean
+        clock, timed_steps = time.perf_counter(), 0
         while self.state.step < cfg.optim.max_steps:
-            start = time.perf_counter()
-            step_metrics = self.train_step()
-            self.runtime.accelerator.synchronize()
-            step_time = time.perf_counter() - start
+            step_metrics = self.train_step(synchronize=False)
+            timed_steps += 1
             step = self.state.step
             window.append(step_metrics["loss"])
             if step % log.log_interval == 0 or step == 1 or step == cfg.optim.max_steps:
-                record = self._record({**step_metrics, "loss": sum(window) / len(window)}, step_time)
+                values = step_values_on_host({**step_metrics, "loss": torch.stack(window).double().mean()})
+                record = self._record(values, (time.perf_counter() - clock) / timed_steps)
                 self.metrics.log(record)
                 history.append(record)
                 window.clear()
+                clock, timed_steps = time.perf_counter(), 0
             if log.eval_interval and (step % log.eval_interval == 0 or step == cfg.optim.max_steps):
                 result = self.evaluate()
                 if result is not None:
                     self.metrics.log({"step": step, **result})
                     history.append({"step": step, **result})
+                clock, timed_steps = time.perf_counter(), 0  # evaluation is not training time
             if (log.ckpt_interval and step % log.ckpt_interval == 0) or step == cfg.optim.max_steps:
                 self.save_checkpoint()
+                clock, timed_steps = time.perf_counter(), 0  # nor is saving
         if self._checkpointer is not None:
             self._checkpointer.wait()  # an asynchronous save is published before training returns
         self.metrics.close()
