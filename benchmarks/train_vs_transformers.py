@@ -22,7 +22,9 @@ import torch
 from megacann.config import config_from_dict, validate
 
 
-def megacann_trainer(args, precision: str):
+def megacann_trainer(args, precision: str, compile_backend=None):
+    """megacann's Trainer for the shape in ``args`` on synthetic data (one fixed batch); ``compile_backend``
+    sets precision.compile (torch.compile per transformer block)."""
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -41,6 +43,7 @@ def megacann_trainer(args, precision: str):
         "data": {"seq_length": args.seq, "batch_size": args.micro_batch},
         "optim": {"lr": 1e-4, "max_steps": 10_000, "clip_grad": 1.0, "weight_decay": 0.1},
         "distributed": {"device": args.device},
+        "precision": {"compile": compile_backend or False},
     }
     cfg = config_from_dict(raw)
     validate(cfg, world_size=1)
@@ -53,8 +56,7 @@ def megacann_trainer(args, precision: str):
         def valid():
             return None
 
-    trainer = Trainer(cfg, setup_runtime(cfg), data=Data())
-    return trainer.train_step
+    return Trainer(cfg, setup_runtime(cfg), data=Data())
 
 
 def hf_step(args, precision: str):
@@ -108,8 +110,11 @@ def timed(step, n: int, device: str) -> float:
 PRESETS = {
     # the issue's CPU shape
     "cpu": dict(hidden=512, layers=8, heads=8, kv_heads=8, ffn=1376, vocab=32000, seq=512, micro_batch=8),
-    # REFERENCE.md's GPU anchor shape (TinyLlama 1.1B), seq 2048, micro-batch 8
+    # the GPU anchor shapes (TinyLlama 1.1B and a 125M LLaMA), seq 2048, micro-batch 8
     "1.1B": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, seq=2048, micro_batch=8),
+    "125M": dict(hidden=768, layers=12, heads=12, kv_heads=12, ffn=2048, vocab=32000, seq=2048, micro_batch=8),
+    # a dry-run shape: seconds on a CPU
+    "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, ffn=352, vocab=1024, seq=128, micro_batch=2),
 }
 
 
@@ -131,9 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def flops_per_token(args) -> float:
-    """PaLM formula (REFERENCE.md §4), as megacann.models.sizing computes it."""
+    """Training FLOPs per token by the PaLM formula (6N + 12LHQT), as the llama family's spec computes it."""
     from megacann.config import ModelConfig
-    from megacann.models.sizing import flops_per_token as palm
+    from megacann.models import get_model_spec
 
     cfg = ModelConfig(
         hidden_size=args.hidden,
@@ -143,7 +148,7 @@ def flops_per_token(args) -> float:
         ffn_hidden_size=args.ffn,
         vocab_size=args.vocab,
     )
-    return palm(cfg, args.seq)
+    return get_model_spec("llama").flops_per_token(cfg, args.seq)
 
 
 def main(argv=None) -> dict:
@@ -156,7 +161,7 @@ def main(argv=None) -> dict:
     )
     results = {}
     for precision in args.precision:
-        systems = {"transformers": hf_step(args, precision), "megacann": megacann_trainer(args, precision)}
+        systems = {"transformers": hf_step(args, precision), "megacann": megacann_trainer(args, precision).train_step}
         for step in systems.values():  # warm-up
             step()
         times: dict[str, list[float]] = {name: [] for name in systems}
