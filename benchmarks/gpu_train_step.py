@@ -2,8 +2,9 @@
 
 A megacann row is the real :class:`~megacann.training.Trainer` step on synthetic data: bf16 parameters with
 fp32 master weights and fp32 gradient buffers, fused AdamW (weight decay 0.1), global-norm clipping at
-1.0, the fused chunked head loss; variants: ``eager`` and ``compile`` (``precision.compile: true``,
-torch.compile per transformer block). Shapes: the 1.1B TinyLlama shape (d2048, 22 layers, 32/4 heads,
+1.0, the fused chunked head loss; variants: ``eager``, ``compile`` (``precision.compile: true``,
+torch.compile per transformer block) and ``compile-head`` (also the opt-in ``compiled`` head loss of
+:mod:`megacann.ops.cuda`, whose per-chunk arithmetic is compiled; CUDA only). Shapes: the 1.1B TinyLlama shape (d2048, 22 layers, 32/4 heads,
 ffn 5632, vocab 32000) and a 125M LLaMA (d768, 12 layers, ffn 2048), seq 2048, micro-batch 8.
 
 For each row: tokens/s, TFLOP/s by the PaLM formula (the llama spec's ``flops_per_token``), MFU against
@@ -47,16 +48,28 @@ from megacann import ops  # noqa: E402
 
 DATASHEET_PEAK = 989e12  # dense bf16 FLOP/s of an H100 / H200 SXM
 DEVBENCH = os.path.join(ROOT, ".devbench")
-# comparison rows (script, argument), in the order they are run after megacann's rows of the same shape
-ANCHORS = {
+# every row of a shape, most wanted first (the budget may cut the tail): megacann's variants by name,
+# the comparison aids by (script, argument)
+ORDER = {
     "1.1B": [
+        "compile",
         ("limit_gpu.py", "mixed"),
         ("anchor_gpu.py", "hf-compile:1.1B"),
         ("anchor_gpu.py", "hf-eager:1.1B"),
+        "compile-head",
+        "eager",
         ("anchor_gpu.py", "hf-bf16:1.1B"),
     ],
-    "125M": [("anchor_gpu.py", "hf-compile:125M"), ("anchor_gpu.py", "hf-eager:125M")],
+    "125M": [
+        "compile",
+        ("anchor_gpu.py", "hf-compile:125M"),
+        ("anchor_gpu.py", "hf-eager:125M"),
+        "compile-head",
+        "eager",
+    ],
+    "tiny": ["compile", "compile-head", "eager"],
 }
+VARIANTS = ("compile", "compile-head", "eager")  # compile-head: + the compiled head-loss arithmetic (CUDA)
 
 
 def synchronize(device: str) -> None:
@@ -98,7 +111,9 @@ def run_megacann_row(args) -> dict:
     """One megacann row, in this process: build, warm up (compiles), time ``--steps`` steps."""
     preset, variant = args.row.split(":")[1:]
     shape = argparse.Namespace(**{**PRESETS[preset], "device": args.device})
-    backend = (args.compile_backend or True) if variant == "compile" else None
+    backend = (args.compile_backend or True) if variant.startswith("compile") else None
+    if variant == "compile-head":  # before the trainer resolves ops (compiled blocks cache the choice)
+        ops.pin("vocab_parallel_head_loss", "compiled")
     torch.manual_seed(0)
     start = time.perf_counter()
     trainer = megacann_trainer(shape, "bf16", compile_backend=backend)
@@ -178,15 +193,17 @@ def plan_rows(args) -> list[tuple[str, str, list[str]]]:
     """(size, label, command) of every row, in priority order."""
     rows = []
     for preset in args.preset:
-        for variant in args.variants:
-            label = f"megacann-{variant}:{preset}"
-            cmd = [sys.executable, os.path.abspath(__file__), "--row", f"megacann:{preset}:{variant}"]
-            cmd += ["--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            if args.compile_backend:
-                cmd += ["--compile-backend", args.compile_backend]
-            rows.append((preset, label, cmd))
-        if args.device == "cuda" and not args.no_anchors:
-            for script, arg in ANCHORS.get(preset, []):
+        for entry in ORDER[preset]:
+            if isinstance(entry, str):
+                if entry not in args.variants:
+                    continue
+                cmd = [sys.executable, os.path.abspath(__file__), "--row", f"megacann:{preset}:{entry}"]
+                cmd += ["--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                if args.compile_backend:
+                    cmd += ["--compile-backend", args.compile_backend]
+                rows.append((preset, f"megacann-{entry}:{preset}", cmd))
+            elif args.device == "cuda" and not args.no_anchors:
+                script, arg = entry
                 path = os.path.join(DEVBENCH, script)
                 if os.path.exists(path):
                     rows.append((preset, f"{script[:-3]} {arg}", [sys.executable, path, arg]))
@@ -211,7 +228,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--preset", nargs="+", default=None, choices=["1.1B", "125M", "tiny"])
-    parser.add_argument("--variants", nargs="+", default=["compile", "eager"], choices=["compile", "eager"])
+    parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS, help="megacann rows (default: all)")
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend of the compile rows")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
@@ -228,6 +245,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.preset is None:
         args.preset = ["1.1B", "125M"] if args.device == "cuda" else ["tiny"]
+    if args.variants is None:
+        args.variants = list(VARIANTS) if args.device == "cuda" else ["compile", "eager"]
+    if "compile-head" in args.variants and args.device != "cuda":
+        parser.error("--variants compile-head: the compiled head loss is registered for CUDA only")
     return args
 
 

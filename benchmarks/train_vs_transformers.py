@@ -43,7 +43,7 @@ def megacann_trainer(args, precision: str, compile_backend=None):
         "data": {"seq_length": args.seq, "batch_size": args.micro_batch},
         "optim": {"lr": 1e-4, "max_steps": 10_000, "clip_grad": 1.0, "weight_decay": 0.1},
         "distributed": {"device": args.device},
-        "precision": {"compile": compile_backend or False},
+        "precision": {"compile": compile_backend or False, "fused_ops": not getattr(args, "reference_ops", False)},
     }
     cfg = config_from_dict(raw)
     validate(cfg, world_size=1)
@@ -128,6 +128,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per system")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument(
+        "--compile", nargs="?", const=True, default=None, help="megacann with precision.compile (optionally a backend)"
+    )
+    parser.add_argument("--reference-ops", action="store_true", help="megacann with precision.fused_ops: false")
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -158,10 +162,12 @@ def main(argv=None) -> dict:
     print(
         f"LLaMA d{args.hidden} x {args.layers} layers, heads {args.heads}/{args.kv_heads}, ffn {args.ffn}, "
         f"vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro_batch}, {args.threads} threads, torch {torch.__version__}"
+        f", megacann compile {args.compile or False}, fused ops {not args.reference_ops}"
     )
     results = {}
     for precision in args.precision:
-        systems = {"transformers": hf_step(args, precision), "megacann": megacann_trainer(args, precision).train_step}
+        trainer = megacann_trainer(args, precision, compile_backend=args.compile)
+        systems = {"transformers": hf_step(args, precision), "megacann": trainer.train_step}
         for step in systems.values():  # warm-up
             step()
         times: dict[str, list[float]] = {name: [] for name in systems}
@@ -177,7 +183,7 @@ def main(argv=None) -> dict:
             f"megacann {row['megacann']:,.0f} tok/s ({tflops['megacann']:.1f} TFLOP/s) | ratio {ratio:.2f}x",
             flush=True,
         )
-        del systems
+        del systems, trainer
         from megacann.training.runtime import shutdown_runtime
 
         shutdown_runtime()
