@@ -48,6 +48,8 @@ def megacann_trainer(args, precision: str, compile_backend=None):
     cfg = config_from_dict(raw)
     validate(cfg, world_size=1)
     batch = fixed_batch(args)
+    if args.device == "cuda":
+        batch = batch.pin_memory()  # as a data loader with data.pin_memory hands it over: copies need no sync
 
     class Data:
         train = iter(lambda: {"tokens": batch, "labels": batch}, None)

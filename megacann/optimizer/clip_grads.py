@@ -30,6 +30,11 @@ def _all_reduce_sum(value: torch.Tensor, groups: Iterable[Optional[dist.ProcessG
     return value
 
 
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of the squared L2 norms of ``grads``, in fp32 (one multi-tensor kernel on CUDA)."""
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2).sum()
+
+
 def global_grad_norm(
     params: Iterable[torch.nn.Parameter],
     grads: Optional[Iterable[torch.Tensor]] = None,
@@ -52,9 +57,9 @@ def global_grad_norm(
     device = (dense or expert or grads or [torch.zeros(1)])[0].device
     sums = torch.zeros(2, dtype=torch.float32, device=device)
     if dense:
-        sums[0] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in dense]).sum()
+        sums[0] = _sum_of_squares(dense)
     if expert:
-        sums[1] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in expert]).sum()
+        sums[1] = _sum_of_squares(expert)
     if sharded_over_data_parallel:
         dense_sum = _all_reduce_sum(sums[:1].clone(), [ps.get_data_parallel_group()])
         expert_sum = _all_reduce_sum(sums[1:].clone(), [ps.get_expert_data_parallel_group()])
