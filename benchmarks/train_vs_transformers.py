@@ -134,6 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--compile", nargs="?", const=True, default=None, help="megacann with precision.compile (optionally a backend)"
     )
     parser.add_argument("--reference-ops", action="store_true", help="megacann with precision.fused_ops: false")
+    parser.add_argument(
+        "--versus-compiled", action="store_true", help="megacann eager against megacann with compiled blocks"
+    )
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -167,9 +170,15 @@ def main(argv=None) -> dict:
         f", megacann compile {args.compile or False}, fused ops {not args.reference_ops}"
     )
     results = {}
+    baseline = "megacann" if args.versus_compiled else "transformers"
+    other = "megacann-compiled" if args.versus_compiled else "megacann"
     for precision in args.precision:
-        trainer = megacann_trainer(args, precision, compile_backend=args.compile)
-        systems = {"transformers": hf_step(args, precision), "megacann": trainer.train_step}
+        trainers = [megacann_trainer(args, precision, compile_backend=args.compile)]
+        if args.versus_compiled:  # megacann eager vs megacann with compiled blocks, both in this process
+            trainers.append(megacann_trainer(args, precision, compile_backend=args.compile or True))
+            systems = {baseline: trainers[0].train_step, other: trainers[1].train_step}
+        else:
+            systems = {baseline: hf_step(args, precision), other: trainers[0].train_step}
         for step in systems.values():  # warm-up
             step()
         times: dict[str, list[float]] = {name: [] for name in systems}
@@ -178,14 +187,14 @@ def main(argv=None) -> dict:
                 times[name].append(timed(step, args.steps, args.device))
         row = {name: tokens / statistics.median(t) for name, t in times.items()}
         results[precision] = row
-        ratio = row["megacann"] / row["transformers"]
+        ratio = row[other] / row[baseline]
         tflops = {name: tps * flops_per_token(args) / 1e12 for name, tps in row.items()}
         print(
-            f"{precision}: transformers {row['transformers']:,.0f} tok/s ({tflops['transformers']:.1f} TFLOP/s) | "
-            f"megacann {row['megacann']:,.0f} tok/s ({tflops['megacann']:.1f} TFLOP/s) | ratio {ratio:.2f}x",
+            f"{precision}: {baseline} {row[baseline]:,.0f} tok/s ({tflops[baseline]:.3g} TFLOP/s) | "
+            f"{other} {row[other]:,.0f} tok/s ({tflops[other]:.3g} TFLOP/s) | ratio {ratio:.2f}x",
             flush=True,
         )
-        del systems, trainer
+        del systems, trainers
         from megacann.training.runtime import shutdown_runtime
 
         shutdown_runtime()
