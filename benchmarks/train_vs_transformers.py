@@ -22,7 +22,9 @@ import torch
 from megacann.config import config_from_dict, validate
 
 
-def megacann_trainer(args, precision: str):
+def megacann_trainer(args, precision: str, compile_backend=None):
+    """megacann's Trainer for the shape in ``args`` on synthetic data (one fixed batch); ``compile_backend``
+    sets precision.compile (torch.compile per transformer block)."""
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -41,10 +43,13 @@ def megacann_trainer(args, precision: str):
         "data": {"seq_length": args.seq, "batch_size": args.micro_batch},
         "optim": {"lr": 1e-4, "max_steps": 10_000, "clip_grad": 1.0, "weight_decay": 0.1},
         "distributed": {"device": args.device},
+        "precision": {"compile": compile_backend or False, "fused_ops": not getattr(args, "reference_ops", False)},
     }
     cfg = config_from_dict(raw)
     validate(cfg, world_size=1)
     batch = fixed_batch(args)
+    if args.device == "cuda":
+        batch = batch.pin_memory()  # as a data loader with data.pin_memory hands it over: copies need no sync
 
     class Data:
         train = iter(lambda: {"tokens": batch, "labels": batch}, None)
@@ -53,8 +58,7 @@ def megacann_trainer(args, precision: str):
         def valid():
             return None
 
-    trainer = Trainer(cfg, setup_runtime(cfg), data=Data())
-    return trainer.train_step
+    return Trainer(cfg, setup_runtime(cfg), data=Data())
 
 
 def hf_step(args, precision: str):
@@ -108,8 +112,11 @@ def timed(step, n: int, device: str) -> float:
 PRESETS = {
     # the issue's CPU shape
     "cpu": dict(hidden=512, layers=8, heads=8, kv_heads=8, ffn=1376, vocab=32000, seq=512, micro_batch=8),
-    # REFERENCE.md's GPU anchor shape (TinyLlama 1.1B), seq 2048, micro-batch 8
+    # the GPU anchor shapes (TinyLlama 1.1B and a 125M LLaMA), seq 2048, micro-batch 8
     "1.1B": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, seq=2048, micro_batch=8),
+    "125M": dict(hidden=768, layers=12, heads=12, kv_heads=12, ffn=2048, vocab=32000, seq=2048, micro_batch=8),
+    # a dry-run shape: seconds on a CPU
+    "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, ffn=352, vocab=1024, seq=128, micro_batch=2),
 }
 
 
@@ -123,6 +130,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per system")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument(
+        "--compile", nargs="?", const=True, default=None, help="megacann with precision.compile (optionally a backend)"
+    )
+    parser.add_argument("--reference-ops", action="store_true", help="megacann with precision.fused_ops: false")
+    parser.add_argument(
+        "--versus-compiled", action="store_true", help="megacann eager against megacann with compiled blocks"
+    )
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -131,9 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def flops_per_token(args) -> float:
-    """PaLM formula (REFERENCE.md §4), as megacann.models.sizing computes it."""
+    """Training FLOPs per token by the PaLM formula (6N + 12LHQT), as the llama family's spec computes it."""
     from megacann.config import ModelConfig
-    from megacann.models.sizing import flops_per_token as palm
+    from megacann.models import get_model_spec
 
     cfg = ModelConfig(
         hidden_size=args.hidden,
@@ -143,7 +157,7 @@ def flops_per_token(args) -> float:
         ffn_hidden_size=args.ffn,
         vocab_size=args.vocab,
     )
-    return palm(cfg, args.seq)
+    return get_model_spec("llama").flops_per_token(cfg, args.seq)
 
 
 def main(argv=None) -> dict:
@@ -153,10 +167,18 @@ def main(argv=None) -> dict:
     print(
         f"LLaMA d{args.hidden} x {args.layers} layers, heads {args.heads}/{args.kv_heads}, ffn {args.ffn}, "
         f"vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro_batch}, {args.threads} threads, torch {torch.__version__}"
+        f", megacann compile {args.compile or False}, fused ops {not args.reference_ops}"
     )
     results = {}
+    baseline = "megacann" if args.versus_compiled else "transformers"
+    other = "megacann-compiled" if args.versus_compiled else "megacann"
     for precision in args.precision:
-        systems = {"transformers": hf_step(args, precision), "megacann": megacann_trainer(args, precision)}
+        trainers = [megacann_trainer(args, precision, compile_backend=args.compile)]
+        if args.versus_compiled:  # megacann eager vs megacann with compiled blocks, both in this process
+            trainers.append(megacann_trainer(args, precision, compile_backend=args.compile or True))
+            systems = {baseline: trainers[0].train_step, other: trainers[1].train_step}
+        else:
+            systems = {baseline: hf_step(args, precision), other: trainers[0].train_step}
         for step in systems.values():  # warm-up
             step()
         times: dict[str, list[float]] = {name: [] for name in systems}
@@ -165,14 +187,14 @@ def main(argv=None) -> dict:
                 times[name].append(timed(step, args.steps, args.device))
         row = {name: tokens / statistics.median(t) for name, t in times.items()}
         results[precision] = row
-        ratio = row["megacann"] / row["transformers"]
+        ratio = row[other] / row[baseline]
         tflops = {name: tps * flops_per_token(args) / 1e12 for name, tps in row.items()}
         print(
-            f"{precision}: transformers {row['transformers']:,.0f} tok/s ({tflops['transformers']:.1f} TFLOP/s) | "
-            f"megacann {row['megacann']:,.0f} tok/s ({tflops['megacann']:.1f} TFLOP/s) | ratio {ratio:.2f}x",
+            f"{precision}: {baseline} {row[baseline]:,.0f} tok/s ({tflops[baseline]:.3g} TFLOP/s) | "
+            f"{other} {row[other]:,.0f} tok/s ({tflops[other]:.3g} TFLOP/s) | ratio {ratio:.2f}x",
             flush=True,
         )
-        del systems
+        del systems, trainers
         from megacann.training.runtime import shutdown_runtime
 
         shutdown_runtime()

@@ -129,6 +129,7 @@ READ_BY = {
     "training.save_on_signal": "training/signals.py",
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
+    "precision.compile": "training/recipe.py",
 }
 # keys whose only effect is through another key that is refused for now
 ONLY_WITH = {key: "lora" for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")}

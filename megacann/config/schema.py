@@ -184,6 +184,8 @@ class PrecisionConfig:
     # ops computed in fp32 whatever the model precision (megacann.ops names; default: ops.DEFAULT_FP32_OPS)
     fp32_ops: list = field(default_factory=lambda: ["rms_norm"])
     fused_ops: Union[bool, list] = True  # true: every available fused op; false: none; list: only those
+    # torch.compile each transformer block: false | true (inductor) | a torch.compile backend name
+    compile: Union[bool, str] = False
 
 
 @dataclass

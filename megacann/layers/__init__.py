@@ -9,6 +9,7 @@ see docs/context_parallel.md.
 """
 
 from megacann.layers.attention import SelfAttention
+from megacann.layers.compile import compile_blocks
 from megacann.layers.context_parallel import (
     CONTEXT_PARALLEL_ALGORITHMS,
     context_parallel_attention,
@@ -162,6 +163,8 @@ __all__ = [
     "model_parallel_manual_seed",
     "dropout",
     "checkpoint",
+    # torch.compile per transformer block
+    "compile_blocks",
     # sharding metadata
     "ParamSharding",
     "get_sharding",

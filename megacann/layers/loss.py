@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -181,10 +181,15 @@ def aux_loss_weight(num_micro_batches: int, data_parallel_size: int) -> float:
 
 
 def backward_objective(
-    output: ChunkOutput, *, normalizer: float, aux_weight: float, loss_scale: float = 1.0
+    output: ChunkOutput,
+    *,
+    normalizer: Union[float, torch.Tensor],
+    aux_weight: float,
+    loss_scale: float = 1.0,
 ) -> Optional[torch.Tensor]:
     """The scalar a chunk's backward starts from, besides the gradient its hidden states receive:
-    ``(sum(token_loss) / normalizer + aux_weight * sum(aux_losses)) * loss_scale``; None when neither."""
+    ``(sum(token_loss) / normalizer + aux_weight * sum(aux_losses)) * loss_scale``; None when neither.
+    ``normalizer`` may be a device tensor (the token count), so the step need not read it on the host."""
     objective = None
     if output.token_loss is not None:
         objective = output.token_loss.sum() * (loss_scale / normalizer)
@@ -210,35 +215,37 @@ class LossTotals:
                 value = value.detach().float()
                 target[name] = target[name] + value if name in target else value
 
-    def reduce(self, num_tokens: float, aux_weight: float) -> dict[str, object]:
+    def reduce(self, num_tokens: Union[float, torch.Tensor], aux_weight: float) -> dict[str, torch.Tensor]:
         """The step's figures, the same on every rank: ``loss`` (mean per target token of the global batch),
         each auxiliary loss as its mean over micro-batches and data-parallel ranks (summed over layers
-        and stages), each stat summed over everything (a float, or a list for a vector). Sums run over the
-        data-parallel x context-parallel group: each cp rank holds the losses of its share of the tokens."""
+        and stages), each stat summed over everything. Sums run over the data-parallel x context-parallel
+        group: each cp rank holds the losses of its share of the tokens. Tensors (the loss 0-d, the others
+        1-d) left on the device, so reading them is the caller's choice (:func:`megacann.training.to_host`
+        reads them all at once); with pipeline parallelism the stages' names are merged on the host (one
+        synchronisation)."""
         dp, pp = ps.get_data_parallel_group(with_context_parallel=True), ps.get_pipeline_model_parallel_group()
         names = sorted(self.aux), sorted(self.stats)
         parts = [self.token_loss.reshape(1)]
         parts += [self.aux[n].reshape(-1) for n in names[0]] + [self.stats[n].reshape(-1) for n in names[1]]
         flat = all_reduce_if_parallel(torch.cat(parts), dp)  # every data-parallel rank holds the same names
-        local: dict[str, torch.Tensor] = {}
+        merged: dict[str, torch.Tensor] = {"loss": flat[0]}
         offset = 1
         for prefix, group_names, source in (("aux", names[0], self.aux), ("stats", names[1], self.stats)):
             for n in group_names:
                 size = source[n].numel()
-                local[f"{prefix}/{n}"] = flat[offset : offset + size].cpu()
+                merged[f"{prefix}/{n}"] = flat[offset : offset + size]
                 offset += size
-        merged = {"loss": flat[:1].cpu()}
-        merged.update(local)
         if pp is not None and dist.get_world_size(pp) > 1:  # stages hold different layers, hence names
             gathered: list = [None] * dist.get_world_size(pp)
-            dist.all_gather_object(gathered, merged, group=pp)
+            dist.all_gather_object(gathered, {name: value.cpu() for name, value in merged.items()}, group=pp)
             merged = {}
             for stage in gathered:
                 for name, value in stage.items():
                     merged[name] = merged[name] + value if name in merged else value
-        out: dict[str, object] = {"loss": float(merged.pop("loss")) / max(1.0, num_tokens)}
+        loss = merged.pop("loss")
+        count = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss.device).reshape(())
+        out: dict[str, torch.Tensor] = {"loss": loss / count.clamp(min=1.0)}
         for name, value in sorted(merged.items()):
             kind, short = name.split("/", 1)
-            value = value * aux_weight if kind == "aux" else value
-            out[short] = float(value) if value.numel() == 1 else [float(v) for v in value]
+            out[short] = value * aux_weight if kind == "aux" else value
         return out

@@ -182,6 +182,13 @@ class TransformerBlock(torch.nn.Module):
             return checkpoint(self._forward, hidden, cos, sin, segment_ids)
         return self._forward(hidden, cos, sin, segment_ids)
 
+    def compile_forward(self, **compile_kwargs: Any) -> None:
+        """Run the block's computation under ``torch.compile(**compile_kwargs)`` from now on (norms, RoPE,
+        SwiGLU and residual adds fused into generated kernels). The activation-checkpoint wrapper of
+        ``recompute="full"`` stays outside the compiled region: backward recomputes the compiled forward.
+        See :func:`megacann.layers.compile_blocks`."""
+        self._forward = torch.compile(type(self)._forward.__get__(self), **compile_kwargs)
+
     def _forward(
         self,
         hidden: torch.Tensor,

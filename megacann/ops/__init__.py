@@ -9,7 +9,7 @@ name        what                                                                
 npu         torch_npu's CANN kernels (:mod:`megacann.ops.npu`)                               npu
 cpp         megacann's C++ kernels from ``csrc/`` (:mod:`megacann.ops.cpp`)                  cpu
 fused       the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)            cpu, cuda
-compiled    ``torch.compile`` of norm / RoPE / SwiGLU, opt-in (:mod:`megacann.ops.cuda`)     cuda
+compiled    ``torch.compile`` of norm, RoPE, SwiGLU, head loss; opt-in (``ops.cuda``)        cuda
 apex        apex's fused RMSNorm, opt-in, if installed                                       cuda
 reference   PyTorch (:mod:`megacann.ops.reference`), always there                             any
 ==========  ===============================================================================  ============

@@ -30,12 +30,19 @@ def _all_reduce_sum(value: torch.Tensor, groups: Iterable[Optional[dist.ProcessG
     return value
 
 
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of the squared L2 norms of ``grads``, in fp32 (one multi-tensor kernel on CUDA)."""
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2).sum()
+
+
 def global_grad_norm(
     params: Iterable[torch.nn.Parameter],
     grads: Optional[Iterable[torch.Tensor]] = None,
     sharded_over_data_parallel: bool = False,
-) -> float:
-    """L2 norm of the gradients over the whole model (TP shards, pipeline stages and expert ranks).
+) -> torch.Tensor:
+    """L2 norm of the gradients over the whole model (TP shards, pipeline stages and expert ranks), as a
+    0-d fp32 tensor on the gradients' device: reading it (``float(norm)``) is the caller's choice, so a
+    training step need not wait for the device here.
 
     ``grads`` are the gradients of ``params`` in the same order (default: each one's ``main_grad``). With
     ``sharded_over_data_parallel`` (ZeRO) every rank of the data-parallel x context-parallel group (the
@@ -51,9 +58,9 @@ def global_grad_norm(
     device = (dense or expert or grads or [torch.zeros(1)])[0].device
     sums = torch.zeros(2, dtype=torch.float32, device=device)
     if dense:
-        sums[0] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in dense]).sum()
+        sums[0] = _sum_of_squares(dense)
     if expert:
-        sums[1] = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in expert]).sum()
+        sums[1] = _sum_of_squares(expert)
     if sharded_over_data_parallel:
         dense_sum = _all_reduce_sum(sums[:1].clone(), [ps.get_data_parallel_group(with_context_parallel=True)])
         expert_sum = _all_reduce_sum(sums[1:].clone(), [ps.get_expert_data_parallel_group(with_context_parallel=True)])
@@ -62,15 +69,19 @@ def global_grad_norm(
     if expert:  # expert shards differ across the expert-parallel group as well
         expert_sum = _all_reduce_sum(sums[1:].clone(), [ps.get_expert_model_parallel_group()])
         sums[1] = expert_sum[0]
-    return float(sums.sum().sqrt().item())
+    return sums.sum().sqrt()
 
 
-def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> float:
-    """Scale ``grads`` in place so their global norm is at most ``max_norm``; returns the factor used."""
-    if max_norm <= 0 or not torch.isfinite(torch.tensor(total_norm)):
-        return 1.0
-    factor = max_norm / (total_norm + 1e-6)
-    if factor < 1.0:
-        torch._foreach_mul_(grads, factor)
-        return factor
-    return 1.0
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> Optional[torch.Tensor]:
+    """Scale ``grads`` in place so their global norm is at most ``max_norm``; returns the factor used (a
+    0-d tensor; 1 when the norm is within bounds or not finite), or None when clipping is off.
+
+    Computed on the device, without reading the norm on the host: the factor is applied unconditionally
+    (a multiply by 1 when no clipping is needed), the price of not synchronising inside the step."""
+    if max_norm <= 0 or not grads:
+        return None
+    total_norm = torch.as_tensor(total_norm, dtype=torch.float32, device=grads[0].device)
+    factor = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    factor = torch.where(torch.isfinite(total_norm), factor, torch.ones_like(factor))
+    torch._foreach_mul_(grads, factor)
+    return factor

@@ -155,12 +155,14 @@ class OptimizerBase:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def grad_norm(self) -> float:
-        """The global gradient norm (every element of the model's gradient counted once)."""
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm (every element of the model's gradient counted once), a 0-d device tensor."""
         return global_grad_norm(self.model_params)
 
-    def step(self, veto: Optional[Callable[[float], bool]] = None) -> tuple[bool, Optional[float]]:
-        """Unscale, skip on overflow, clip, update, copy back. Returns (updated, grad_norm before clipping).
+    def step(self, veto: Optional[Callable[[torch.Tensor], bool]] = None) -> tuple[bool, Optional[torch.Tensor]]:
+        """Unscale, skip on overflow, clip, update, copy back. Returns (updated, grad_norm before clipping);
+        the norm stays on the device (0-d tensor): a bf16/fp32 step waits for the device only if ``veto``
+        reads it (fp16's overflow check must wait: it decides on the host whether to skip).
         ``veto(grad_norm)`` returning True skips the update too (parameters and state untouched); it must
         decide alike on every rank (the norm is global, so a function of it does)."""
         grads = self.grad_buffers.update_grads()

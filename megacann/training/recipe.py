@@ -4,11 +4,13 @@ starts), the dry run and the planner."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Optional
 
 from megacann import ops
 from megacann.config import ConfigError, MegacannConfig, validate
 from megacann.config.advice import advise
+from megacann.layers.compile import DEFAULT_BACKEND, available_backends
 from megacann.models import ModelSpec, prepare_model_config
 from megacann.pipeline import check_pipeline_config
 
@@ -30,8 +32,49 @@ def prepare_recipe(
             ops.check_op_names("precision.fused_ops", p.fused_ops)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{source}: {err}") from None
+    check_compile(cfg, source)
     spec = prepare_model_config(cfg, spec, source)
     advice = check_pipeline_config(cfg, source)
     for line in advice:
         advise(line)
     return spec, advice
+
+
+def compile_backend(cfg: MegacannConfig) -> Optional[str]:
+    """The torch.compile backend ``precision.compile`` asks for (true: the default one), or None."""
+    value = cfg.precision.compile
+    if value is False:
+        return None
+    return DEFAULT_BACKEND if value is True else value
+
+
+def check_compile(cfg: MegacannConfig, source: str) -> None:
+    """``precision.compile``: false, true or a backend torch.compile knows; compiled blocks are proven equal
+    to eager ones at tensor, context and expert parallel size 1 only, so other layouts are refused."""
+    value = cfg.precision.compile
+    if value is False:
+        return
+    if not isinstance(value, (bool, str)):
+        raise ConfigError(
+            f"{source}: precision.compile must be false, true or a torch.compile backend name, got {value!r}"
+        )
+    if isinstance(value, str):
+        backends = available_backends()
+        if value not in backends:
+            close = difflib.get_close_matches(value, backends, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{source}: precision.compile: {value!r} is not a torch.compile backend{hint}; known: {', '.join(backends)}"
+            )
+    d = cfg.distributed
+    sizes = {
+        "tensor_parallel_size": d.tensor_parallel_size,
+        "context_parallel_size": d.context_parallel_size,
+        "expert_parallel_size": d.expert_parallel_size,
+    }
+    over = [f"distributed.{key} {size}" for key, size in sizes.items() if size > 1]
+    if over:
+        raise ConfigError(
+            f"{source}: precision.compile is supported at tensor, context and expert parallel size 1 (the "
+            f"collectives inside those layers are not traced); got {', '.join(over)}: set precision.compile: false"
+        )

@@ -20,12 +20,14 @@ import torch.distributed as dist
 from megacann import ops
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
+from megacann.layers.compile import compile_blocks
 from megacann.layers.loss import aux_loss_weight, count_target_tokens
 from megacann.models import ModelSpec
 from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
 from megacann.training.failure import guarded
 from megacann.training.guards import StepGuard
+from megacann.training.host_values import to_host
 from megacann.training.metrics import MetricsLogger
 from megacann.training.preflight import (
     check_checkpoint_model,
@@ -35,7 +37,7 @@ from megacann.training.preflight import (
     resume_path,
 )
 from megacann.training.profiling import StepProfiling
-from megacann.training.recipe import prepare_recipe
+from megacann.training.recipe import compile_backend, prepare_recipe
 from megacann.training.runtime import Runtime, setup_runtime
 from megacann.training.signals import make_stop_signals, stop_after_signal
 from megacann.training.watchdog import start_watchdog
@@ -52,6 +54,13 @@ class TrainState:
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def step_values_on_host(result: dict[str, Any]) -> dict[str, Any]:
+    """A step's figures as host numbers (one synchronisation); ``num_tokens`` an int."""
+    values = to_host(result)
+    values["num_tokens"] = int(values["num_tokens"])
+    return values
 
 
 class Trainer:
@@ -95,6 +104,8 @@ class Trainer:
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = tokenizer.vocab_size
         self.model_chunks = build_model_chunks(cfg, self.model_spec, device=self.device)
+        if compile_backend(cfg) is not None:  # precision.compile: torch.compile per transformer block
+            compile_blocks(self.model_chunks, backend=compile_backend(cfg))
         self.named_params = [(n, p) for chunk in self.model_chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
         self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)
@@ -161,6 +172,11 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer update over grad_accum_steps micro-batches per data-parallel rank.
 
+        The step waits for the device once: its figures (loss, token count, auxiliary losses, stats) stay
+        device tensors until the global gradient norm is known, then all are read together so the guard can
+        decide whether to apply the update (no ``.item()`` anywhere else). fp16's overflow check and
+        pipeline stages' metric merge are the exceptions: they decide or exchange on the host.
+
         An error on any rank ends every rank promptly, naming the failing one (see training.failure)."""
         for chunk in self.model_chunks:
             chunk.train()
@@ -176,7 +192,7 @@ class Trainer:
         totals = self.forward_backward(
             self.model_chunks,
             micro_batches,
-            loss_normalizer=float(num_tokens.item()),
+            loss_normalizer=num_tokens,  # a device tensor: the step does not wait for the count
             loss_scale=self.optimizer.loss_scale,
             **timing,
         )
@@ -184,12 +200,19 @@ class Trainer:
         self.optimizer.finalize_grads()
         self.profiling.lap("grad_comm")
         aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True))
-        figures = totals.reduce(float(num_tokens.item()), aux_weight)  # loss, auxiliary losses, model stats
-        # the guard skips a non-finite (or spiking) loss or grad norm; both are the same on every rank
-        if self.guard.check_loss(figures["loss"]) is None:
-            updated, grad_norm = self.optimizer.step(veto=self.guard.check_grad_norm)
-        else:
-            updated, grad_norm = False, None
+        figures = {**totals.reduce(num_tokens, aux_weight), "num_tokens": num_tokens}  # device tensors so far
+        host: dict[str, Any] = {}
+
+        def veto(grad_norm: torch.Tensor) -> bool:
+            """The step's one read of the device (its figures and the global gradient norm together), then
+            the guard's verdict: skip a non-finite or spiking loss, or a non-finite norm (alike on all ranks)."""
+            host.update(step_values_on_host({**figures, "grad_norm": grad_norm}))
+            return self.guard.check_loss(host["loss"]) is not None or self.guard.check_grad_norm(host["grad_norm"])
+
+        updated, grad_norm = self.optimizer.step(veto=veto)
+        if not host:  # fp16: an overflow skipped the update before the norm was taken
+            host.update(step_values_on_host(figures), grad_norm=None)
+            self.guard.check_loss(host["loss"])
         if updated and self.model_spec.after_optimizer_step is not None:
             self.model_spec.after_optimizer_step(self.model_chunks)
         self.profiling.lap("optimizer")
@@ -199,15 +222,8 @@ class Trainer:
         if not updated:
             self.state.skipped_steps += 1
         samples = (first_sample, self.state.consumed_samples)
-        skipped = self.guard.end_step(self.state.step, figures["loss"], updated, samples)  # raises after too many
-        result = {
-            **figures,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "num_tokens": int(num_tokens.item()),
-            "updated": updated,
-            "skipped": skipped,
-        }
+        skipped = self.guard.end_step(self.state.step, host["loss"], updated, samples)  # raises after too many
+        result = {**host, "lr": lr, "updated": updated, "skipped": skipped}
         if self.cfg.logging.timers:
             result["stage_timers"] = self._stage_timers()
         return result
@@ -230,7 +246,7 @@ class Trainer:
                 break
             num_tokens = self._global_token_count(batches)
             totals = self.forward_backward(self.model_chunks, batches, loss_normalizer=1.0, forward_only=True)
-            total_loss += totals.reduce(float(num_tokens.item()), 0.0)["loss"] * num_tokens.item()
+            total_loss += float(totals.reduce(num_tokens, 0.0)["loss"]) * num_tokens.item()
             total_tokens += num_tokens.item()
         if total_tokens == 0:
             return None
@@ -293,6 +309,7 @@ class Trainer:
         self.metrics.print(ops.selection_line(self.runtime.accelerator.device_type))
         self.runtime.accelerator.reset_peak_memory_stats()
         window: list[float] = []  # losses since the last logged step: the logged loss is their mean
+        times: list[float] = []  # and their step times
         signals = make_stop_signals(cfg.distributed.timeout_minutes)  # SIGTERM / SIGINT: stop after a step
         watchdog = start_watchdog(cfg, self.runtime.rank, self.runtime.world_size)  # hangs: report, exit
         signals.install()
@@ -306,11 +323,12 @@ class Trainer:
                 step_time = time.perf_counter() - start
                 step = self.state.step
                 self.profiling.after_step(step, step_time)
+                times.append(step_time)
                 if step_metrics["skipped"] is None:
                     window.append(step_metrics["loss"])
                 if step % log.log_interval == 0 or step == 1 or step == cfg.optim.max_steps:
                     mean = sum(window) / len(window) if window else step_metrics["loss"]
-                    record = self._record({**step_metrics, "loss": mean}, step_time)
+                    record = self._record({**step_metrics, "loss": mean}, sum(times) / len(times))
                     self.profiling.log_window(record, self.metrics.print)  # logging.profile_breakdown
                     self.metrics.log(record)
                     if self.model_spec.metric_warnings is not None:  # e.g. an MoE expert far from its fair share
@@ -318,6 +336,7 @@ class Trainer:
                             self.metrics.warn(f"step {step}: {line}")
                     history.append(record)
                     window.clear()
+                    times.clear()
                 if log.eval_interval and (step % log.eval_interval == 0 or step == cfg.optim.max_steps):
                     with watchdog.watch(f"evaluation after step {step}"):
                         result = self.evaluate()

@@ -121,7 +121,7 @@ class DistributedOptimizer(OptimizerBase):
         init_optimizer_state(self.optimizer, allocate)
 
     # -- the step -----------------------------------------------------------------------------------
-    def grad_norm(self) -> float:
+    def grad_norm(self) -> torch.Tensor:
         grads = [self.grad_buffers.reduced_grad(p) for p in self.model_params]
         return global_grad_norm(self.model_params, grads, sharded_over_data_parallel=True)
 
