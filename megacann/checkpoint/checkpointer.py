@@ -37,6 +37,7 @@ from megacann.checkpoint.files import (
 from megacann.checkpoint.metadata import (
     INFO_FILE,
     RECIPE_FILE,
+    base_problems,
     check_entries,
     check_files,
     checkpoint_info,
@@ -130,7 +131,7 @@ class Checkpointer:
         state: dict[str, Any] = dict(save_entries(parts))
         state[PROGRESS_KEY] = progress(parts)
         state[rng_key(self.rank)] = capture_rng(get_accelerator())
-        info = checkpoint_info(cfg, step, parts.consumed_samples)
+        info = checkpoint_info(cfg, step, parts.consumed_samples, parts.base)
         job = _SaveJob(out, final, info, cfg.to_yaml(), cfg.logging.keep_last, log, start)
         if self._executor is None:
             self._write(state, job)
@@ -210,6 +211,7 @@ class Checkpointer:
             parts.optimizer.finish_param_sync()  # no gather in flight may overwrite what is loaded
         start = time.perf_counter()
         info = read_info(path)
+        raise_if_problems(base_problems(path, info.get("base"), parts.base), f"cannot load checkpoint {path}")
         metadata = read_dcp_metadata(path)
         stored = metadata.state_dict_metadata
         request = load_request(parts, set(stored))

@@ -18,9 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megacann.accelerator import PRECISION_DTYPES
-from megacann.checkpoint.files import latest_checkpoint
 from megacann.checkpoint.metadata import (
-    INFO_FILE,
     CheckpointError,
     check_files,
     model_config_of,
@@ -30,12 +28,19 @@ from megacann.checkpoint.metadata import (
 )
 from megacann.checkpoint.pieces import Piece
 from megacann.checkpoint.planner import PieceLoadPlanner, TensorPieces
+from megacann.checkpoint.sources import (
+    CHECKPOINT,
+    CONSOLIDATED,
+    CONSOLIDATED_CONFIG,
+    refuse_adapter_checkpoint,
+    resolve_weight_source,
+)
 from megacann.checkpoint.state import MODEL_PREFIX
 from megacann.config import ModelConfig
 from megacann.models import hf
 
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "model_config.json"
+CONFIG_FILE = CONSOLIDATED_CONFIG
 
 
 def read_checkpoint_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
@@ -90,19 +95,18 @@ def read_consolidated(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
 
 
 def read_weights(source: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """Whole weights and model config from a checkpoint, an output directory (its latest checkpoint)
-    or a consolidated directory."""
-    if os.path.isfile(os.path.join(source, INFO_FILE)):
-        return read_checkpoint_weights(source)
-    if os.path.isfile(os.path.join(source, CONFIG_FILE)):
-        return read_consolidated(source)
-    latest = latest_checkpoint(source) if os.path.isdir(source) else None
-    if latest is not None:
-        return read_checkpoint_weights(latest)
-    raise CheckpointError(
-        f"{source}: neither a megacann checkpoint ({INFO_FILE}), a consolidated directory ({CONFIG_FILE}), "
-        "nor an output directory holding a complete checkpoint"
-    )
+    """Whole weights and model config from a checkpoint, an output directory (its latest checkpoint), a
+    consolidated directory or a Hugging Face directory. A checkpoint of LoRA adapters is refused (see
+    :mod:`megacann.checkpoint.lora_export`)."""
+    found = resolve_weight_source(source, "source")
+    refuse_adapter_checkpoint(found, "source")
+    if found.kind == CHECKPOINT:
+        return read_checkpoint_weights(found.path)
+    if found.kind == CONSOLIDATED:
+        return read_consolidated(found.path)
+    spec, cfg = hf.hf_family(found.path)
+    names = hf.model_parameter_names(spec, cfg)
+    return spec.hf.from_hf(names, hf.SafetensorsReader(found.path), cfg), cfg
 
 
 def consolidate(source: str, out: str, dtype: Optional[str] = None) -> str:

@@ -40,6 +40,10 @@ class CheckpointParts:
     ``consumed_samples`` is the data position (samples of the global order used); ``progress`` holds the
     loop's other counters (JSON-like values). Loading updates ``step``, ``consumed_samples`` and
     ``progress`` in place and restores the weights, optimizer state and every RNG of the rank.
+
+    ``base`` (a LoRA run's): the frozen parameters come from this base (a JSON-like reference, e.g. path
+    and fingerprint of ``model.init_from``) and are not saved; the checkpoint holds the trainable
+    parameters and records the base, and loading checks that the base is the same.
     """
 
     model: Sequence[torch.nn.Module]
@@ -47,9 +51,16 @@ class CheckpointParts:
     step: int = 0
     consumed_samples: int = 0
     progress: dict[str, Any] = field(default_factory=dict)
+    base: Optional[dict[str, Any]] = None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(name, param) for chunk in self.model for name, param in chunk.named_parameters()]
+        """The parameters saved and loaded: all, or with a ``base`` only the trainable ones."""
+        return [
+            (name, param)
+            for chunk in self.model
+            for name, param in chunk.named_parameters()
+            if self.base is None or param.requires_grad
+        ]
 
     def state_shards(self) -> list[StateShard]:
         return self.optimizer.state_shards() if self.optimizer is not None else []
@@ -93,7 +104,7 @@ def _aliases(view: torch.Tensor, param: torch.Tensor) -> bool:
     return view.dtype == param.dtype and start <= view.data_ptr() < start + param.numel() * param.element_size()
 
 
-def _model_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
+def model_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
     tp_rank, tp_size = _tp()
     entries: dict[str, TensorPieces] = {}
     for name, param in parts.named_parameters():
@@ -124,7 +135,7 @@ def progress(parts: CheckpointParts) -> dict[str, Any]:
 
 def save_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
     """Every tensor piece this rank holds, by key (views of live memory)."""
-    entries = _model_entries(parts)
+    entries = model_entries(parts)
     for shard in parts.state_shards():
         for state, flat in shard.tensors.items():
             if state == "master" and _aliases(flat, shard.param):
@@ -147,7 +158,7 @@ class LoadRequest:
 def load_request(parts: CheckpointParts, stored_keys: set[str]) -> LoadRequest:
     """The pieces this rank's layout needs. A master missing from the checkpoint (it was written in
     fp32) is read from the weights; a missing key otherwise is left for validation to report."""
-    request = LoadRequest(_model_entries(parts))
+    request = LoadRequest(model_entries(parts))
     for shard in parts.state_shards():
         for state, flat in shard.tensors.items():
             key = optim_key(shard.name, shard.param, state)

@@ -24,6 +24,7 @@ from megacann.layers.loss import aux_loss_weight, count_target_tokens
 from megacann.models import ModelSpec
 from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
+from megacann.training import finetune
 from megacann.training.failure import guarded
 from megacann.training.metrics import MetricsLogger
 from megacann.training.recipe import prepare_recipe
@@ -77,7 +78,10 @@ class Trainer:
         self.tokenizer = tokenizer
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = tokenizer.vocab_size
+        finetune.check_tokenizer_fits(cfg, tokenizer)
         self.model_chunks = build_model_chunks(cfg, self.model_spec, device=self.device)
+        # model.init_from's weights; LoRA adapters (base frozen): before the optimizer sees the parameters
+        self.lora_base = finetune.prepare_model_chunks(cfg, self.model_chunks)
         self.named_params = [(n, p) for chunk in self.model_chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
         self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)
@@ -243,6 +247,12 @@ class Trainer:
             f"device {self.runtime.accelerator.device_type}, precision {cfg.model.precision}"
         )
         self.metrics.print(ops.selection_line(self.runtime.accelerator.device_type))
+        for line in (
+            finetune.describe_base(self.lora_base, cfg),
+            finetune.memory_line(self.model_chunks, self.optimizer),
+        ):
+            if line:
+                self.metrics.print(line)
         self.runtime.accelerator.reset_peak_memory_stats()
         window: list[float] = []  # losses since the last logged step: the logged loss is their mean
         while self.state.step < cfg.optim.max_steps:
@@ -285,7 +295,12 @@ class Trainer:
 
         s = self.state
         return CheckpointParts(
-            self.model_chunks, self.optimizer, s.step, s.consumed_samples, {"skipped_steps": s.skipped_steps}
+            self.model_chunks,
+            self.optimizer,
+            s.step,
+            s.consumed_samples,
+            {"skipped_steps": s.skipped_steps},
+            base=self.lora_base,  # a LoRA run saves its adapters and names its base
         )
 
     def save_checkpoint(self) -> str:
