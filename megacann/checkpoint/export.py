@@ -63,7 +63,7 @@ def read_checkpoint_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelCo
     return tensors, model_config_of(info)
 
 
-def _cast(tensors: dict[str, torch.Tensor], dtype: Optional[str]) -> dict[str, torch.Tensor]:
+def cast_weights(tensors: dict[str, torch.Tensor], dtype: Optional[str]) -> dict[str, torch.Tensor]:
     if dtype is None:
         return tensors
     return {name: t.to(PRECISION_DTYPES[dtype]) for name, t in tensors.items()}
@@ -112,14 +112,14 @@ def read_weights(source: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
 def consolidate(source: str, out: str, dtype: Optional[str] = None) -> str:
     """Checkpoint (any layout) -> consolidated directory."""
     tensors, cfg = read_weights(source)
-    write_consolidated(_cast(tensors, dtype), cfg, out)
+    write_consolidated(cast_weights(tensors, dtype), cfg, out)
     return out
 
 
 def export_hf(source: str, out: str, dtype: Optional[str] = None) -> str:
     """Checkpoint or consolidated directory -> Hugging Face directory (the family's adapter names it)."""
     tensors, cfg = read_weights(source)
-    hf.save_hf_tensors(_cast(tensors, dtype), cfg, out)
+    hf.save_hf_tensors(cast_weights(tensors, dtype), cfg, out)
     return out
 
 
@@ -128,5 +128,5 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None) -> str:
     spec, cfg = hf.hf_family(hf_dir)
     names = hf.model_parameter_names(spec, cfg)
     tensors = spec.hf.from_hf(names, hf.SafetensorsReader(hf_dir), cfg)
-    write_consolidated(_cast(tensors, dtype), cfg, out)
+    write_consolidated(cast_weights(tensors, dtype), cfg, out)
     return out

@@ -74,7 +74,7 @@ def whole_model_on_meta(spec: ModelSpec, model_cfg: ModelConfig) -> torch.nn.Mod
     """A family's whole model on the meta device (no memory, no init cost): for its names and shapes.
     Fills the family's defaults into ``model_cfg``."""
     cfg = MegacannConfig(model=model_cfg)
-    prepare_model_config(cfg, spec)
+    spec.fill_defaults(model_cfg)  # not the family's recipe checks: the rest of this recipe is a default
     with torch.device("meta"):
         return spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "meta")
 

@@ -52,7 +52,7 @@ def check_finetune_config(cfg: MegacannConfig, spec: ModelSpec, source: str = "<
     if not cfg.lora:
         changed = [k for k in LORA_KEYS if getattr(cfg, k) != getattr(defaults, k)]
         if changed:
-            advise(f"{source}: {', '.join(changed)} take effect only with lora: true (it is false)")
+            advise(f"{', '.join(changed)} take effect only with lora: true (it is false)")
         return
     lora = lora_config(cfg, source)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or 128)
