@@ -21,7 +21,8 @@ from megacann.checkpoint.sources import CHECKPOINT, fingerprint, resolve_weight_
 from megacann.config import MegacannConfig, ModelConfig
 from megacann.layers.lora import LoRAConfig, attach_lora, lora_adapters
 from megacann.models import hf
-from megacann.models.spec import ChunkPlacement, get_model_spec, prepare_model_config
+from megacann.models.full_state import full_state_dict, load_full_state_dict_
+from megacann.models.spec import ChunkPlacement, get_model_spec
 
 ADAPTER_SLOT = ".adapter."
 
@@ -54,9 +55,9 @@ def _seed_base(model_cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The whole base drawn from ``seed`` by the family's own initialisation (one process, CPU)."""
     spec = get_model_spec(model_cfg.type)
     cfg = MegacannConfig(model=model_cfg, seed=seed)
-    prepare_model_config(cfg, spec)
+    spec.fill_defaults(model_cfg)
     model = spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "cpu")
-    return {name: p.detach() for name, p in model.named_parameters()}
+    return full_state_dict([model])  # unpadded, as checkpoints store them
 
 
 def read_base(info: dict[str, Any], base: Optional[str] = None) -> dict[str, torch.Tensor]:
@@ -144,13 +145,11 @@ def build_full_model(
     source: str, precision: str = "fp32", device: Optional[str] = None, base: Optional[str] = None
 ) -> torch.nn.Module:
     """The whole model of any source (a LoRA checkpoint merged) built by its family, on one process."""
-    from megacann.models.full_state import load_full_state_dict_
-
     tensors, model_cfg = read_full_model(source, base)
     model_cfg.precision = precision
     spec = get_model_spec(model_cfg.type)
     cfg = MegacannConfig(model=model_cfg)
-    prepare_model_config(cfg, spec, source)
+    spec.fill_defaults(model_cfg)
     model = spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
     load_full_state_dict_([model], tensors, source)
     return model
