@@ -1,12 +1,17 @@
 """``megacann-convert``: checkpoints and weights between megacann's formats and Hugging Face's, on one process.
 
-    megacann-convert consolidate SOURCE OUT [--dtype fp32|bf16|fp16]   checkpoint -> consolidated directory
-    megacann-convert to-hf SOURCE OUT [--dtype ...]                     checkpoint / consolidated -> HF directory
+    megacann-convert consolidate SOURCE OUT [--dtype fp32|bf16|fp16]   full model -> consolidated directory
+    megacann-convert to-hf SOURCE OUT [--dtype ...]                     full model -> HF directory
     megacann-convert from-hf HF_DIR OUT [--dtype ...]                   HF directory -> consolidated directory
+    megacann-convert merge-lora LORA OUT [--to megacann|hf] [--base DIR] [--dtype ...]
+                                                                        LoRA checkpoint + its base -> full model
+    megacann-convert to-peft LORA OUT [--base NAME] [--dtype ...]       LoRA checkpoint -> PEFT adapter
 
 SOURCE is a checkpoint directory (``checkpoint_<step>``, written under any parallel layout), an output
-directory (its newest complete checkpoint is used) or a consolidated directory. No accelerator and no
-process group are needed.
+directory (its newest complete checkpoint is used), a consolidated directory or a Hugging Face directory.
+LORA is a checkpoint (or output directory) of a ``lora: true`` run: it holds the adapters and a reference
+to its base, which ``merge-lora`` reads back (``--base`` if it moved; the fingerprint must match). No
+accelerator and no process group are needed.
 """
 
 from __future__ import annotations
@@ -18,11 +23,17 @@ from typing import Optional
 
 from megacann.accelerator import PRECISION_DTYPES
 from megacann.checkpoint.export import consolidate, export_hf, import_hf
+from megacann.checkpoint.lora_export import export_peft_checkpoint, merge_lora_checkpoint
 
 COMMANDS = {
     "consolidate": (consolidate, "checkpoint (any layout) -> consolidated safetensors directory with megacann names"),
     "to-hf": (export_hf, "checkpoint or consolidated directory -> Hugging Face directory"),
     "from-hf": (import_hf, "Hugging Face directory -> consolidated megacann directory"),
+    "merge-lora": (
+        merge_lora_checkpoint,
+        "LoRA checkpoint -> full model, adapters merged into the base (consolidated or Hugging Face directory)",
+    ),
+    "to-peft": (export_peft_checkpoint, "LoRA checkpoint -> adapters alone, in Hugging Face PEFT's format"),
 }
 
 
@@ -36,15 +47,23 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--dtype", choices=sorted(PRECISION_DTYPES), default=None, help="cast weights (default: as stored)"
         )
+        if name == "merge-lora":
+            sub.add_argument("--to", choices=("megacann", "hf"), default="megacann", help="output format")
+            sub.add_argument("--base", default=None, help="the base's directory (default: the recorded path)")
+        if name == "to-peft":
+            sub.add_argument(
+                "--base", default=None, help="base_model_name_or_path to record (default: a Hugging Face base's path)"
+            )
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     function, _ = COMMANDS[args.command]
+    extra = {key: getattr(args, key) for key in ("to", "base") if hasattr(args, key)}
     start = time.perf_counter()
     try:
-        out = function(args.source, args.out, args.dtype)
+        out = function(args.source, args.out, args.dtype, **extra)
     except (OSError, ValueError, RuntimeError, KeyError) as err:
         print(f"megacann-convert {args.command}: error: {err}", file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ READ_BY = {
     "experiment.output_dir": "training/trainer.py",
     "model.type": "models/spec.py",
     "model.config_path": "config/loading.py",
+    "model.init_from": "training/finetune.py",
     "model.precision": "models/decoder.py",
     "model.hidden_size": "models/decoder.py",
     "model.num_layers": "pipeline/partition.py",
@@ -130,12 +131,16 @@ READ_BY = {
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
     "precision.compile": "training/recipe.py",
+    "lora": "training/finetune.py",
+    "lora_rank": "training/finetune.py",
+    "lora_alpha": "training/finetune.py",
+    "lora_dropout": "training/finetune.py",
+    "lora_target_modules": "training/finetune.py",
 }
 # keys whose only effect is through another key that is refused for now
-ONLY_WITH = {key: "lora" for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")}
+ONLY_WITH: dict[str, str] = {}
 # a value each refused key takes only once its feature lands
 REFUSED_VALUES = {
-    "lora": "true",
     "data.json_key": "content",
 }
 

@@ -4,8 +4,9 @@
     python examples/sft/evaluate.py --model out/hf --tokenizer byte --data data/add3/test.jsonl \
         --template plain [--adapter out/peft] [--predictions preds.jsonl] [--output summary.json]
 
-``--model`` is a Hugging Face LLaMA directory (what megacann exports); ``--adapter`` a PEFT LoRA directory
-put on it. Each question of the JSONL file (megacann's SFT format, docs/data.md) becomes the prompt the
+``--model`` is a Hugging Face directory (``--adapter``: a PEFT LoRA directory put on it) or a megacann
+checkpoint, output directory (its latest checkpoint; a LoRA run's adapters merged into their base) or
+consolidated directory. Each question of the JSONL file (megacann's SFT format, docs/data.md) becomes the prompt the
 training data path builds (``[BOS] + prompt`` in ``--template``, tokenized segment by segment); the answer
 is generated greedily until EOS or ``--max_new_tokens``. A prediction is correct when it equals the
 reference answer after stripping surrounding whitespace (and the template's answer suffix, e.g. ChatML's
@@ -130,9 +131,17 @@ def evaluate(
 
 
 def load_model(path: str, adapter: Optional[str], precision: str, device: str) -> torch.nn.Module:
+    """A Hugging Face directory (with a PEFT adapter if given), or any megacann source: a checkpoint or
+    output directory (a LoRA run's comes merged into its base) or a consolidated directory."""
+    from megacann.checkpoint.lora_export import build_full_model
+    from megacann.checkpoint.sources import HUGGINGFACE, resolve_weight_source
     from megacann.models import from_pretrained_hf
     from megacann.models.peft import load_peft_adapter
 
+    if resolve_weight_source(path, "--model").kind != HUGGINGFACE:
+        if adapter:
+            raise SystemExit("evaluate: --adapter goes with a Hugging Face --model (megacann LoRA runs load merged)")
+        return build_full_model(path, precision, device)
     model = from_pretrained_hf(path, precision=precision, device=device)
     if adapter:
         load_peft_adapter(model, adapter)
@@ -141,7 +150,9 @@ def load_model(path: str, adapter: Optional[str], precision: str, device: str) -
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="Hugging Face LLaMA directory")
+    parser.add_argument(
+        "--model", required=True, help="Hugging Face, megacann checkpoint / output or consolidated directory"
+    )
     parser.add_argument("--adapter", default=None, help="PEFT LoRA directory to put on the model")
     parser.add_argument("--tokenizer", required=True, help="'byte', a tokenizer.json or a tokenizer directory")
     parser.add_argument("--data", required=True, help="JSONL questions in megacann's SFT format")

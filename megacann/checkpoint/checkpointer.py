@@ -43,6 +43,7 @@ from megacann.checkpoint.metadata import (
     INFO_FILE,
     RECIPE_FILE,
     CheckpointError,
+    base_problems,
     check_entries,
     check_files,
     checkpoint_info,
@@ -161,7 +162,7 @@ class Checkpointer:
         state: dict[str, Any] = dict(save_entries(parts))
         state[PROGRESS_KEY] = progress(parts)
         state[rng_key(self.rank)] = capture_rng(get_accelerator())
-        info = checkpoint_info(cfg, step, parts.consumed_samples)
+        info = checkpoint_info(cfg, step, parts.consumed_samples, parts.base)
         record = tokenizer_record(parts.tokenizer) if parts.tokenizer is not None else None
         if record is not None:
             info["tokenizer"] = record
@@ -280,6 +281,7 @@ class Checkpointer:
             parts.optimizer.finish_param_sync()  # no gather in flight may overwrite what is loaded
         start = time.perf_counter()
         info = read_info(path)
+        raise_if_problems(base_problems(path, info.get("base"), parts.base), f"cannot load checkpoint {path}")
         metadata = read_dcp_metadata(path)
         stored = metadata.state_dict_metadata
         request = load_request(parts, set(stored))

@@ -23,9 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megacann.accelerator import PRECISION_DTYPES
-from megacann.checkpoint.files import latest_checkpoint
 from megacann.checkpoint.metadata import (
-    INFO_FILE,
     CheckpointError,
     check_files,
     model_config_of,
@@ -35,6 +33,14 @@ from megacann.checkpoint.metadata import (
 )
 from megacann.checkpoint.pieces import Piece
 from megacann.checkpoint.planner import PieceLoadPlanner, TensorPieces
+from megacann.checkpoint.sources import (
+    CHECKPOINT,
+    CONSOLIDATED,
+    CONSOLIDATED_CONFIG,
+    HUGGINGFACE,
+    refuse_adapter_checkpoint,
+    resolve_weight_source,
+)
 from megacann.checkpoint.state import MODEL_PREFIX
 from megacann.checkpoint.tokenizer import find_tokenizer
 from megacann.config import ModelConfig
@@ -51,7 +57,7 @@ from megacann.models import hf
 Log = Callable[[str], None]
 
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "model_config.json"
+CONFIG_FILE = CONSOLIDATED_CONFIG
 
 
 def read_checkpoint_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
@@ -74,7 +80,7 @@ def read_checkpoint_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelCo
     return tensors, model_config_of(info)
 
 
-def _cast(tensors: dict[str, torch.Tensor], dtype: Optional[str]) -> dict[str, torch.Tensor]:
+def cast_weights(tensors: dict[str, torch.Tensor], dtype: Optional[str]) -> dict[str, torch.Tensor]:
     if dtype is None:
         return tensors
     return {name: t.to(PRECISION_DTYPES[dtype]) for name, t in tensors.items()}
@@ -103,32 +109,31 @@ def read_consolidated(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     return load_file(weights), ModelConfig(**{k: v for k, v in values.items() if k in known})
 
 
-def resolve_source(source: str) -> tuple[str, bool]:
-    """(directory, whether it is a checkpoint) for a checkpoint, an output directory (its latest
-    checkpoint) or a consolidated directory."""
-    if os.path.isfile(os.path.join(source, INFO_FILE)):
-        return source, True
-    if os.path.isfile(os.path.join(source, CONFIG_FILE)):
-        return source, False
-    latest = latest_checkpoint(source) if os.path.isdir(source) else None
-    if latest is not None:
-        return latest, True
-    raise CheckpointError(
-        f"{source}: neither a megacann checkpoint ({INFO_FILE}), a consolidated directory ({CONFIG_FILE}), "
-        "nor an output directory holding a complete checkpoint"
-    )
-
-
 def read_weights(source: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """Whole weights and model config from a checkpoint, an output directory (its latest checkpoint)
-    or a consolidated directory."""
-    path, is_checkpoint = resolve_source(source)
-    return read_checkpoint_weights(path) if is_checkpoint else read_consolidated(path)
+    """Whole weights and model config from a checkpoint, an output directory (its latest checkpoint), a
+    consolidated directory or a Hugging Face directory. A checkpoint of LoRA adapters is refused (see
+    :mod:`megacann.checkpoint.lora_export`)."""
+    found = resolve_weight_source(source, "source")
+    refuse_adapter_checkpoint(found, "source")
+    if found.kind == CHECKPOINT:
+        return read_checkpoint_weights(found.path)
+    if found.kind == CONSOLIDATED:
+        return read_consolidated(found.path)
+    spec, cfg = hf.hf_family(found.path)
+    names = hf.model_parameter_names(spec, cfg)
+    return spec.hf.from_hf(names, hf.SafetensorsReader(found.path), cfg), cfg
 
 
 def _source_tokenizer(source: str, cfg: ModelConfig, log: Log) -> Optional[Any]:
     """The tokenizer the source's weights were trained with (said where it came from), or None (said why)."""
-    tokenizer, where = find_tokenizer(*resolve_source(source), cfg.vocab_size)
+    found = resolve_weight_source(source, "source")
+    if found.kind == HUGGINGFACE:
+        try:
+            tokenizer, where = load_tokenizer(found.path), found.path
+        except TokenizerError as err:
+            tokenizer, where = None, str(err)
+    else:
+        tokenizer, where = find_tokenizer(found.path, found.kind == CHECKPOINT, cfg.vocab_size)
     if tokenizer is None:
         log(f"no tokenizer to export: {where}")
         return None
@@ -144,7 +149,7 @@ def _source_tokenizer(source: str, cfg: ModelConfig, log: Log) -> Optional[Any]:
 def consolidate(source: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:
     """Checkpoint (any layout) -> consolidated directory (with the run's tokenizer in ``tokenizer/``)."""
     tensors, cfg = read_weights(source)
-    write_consolidated(_cast(tensors, dtype), cfg, out)
+    write_consolidated(cast_weights(tensors, dtype), cfg, out)
     tokenizer = _source_tokenizer(source, cfg, log)
     if tokenizer is not None:
         save_tokenizer(tokenizer, os.path.join(out, TOKENIZER_DIR))
@@ -159,7 +164,7 @@ def export_hf(source: str, out: str, dtype: Optional[str] = None, log: Log = pri
     token_ids = {}
     if tokenizer is not None:
         token_ids = generation_config(tokenizer_record(tokenizer))
-    hf.save_hf_tensors(_cast(tensors, dtype), cfg, out, extra_config=token_ids)
+    hf.save_hf_tensors(cast_weights(tensors, dtype), cfg, out, extra_config=token_ids)
     if tokenizer is not None:
         save_tokenizer(tokenizer, out, model_max_length=cfg.max_position_embeddings)
         with open(os.path.join(out, GENERATION_CONFIG_FILE), "w") as f:
@@ -173,7 +178,7 @@ def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, log: Log = pri
     spec, cfg = hf.hf_family(hf_dir)
     names = hf.model_parameter_names(spec, cfg)
     tensors = spec.hf.from_hf(names, hf.SafetensorsReader(hf_dir), cfg)
-    write_consolidated(_cast(tensors, dtype), cfg, out)
+    write_consolidated(cast_weights(tensors, dtype), cfg, out)
     try:
         tokenizer = load_tokenizer(hf_dir)
     except TokenizerError as err:

@@ -62,8 +62,10 @@ def describe_layout(layout: dict[str, Any]) -> str:
     return text
 
 
-def checkpoint_info(cfg: MegacannConfig, step: int, consumed_samples: int) -> dict[str, Any]:
-    return {
+def checkpoint_info(
+    cfg: MegacannConfig, step: int, consumed_samples: int, base: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
+    info = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -72,6 +74,40 @@ def checkpoint_info(cfg: MegacannConfig, step: int, consumed_samples: int) -> di
         "model": asdict(cfg.model),
         "torch_version": torch.__version__,
     }
+    if base is not None:  # only the trainable parameters are stored; the frozen ones come from the base
+        info["base"] = base
+        info["lora"] = {
+            "rank": cfg.lora_rank,
+            "alpha": cfg.lora_alpha,
+            "dropout": cfg.lora_dropout,
+            "target_modules": cfg.lora_target_modules,
+        }
+    return info
+
+
+BASE_IDENTITY_KEYS = ("kind", "fingerprint", "step", "seed")  # what must agree (a moved base keeps them)
+
+
+def base_problems(path: str, saved: Optional[dict[str, Any]], expected: Optional[dict[str, Any]]) -> list[str]:
+    """Why checkpoint ``path`` (its base reference ``saved``) cannot load into a run whose frozen base is
+    ``expected`` (None: a run that saves every parameter)."""
+    if saved is None and expected is None:
+        return []
+    if saved is None:
+        return [
+            f"{path} is a full checkpoint, but this run trains LoRA adapters on a frozen base "
+            "(to fine-tune from it, set model.init_from to it in a new output_dir)"
+        ]
+    if expected is None:
+        return [
+            f"{path} holds LoRA adapters on the base {saved.get('path')}; this run trains every parameter "
+            "(set lora: true and model.init_from to that base, or merge: megacann-convert merge-lora)"
+        ]
+    differ = [k for k in BASE_IDENTITY_KEYS if saved.get(k) != expected.get(k)]
+    if differ:
+        detail = ", ".join(f"{k} {saved.get(k)!r} there, {expected.get(k)!r} now" for k in differ)
+        return [f"{path} was trained on another base than this run's ({saved.get('path')}: {detail})"]
+    return []
 
 
 def read_info(path: str) -> dict[str, Any]:

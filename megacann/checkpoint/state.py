@@ -44,6 +44,10 @@ class CheckpointParts:
     ``progress`` in place and restores the weights, optimizer state and every RNG of the rank.
     ``tokenizer``: the run's tokenizer, saved beside the weights (``tokenizer/``, named in ``megacann.json``)
     so that exports carry it; not restored by loading.
+
+    ``base`` (a LoRA run's): the frozen parameters come from this base (a JSON-like reference, e.g. path
+    and fingerprint of ``model.init_from``) and are not saved; the checkpoint holds the trainable
+    parameters and records the base, and loading checks that the base is the same.
     """
 
     model: Sequence[torch.nn.Module]
@@ -52,9 +56,16 @@ class CheckpointParts:
     consumed_samples: int = 0
     progress: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
+    base: Optional[dict[str, Any]] = None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(name, param) for chunk in self.model for name, param in chunk.named_parameters()]
+        """The parameters saved and loaded: all, or with a ``base`` only the trainable ones."""
+        return [
+            (name, param)
+            for chunk in self.model
+            for name, param in chunk.named_parameters()
+            if self.base is None or param.requires_grad
+        ]
 
     def state_shards(self) -> list[StateShard]:
         return self.optimizer.state_shards() if self.optimizer is not None else []
@@ -108,7 +119,7 @@ def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
     return found
 
 
-def _model_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
+def model_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
     tp_rank, tp_size = _tp()
     entries: dict[str, TensorPieces] = {}
     for name, param in parts.named_parameters():
@@ -143,7 +154,7 @@ def progress(parts: CheckpointParts) -> dict[str, Any]:
 
 def save_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
     """Every tensor piece this rank holds, by key (views of live memory)."""
-    entries = _model_entries(parts)
+    entries = model_entries(parts)
     for shard in parts.state_shards():
         for state, flat in shard.tensors.items():
             if state == "master" and _aliases(flat, shard.param):
@@ -166,7 +177,7 @@ class LoadRequest:
 def load_request(parts: CheckpointParts, stored_keys: set[str]) -> LoadRequest:
     """The pieces this rank's layout needs. A master missing from the checkpoint (it was written in
     fp32) is read from the weights; a missing key otherwise is left for validation to report."""
-    request = LoadRequest(_model_entries(parts))
+    request = LoadRequest(model_entries(parts))
     for shard in parts.state_shards():
         for state, flat in shard.tensors.items():
             key = optim_key(shard.name, shard.param, state)

@@ -27,6 +27,9 @@ class ModelConfig:
 
     type: str = "llama"  # a registered model family: llama, gpt, moe (megacann.models.register_model adds more)
     config_path: Optional[str] = None
+    # weights to start from (fine-tuning): a megacann checkpoint or output directory, a consolidated
+    # directory, or a local Hugging Face directory; its architecture keys fill the recipe's
+    init_from: Optional[str] = None
     precision: str = "bf16"  # bf16 | fp16 | fp32
     hidden_size: Optional[int] = None
     num_layers: Optional[int] = None
@@ -105,13 +108,13 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw | adam | sgd
-    lr: float = 3.0e-4
+    lr: Optional[float] = None  # None: the train_mode's default (MODE_DEFAULTS)
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1.0e-8
     scheduler: str = "cosine"  # cosine | linear | constant
-    warmup_ratio: float = 0.0
+    warmup_ratio: Optional[float] = None  # None: the train_mode's default (MODE_DEFAULTS)
     warmup_steps: Optional[int] = None  # wins over warmup_ratio when set
     min_lr_ratio: float = 0.1
     grad_accum_steps: int = 1
@@ -200,11 +203,12 @@ class MegacannConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     seed: int = 1234
     train_mode: str = "pretrain"  # pretrain | sft
-    lora: bool = False
+    lora: bool = False  # train LoRA adapters on a frozen base (megacann.training.finetune)
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # projection names (q_proj ... down_proj, fused qkv_proj / gate_up_proj) or "all-linear"
+    lora_target_modules: Union[list, str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     @property
     def global_batch_size(self) -> int:
@@ -234,6 +238,12 @@ _SECTION_CLASSES = {
     "training": TrainingConfig,
 }
 TOP_LEVEL_KEYS = [f.name for f in dataclasses.fields(MegacannConfig) if f.name not in _SECTION_CLASSES]
+
+# Optimizer settings whose default depends on train_mode; validation fills those the recipe leaves unset.
+MODE_DEFAULTS = {
+    "pretrain": {"lr": 3.0e-4, "warmup_ratio": 0.0},
+    "sft": {"lr": 1.0e-5, "warmup_ratio": 0.05},
+}
 
 CHOICES = {
     "model.precision": ("bf16", "fp16", "fp32"),

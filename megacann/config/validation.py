@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from megacann.config.schema import CHOICES, ConfigError, MegacannConfig
+from megacann.config.schema import CHOICES, MODE_DEFAULTS, ConfigError, MegacannConfig
 
 # Keys the schema names whose feature is not built yet: anything but their inert value is refused with the
 # reason, rather than accepted and ignored. Each feature's work removes its entry; tests/test_config_keys.py
 # checks that every other key is read by the code it names.
 NOT_YET_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "lora": (lambda v: not v, "LoRA fine-tuning is not implemented yet; set lora: false"),
     "data.json_key": (
         lambda v: v == "text",
         "training reads prepared .bin/.idx data or SFT JSONL records; the text key of raw JSONL is a "
@@ -152,16 +151,28 @@ def _check_choice(cfg: MegacannConfig, dotted: str, source: str) -> None:
         raise ConfigError(f"{source}: {dotted}: {obj!r} is not one of {', '.join(CHOICES[dotted])}")
 
 
+def fill_mode_defaults(cfg: MegacannConfig) -> None:
+    """Give the optimizer settings the recipe left unset (None) their ``train_mode``'s default:
+    ``MODE_DEFAULTS`` (SFT: lr 1e-5, warmup_ratio 0.05; pretraining: 3e-4, 0)."""
+    for key, value in MODE_DEFAULTS[cfg.train_mode].items():
+        if getattr(cfg.optim, key) is None:
+            setattr(cfg.optim, key, value)
+
+
 def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str = "<recipe>") -> None:
-    """Check the recipe for consistency; fills derived values (data_parallel_size, world_size)."""
+    """Check the recipe for consistency; fills derived values (data_parallel_size, world_size) and the
+    train_mode's optimizer defaults."""
     for dotted in CHOICES:
         _check_choice(cfg, dotted, source)
+    fill_mode_defaults(cfg)
     refuse_unimplemented(cfg, source)
     check_ranges(cfg, source)
     m, d, o = cfg.model, cfg.distributed, cfg.optim
     for key in ("hidden_size", "num_layers", "num_attention_heads"):
         if getattr(m, key) is None:
-            raise ConfigError(f"{source}: model.{key} is not set (give it inline or through model.config_path)")
+            raise ConfigError(
+                f"{source}: model.{key} is not set (give it inline, through model.config_path or by model.init_from)"
+            )
     positive = {
         "model.hidden_size": m.hidden_size,
         "model.num_layers": m.num_layers,

@@ -19,7 +19,7 @@ from megacann.data.gpt_dataset import GPTDataset, pretrain_fields, split_ranges
 from megacann.data.indexed_dataset import IndexedDataset
 from megacann.data.loader import build_loader, default_pin_memory
 from megacann.data.sampler import ConsumedSamplesSampler
-from megacann.data.sft import load_sft_samples
+from megacann.data.sft import cached_sft_samples
 from megacann.data.sft_dataset import SFTDataset
 from megacann.data.sft_templates import get_template
 from megacann.data.sources import DataPathError, resolve_sources
@@ -95,8 +95,10 @@ def build_sft_datasets(cfg, tokenizer, train_samples: int, valid_samples: int):
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     splits = []
     for weight, path in resolve_sources(d.path, d.weights, sft=True):
-        samples, stats = load_sft_samples([path], tokenizer, template, d.seq_length, d.skip_bad_lines)
-        _log(f"{path}: {stats.summary()}")
+        samples, stats, built = cached_sft_samples(
+            path, tokenizer, template, d.seq_length, d.skip_bad_lines, d.cache_dir
+        )
+        _log(f"{path}: {stats.summary()} ({'tokenized and cached' if built else 'from the cache'})")
         ranges = split_ranges(d.split, len(samples))
         parts = [
             SFTDataset(samples[a:b], d.seq_length, cfg.seed, pad_id, d.pack_sft, name=f"{path} [{a}, {b})")

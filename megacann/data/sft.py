@@ -17,13 +17,17 @@ skipped and counted.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
+from typing import Optional
 
 import numpy as np
 
+from megacann.data.cache import cached_npy_dir, digest
 from megacann.data.sft_templates import PromptTemplate
+from megacann.data.tokenizer import tokenizer_fingerprint
 from megacann.errors import MegacannError
 
 ROLES = ("system", "user", "assistant")
@@ -141,3 +145,62 @@ def load_sft_samples(
         shown = "\n  ".join(stats.first_errors)
         print(f"[megacann.data] skipped {stats.bad_lines} malformed SFT lines, e.g.\n  {shown}", file=sys.stderr)
     return samples, stats
+
+
+SFT_CACHE_VERSION = 1
+_STAT_FIELDS = ("lines", "samples", "bad_lines", "truncated", "dropped_too_long")
+
+
+def sft_cache_dir(path: str, tokenizer, template: PromptTemplate, seq_length: int, skip_bad_lines: bool, cache_dir):
+    """Where the tokenized samples of JSONL file ``path`` are cached: beside the data (or in ``cache_dir``),
+    keyed by the file (path, size, modification time), the tokenizer, the template and the settings."""
+    from megacann.data.gpt_dataset import index_cache_dir
+
+    stat = os.stat(path)
+    key = digest(
+        SFT_CACHE_VERSION,
+        os.path.realpath(path),
+        stat.st_size,
+        stat.st_mtime_ns,
+        tokenizer_fingerprint(tokenizer),
+        tokenizer.bos_id,
+        tokenizer.eos_id,
+        astuple(template),
+        seq_length,
+        skip_bad_lines,
+    )
+    name = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(index_cache_dir(path, cache_dir), f"sft-{name}-{key}")
+
+
+def cached_sft_samples(
+    path: str,
+    tokenizer,
+    template: PromptTemplate,
+    seq_length: int,
+    skip_bad_lines: bool = False,
+    cache_dir: Optional[str] = None,
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], SFTStats, bool]:
+    """:func:`load_sft_samples` of one file, tokenized once and cached like pretraining indices: the first
+    process to take the cache's lock tokenizes and writes it (atomically), the others wait and read it,
+    memory-mapped. Returns (samples, stats, whether this call tokenized)."""
+    built = [False]
+
+    def build() -> dict[str, np.ndarray]:
+        built[0] = True
+        samples, stats = load_sft_samples([path], tokenizer, template, seq_length, skip_bad_lines)
+        lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
+        dtype = np.int32 if tokenizer.vocab_size < 2**31 else np.int64
+        return {
+            "ids": np.concatenate([ids for ids, _ in samples]).astype(dtype) if samples else np.zeros(0, dtype),
+            "mask": np.concatenate([m for _, m in samples]) if samples else np.zeros(0, bool),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            "stats": np.array([getattr(stats, f) for f in _STAT_FIELDS], dtype=np.int64),
+        }
+
+    directory = sft_cache_dir(path, tokenizer, template, seq_length, skip_bad_lines, cache_dir)
+    arrays = cached_npy_dir(directory, build)
+    ids, mask, offsets = arrays["ids"], arrays["mask"], arrays["offsets"].tolist()
+    samples = [(ids[a:b], mask[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+    stats = SFTStats(**{f: int(v) for f, v in zip(_STAT_FIELDS, arrays["stats"].tolist())})
+    return samples, stats, built[0]

@@ -153,6 +153,28 @@ def is_lora_parameter(param: torch.Tensor) -> bool:
     return bool(getattr(param, LORA_ATTR, False))
 
 
+def expand_b(
+    b: torch.Tensor, target: LoRATarget, blocks: Sequence[int], chosen: Sequence[int], rank: int
+) -> torch.Tensor:
+    """``B`` (rows of the selected blocks, sizes ``chosen``) laid out over all output rows (``blocks``)
+    ``[sum(blocks), groups * rank]``: zero rows for unselected blocks, each independent LoRA's rows in its
+    own ``rank`` columns."""
+    if all(target.selected) and target.groups == 1:
+        return b
+    pieces, rows, k = b.split(tuple(chosen), dim=0), [], 0
+    width = target.groups * rank
+    for size, selected in zip(blocks, target.selected):
+        if not selected:
+            rows.append(b.new_zeros(size, width))
+            continue
+        piece = pieces[k]
+        if target.groups > 1:
+            piece = F.pad(piece, (k * rank, width - (k + 1) * rank))
+        rows.append(piece)
+        k += 1
+    return torch.cat(rows, dim=0)
+
+
 class LoRAAdapter(torch.nn.Module):
     """The LoRA of one parallel linear layer; installed in its ``adapter`` slot by :func:`attach_lora`.
 
@@ -176,6 +198,7 @@ class LoRAAdapter(torch.nn.Module):
         if len(blocks) != len(target.parts):
             raise ValueError(f"LoRA target {target.parts} does not match the layer's {len(blocks)} output blocks")
         chosen = tuple(b for b, s in zip(blocks, target.selected) if s)
+        self.blocks, self.chosen = blocks, chosen  # whole-layer output blocks, and the adapted ones
         replicated = self.column and base.replicated
         shards = 1 if replicated or not self.column else self.tp_size
         self.local_blocks = tuple(b // shards for b in blocks)
@@ -210,21 +233,12 @@ class LoRAAdapter(torch.nn.Module):
     def local_b(self) -> torch.Tensor:
         """This rank's ``B`` laid out over the layer's local output rows ``[out_local, groups * r]``: zero rows
         for unselected blocks, and each independent LoRA's rows in its own ``r`` columns."""
-        target, b = self.target, self.lora_B
-        if all(target.selected) and target.groups == 1:
-            return b
-        pieces, rows, k = b.split(self.local_chosen, dim=0), [], 0
-        width = target.groups * self.rank
-        for size, selected in zip(self.local_blocks, target.selected):
-            if not selected:
-                rows.append(b.new_zeros(size, width))
-                continue
-            piece = pieces[k]
-            if target.groups > 1:
-                piece = F.pad(piece, (k * self.rank, width - (k + 1) * self.rank))
-            rows.append(piece)
-            k += 1
-        return torch.cat(rows, dim=0)
+        return expand_b(self.lora_B, self.target, self.local_blocks, self.local_chosen, self.rank)
+
+    def full_delta(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``scaling * B A`` over the whole layer from whole ``A`` and ``B`` (e.g. read from a checkpoint):
+        what merging adds to the layer's whole weight."""
+        return (expand_b(b, self.target, self.blocks, self.chosen, self.rank) * self.scaling) @ a
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout_p == 0.0:

@@ -57,24 +57,28 @@ def full_state_dict(modules: Iterable[torch.nn.Module]) -> dict[str, torch.Tenso
 
 
 @torch.no_grad()
+def load_full_tensor_(param: torch.Tensor, full: torch.Tensor, name: str, source: str = "state") -> None:
+    """Copy the whole tensor ``full`` into this rank's shard of ``param`` (padding added, dtype cast); an
+    error names the tensor and both shapes."""
+    sharding = get_sharding(param)
+    if tuple(full.shape) != sharding.logical_shape:
+        raise ValueError(
+            f"{source}: tensor {name!r} has shape {list(full.shape)}, the model expects {list(sharding.logical_shape)}"
+        )
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    local = shard_tensor(_pad(full.to(torch.float32), sharding), sharding, tp_rank, tp_size)
+    param.copy_(local.to(dtype=param.dtype, device=param.device))
+
+
 def load_full_state_dict_(
     modules: Iterable[torch.nn.Module], tensors: Mapping[str, torch.Tensor], source: str = "state"
 ) -> None:
     """Copy whole tensors into this rank's shards. Every parameter must be present with its whole shape;
     errors name the tensor and both shapes."""
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for module in modules:
         for name, param in module.named_parameters():
             if name not in tensors:
                 raise KeyError(
                     f"{source}: missing tensor {name!r} (expected shape {list(get_sharding(param).logical_shape)})"
                 )
-            full = tensors[name]
-            expected = get_sharding(param).logical_shape
-            if tuple(full.shape) != expected:
-                raise ValueError(
-                    f"{source}: tensor {name!r} has shape {list(full.shape)}, the model expects {list(expected)}"
-                )
-            sharding = get_sharding(param)
-            local = shard_tensor(_pad(full.to(torch.float32), sharding), sharding, tp_rank, tp_size)
-            param.copy_(local.to(dtype=param.dtype, device=param.device))
+            load_full_tensor_(param, tensors[name], name, source)

@@ -70,13 +70,18 @@ class SafetensorsReader:
         return self._handles[file].get_tensor(name)
 
 
-def model_parameter_names(spec: ModelSpec, model_cfg: ModelConfig) -> list[str]:
-    """The parameter names of a family's whole model (built on the meta device: no memory, no init cost)."""
+def whole_model_on_meta(spec: ModelSpec, model_cfg: ModelConfig) -> torch.nn.Module:
+    """A family's whole model on the meta device (no memory, no init cost): for its names and shapes.
+    Fills the family's defaults into ``model_cfg``."""
     cfg = MegacannConfig(model=model_cfg)
-    prepare_model_config(cfg, spec)
+    spec.fill_defaults(model_cfg)  # not the family's recipe checks: the rest of this recipe is a default
     with torch.device("meta"):
-        model = spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "meta")
-    return [name for name, _ in model.named_parameters()]
+        return spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "meta")
+
+
+def model_parameter_names(spec: ModelSpec, model_cfg: ModelConfig) -> list[str]:
+    """The parameter names of a family's whole model."""
+    return [name for name, _ in whole_model_on_meta(spec, model_cfg).named_parameters()]
 
 
 def from_pretrained_hf(

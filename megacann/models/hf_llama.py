@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -23,22 +23,29 @@ def _hf_name(name: str) -> str:
     return name if name == HEAD else "model." + name
 
 
+def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
+    """The Hugging Face names of megacann weight ``name`` with the output rows of each (rows None: the
+    whole tensor). Fused projections are several parts: gate then up, or q, k, v."""
+    hf = _hf_name(name)
+    if ".mlp.gate_up_proj." in name:
+        return [(hf.replace("gate_up_proj", part), cfg.ffn_size) for part in ("gate_proj", "up_proj")]
+    if ".self_attn.qkv_proj." in name:
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        rows = (cfg.num_attention_heads * head_dim, cfg.kv_heads * head_dim, cfg.kv_heads * head_dim)
+        return [(hf.replace("qkv_proj", part), size) for part, size in zip(("q_proj", "k_proj", "v_proj"), rows)]
+    return [(hf, None)]
+
+
 def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """megacann whole tensors -> Hugging Face names (fused projections split)."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    q_size, kv_size = cfg.num_attention_heads * head_dim, cfg.kv_heads * head_dim
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        hf = _hf_name(name)
-        if ".mlp.gate_up_proj." in name:
-            gate, up = torch.split(tensor, [cfg.ffn_size, cfg.ffn_size], dim=0)
-            out[hf.replace("gate_up_proj", "gate_proj")] = gate
-            out[hf.replace("gate_up_proj", "up_proj")] = up
-        elif ".self_attn.qkv_proj." in name:
-            for part, piece in zip(("q_proj", "k_proj", "v_proj"), torch.split(tensor, [q_size, kv_size, kv_size])):
-                out[hf.replace("qkv_proj", part)] = piece
-        else:
-            out[hf] = tensor
+        parts = hf_parts(name, cfg)
+        if len(parts) == 1:
+            out[parts[0][0]] = tensor
+            continue
+        for (hf, _), piece in zip(parts, torch.split(tensor, [rows for _, rows in parts], dim=0)):
+            out[hf] = piece
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -48,15 +55,11 @@ def from_hf_tensors(
     """The whole tensors of megacann ``names``, read by Hugging Face name through ``read(hf_name)``."""
     out: dict[str, torch.Tensor] = {}
     for name in names:
-        hf = _hf_name(name)
-        if ".mlp.gate_up_proj." in name:
-            out[name] = torch.cat([read(hf.replace("gate_up_proj", p)) for p in ("gate_proj", "up_proj")], dim=0)
-        elif ".self_attn.qkv_proj." in name:
-            out[name] = torch.cat([read(hf.replace("qkv_proj", p)) for p in ("q_proj", "k_proj", "v_proj")], dim=0)
-        elif name == HEAD and cfg.tie_word_embeddings:
+        if name == HEAD and cfg.tie_word_embeddings:
             out[name] = read("model.embed_tokens.weight")
-        else:
-            out[name] = read(hf)
+            continue
+        parts = hf_parts(name, cfg)
+        out[name] = read(parts[0][0]) if len(parts) == 1 else torch.cat([read(hf) for hf, _ in parts], dim=0)
     return out
 
 
@@ -102,4 +105,5 @@ LLAMA_HF = HFAdapter(
     config_to_hf=hf_config_dict,
     to_hf=to_hf_tensors,
     from_hf=from_hf_tensors,
+    linear_parts=hf_parts,
 )

@@ -1,9 +1,10 @@
 """LoRA adapters in Hugging Face PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``).
 
-The files load with ``peft.PeftModel.from_pretrained(LlamaForCausalLM base, dir)`` on the base exported by
+The files load with ``peft.PeftModel.from_pretrained(hf_model, dir)`` on the base exported by
 :func:`megacann.models.hf.save_pretrained_hf`, and back into megacann with :func:`load_peft_adapter`.
 
-Names: megacann's ``layers.3.self_attn.q_proj.adapter.lora_A`` is PEFT's
+Names come from the model family's Hugging Face adapter (``HFAdapter.linear_parts``): any family that
+has one gets PEFT adapters. For LLaMA, megacann's ``layers.3.self_attn.q_proj.adapter.lora_A`` is PEFT's
 ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``. A LoRA on a fused projection
 (``qkv_proj`` = q, k, v; ``gate_up_proj`` = gate, up) is split by output rows: each part gets its rows of
 ``B`` and its ``A``, the one ``A`` of the fused matrix when it is shared (target ``qkv_proj``), or the part's
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.config import ModelConfig
 from megacann.errors import MegacannError
+from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.lora import (
     ALL_PROJECTIONS,
     FUSED_PROJECTIONS,
@@ -37,6 +38,7 @@ from megacann.layers.lora import (
 )
 from megacann.layers.sharding import get_sharding, shard_tensor
 from megacann.models.full_state import gather_full_tensor
+from megacann.models.spec import get_model_spec
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -66,21 +68,38 @@ def _split_name(name: str) -> tuple[str, str]:
     return layer, param
 
 
-def _peft_key(layer: str, part: str, which: str) -> str:
-    """PEFT's key of ``which`` (lora_A / lora_B) of ``part`` of megacann layer ``layer``."""
-    module = layer.rsplit(".", 1)[0] + "." + part
-    return f"{PEFT_PREFIX}model.{module}.{which}.weight"
+def _linear_parts(cfg: ModelConfig, what: str):
+    """The family's ``linear_parts`` (megacann weight name -> Hugging Face names and rows)."""
+    spec = get_model_spec(cfg.type)
+    if spec.hf is None or spec.hf.linear_parts is None:
+        raise PeftFormatError(
+            f"{what}: model family {cfg.type!r} has no Hugging Face adapter naming its projections "
+            "(HFAdapter.linear_parts), so its LoRA adapters have no PEFT names"
+        )
+    return spec.hf.linear_parts
 
 
-def fused_block_sizes(leaf: str, cfg: ModelConfig) -> tuple[int, ...]:
-    """Output rows of each part of a projection named ``leaf`` (one entry for an unfused projection)."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    if leaf == "qkv_proj":
-        kv = cfg.kv_heads * head_dim
-        return (cfg.num_attention_heads * head_dim, kv, kv)
-    if leaf == "gate_up_proj":
-        return (cfg.ffn_size, cfg.ffn_size)
-    raise ValueError(f"{leaf} is not a fused projection")
+def layer_parts(layer: str, cfg: ModelConfig, what: str = "PEFT") -> list[tuple[str, Optional[int]]]:
+    """(Hugging Face module name, output rows or None) of each part of megacann linear layer ``layer``."""
+    parts = _linear_parts(cfg, what)(f"{layer}.weight", cfg)
+    return [(name.removesuffix(".weight"), rows) for name, rows in parts]
+
+
+def _peft_key(module: str, which: str) -> str:
+    """PEFT's key of ``which`` (lora_A / lora_B) on Hugging Face module ``module``."""
+    return f"{PEFT_PREFIX}{module}.{which}.weight"
+
+
+def _matched_parts(layer: str, cfg: ModelConfig, what: str) -> list[tuple[str, str, Optional[int]]]:
+    """(megacann part name, Hugging Face module, rows) of each part of ``layer``, in order."""
+    leaf = layer.rsplit(".", 1)[-1]
+    ours = FUSED_PROJECTIONS.get(leaf, (leaf,))
+    theirs = layer_parts(layer, cfg, what)
+    if len(theirs) != len(ours):
+        raise PeftFormatError(
+            f"{what}: {layer} has parts {list(ours)} but the Hugging Face adapter names {len(theirs)} for it"
+        )
+    return [(part, module, rows) for part, (module, rows) in zip(ours, theirs)]
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -96,23 +115,26 @@ def to_peft_tensors(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, lora:
     out: dict[str, torch.Tensor] = {}
     layers = sorted({_split_name(n)[0] for n in tensors if ADAPTER_SLOT in n})
     for layer in layers:
-        leaf = layer.rsplit(".", 1)[-1]
         a, b = tensors[f"{layer}{ADAPTER_SLOT}lora_A"], tensors[f"{layer}{ADAPTER_SLOT}lora_B"]
-        parts = FUSED_PROJECTIONS.get(leaf, (leaf,))
-        sizes = fused_block_sizes(leaf, cfg) if leaf in FUSED_PROJECTIONS else (b.shape[0],)
-        target = resolve_target(leaf, len(parts), lora.target_modules)
+        parts = _matched_parts(layer, cfg, "PEFT export")
+        target = resolve_target(layer.rsplit(".", 1)[-1], len(parts), lora.target_modules)
         if target is None:
             raise PeftFormatError(f"{layer} holds a LoRA but target_modules {list(lora.target_modules)} do not name it")
-        rows = [size for size, chosen in zip(sizes, target.selected) if chosen]
+        chosen = [
+            (module, rows if rows is not None else b.shape[0])
+            for (_, module, rows), s in zip(parts, target.selected)
+            if s
+        ]
+        rows = [size for _, size in chosen]
         if sum(rows) != b.shape[0] or a.shape[0] != target.groups * lora.rank:
             raise PeftFormatError(
                 f"{layer}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit rank {lora.rank} on "
                 f"parts {list(target.selected_parts)} with rows {rows}"
             )
         a_parts = [a] * len(rows) if target.shared else list(a.split(lora.rank, dim=0))
-        for part, a_part, b_part in zip(target.selected_parts, a_parts, b.split(rows, dim=0)):
-            out[_peft_key(layer, part, "lora_A")] = a_part.contiguous().clone()
-            out[_peft_key(layer, part, "lora_B")] = b_part.contiguous().clone()
+        for (module, _), a_part, b_part in zip(chosen, a_parts, b.split(rows, dim=0)):
+            out[_peft_key(module, "lora_A")] = a_part.contiguous().clone()
+            out[_peft_key(module, "lora_B")] = b_part.contiguous().clone()
     return out
 
 
@@ -150,13 +172,12 @@ def write_peft_adapter(
     """Write whole megacann adapter tensors (held by one process) as a PEFT adapter directory."""
     from megacann.models.hf import save_safetensors
 
-    if cfg.type != "llama":
-        raise PeftFormatError(f"{path}: PEFT adapters are written for LLaMA models, not model.type {cfg.type!r}")
+    _linear_parts(cfg, path)
     peft_tensors = to_peft_tensors(tensors, cfg, lora)
     if not peft_tensors:
         raise PeftFormatError(f"{path}: no LoRA tensors to write (is a LoRA attached to the model?)")
     found = {key[len(PEFT_PREFIX) :].rsplit(".", 2)[0].rsplit(".", 1)[-1] for key in peft_tensors}
-    targets = [name for name in HF_PROJECTIONS if name in found]
+    targets = [name for name in HF_PROJECTIONS if name in found] + sorted(found - set(HF_PROJECTIONS))
     os.makedirs(path, exist_ok=True)
     save_safetensors(peft_tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
@@ -219,51 +240,74 @@ def read_peft_tensors(path: str) -> dict[str, torch.Tensor]:
     return load_file(file)
 
 
+def _linear_modules(model: torch.nn.Module, cfg: ModelConfig) -> set[str]:
+    """Hugging Face module names of every parallel linear layer of ``model``."""
+    parts = _linear_parts(cfg, "PEFT")
+    return {
+        hf.removesuffix(".weight")
+        for name, layer in model.named_modules()
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
+        for hf, _ in parts(f"{name}.weight", cfg)
+    }
+
+
 def from_peft_tensors(
-    model: torch.nn.Module, peft_tensors: Mapping[str, torch.Tensor], source: str = "adapter"
+    model: torch.nn.Module,
+    peft_tensors: Mapping[str, torch.Tensor],
+    source: str = "adapter",
+    cfg: Optional[ModelConfig] = None,
 ) -> dict[str, torch.Tensor]:
     """The whole tensors of ``model``'s attached adapters, built from PEFT tensors (parts joined by rows).
-    Keys for layers this model does not hold (other pipeline stages) are ignored; any other unused key,
-    or a missing one, is an error."""
+    Keys of layers this model chunk does not hold (other pipeline stages) are ignored; any other unused
+    key, or a missing one, is an error. ``cfg`` defaults to ``model.config``."""
+    cfg = cfg if cfg is not None else model.config
     unused = set(peft_tensors)
     out: dict[str, torch.Tensor] = {}
-    held_layers = set()
     for layer, adapter in lora_adapters(model):
-        held_layers.add(layer.split(".")[1])
-        parts = adapter.target.selected_parts
+        parts = [(part, module) for part, module, _ in _matched_parts(layer, cfg, source)]
+        modules = [module for part, module in parts if part in adapter.target.selected_parts]
         pieces = {}
         for which in ("lora_A", "lora_B"):
-            keys = [_peft_key(layer, part, which) for part in parts]
+            keys = [_peft_key(module, which) for module in modules]
             missing = [k for k in keys if k not in peft_tensors]
             if missing:
                 raise PeftFormatError(f"{source}: missing tensor {missing[0]!r}")
             unused.difference_update(keys)
             pieces[which] = [peft_tensors[k] for k in keys]
-        if adapter.target.shared and len(parts) > 1:
+        if adapter.target.shared and len(modules) > 1:
             if any(not torch.equal(a, pieces["lora_A"][0]) for a in pieces["lora_A"]):
+                names = "/".join(adapter.target.selected_parts)
                 raise PeftFormatError(
-                    f"{source}: {'/'.join(parts)} of {layer} have different lora_A matrices, so they cannot share "
-                    f"one A on the fused layer; target the parts ({', '.join(parts)}) instead"
+                    f"{source}: {names} of {layer} have different lora_A matrices, so they cannot share one A on "
+                    f"the fused layer; target the parts ({', '.join(adapter.target.selected_parts)}) instead"
                 )
             a = pieces["lora_A"][0]
         else:
             a = torch.cat(pieces["lora_A"], dim=0)
         out[f"{layer}{ADAPTER_SLOT}lora_A"] = a
         out[f"{layer}{ADAPTER_SLOT}lora_B"] = torch.cat(pieces["lora_B"], dim=0)
-    elsewhere = re.compile(re.escape(PEFT_PREFIX) + r"model\.layers\.(\d+)\.")
-    stray = sorted(k for k in unused if not (m := elsewhere.match(k)) or m.group(1) in held_layers)
-    if stray:
-        raise PeftFormatError(f"{source}: tensors {stray[:3]} match no LoRA of the model")
+    if unused:
+        from megacann.models.hf import whole_model_on_meta
+
+        whole = whole_model_on_meta(get_model_spec(cfg.type), cfg)
+        elsewhere = _linear_modules(whole, cfg) - _linear_modules(model, cfg)  # other pipeline stages' layers
+        stray = sorted(k for k in unused if k[len(PEFT_PREFIX) :].rsplit(".", 2)[0] not in elsewhere)
+        if stray:
+            raise PeftFormatError(f"{source}: tensors {stray[:3]} match no LoRA of the model")
     return out
 
 
 @torch.no_grad()
-def load_peft_adapter(model: torch.nn.Module, path: str, freeze_base: bool = True) -> LoRAConfig:
+def load_peft_adapter(
+    model: torch.nn.Module, path: str, freeze_base: bool = True, cfg: Optional[ModelConfig] = None
+) -> LoRAConfig:
     """Attach the LoRA described by a PEFT directory to ``model`` (this rank's chunk; strict target
-    matching is left to the caller for pipeline stages) and load its weights into this rank's shards."""
+    matching is left to the caller for pipeline stages) and load its weights into this rank's shards.
+    ``cfg`` (the model's settings) defaults to ``model.config``."""
     lora = read_peft_config(path)
     attach_lora(model, lora, freeze_base=freeze_base, strict=False)
-    tensors = from_peft_tensors(model, read_peft_tensors(path), source=os.path.join(path, ADAPTER_WEIGHTS))
+    source = os.path.join(path, ADAPTER_WEIGHTS)
+    tensors = from_peft_tensors(model, read_peft_tensors(path), source=source, cfg=cfg)
     adapters = dict(lora_adapters(model))
     for name, param in lora_parameters(model):
         full, sharding = tensors[name], get_sharding(param)

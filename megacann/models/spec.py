@@ -78,7 +78,9 @@ class HFAdapter:
     ``model_types``: the ``model_type`` values of config.json this adapter reads. ``config_from_hf`` maps a
     config.json dict onto a :class:`ModelConfig`; ``config_to_hf`` writes one. ``to_hf`` renames (and splits
     fused) tensors; ``from_hf(names, read, cfg)`` returns the whole tensors of megacann ``names`` using
-    ``read(hf_name)``.
+    ``read(hf_name)``. ``linear_parts(name, cfg)`` (optional) gives the Hugging Face names of a megacann
+    linear weight with the output rows of each, in order (a fused weight is several, split by rows; rows
+    None: the whole weight): what PEFT adapter names need (:mod:`megacann.models.peft`).
     """
 
     model_types: tuple[str, ...]
@@ -86,6 +88,7 @@ class HFAdapter:
     config_to_hf: Callable[[ModelConfig, torch.dtype], dict[str, Any]]
     to_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     from_hf: Callable[[Sequence[str], Callable[[str], torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
+    linear_parts: Optional[Callable[[str, ModelConfig], list[tuple[str, Optional[int]]]]] = None
 
 
 def _no_defaults(cfg: ModelConfig) -> None:

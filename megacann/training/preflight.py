@@ -84,6 +84,11 @@ def _data_error(message: str) -> Exception:
 def check_tokenizer_fits(cfg: MegacannConfig, tokenizer: Any) -> None:
     """The tokenizer's ids fit the model's embedding (when model.vocab_size is given)."""
     vocab = cfg.model.vocab_size
+    if vocab is not None and tokenizer.vocab_size > vocab and cfg.model.init_from:
+        raise ConfigError(
+            f"the tokenizer ({cfg.data.tokenizer or 'default'}) has {tokenizer.vocab_size} tokens but the model of "
+            f"model.init_from {cfg.model.init_from} only {vocab}: use the tokenizer it was trained with"
+        )
     if vocab is not None and tokenizer.vocab_size > vocab:
         raise ConfigError(
             f"data.tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab}: ids from {vocab} "

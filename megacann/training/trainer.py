@@ -25,6 +25,7 @@ from megacann.layers.loss import aux_loss_weight, count_target_tokens
 from megacann.models import ModelSpec
 from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
+from megacann.training import finetune
 from megacann.training.failure import guarded
 from megacann.training.guards import StepGuard
 from megacann.training.host_values import to_host
@@ -99,11 +100,15 @@ class Trainer:
             tokenizer = build_tokenizer(cfg)
         self.tokenizer = tokenizer
         self.run_tokenizer = tokenizer if keep_tokenizer else None
-        if tokenizer is not None and data is None and data_factory is None:  # the recipe's data and tokenizer
-            check_tokenizer_fits(cfg, tokenizer)  # ids past the embedding would fail deep in the first step
+        # ids past the embedding would fail deep in the first step: checked for the recipe's data and tokenizer,
+        # and for any tokenizer when the weights come from model.init_from
+        if tokenizer is not None and (cfg.model.init_from or (data is None and data_factory is None)):
+            check_tokenizer_fits(cfg, tokenizer)
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = tokenizer.vocab_size
         self.model_chunks = build_model_chunks(cfg, self.model_spec, device=self.device)
+        # model.init_from's weights; LoRA adapters (base frozen): before the optimizer sees the parameters
+        self.lora_base = finetune.prepare_model_chunks(cfg, self.model_chunks)
         if compile_backend(cfg) is not None:  # precision.compile: torch.compile per transformer block
             compile_blocks(self.model_chunks, backend=compile_backend(cfg))
         self.named_params = [(n, p) for chunk in self.model_chunks for n, p in chunk.named_parameters()]
@@ -307,6 +312,12 @@ class Trainer:
             f"device {self.runtime.accelerator.device_type}, precision {cfg.model.precision}"
         )
         self.metrics.print(ops.selection_line(self.runtime.accelerator.device_type))
+        for line in (
+            finetune.describe_base(self.lora_base, cfg),
+            finetune.memory_line(self.model_chunks, self.optimizer),
+        ):
+            if line:
+                self.metrics.print(line)
         self.runtime.accelerator.reset_peak_memory_stats()
         window: list[float] = []  # losses since the last logged step: the logged loss is their mean
         times: list[float] = []  # and their step times
@@ -381,6 +392,7 @@ class Trainer:
             s.consumed_samples,
             {"skipped_steps": s.skipped_steps},
             tokenizer=self.run_tokenizer,  # saved beside the weights, so exports carry it
+            base=self.lora_base,  # a LoRA run saves its adapters and names its base
         )
 
     def save_checkpoint(self) -> str:
