@@ -22,7 +22,7 @@ PACKAGE = Path(megacann.__file__).parent
 READ_BY = {
     "seed": "training/runtime.py",
     "train_mode": "data/builders.py",
-    "experiment.name": "training/trainer.py",
+    "experiment.name": "training/step_log.py",
     "experiment.output_dir": "training/trainer.py",
     "model.type": "models/spec.py",
     "model.config_path": "config/loading.py",

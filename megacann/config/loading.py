@@ -161,6 +161,9 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        kinds = [arg for arg in args if arg is not type(None)]
+        if len(kinds) == 1:  # Optional[X]: X's own message (e.g. a non-finite float)
+            return _coerce(value, kinds[0], where, source)
         for arg in args:
             if arg is type(None):
                 continue

@@ -30,3 +30,10 @@ def to_host(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = chunk[0] if size == 1 else chunk
             offset += size
     return out
+
+
+def step_values_on_host(result: dict[str, Any]) -> dict[str, Any]:
+    """A training step's figures as host numbers (one synchronisation); ``num_tokens`` an int."""
+    values = to_host(result)
+    values["num_tokens"] = int(values["num_tokens"])
+    return values

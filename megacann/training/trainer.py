@@ -17,7 +17,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megacann import ops
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.layers.compile import compile_blocks
@@ -28,7 +27,7 @@ from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward
 from megacann.training import finetune
 from megacann.training.failure import guarded
 from megacann.training.guards import StepGuard
-from megacann.training.host_values import to_host
+from megacann.training.host_values import step_values_on_host
 from megacann.training.metrics import MetricsLogger
 from megacann.training.preflight import (
     check_checkpoint_model,
@@ -41,6 +40,7 @@ from megacann.training.profiling import StepProfiling
 from megacann.training.recipe import compile_backend, prepare_recipe
 from megacann.training.runtime import Runtime, setup_runtime
 from megacann.training.signals import make_stop_signals, stop_after_signal
+from megacann.training.step_log import start_lines, step_record
 from megacann.training.watchdog import start_watchdog
 
 
@@ -55,13 +55,6 @@ class TrainState:
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def step_values_on_host(result: dict[str, Any]) -> dict[str, Any]:
-    """A step's figures as host numbers (one synchronisation); ``num_tokens`` an int."""
-    values = to_host(result)
-    values["num_tokens"] = int(values["num_tokens"])
-    return values
 
 
 class Trainer:
@@ -259,65 +252,14 @@ class Trainer:
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
     # -- the loop -----------------------------------------------------------------------------------
-    def _record(self, step_metrics: dict[str, Any], step_time: float) -> dict[str, Any]:
-        cfg = self.cfg
-        tokens = cfg.global_batch_size * cfg.data.seq_length
-        tps = tokens / step_time
-        record = {
-            "step": self.state.step,
-            "loss": step_metrics["loss"],
-            "grad_norm": step_metrics["grad_norm"],
-            "lr": step_metrics["lr"],
-            "tokens_per_second": tps,
-            "tokens_per_second_per_device": tps / self.runtime.world_size,
-            "step_time": step_time,
-            "consumed_samples": self.state.consumed_samples,
-        }
-        if "stage_timers" in step_metrics:  # per pipeline stage: forward_s, backward_s, *_wait_s, idle_fraction
-            record["stage_timers"] = step_metrics["stage_timers"]
-        for name in self._model_metric_names(step_metrics):  # the model's auxiliary losses and stats
-            record[name] = step_metrics[name]
-        if self.peak_flops:
-            record["mfu"] = tps * self.flops_per_token / (self.runtime.world_size * self.peak_flops)
-        if cfg.model.precision == "fp16":
-            record["loss_scale"] = self.optimizer.loss_scale
-        if cfg.model.precision == "fp16" or self.state.skipped_steps:
-            record["skipped_steps"] = self.state.skipped_steps
-        record.update(self.runtime.accelerator.memory_stats())
-        return record
-
-    def _context_parallel_note(self) -> str:
-        d = self.cfg.distributed
-        if d.context_parallel_size == 1:
-            return ""
-        share = self.cfg.data.seq_length // d.context_parallel_size
-        return f", cp {d.context_parallel_size} {d.context_parallel_algo}: {share} tokens of each sequence per rank"
-
-    @staticmethod
-    def _model_metric_names(step_metrics: dict[str, Any]) -> list[str]:
-        own = {"loss", "grad_norm", "lr", "num_tokens", "updated", "skipped", "stage_timers"}
-        return [name for name in step_metrics if name not in own]
-
     def fit(self) -> list[dict[str, Any]]:
         """Train to max_steps; returns the logged records (on the logging rank)."""
         cfg = self.cfg
         log = cfg.logging
         history: list[dict[str, Any]] = []
         self.metrics.start(self.state.step)  # fresh: an earlier metrics.jsonl moves aside; resumed: later records go
-        self.metrics.print(
-            f"training {cfg.experiment.name}: {cfg.optim.max_steps} steps, global batch {cfg.global_batch_size} x "
-            f"seq {cfg.data.seq_length}, world {self.runtime.world_size} (tp {cfg.distributed.tensor_parallel_size}, "
-            f"pp {cfg.distributed.pipeline_parallel_size}, dp {cfg.distributed.data_parallel_size}"
-            f"{self._context_parallel_note()}), "
-            f"device {self.runtime.accelerator.device_type}, precision {cfg.model.precision}"
-        )
-        self.metrics.print(ops.selection_line(self.runtime.accelerator.device_type))
-        for line in (
-            finetune.describe_base(self.lora_base, cfg),
-            finetune.memory_line(self.model_chunks, self.optimizer),
-        ):
-            if line:
-                self.metrics.print(line)
+        for line in start_lines(self):  # what runs where: layout, operators, a fine-tuning run's base
+            self.metrics.print(line)
         self.runtime.accelerator.reset_peak_memory_stats()
         window: list[float] = []  # losses since the last logged step: the logged loss is their mean
         times: list[float] = []  # and their step times
@@ -339,7 +281,7 @@ class Trainer:
                     window.append(step_metrics["loss"])
                 if step % log.log_interval == 0 or step == 1 or step == cfg.optim.max_steps:
                     mean = sum(window) / len(window) if window else step_metrics["loss"]
-                    record = self._record({**step_metrics, "loss": mean}, sum(times) / len(times))
+                    record = step_record(self, {**step_metrics, "loss": mean}, sum(times) / len(times))
                     self.profiling.log_window(record, self.metrics.print)  # logging.profile_breakdown
                     self.metrics.log(record)
                     if self.model_spec.metric_warnings is not None:  # e.g. an MoE expert far from its fair share
