@@ -14,6 +14,7 @@ adapter's output on that part's rows. Reading does the reverse for the model at 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -25,17 +26,18 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.config import ModelConfig
 from megacann.errors import MegacannError
-from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.lora import (
     ALL_PROJECTIONS,
     FUSED_PROJECTIONS,
     HF_PROJECTIONS,
     LoRAConfig,
+    adapter_layout,
     attach_lora,
     lora_adapters,
     lora_parameters,
     resolve_target,
 )
+from megacann.layers.moe.lora import expert_layers_elsewhere
 from megacann.layers.sharding import get_sharding, shard_tensor
 from megacann.models.full_state import gather_full_tensor
 from megacann.models.spec import get_model_spec
@@ -44,6 +46,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 ADAPTER_SLOT = ".adapter."
+EXPERT_SLOT = ".experts."
 
 # PEFT settings megacann's LoRA does not implement: loading an adapter that uses them would be wrong.
 _UNSUPPORTED = {
@@ -178,6 +181,9 @@ def write_peft_adapter(
         raise PeftFormatError(f"{path}: no LoRA tensors to write (is a LoRA attached to the model?)")
     found = {key[len(PEFT_PREFIX) :].rsplit(".", 2)[0].rsplit(".", 1)[-1] for key in peft_tensors}
     targets = [name for name in HF_PROJECTIONS if name in found] + sorted(found - set(HF_PROJECTIONS))
+    if any(EXPERT_SLOT in name for name in tensors):
+        # PEFT's wrappers of fused expert weights (transformers >= 5) refuse dropout; it acts in training only
+        lora = dataclasses.replace(lora, dropout=0.0)
     os.makedirs(path, exist_ok=True)
     save_safetensors(peft_tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
@@ -187,13 +193,17 @@ def write_peft_adapter(
 def save_peft_adapter(
     chunks: list[torch.nn.Module], path: str, lora: LoRAConfig, base_model_name_or_path: Optional[str] = None
 ) -> None:
-    """Write the adapters of a (tensor- and pipeline-parallel) model as one PEFT directory. Collective over
-    the tensor- and pipeline-parallel groups; the first rank of the model writes."""
+    """Write the adapters of a (tensor-, expert- and pipeline-parallel) model as one PEFT directory.
+    Collective over the tensor-, expert- and pipeline-parallel groups; the first rank of the model writes."""
     tensors = lora_full_tensors(chunks)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        stages: list[Optional[dict]] = [None] * ps.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
-        tensors = {name: t for stage in stages for name, t in stage.items()}
+    for size, group in (
+        (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()),
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group()),
+    ):
+        if size > 1:  # each expert-parallel rank holds its experts, each stage its layers
+            held: list[Optional[dict]] = [None] * size
+            dist.all_gather_object(held, tensors, group=group)
+            tensors = {name: t for part in held for name, t in part.items()}
     first = (
         ps.get_tensor_model_parallel_rank() == 0
         and ps.get_data_parallel_rank(with_context_parallel=True) == 0
@@ -240,15 +250,13 @@ def read_peft_tensors(path: str) -> dict[str, torch.Tensor]:
     return load_file(file)
 
 
-def _linear_modules(model: torch.nn.Module, cfg: ModelConfig) -> set[str]:
-    """Hugging Face module names of every parallel linear layer of ``model``."""
+def _linear_modules(model: torch.nn.Module, cfg: ModelConfig, others: bool = False) -> set[str]:
+    """Hugging Face module names of every projection of ``model`` that can carry a LoRA (``others``: with
+    the experts other expert-parallel ranks hold)."""
     parts = _linear_parts(cfg, "PEFT")
-    return {
-        hf.removesuffix(".weight")
-        for name, layer in model.named_modules()
-        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
-        for hf, _ in parts(f"{name}.weight", cfg)
-    }
+    names = [name for name, module in model.named_modules() if adapter_layout(module) is not None]
+    names += expert_layers_elsewhere(model) if others else []
+    return {hf.removesuffix(".weight") for name in names for hf, _ in parts(f"{name}.weight", cfg)}
 
 
 def from_peft_tensors(
@@ -290,7 +298,8 @@ def from_peft_tensors(
         from megacann.models.hf import whole_model_on_meta
 
         whole = whole_model_on_meta(get_model_spec(cfg.type), cfg)
-        elsewhere = _linear_modules(whole, cfg) - _linear_modules(model, cfg)  # other pipeline stages' layers
+        # layers of other pipeline stages, and experts of other expert-parallel ranks
+        elsewhere = _linear_modules(whole, cfg, others=True) - _linear_modules(model, cfg)
         stray = sorted(k for k in unused if k[len(PEFT_PREFIX) :].rsplit(".", 2)[0] not in elsewhere)
         if stray:
             raise PeftFormatError(f"{source}: tensors {stray[:3]} match no LoRA of the model")
