@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megacann import parallel_state as ps
 from megacann.config import ModelConfig
+from megacann.config.advice import advise
 from megacann.errors import MegacannError
 from megacann.layers.lora import (
     ALL_PROJECTIONS,
@@ -165,6 +166,20 @@ def peft_config_dict(
     }
 
 
+def _note_expert_targets(tensors: Mapping[str, torch.Tensor], lora: LoRAConfig) -> None:
+    """Say so when experts' adapters are a mix that PEFT cannot put on fused expert weights: transformers 5
+    fuses each layer's experts (gate and up in one tensor), and PEFT converts per-expert adapters onto it
+    only for gate + up + down, or down alone."""
+    adapted = {_split_name(n)[0].rsplit(".", 1)[-1] for n in tensors if EXPERT_SLOT in n and ADAPTER_SLOT in n}
+    gate_up = resolve_target("gate_up_proj", 2, lora.target_modules) if "gate_up_proj" in adapted else None
+    if gate_up is not None and (not all(gate_up.selected) or "down_proj" not in adapted):
+        parts = [*gate_up.selected_parts, *(["down_proj"] if "down_proj" in adapted else [])]
+        advise(
+            f"the experts' LoRA covers {'+'.join(parts)}: megacann reads this PEFT adapter back, but PEFT on "
+            "transformers 5 (fused experts) loads expert adapters only on gate+up+down or down alone"
+        )
+
+
 def write_peft_adapter(
     tensors: Mapping[str, torch.Tensor],
     cfg: ModelConfig,
@@ -182,6 +197,7 @@ def write_peft_adapter(
     found = {key[len(PEFT_PREFIX) :].rsplit(".", 2)[0].rsplit(".", 1)[-1] for key in peft_tensors}
     targets = [name for name in HF_PROJECTIONS if name in found] + sorted(found - set(HF_PROJECTIONS))
     if any(EXPERT_SLOT in name for name in tensors):
+        _note_expert_targets(tensors, lora)
         # PEFT's wrappers of fused expert weights (transformers >= 5) refuse dropout; it acts in training only
         lora = dataclasses.replace(lora, dropout=0.0)
     os.makedirs(path, exist_ok=True)
@@ -216,8 +232,10 @@ def save_peft_adapter(
 # -- reading ----------------------------------------------------------------------------------------
 
 
-def read_peft_config(path: str) -> LoRAConfig:
-    """The LoRA settings of a PEFT adapter directory; settings megacann does not implement are refused."""
+def read_peft_config(path: str, hf_names: Optional[Mapping[str, str]] = None) -> LoRAConfig:
+    """The LoRA settings of a PEFT adapter directory; settings megacann does not implement are refused.
+    ``hf_names`` maps the family's Hugging Face projection names that differ from megacann's targets
+    (Mixtral's experts: ``w1`` -> ``gate_proj``…; see :func:`hf_target_names`)."""
     file = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path}: no {ADAPTER_CONFIG} (expected a PEFT adapter directory)")
@@ -231,6 +249,8 @@ def read_peft_config(path: str) -> LoRAConfig:
     targets = raw.get("target_modules")
     if isinstance(targets, str) and targets != ALL_PROJECTIONS:
         raise PeftFormatError(f"{file}: target_modules {targets!r} is a pattern; list the projection names instead")
+    if hf_names and isinstance(targets, list):
+        targets = list(dict.fromkeys(hf_names.get(t, t) for t in targets))
     try:
         return LoRAConfig(
             rank=raw["r"], alpha=raw["lora_alpha"], dropout=raw.get("lora_dropout", 0.0), target_modules=targets
@@ -239,6 +259,19 @@ def read_peft_config(path: str) -> LoRAConfig:
         raise PeftFormatError(f"{file}: missing {err.args[0]!r}") from None
     except ValueError as err:
         raise PeftFormatError(f"{file}: {err}") from None
+
+
+def hf_target_names(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, str]:
+    """Hugging Face projection names of ``model`` that differ from megacann's part names, mapped to them
+    (e.g. Mixtral's ``w1``/``w3``/``w2`` -> ``gate_proj``/``up_proj``/``down_proj``)."""
+    names: dict[str, str] = {}
+    for layer, module in model.named_modules():
+        if adapter_layout(module) is not None:
+            for part, hf_module, _ in _matched_parts(layer, cfg, "PEFT"):
+                leaf = hf_module.rsplit(".", 1)[-1]
+                if leaf != part:
+                    names[leaf] = part
+    return names
 
 
 def read_peft_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -313,7 +346,7 @@ def load_peft_adapter(
     """Attach the LoRA described by a PEFT directory to ``model`` (this rank's chunk; strict target
     matching is left to the caller for pipeline stages) and load its weights into this rank's shards.
     ``cfg`` (the model's settings) defaults to ``model.config``."""
-    lora = read_peft_config(path)
+    lora = read_peft_config(path, hf_target_names(model, cfg if cfg is not None else model.config))
     attach_lora(model, lora, freeze_base=freeze_base, strict=False)
     source = os.path.join(path, ADAPTER_WEIGHTS)
     tensors = from_peft_tensors(model, read_peft_tensors(path), source=source, cfg=cfg)
