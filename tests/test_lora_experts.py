@@ -210,7 +210,10 @@ def test_expert_part_mixes_peft_cannot_fuse_round_trip_in_megacann_with_a_note(t
     back = _moe_model()
     load_peft_adapter(back, str(tmp_path))
     assert rel_err(_logits(back.eval()), _logits(model.eval())) < TOL
-    merged = merge_adapter_tensors(base, lora_full_tensors([model]), model.config, lora)
+    bias = torch.arange(float(E))  # a routing bias the LoRA run moved and saved: carried into the merge
+    adapters = {**lora_full_tensors([model]), "layers.0.mlp.router.expert_bias": bias}
+    merged = merge_adapter_tensors(base, adapters, model.config, lora)
+    assert merged.pop("layers.0.mlp.router.expert_bias") is bias
     merge_lora(model)
     after = full_state_dict([model])
     assert merged.keys() == base.keys()
@@ -318,6 +321,7 @@ def _adapters(trainer) -> dict:
 def _train(overrides: list[str], out: str, resume: bool) -> dict:
     from megacann.layers.sharding import set_sharding
     from megacann.models.full_state import gather_full_tensor
+    from megacann.training.finetune import parameter_counts
 
     trainer = _trainer(overrides, out)
     named = [(n, p) for chunk in trainer.model_chunks for n, p in chunk.named_parameters()]
@@ -348,6 +352,7 @@ def _train(overrides: list[str], out: str, resume: bool) -> dict:
         ),
         "experts_here": sorted({n.split(".experts.")[1].split(".")[0] for n, _ in named if ".experts." in n}),
         "checkpoint": os.path.join(out, f"checkpoint_{STEPS}"),
+        "counts": parameter_counts(trainer.model_chunks),
     }
     if resume:
         again = _trainer(overrides, out + "_resumed")
@@ -416,6 +421,7 @@ def test_expert_parallel_lora_trains_like_one_process(world1, world2):
         assert run["frozen_without_grads"] and run["state_all_adapters"]
         assert run["expert_adapter_groups"] == [1]  # ep 2 of 2 ranks: experts reduce over a group of one
         assert run["experts_here"] == [str(e) for e in range(2 * rank, 2 * rank + 2)]
+        assert run["counts"] == world1["counts"]  # the whole model's, every rank's experts counted
     assert world1["expert_adapter_groups"] == [1] and world1["experts_here"] == ["0", "1", "2", "3"]
 
 
