@@ -7,11 +7,12 @@ load in ``peft`` on the exported base with megacann's logits, and read back into
 
 Two ranks (one spawn, ``_world2``): the MoE layer with expert adapters at ep 2, tp 2 with experts split
 over TP (sequence parallel) and tp 2 with whole experts equals one process (outputs, input and adapter
-gradients), with the adapters sharded like their experts; the trainer (``model.type: moe``, ``lora:
-true``) at ep 2 trains the one-process loss trace, adapter gradients and adapters, holds no gradient or
-optimizer state for the frozen base, reduces expert adapters over the expert-data-parallel group, resumes
-its adapter-only checkpoint bit for bit, and ``megacann-convert merge-lora`` of that checkpoint gives its
-logits.
+gradients), with the adapters sharded like their experts; a PEFT export at ep 2 gathers every rank's
+experts (equal to one process's) and a one-process export loads into ep 2; the trainer (``model.type:
+moe``, ``lora: true``) at ep 2 and at tp 2 (sequence parallel) trains the one-process loss trace, adapter
+gradients and adapters, counts the whole model's parameters, holds no gradient or optimizer state for the
+frozen base; the ep 2 run resumes its adapter-only checkpoint bit for bit, and ``megacann-convert
+merge-lora`` of that checkpoint gives its logits.
 """
 
 from __future__ import annotations
@@ -363,9 +364,33 @@ def _train(overrides: list[str], out: str, resume: bool) -> dict:
     return record
 
 
-def _world2(root: str) -> dict:
+def _ep2_peft(root: str, reference: str) -> dict:
+    """At ep 2: the PEFT export gathers every rank's experts; the one-process export loads into ep 2."""
+    from megacann import parallel_state as ps
+    from megacann.models.peft import load_peft_adapter, save_peft_adapter
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    model = _moe_model()
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules="all-linear")
+    attach_lora(model, lora)
+    _randomise(model)
+    save_peft_adapter([model], f"{root}/peft_ep2", lora)
+    back = _moe_model()
+    load_peft_adapter(back, reference)
+    result = {"logits": _logits(model.eval()), "loaded_logits": _logits(back.eval())}
+    result["experts_here"] = sorted(int(e) for e in back.layers["0"].mlp.experts)
+    result["path"] = f"{root}/peft_ep2"
+    ps.destroy_model_parallel()
+    return result
+
+
+def _world2(root: str, peft_reference: str) -> dict:
     results = {name: _layer_layout(*layout) for name, layout in LAYOUTS.items()}
+    results["peft"] = _ep2_peft(root, peft_reference)
     results["ep2_trainer"] = _train(["distributed.expert_parallel_size=2", "optim.grad_accum_steps=2"], root, True)
+    tp2 = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true", "optim.grad_accum_steps=4"]
+    results["tp2_trainer"] = _train(tp2, root + "/tp2", False)
     return results
 
 
@@ -374,8 +399,23 @@ def _world1(root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return run_on_ranks(_world2, 2, args=(str(tmp_path_factory.mktemp("ep2")),), timeout=400)
+def peft_one_process(tmp_path_factory) -> tuple[str, torch.Tensor]:
+    """A one-process PEFT export of the model ``_ep2_peft`` builds, and that model's logits."""
+    from megacann.models.peft import save_peft_adapter
+
+    path = str(tmp_path_factory.mktemp("peft1"))
+    model = _moe_model()
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules="all-linear")
+    attach_lora(model, lora)
+    _randomise(model)
+    save_peft_adapter([model], path, lora)
+    return path, _logits(model.eval())
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, peft_one_process):
+    root = str(tmp_path_factory.mktemp("ep2"))
+    return run_on_ranks(_world2, 2, args=(root, peft_one_process[0]), timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -404,24 +444,39 @@ def test_expert_lora_layer_layouts_equal_one_process(world2, layout):
         assert shapes[0]["experts.1.down_proj.adapter.lora_A"] == (4, FFN)
 
 
-def test_expert_parallel_lora_trains_like_one_process(world1, world2):
+def test_expert_parallel_peft_export_and_load_equal_one_process(world2, peft_one_process):
+    from megacann.models.peft import read_peft_tensors
+
+    path, logits = peft_one_process
+    expected = read_peft_tensors(path)
+    got = read_peft_tensors(world2[0]["peft"]["path"])
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], t) for k, t in expected.items())
+    for rank, results in enumerate(world2):
+        run = results["peft"]
+        assert run["experts_here"] == [2 * rank, 2 * rank + 1]
+        assert rel_err(run["logits"], logits) < TOL and rel_err(run["loaded_logits"], logits) < TOL
+
+
+@pytest.mark.parametrize("run", ["ep2_trainer", "tp2_trainer"])
+def test_expert_parallel_lora_trains_like_one_process(world1, world2, run):
     from test_training_parity import assert_close_trace, assert_params_close
 
-    got, ref = world2[0]["ep2_trainer"], world1
+    got, ref = world2[0][run], world1
     assert_close_trace(got["losses"], ref["losses"], 1e-5)
     expert_b = [t for n, t in ref["adapters"].items() if ".experts." in n and n.endswith("lora_B")]
     assert len(expert_b) == 2 * 4 * 2 and all(t.abs().sum() > 0 for t in expert_b)  # B left 0: they trained
-    grads = {**world2[1]["ep2_trainer"]["grads"], **got["grads"]}
+    grads = {**world2[1][run]["grads"], **got["grads"]}
     assert grads.keys() == ref["grads"].keys() and any(".experts.3." in n for n in grads)
     assert_params_close(grads, ref["grads"], 1e-5)
     assert_params_close(got["adapters"], ref["adapters"], 1e-4)
     torch.testing.assert_close(got["logits"], ref["logits"], rtol=0, atol=1e-4)
     for rank, results in enumerate(world2):
-        run = results["ep2_trainer"]
-        assert run["frozen_without_grads"] and run["state_all_adapters"]
-        assert run["expert_adapter_groups"] == [1]  # ep 2 of 2 ranks: experts reduce over a group of one
-        assert run["experts_here"] == [str(e) for e in range(2 * rank, 2 * rank + 2)]
-        assert run["counts"] == world1["counts"]  # the whole model's, every rank's experts counted
+        record = results[run]
+        assert record["frozen_without_grads"] and record["state_all_adapters"]
+        assert record["expert_adapter_groups"] == [1]  # ep 2 of 2 ranks / tp 2: experts reduce over one rank
+        here = range(2 * rank, 2 * rank + 2) if run == "ep2_trainer" else range(E)
+        assert record["experts_here"] == [str(e) for e in here]
+        assert record["counts"] == world1["counts"]  # the whole model's, every rank's experts counted
     assert world1["expert_adapter_groups"] == [1] and world1["experts_here"] == ["0", "1", "2", "3"]
 
 
