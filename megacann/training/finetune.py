@@ -1,10 +1,10 @@
 """Fine-tuning a built model: start from ``model.init_from``, attach LoRA adapters, and say what trains.
 
 Works on any model family: weights are loaded by parameter name into whatever chunks the family's spec
-built, and adapters go on every ``ColumnParallelLinear`` / ``RowParallelLinear`` whose name
-``lora_target_modules`` picks (:mod:`megacann.layers.lora`), sharded like their layer. With ``lora: true``
-every other parameter is frozen (``requires_grad=False``): the optimizer, its gradient buffers and ZeRO's
-shards then hold nothing for it, and checkpoints store only the adapters plus a reference to the base
+built, and adapters go on every ``ColumnParallelLinear`` / ``RowParallelLinear`` and MoE expert
+projection whose name ``lora_target_modules`` picks (:mod:`megacann.layers.lora`), sharded like their
+layer. With ``lora: true`` every other parameter is frozen (``requires_grad=False``): the optimizer, its
+gradient buffers and ZeRO's shards then hold nothing for it, and checkpoints store only the adapters plus a reference to the base
 (:func:`base_reference`), checked again on resume.
 """
 
