@@ -4,8 +4,8 @@ Works on any model family: weights are loaded by parameter name into whatever ch
 built, and adapters go on every ``ColumnParallelLinear`` / ``RowParallelLinear`` and MoE expert
 projection whose name ``lora_target_modules`` picks (:mod:`megacann.layers.lora`), sharded like their
 layer. With ``lora: true`` every other parameter is frozen (``requires_grad=False``): the optimizer, its
-gradient buffers and ZeRO's shards then hold nothing for it, and checkpoints store only the adapters plus a reference to the base
-(:func:`base_reference`), checked again on resume.
+gradient buffers and ZeRO's shards then hold nothing for it, and checkpoints store only the adapters plus
+a reference to the base (:func:`base_reference`), checked again on resume.
 """
 
 from __future__ import annotations
