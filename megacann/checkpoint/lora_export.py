@@ -83,7 +83,8 @@ def read_base(info: dict[str, Any], base: Optional[str] = None) -> dict[str, tor
 def merge_adapter_tensors(
     base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], model_cfg: ModelConfig, lora: LoRAConfig
 ) -> dict[str, torch.Tensor]:
-    """``base`` with every adapter's ``scaling * B A`` added to its layer's weight (in fp32, cast back)."""
+    """``base`` with every adapter's ``scaling * B A`` added to its layer's weight (in fp32, cast back), and
+    the persistent buffers the LoRA checkpoint holds (e.g. MoE routing biases moved during training)."""
     meta = hf.whole_model_on_meta(get_model_spec(model_cfg.type), model_cfg)
     attach_lora(meta, lora, strict=False)
     merged = dict(base)
@@ -97,7 +98,9 @@ def merge_adapter_tensors(
         weight = base[f"{layer}.weight"]
         delta = adapter.full_delta(adapters[keys[0]].float(), adapters[keys[1]].float())
         merged[f"{layer}.weight"] = (weight.float() + delta).to(weight.dtype)
-    unused = sorted(set(adapters) - used)
+    carried = [name for name in adapters if ADAPTER_SLOT not in name]  # buffers the run kept (routing biases)
+    merged.update({name: adapters[name] for name in carried})
+    unused = sorted(set(adapters) - used - set(carried))
     if unused:
         raise CheckpointError(f"adapter tensors {unused[:3]} match no layer of model.type {model_cfg.type!r}")
     return merged

@@ -207,7 +207,8 @@ class MegacannConfig:
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    # projection names (q_proj ... down_proj, fused qkv_proj / gate_up_proj) or "all-linear"
+    # projection names (q_proj ... down_proj, fused qkv_proj / gate_up_proj; MLP names reach MoE experts too) or
+    # "all-linear"
     lora_target_modules: Union[list, str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     @property

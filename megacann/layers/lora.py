@@ -18,12 +18,9 @@ parallelism the adapter follows its base layer, and tp N computes what one proce
 Dropout on the adapter's input draws one mask over the whole input from the default generator (equal on
 every TP rank) and keeps this rank's slice, so masks do not depend on the layout either.
 
-Targets are leaf names of projection layers. megacann may fuse projections: ``qkv_proj`` is q, k, v and
-``gate_up_proj`` is gate, up (output blocks, see :data:`FUSED_PROJECTIONS`). Naming the fused layer puts
-one rank-r LoRA on the whole fused matrix (one ``A`` shared by the blocks, ``B`` spanning all of them).
-Naming parts (``q_proj``, ``v_proj``, ``gate_proj``…) on a fused layer gives each named block its own
-rank-r LoRA (own ``A`` and ``B``) and leaves the other blocks unchanged: exactly Hugging Face PEFT's LoRA on
-separate projections. On a model with separate projections, a fused name selects each of its parts.
+Targets (which projections, fused or by part) are named as in :mod:`megacann.layers.lora_targets`.
+Besides column- and row-parallel layers, any module with a ``lora_layout()`` method and an ``adapter``
+slot takes a LoRA: MoE experts' projections do (:mod:`megacann.layers.moe.lora`).
 
 Adapter parameters live in the layer's ``adapter`` slot (``…qkv_proj.adapter.lora_A`` / ``.lora_B``), are
 made with :func:`make_parameter` (sharding and init method attached), so ``initialize_weights`` or
@@ -32,7 +29,6 @@ made with :func:`make_parameter` (sharding and init method attached), so ``initi
 
 from __future__ import annotations
 
-import difflib
 import functools
 import math
 from collections.abc import Iterator, Sequence
@@ -45,94 +41,20 @@ import torch.nn.functional as F
 from megacann.layers import mappings
 from megacann.layers.init import init_zeros, make_parameter
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megacann.layers.lora_targets import (  # noqa: F401  (re-exported: the LoRA API lives here)
+    ALL_PROJECTIONS,
+    FUSED_PROJECTIONS,
+    HF_PROJECTIONS,
+    PROJECTION_NAMES,
+    LoRAConfig,
+    LoRATarget,
+    resolve_target,
+)
 from megacann.layers.sharding import INIT_ATTR, init_sharded_
 
-FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROJECTION_NAMES = (*HF_PROJECTIONS, *FUSED_PROJECTIONS)
-ALL_PROJECTIONS = "all-linear"  # PEFT's shorthand: every attention and MLP projection
 LORA_ATTR = "megacann_lora"  # marks adapter parameters
 
 ParallelLinear = Union[ColumnParallelLinear, RowParallelLinear]
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """Rank ``rank``, scaling ``alpha / rank``, input dropout ``dropout``, and the projection names to adapt
-    (``target_modules``: names from :data:`PROJECTION_NAMES`, or ``"all-linear"``)."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-    def __post_init__(self) -> None:
-        targets = self.target_modules
-        if isinstance(targets, str):
-            targets = HF_PROJECTIONS if targets == ALL_PROJECTIONS else (targets,)
-        object.__setattr__(self, "target_modules", tuple(targets))
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
-        if not self.target_modules:
-            raise ValueError(f"LoRA target_modules is empty; choose from {', '.join(PROJECTION_NAMES)}")
-        for name in self.target_modules:
-            if name not in PROJECTION_NAMES:
-                close = difflib.get_close_matches(str(name), PROJECTION_NAMES, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(
-                    f"LoRA target_modules: {name!r} is not a projection name ({', '.join(PROJECTION_NAMES)} "
-                    f"or {ALL_PROJECTIONS!r}){hint}"
-                )
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-
-@dataclass(frozen=True)
-class LoRATarget:
-    """What a LoRA does on one layer: which of its output blocks (``parts``) get a delta (``selected``), and
-    whether those share one ``A`` (a LoRA on the fused matrix) or each has its own."""
-
-    parts: tuple[str, ...]
-    selected: tuple[bool, ...]
-    shared: bool
-
-    @property
-    def groups(self) -> int:
-        """Number of independent (A, B) pairs."""
-        return 1 if self.shared else sum(self.selected)
-
-    @property
-    def selected_parts(self) -> tuple[str, ...]:
-        return tuple(p for p, s in zip(self.parts, self.selected) if s)
-
-
-def resolve_target(leaf: str, num_blocks: int, targets: Sequence[str]) -> Optional[LoRATarget]:
-    """The LoRA a layer named ``leaf`` with ``num_blocks`` fused output blocks gets from ``targets``
-    (None: not adapted). Shared by :func:`attach_lora` and the PEFT writer/reader, so both agree."""
-    parts = FUSED_PROJECTIONS.get(leaf)
-    if parts is not None and num_blocks == len(parts):
-        named = tuple(p in targets for p in parts)
-        if leaf in targets:
-            if any(named):
-                both = [p for p, n in zip(parts, named) if n]
-                raise ValueError(
-                    f"LoRA target_modules names both the fused {leaf!r} and its parts {both}; name either the "
-                    f"fused projection (one LoRA on the whole matrix) or its parts (one LoRA each)"
-                )
-            return LoRATarget(parts, (True,) * len(parts), shared=True)
-        return LoRATarget(parts, named, shared=False) if any(named) else None
-    if leaf in targets or any(leaf in FUSED_PROJECTIONS.get(t, ()) for t in targets):
-        return LoRATarget((leaf,), (True,), shared=True)
-    return None
 
 
 def _kaiming_uniform(tensor: torch.Tensor, a: float) -> torch.Tensor:
@@ -175,53 +97,122 @@ def expand_b(
     return torch.cat(rows, dim=0)
 
 
+@dataclass(frozen=True)
+class AdapterLayout:
+    """Where a LoRA sits and how it is sharded, read from the layer it adapts (:func:`adapter_layout`).
+
+    ``column``: the layer's output rows may be split over TP (``B`` follows them), else its input columns
+    (``A`` follows them). ``blocks``: the whole layer's output blocks (fused parts). ``tp_rank`` /
+    ``tp_size``: recorded in the adapter's sharding. ``shard``: the adapter is split with its layer (False:
+    whole on every rank). ``partial``: every rank's gradient of the whole-kept matrix (and of the other,
+    when not sharded) is partial and summed over TP. ``expert``: reduced over the expert-data-parallel
+    group, like the expert weight adapted."""
+
+    column: bool
+    in_size: int
+    out_size: int
+    blocks: tuple[int, ...]
+    tp_rank: int
+    tp_size: int
+    shard: bool = True
+    partial: bool = False
+    expert: bool = False
+    dtype: Optional[torch.dtype] = None
+    device: Optional[torch.device] = None
+    what: str = "LoRA"
+
+
+def linear_layout(base: ParallelLinear) -> AdapterLayout:
+    """The layout of a LoRA on a column- or row-parallel layer (see the module docstring)."""
+    column = isinstance(base, ColumnParallelLinear)
+    replicated = column and base.replicated
+    return AdapterLayout(
+        column=column,
+        in_size=base.input_size,
+        out_size=base.output_size,
+        blocks=tuple(base.tp_blocks) if column and base.tp_blocks else (base.output_size,),
+        tp_rank=mappings.tp_rank(base.group),
+        tp_size=base.tp_size,
+        shard=not replicated,
+        partial=replicated,
+        dtype=base.weight.dtype,
+        device=base.weight.device,
+        what=f"LoRA on {type(base).__name__}({base.input_size}, {base.output_size})",
+    )
+
+
+def adapter_layout(module: torch.nn.Module) -> Optional[AdapterLayout]:
+    """The LoRA layout of a module that can carry an adapter in its ``adapter`` slot: a parallel linear
+    layer, or any module with a ``lora_layout()`` method (e.g. an MoE expert's projection); else None."""
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        return linear_layout(module)
+    method = getattr(module, "lora_layout", None)
+    return method() if callable(method) else None
+
+
 class LoRAAdapter(torch.nn.Module):
-    """The LoRA of one parallel linear layer; installed in its ``adapter`` slot by :func:`attach_lora`.
+    """The LoRA of one projection; installed in its ``adapter`` slot by :func:`attach_lora`.
 
     ``lora_A`` is ``[groups * r, in]`` (one ``[r, in]`` block per independent LoRA; split by columns on a
     row-parallel layer) and ``lora_B`` ``[rows of the selected blocks, r]`` (split by rows on a
     column-parallel layer). ``forward(x, rows)`` returns ``scaling * B A dropout(x)`` for this rank (None
-    while merged into the base weight).
+    while merged into the base weight). ``base`` is the adapted layer or its :class:`AdapterLayout`.
     """
 
-    def __init__(self, base: ParallelLinear, target: LoRATarget, rank: int, alpha: float, dropout: float = 0.0):
+    def __init__(
+        self,
+        base: Union[torch.nn.Module, AdapterLayout],
+        target: LoRATarget,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+    ):
         super().__init__()
-        if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+        layout = base if isinstance(base, AdapterLayout) else adapter_layout(base)
+        if layout is None:
             raise TypeError(f"LoRA attaches to ColumnParallelLinear / RowParallelLinear, not {type(base).__name__}")
-        self.column = isinstance(base, ColumnParallelLinear)
+        self.column = layout.column
         self.rank, self.alpha, self.scaling, self.dropout_p = rank, alpha, alpha / rank, dropout
         self.target = target
-        self.tp_rank, self.tp_size = mappings.tp_rank(base.group), base.tp_size
+        self.tp_rank, self.tp_size, self.shard = layout.tp_rank, layout.tp_size, layout.shard
         self.merged = False
-        out_size, in_size = base.output_size, base.input_size
-        blocks = tuple(base.tp_blocks) if self.column and base.tp_blocks else (out_size,)
+        blocks = layout.blocks
         if len(blocks) != len(target.parts):
             raise ValueError(f"LoRA target {target.parts} does not match the layer's {len(blocks)} output blocks")
         chosen = tuple(b for b, s in zip(blocks, target.selected) if s)
         self.blocks, self.chosen = blocks, chosen  # whole-layer output blocks, and the adapted ones
-        replicated = self.column and base.replicated
-        shards = 1 if replicated or not self.column else self.tp_size
+        shards = self.tp_size if self.column and layout.shard else 1
         self.local_blocks = tuple(b // shards for b in blocks)
         self.local_chosen = tuple(b // shards for b in chosen)
-        groups = target.groups
-        common = dict(tp_rank=self.tp_rank, tp_size=self.tp_size, dtype=base.weight.dtype, device=base.weight.device)
-        what = f"LoRA on {type(base).__name__}({in_size}, {out_size})"
+        common = dict(
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            expert=layout.expert,
+            dtype=layout.dtype,
+            device=layout.device,
+            name=layout.what,
+        )
         if self.column:
             self.lora_A = make_parameter(
-                (groups * rank, in_size), init_lora_a(), name=what, tp_partial_grad=True, **common
+                (target.groups * rank, layout.in_size), init_lora_a(), tp_partial_grad=True, **common
             )
             self.lora_B = make_parameter(
                 (sum(chosen), rank),
                 init_zeros(),
-                name=what,
-                tp_dim=None if replicated else 0,
-                tp_blocks=chosen if len(chosen) > 1 and not replicated else None,
-                tp_partial_grad=replicated,
+                tp_dim=0 if layout.shard else None,
+                tp_blocks=chosen if len(chosen) > 1 and layout.shard else None,
+                tp_partial_grad=layout.partial,
                 **common,
             )
         else:
-            self.lora_A = make_parameter((rank, in_size), init_lora_a(), name=what, tp_dim=1, **common)
-            self.lora_B = make_parameter((out_size, rank), init_zeros(), name=what, tp_partial_grad=True, **common)
+            self.lora_A = make_parameter(
+                (rank, layout.in_size),
+                init_lora_a(),
+                tp_dim=1 if layout.shard else None,
+                tp_partial_grad=layout.partial,
+                **common,
+            )
+            self.lora_B = make_parameter((layout.out_size, rank), init_zeros(), tp_partial_grad=True, **common)
         _mark(self.lora_A)
         _mark(self.lora_B)
 
@@ -240,11 +231,11 @@ class LoRAAdapter(torch.nn.Module):
         what merging adds to the layer's whole weight."""
         return (expand_b(b, self.target, self.blocks, self.chosen, self.rank) * self.scaling) @ a
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+    def dropout_input(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout_p == 0.0:
             return x
         keep = 1.0 - self.dropout_p
-        split = not self.column and self.tp_size > 1  # a row layer's input is this rank's slice
+        split = not self.column and self.shard and self.tp_size > 1  # a row layer's input is this rank's slice
         shape = (*x.shape[:-1], x.shape[-1] * (self.tp_size if split else 1))
         mask = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
         if split:
@@ -257,7 +248,7 @@ class LoRAAdapter(torch.nn.Module):
         b = self.local_b()
         if rows is not None:
             b = b[rows[0] : rows[1]]
-        return F.linear(F.linear(self._dropout(x), self.lora_A) * self.scaling, b)
+        return F.linear(F.linear(self.dropout_input(x), self.lora_A) * self.scaling, b)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
@@ -268,54 +259,59 @@ class LoRAAdapter(torch.nn.Module):
 # -- a whole model ------------------------------------------------------------------------------------
 
 
-def _parallel_linears(model: torch.nn.Module) -> Iterator[tuple[str, ParallelLinear]]:
+def _adapter_sites(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, AdapterLayout]]:
+    """``(name, module, layout)`` of every module of ``model`` that can carry a LoRA."""
     for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            yield name, module
+        layout = adapter_layout(module)
+        if layout is not None:
+            yield name, module, layout
 
 
-def _num_blocks(layer: ParallelLinear) -> int:
-    tp_blocks = getattr(layer, "tp_blocks", None)
-    return len(tp_blocks) if tp_blocks else 1
+def _adapted(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, LoRAAdapter]]:
+    for name, module in model.named_modules():
+        adapter = getattr(module, "adapter", None)
+        if isinstance(adapter, LoRAAdapter):
+            yield name, module, adapter
 
 
 def attach_lora(model: torch.nn.Module, config: LoRAConfig, freeze_base: bool = True, strict: bool = True) -> list[str]:
     """Install a :class:`LoRAAdapter` on every projection of ``model`` that ``config.target_modules`` names
-    and return the adapted layers' names. ``freeze_base`` sets ``requires_grad=False`` on every other
-    parameter. ``strict``: a target that matches no layer is an error (pass False for a pipeline stage
-    that may hold no such layer, and check across stages)."""
+    (parallel linear layers and MoE experts' projections) and return the adapted layers' names.
+    ``freeze_base`` sets ``requires_grad=False`` on every other parameter. ``strict``: a target that
+    matches no layer is an error (pass False for a pipeline stage that may hold no such layer, and check
+    across stages)."""
     targets = config.target_modules
     used: set[str] = set()
     plans = []  # checked in full before any layer changes
-    for name, layer in list(_parallel_linears(model)):
+    sites = list(_adapter_sites(model))
+    for name, module, layout in sites:
         leaf = name.rsplit(".", 1)[-1]
-        target = resolve_target(leaf, _num_blocks(layer), targets)
+        target = resolve_target(leaf, len(layout.blocks), targets)
         if target is None:
             continue
-        if layer.adapter is not None:
-            raise ValueError(f"{name} already has an adapter ({type(layer.adapter).__name__})")
+        if module.adapter is not None:
+            raise ValueError(f"{name} already has an adapter ({type(module.adapter).__name__})")
         used.update(
             t for t in targets if t == leaf or t in target.selected_parts or leaf in FUSED_PROJECTIONS.get(t, ())
         )
-        plans.append((name, layer, target))
+        plans.append((name, module, layout, target))
     missing = [t for t in targets if t not in used]
     if strict and missing:
-        have = sorted({n.rsplit(".", 1)[-1] for n, _ in _parallel_linears(model)} & set(PROJECTION_NAMES))
+        have = sorted({n.rsplit(".", 1)[-1] for n, _, _ in sites} & set(PROJECTION_NAMES))
         raise ValueError(f"LoRA target_modules {missing} match no layer of the model; its projections are {have}")
-    for _, layer, target in plans:
-        layer.adapter = LoRAAdapter(layer, target, config.rank, config.alpha, config.dropout)
+    for _, module, layout, target in plans:
+        module.adapter = LoRAAdapter(layout, target, config.rank, config.alpha, config.dropout)
     if freeze_base:
         for param in model.parameters():
             if not is_lora_parameter(param):
                 param.requires_grad_(False)
-    return [name for name, _, _ in plans]
+    return [name for name, _, _, _ in plans]
 
 
 def lora_adapters(model: torch.nn.Module) -> Iterator[tuple[str, LoRAAdapter]]:
     """``(name of the adapted layer, its adapter)`` for every LoRA in ``model``."""
-    for name, layer in _parallel_linears(model):
-        if isinstance(layer.adapter, LoRAAdapter):
-            yield name, layer.adapter
+    for name, _, adapter in _adapted(model):
+        yield name, adapter
 
 
 def lora_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -342,9 +338,8 @@ def merge_lora(model: torch.nn.Module) -> int:
     switch the adapters off. Returns the number of layers merged. Keep a merged model for inference or
     export: its adapters no longer act, and :func:`unmerge_lora` undoes the merge (up to rounding)."""
     count = 0
-    for _, layer in _parallel_linears(model):
-        adapter = layer.adapter
-        if isinstance(adapter, LoRAAdapter) and not adapter.merged:
+    for _, layer, adapter in _adapted(model):
+        if not adapter.merged:
             layer.weight.add_(adapter.delta_weight().to(layer.weight.dtype))
             adapter.merged = True
             count += 1
@@ -355,9 +350,8 @@ def merge_lora(model: torch.nn.Module) -> int:
 def unmerge_lora(model: torch.nn.Module) -> int:
     """Subtract merged adapters from their layers' weights and switch them back on."""
     count = 0
-    for _, layer in _parallel_linears(model):
-        adapter = layer.adapter
-        if isinstance(adapter, LoRAAdapter) and adapter.merged:
+    for _, layer, adapter in _adapted(model):
+        if adapter.merged:
             layer.weight.sub_(adapter.delta_weight().to(layer.weight.dtype))
             adapter.merged = False
             count += 1
@@ -369,12 +363,10 @@ def unload_lora(model: torch.nn.Module, merge: bool = True) -> int:
     model with the base's parameter names, e.g. to export it. Returns the number of adapters removed."""
     if merge:
         merge_lora(model)
-    count = 0
-    for _, layer in _parallel_linears(model):
-        if isinstance(layer.adapter, LoRAAdapter):
-            layer.adapter = None
-            count += 1
-    return count
+    layers = [layer for _, layer, _ in _adapted(model)]
+    for layer in layers:
+        layer.adapter = None
+    return len(layers)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -49,6 +49,19 @@ def check_mixtral_compatible(cfg: ModelConfig) -> None:
 def _expert_names(layer: str, expert: str) -> dict[str, str]:
     base = f"{HF_BLOCK.format(layer=layer)}.experts.{expert}"
     return {part: f"{base}.{part}.weight" for part in ("w1", "w2", "w3")}
+
+
+def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
+    """The Mixtral names of megacann weight ``name`` with the output rows of each (rows None: the whole
+    tensor): an expert's gate_up_proj is w1 (gate) then w3 (up), its down_proj w2; the rest as in LLaMA.
+    What PEFT adapter names need (``HFAdapter.linear_parts``)."""
+    check_mixtral_compatible(cfg)
+    if match := _EXPERT.fullmatch(name):
+        hf = _expert_names(match[1], match[2])
+        if match[3] == "down_proj":
+            return [(hf["w2"], None)]
+        return [(hf["w1"], cfg.moe_ffn_hidden_size), (hf["w3"], cfg.moe_ffn_hidden_size)]
+    return hf_llama.hf_parts(name, cfg)
 
 
 def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -124,4 +137,5 @@ MIXTRAL_HF = HFAdapter(
     config_to_hf=hf_config_dict,
     to_hf=to_hf_tensors,
     from_hf=from_hf_tensors,
+    linear_parts=hf_parts,
 )

@@ -14,6 +14,7 @@ adapter's output on that part's rows. Reading does the reverse for the model at 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -24,18 +25,20 @@ import torch.distributed as dist
 
 from megacann import parallel_state as ps
 from megacann.config import ModelConfig
+from megacann.config.advice import advise
 from megacann.errors import MegacannError
-from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.lora import (
     ALL_PROJECTIONS,
     FUSED_PROJECTIONS,
     HF_PROJECTIONS,
     LoRAConfig,
+    adapter_layout,
     attach_lora,
     lora_adapters,
     lora_parameters,
     resolve_target,
 )
+from megacann.layers.moe.lora import expert_layers_elsewhere
 from megacann.layers.sharding import get_sharding, shard_tensor
 from megacann.models.full_state import gather_full_tensor
 from megacann.models.spec import get_model_spec
@@ -44,6 +47,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 ADAPTER_SLOT = ".adapter."
+EXPERT_SLOT = ".experts."
 
 # PEFT settings megacann's LoRA does not implement: loading an adapter that uses them would be wrong.
 _UNSUPPORTED = {
@@ -162,6 +166,20 @@ def peft_config_dict(
     }
 
 
+def _note_expert_targets(tensors: Mapping[str, torch.Tensor], lora: LoRAConfig) -> None:
+    """Say so when experts' adapters are a mix that PEFT cannot put on fused expert weights: transformers 5
+    fuses each layer's experts (gate and up in one tensor), and PEFT converts per-expert adapters onto it
+    only for gate + up + down, or down alone."""
+    adapted = {_split_name(n)[0].rsplit(".", 1)[-1] for n in tensors if EXPERT_SLOT in n and ADAPTER_SLOT in n}
+    gate_up = resolve_target("gate_up_proj", 2, lora.target_modules) if "gate_up_proj" in adapted else None
+    if gate_up is not None and (not all(gate_up.selected) or "down_proj" not in adapted):
+        parts = [*gate_up.selected_parts, *(["down_proj"] if "down_proj" in adapted else [])]
+        advise(
+            f"the experts' LoRA covers {'+'.join(parts)}: megacann reads this PEFT adapter back, but PEFT on "
+            "transformers 5 (fused experts) loads expert adapters only on gate+up+down or down alone"
+        )
+
+
 def write_peft_adapter(
     tensors: Mapping[str, torch.Tensor],
     cfg: ModelConfig,
@@ -178,6 +196,10 @@ def write_peft_adapter(
         raise PeftFormatError(f"{path}: no LoRA tensors to write (is a LoRA attached to the model?)")
     found = {key[len(PEFT_PREFIX) :].rsplit(".", 2)[0].rsplit(".", 1)[-1] for key in peft_tensors}
     targets = [name for name in HF_PROJECTIONS if name in found] + sorted(found - set(HF_PROJECTIONS))
+    if any(EXPERT_SLOT in name for name in tensors):
+        _note_expert_targets(tensors, lora)
+        # PEFT's wrappers of fused expert weights (transformers >= 5) refuse dropout; it acts in training only
+        lora = dataclasses.replace(lora, dropout=0.0)
     os.makedirs(path, exist_ok=True)
     save_safetensors(peft_tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
@@ -187,13 +209,17 @@ def write_peft_adapter(
 def save_peft_adapter(
     chunks: list[torch.nn.Module], path: str, lora: LoRAConfig, base_model_name_or_path: Optional[str] = None
 ) -> None:
-    """Write the adapters of a (tensor- and pipeline-parallel) model as one PEFT directory. Collective over
-    the tensor- and pipeline-parallel groups; the first rank of the model writes."""
+    """Write the adapters of a (tensor-, expert- and pipeline-parallel) model as one PEFT directory.
+    Collective over the tensor-, expert- and pipeline-parallel groups; the first rank of the model writes."""
     tensors = lora_full_tensors(chunks)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        stages: list[Optional[dict]] = [None] * ps.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
-        tensors = {name: t for stage in stages for name, t in stage.items()}
+    for size, group in (
+        (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()),
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group()),
+    ):
+        if size > 1:  # each expert-parallel rank holds its experts, each stage its layers
+            held: list[Optional[dict]] = [None] * size
+            dist.all_gather_object(held, tensors, group=group)
+            tensors = {name: t for part in held for name, t in part.items()}
     first = (
         ps.get_tensor_model_parallel_rank() == 0
         and ps.get_data_parallel_rank(with_context_parallel=True) == 0
@@ -206,8 +232,10 @@ def save_peft_adapter(
 # -- reading ----------------------------------------------------------------------------------------
 
 
-def read_peft_config(path: str) -> LoRAConfig:
-    """The LoRA settings of a PEFT adapter directory; settings megacann does not implement are refused."""
+def read_peft_config(path: str, hf_names: Optional[Mapping[str, str]] = None) -> LoRAConfig:
+    """The LoRA settings of a PEFT adapter directory; settings megacann does not implement are refused.
+    ``hf_names`` maps the family's Hugging Face projection names that differ from megacann's targets
+    (Mixtral's experts: ``w1`` -> ``gate_proj``…; see :func:`hf_target_names`)."""
     file = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path}: no {ADAPTER_CONFIG} (expected a PEFT adapter directory)")
@@ -221,6 +249,8 @@ def read_peft_config(path: str) -> LoRAConfig:
     targets = raw.get("target_modules")
     if isinstance(targets, str) and targets != ALL_PROJECTIONS:
         raise PeftFormatError(f"{file}: target_modules {targets!r} is a pattern; list the projection names instead")
+    if hf_names and isinstance(targets, list):
+        targets = list(dict.fromkeys(hf_names.get(t, t) for t in targets))
     try:
         return LoRAConfig(
             rank=raw["r"], alpha=raw["lora_alpha"], dropout=raw.get("lora_dropout", 0.0), target_modules=targets
@@ -229,6 +259,19 @@ def read_peft_config(path: str) -> LoRAConfig:
         raise PeftFormatError(f"{file}: missing {err.args[0]!r}") from None
     except ValueError as err:
         raise PeftFormatError(f"{file}: {err}") from None
+
+
+def hf_target_names(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, str]:
+    """Hugging Face projection names of ``model`` that differ from megacann's part names, mapped to them
+    (e.g. Mixtral's ``w1``/``w3``/``w2`` -> ``gate_proj``/``up_proj``/``down_proj``)."""
+    names: dict[str, str] = {}
+    for layer, module in model.named_modules():
+        if adapter_layout(module) is not None:
+            for part, hf_module, _ in _matched_parts(layer, cfg, "PEFT"):
+                leaf = hf_module.rsplit(".", 1)[-1]
+                if leaf != part:
+                    names[leaf] = part
+    return names
 
 
 def read_peft_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -240,15 +283,13 @@ def read_peft_tensors(path: str) -> dict[str, torch.Tensor]:
     return load_file(file)
 
 
-def _linear_modules(model: torch.nn.Module, cfg: ModelConfig) -> set[str]:
-    """Hugging Face module names of every parallel linear layer of ``model``."""
+def _linear_modules(model: torch.nn.Module, cfg: ModelConfig, others: bool = False) -> set[str]:
+    """Hugging Face module names of every projection of ``model`` that can carry a LoRA (``others``: with
+    the experts other expert-parallel ranks hold)."""
     parts = _linear_parts(cfg, "PEFT")
-    return {
-        hf.removesuffix(".weight")
-        for name, layer in model.named_modules()
-        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
-        for hf, _ in parts(f"{name}.weight", cfg)
-    }
+    names = [name for name, module in model.named_modules() if adapter_layout(module) is not None]
+    names += expert_layers_elsewhere(model) if others else []
+    return {hf.removesuffix(".weight") for name in names for hf, _ in parts(f"{name}.weight", cfg)}
 
 
 def from_peft_tensors(
@@ -290,7 +331,8 @@ def from_peft_tensors(
         from megacann.models.hf import whole_model_on_meta
 
         whole = whole_model_on_meta(get_model_spec(cfg.type), cfg)
-        elsewhere = _linear_modules(whole, cfg) - _linear_modules(model, cfg)  # other pipeline stages' layers
+        # layers of other pipeline stages, and experts of other expert-parallel ranks
+        elsewhere = _linear_modules(whole, cfg, others=True) - _linear_modules(model, cfg)
         stray = sorted(k for k in unused if k[len(PEFT_PREFIX) :].rsplit(".", 2)[0] not in elsewhere)
         if stray:
             raise PeftFormatError(f"{source}: tensors {stray[:3]} match no LoRA of the model")
@@ -304,7 +346,7 @@ def load_peft_adapter(
     """Attach the LoRA described by a PEFT directory to ``model`` (this rank's chunk; strict target
     matching is left to the caller for pipeline stages) and load its weights into this rank's shards.
     ``cfg`` (the model's settings) defaults to ``model.config``."""
-    lora = read_peft_config(path)
+    lora = read_peft_config(path, hf_target_names(model, cfg if cfg is not None else model.config))
     attach_lora(model, lora, freeze_base=freeze_base, strict=False)
     source = os.path.join(path, ADAPTER_WEIGHTS)
     tensors = from_peft_tensors(model, read_peft_tensors(path), source=source, cfg=cfg)

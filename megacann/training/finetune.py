@@ -1,11 +1,11 @@
 """Fine-tuning a built model: start from ``model.init_from``, attach LoRA adapters, and say what trains.
 
 Works on any model family: weights are loaded by parameter name into whatever chunks the family's spec
-built, and adapters go on every ``ColumnParallelLinear`` / ``RowParallelLinear`` whose name
-``lora_target_modules`` picks (:mod:`megacann.layers.lora`), sharded like their layer. With ``lora: true``
-every other parameter is frozen (``requires_grad=False``): the optimizer, its gradient buffers and ZeRO's
-shards then hold nothing for it, and checkpoints store only the adapters plus a reference to the base
-(:func:`base_reference`), checked again on resume.
+built, and adapters go on every ``ColumnParallelLinear`` / ``RowParallelLinear`` and MoE expert
+projection whose name ``lora_target_modules`` picks (:mod:`megacann.layers.lora`), sharded like their
+layer. With ``lora: true`` every other parameter is frozen (``requires_grad=False``): the optimizer, its
+gradient buffers and ZeRO's shards then hold nothing for it, and checkpoints store only the adapters plus
+a reference to the base (:func:`base_reference`), checked again on resume.
 """
 
 from __future__ import annotations
@@ -101,20 +101,27 @@ def _stored_once(chunks: list[torch.nn.Module]):
                 yield param
 
 
+def _summed(values: list[int], group) -> list[int]:
+    if group is None or dist.get_world_size(group) == 1:
+        return values
+    summed = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(summed, group=group)
+    return [int(v) for v in summed.tolist()]
+
+
 def parameter_counts(chunks: list[torch.nn.Module]) -> tuple[int, int]:
-    """(trainable, total) parameters of the whole model (every stage, unsharded, without vocabulary
-    padding). Collective over the pipeline-parallel group."""
-    counts = [0, 0]
+    """(trainable, total) parameters of the whole model (every stage and every expert-parallel rank's
+    experts, unsharded, without vocabulary padding). Collective over the pipeline- and expert-parallel
+    groups."""
+    dense, expert = [0, 0], [0, 0]
     for param in _stored_once(chunks):
         n = math.prod(get_sharding(param).logical_shape)
+        counts = expert if get_sharding(param).expert else dense
         counts[0] += n if param.requires_grad else 0
         counts[1] += n
-    group = ps.get_pipeline_model_parallel_group()
-    if group is not None and dist.get_world_size(group) > 1:
-        summed = torch.tensor(counts, dtype=torch.float64)
-        dist.all_reduce(summed, group=group)
-        counts = [int(v) for v in summed.tolist()]
-    return counts[0], counts[1]
+    expert = _summed(expert, ps.get_expert_model_parallel_group())
+    trainable, total = _summed([dense[0] + expert[0], dense[1] + expert[1]], ps.get_pipeline_model_parallel_group())
+    return trainable, total
 
 
 def memory_line(chunks: list[torch.nn.Module], optimizer) -> str:

@@ -7,6 +7,9 @@ index, so a parameter's name and value do not depend on the layout::
     experts.<e>.gate_up_proj.weight   [2·ffn, hidden]  cat(gate, up) by rows (each half split over TP)
     experts.<e>.down_proj.weight      [hidden, ffn]    (split over TP by columns)
 
+Each projection has an ``adapter`` slot: a LoRA there (``experts.<e>.gate_up_proj.adapter.lora_A``…) is
+computed beside the base with grouped matmuls too (:mod:`megacann.layers.moe.lora`).
+
 Expert ``e``'s weights are drawn from a seed made of the layer's seed (one draw from torch's CPU RNG, the
 same on every rank), ``e`` and the parameter's name, so whichever rank creates expert ``e`` creates the
 same tensor. Checkpoints and Hugging Face exports keyed by parameter name therefore move between
@@ -30,6 +33,9 @@ import torch.nn.functional as F
 from megacann import ops
 from megacann.layers import mappings
 from megacann.layers.init import make_parameter
+from megacann.layers.linear import add_adapter_output
+from megacann.layers.lora import AdapterLayout
+from megacann.layers.moe.lora import add_grouped_lora, expert_lora_layout
 from megacann.layers.sharding import InitMethod
 
 
@@ -38,12 +44,22 @@ def expert_seed(layer_seed: int, expert_index: int, name: str) -> int:
     return (layer_seed * 1_000_003 + zlib.crc32(f"{expert_index}.{name}".encode())) % (2**63)
 
 
-class _Projection(torch.nn.Module):
-    """Holds one expert matrix as ``weight`` (``F.linear`` layout), for Hugging-Face-like names."""
+class ExpertProjection(torch.nn.Module):
+    """Holds one expert matrix as ``weight`` (``F.linear`` layout), for Hugging-Face-like names, and an
+    ``adapter`` slot for a LoRA (:mod:`megacann.layers.moe.lora`). ``column``: gate_up (output rows split
+    over TP with expert tensor parallelism), else down (input columns split)."""
 
-    def __init__(self, weight: torch.nn.Parameter):
+    def __init__(self, weight: torch.nn.Parameter, column: bool, tp_rank: int, tp_size: int):
         super().__init__()
         self.weight = weight
+        self.column, self.tp_rank, self.tp_size = column, tp_rank, tp_size
+        self.adapter: Optional[torch.nn.Module] = None
+
+    def lora_layout(self) -> AdapterLayout:
+        return expert_lora_layout(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return add_adapter_output(self.adapter, F.linear(x, self.weight), x, None)
 
 
 class ExpertMLP(torch.nn.Module):
@@ -67,15 +83,15 @@ class ExpertMLP(torch.nn.Module):
     ):
         super().__init__()
         split = tensor_parallel  # a whole expert on every TP rank records no TP dimension
+        where = dict(tp_rank=tp_rank if split else 0, tp_size=tp_size if split else 1)
         common = dict(
-            tp_rank=tp_rank if split else 0,
-            tp_size=tp_size if split else 1,
+            **where,
             tp_partial_grad=not split and tp_size > 1,
             expert=True,
             dtype=dtype,
             device=device,
         )
-        self.gate_up_proj = _Projection(
+        self.gate_up_proj = ExpertProjection(
             make_parameter(
                 (2 * ffn_hidden_size, hidden_size),
                 init_method,
@@ -84,9 +100,11 @@ class ExpertMLP(torch.nn.Module):
                 name=f"expert {expert_index} gate_up_proj (2 x ffn_hidden_size {ffn_hidden_size})",
                 generator_seed=expert_seed(layer_seed, expert_index, "gate_up_proj.weight"),
                 **common,
-            )
+            ),
+            column=True,
+            **where,
         )
-        self.down_proj = _Projection(
+        self.down_proj = ExpertProjection(
             make_parameter(
                 (hidden_size, ffn_hidden_size),
                 output_init_method,
@@ -94,11 +112,13 @@ class ExpertMLP(torch.nn.Module):
                 name=f"expert {expert_index} down_proj (ffn_hidden_size {ffn_hidden_size})",
                 generator_seed=expert_seed(layer_seed, expert_index, "down_proj.weight"),
                 **common,
-            )
+            ),
+            column=False,
+            **where,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(ops.swiglu(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
 
 
 class GroupedExperts(torch.nn.ModuleDict):
@@ -153,5 +173,9 @@ class GroupedExperts(torch.nn.ModuleDict):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
         experts = list(self.values())
-        gate_up = ops.grouped_matmul(x, [e.gate_up_proj.weight for e in experts], tokens_per_expert)
-        return ops.grouped_matmul(ops.swiglu(gate_up), [e.down_proj.weight for e in experts], tokens_per_expert)
+        projections = [e.gate_up_proj for e in experts]
+        gate_up = ops.grouped_matmul(x, [p.weight for p in projections], tokens_per_expert)
+        gate_up = add_grouped_lora(gate_up, x, projections, tokens_per_expert)
+        hidden, projections = ops.swiglu(gate_up), [e.down_proj for e in experts]
+        out = ops.grouped_matmul(hidden, [p.weight for p in projections], tokens_per_expert)
+        return add_grouped_lora(out, hidden, projections, tokens_per_expert)
