@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fine-tune a model from a recipe (``train_mode: sft`` is forced); one process per device under torchrun.
 
-    python examples/finetune.py --config examples/configs/llama/sft_tiny.yaml model.init_from=output/llama_tiny_byte
+    python examples/finetune.py --config examples/configs/llama/sft_tiny.yaml model.init_from=output/base
     python examples/finetune.py --config examples/configs/llama/sft_tiny.yaml model.init_from=... lora=true
     torchrun --nproc_per_node 2 examples/finetune.py --config ... distributed.tensor_parallel_size=2
 
