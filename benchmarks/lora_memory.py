@@ -23,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import torch  # noqa: E402
+from bench_common import RandomTokens, llama_model  # noqa: E402
 from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher: N spawned ranks, hard timeout)
 
 MB = 2**20
@@ -34,23 +34,6 @@ VARIANTS = [
 ]
 
 
-class RandomTokens:
-    """Micro-batches of random tokens (the Trainer's data interface: ``.train`` and ``.valid()``)."""
-
-    def __init__(self, vocab: int, seq: int, batch: int, seed: int):
-        generator = torch.Generator().manual_seed(seed)
-
-        def batches():
-            while True:
-                rows = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
-                yield {"tokens": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
-
-        self.train = batches()
-
-    def valid(self):
-        return None
-
-
 def _config(args: argparse.Namespace, overrides: list[str], out: str):
     from megacann.config import apply_overrides, config_from_dict
     from megacann.training.recipe import prepare_recipe
@@ -59,17 +42,7 @@ def _config(args: argparse.Namespace, overrides: list[str], out: str):
         {
             "experiment": {"name": "lora_memory", "output_dir": out},
             "train_mode": "sft",
-            "model": {
-                "type": "llama",
-                "precision": args.precision,
-                "hidden_size": args.hidden,
-                "num_layers": args.layers,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 8,
-                "ffn_hidden_size": args.ffn,
-                "vocab_size": args.vocab,
-                "max_position_embeddings": args.seq,
-            },
+            "model": llama_model(args.precision, args.hidden, args.layers, args.ffn, args.vocab, args.seq),
             "data": {"seq_length": args.seq, "batch_size": args.batch},
             "optim": {"max_steps": 100},
             "logging": {"log_interval": 1000, "ckpt_interval": 0},

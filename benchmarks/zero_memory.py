@@ -28,27 +28,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import torch  # noqa: E402
+from bench_common import RandomTokens, llama_model  # noqa: E402
 from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher: N spawned ranks, hard timeout)
 
 MB = 2**20
 VARIANTS = [("ZeRO-0", 0, 1), ("ZeRO-1", 1, 1), ("ZeRO-2", 2, 1), ("ZeRO-2 accum 2", 2, 2)]
-
-
-class RandomTokens:
-    """Micro-batches of random tokens (the Trainer's data interface: ``.train`` and ``.valid()``)."""
-
-    def __init__(self, vocab: int, seq: int, batch: int, seed: int):
-        generator = torch.Generator().manual_seed(seed)
-
-        def batches():
-            while True:
-                rows = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
-                yield {"tokens": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
-
-        self.train = batches()
-
-    def valid(self):
-        return None
 
 
 def _config(args: argparse.Namespace, dp: int, stage: int, accum: int, out: str):
@@ -57,17 +41,7 @@ def _config(args: argparse.Namespace, dp: int, stage: int, accum: int, out: str)
     cfg = config_from_dict(
         {
             "experiment": {"name": "zero_memory", "output_dir": out},
-            "model": {
-                "type": "llama",
-                "precision": "bf16",
-                "hidden_size": args.hidden,
-                "num_layers": args.layers,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 8,
-                "ffn_hidden_size": args.ffn,
-                "vocab_size": args.vocab,
-                "max_position_embeddings": args.seq,
-            },
+            "model": llama_model("bf16", args.hidden, args.layers, args.ffn, args.vocab, args.seq),
             "data": {"seq_length": args.seq, "batch_size": 1},
             "optim": {"lr": 1e-4, "max_steps": 100, "warmup_steps": 1, "grad_accum_steps": accum},
             "distributed": {
