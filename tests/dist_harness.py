@@ -68,6 +68,9 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, results, env, init_grou
             pass
 
 
+RANK_EXIT_GRACE_S = 5.0  # how long other ranks may take to exit after one rank died without a result
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -104,10 +107,17 @@ def run_on_ranks(
             try:
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in collected]
-                if dead and all(not procs[r].is_alive() for r in dead):
-                    time.sleep(0.5)  # let a queued result arrive before calling the rank dead
+                if any(not p.is_alive() and r not in collected for r, p in enumerate(procs)):
+                    # a queued result may still arrive, and ranks ending together (e.g. all on one exit path)
+                    # may still be exiting: give both a moment before naming the dead ranks
+                    grace = time.monotonic() + RANK_EXIT_GRACE_S
+                    while results.empty() and time.monotonic() < grace:
+                        if all(not p.is_alive() for r, p in enumerate(procs) if r not in collected):
+                            time.sleep(0.5)
+                            break
+                        time.sleep(0.1)
                     if results.empty():
+                        dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in collected]
                         codes = {r: procs[r].exitcode for r in dead}
                         raise RankFailure(f"{fn.__name__}: rank(s) {dead} exited without a result {codes}") from None
                 continue

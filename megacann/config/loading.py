@@ -154,6 +154,10 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class _NotFinite(ConfigError):
+    """A number that is not finite: the message stands whatever other types the key allows."""
+
+
 def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
     """Check ``value`` against the field type ``tp``; numbers written as strings are converted."""
     origin = typing.get_origin(tp)
@@ -161,14 +165,13 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        kinds = [arg for arg in args if arg is not type(None)]
-        if len(kinds) == 1:  # Optional[X]: X's own message (e.g. a non-finite float)
-            return _coerce(value, kinds[0], where, source)
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, where, source)
+            except _NotFinite:
+                raise
             except ConfigError:
                 continue
         raise ConfigError(f"{source}: {where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
@@ -185,7 +188,7 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
         if ok and not math.isfinite(value):
-            raise ConfigError(f"{source}: {where}: expected a finite number, got {value!r}")
+            raise _NotFinite(f"{source}: {where}: expected a finite number, got {value!r}")
     elif target is str:
         ok = isinstance(value, str)
     elif target in (list, dict):
