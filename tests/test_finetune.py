@@ -50,8 +50,8 @@ def _max_diff(a, b) -> float:
 
 
 def _init_from_checks(tmp: str) -> dict:
-    from finetune_helpers import chunk_logits, tiny_hf_base
-    from transformers import LlamaForCausalLM
+    from finetune_helpers import chunk_logits, tiny_hf_base, tiny_hf_mixtral
+    from transformers import LlamaForCausalLM, MixtralForCausalLM
 
     from megacann.checkpoint.export import consolidate
 
@@ -64,6 +64,16 @@ def _init_from_checks(tmp: str) -> dict:
     with torch.no_grad():
         out["hf_logits_diff"] = _max_diff(chunk_logits(from_hf), theirs(_ids()).logits)
     out["hf_sizes"] = (from_hf.cfg.model.hidden_size, from_hf.cfg.model.num_layers, from_hf.cfg.model.vocab_size)
+
+    mixtral_dir = tiny_hf_mixtral(os.path.join(tmp, "hf_mixtral"))
+    from_mixtral = _trainer(
+        [f"model.init_from={mixtral_dir}"], os.path.join(tmp, "unused"), model={"type": "moe", "precision": "fp32"}
+    )
+    theirs = MixtralForCausalLM.from_pretrained(mixtral_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out["mixtral_logits_diff"] = _max_diff(chunk_logits(from_mixtral), theirs(_ids()).logits)
+    m = from_mixtral.cfg.model
+    out["mixtral_sizes"] = (m.hidden_size, m.num_layers, m.num_experts, m.moe_top_k, m.moe_ffn_hidden_size)
 
     pretrained = _trainer(["optim.max_steps=2"], os.path.join(tmp, "pretrain"))
     pretrained.fit()
@@ -256,6 +266,11 @@ def measured(tmp_path_factory):
 def test_init_from_a_hugging_face_directory_gives_its_logits_and_sizes(measured):
     assert measured["hf_logits_diff"] < 1e-4
     assert measured["hf_sizes"] == (64, 4, 260)  # taken from config.json: the recipe named only the type
+
+
+def test_init_from_a_hugging_face_mixtral_directory_gives_its_logits_and_sizes(measured):
+    assert measured["mixtral_logits_diff"] < 1e-4
+    assert measured["mixtral_sizes"] == (64, 2, 4, 2, 48)  # from config.json: the recipe named only model.type
 
 
 @pytest.mark.parametrize("kind", ["output_dir", "checkpoint", "consolidated"])

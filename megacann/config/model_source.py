@@ -7,7 +7,7 @@ settings live in each kind of directory:
 - a megacann checkpoint (``checkpoint_<step>/``) or output directory: the resolved recipe ``config.yaml``
   (an output directory without one: the checkpoint its ``latest`` file names);
 - a consolidated directory (``megacann-convert consolidate``): ``model_config.json``;
-- a Hugging Face directory: ``config.json``.
+- a Hugging Face directory: ``config.json``, read by its family's adapter (LLaMA, Mixtral).
 
 Only the architecture keys (:data:`ARCHITECTURE_KEYS`) are taken. A key the recipe leaves unset or at its
 default takes the source's value; a key the recipe sets to another value is an error (those weights
@@ -16,6 +16,7 @@ cannot be loaded into that shape); precision, dropout, recomputation and the lik
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -39,6 +40,14 @@ ARCHITECTURE_KEYS = (
     "rotary_interleaved",
     "tie_word_embeddings",
     "add_bias_linear",
+    # mixture of experts: what the experts are and how tokens choose them (capacity and the balancing
+    # coefficients are training settings and stay the recipe's)
+    "num_experts",
+    "moe_top_k",
+    "moe_router",
+    "moe_layer_freq",
+    "moe_shared_experts",
+    "moe_ffn_hidden_size",
 )
 RECIPE_FILE = "config.yaml"  # a checkpoint's (and a run's output directory's) resolved recipe
 CONSOLIDATED_CONFIG = "model_config.json"
@@ -78,9 +87,10 @@ def source_model_settings(path: str) -> tuple[dict[str, Any], str]:
         return _read_json(consolidated), consolidated
     hf = os.path.join(path, HF_CONFIG)
     if os.path.isfile(hf):
-        from megacann.config.loading import load_hf_model_config
+        from megacann.models.hf import hf_family  # the family's adapter reads its names (e.g. Mixtral's experts)
 
-        return load_hf_model_config(hf), hf
+        _, model_cfg = hf_family(path)
+        return dataclasses.asdict(model_cfg), hf
     pointer = os.path.join(path, LATEST_POINTER)
     if os.path.isfile(pointer):
         with open(pointer) as f:
