@@ -75,32 +75,6 @@ def tiny_hf_base(path: str, seed: int = 3) -> str:
     return path
 
 
-def tiny_hf_mixtral(path: str, seed: int = 3) -> str:
-    """A tiny Mixtral (4 experts, top-2) written by transformers as a Hugging Face directory."""
-    import transformers
-
-    cfg = transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(seed)
-    model = transformers.MixtralForCausalLM(cfg)
-    with torch.no_grad():  # transformers initialises norms to ones: randomise them so a test sees them
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    return path
-
-
 def chunk_logits(trainer, ids: torch.Tensor = IDS) -> torch.Tensor:
     """Logits of a one-stage trainer's model on ``ids`` (eval mode: no dropout)."""
     chunk = trainer.model_chunks[0]

@@ -50,7 +50,8 @@ def _max_diff(a, b) -> float:
 
 
 def _init_from_checks(tmp: str) -> dict:
-    from finetune_helpers import chunk_logits, tiny_hf_base, tiny_hf_mixtral
+    from finetune_helpers import VOCAB, chunk_logits, tiny_hf_base
+    from training_helpers import tiny_hf_mixtral
     from transformers import LlamaForCausalLM, MixtralForCausalLM
 
     from megacann.checkpoint.export import consolidate
@@ -65,7 +66,7 @@ def _init_from_checks(tmp: str) -> dict:
         out["hf_logits_diff"] = _max_diff(chunk_logits(from_hf), theirs(_ids()).logits)
     out["hf_sizes"] = (from_hf.cfg.model.hidden_size, from_hf.cfg.model.num_layers, from_hf.cfg.model.vocab_size)
 
-    mixtral_dir = tiny_hf_mixtral(os.path.join(tmp, "hf_mixtral"))
+    mixtral_dir = tiny_hf_mixtral(os.path.join(tmp, "hf_mixtral"), VOCAB)
     from_mixtral = _trainer(
         [f"model.init_from={mixtral_dir}"], os.path.join(tmp, "unused"), model={"type": "moe", "precision": "fp32"}
     )

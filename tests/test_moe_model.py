@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from training_helpers import tiny_config
+from training_helpers import tiny_config, tiny_hf_mixtral
 
 from megacann.config import MOE_MODEL_KEYS, ConfigError, MegacannConfig, ModelConfig, load_config
 from megacann.models import MOE, ChunkPlacement, from_pretrained_hf, prepare_model_config
@@ -24,35 +24,13 @@ MOE_RECIPE = ["model.type=moe", "model.num_experts=4"]
 # -- Hugging Face Mixtral ------------------------------------------------------------------------------
 
 
-def _mixtral(transformers, path: Path):
-    cfg = transformers.MixtralConfig(
-        vocab_size=300,  # not a multiple of 128: megacann pads, and must not show it
-        hidden_size=64,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        rope_theta=50000.0,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():  # HF initialises norms to ones; randomise them so the test sees them
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    return model
-
-
 def test_mixtral_logits_parity_both_ways_and_through_convert(tmp_path):
     transformers = pytest.importorskip("transformers")
     from megacann.convert import main as convert
 
-    reference = _mixtral(transformers, tmp_path / "hf")
+    # vocab 300 is not a multiple of 128: megacann pads, and must not show it
+    tiny_hf_mixtral(str(tmp_path / "hf"), vocab_size=300, seed=0, rope_theta=50000.0)
+    reference = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(ids).logits

@@ -101,3 +101,33 @@ def synthetic_data_factory(cfg: MegacannConfig, num_distinct: int | None = None)
         return SyntheticData(cfg, dp_rank, dp_size, num_distinct, consumed_samples=consumed_samples)
 
     return build
+
+
+def tiny_hf_mixtral(path: str, vocab_size: int, seed: int = 3, **settings) -> str:
+    """A tiny Mixtral (4 experts, top-2) written by transformers as a Hugging Face directory; ``settings``
+    override MixtralConfig's."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(
+        **{
+            "vocab_size": vocab_size,
+            "hidden_size": 64,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 64,
+            "attn_implementation": "eager",
+            **settings,
+        }
+    )
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(cfg)
+    with torch.no_grad():  # transformers initialises norms to ones: randomise them so a test sees them
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
