@@ -25,7 +25,8 @@ import yaml
 
 from megacann.config.schema import ConfigError, MegacannConfig, ModelConfig
 
-ARCHITECTURE_KEYS = (
+# Model settings that decide tensor shapes: a checkpoint made with other values cannot be loaded into the model.
+SHAPE_KEYS = (
     "type",
     "hidden_size",
     "num_layers",
@@ -33,21 +34,25 @@ ARCHITECTURE_KEYS = (
     "num_key_value_heads",
     "ffn_hidden_size",
     "vocab_size",
+    "make_vocab_size_divisible_by",
+    "tie_word_embeddings",
+    "add_bias_linear",
     "max_position_embeddings",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_experts",
+    "moe_layer_freq",
+)
+# What the weights a run starts from fix: their shapes (but not the vocabulary padding, which megacann
+# chooses on loading) and how they compute (positions, norms, how tokens choose experts). Capacity and the
+# balancing coefficients of MoE routing are training settings and stay the recipe's.
+ARCHITECTURE_KEYS = tuple(key for key in SHAPE_KEYS if key != "make_vocab_size_divisible_by") + (
     "norm_eps",
     "rope_theta",
     "rope_scaling",
     "rotary_interleaved",
-    "tie_word_embeddings",
-    "add_bias_linear",
-    # mixture of experts: what the experts are and how tokens choose them (capacity and the balancing
-    # coefficients are training settings and stay the recipe's)
-    "num_experts",
     "moe_top_k",
     "moe_router",
-    "moe_layer_freq",
-    "moe_shared_experts",
-    "moe_ffn_hidden_size",
 )
 RECIPE_FILE = "config.yaml"  # a checkpoint's (and a run's output directory's) resolved recipe
 CONSOLIDATED_CONFIG = "model_config.json"

@@ -13,21 +13,7 @@ import os
 from typing import Any, Optional
 
 from megacann.config import ConfigError, MegacannConfig
-
-# Model settings that decide tensor shapes: a checkpoint made with other values cannot be resumed.
-SHAPE_KEYS = (
-    "type",
-    "hidden_size",
-    "num_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "ffn_hidden_size",
-    "vocab_size",
-    "make_vocab_size_divisible_by",
-    "tie_word_embeddings",
-    "add_bias_linear",
-    "max_position_embeddings",
-)
+from megacann.config.model_source import SHAPE_KEYS
 
 
 def check_output_dir(cfg: MegacannConfig) -> None:
