@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
+from megacann.collectives import all_reduce_if_parallel
 from megacann.config import ConfigError, MegacannConfig
 from megacann.config.advice import advise
 from megacann.layers import parameter_seed
@@ -102,10 +103,7 @@ def _stored_once(chunks: list[torch.nn.Module]):
 
 
 def _summed(values: list[int], group) -> list[int]:
-    if group is None or dist.get_world_size(group) == 1:
-        return values
-    summed = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(summed, group=group)
+    summed = all_reduce_if_parallel(torch.tensor(values, dtype=torch.float64), group)
     return [int(v) for v in summed.tolist()]
 
 
@@ -135,8 +133,8 @@ def memory_line(chunks: list[torch.nn.Module], optimizer) -> str:
         [float(storage_bytes(_stored_once(chunks))), float(held["grads"]), float(held["optimizer_states"])],
         dtype=torch.float64,
     )
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    if dist.is_initialized():
+        all_reduce_if_parallel(mine, dist.group.WORLD, op=dist.ReduceOp.MAX)
     params, grads, states = (v / 2**20 for v in mine.tolist())
     return (
         f"parameters: {trainable:,} trainable of {total:,} ({100.0 * trainable / max(total, 1):.2f}%); per rank "
