@@ -157,6 +157,43 @@ def make_fake_torch_npu() -> types.ModuleType:
         var.addcdiv_(m, (v / bias2).sqrt_().add_(eps), value=-lr / bias1)
         return var, m, v
 
+    def npu_grouped_matmul(x, weight, *, group_list, split_item, group_type, group_list_type, **kw):
+        record("npu_grouped_matmul", (x, weight), {"group_list": group_list, "split_item": split_item,
+               "group_type": group_type, "group_list_type": group_list_type, **kw})  # fmt: skip
+        assert isinstance(x, list) and isinstance(weight, list) and len(x) == 1, "lists of tensors expected"
+        assert group_list.dtype == torch.int64 and group_list_type in (0, 1)
+        sizes = group_list.tolist()
+        if group_list_type == 0:  # cumulative ends
+            sizes = [end - start for start, end in zip([0, *sizes[:-1]], sizes)]
+        if group_type == 0:  # groups split x's rows (M); one [K, N] weight per group; one output tensor
+            assert split_item in (2, 3) and len(weight) == len(sizes) and sum(sizes) == x[0].shape[0]
+            return [torch.cat([rows @ w for rows, w in zip(x[0].split(sizes, 0), weight)], 0)]
+        # groups split the contraction (K): x [N_in, K], weight [K, N_out] -> [groups, N_in, N_out]
+        assert group_type == 2 and split_item == 3 and len(weight) == 1 and sum(sizes) == x[0].shape[1]
+        pieces = zip(x[0].split(sizes, 1), weight[0].split(sizes, 0))
+        return [torch.stack([a @ b for a, b in pieces])]
+
+    def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
+        record(
+            "npu_moe_token_permute", (tokens, indices), {"num_out_tokens": num_out_tokens, "padded_mode": padded_mode}
+        )
+        assert not padded_mode and tokens.dim() == 2 and indices.dim() in (1, 2)
+        top_k = 1 if indices.dim() == 1 else indices.shape[1]
+        first = torch.argsort(indices.reshape(-1), stable=True)  # the documented formula
+        sorted_out = torch.argsort(first, stable=True)
+        permuted = torch.empty(first.numel(), tokens.shape[1], dtype=tokens.dtype)
+        permuted[sorted_out] = tokens[torch.arange(first.numel()) // top_k]
+        return permuted, sorted_out.to(torch.int32)
+
+    def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+        record("npu_moe_token_unpermute", (permuted_tokens, sorted_indices, probs), {"padded_mode": padded_mode})
+        assert not padded_mode and sorted_indices.dtype == torch.int32
+        assert probs is None or probs.dtype == permuted_tokens.dtype, "probs in the tokens' dtype"
+        top_k = 1 if probs is None else probs.shape[1]
+        copies = permuted_tokens[sorted_indices.long()].reshape(-1, top_k, permuted_tokens.shape[1])
+        weights = torch.ones(copies.shape[:2], dtype=copies.dtype) if probs is None else probs
+        return (copies * weights.unsqueeze(-1)).sum(1)
+
     for fn in (
         npu_rms_norm,
         npu_rotary_mul,
@@ -164,6 +201,9 @@ def make_fake_torch_npu() -> types.ModuleType:
         npu_fusion_attention,
         npu_cross_entropy_loss,
         npu_apply_adam_w,
+        npu_grouped_matmul,
+        npu_moe_token_permute,
+        npu_moe_token_unpermute,
     ):
         setattr(npu, fn.__name__, fn)
     return npu

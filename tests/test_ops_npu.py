@@ -176,3 +176,39 @@ def test_adamw_calls_apply_adam_w_and_matches_torch(fake_npu):
         opt.step()
     assert rel_err(param, torch_param) < 1e-6
     assert rel_err(exp_avg_sq, opt.state[torch_param]["exp_avg_sq"]) < 1e-6
+
+
+def test_moe_ops_call_the_torch_npu_kernels_and_equal_the_reference(fake_npu):
+    for op in ("grouped_matmul", "moe_permute", "moe_unpermute"):
+        assert registry.selected(op, "npu") == "torch_npu"
+    g = torch.Generator().manual_seed(0)
+    tokens, expert_ids = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6, 2), generator=g)
+    permuted, row_id_map = npu_op("moe_permute")(tokens, expert_ids)
+    assert fake_npu.calls[-1].name == "npu_moe_token_permute"
+    ref_permuted, ref_map = registry._impls("moe_permute")["reference"].fn(tokens, expert_ids)
+    assert torch.equal(permuted, ref_permuted) and torch.equal(row_id_map, ref_map)
+
+    sizes = torch.bincount(expert_ids.reshape(-1), minlength=3).tolist()
+    weights = [torch.randn(5, 8, generator=g, requires_grad=True) for _ in range(3)]
+    x = permuted.clone().requires_grad_()
+    out = npu_op("grouped_matmul")(x, weights, sizes)
+    call = fake_npu.calls[-1]
+    assert call.name == "npu_grouped_matmul" and call.kwargs["group_list"].tolist() == sizes
+    assert (call.kwargs["group_type"], call.kwargs["group_list_type"], call.kwargs["split_item"]) == (0, 1, 2)
+    ref_x, ref_w = x.detach().clone().requires_grad_(), [w.detach().clone().requires_grad_() for w in weights]
+    ref = torch.cat([rows @ w.t() for rows, w in zip(ref_x.split(sizes), ref_w)])
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+    ref.backward(grad)
+    assert fake_npu.calls[-1].kwargs["group_type"] == 2  # the weight gradient splits the contraction
+    assert rel_err(out, ref) < 1e-6 and rel_err(x.grad, ref_x.grad) < 1e-6
+    for w, r in zip(weights, ref_w):
+        assert rel_err(w.grad, r.grad) < 1e-6
+
+    probs = torch.rand(6, 2, generator=g)
+    low = permuted.bfloat16()
+    back = npu_op("moe_unpermute")(low, row_id_map, probs)
+    call = fake_npu.calls[-1]
+    assert call.name == "npu_moe_token_unpermute" and call.args[2].dtype == torch.bfloat16  # probs cast
+    ref_back = registry._impls("moe_unpermute")["reference"].fn(low, row_id_map, probs)
+    assert back.dtype == torch.bfloat16 and rel_err(back.float(), ref_back.float()) < 1e-2
