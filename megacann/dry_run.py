@@ -141,6 +141,14 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
         active = spec.parameters_per_token(m)
         if active != total:
             lines.append(f"active per token: {_fmt_int(active)} parameters ({active / 1e9:.2f} B)")
+        if cfg.lora:
+            from megacann.training.finetune import lora_parameter_counts
+
+            trainable, adapted = lora_parameter_counts(cfg, spec)
+            lines.append(
+                f"LoRA rank {cfg.lora_rank} on {cfg.lora_target_modules}: {_fmt_int(trainable)} trainable of "
+                f"{_fmt_int(adapted)} ({100 * trainable / adapted:.2f}%); the base is frozen"
+            )
     else:
         lines.append(f"{m.type}: parameter count needs the vocabulary size (taken from the tokenizer at run time)")
     lines.append(

@@ -36,3 +36,18 @@ def test_dry_run_with_override_and_bad_key():
     assert "world 32 = tp 8 x pp 4 x dp 1" in proc.stdout and "global batch 64" in proc.stdout
     proc = run_cli("--config", SEED, "--dry_run", "optim.learning_rate=1")
     assert proc.returncode == 2 and "did you mean 'optim.lr'" in proc.stderr
+
+
+def test_lora_recipe_dry_run_counts_the_adapters_as_peft_does():
+    recipe = os.path.join(ROOT, "examples", "configs", "llama", "llama_7b_sft_lora.yaml")
+    proc = run_cli("--config", recipe, "--dry_run")
+    assert proc.returncode == 0, proc.stderr
+    assert "world 8 = tp 1 x pp 1 x dp 8" in proc.stdout and "train_mode: sft" in proc.stdout
+    # rank 16 on q, k, v, o (4096 -> 4096) and gate, up, down (4096 <-> 11008) of 32 layers:
+    # 32 x 16 x (4 x (4096 + 4096) + 3 x (4096 + 11008)) adapter parameters on LLaMA-7B's 6,738,415,616
+    adapters = 32 * 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
+    assert adapters == 39_976_960
+    total = 6_738_415_616 + adapters
+    assert f"LoRA rank 16 on all-linear: {adapters:,} trainable of {total:,} (0.59%); the base is frozen" in proc.stdout
+    proc = run_cli("--config", recipe, "--dry_run", "lora_target_modules=[q_proj,v_proj]", "lora_rank=8")
+    assert f"LoRA rank 8 on ['q_proj', 'v_proj']: {32 * 8 * 2 * (4096 + 4096):,} trainable" in proc.stdout

@@ -23,7 +23,7 @@ from megacann.collectives import all_reduce_if_parallel
 from megacann.config import ConfigError, MegacannConfig
 from megacann.config.advice import advise
 from megacann.layers import parameter_seed
-from megacann.layers.lora import LoRAConfig, attach_lora, init_adapters_
+from megacann.layers.lora import LoRAConfig, attach_lora, count_parameters, init_adapters_
 from megacann.layers.sharding import get_sharding
 from megacann.models import ModelSpec
 from megacann.models.hf import whole_model_on_meta
@@ -55,12 +55,24 @@ def check_finetune_config(cfg: MegacannConfig, spec: ModelSpec, source: str = "<
         if changed:
             advise(f"{', '.join(changed)} take effect only with lora: true (it is false)")
         return
+    _adapted_on_meta(cfg, spec, source)
+
+
+def _adapted_on_meta(cfg: MegacannConfig, spec: ModelSpec, source: str = "<recipe>") -> torch.nn.Module:
+    """The whole model with the recipe's adapters, on the meta device (names and shapes only)."""
     lora = lora_config(cfg, source)
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or 128)
+    model = whole_model_on_meta(spec, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or 128))
     try:
-        attach_lora(whole_model_on_meta(spec, model_cfg), lora, strict=True)
+        attach_lora(model, lora, strict=True)
     except ValueError as err:
         raise ConfigError(f"{source}: lora_target_modules: {err}") from None
+    return model
+
+
+def lora_parameter_counts(cfg: MegacannConfig, spec: ModelSpec) -> tuple[int, int]:
+    """(trainable, total) parameters of the whole model with the recipe's adapters (``lora: true``; the
+    vocabulary unpadded), without building it: what the dry run shows."""
+    return count_parameters(_adapted_on_meta(cfg, spec))
 
 
 def base_reference(cfg: MegacannConfig) -> dict[str, Any]:
