@@ -221,6 +221,11 @@ def _resume_and_export_checks(tmp: str, jsonl: str) -> dict:
     with torch.no_grad():
         theirs = LlamaForCausalLM.from_pretrained(hf_merged, attn_implementation="eager").eval()(_ids()).logits
     out["merged_hf_diff"] = _max_diff(theirs, ours)
+    from transformers import AutoTokenizer
+
+    for kind in ("merged", "merged_hf"):  # the run's tokenizer goes with the merged model
+        found = AutoTokenizer.from_pretrained(os.path.join(tmp, kind, "tokenizer" if kind == "merged" else ""))
+        out[f"{kind}_tokenizer"] = found("Reverse: abc")["input_ids"]
     base_hf = export_hf(base_dir, os.path.join(tmp, "base_hf"))
     adapter = export_peft_checkpoint(first_dir, os.path.join(tmp, "peft"), base=base_hf)
     with open(os.path.join(adapter, "adapter_config.json")) as f:
@@ -310,6 +315,9 @@ def test_merged_and_peft_exports_give_the_adapter_logits(measured):
     assert measured["adapters_act"] > 1e-3
     assert measured["merged_megacann_diff"] < 1e-5
     assert measured["merged_hf_diff"] < 1e-4
+    expected = list(b"Reverse: abc")  # the byte tokenizer: one id per byte
+    for kind in ("merged", "merged_hf"):
+        assert measured[f"{kind}_tokenizer"][-len(expected) :] == expected, measured[f"{kind}_tokenizer"]
     assert measured["peft_diff"] < 1e-4
     assert measured["peft_config"]["target_modules"] == [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"

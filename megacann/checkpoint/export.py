@@ -124,7 +124,7 @@ def read_weights(source: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     return spec.hf.from_hf(names, hf.SafetensorsReader(found.path), cfg), cfg
 
 
-def _source_tokenizer(source: str, cfg: ModelConfig, log: Log) -> Optional[Any]:
+def source_tokenizer(source: str, cfg: ModelConfig, log: Log) -> Optional[Any]:
     """The tokenizer the source's weights were trained with (said where it came from), or None (said why)."""
     found = resolve_weight_source(source, "source")
     if found.kind == HUGGINGFACE:
@@ -149,27 +149,34 @@ def _source_tokenizer(source: str, cfg: ModelConfig, log: Log) -> Optional[Any]:
 def consolidate(source: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:
     """Checkpoint (any layout) -> consolidated directory (with the run's tokenizer in ``tokenizer/``)."""
     tensors, cfg = read_weights(source)
-    write_consolidated(cast_weights(tensors, dtype), cfg, out)
-    tokenizer = _source_tokenizer(source, cfg, log)
+    write_consolidated_export(cast_weights(tensors, dtype), cfg, out, source_tokenizer(source, cfg, log))
+    return out
+
+
+def write_consolidated_export(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str, tokenizer: Any) -> None:
+    """A consolidated directory of ``tensors``, with ``tokenizer`` (if any) in ``tokenizer/``."""
+    write_consolidated(tensors, cfg, out)
     if tokenizer is not None:
         save_tokenizer(tokenizer, os.path.join(out, TOKENIZER_DIR))
-    return out
 
 
 def export_hf(source: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:
     """Checkpoint or consolidated directory -> Hugging Face directory (the family's adapter names the
     weights), with the run's tokenizer and a generation config naming its special tokens."""
     tensors, cfg = read_weights(source)
-    tokenizer = _source_tokenizer(source, cfg, log)
-    token_ids = {}
-    if tokenizer is not None:
-        token_ids = generation_config(tokenizer_record(tokenizer))
-    hf.save_hf_tensors(cast_weights(tensors, dtype), cfg, out, extra_config=token_ids)
+    write_hf_export(cast_weights(tensors, dtype), cfg, out, source_tokenizer(source, cfg, log))
+    return out
+
+
+def write_hf_export(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str, tokenizer: Any) -> None:
+    """A Hugging Face directory of ``tensors`` (the family's adapter names them) with ``tokenizer`` (if any)
+    and a generation config naming its special tokens."""
+    token_ids = generation_config(tokenizer_record(tokenizer)) if tokenizer is not None else {}
+    hf.save_hf_tensors(tensors, cfg, out, extra_config=token_ids)
     if tokenizer is not None:
         save_tokenizer(tokenizer, out, model_max_length=cfg.max_position_embeddings)
         with open(os.path.join(out, GENERATION_CONFIG_FILE), "w") as f:
             json.dump(token_ids, f, indent=1)
-    return out
 
 
 def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:

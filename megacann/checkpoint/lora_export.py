@@ -11,11 +11,18 @@ the recorded fingerprint.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from megacann.checkpoint.export import cast_weights, read_checkpoint_weights, read_weights, write_consolidated
+from megacann.checkpoint.export import (
+    cast_weights,
+    read_checkpoint_weights,
+    read_weights,
+    source_tokenizer,
+    write_consolidated_export,
+    write_hf_export,
+)
 from megacann.checkpoint.metadata import CheckpointError, model_config_of, read_info
 from megacann.checkpoint.sources import CHECKPOINT, fingerprint, resolve_weight_source
 from megacann.config import MegacannConfig, ModelConfig
@@ -107,17 +114,20 @@ def merge_adapter_tensors(
 
 
 def merge_lora_checkpoint(
-    source: str, out: str, dtype: Optional[str] = None, to: str = "megacann", base: Optional[str] = None
+    source: str,
+    out: str,
+    dtype: Optional[str] = None,
+    to: str = "megacann",
+    base: Optional[str] = None,
+    log: Callable[[str], None] = print,
 ) -> str:
     """LoRA checkpoint -> a full model (adapters merged into the base): a consolidated directory
-    (``to="megacann"``) or a Hugging Face directory (``to="hf"``)."""
+    (``to="megacann"``) or a Hugging Face directory (``to="hf"``), with the run's tokenizer."""
     adapters, info = read_lora_checkpoint(source)
     model_cfg = model_config_of(info)
     merged = cast_weights(merge_adapter_tensors(read_base(info, base), adapters, model_cfg, lora_settings(info)), dtype)
-    if to == "hf":
-        hf.save_hf_tensors(merged, model_cfg, out)
-    else:
-        write_consolidated(merged, model_cfg, out)
+    write = write_hf_export if to == "hf" else write_consolidated_export
+    write(merged, model_cfg, out, source_tokenizer(source, model_cfg, log))
     return out
 
 
