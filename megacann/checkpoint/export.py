@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import torch
@@ -44,6 +44,7 @@ from megacann.checkpoint.sources import (
 from megacann.checkpoint.state import MODEL_PREFIX
 from megacann.checkpoint.tokenizer import find_tokenizer
 from megacann.config import ModelConfig
+from megacann.config.families import model_config_from_dict
 from megacann.data.tokenizer import TokenizerError, load_tokenizer
 from megacann.data.tokenizer_files import (
     GENERATION_CONFIG_FILE,
@@ -105,8 +106,7 @@ def read_consolidated(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
             )
     with open(config) as f:
         values = json.load(f)
-    known = {f.name for f in fields(ModelConfig)}
-    return load_file(weights), ModelConfig(**{k: v for k, v in values.items() if k in known})
+    return load_file(weights), model_config_from_dict(values, config)
 
 
 def read_weights(source: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from megacann import parallel_state as ps
 from megacann.checkpoint.planner import TensorPieces
 from megacann.config import MegacannConfig, ModelConfig
+from megacann.config.families import model_config_from_dict
 from megacann.errors import MegacannError
 
 FORMAT = "megacann-dcp"
@@ -132,7 +133,7 @@ def read_info(path: str) -> dict[str, Any]:
 
 
 def model_config_of(info: dict[str, Any]) -> ModelConfig:
-    return ModelConfig(**info["model"])
+    return model_config_from_dict(info["model"], "checkpoint info")
 
 
 def read_dcp_metadata(path: str) -> Metadata:

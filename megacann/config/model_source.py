@@ -9,7 +9,7 @@ settings live in each kind of directory:
 - a consolidated directory (``megacann-convert consolidate``): ``model_config.json``;
 - a Hugging Face directory: ``config.json``, read by its family's adapter (LLaMA, Mixtral).
 
-Only the architecture keys (:data:`ARCHITECTURE_KEYS`) are taken. A key the recipe leaves unset or at its
+Only the architecture keys (:func:`megacann.config.families.architecture_keys`) are taken. A key the recipe leaves unset or at its
 default takes the source's value; a key the recipe sets to another value is an error (those weights
 cannot be loaded into that shape); precision, dropout, recomputation and the like stay the recipe's.
 """
@@ -23,37 +23,9 @@ from typing import Any
 
 import yaml
 
-from megacann.config.schema import ConfigError, MegacannConfig, ModelConfig
+from megacann.config.families import architecture_keys
+from megacann.config.schema import ConfigError, MegacannConfig
 
-# Model settings that decide tensor shapes: a checkpoint made with other values cannot be loaded into the model.
-SHAPE_KEYS = (
-    "type",
-    "hidden_size",
-    "num_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "ffn_hidden_size",
-    "vocab_size",
-    "make_vocab_size_divisible_by",
-    "tie_word_embeddings",
-    "add_bias_linear",
-    "max_position_embeddings",
-    "num_experts",
-    "moe_ffn_hidden_size",
-    "moe_shared_experts",
-    "moe_layer_freq",
-)
-# What the weights a run starts from fix: their shapes (but not the vocabulary padding, which megacann
-# chooses on loading) and how they compute (positions, norms, how tokens choose experts). Capacity and the
-# balancing coefficients of MoE routing are training settings and stay the recipe's.
-ARCHITECTURE_KEYS = tuple(key for key in SHAPE_KEYS if key != "make_vocab_size_divisible_by") + (
-    "norm_eps",
-    "rope_theta",
-    "rope_scaling",
-    "rotary_interleaved",
-    "moe_top_k",
-    "moe_router",
-)
 RECIPE_FILE = "config.yaml"  # a checkpoint's (and a run's output directory's) resolved recipe
 CONSOLIDATED_CONFIG = "model_config.json"
 HF_CONFIG = "config.json"
@@ -114,9 +86,9 @@ def apply_model_source(cfg: MegacannConfig, source: str = "<recipe>") -> None:
     if not m.init_from:
         return
     settings, file = source_model_settings(m.init_from)
-    defaults = ModelConfig()
+    defaults = type(m)()
     conflicts = []
-    for key in ARCHITECTURE_KEYS:
+    for key in architecture_keys(m):
         if key not in settings:
             continue
         value, mine = settings[key], getattr(m, key)

@@ -50,16 +50,22 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     activation_checkpointing: str = "none"  # none | selective | full
     # mixture of experts (model.type: moe; every other family refuses them unless left at these defaults)
-    num_experts: Optional[int] = None  # routed experts per MoE layer
-    moe_top_k: int = 2  # experts per token
-    moe_router: str = "softmax"  # softmax (Mixtral) | sigmoid (DeepSeek-V3) scores
+    num_experts: Optional[int] = field(default=None, metadata={"shape": True})  # routed experts per MoE layer
+    moe_top_k: int = field(default=2, metadata={"architecture": True})  # experts per token
+    moe_router: str = field(
+        default="softmax", metadata={"architecture": True}
+    )  # softmax (Mixtral) | sigmoid (DeepSeek-V3) scores
     moe_capacity_factor: Optional[float] = None  # None: dropless; else tokens per expert capped
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight
     moe_z_loss_coeff: float = 0.0  # router z-loss weight
     moe_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing step (0: off)
-    moe_layer_freq: Union[int, list] = 1  # every N-th layer is MoE (from layer 0), or a 0/1 flag per layer
-    moe_shared_experts: int = 0  # shared experts every token passes through
-    moe_ffn_hidden_size: Optional[int] = None  # width of one expert; None: ffn_hidden_size
+    moe_layer_freq: Union[int, list] = field(
+        default=1, metadata={"shape": True}
+    )  # every N-th layer is MoE (from layer 0), or a 0/1 flag per layer
+    moe_shared_experts: int = field(default=0, metadata={"shape": True})  # shared experts every token passes through
+    moe_ffn_hidden_size: Optional[int] = field(
+        default=None, metadata={"shape": True}
+    )  # width of one expert; None: ffn_hidden_size
 
     @property
     def kv_heads(self) -> int:

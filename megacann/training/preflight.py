@@ -13,7 +13,7 @@ import os
 from typing import Any, Optional
 
 from megacann.config import ConfigError, MegacannConfig
-from megacann.config.model_source import SHAPE_KEYS
+from megacann.config.families import shape_keys
 
 
 def check_output_dir(cfg: MegacannConfig) -> None:
@@ -129,7 +129,7 @@ def check_checkpoint_model(cfg: MegacannConfig, path: str) -> None:
     saved = read_info(path).get("model", {})
     differ = [
         f"{key} {saved[key]!r} (recipe: {getattr(cfg.model, key)!r})"
-        for key in SHAPE_KEYS
+        for key in shape_keys(cfg.model)
         if key in saved and getattr(cfg.model, key) is not None and saved[key] != getattr(cfg.model, key)
     ]
     if differ:
