@@ -167,3 +167,21 @@ def test_a_script_family_reaches_every_rank_and_the_converter(tmp_path):
         64,
     )
     assert shapes["layers.1.mlp.gate_up_proj.weight"] == (2 * 128, 64) and shapes["embed_tokens.weight"][1] == 64
+
+
+def test_an_installed_package_announces_its_families(tmp_path):
+    """A package that declares the entry point group megacann.model_families is found without
+    experiment.imports (what a pip-installed family package does)."""
+    site = tmp_path / "site"
+    (site / "wide_pkg").mkdir(parents=True)
+    (site / "wide_pkg" / "__init__.py").write_text(WIDE_FAMILY)
+    dist = site / "wide_pkg-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: wide-pkg\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[megacann.model_families]\nwide = wide_pkg\n")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"model": {"type": "wide_lm", "wide_factor": 6, **SIZES}}))
+    code = "from megacann.config import load_config; print(load_config('r.yaml').model.wide_factor)"
+    env = user_env({"PYTHONPATH": str(site)})
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "6"
