@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -16,6 +18,7 @@ os.environ.setdefault("MEGACANN_DEVICE", "cpu")
 # one private directory per session, shared with the ranks and commands the tests start.
 if "MEGACANN_CACHE" not in os.environ:
     os.environ["MEGACANN_CACHE"] = tempfile.mkdtemp(prefix="megacann-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["MEGACANN_CACHE"], ignore_errors=True)
 
 # MEGACANN_STRICT_SKIPS=1 (set by .ci/run): a skip is a failure unless it is one of these, so a missing dev
 # extra or C++ kernels that failed to build cannot thin the suite out silently.
