@@ -192,6 +192,7 @@ class Trainer:
             micro_batches,
             loss_normalizer=num_tokens,  # a device tensor: the step does not wait for the count
             loss_scale=self.optimizer.loss_scale,
+            grad_sync_context=self.optimizer.last_micro_batch_backward,  # overlapped reductions start there
             **timing,
         )
         self.profiling.lap("schedule")
