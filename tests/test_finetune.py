@@ -142,7 +142,7 @@ def _masking_checks(tmp: str, jsonl: str) -> dict:
     import torch.nn.functional as F
     from finetune_helpers import sft_overrides
 
-    from megacann.layers.loss import IGNORE_INDEX
+    from megacann.constants import IGNORE_INDEX
 
     trainer = _trainer(sft_overrides(jsonl, os.path.join(tmp, "cache")), os.path.join(tmp, "unused"))
     batch = next(trainer.data.train)

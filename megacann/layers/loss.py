@@ -1,6 +1,6 @@
 """The training loss, in one place: ignored targets, the per-token loss, its normalisation, auxiliary losses.
 
-- Targets equal to :data:`IGNORE_INDEX` take no loss (prompt tokens in SFT, padding, masked EOD).
+- Targets equal to :data:`~megacann.constants.IGNORE_INDEX` take no loss (prompt tokens in SFT, padding, masked EOD).
 - :func:`token_loss` is the per-token fp32 cross entropy over vocabulary-parallel logits.
 - A step's loss is the sum of every target token's loss in the *global* batch divided by the number of
   target tokens in it (:func:`count_target_tokens`); each micro-batch's sum is divided by that count before
@@ -35,9 +35,8 @@ import torch.distributed as dist
 
 from megacann import parallel_state as ps
 from megacann.collectives import all_reduce_if_parallel
+from megacann.constants import IGNORE_INDEX
 from megacann.layers import mappings
-
-IGNORE_INDEX = -100
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
