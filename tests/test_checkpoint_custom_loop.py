@@ -14,8 +14,8 @@ def _custom_loop(root: str) -> dict:
 
     from megacann import parallel_state as ps
     from megacann.checkpoint import Checkpointer, CheckpointParts
-    from megacann.layers import count_target_tokens, model_parallel_manual_seed
-    from megacann.models import get_model_spec
+    from megacann.layers import model_parallel_manual_seed
+    from megacann.models import count_target_tokens, get_model_spec
     from megacann.optimizer import build_optimizer
     from megacann.pipeline import build_model_chunks
 

@@ -1,9 +1,9 @@
 """Forward/backward schedules over the micro-batches of one step.
 
-Every schedule has the same signature and returns the :class:`~megacann.layers.loss.LossTotals` of the
+Every schedule has the same signature and returns the :class:`~megacann.models.step_loss.LossTotals` of the
 micro-batches it ran on this rank (the token-loss sum is zero off the last pipeline stage). A model chunk
 runs through the model family's ``forward_step`` (the model contract, :mod:`megacann.models.spec`); what
-its backward starts from is :func:`megacann.layers.loss.backward_objective`: each micro-batch's token-loss
+its backward starts from is :func:`megacann.models.step_loss.backward_objective`: each micro-batch's token-loss
 sum divided by ``loss_normalizer`` (the target tokens of the whole global batch), plus its auxiliary losses
 weighted by 1 / (micro-batches x data-parallel x context-parallel ranks), times the loss scale. Micro-batches
 come whole; under context parallelism the executor hands the model this cp rank's share of each.
@@ -29,8 +29,8 @@ import torch
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.layers.context_parallel import context_parallel_batch
-from megacann.layers.loss import LossTotals, aux_loss_weight, backward_objective
 from megacann.models.spec import decoder_forward_step
+from megacann.models.step_loss import LossTotals, aux_loss_weight, backward_objective
 from megacann.pipeline import p2p
 from megacann.pipeline.plan import Action, Backward, Exchange, Forward, build_plan
 from megacann.pipeline.timeline import Timeline
@@ -90,8 +90,10 @@ def run_plan(
     param = next(model_chunks[0].parameters(), None)
     dtype = param.dtype if param is not None else torch.float32
     device = param.device if param is not None else torch.device("cpu")
-    totals = LossTotals(device)
-    aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True))
+    totals = LossTotals(
+        device,
+        aux_weight=aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True)),
+    )
     micro_batches = [context_parallel_batch(batch) for batch in micro_batches]  # this cp rank's tokens
     queues = _Queues(num_chunks)
     virtual = num_chunks > 1
@@ -119,7 +121,9 @@ def run_plan(
             objective = (
                 None
                 if forward_only
-                else backward_objective(out, normalizer=loss_normalizer, aux_weight=aux_weight, loss_scale=loss_scale)
+                else backward_objective(
+                    out, normalizer=loss_normalizer, aux_weight=totals.aux_weight, loss_scale=loss_scale
+                )
             )
         if not model_last(c):
             queues.to_next = out.hidden_states
