@@ -21,13 +21,14 @@ Face convert both ways (:mod:`megacann.models.hf_mixtral`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
-from megacann.layers import MoEConfig, MoELayer, TransformerBlock, moe_layers, update_expert_biases
+from megacann.layers import MoEConfig, MoELayer, TransformerBlock
 from megacann.layers.loss import ChunkOutput
+from megacann.layers.moe import moe_layers, update_expert_biases
 from megacann.models import sizing
 from megacann.models.decoder import DecoderLM, decoder_model_spec
 from megacann.models.hf_mixtral import MIXTRAL_HF
@@ -59,7 +60,8 @@ def num_moe_layers(cfg: ModelConfig) -> int:
 
 
 def moe_layer_config(cfg: ModelConfig, block: Any) -> MoEConfig:
-    """The MoE layer of a model config, with the dense blocks' parallelism, dtype and initialisation."""
+    """The MoE layer of a model config, with the dense blocks' initialisation (sequence parallelism and dtype
+    come from the layer context it is built under)."""
     return MoEConfig(
         hidden_size=cfg.hidden_size,
         num_experts=cfg.num_experts,
@@ -71,10 +73,8 @@ def moe_layer_config(cfg: ModelConfig, block: Any) -> MoEConfig:
         bias_update_rate=cfg.moe_bias_update_rate,
         capacity_factor=cfg.moe_capacity_factor,
         num_shared_experts=cfg.moe_shared_experts,
-        sequence_parallel=block.sequence_parallel,
         init_method_std=block.init_method_std,
         output_layer_init_std=block.output_layer_init_std,
-        params_dtype=block.params_dtype,
     )
 
 
@@ -87,11 +87,10 @@ class MoEModel(DecoderLM):
     ARCH = LlamaModel.ARCH
     fill_defaults = staticmethod(moe_defaults)
 
-    def build_layer(self, layer_id: int, device: Optional[Union[torch.device, str]]) -> torch.nn.Module:
+    def build_layer(self, layer_id: int) -> torch.nn.Module:
         if not is_moe_layer(self.config, layer_id):
-            return super().build_layer(layer_id, device)
-        moe = MoELayer(moe_layer_config(self.config, self.block_config), device=device)
-        return TransformerBlock(self.block_config, device=device, mlp=moe)
+            return super().build_layer(layer_id)
+        return TransformerBlock(self.block_config, mlp=MoELayer(moe_layer_config(self.config, self.block_config)))
 
     def save_pretrained_hf(self, path: str) -> None:
         """Write a Hugging Face Mixtral directory (config.json + safetensors) that transformers loads."""
