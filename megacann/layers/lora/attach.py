@@ -83,7 +83,7 @@ def lora_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Para
 @torch.no_grad()
 def init_adapters_(model: torch.nn.Module, seed_for_name: Callable[[str], int]) -> None:
     """Re-draw every adapter parameter from a seed given by its full name (e.g. ``functools.partial(
-    megacann.models.decoder.parameter_seed, seed)``), leaving the base weights alone: for adapters put on a
+    megacann.layers.parameter_seed, seed)``), leaving the base weights alone: for adapters put on a
     loaded base model. The result is the same under every TP layout."""
     for layer_name, adapter in lora_adapters(model):
         for name, param in adapter.named_parameters():
