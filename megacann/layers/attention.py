@@ -173,17 +173,17 @@ class SelfAttention(torch.nn.Module):
         if cp_group is None:
             cp_group = ps.get_context_parallel_group()
         if cp_group is not None and dist.get_world_size(cp_group) > 1:
+            if p > 0.0:
+                raise ValueError(
+                    f"attention_dropout {self.dropout_p} is not supported under context parallelism "
+                    "(context_parallel_size > 1): set it to 0"
+                )
             if self.context_parallel_algo is None:
                 raise ValueError(
                     f"SelfAttention runs under context parallelism ({dist.get_world_size(cp_group)} ranks) but was "
                     "built without context_parallel_algo: build the model under "
                     "megacann.layers.layer_context_from_config(cfg, device) (the recipe's "
                     "distributed.context_parallel_algo) or pass context_parallel_algo='ring'|'allgather'|'ulysses'"
-                )
-            if p > 0.0:
-                raise ValueError(
-                    f"attention_dropout {self.dropout_p} is not supported under context parallelism "
-                    "(context_parallel_size > 1): set it to 0"
                 )
             return context_parallel_attention(
                 q, k, v, segment_ids, algo=self.context_parallel_algo, scale=self.softmax_scale, group=cp_group
