@@ -60,8 +60,7 @@ def num_moe_layers(cfg: ModelConfig) -> int:
 
 
 def moe_layer_config(cfg: ModelConfig, block: Any) -> MoEConfig:
-    """The MoE layer of a model config, with the dense blocks' initialisation (sequence parallelism and dtype
-    come from the layer context it is built under)."""
+    """The MoE layer of a model config, with the dense blocks' parallelism, dtype and initialisation."""
     return MoEConfig(
         hidden_size=cfg.hidden_size,
         num_experts=cfg.num_experts,
@@ -73,8 +72,10 @@ def moe_layer_config(cfg: ModelConfig, block: Any) -> MoEConfig:
         bias_update_rate=cfg.moe_bias_update_rate,
         capacity_factor=cfg.moe_capacity_factor,
         num_shared_experts=cfg.moe_shared_experts,
+        sequence_parallel=block.sequence_parallel,
         init_method_std=block.init_method_std,
         output_layer_init_std=block.output_layer_init_std,
+        params_dtype=block.params_dtype,
     )
 
 
