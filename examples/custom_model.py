@@ -6,6 +6,8 @@ residual, ``h = h + attn(norm(h)) + mlp(norm(h))``; RoPE, SwiGLU, RMSNorm, a voc
 Registering its spec (last lines) is all it takes for every layout of the recipe to work: tensor and
 sequence parallel, context parallel (the schedules hand each cp rank its tokens and their global
 ``position_ids``), pipeline stages (also interleaved), data parallel with ZeRO, checkpoints and resume.
+The layers take sequence parallelism, dtype, device, the context-parallel algorithm, initialisation and
+recompute from the layer context ``build_chunk`` makes from the recipe: the model code names none of them.
 
     python examples/custom_model.py --config examples/configs/custom/tiny.yaml [section.key=value ...]
     torchrun --nproc_per_node 4 examples/custom_model.py --config examples/configs/custom/tiny.yaml \\
@@ -19,7 +21,6 @@ from typing import Optional
 
 import torch
 
-from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import MegacannConfig, ModelConfig
 from megacann.layers import (
     ChunkOutput,
@@ -30,48 +31,29 @@ from megacann.layers import (
     SwiGLUMLP,
     VocabParallelEmbedding,
     checkpoint,
+    current_layer_context,
     dropout,
-    init_normal,
-    init_scaled_normal,
     initialize_weights,
+    layer_context_from_config,
     tie_embedding_across_stages,
 )
 from megacann.models import ChunkPlacement, ModelSpec, register_model
-from megacann.parallel_state import get_tensor_model_parallel_world_size
 
 
 class ParallelBlock(torch.nn.Module):
     """One shared norm, then attention and MLP side by side; both outputs join the residual."""
 
-    def __init__(self, m: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device, cp_algo: str = "ring"):
+    def __init__(self, m: ModelConfig):
         super().__init__()
-        init, out_init = init_normal(m.init_method_std), init_scaled_normal(m.init_method_std, m.num_layers)
-        common = dict(sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-        self.dropout, self.sequence_parallel = m.hidden_dropout, sequence_parallel
-        self.full_recompute = m.activation_checkpointing == "full"
-        self.norm = RMSNorm(m.hidden_size, m.norm_eps, **common)
+        ctx = current_layer_context()  # what the layers below take too: see build_chunk
+        self.dropout, self.sequence_parallel = m.hidden_dropout, ctx.sequence_parallel
+        self.full_recompute = ctx.recompute == "full"  # "selective" reaches SelfAttention by itself
+        self.norm = RMSNorm(m.hidden_size, m.norm_eps)
         self.self_attn = SelfAttention(
-            m.hidden_size,
-            m.num_attention_heads,
-            m.num_key_value_heads,
-            qkv_bias=m.add_bias_linear,
-            output_bias=m.add_bias_linear,
-            attention_dropout=m.attention_dropout,
-            rotary_interleaved=m.rotary_interleaved,
-            recompute_core_attention=m.activation_checkpointing == "selective",
-            context_parallel_algo=cp_algo,  # how attention crosses the cp ranks (distributed.context_parallel_size)
-            init_method=init,
-            output_init_method=out_init,
-            **common,
-        )
-        self.mlp = SwiGLUMLP(
-            m.hidden_size,
-            m.ffn_hidden_size,
-            bias=m.add_bias_linear,
-            init_method=init,
-            output_init_method=out_init,
-            **common,
-        )
+            m.hidden_size, m.num_attention_heads, m.num_key_value_heads, qkv_bias=m.add_bias_linear,
+            output_bias=m.add_bias_linear, attention_dropout=m.attention_dropout, rotary_interleaved=m.rotary_interleaved,
+        )  # fmt: skip
+        self.mlp = SwiGLUMLP(m.hidden_size, m.ffn_hidden_size, bias=m.add_bias_linear)
 
     def _forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segment_ids) -> torch.Tensor:
         x = self.norm(h)
@@ -88,36 +70,24 @@ class ParallelLM(torch.nn.Module):
     """The part of the model one pipeline chunk holds: embedding (first chunk), its blocks, norm and head
     (last chunk). Blocks are named by their global index, so every layout starts from the same weights."""
 
-    def __init__(self, cfg: MegacannConfig, placement: ChunkPlacement, device=None):
+    def __init__(self, m: ModelConfig, placement: ChunkPlacement):
         super().__init__()
-        m = cfg.model
-        sp = cfg.distributed.sequence_parallel and get_tensor_model_parallel_world_size() > 1
-        dtype = PRECISION_DTYPES[m.precision]
-        common = dict(dtype=dtype, device=device)
         self.pre_process, self.post_process = placement.pre_process, placement.post_process
+        vocab = dict(make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
         if self.pre_process:
-            self.embed_tokens = VocabParallelEmbedding(
-                m.vocab_size, m.hidden_size, init_normal(m.init_method_std), m.make_vocab_size_divisible_by,
-                sequence_parallel=sp, **common,
-            )  # fmt: skip
+            self.embed_tokens = VocabParallelEmbedding(m.vocab_size, m.hidden_size, **vocab)
             if m.tie_word_embeddings and not self.post_process:
                 tie_embedding_across_stages(self.embed_tokens)
-        cp_algo = cfg.distributed.context_parallel_algo
-        self.layers = torch.nn.ModuleDict(
-            {str(i): ParallelBlock(m, sp, dtype, device, cp_algo) for i in placement.layer_ids}
-        )
+        self.layers = torch.nn.ModuleDict({str(i): ParallelBlock(m) for i in placement.layer_ids})
         self.rotary = RotaryEmbedding(
             m.hidden_size // m.num_attention_heads, m.rope_theta, m.rope_scaling, m.rotary_interleaved
         )
         if self.post_process:
-            self.norm = RMSNorm(m.hidden_size, m.norm_eps, sequence_parallel=sp, **common)
+            self.norm = RMSNorm(m.hidden_size, m.norm_eps)
             tie_to = (
                 (self.embed_tokens if self.pre_process else "embed_tokens.weight") if m.tie_word_embeddings else None
             )
-            self.lm_head = LMHead(
-                m.hidden_size, m.vocab_size, init_method=init_normal(m.init_method_std),
-                make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, sequence_parallel=sp, tie_to=tie_to, **common,
-            )  # fmt: skip
+            self.lm_head = LMHead(m.hidden_size, m.vocab_size, tie_to=tie_to, **vocab)
 
     def forward(self, batch: dict[str, torch.Tensor], hidden_states: Optional[torch.Tensor] = None) -> ChunkOutput:
         tokens = batch["tokens"]
@@ -137,7 +107,10 @@ class ParallelLM(torch.nn.Module):
 
 
 def build_chunk(cfg: MegacannConfig, placement: ChunkPlacement, device=None) -> ParallelLM:
-    model = ParallelLM(cfg, placement, device)
+    # sequence parallel (when tp > 1), dtype, device, context-parallel algorithm, init std and scaled init of
+    # o_proj / down_proj, recompute: from the recipe, for every layer built inside the with
+    with layer_context_from_config(cfg, device):
+        model = ParallelLM(cfg.model, placement)
     initialize_weights(model, cfg.seed)  # each weight drawn from the seed and its name: layout-independent
     return model
 

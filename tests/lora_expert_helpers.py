@@ -7,13 +7,8 @@ import functools
 import torch
 
 from megacann.config import MegacannConfig
-from megacann.layers import (
-    init_adapters_,
-    init_normal,
-    initialize_weights,
-    lora_adapters,
-    parameter_seed,
-)
+from megacann.layers import init_normal, initialize_weights, parameter_seed
+from megacann.layers.lora import init_adapters_, lora_adapters
 from megacann.layers.sharding import init_sharded_
 from megacann.models import MOE, ChunkPlacement, prepare_model_config
 from megacann.models.moe_config import MoEModelConfig

@@ -51,6 +51,7 @@ def test_consolidate_gives_the_whole_weights(written, tmp_path, case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_export_loads_in_transformers_and_comes_back(written, tmp_path, case):
     transformers = pytest.importorskip("transformers")
+    from megacann.layers import LayerContext
     from megacann.models import LlamaModel
     from megacann.models.full_state import load_full_state_dict_
 
@@ -65,7 +66,7 @@ def test_hf_export_loads_in_transformers_and_comes_back(written, tmp_path, case)
         assert torch.equal(state[name], tensor), name
 
     cfg.precision, cfg.hidden_dropout, cfg.attention_dropout = "fp32", 0.0, 0.0
-    ours = LlamaModel(cfg, params_dtype=torch.float32)
+    ours = LlamaModel(cfg, context=LayerContext(params_dtype=torch.float32))
     load_full_state_dict_([ours], {k: v.float() for k, v in source["weights"].items()})
     ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

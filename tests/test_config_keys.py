@@ -28,7 +28,7 @@ READ_BY = {
     "model.type": "models/spec.py",
     "model.config_path": "config/loading.py",
     "model.init_from": "training/finetune.py",
-    "model.precision": "models/decoder.py",
+    "model.precision": "layers/context.py",  # layer_context_from_config: params_dtype
     "model.hidden_size": "models/decoder.py",
     "model.num_layers": "pipeline/partition.py",
     "model.num_attention_heads": "models/decoder.py",
@@ -97,10 +97,10 @@ READ_BY = {
     "distributed.pipeline_parallel_size": "training/runtime.py",
     "distributed.data_parallel_size": "config/validation.py",
     "distributed.context_parallel_size": "training/runtime.py",
-    "distributed.context_parallel_algo": "models/decoder.py",
+    "distributed.context_parallel_algo": "layers/context.py",
     "distributed.virtual_pipeline_size": "training/runtime.py",
     "distributed.expert_parallel_size": "training/runtime.py",
-    "distributed.sequence_parallel": "models/decoder.py",
+    "distributed.sequence_parallel": "layers/context.py",
     "distributed.pipeline_layers": "pipeline/partition.py",
     "distributed.zero_optimization": "config/schema.py",  # zero_stage, read by optimizer/__init__.py
     "distributed.overlap_grad_reduce": "optimizer/optimizer.py",

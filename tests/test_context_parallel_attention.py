@@ -20,19 +20,21 @@ from layers_reference import dense_attention, dense_block, full_grads, full_weig
 
 from megacann import parallel_state as ps
 from megacann.layers import (
-    CONTEXT_PARALLEL_ALGORITHMS,
     RotaryEmbedding,
     SelfAttention,
     TransformerBlock,
     TransformerBlockConfig,
+    model_parallel_manual_seed,
+)
+from megacann.layers import attention as attention_module
+from megacann.layers.context_parallel import (
+    CONTEXT_PARALLEL_ALGORITHMS,
     context_parallel_attention,
     context_parallel_gather,
     context_parallel_position_ids,
     context_parallel_split,
-    model_parallel_manual_seed,
 )
-from megacann.layers import attention as attention_module
-from megacann.layers import blockwise_attention as ring_module
+from megacann.layers.context_parallel import blockwise as ring_module
 
 TOL = 1e-5
 B, S, D = 2, 16, 8

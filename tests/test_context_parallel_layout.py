@@ -8,18 +8,16 @@ import pytest
 import torch
 
 from megacann import ops
-from megacann.layers import (
-    SelfAttention,
-    TransformerBlock,
-    TransformerBlockConfig,
+from megacann.layers import SelfAttention, TransformerBlock, TransformerBlockConfig
+from megacann.layers.context_parallel import blockwise as ring_module
+from megacann.layers.context_parallel import (
+    blockwise_attention,
     context_parallel_attention,
     context_parallel_chunk_ids,
     context_parallel_position_ids,
     context_parallel_split,
+    ulysses_kv_repeat,
 )
-from megacann.layers import blockwise_attention as ring_module
-from megacann.layers.blockwise_attention import blockwise_attention
-from megacann.layers.context_parallel import ulysses_kv_repeat
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])

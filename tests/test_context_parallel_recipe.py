@@ -10,7 +10,7 @@ from training_helpers import tiny_config
 from megacann.config import ConfigError
 from megacann.config.schema import CHOICES
 from megacann.dry_run import describe
-from megacann.layers import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_batch, context_parallel_split
+from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_batch, context_parallel_split
 from megacann.pipeline import activation_shape
 from megacann.planning.estimate import estimate_stages
 from megacann.planning.formulas import layer_activation_bytes, layout_of

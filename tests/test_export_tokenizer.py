@@ -75,6 +75,7 @@ def test_every_checkpoint_keeps_the_run_tokenizer(run_dir):
 def test_readme_snippet_loads_the_export_and_generates_what_megacann_generates(run_dir, tmp_path):
     from megacann.checkpoint.export import read_checkpoint_weights
     from megacann.data.tokenizer import load_tokenizer
+    from megacann.layers import LayerContext
     from megacann.models import LlamaModel
     from megacann.models.full_state import load_full_state_dict_
 
@@ -108,7 +109,7 @@ def test_readme_snippet_loads_the_export_and_generates_what_megacann_generates(r
     assert repr(prompt).replace("'", '"') in snippet and prompt_ids == tokenizer.encode(prompt)
     weights, cfg = read_checkpoint_weights(str(run_dir / "checkpoint_2"))
     cfg.hidden_dropout = cfg.attention_dropout = 0.0
-    model = LlamaModel(cfg, params_dtype=torch.float32).eval()
+    model = LlamaModel(cfg, context=LayerContext(params_dtype=torch.float32)).eval()
     load_full_state_dict_([model], {k: v.float() for k, v in weights.items()})
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():

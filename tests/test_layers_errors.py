@@ -16,9 +16,9 @@ from megacann.layers import (
     SwiGLUMLP,
     TransformerBlockConfig,
     VocabParallelEmbedding,
-    pad_vocab_size,
     vocab_parallel_cross_entropy,
 )
+from megacann.layers.embedding import pad_vocab_size
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from layers_reference import dense_rmsnorm, rel_err
 
 from megacann import ops
-from megacann.layers import RotaryEmbedding, rope_inv_freq
+from megacann.layers import RotaryEmbedding
+from megacann.layers.rotary import rope_inv_freq
 from megacann.ops import reference, registry
 
 LLAMA3 = {

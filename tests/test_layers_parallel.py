@@ -33,9 +33,9 @@ from megacann.layers import (
     VocabParallelEmbedding,
     mappings,
     model_parallel_manual_seed,
-    pad_vocab_size,
     vocab_parallel_cross_entropy,
 )
+from megacann.layers.embedding import pad_vocab_size
 from megacann.layers.sharding import ParamSharding, get_sharding, shard_tensor, unshard_tensors
 
 TOL = 1e-5

@@ -12,7 +12,6 @@ from layers_reference import gather_dim, rel_err, split_dim
 
 from megacann import parallel_state as ps
 from megacann.layers import (
-    RNGStatesTracker,
     TransformerBlock,
     TransformerBlockConfig,
     checkpoint,
@@ -20,6 +19,7 @@ from megacann.layers import (
     get_rng_tracker,
     model_parallel_manual_seed,
 )
+from megacann.layers.random import RNGStatesTracker
 
 
 def _same_on_all_tp_ranks(t: torch.Tensor) -> bool:

@@ -15,14 +15,14 @@ import torch
 from layers_reference import rel_err
 from lora_expert_helpers import FFN, IDS, TOL, E, H, model_logits, randomise_adapters, tiny_moe_model
 
-from megacann.layers import (
+from megacann.layers import parameter_seed
+from megacann.layers.lora import (
     LoRAConfig,
     attach_lora,
     count_parameters,
     init_adapters_,
     lora_adapters,
     merge_lora,
-    parameter_seed,
     unload_lora,
     unmerge_lora,
 )

@@ -20,13 +20,8 @@ from dist_harness import run_on_ranks
 from layers_reference import full_grad, rel_err
 from lora_expert_helpers import FFN, IDS, TOL, E, H, model_logits, randomise_adapters, tiny_moe_model
 
-from megacann.layers import (
-    LoRAConfig,
-    MoEConfig,
-    MoELayer,
-    attach_lora,
-    lora_parameters,
-)
+from megacann.layers import MoEConfig, MoELayer
+from megacann.layers.lora import LoRAConfig, attach_lora, lora_parameters
 from megacann.layers.sharding import get_sharding
 
 # -- two ranks ---------------------------------------------------------------------------------------------

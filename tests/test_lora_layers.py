@@ -12,19 +12,21 @@ import torch
 from megacann.config import ModelConfig
 from megacann.layers import (
     ColumnParallelLinear,
-    LoRAConfig,
     TransformerBlock,
     TransformerBlockConfig,
+    init_normal,
+    initialize_weights,
+    parameter_seed,
+)
+from megacann.layers.lora import (
+    LoRAConfig,
     attach_lora,
     count_parameters,
     init_adapters_,
-    init_normal,
-    initialize_weights,
     is_lora_parameter,
     lora_adapters,
     lora_parameters,
     merge_lora,
-    parameter_seed,
     unmerge_lora,
 )
 from megacann.layers.sharding import init_sharded_

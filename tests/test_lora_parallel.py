@@ -22,18 +22,15 @@ from megacann import parallel_state as ps
 from megacann.config import ModelConfig
 from megacann.layers import (
     ColumnParallelLinear,
-    LoRAConfig,
+    LayerContext,
     RowParallelLinear,
-    attach_lora,
-    init_adapters_,
     init_normal,
     initialize_weights,
-    lora_parameters,
-    merge_lora,
     model_parallel_manual_seed,
     parameter_seed,
     sync_partial_grads,
 )
+from megacann.layers.lora import LoRAConfig, attach_lora, init_adapters_, lora_parameters, merge_lora
 from megacann.layers.sharding import ParamSharding, get_sharding, init_sharded_, shard_tensor, unshard_tensors
 from megacann.models import LlamaModel
 from megacann.models.peft import lora_full_tensors, read_peft_tensors, save_peft_adapter, write_peft_adapter
@@ -141,7 +138,7 @@ def _model_config(kv_heads: int) -> ModelConfig:
 
 
 def _lora_llama(cfg: ModelConfig, sp: bool = False, **kwargs) -> LlamaModel:
-    model = LlamaModel(cfg, sequence_parallel=sp, **kwargs)
+    model = LlamaModel(cfg, context=LayerContext(sequence_parallel=sp), **kwargs)
     initialize_weights(model, 5)
     attach_lora(model, LoRAConfig(rank=4, alpha=8.0, dropout=0.1, target_modules="all-linear"), strict=False)
     init_adapters_(model, functools.partial(parameter_seed, 5))

@@ -13,16 +13,8 @@ import pytest
 import torch
 
 from megacann.config import ModelConfig
-from megacann.layers import (
-    LoRAConfig,
-    attach_lora,
-    init_adapters_,
-    init_normal,
-    initialize_weights,
-    lora_parameters,
-    parameter_seed,
-    unload_lora,
-)
+from megacann.layers import init_normal, initialize_weights, parameter_seed
+from megacann.layers.lora import LoRAConfig, attach_lora, init_adapters_, lora_parameters, unload_lora
 from megacann.layers.sharding import init_sharded_
 from megacann.models import GPTModel, LlamaModel, decoder, from_pretrained_hf
 from megacann.models.full_state import load_full_state_dict_

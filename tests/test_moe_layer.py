@@ -8,8 +8,8 @@ import pytest
 import torch
 from layers_reference import rel_err
 
-from megacann.layers import MoEConfig, MoELayer, TransformerBlock, TransformerBlockConfig, moe_aux_loss, moe_layers
-from megacann.layers.moe import GroupedExperts, MoEStats
+from megacann.layers import MoEConfig, MoELayer, TransformerBlock, TransformerBlockConfig
+from megacann.layers.moe import GroupedExperts, MoEStats, moe_aux_loss, moe_layers
 from megacann.layers.sharding import get_sharding
 
 HIDDEN, FFN, EXPERTS = 16, 8, 4

@@ -23,7 +23,8 @@ from layers_reference import full_grad, full_param, rel_err
 
 from megacann import parallel_state as ps
 from megacann.collectives import all_reduce_if_parallel
-from megacann.layers import MoEConfig, MoELayer, update_expert_biases
+from megacann.layers import MoEConfig, MoELayer
+from megacann.layers.moe import update_expert_biases
 
 TOL = 1e-5
 SEED, BATCH, SEQ, HIDDEN, FFN, EXPERTS = 11, 2, 8, 16, 8, 8

@@ -93,7 +93,7 @@ def _first_grads(trainer) -> dict:
 
 def _layout_facts(trainer) -> dict:
     """What shows the mode was on: experts held here, all-to-all width, groups gradients reduce over."""
-    from megacann.layers import moe_layers
+    from megacann.layers.moe import moe_layers
     from megacann.layers.sharding import get_sharding
 
     layers = [layer for chunk in trainer.model_chunks for layer in moe_layers(chunk)]
@@ -171,7 +171,7 @@ def _fit_with_collapsed_router(out: str) -> dict:
 
     import torch
 
-    from megacann.layers import moe_layers
+    from megacann.layers.moe import moe_layers
 
     overrides = [ACCUM[4], "optim.max_steps=2", "logging.log_interval=1", "model.moe_capacity_factor=1.0"]
     trainer = _trainer(overrides, out)

@@ -11,6 +11,9 @@ Parameter names follow Hugging Face LLaMA: ``q_proj``, ``k_proj``, ``v_proj``, `
 Under context parallelism (a context-parallel group of more than one rank) the layer holds this rank's
 sequence chunks and the core attention runs over the whole group with ``context_parallel_algo``
 (:mod:`megacann.layers.context_parallel`); everything else is unchanged.
+
+Arguments left None (``sequence_parallel``, ``recompute_core_attention``, ``context_parallel_algo``, the
+init methods, ``dtype``, ``device``) come from the current :class:`~megacann.layers.context.LayerContext`.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+from einops import rearrange
 
 from megacann import ops
 from megacann import parallel_state as ps
 from megacann.layers import mappings
+from megacann.layers.context import current_layer_context
 from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_attention
+from megacann.layers.init import default_init_methods
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.random import checkpoint, get_rng_tracker
 from megacann.layers.sharding import InitMethod
@@ -50,8 +56,11 @@ class SelfAttention(torch.nn.Module):
 
     Under context parallelism ``s`` is this cp rank's share (``context_parallel_split``): ``hidden``,
     ``rotary`` (tables of the share's global positions) and ``segment_ids`` all cover those tokens, and
-    ``context_parallel_algo`` (``ring``, ``allgather``, ``ulysses``) picks how attention crosses the
-    ranks of ``context_parallel_group`` (default: parallel_state's cp group).
+    ``context_parallel_algo`` (``ring``, ``allgather``, ``ulysses``; default: the layer context's) picks
+    how attention crosses the ranks of ``context_parallel_group`` (default: parallel_state's cp group).
+    Without an algorithm the layer refuses to run under context parallelism rather than pick one.
+    ``recompute_core_attention`` (default: the context's ``recompute == "selective"``) recomputes the
+    softmax attention in backward.
     """
 
     def __init__(
@@ -63,12 +72,12 @@ class SelfAttention(torch.nn.Module):
         qkv_bias: bool = False,
         output_bias: bool = False,
         attention_dropout: float = 0.0,
-        sequence_parallel: bool = False,
+        sequence_parallel: Optional[bool] = None,
         fused_qkv: bool = False,
         rotary_interleaved: bool = False,
         softmax_scale: Optional[float] = None,
-        recompute_core_attention: bool = False,
-        context_parallel_algo: str = "ring",
+        recompute_core_attention: Optional[bool] = None,
+        context_parallel_algo: Optional[str] = None,
         context_parallel_group: Optional[dist.ProcessGroup] = None,
         init_method: Optional[InitMethod] = None,
         output_init_method: Optional[InitMethod] = None,
@@ -77,6 +86,12 @@ class SelfAttention(torch.nn.Module):
         device: Optional[Union[torch.device, str]] = None,
     ):
         super().__init__()
+        ctx = current_layer_context()
+        if context_parallel_algo is None:
+            context_parallel_algo = ctx.context_parallel_algo
+        if recompute_core_attention is None:
+            recompute_core_attention = ctx.recompute == "selective"
+        init_method, output_init_method = default_init_methods(init_method, output_init_method)
         tp, rank = mappings.tp_world_size(group), mappings.tp_rank(group)
         heads = num_attention_heads
         kv_heads = num_key_value_heads or heads
@@ -88,7 +103,7 @@ class SelfAttention(torch.nn.Module):
             raise ValueError(f"num_attention_heads {heads} is not divisible by tensor_model_parallel_size {tp}")
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-        if context_parallel_algo not in CONTEXT_PARALLEL_ALGORITHMS:
+        if context_parallel_algo is not None and context_parallel_algo not in CONTEXT_PARALLEL_ALGORITHMS:
             raise ValueError(
                 f"context_parallel_algo {context_parallel_algo!r} is not one of {CONTEXT_PARALLEL_ALGORITHMS}"
             )
@@ -134,23 +149,19 @@ class SelfAttention(torch.nn.Module):
             kv = dict(bias=qkv_bias, init_method=init_method, replicated=not kv_sharded, **linear)
             self.k_proj = ColumnParallelLinear(hidden_size, kv_size, **kv)
             self.v_proj = ColumnParallelLinear(hidden_size, kv_size, **kv)
-        self.o_proj = RowParallelLinear(
-            q_size, hidden_size, bias=output_bias, init_method=output_init_method or init_method, **linear
-        )
+        self.o_proj = RowParallelLinear(q_size, hidden_size, bias=output_bias, init_method=output_init_method, **linear)
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as ``[b, s, heads, head_dim]`` views over the whole sequence."""
-        d = self.head_dim
+        heads = "b s (h d) -> b s h d"
         if self.fused_qkv:
-            qkv = self.qkv_proj(hidden)
-            qkv = qkv.view(qkv.shape[0], qkv.shape[1], -1, d)
+            qkv = rearrange(self.qkv_proj(hidden), heads, d=self.head_dim)
             return qkv.split([self.local_heads, self.local_kv_heads, self.local_kv_heads], dim=2)
         x = self.q_proj.prepare_input(hidden)
         q = self.q_proj.forward_prepared(x)
         k = self.k_proj.forward_prepared(x, self.kv_rows)
         v = self.v_proj.forward_prepared(x, self.kv_rows)
-        b, s = q.shape[:2]
-        return q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
+        return tuple(rearrange(t, heads, d=self.head_dim) for t in (q, k, v))
 
     def core_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]
@@ -166,6 +177,13 @@ class SelfAttention(torch.nn.Module):
                 raise ValueError(
                     f"attention_dropout {self.dropout_p} is not supported under context parallelism "
                     "(context_parallel_size > 1): set it to 0"
+                )
+            if self.context_parallel_algo is None:
+                raise ValueError(
+                    f"SelfAttention runs under context parallelism ({dist.get_world_size(cp_group)} ranks) but was "
+                    "built without context_parallel_algo: build the model under "
+                    "megacann.layers.layer_context_from_config(cfg, device) (the recipe's "
+                    "distributed.context_parallel_algo) or pass context_parallel_algo='ring'|'allgather'|'ulysses'"
                 )
             return context_parallel_attention(
                 q, k, v, segment_ids, algo=self.context_parallel_algo, scale=self.softmax_scale, group=cp_group
@@ -191,5 +209,4 @@ class SelfAttention(torch.nn.Module):
             out = checkpoint(self.core_attention, q, k, v, segment_ids)
         else:
             out = self.core_attention(q, k, v, segment_ids)
-        b, s = out.shape[:2]
-        return self.o_proj(out.reshape(b, s, self.local_heads * self.head_dim))
+        return self.o_proj(rearrange(out, "b s h d -> b s (h d)"))

@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacann.layers import mappings
-from megacann.layers.init import init_normal, make_parameter
+from megacann.layers.context import resolve_sequence_parallel
+from megacann.layers.init import default_init_methods, make_parameter
 from megacann.layers.sharding import InitMethod
 
 
@@ -32,7 +33,8 @@ class VocabParallelEmbedding(torch.nn.Module):
     Each rank looks up the ids in its range, writes zeros for the others, and the partial results are
     summed over the TP group; under ``sequence_parallel`` they are reduce-scattered instead, giving the
     ``[b, s/tp, embedding_dim]`` sequence shard. The weight's full shape is ``[padded_vocab, embedding_dim]``
-    (``logical_size`` = ``num_embeddings``); the padding rows start at zero.
+    (``logical_size`` = ``num_embeddings``); the padding rows start at zero. Arguments left None come from
+    the current :class:`~megacann.layers.context.LayerContext`.
     """
 
     def __init__(
@@ -41,7 +43,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         embedding_dim: int,
         init_method: Optional[InitMethod] = None,
         make_vocab_size_divisible_by: int = 128,
-        sequence_parallel: bool = False,
+        sequence_parallel: Optional[bool] = None,
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
@@ -51,14 +53,14 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.tp_size = mappings.tp_world_size(group)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = resolve_sequence_parallel(sequence_parallel)
         self.padded_vocab_size = pad_vocab_size(num_embeddings, self.tp_size, make_vocab_size_divisible_by)
         per_rank = self.padded_vocab_size // self.tp_size
         self.vocab_start = mappings.tp_rank(group) * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.weight = make_parameter(
             (self.padded_vocab_size, embedding_dim),
-            init_method or init_normal(),
+            init_method or default_init_methods()[0],
             tp_rank=mappings.tp_rank(group),
             tp_size=self.tp_size,
             tp_dim=0,

@@ -7,7 +7,9 @@ weights of the one-process model, provided the default RNG is seeded alike on ev
 :class:`~megacann.layers.sharding.ParamSharding` and its init method (attribute ``sharding.INIT_ATTR``), so a
 model can later re-draw any parameter by name from its own seed, independently of the layout.
 
-Init methods are picklable ``functools.partial`` objects over the module-level functions below.
+Init methods are picklable ``functools.partial`` objects over the module-level functions below. A layer
+given no init method, dtype or device takes them from the current
+:class:`~megacann.layers.context.LayerContext`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from megacann import parallel_state as ps
 from megacann.accelerator import get_accelerator
+from megacann.layers.context import current_layer_context, resolve_init_stds
 from megacann.layers.sharding import (
     INIT_ATTR,
     INIT_NAME_ATTR,
@@ -58,8 +61,22 @@ def init_ones() -> InitMethod:
     return functools.partial(_constant, value=1.0)
 
 
+def default_init_methods(
+    init_method: Optional[InitMethod] = None, output_init_method: Optional[InitMethod] = None
+) -> tuple[InitMethod, InitMethod]:
+    """A layer's (init, init of the projections that feed the residual): the given ones, else the current
+    context's N(0, std²) and its scaled output init. An output init left unset follows an explicit
+    ``init_method``."""
+    if init_method is not None:
+        return init_method, output_init_method or init_method
+    std, output_std = resolve_init_stds(None, None)
+    return init_normal(std), output_init_method or init_normal(output_std)
+
+
 def resolve_device(device: Optional[torch.device | str]) -> torch.device:
-    """``device`` if given, else the accelerator's current device."""
+    """``device`` if given, else the current layer context's, else the accelerator's current device."""
+    if device is None:
+        device = current_layer_context().device
     return torch.device(device) if device is not None else get_accelerator().current_device()
 
 
@@ -82,7 +99,8 @@ def make_parameter(
     """Create this rank's shard of a parameter whose whole is ``full_shape``, initialised from the full
     tensor, tagged with its sharding and init method. ``name`` appears in the error raised when a size
     does not divide ``tp_size``. ``expert`` marks an expert-parallel parameter; ``generator_seed`` draws
-    from a generator of its own instead of torch's CPU RNG (for parameters only some ranks create)."""
+    from a generator of its own instead of torch's CPU RNG (for parameters only some ranks create).
+    ``dtype`` / ``device`` None: the current layer context's (see :func:`resolve_device`)."""
     sharding = ParamSharding(
         full_shape=tuple(full_shape),
         tp_dim=tp_dim,
@@ -94,9 +112,8 @@ def make_parameter(
     if tp_blocks is not None and tp_dim is not None and sum(tp_blocks) != full_shape[tp_dim]:
         raise ValueError(f"{name}: tp_blocks {tuple(tp_blocks)} do not add up to {full_shape[tp_dim]}")
     check_divisible(sharding, tp_size, name)
-    local = torch.empty(
-        sharding.local_shape(tp_size), dtype=dtype or torch.get_default_dtype(), device=resolve_device(device)
-    )
+    dtype = dtype or current_layer_context().params_dtype or torch.get_default_dtype()
+    local = torch.empty(sharding.local_shape(tp_size), dtype=dtype, device=resolve_device(device))
     param = torch.nn.Parameter(local)
     set_sharding(param, sharding)
     setattr(param, INIT_ATTR, init_method)

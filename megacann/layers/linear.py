@@ -13,6 +13,9 @@ reduce-scatters its output back to sequence shards instead of all-reducing.
 Both layers have an ``adapter`` slot (None by default): a module called as ``adapter(x_local, rows)`` on
 the same local input as the weight, whose output (or None) is added to the local output before any gather
 or reduction, so it is sharded and reduced like the base layer (LoRA: :mod:`megacann.layers.lora`).
+
+Arguments left None (``sequence_parallel``, ``init_method``, ``dtype``, ``device``) come from the current
+:class:`~megacann.layers.context.LayerContext`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacann.layers import mappings
-from megacann.layers.init import init_normal, init_zeros, make_parameter
+from megacann.layers.context import resolve_sequence_parallel
+from megacann.layers.init import default_init_methods, init_zeros, make_parameter
 from megacann.layers.sharding import InitMethod, ParamSharding, unshard_tensors
 
 LinearOutput = Union[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]
@@ -62,7 +66,7 @@ class ColumnParallelLinear(torch.nn.Module):
         output_size: int,
         bias: bool = True,
         gather_output: bool = False,
-        sequence_parallel: bool = False,
+        sequence_parallel: Optional[bool] = None,
         init_method: Optional[InitMethod] = None,
         skip_bias_add: bool = False,
         tp_blocks: Optional[tuple[int, ...]] = None,
@@ -76,7 +80,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.tp_size = mappings.tp_world_size(group)
         self.input_size, self.output_size = input_size, output_size
         self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = sequence_parallel = resolve_sequence_parallel(sequence_parallel)
         self.skip_bias_add = skip_bias_add
         self.replicated = replicated
         self.tp_blocks = tuple(tp_blocks) if tp_blocks is not None else None
@@ -96,7 +100,7 @@ class ColumnParallelLinear(torch.nn.Module):
         )
         self.weight = make_parameter(
             (output_size, input_size),
-            init_method or init_normal(),
+            init_method or default_init_methods()[0],
             name=f"ColumnParallelLinear output_size {output_size}",
             **common,
         )
@@ -168,7 +172,7 @@ class RowParallelLinear(torch.nn.Module):
         output_size: int,
         bias: bool = True,
         input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
+        sequence_parallel: Optional[bool] = None,
         init_method: Optional[InitMethod] = None,
         skip_bias_add: bool = False,
         group: Optional[dist.ProcessGroup] = None,
@@ -176,18 +180,20 @@ class RowParallelLinear(torch.nn.Module):
         device: Optional[Union[torch.device, str]] = None,
     ):
         super().__init__()
+        from_context = sequence_parallel is None
+        self.sequence_parallel = sequence_parallel = resolve_sequence_parallel(sequence_parallel)
         if sequence_parallel and not input_is_parallel:
-            raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
+            where = " (from the layer context; pass sequence_parallel=False)" if from_context else ""
+            raise ValueError(f"RowParallelLinear: sequence_parallel=True{where} requires input_is_parallel=True")
         self.group = group
         self.tp_size = mappings.tp_world_size(group)
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = sequence_parallel
         self.skip_bias_add = skip_bias_add
         tp_rank = mappings.tp_rank(group)
         self.weight = make_parameter(
             (output_size, input_size),
-            init_method or init_normal(),
+            init_method or default_init_methods()[0],
             tp_rank=tp_rank,
             tp_size=self.tp_size,
             tp_dim=1,

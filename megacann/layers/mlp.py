@@ -2,6 +2,8 @@
 
 Names follow Hugging Face LLaMA: ``gate_proj``, ``up_proj``, ``down_proj``; the fused form ``gate_up_proj``
 holds ``cat(gate_proj, up_proj)`` along the output rows (each half split across TP separately).
+Arguments left None (``sequence_parallel``, the init methods, ``dtype``, ``device``) come from the current
+:class:`~megacann.layers.context.LayerContext`; ``down_proj`` feeds the residual and gets its output init.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacann import ops
+from megacann.layers.init import default_init_methods
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.sharding import InitMethod
 
@@ -27,7 +30,7 @@ class SwiGLUMLP(torch.nn.Module):
         hidden_size: int,
         ffn_hidden_size: int,
         bias: bool = False,
-        sequence_parallel: bool = False,
+        sequence_parallel: Optional[bool] = None,
         fused_gate_up: bool = True,
         init_method: Optional[InitMethod] = None,
         output_init_method: Optional[InitMethod] = None,
@@ -37,6 +40,7 @@ class SwiGLUMLP(torch.nn.Module):
     ):
         super().__init__()
         linear = dict(bias=bias, sequence_parallel=sequence_parallel, group=group, dtype=dtype, device=device)
+        init_method, output_init_method = default_init_methods(init_method, output_init_method)
         self.fused_gate_up = fused_gate_up
         if fused_gate_up:
             self.gate_up_proj = ColumnParallelLinear(
@@ -49,9 +53,7 @@ class SwiGLUMLP(torch.nn.Module):
         else:
             self.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, init_method=init_method, **linear)
             self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, init_method=init_method, **linear)
-        self.down_proj = RowParallelLinear(
-            ffn_hidden_size, hidden_size, init_method=output_init_method or init_method, **linear
-        )
+        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, init_method=output_init_method, **linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up:
@@ -68,7 +70,7 @@ class GeluMLP(torch.nn.Module):
         hidden_size: int,
         ffn_hidden_size: int,
         bias: bool = True,
-        sequence_parallel: bool = False,
+        sequence_parallel: Optional[bool] = None,
         approximate: str = "none",
         init_method: Optional[InitMethod] = None,
         output_init_method: Optional[InitMethod] = None,
@@ -81,10 +83,9 @@ class GeluMLP(torch.nn.Module):
             raise ValueError(f"GeluMLP approximate={approximate!r}; expected one of {GELU_APPROXIMATIONS}")
         self.approximate = approximate
         linear = dict(bias=bias, sequence_parallel=sequence_parallel, group=group, dtype=dtype, device=device)
+        init_method, output_init_method = default_init_methods(init_method, output_init_method)
         self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, init_method=init_method, **linear)
-        self.down_proj = RowParallelLinear(
-            ffn_hidden_size, hidden_size, init_method=output_init_method or init_method, **linear
-        )
+        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, init_method=output_init_method, **linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate))

@@ -3,7 +3,8 @@
 Norm weights are replicated on every TP rank. Under sequence parallelism each rank normalises only its
 part of the sequence, so its weight gradient is partial: the parameters are marked ``tp_partial_grad``
 and the gradient is summed over the TP group (:func:`megacann.layers.mappings.sync_partial_grads` or the
-optimizer).
+optimizer). ``sequence_parallel``, ``dtype`` and ``device`` left None come from the current
+:class:`~megacann.layers.context.LayerContext`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megacann import ops
+from megacann.layers.context import resolve_sequence_parallel
 from megacann.layers.init import init_ones, init_zeros, make_parameter
 from megacann.layers.sharding import mark_partial_grad
 
@@ -38,13 +40,13 @@ class RMSNorm(torch.nn.Module):
         self,
         hidden_size: int,
         eps: float = 1e-6,
-        sequence_parallel: bool = False,
+        sequence_parallel: Optional[bool] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
     ):
         super().__init__()
         self.eps = eps
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = sequence_parallel = resolve_sequence_parallel(sequence_parallel)
         self.weight = _norm_parameter(hidden_size, True, sequence_parallel, dtype, device)
 
     def extra_repr(self) -> str:
@@ -62,13 +64,13 @@ class LayerNorm(torch.nn.Module):
         hidden_size: int,
         eps: float = 1e-5,
         bias: bool = True,
-        sequence_parallel: bool = False,
+        sequence_parallel: Optional[bool] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
     ):
         super().__init__()
         self.eps = eps
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = sequence_parallel = resolve_sequence_parallel(sequence_parallel)
         self.weight = _norm_parameter(hidden_size, True, sequence_parallel, dtype, device)
         self.bias = _norm_parameter(hidden_size, False, sequence_parallel, dtype, device) if bias else None
 

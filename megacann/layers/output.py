@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from megacann import ops
 from megacann.layers import mappings
+from megacann.layers.context import resolve_sequence_parallel
 from megacann.layers.embedding import VocabParallelEmbedding, pad_vocab_size
-from megacann.layers.init import init_normal, make_parameter
+from megacann.layers.init import default_init_methods, make_parameter
 from megacann.layers.loss import token_loss
 from megacann.layers.sharding import INIT_NAME_ATTR, InitMethod, mark_tied_across_stages
 
@@ -40,6 +41,9 @@ class LMHead(torch.nn.Module):
         tie_to: None for a weight of its own; a :class:`VocabParallelEmbedding` of the same model chunk
             to share its weight; or the global name of the first stage's embedding weight (e.g.
             ``"embed_tokens.weight"``) to hold a copy of it on the last stage.
+
+    Arguments left None (``init_method``, ``sequence_parallel``, ``dtype``, ``device``) come from the current
+    :class:`~megacann.layers.context.LayerContext`.
     """
 
     def __init__(
@@ -49,7 +53,7 @@ class LMHead(torch.nn.Module):
         *,
         init_method: Optional[InitMethod] = None,
         make_vocab_size_divisible_by: int = 128,
-        sequence_parallel: bool = False,
+        sequence_parallel: Optional[bool] = None,
         tie_to: Union[None, VocabParallelEmbedding, str] = None,
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
@@ -58,7 +62,7 @@ class LMHead(torch.nn.Module):
         super().__init__()
         self.group = group
         self.vocab_size = vocab_size
-        self.sequence_parallel = sequence_parallel and mappings.tp_world_size(group) > 1
+        self.sequence_parallel = resolve_sequence_parallel(sequence_parallel) and mappings.tp_world_size(group) > 1
         self._shared: tuple[VocabParallelEmbedding, ...] = ()
         if isinstance(tie_to, VocabParallelEmbedding):
             self._shared = (tie_to,)  # a tuple: not registered as a submodule, so named once, by its owner
@@ -67,7 +71,7 @@ class LMHead(torch.nn.Module):
         padded = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
         self.weight = make_parameter(
             (padded, hidden_size),
-            init_method or init_normal(),
+            init_method or default_init_methods()[0],
             tp_rank=mappings.tp_rank(group),
             tp_size=tp_size,
             tp_dim=0,

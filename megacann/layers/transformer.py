@@ -16,7 +16,7 @@ GPT-2 maps as ``ln_1 → input_layernorm``, ``attn.c_attn → self_attn.qkv_proj
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.layers import mappings
 from megacann.layers.attention import SelfAttention
+from megacann.layers.context import current_layer_context, resolve_init_stds, resolve_sequence_parallel
 from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_position_ids
 from megacann.layers.init import init_normal
 from megacann.layers.mlp import GeluMLP, SwiGLUMLP
@@ -36,18 +37,24 @@ _CHOICES = {
     "normalization": ("rmsnorm", "layernorm"),
     "activation": ("swiglu", "gelu", "gelu_tanh"),
     "position_embedding": ("rope", "none"),
-    "recompute": ("none", "selective", "full"),
-    "context_parallel_algo": CONTEXT_PARALLEL_ALGORITHMS,
+    "recompute": (None, "none", "selective", "full"),
+    "context_parallel_algo": (None, *CONTEXT_PARALLEL_ALGORITHMS),
 }
 
 
 @dataclass
 class TransformerBlockConfig:
     """Shape and options of one block. ``output_layer_init_std`` is the std of the projections that feed
-    the residual (``o_proj``, ``down_proj``); Megatron uses ``init_method_std / sqrt(2 * num_layers)``,
-    which the model sets (None: ``init_method_std``). ``recompute``: ``selective`` recomputes the core
-    attention in backward, ``full`` the whole block. ``context_parallel_algo`` is how attention crosses the
-    context-parallel group when it has more than one rank (``ring``, ``allgather``, ``ulysses``)."""
+    the residual (``o_proj``, ``down_proj``); Megatron uses ``init_method_std / sqrt(2 * num_layers)``.
+    ``recompute``: ``selective`` recomputes the core attention in backward, ``full`` the whole block.
+    ``context_parallel_algo`` is how attention crosses the context-parallel group when it has more than
+    one rank (``ring``, ``allgather``, ``ulysses``).
+
+    Settings left None (``sequence_parallel``, ``init_method_std``, ``output_layer_init_std``,
+    ``recompute``, ``context_parallel_algo``, ``params_dtype``) come from the current
+    :class:`~megacann.layers.context.LayerContext` when the block is built; ``block.config`` holds the
+    values it was built with. An ``output_layer_init_std`` left None follows an explicit
+    ``init_method_std``."""
 
     hidden_size: int
     num_attention_heads: int
@@ -61,8 +68,8 @@ class TransformerBlockConfig:
     add_qkv_bias: Optional[bool] = None  # None: add_bias_linear (True for Qwen2-style q/k/v bias only)
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    sequence_parallel: bool = False
-    init_method_std: float = 0.02
+    sequence_parallel: Optional[bool] = None
+    init_method_std: Optional[float] = None
     output_layer_init_std: Optional[float] = None
     position_embedding: str = "rope"
     rotary_theta: float = 10000.0
@@ -71,17 +78,18 @@ class TransformerBlockConfig:
     fused_qkv: bool = False
     fused_gate_up: bool = True
     softmax_scale: Optional[float] = None
-    recompute: str = "none"
-    context_parallel_algo: str = "ring"
+    recompute: Optional[str] = None
+    context_parallel_algo: Optional[str] = None
     params_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         for key, allowed in _CHOICES.items():
             value = getattr(self, key)
             if value not in allowed:
-                close = difflib.get_close_matches(str(value), allowed, n=1)
+                close = difflib.get_close_matches(str(value), [a for a in allowed if a is not None], n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"TransformerBlockConfig.{key}={value!r} is not one of {allowed}{hint}")
+                choices = tuple(a for a in allowed if a is not None)
+                raise ValueError(f"TransformerBlockConfig.{key}={value!r} is not one of {choices}{hint}")
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"TransformerBlockConfig.{key} must be in [0, 1), got {getattr(self, key)}")
@@ -93,6 +101,21 @@ class TransformerBlockConfig:
     @property
     def attention_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+def _with_context(config: TransformerBlockConfig) -> TransformerBlockConfig:
+    """``config`` with the settings it leaves None taken from the current layer context."""
+    ctx = current_layer_context()
+    init_std, output_std = resolve_init_stds(config.init_method_std, config.output_layer_init_std)
+    return replace(
+        config,
+        sequence_parallel=resolve_sequence_parallel(config.sequence_parallel),
+        init_method_std=init_std,
+        output_layer_init_std=output_std,
+        recompute=config.recompute or ctx.recompute,
+        context_parallel_algo=config.context_parallel_algo or ctx.context_parallel_algo,
+        params_dtype=config.params_dtype or ctx.params_dtype,
+    )
 
 
 class TransformerBlock(torch.nn.Module):
@@ -117,10 +140,9 @@ class TransformerBlock(torch.nn.Module):
         mlp: Optional[torch.nn.Module] = None,
     ):
         super().__init__()
-        self.config = c = config
+        self.config = c = _with_context(config)
         self.group = group
-        init = init_normal(c.init_method_std)
-        out_init = init_normal(c.output_layer_init_std if c.output_layer_init_std is not None else c.init_method_std)
+        init, out_init = init_normal(c.init_method_std), init_normal(c.output_layer_init_std)
         common = dict(sequence_parallel=c.sequence_parallel, dtype=c.params_dtype, device=device)
         self.input_layernorm = self._norm(common)
         self.self_attn = SelfAttention(

@@ -8,7 +8,9 @@ holds the embedding only if it is the first stage (``pre_process``), the head on
 (``post_process``), and the layers whose *global* indices it is given; layers are stored under their
 global index (``layers.17.…``), so parameter names, initialisation and checkpoints do not depend on the
 parallel layout. Tied input/output embeddings split over stages are handled by
-:class:`megacann.layers.LMHead`.
+:class:`megacann.layers.LMHead`. Sequence parallelism, parameter dtype and device and the context-parallel
+algorithm come from the :class:`~megacann.layers.LayerContext` the model is built under (the spec's
+``build_chunk`` makes it from the recipe); the shape, initialisation and recompute from ``cfg``.
 """
 
 from __future__ import annotations
@@ -16,15 +18,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Callable, ClassVar, Optional, Union
+from typing import Callable, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megacann import parallel_state as ps
-from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import MegacannConfig, ModelConfig
 from megacann.layers import (
+    LayerContext,
     LayerNorm,
     LMHead,
     RMSNorm,
@@ -32,13 +34,15 @@ from megacann.layers import (
     TransformerBlock,
     TransformerBlockConfig,
     VocabParallelEmbedding,
-    context_parallel_position_ids,
+    current_layer_context,
     dropout,
     init_normal,
     initialize_weights,
+    layer_context_from_config,
     make_parameter,
     tie_embedding_across_stages,
 )
+from megacann.layers.context_parallel import context_parallel_position_ids
 from megacann.models import sizing
 from megacann.models.spec import ChunkPlacement, HFAdapter, ModelSpec
 
@@ -65,15 +69,9 @@ class DecoderArch:
         return 2 if self.normalization == "layernorm" else 1
 
 
-def block_config(
-    cfg: ModelConfig,
-    arch: DecoderArch,
-    sequence_parallel: bool,
-    params_dtype: Optional[torch.dtype],
-    context_parallel_algo: str = "ring",
-) -> TransformerBlockConfig:
-    """The TransformerBlock settings of a model config and architecture (``context_parallel_algo``: the
-    recipe's ``distributed.context_parallel_algo``, used when the cp group has more than one rank)."""
+def block_config(cfg: ModelConfig, arch: DecoderArch) -> TransformerBlockConfig:
+    """The TransformerBlock settings of a model config and architecture; sequence parallelism, dtype and
+    the context-parallel algorithm are left to the layer context."""
     return TransformerBlockConfig(
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -85,7 +83,6 @@ def block_config(
         add_bias_linear=cfg.use_bias,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
-        sequence_parallel=sequence_parallel,
         init_method_std=cfg.init_method_std,
         output_layer_init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers),
         position_embedding="rope" if arch.position_embedding == "rope" else "none",
@@ -93,8 +90,6 @@ def block_config(
         rotary_scaling=cfg.rope_scaling,
         rotary_interleaved=cfg.rotary_interleaved,
         recompute=cfg.activation_checkpointing,
-        context_parallel_algo=context_parallel_algo,
-        params_dtype=params_dtype,
     )
 
 
@@ -106,7 +101,8 @@ class DecoderLM(torch.nn.Module):
     ``[b, s]`` (fp32) when ``labels`` are given, else logits ``[b, s, vocab_size]``. ``arch`` defaults to
     the class's ``ARCH``. Under context parallelism every input is this cp rank's share of the sequence
     (``s = seq_length / cp``) and ``position_ids`` name the tokens' global positions (the schedules give
-    both; see :func:`megacann.layers.context_parallel_batch`).
+    both; see :func:`megacann.layers.context_parallel.context_parallel_batch`). ``context``: the layer
+    context to build under (default: the current one).
     """
 
     ARCH: ClassVar[DecoderArch] = DecoderArch()
@@ -120,13 +116,10 @@ class DecoderLM(torch.nn.Module):
         cfg: ModelConfig,
         arch: Optional[DecoderArch] = None,
         *,
-        sequence_parallel: bool = False,
         layer_ids: Optional[Iterable[int]] = None,
         pre_process: bool = True,
         post_process: bool = True,
-        params_dtype: Optional[torch.dtype] = None,
-        device: Optional[Union[torch.device, str]] = None,
-        context_parallel_algo: str = "ring",
+        context: Optional[LayerContext] = None,
     ):
         super().__init__()
         if cfg.vocab_size is None:
@@ -136,17 +129,20 @@ class DecoderLM(torch.nn.Module):
         self.fill_defaults(cfg)
         self.config, self.arch = cfg, arch
         self.vocab_size = cfg.vocab_size
-        self.sequence_parallel = sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+        context = context or current_layer_context()
+        self.sequence_parallel = context.sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
-        self.block_config = block_config(cfg, arch, self.sequence_parallel, params_dtype, context_parallel_algo)
+        self.block_config = block_config(cfg, arch)
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
-        h, std = cfg.hidden_size, cfg.init_method_std
-        common = dict(dtype=params_dtype, device=device)
-        sp = dict(sequence_parallel=self.sequence_parallel)
+        with context:
+            self._build(layer_ids)
 
+    def _build(self, layer_ids: list[int]) -> None:
+        cfg, arch, h, std = self.config, self.arch, self.config.hidden_size, self.config.init_method_std
+        pre_process, post_process = self.pre_process, self.post_process
         if pre_process:
             self.embed_tokens = VocabParallelEmbedding(
-                cfg.vocab_size, h, init_normal(std), cfg.make_vocab_size_divisible_by, **sp, **common
+                cfg.vocab_size, h, init_normal(std), cfg.make_vocab_size_divisible_by
             )
             if cfg.tie_word_embeddings and not post_process:  # the last stage holds a copy (lm_head)
                 tie_embedding_across_stages(self.embed_tokens)
@@ -158,9 +154,8 @@ class DecoderLM(torch.nn.Module):
                     tp_size=ps.get_tensor_model_parallel_world_size(),
                     name="embed_positions",
                     tp_partial_grad=self.sequence_parallel,  # each rank adds its own sequence shard
-                    **common,
                 )
-        self.layers = torch.nn.ModuleDict({str(i): self.build_layer(i, device) for i in layer_ids})
+        self.layers = torch.nn.ModuleDict({str(i): self.build_layer(i) for i in layer_ids})
         self.rotary = None
         if arch.position_embedding == "rope" and layer_ids:
             self.rotary = RotaryEmbedding(
@@ -168,9 +163,9 @@ class DecoderLM(torch.nn.Module):
             )
         if post_process:
             if arch.normalization == "layernorm":
-                self.norm = LayerNorm(h, cfg.norm_eps, bias=True, **sp, **common)
+                self.norm = LayerNorm(h, cfg.norm_eps, bias=True)
             else:
-                self.norm = RMSNorm(h, cfg.norm_eps, **sp, **common)
+                self.norm = RMSNorm(h, cfg.norm_eps)
             tie_to = None
             if cfg.tie_word_embeddings:
                 tie_to = self.embed_tokens if pre_process else EMBEDDING_WEIGHT
@@ -180,14 +175,13 @@ class DecoderLM(torch.nn.Module):
                 init_method=init_normal(std),
                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                 tie_to=tie_to,
-                **sp,
-                **common,
             )
 
-    def build_layer(self, layer_id: int, device: Optional[Union[torch.device, str]]) -> torch.nn.Module:
+    def build_layer(self, layer_id: int) -> torch.nn.Module:
         """Layer ``layer_id`` (global index): a dense block here; a family with another feed-forward
-        block (MoE) overrides this. ``self.config`` and ``self.block_config`` are set when it runs."""
-        return TransformerBlock(self.block_config, device=device)
+        block (MoE) overrides this. It runs under the model's layer context, with ``self.config`` and
+        ``self.block_config`` set."""
+        return TransformerBlock(self.block_config)
 
     # -- forward ------------------------------------------------------------------------------------
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -242,13 +236,10 @@ def decoder_model_spec(
     def build_chunk(cfg: MegacannConfig, placement: ChunkPlacement, device=None) -> DecoderLM:
         model = model_class(
             cfg.model,
-            sequence_parallel=cfg.distributed.sequence_parallel,
             layer_ids=placement.layer_ids,
             pre_process=placement.pre_process,
             post_process=placement.post_process,
-            params_dtype=PRECISION_DTYPES[cfg.model.precision],
-            device=device,
-            context_parallel_algo=cfg.distributed.context_parallel_algo,
+            context=layer_context_from_config(cfg, device),
         )
         initialize_weights(model, cfg.seed)
         return model

@@ -21,13 +21,14 @@ Face convert both ways (:mod:`megacann.models.hf_mixtral`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
-from megacann.layers import MoEConfig, MoELayer, TransformerBlock, moe_layers, update_expert_biases
+from megacann.layers import MoEConfig, MoELayer, TransformerBlock
 from megacann.layers.loss import ChunkOutput
+from megacann.layers.moe import moe_layers, update_expert_biases
 from megacann.models import sizing
 from megacann.models.decoder import DecoderLM, decoder_model_spec
 from megacann.models.hf_mixtral import MIXTRAL_HF
@@ -88,11 +89,10 @@ class MoEModel(DecoderLM):
     ARCH = LlamaModel.ARCH
     fill_defaults = staticmethod(moe_defaults)
 
-    def build_layer(self, layer_id: int, device: Optional[Union[torch.device, str]]) -> torch.nn.Module:
+    def build_layer(self, layer_id: int) -> torch.nn.Module:
         if not is_moe_layer(self.config, layer_id):
-            return super().build_layer(layer_id, device)
-        moe = MoELayer(moe_layer_config(self.config, self.block_config), device=device)
-        return TransformerBlock(self.block_config, device=device, mlp=moe)
+            return super().build_layer(layer_id)
+        return TransformerBlock(self.block_config, mlp=MoELayer(moe_layer_config(self.config, self.block_config)))
 
     def save_pretrained_hf(self, path: str) -> None:
         """Write a Hugging Face Mixtral directory (config.json + safetensors) that transformers loads."""

@@ -34,11 +34,11 @@ from megacann.layers.lora import (
     LoRAConfig,
     adapter_layout,
     attach_lora,
+    expert_layers_elsewhere,
     lora_adapters,
     lora_parameters,
     resolve_target,
 )
-from megacann.layers.moe.lora import expert_layers_elsewhere
 from megacann.layers.sharding import get_sharding, shard_tensor
 from megacann.models.full_state import gather_full_tensor
 from megacann.models.spec import get_model_spec

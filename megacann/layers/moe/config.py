@@ -37,6 +37,10 @@ class MoEConfig:
     matrices across the TP ranks (each rank computes its slice for all tokens of the TP group);
     ``False`` keeps whole experts on every TP rank, each rank routing only its own share of the tokens.
     ``sequence_parallel`` says the layer's input and output are sequence shards ``[b, s/tp, h]``.
+
+    ``sequence_parallel``, ``init_method_std``, ``output_layer_init_std`` (the experts' ``down_proj``) and
+    ``params_dtype`` left None come from the current :class:`~megacann.layers.context.LayerContext` when
+    the layer is built (``layer.config`` holds the values used).
     """
 
     hidden_size: int
@@ -53,8 +57,8 @@ class MoEConfig:
     num_shared_experts: int = 0
     shared_expert_ffn_hidden_size: Optional[int] = None
     expert_tensor_parallel: bool = True
-    sequence_parallel: bool = False
-    init_method_std: float = 0.02
+    sequence_parallel: Optional[bool] = None
+    init_method_std: Optional[float] = None
     output_layer_init_std: Optional[float] = None
     params_dtype: Optional[torch.dtype] = None
 

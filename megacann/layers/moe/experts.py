@@ -8,7 +8,7 @@ index, so a parameter's name and value do not depend on the layout::
     experts.<e>.down_proj.weight      [hidden, ffn]    (split over TP by columns)
 
 Each projection has an ``adapter`` slot: a LoRA there (``experts.<e>.gate_up_proj.adapter.lora_A``…) is
-computed beside the base with grouped matmuls too (:mod:`megacann.layers.moe.lora`).
+computed beside the base with grouped matmuls too (:mod:`megacann.layers.lora.experts`).
 
 Expert ``e``'s weights are drawn from a seed made of the layer's seed (one draw from torch's CPU RNG, the
 same on every rank), ``e`` and the parameter's name, so whichever rank creates expert ``e`` creates the
@@ -34,8 +34,8 @@ from megacann import ops
 from megacann.layers import mappings
 from megacann.layers.init import make_parameter
 from megacann.layers.linear import add_adapter_output
-from megacann.layers.lora import AdapterLayout
-from megacann.layers.moe.lora import add_grouped_lora, expert_lora_layout
+from megacann.layers.lora.adapter import AdapterLayout
+from megacann.layers.lora.experts import add_grouped_lora, expert_lora_layout
 from megacann.layers.sharding import InitMethod
 
 
@@ -46,7 +46,7 @@ def expert_seed(layer_seed: int, expert_index: int, name: str) -> int:
 
 class ExpertProjection(torch.nn.Module):
     """Holds one expert matrix as ``weight`` (``F.linear`` layout), for Hugging-Face-like names, and an
-    ``adapter`` slot for a LoRA (:mod:`megacann.layers.moe.lora`). ``column``: gate_up (output rows split
+    ``adapter`` slot for a LoRA (:mod:`megacann.layers.lora.experts`). ``column``: gate_up (output rows split
     over TP with expert tensor parallelism), else down (input columns split)."""
 
     def __init__(self, weight: torch.nn.Parameter, column: bool, tp_rank: int, tp_size: int):

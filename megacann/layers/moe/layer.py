@@ -17,7 +17,7 @@ rank dispatches only its own tokens to whole experts.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import torch
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.collectives import all_reduce_if_parallel
 from megacann.layers import mappings
+from megacann.layers.context import current_layer_context, resolve_init_stds, resolve_sequence_parallel
 from megacann.layers.init import init_normal
 from megacann.layers.mlp import SwiGLUMLP
 from megacann.layers.moe.config import MoEConfig
@@ -56,6 +57,18 @@ class MoEStats:
         return sum(self.aux_losses.values())
 
 
+def _with_context(config: MoEConfig) -> MoEConfig:
+    """``config`` with the settings it leaves None taken from the current layer context."""
+    init_std, output_std = resolve_init_stds(config.init_method_std, config.output_layer_init_std)
+    return replace(
+        config,
+        sequence_parallel=resolve_sequence_parallel(config.sequence_parallel),
+        init_method_std=init_std,
+        output_layer_init_std=output_std,
+        params_dtype=config.params_dtype or current_layer_context().params_dtype,
+    )
+
+
 class MoELayer(torch.nn.Module):
     """Parameters: ``router.weight`` (and the buffer ``router.expert_bias``), ``experts.<e>.gate_up_proj
     .weight`` / ``experts.<e>.down_proj.weight`` for this rank's experts (global indices ``e``), and
@@ -71,11 +84,10 @@ class MoELayer(torch.nn.Module):
         device: Optional[Union[torch.device, str]] = None,
     ):
         super().__init__()
-        self.config = c = config
+        self.config = c = _with_context(config)
         self.group = group
         self.tp_size = mappings.tp_world_size(group)
-        init = init_normal(c.init_method_std)
-        out_init = init_normal(c.output_layer_init_std if c.output_layer_init_std is not None else c.init_method_std)
+        init, out_init = init_normal(c.init_method_std), init_normal(c.output_layer_init_std)
         self.router = TopKRouter(
             c.hidden_size,
             c.num_experts,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacann.layers import mappings
-from megacann.layers.init import init_normal, make_parameter
+from megacann.layers.init import default_init_methods, make_parameter, resolve_device
 from megacann.layers.random import is_recomputing
 from megacann.layers.sharding import InitMethod
 
@@ -125,7 +125,7 @@ class TopKRouter(torch.nn.Module):
         self.tp_size = mappings.tp_world_size(group)
         self.weight = make_parameter(
             (num_experts, hidden_size),
-            init_method or init_normal(),
+            init_method or default_init_methods()[0],
             tp_rank=0,
             tp_size=1,
             tp_partial_grad=self.tp_size > 1,
@@ -133,6 +133,7 @@ class TopKRouter(torch.nn.Module):
             dtype=dtype,
             device=device,
         )
+        device = resolve_device(device)  # the parameter's (from the layer context when None)
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if bias_update_rate > 0 else None
         self.register_buffer("expert_bias", bias)
         load = None if bias is None else torch.zeros(num_experts, dtype=torch.int64, device=device)  # exact counts

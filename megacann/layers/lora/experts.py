@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from megacann import ops
-from megacann.layers.lora import AdapterLayout, LoRAAdapter
+from megacann.layers.lora.adapter import AdapterLayout, LoRAAdapter
 from megacann.layers.sharding import get_sharding
 
 

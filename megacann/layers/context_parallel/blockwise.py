@@ -43,6 +43,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from einops import rearrange
 
 from megacann.layers.mappings import all_gather_flat, reduce_scatter_flat
 
@@ -144,14 +145,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """``[b, s, heads, d]`` -> fp32 ``[b, kv_heads, heads/kv_heads, s, d]`` (a kv head's queries together)."""
-    b, s, h, d = x.shape
-    return x.to(_acc_dtype(x.dtype)).view(b, s, kv_heads, h // kv_heads, d).permute(0, 2, 3, 1, 4)
+    return rearrange(x.to(_acc_dtype(x.dtype)), "b s (hkv g) d -> b hkv g s d", hkv=kv_heads)
 
 
 def _ungrouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`_grouped`: ``[b, kv_heads, g, s, d]`` -> ``[b, s, kv_heads*g, d]`` in ``dtype``."""
-    b, hkv, g, s, d = x.shape
-    return x.permute(0, 3, 1, 2, 4).reshape(b, s, hkv * g, d).to(dtype)
+    return rearrange(x, "b hkv g s d -> b s (hkv g) d").to(dtype)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -286,8 +285,8 @@ class _BlockwiseAttention(torch.autograd.Function):
             )
             dq[:, :, :, rows] += dq_b
             dkv = torch.zeros((2,) + tuple(k.shape), dtype=qg.dtype, device=k.device)  # laid out like the block
-            dkv[0][:, cols] = dk_b.squeeze(2).transpose(1, 2)
-            dkv[1][:, cols] = dv_b.squeeze(2).transpose(1, 2)
+            dkv[0][:, cols] = rearrange(dk_b, "b hkv 1 s d -> b s hkv d")
+            dkv[1][:, cols] = rearrange(dv_b, "b hkv 1 s d -> b s hkv d")
             blocks.add_grad(source, dkv)
         dkv = blocks.own_grad()
         return _ungrouped(dq, q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
