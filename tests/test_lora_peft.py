@@ -13,6 +13,15 @@ import pytest
 import torch
 
 from megacann.config import ModelConfig
+from megacann.interop.full_state import load_full_state_dict_
+from megacann.interop.hf import SafetensorsReader
+from megacann.interop.peft import (
+    ADAPTER_CONFIG,
+    PeftFormatError,
+    load_peft_adapter,
+    read_peft_tensors,
+    save_peft_adapter,
+)
 from megacann.layers import (
     LoRAConfig,
     attach_lora,
@@ -25,16 +34,7 @@ from megacann.layers import (
 )
 from megacann.layers.sharding import init_sharded_
 from megacann.models import GPTModel, LlamaModel, decoder, from_pretrained_hf
-from megacann.models.full_state import load_full_state_dict_
-from megacann.models.hf import SafetensorsReader
 from megacann.models.hf_llama import from_hf_tensors
-from megacann.models.peft import (
-    ADAPTER_CONFIG,
-    PeftFormatError,
-    load_peft_adapter,
-    read_peft_tensors,
-    save_peft_adapter,
-)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

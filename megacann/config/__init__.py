@@ -16,7 +16,6 @@ from megacann.config.loading import (
     load_hf_model_config,
     suggest_key,
 )
-from megacann.config.model_source import apply_model_source
 from megacann.config.schema import (
     CHOICES,
     MOE_MODEL_KEYS,
@@ -51,7 +50,6 @@ __all__ = [
     "PrecisionConfig",
     "TrainingConfig",
     "all_dotted_keys",
-    "apply_model_source",
     "apply_overrides",
     "config_from_dict",
     "load_config",

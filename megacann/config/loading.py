@@ -14,7 +14,6 @@ from typing import Any, Optional, Union
 import yaml
 
 from megacann.config.advice import advise
-from megacann.config.model_source import apply_model_source
 from megacann.config.schema import (
     _SECTION_CLASSES,
     TOP_LEVEL_KEYS,
@@ -346,6 +345,5 @@ def load_config(path: str, overrides: Optional[list[str]] = None, world_size: Op
             raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(err)}") from None
     cfg = config_from_dict(raw, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
     apply_overrides(cfg, overrides or [])
-    apply_model_source(cfg, source=path)  # after overrides: model.init_from may come from the command line
     validate(cfg, world_size=world_size, source=path)
     return cfg
