@@ -61,3 +61,18 @@ def test_model_init_from_fills_the_architecture_from_the_resolved_directory(tmp_
         cfg.model.init_from = source
         apply_model_source(cfg)
         assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.vocab_size) == (hidden, 2, 100)
+
+
+def test_a_recipe_taking_its_sizes_from_init_from_loads_then_prepares(tmp_path):
+    from megacann.config import load_config
+    from megacann.training.recipe import prepare_recipe
+
+    consolidated = _write(tmp_path / "consolidated", CONSOLIDATED_CONFIG, SIZES)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {{type: llama, init_from: {consolidated}}}\ndata: {{seq_length: 64}}\n")
+    cfg = load_config(str(recipe))  # the sizes are not read yet: their checks wait for prepare_recipe
+    assert cfg.model.hidden_size is None
+    prepare_recipe(cfg, world_size=1, source=str(recipe))
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_attention_heads) == (64, 2, 4)
+    with pytest.raises(ConfigError, match=r"model.hidden_size is not set"):
+        load_config(str(recipe), ["model.init_from=null"])

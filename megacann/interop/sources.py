@@ -41,19 +41,19 @@ def resolve_weight_source(path: str, what: str = "model.init_from") -> WeightSou
     """The kind of weights directory ``path`` is; a CheckpointError (prefixed with ``what``) says what it
     is not."""
     path = os.path.abspath(os.path.expanduser(path))
+    kinds = (
+        f"neither a megacann checkpoint ({INFO_FILE}), an output directory holding a complete checkpoint "
+        f"({LATEST_FILE}), a consolidated directory ({CONSOLIDATED_CONFIG}) nor a Hugging Face directory ({HF_CONFIG})"
+    )
     if not os.path.isdir(path):
-        raise CheckpointError(f"{what}: {path!r} is not a directory")
+        raise CheckpointError(f"{what}: {path!r} is not a directory, so {kinds}")
     for marker, kind in _MARKERS:
         if os.path.isfile(os.path.join(path, marker)):
             return WeightSource(kind, path)
     latest = latest_checkpoint(path)
     if latest is not None:
         return WeightSource(CHECKPOINT, os.path.abspath(latest))
-    raise CheckpointError(
-        f"{what}: {path!r} is neither a megacann checkpoint ({INFO_FILE}), an output directory holding a complete "
-        f"checkpoint ({LATEST_FILE}), a consolidated directory ({CONSOLIDATED_CONFIG}) nor a Hugging Face "
-        f"directory ({HF_CONFIG})"
-    )
+    raise CheckpointError(f"{what}: {path!r} is {kinds}")
 
 
 def adapter_base(path: str) -> Any:
