@@ -121,7 +121,7 @@ def _measure(args: argparse.Namespace, algo: str) -> list[dict]:
             saved = SavedTensorTracker(params)
             with LiveBytes() as live, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 totals = trainer.forward_backward(trainer.model_chunks, [batch], loss_normalizer=float(seq))
-            loss = totals.reduce(float(seq), 0.0)["loss"]
+            loss = totals.reduce(float(seq))["loss"]
             rows.append(dict(seq=seq, local=seq // cp, stored=saved.peak, peak=live.peak, loss=loss))
     ps.destroy_model_parallel()
     return rows

@@ -16,6 +16,7 @@ traceback per rank under torchrun's own. Then:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shlex
@@ -162,6 +163,20 @@ def torchrun_command(
     return cmd + list(args.overrides)
 
 
+def imports_for_ranks(spec, cfg: MegacannConfig) -> list[str]:
+    """An ``experiment.imports`` override when the ranks would not know the model family otherwise: it was
+    registered by the script that called the launcher (``__main__``) or by a module the recipe does not
+    name. megacann's own families, and those of ``experiment.imports``, need nothing."""
+    module_name = getattr(spec.build_chunk, "__module__", None) or ""
+    module = sys.modules.get(module_name)
+    if module is None or module_name.startswith(("megacann.", "megacann_user_")):
+        return []
+    entry = os.path.abspath(module.__file__) if module_name == "__main__" else module_name
+    if entry in cfg.experiment.imports:
+        return []
+    return [f"experiment.imports={json.dumps([*cfg.experiment.imports, entry])}"]
+
+
 def platform_environment(environ: Optional[dict[str, str]] = None) -> dict[str, str]:
     """The variables of ``environ`` that shape a run on its platform (HCCL, NCCL, allocator, devices)."""
     environ = dict(os.environ if environ is None else environ)
@@ -191,7 +206,7 @@ def launch(args: argparse.Namespace, prog: str, python: str = sys.executable) ->
         cfg = load_config(args.config, args.overrides, world_size=world)
         from megacann.training.recipe import prepare_recipe  # the model family's and pipeline's rules too
 
-        prepare_recipe(cfg, world_size=world, source=args.config)
+        spec, _ = prepare_recipe(cfg, world_size=world, source=args.config)
         if not (args.dry_run or args.print_only):  # the files the run reads, checked here once
             from megacann.training.preflight import preflight
 
@@ -204,7 +219,7 @@ def launch(args: argparse.Namespace, prog: str, python: str = sys.executable) ->
 
         print_dry_run(cfg, args.config)
         return 0
-    cmd = torchrun_command(args, nproc, python)
+    cmd = torchrun_command(args, nproc, python) + imports_for_ranks(spec, cfg)
     if args.print_only:
         for key, value in platform_environment().items():
             print(f"export {key}={shlex.quote(value)}")

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from megacann.config import MegacannConfig, ModelConfig
+from megacann.config import MegacannConfig
 from megacann.layers import (
     init_adapters_,
     init_normal,
@@ -16,6 +16,7 @@ from megacann.layers import (
 )
 from megacann.layers.sharding import init_sharded_
 from megacann.models import MOE, ChunkPlacement, prepare_model_config
+from megacann.models.moe_config import MoEModelConfig
 
 TOL = 1e-5
 H, FFN, E = 32, 16, 4
@@ -24,8 +25,8 @@ IDS = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
 
 def tiny_moe_model(seed: int = 3, **changes) -> torch.nn.Module:
     """A tiny Mixtral-like MoE decoder (2 layers, 4 experts, top 2) on one process."""
-    m = ModelConfig(
-        type="moe", hidden_size=H, num_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=61,
+    m = MoEModelConfig(
+        hidden_size=H, num_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=61,
         num_experts=E, moe_top_k=2, moe_ffn_hidden_size=FFN, precision="fp32", **changes,
     )  # fmt: skip
     cfg = MegacannConfig(model=m)

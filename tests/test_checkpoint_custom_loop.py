@@ -16,11 +16,10 @@ def _custom_loop(root: str) -> dict:
 
     from megacann import parallel_state as ps
     from megacann.checkpoint import Checkpointer, CheckpointParts
-    from megacann.layers import count_target_tokens, model_parallel_manual_seed
-    from megacann.models import get_model_spec
+    from megacann.layers import model_parallel_manual_seed
+    from megacann.models import count_target_tokens, get_model_spec
     from megacann.optimizer import build_optimizer
     from megacann.pipeline import build_model_chunks
-    from megacann.pipeline.microbatches import last_micro_batch_backward
 
     cfg = tiny_config([*DROPOUT, f"experiment.output_dir={root}", "optim.grad_accum_steps=1"])
     ps.initialize_model_parallel()
@@ -38,7 +37,7 @@ def _custom_loop(root: str) -> dict:
         parts.optimizer.set_lr(1e-3)
         out = spec.forward_step(parts.model[0], batch, None)
         tokens = count_target_tokens([batch])
-        with last_micro_batch_backward():
+        with parts.optimizer.last_micro_batch_backward():
             (out.token_loss.sum() / tokens).backward()
         parts.optimizer.finalize_grads()
         parts.optimizer.step()

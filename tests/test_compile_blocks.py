@@ -68,6 +68,7 @@ def assert_close(actual: dict, expected: dict) -> None:
     """Traces to 1e-5 relative, first-step gradients to 1e-5 and weights after the steps to 1e-4 (norm-wise;
     Adam amplifies rounding differences), as the parallel-layout parity tests."""
     for key in ("losses", "norms"):
+        assert len(actual[key]) == len(expected[key]) > 0, (key, actual[key], expected[key])
         for a, e in zip(actual[key], expected[key]):
             assert abs(a - e) <= 1e-5 * abs(e), (key, actual[key], expected[key])
     for key, rel in (("grads", 1e-5), ("params", 1e-4)):
@@ -129,6 +130,7 @@ def test_compiled_head_loss_kernels_match_on_cpu():
         loss = head_loss.head_loss(h, w, target, vocab_size=40, chunk_size=32, kernels=kernels)
         (loss * torch.linspace(0.5, 1.5, 80).view(2, 40)).sum().backward()
         results.append((loss.detach(), h.grad, w.grad))
+    assert len(results) == 2 and len(results[0]) == len(results[1]) == 3
     for eager, compiled in zip(*results):
         assert (compiled - eager).norm() <= 1e-5 * eager.norm()
     assert (results[0][0][0, :5] == 0).all()

@@ -135,14 +135,14 @@ def _lora_init_and_frozen_checks(tmp: str) -> dict:
 
 def _forward_loss(trainer, batches) -> float:
     totals = trainer.forward_backward(trainer.model_chunks, batches, loss_normalizer=1.0, forward_only=True)
-    return float(totals.reduce(1.0, 0.0)["loss"])
+    return float(totals.reduce(1.0)["loss"])
 
 
 def _masking_checks(tmp: str, jsonl: str) -> dict:
     import torch.nn.functional as F
     from finetune_helpers import sft_overrides
 
-    from megacann.layers.loss import IGNORE_INDEX
+    from megacann.constants import IGNORE_INDEX
 
     trainer = _trainer(sft_overrides(jsonl, os.path.join(tmp, "cache")), os.path.join(tmp, "unused"))
     batch = next(trainer.data.train)

@@ -17,12 +17,15 @@ def test_dry_run_on_cpu_writes_the_table(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["device"] == "cpu" and result["matmul_bf16_tflops"] > 0
+    # measured rates are reported, never asserted: a slow CPU rounds its bf16 matmul rate to 0.0 TFLOP/s
+    assert result["device"] == "cpu" and isinstance(result["matmul_bf16_tflops"], float)
+    assert result["matmul_bf16_tflops"] >= 0
     rows = {row["label"]: row for row in result["rows"]}
     assert sorted(rows) == ["megacann-compile:tiny", "megacann-eager:tiny"], rows
     for row in rows.values():
         assert "error" not in row, row
-        assert row["tokens_per_s"] > 0 and row["tflops"] >= 0 and row["mfu_vs_matmul"] > 0
+        assert row["tokens_per_s"] >= 0 and row["tflops"] >= 0
+        assert row["mfu_vs_matmul"] is None or row["mfu_vs_matmul"] >= 0  # None: the matmul rate rounded to 0
         assert math.isfinite(row["loss"]) and row["loss"] > 0 and row["grad_norm"] > 0
         assert row["peak_mem_gib"] > 0
     # both rows train the same model from the same seed: the compiled blocks give the eager loss

@@ -210,6 +210,7 @@ def test_expert_parallel_layouts_match_one_process(world4, world1, layout):
     ref, got = world1["ep1"], world4[0][layout]
     assert_close_trace(got["losses"], ref["losses"], 1e-5)
     assert_close_trace(got["norms"], ref["norms"], 1e-5)
+    assert len(got["aux"]) == len(ref["aux"]) > 0
     for (lb, z), (ref_lb, ref_z) in zip(got["aux"], ref["aux"]):
         assert abs(lb - ref_lb) <= 1e-5 * ref_lb and abs(z - ref_z) <= 1e-5 * ref_z
     if got["grads"] is not None:

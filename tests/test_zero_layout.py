@@ -7,7 +7,6 @@ from megacann.layers.sharding import SHARED_EMBEDDING_ATTR
 from megacann.optimizer.grad_buffer import GradBuffer, GradBuffers
 from megacann.optimizer.zero.grad_buffer import ShardedGradBuffer
 from megacann.optimizer.zero.layout import owned_range, shard_ranges
-from megacann.pipeline.microbatches import is_last_micro_batch_backward, last_micro_batch_backward
 
 SHAPES = [(7, 3), (5,), (11, 4), (1,), (6, 6), (13,)]
 
@@ -58,14 +57,16 @@ def test_shared_embedding_gets_a_bucket_of_its_own():
 
 
 def test_last_micro_batch_flag_nests_and_resets():
-    assert not is_last_micro_batch_backward()
-    with last_micro_batch_backward(False):
-        assert not is_last_micro_batch_backward()
-    with last_micro_batch_backward():
-        assert is_last_micro_batch_backward()
-        with last_micro_batch_backward(False):
-            assert is_last_micro_batch_backward()
-    assert not is_last_micro_batch_backward()
+    buffers = GradBuffers(_params(), overlap=True)
+    assert not buffers.in_last_backward
+    with buffers.last_micro_batch_backward(False):
+        assert not buffers.in_last_backward
+    with buffers.last_micro_batch_backward():
+        assert buffers.in_last_backward
+        with buffers.last_micro_batch_backward(False):
+            assert buffers.in_last_backward
+    assert not buffers.in_last_backward
+    buffers.remove_hooks()
 
 
 def _toy_model(dtype=torch.float32):
@@ -73,9 +74,9 @@ def _toy_model(dtype=torch.float32):
     return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)]).to(dtype)
 
 
-def _backward(model, last: bool, seed: int) -> None:
+def _backward(model, buffers: GradBuffers, last: bool, seed: int) -> None:
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed)).to(next(model.parameters()).dtype)
-    with last_micro_batch_backward(last):
+    with buffers.last_micro_batch_backward(last):
         model(x).float().square().sum().backward()
 
 
@@ -87,7 +88,7 @@ def test_zero2_overlap_reduces_from_hooks_and_frees_buckets(dtype):
     params = list(model.parameters())
     plain = GradBuffers(params, bucket_size=100)
     for seed in (1, 2):
-        _backward(model, last=False, seed=seed)
+        _backward(model, plain, last=False, seed=seed)
     plain.finish_grad_sync()
     reference = [p.main_grad.clone() for p in params]
     plain.remove_hooks()
@@ -97,16 +98,16 @@ def test_zero2_overlap_reduces_from_hooks_and_frees_buckets(dtype):
 
     zero = GradBuffers(params, 100, pad_for_zero=True, overlap=True, buffer_cls=ShardedGradBuffer, keep_full=False)
     (buffer,) = zero.buffers
-    _backward(model, last=False, seed=1)
+    _backward(model, zero, last=False, seed=1)
     assert buffer.allocated_numel == buffer.numel  # accumulation keeps the full gradient between micro-batches
-    _backward(model, last=True, seed=2)
+    _backward(model, zero, last=True, seed=2)
     assert buffer.overlapped_buckets == len(buffer.buckets) > 2
     zero.finish_grad_sync()
     assert buffer.allocated_numel == 0 and not any(hasattr(p, "main_grad") for p in params)
     for p, ref in zip(params, reference):
         assert torch.equal(zero.reduced_grad(p).view(p.shape), ref)
     with pytest.raises(RuntimeError, match="after its bucket"):
-        _backward(model, last=False, seed=3)
+        _backward(model, zero, last=False, seed=3)
     zero.remove_hooks()
 
 
@@ -116,7 +117,7 @@ def test_zero2_single_micro_batch_peak_is_a_few_buckets():
         list(model.parameters()), 100, pad_for_zero=True, overlap=True, buffer_cls=ShardedGradBuffer, keep_full=False
     )
     (buffer,) = zero.buffers
-    _backward(model, last=True, seed=1)
+    _backward(model, zero, last=True, seed=1)
     zero.finish_grad_sync()
     largest = max(b.numel for b in buffer.buckets)
     assert buffer.peak_allocated_numel <= (buffer.MAX_IN_FLIGHT + 1) * largest < buffer.numel

@@ -29,7 +29,6 @@ def _expert_check() -> dict:
     from megacann import parallel_state as ps
     from megacann.layers.sharding import ParamSharding, set_sharding
     from megacann.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
-    from megacann.pipeline.microbatches import last_micro_batch_backward
 
     # the optimizer reads only the groups and the ZeRO settings: the recipe's llama family refuses expert
     # parallelism (it has no experts), so the groups are made here directly
@@ -57,7 +56,7 @@ def _expert_check() -> dict:
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
         for key, model in models.items():
             optimizers[key].zero_grad()
-            with last_micro_batch_backward():
+            with optimizers[key].last_micro_batch_backward():
                 model["expert"](torch.tanh(model["dense"](x))).square().sum().backward()
             optimizers[key].finalize_grads()
             norms[key].append(optimizers[key].step()[1])

@@ -75,6 +75,8 @@ def checkpoint_info(
         "model": asdict(cfg.model),
         "torch_version": torch.__version__,
     }
+    if cfg.experiment.imports:  # the modules that register the model's family (experiment.imports)
+        info["imports"] = list(cfg.experiment.imports)
     if base is not None:  # only the trainable parameters are stored; the frozen ones come from the base
         info["base"] = base
         info["lora"] = {
@@ -133,7 +135,7 @@ def read_info(path: str) -> dict[str, Any]:
 
 
 def model_config_of(info: dict[str, Any]) -> ModelConfig:
-    return model_config_from_dict(info["model"], "checkpoint info")
+    return model_config_from_dict(info["model"], "checkpoint info", info.get("imports", ()))
 
 
 def read_dcp_metadata(path: str) -> Metadata:

@@ -4,10 +4,18 @@ A recipe is a YAML file with the sections of :class:`MegacannConfig` (``schema``
 types and inconsistent parallel sizes are errors that name the file, the key, the value and what was
 expected, with the closest valid key for a typo (``loading``, ``validation``). A model may be given inline
 or through ``model.config_path``, a Hugging Face style ``config.json`` mapped onto :class:`ModelConfig`.
+The model section is read into the configuration class of its family (``families``): the keys every
+decoder has live here, a family's own keys in the family's files.
 """
 
+from megacann.config.families import (
+    architecture_keys,
+    model_config_class,
+    model_config_from_dict,
+    register_model_config,
+    shape_keys,
+)
 from megacann.config.loading import (
-    HF_MODEL_KEYS,
     SYNONYMS,
     all_dotted_keys,
     apply_overrides,
@@ -18,7 +26,6 @@ from megacann.config.loading import (
 )
 from megacann.config.schema import (
     CHOICES,
-    MOE_MODEL_KEYS,
     TOP_LEVEL_KEYS,
     ConfigError,
     DataConfig,
@@ -35,8 +42,6 @@ from megacann.config.validation import resolve_parallel_sizes, validate
 
 __all__ = [
     "CHOICES",
-    "HF_MODEL_KEYS",
-    "MOE_MODEL_KEYS",
     "SYNONYMS",
     "TOP_LEVEL_KEYS",
     "ConfigError",
@@ -50,6 +55,11 @@ __all__ = [
     "PrecisionConfig",
     "TrainingConfig",
     "all_dotted_keys",
+    "architecture_keys",
+    "model_config_class",
+    "model_config_from_dict",
+    "register_model_config",
+    "shape_keys",
     "apply_overrides",
     "config_from_dict",
     "load_config",

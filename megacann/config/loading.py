@@ -14,6 +14,15 @@ from typing import Any, Optional, Union
 import yaml
 
 from megacann.config.advice import advise
+from megacann.config.families import (
+    DEFAULT_FAMILY,
+    families_with_key,
+    family_of_hf_model_type,
+    import_family_modules,
+    model_config_class,
+    resolve_imports,
+    switch_family,
+)
 from megacann.config.schema import (
     _SECTION_CLASSES,
     TOP_LEVEL_KEYS,
@@ -49,28 +58,6 @@ SYNONYMS = {
     "n_head": "model.num_attention_heads",
 }
 
-# Hugging Face config.json keys mapped onto ModelConfig fields.
-HF_MODEL_KEYS = {
-    "hidden_size": "hidden_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_key_value_heads",
-    "intermediate_size": "ffn_hidden_size",
-    "vocab_size": "vocab_size",
-    "rms_norm_eps": "norm_eps",
-    "layer_norm_eps": "norm_eps",
-    "layer_norm_epsilon": "norm_eps",
-    "rope_theta": "rope_theta",
-    "rope_scaling": "rope_scaling",
-    "max_position_embeddings": "max_position_embeddings",
-    "tie_word_embeddings": "tie_word_embeddings",
-    "initializer_range": "init_method_std",
-    "attention_dropout": "attention_dropout",
-    "attention_bias": "add_bias_linear",
-    "num_local_experts": "num_experts",  # Mixtral
-    "num_experts_per_tok": "moe_top_k",
-    "router_aux_loss_coef": "moe_aux_loss_coeff",
-}
 # Keys of HF configs that carry nothing megacann needs (accepted silently).
 HF_IGNORED_KEYS = {
     "architectures",
@@ -93,26 +80,30 @@ HF_IGNORED_KEYS = {
     "auto_map",
     "output_router_logits",
 }
-# Keys of HF configs megacann reads only at the value that changes nothing (others are refused).
-HF_INERT_KEYS = {"sliding_window": None, "router_jitter_noise": 0.0}
-# Aliases accepted inline in the recipe's model section too (HF names are familiar to users).
-MODEL_ALIASES = {k: v for k, v in HF_MODEL_KEYS.items() if k != v}
 
 
-def all_dotted_keys() -> list[str]:
+def model_aliases(model_cls: type[ModelConfig]) -> dict[str, str]:
+    """Hugging Face names a family's recipe accepts inline for its fields (``num_hidden_layers`` ...)."""
+    return {k: v for k, v in model_cls.HF_KEYS.items() if k != v}
+
+
+def all_dotted_keys(model_cls: type[ModelConfig] = ModelConfig) -> list[str]:
+    """Every recipe key, the model section's being those of the family configuration ``model_cls``."""
     keys = list(TOP_LEVEL_KEYS)
     for section, cls in _SECTION_CLASSES.items():
+        cls = model_cls if section == "model" else cls
         keys += [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
     return keys
 
 
-def suggest_key(dotted: str) -> Optional[str]:
-    """The closest valid dotted key for a misspelt or foreign one. Near-misses of a synonym lead to the key
-    it stands for (``optim.learnig_rate`` -> ``optim.lr``), so the synonyms compete with the section's keys."""
+def suggest_key(dotted: str, model_cls: type[ModelConfig] = ModelConfig) -> Optional[str]:
+    """The closest valid dotted key for a misspelt or foreign one (the model section's keys: those of the
+    family configuration ``model_cls``). Near-misses of a synonym lead to the key it stands for
+    (``optim.learnig_rate`` -> ``optim.lr``), so the synonyms compete with the section's keys."""
     leaf = dotted.split(".")[-1]
     if leaf in SYNONYMS:
         return SYNONYMS[leaf]
-    keys = all_dotted_keys()
+    keys = all_dotted_keys(model_cls)
     section = dotted.split(".")[0] if "." in dotted else None
     if section:
         candidates = {k.split(".")[-1]: k for k in keys if k.startswith(section + ".")}
@@ -131,10 +122,18 @@ def suggest_key(dotted: str) -> Optional[str]:
     return by_leaf[match[0]] if match else None
 
 
-def _unknown_key(dotted: str, source: str) -> ConfigError:
+def _unknown_key(dotted: str, source: str, model: Optional[ModelConfig] = None) -> ConfigError:
     if not isinstance(dotted, str):  # YAML reads `0:` or `true:` as a number or a boolean key
         return ConfigError(f"{source}: key {dotted!r} is not a name: recipe keys are words like optim.lr")
-    hint = suggest_key(dotted)
+    model_cls = type(model) if model is not None else ModelConfig
+    if dotted.startswith("model.") and model is not None:
+        owners = families_with_key(dotted.split(".", 1)[1])
+        if owners:  # a real key, of another family
+            return ConfigError(
+                f"{source}: unknown key '{dotted}' for model.type {model.type!r}: it is a key of model "
+                f"family {' / '.join(repr(o) for o in owners)} (set model.type to use it)"
+            )
+    hint = suggest_key(dotted, model_cls)
     extra = f"; did you mean '{hint}'?" if hint else ""
     return ConfigError(f"{source}: unknown key '{dotted}'{extra}")
 
@@ -220,8 +219,9 @@ def _resolve_path(path: str, base_dir: Optional[str], key: str, source: str) -> 
     raise ConfigError(f"{source}: {key}: file not found: {path!r} (looked for {tried})")
 
 
-def load_hf_model_config(path: str) -> dict[str, Any]:
-    """Map a Hugging Face style config.json onto ModelConfig field names."""
+def read_hf_config(path: str) -> dict[str, Any]:
+    """A Hugging Face style config.json as a dict (rope settings of transformers >= 5 moved back to the
+    top level, where older files keep them)."""
     try:
         with open(path) as f:
             raw = json.load(f)
@@ -229,7 +229,6 @@ def load_hf_model_config(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid JSON: {err}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object of model settings")
-    mapped: dict[str, Any] = {}
     rope = raw.get("rope_parameters")  # transformers >= 5 keeps rope_theta and the scaling here
     if isinstance(rope, dict):
         raw = {k: v for k, v in raw.items() if k != "rope_parameters"}
@@ -238,21 +237,40 @@ def load_hf_model_config(path: str) -> dict[str, Any]:
             raw.setdefault("rope_theta", rope.pop("rope_theta"))
         if rope.get("rope_type", "default") != "default":
             raw.setdefault("rope_scaling", rope)
+    return raw
+
+
+def hf_family(raw: dict[str, Any]) -> Optional[str]:
+    """The registered family a config.json describes (by its ``model_type``), if megacann knows one."""
+    family = family_of_hf_model_type(raw.get("model_type"))
+    if family is None and (raw.get("model_type") == "gpt2" or "n_embd" in raw):
+        family = "gpt"
+    return family
+
+
+def load_hf_model_config(path: str, model_cls: Optional[type[ModelConfig]] = None) -> dict[str, Any]:
+    """Map a Hugging Face style config.json onto the field names of a family's configuration
+    (``model_cls``; None: the family its ``model_type`` names, else the shared keys alone). The family is
+    returned as ``type`` when config.json names one."""
+    raw = read_hf_config(path)
+    family = hf_family(raw)
+    if model_cls is None:
+        model_cls = model_config_class(family, path) if family else ModelConfig
+    names = {f.name for f in dataclasses.fields(model_cls)}
+    mapped: dict[str, Any] = {"type": family} if family else {}
     for key, value in raw.items():
-        if key in HF_INERT_KEYS:
-            if value != HF_INERT_KEYS[key]:
-                raise ConfigError(f"{path}: {key} {value!r} is not supported (only {HF_INERT_KEYS[key]!r})")
-        elif key in HF_MODEL_KEYS:
-            mapped[HF_MODEL_KEYS[key]] = value
-        elif key in {f.name for f in dataclasses.fields(ModelConfig)}:
+        if key in model_cls.HF_INERT_KEYS:
+            if value != model_cls.HF_INERT_KEYS[key]:
+                raise ConfigError(f"{path}: {key} {value!r} is not supported (only {model_cls.HF_INERT_KEYS[key]!r})")
+        elif key in model_cls.HF_KEYS:
+            mapped[model_cls.HF_KEYS[key]] = value
+        elif key in names and key != "type":
             mapped[key] = value
         elif key not in HF_IGNORED_KEYS:
             advise(f"{path}: model key '{key}' is not used by megacann and is ignored")
     act = raw.get("hidden_act")
     if act is not None and act not in ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"{path}: hidden_act {act!r} is not supported (expected silu or gelu)")
-    if raw.get("model_type") == "gpt2" or "n_embd" in raw:
-        mapped.setdefault("type", "gpt")
     return mapped
 
 
@@ -260,28 +278,57 @@ def _apply_section(obj: Any, section: str, values: Any, source: str) -> None:
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: section '{section}' must be a mapping of keys to values, got {values!r}")
     names = {f.name for f in dataclasses.fields(obj)}
+    aliases = model_aliases(type(obj)) if section == "model" else {}
     for key, value in values.items():
-        name = MODEL_ALIASES.get(key, key) if section == "model" else key
+        name = aliases.get(key, key)
         if name not in names:
-            raise _unknown_key(f"{section}.{key}" if isinstance(key, str) else key, source)
+            raise _unknown_key(f"{section}.{key}" if isinstance(key, str) else key, source, _model_of(obj, section))
         _set_field(obj, name, value, f"{section}.{key}", source)
 
 
+def _model_of(obj: Any, section: str) -> Optional[ModelConfig]:
+    return obj if section == "model" else None
+
+
+def _family_imports(raw: dict, source: str, base_dir: Optional[str]) -> list[str]:
+    """``experiment.imports`` of a parsed recipe, resolved and imported (their families register)."""
+    experiment = raw.get("experiment")
+    if not isinstance(experiment, dict) or "imports" not in experiment:
+        return []
+    imports = resolve_imports(experiment["imports"], base_dir, source)
+    import_family_modules(imports, source)
+    return imports
+
+
 def config_from_dict(raw: dict, source: str = "<recipe>", base_dir: Optional[str] = None) -> MegacannConfig:
-    """Build a config from a parsed recipe; ``source`` names the file in error messages."""
+    """Build a config from a parsed recipe; ``source`` names the file in error messages. The model section
+    is read into its family's configuration class (``model.type``, else the family config.json's
+    ``model_type`` names, else LLaMA), after importing the modules of ``experiment.imports``."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: a recipe must be a mapping of sections, got {type(raw).__name__}")
+    imports = _family_imports(raw, source, base_dir)
     cfg = MegacannConfig()
     model_raw = raw.get("model") or {}
+    hf_values: dict[str, Any] = {}
+    json_path = None
     if isinstance(model_raw, dict) and model_raw.get("config_path") is not None:
         if not isinstance(model_raw["config_path"], str):
             value = model_raw["config_path"]
             raise ConfigError(f"{source}: model.config_path: expected str, got {value!r} ({type(value).__name__})")
         json_path = _resolve_path(model_raw["config_path"], base_dir, "model.config_path", source)
-        _apply_section(cfg.model, "model", load_hf_model_config(json_path), json_path)
         model_raw = {**model_raw, "config_path": json_path}
+        hf_values = load_hf_model_config(json_path, None)
+    family = model_raw.get("type") if isinstance(model_raw, dict) else None
+    if family is not None and not isinstance(family, str):
+        raise ConfigError(f"{source}: model.type: expected str, got {family!r} ({type(family).__name__})")
+    family = family or hf_values.get("type") or DEFAULT_FAMILY
+    cfg.model = model_config_class(family, source)()
+    if json_path is not None:
+        hf_values = load_hf_model_config(json_path, type(cfg.model))
+        hf_values.pop("type", None)
+        _apply_section(cfg.model, "model", hf_values, json_path)
     for key, value in raw.items():
         if key in _SECTION_CLASSES:
             _apply_section(getattr(cfg, key), key, value if key != "model" else model_raw, source)
@@ -289,6 +336,8 @@ def config_from_dict(raw: dict, source: str = "<recipe>", base_dir: Optional[str
             _set_field(cfg, key, value, key, source)
         else:
             raise _unknown_key(key, source)
+    cfg.model.type = family
+    cfg.experiment.imports = imports
     return cfg
 
 
@@ -312,10 +361,15 @@ def apply_overrides(cfg: MegacannConfig, overrides: list[str], source: str = "co
             section, key = dotted.split(".", 1)
             if section not in _SECTION_CLASSES:
                 raise _unknown_key(dotted, where)
+            if dotted == "experiment.imports":
+                value = resolve_imports(value, None, where)
+                import_family_modules(value, where)
+            if dotted == "model.type" and isinstance(value, str):
+                cfg.model = switch_family(cfg.model, value, where)
             obj = getattr(cfg, section)
-            name = MODEL_ALIASES.get(key, key) if section == "model" else key
+            name = model_aliases(type(obj)).get(key, key) if section == "model" else key
             if name not in {f.name for f in dataclasses.fields(obj)}:
-                raise _unknown_key(dotted, where)
+                raise _unknown_key(dotted, where, _model_of(obj, section))
             _set_field(obj, name, value, dotted, where)
         elif dotted in TOP_LEVEL_KEYS:
             _set_field(cfg, dotted, value, dotted, where)
@@ -334,6 +388,26 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return f"{where}{problem}{started}"
 
 
+def _override_key(item: str) -> str:
+    return item.split("=", 1)[0].strip().lstrip("-")
+
+
+def _imports_first(overrides: list[str]) -> list[str]:
+    """Overrides with ``experiment.imports=`` first and ``model.type=`` next: the families they name are
+    known, and the model section has its family's keys, before the other overrides are read."""
+    rank = {"experiment.imports": 0, "model.type": 1}
+    return sorted(overrides, key=lambda item: rank.get(_override_key(item), 2))
+
+
+def _import_override_families(overrides: list[str]) -> None:
+    """Import the modules of an ``experiment.imports=`` override before the recipe's model section is read
+    (the recipe's ``model.type`` may be the family they register)."""
+    for item in overrides:
+        if "=" in item and _override_key(item) == "experiment.imports":
+            where = f"command line override {item!r}"
+            import_family_modules(resolve_imports(_parse_override_value(item.split("=", 1)[1]), None, where), where)
+
+
 def load_config(path: str, overrides: Optional[list[str]] = None, world_size: Optional[int] = None) -> MegacannConfig:
     """Load, override and validate a recipe. ``world_size`` is the runtime world (torchrun), if known."""
     if not os.path.exists(path):
@@ -343,7 +417,8 @@ def load_config(path: str, overrides: Optional[list[str]] = None, world_size: Op
             raw = yaml.safe_load(f)
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(err)}") from None
+    _import_override_families(overrides or [])
     cfg = config_from_dict(raw, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
-    apply_overrides(cfg, overrides or [])
+    apply_overrides(cfg, _imports_first(overrides or []))
     validate(cfg, world_size=world_size, source=path)
     return cfg

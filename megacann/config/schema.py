@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 import yaml
 
@@ -19,13 +19,45 @@ class ConfigError(MegacannError, ValueError):
 class ExperimentConfig:
     name: str = "megacann"
     output_dir: str = "./output"
+    # modules that register model families (megacann.models.register_model): module names or .py files
+    # (relative to the recipe); imported by every process that reads the recipe, ranks and tools alike
+    imports: list = field(default_factory=list)
 
 
 @dataclass
 class ModelConfig:
-    """Architecture and numerics. Sizes may come from ``config_path`` (HF config.json); inline keys win."""
+    """Architecture and numerics every decoder has. Sizes may come from ``config_path`` (HF config.json);
+    inline keys win. A model family with keys of its own derives from this class (its ``ModelSpec``
+    names it) and the recipe's ``model`` section is read into that class: a key only one family reads
+    lives in that family's files. A field's ``metadata`` may mark it ``shape`` (decides tensor shapes),
+    ``architecture`` (fixed by the weights a run starts from) or give its ``choices`` (checked by validate).
 
-    type: str = "llama"  # a registered model family: llama, gpt, moe (megacann.models.register_model adds more)
+    ``HF_KEYS`` maps Hugging Face config.json names onto fields (also accepted inline in a recipe);
+    ``HF_INERT_KEYS`` are config.json keys read only at the value that changes nothing (others refused).
+    A family extends both for its own keys.
+    """
+
+    HF_KEYS: ClassVar[dict[str, str]] = {
+        "hidden_size": "hidden_size",
+        "num_hidden_layers": "num_layers",
+        "num_attention_heads": "num_attention_heads",
+        "num_key_value_heads": "num_key_value_heads",
+        "intermediate_size": "ffn_hidden_size",
+        "vocab_size": "vocab_size",
+        "rms_norm_eps": "norm_eps",
+        "layer_norm_eps": "norm_eps",
+        "layer_norm_epsilon": "norm_eps",
+        "rope_theta": "rope_theta",
+        "rope_scaling": "rope_scaling",
+        "max_position_embeddings": "max_position_embeddings",
+        "tie_word_embeddings": "tie_word_embeddings",
+        "initializer_range": "init_method_std",
+        "attention_dropout": "attention_dropout",
+        "attention_bias": "add_bias_linear",
+    }
+    HF_INERT_KEYS: ClassVar[dict[str, object]] = {"sliding_window": None}
+
+    type: str = "llama"  # a registered model family: llama, gpt, moe, or one of experiment.imports
     config_path: Optional[str] = None
     # weights to start from (fine-tuning): a megacann checkpoint or output directory, a consolidated
     # directory, or a local Hugging Face directory; its architecture keys fill the recipe's
@@ -49,23 +81,6 @@ class ModelConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     activation_checkpointing: str = "none"  # none | selective | full
-    # mixture of experts (model.type: moe; every other family refuses them unless left at these defaults)
-    num_experts: Optional[int] = field(default=None, metadata={"shape": True})  # routed experts per MoE layer
-    moe_top_k: int = field(default=2, metadata={"architecture": True})  # experts per token
-    moe_router: str = field(
-        default="softmax", metadata={"architecture": True}
-    )  # softmax (Mixtral) | sigmoid (DeepSeek-V3) scores
-    moe_capacity_factor: Optional[float] = None  # None: dropless; else tokens per expert capped
-    moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight
-    moe_z_loss_coeff: float = 0.0  # router z-loss weight
-    moe_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing step (0: off)
-    moe_layer_freq: Union[int, list] = field(
-        default=1, metadata={"shape": True}
-    )  # every N-th layer is MoE (from layer 0), or a 0/1 flag per layer
-    moe_shared_experts: int = field(default=0, metadata={"shape": True})  # shared experts every token passes through
-    moe_ffn_hidden_size: Optional[int] = field(
-        default=None, metadata={"shape": True}
-    )  # width of one expert; None: ffn_hidden_size
 
     @property
     def kv_heads(self) -> int:
@@ -229,11 +244,6 @@ class MegacannConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
 
-# The keys only a mixture-of-experts family reads (ModelSpec.mixture_of_experts); others refuse non-defaults.
-MOE_MODEL_KEYS = tuple(
-    f.name for f in dataclasses.fields(ModelConfig) if f.name == "num_experts" or f.name.startswith("moe_")
-)
-
 _SECTION_CLASSES = {
     "experiment": ExperimentConfig,
     "model": ModelConfig,
@@ -252,10 +262,9 @@ MODE_DEFAULTS = {
     "sft": {"lr": 1.0e-5, "warmup_ratio": 0.05},
 }
 
-CHOICES = {
+CHOICES = {  # a family's own keys give theirs in their field's metadata ("choices")
     "model.precision": ("bf16", "fp16", "fp32"),
     "model.activation_checkpointing": ("none", "selective", "full"),
-    "model.moe_router": ("softmax", "sigmoid"),
     "optim.name": ("adamw", "adam", "sgd"),
     "optim.scheduler": ("cosine", "linear", "constant"),
     "distributed.parallel_mode": ("data", "tensor", "pipeline", "hybrid"),

@@ -6,6 +6,7 @@ What only a model family or the pipeline schedules know is checked by them
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 from megacann.config.schema import CHOICES, MODE_DEFAULTS, ConfigError, MegacannConfig
@@ -153,6 +154,16 @@ def _check_choice(cfg: MegacannConfig, dotted: str, source: str) -> None:
         raise ConfigError(f"{source}: {dotted}: {obj!r} is not one of {', '.join(CHOICES[dotted])}")
 
 
+def check_family_choices(model: Any, source: str) -> None:
+    """A family's own keys that name one of a few choices (``choices`` in the field's metadata)."""
+    for f in dataclasses.fields(model):
+        allowed = f.metadata.get("choices")
+        if allowed and getattr(model, f.name) not in allowed:
+            raise ConfigError(
+                f"{source}: model.{f.name}: {getattr(model, f.name)!r} is not one of {', '.join(allowed)}"
+            )
+
+
 def fill_mode_defaults(cfg: MegacannConfig) -> None:
     """Give the optimizer settings the recipe left unset (None) their ``train_mode``'s default:
     ``MODE_DEFAULTS`` (SFT: lr 1e-5, warmup_ratio 0.05; pretraining: 3e-4, 0)."""
@@ -225,6 +236,7 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
     train_mode's optimizer defaults."""
     for dotted in CHOICES:
         _check_choice(cfg, dotted, source)
+    check_family_choices(cfg.model, source)
     fill_mode_defaults(cfg)
     refuse_unimplemented(cfg, source)
     check_ranges(cfg, source)

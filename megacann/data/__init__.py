@@ -7,7 +7,7 @@ The trainer's contract::
     batch = next(data.train)   # {tokens, labels, position_ids[, segment_ids]}: [b, s] int64 CPU tensors
     it = data.valid()          # a fresh held-out iterator (same batches each call), or None
 
-Labels are next-token targets with IGNORE_INDEX (-100, from megacann.layers.loss) where no loss is taken; ``segment_ids`` is present only when
+Labels are next-token targets with IGNORE_INDEX (-100, from megacann.constants) where no loss is taken; ``segment_ids`` is present only when
 attention must not cross documents or samples (equal ids = same document). See docs/data.md.
 
 Names are imported on first use, so ``megacann.data.preprocess`` and its worker processes do not load torch.
@@ -24,7 +24,7 @@ _EXPORTS = {
     "build_pretrain_datasets": "builders",
     "build_sft_datasets": "builders",
     "build_tokenizer": "builders",
-    "IGNORE_INDEX": "gpt_dataset",  # defined in megacann.layers.loss
+    "IGNORE_INDEX": "gpt_dataset",  # defined in megacann.constants
     "GPTDataset": "gpt_dataset",
     "pretrain_fields": "gpt_dataset",
     "IndexedDataset": "indexed_dataset",

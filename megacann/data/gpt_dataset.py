@@ -18,11 +18,11 @@ from typing import Optional
 
 import numpy as np
 
+from megacann.constants import IGNORE_INDEX
 from megacann.data.cache import cache_root, cached_npy_dir, digest, writable_dir
 from megacann.data.indexed_dataset import IndexedDataset, index_path
 from megacann.data.random_order import permutation
 from megacann.errors import MegacannError
-from megacann.layers.loss import IGNORE_INDEX
 
 BLOCK_SAMPLES = 1 << 16  # epochs are indexed in blocks of about this many samples (one block per small epoch)
 

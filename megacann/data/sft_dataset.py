@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from megacann.constants import IGNORE_INDEX
 from megacann.data.random_order import permutation
-from megacann.layers.loss import IGNORE_INDEX
 
 
 def greedy_packs(lengths: list[int], order: np.ndarray, seq_length: int) -> list[list[int]]:

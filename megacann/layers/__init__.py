@@ -47,7 +47,6 @@ from megacann.layers.lora import (
 from megacann.layers.loss import (
     IGNORE_INDEX,
     ChunkOutput,
-    count_target_tokens,
     token_loss,
     vocab_parallel_cross_entropy,
 )
@@ -104,7 +103,6 @@ __all__ = [
     "IGNORE_INDEX",
     "ChunkOutput",
     "token_loss",
-    "count_target_tokens",
     "vocab_parallel_cross_entropy",
     # initialisation and tied embeddings
     "make_parameter",

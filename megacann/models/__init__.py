@@ -26,6 +26,7 @@ from megacann.models.spec import (
     register_model,
     registered_models,
 )
+from megacann.models.step_loss import count_target_tokens
 
 register_model(LLAMA)
 register_model(GPT)
@@ -43,6 +44,7 @@ __all__ = [
     "LlamaModel",
     "ModelSpec",
     "MoEModel",
+    "count_target_tokens",
     "decoder_forward_step",
     "decoder_model_spec",
     "find_hf_family",

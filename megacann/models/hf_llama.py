@@ -8,12 +8,11 @@ joined here. Reading and writing directories is :mod:`megacann.interop.hf`'s job
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import Any, Callable, Optional
 
 import torch
 
-from megacann.config import ConfigError, ModelConfig, load_hf_model_config
+from megacann.config import ModelConfig, load_hf_model_config, model_config_class
 from megacann.models.spec import HFAdapter
 
 HEAD = "lm_head.weight"
@@ -87,16 +86,13 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def model_config_from_hf(config_file: str, family: str = "llama") -> ModelConfig:
-    """A ModelConfig of ``family`` (LLaMA's, or one built on it) from a Hugging Face config.json (fp32
-    unless the caller says otherwise)."""
-    values = load_hf_model_config(config_file)
-    names = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ConfigError(f"{config_file}: unknown model settings {unknown}")
+    """The configuration of ``family`` (LLaMA's, or one built on it) from a Hugging Face config.json (fp32
+    unless the caller says otherwise); the family's configuration class maps its own keys."""
+    config_class = model_config_class(family, config_file)
+    values = load_hf_model_config(config_file, config_class)
     values.update(type=family, precision=values.get("precision", "fp32"))
     values.setdefault("add_bias_linear", False)
-    return ModelConfig(**values)
+    return config_class(**values)
 
 
 LLAMA_HF = HFAdapter(

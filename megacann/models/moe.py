@@ -32,6 +32,7 @@ from megacann.models import sizing
 from megacann.models.decoder import DecoderLM, decoder_model_spec
 from megacann.models.hf_mixtral import MIXTRAL_HF
 from megacann.models.llama import LlamaModel, llama_defaults
+from megacann.models.moe_config import MoEModelConfig
 from megacann.models.spec import Batch, decoder_forward_step
 
 TOKENS_PER_EXPERT = "moe_tokens_per_expert"  # stats name prefix: f"{TOKENS_PER_EXPERT}/layer_{i}"
@@ -248,4 +249,5 @@ MOE = dataclasses.replace(
     metric_warnings=expert_load_warnings,
     architecture=None,  # the memory planner's formulas are a dense decoder's: megacann-plan refuses MoE
     mixture_of_experts=True,
+    config_class=MoEModelConfig,
 )

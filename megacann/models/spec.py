@@ -18,11 +18,16 @@ A family is one :class:`ModelSpec`:
   ``hf`` optionally converts to and from Hugging Face checkpoints; ``after_optimizer_step(chunks)`` runs
   after every optimizer update (e.g. an MoE router's load-balancing bias); ``metric_warnings(record)``
   returns lines the console warns with after a logged step (e.g. an expert far from its fair share).
-- ``mixture_of_experts``: the family reads ``model.num_experts`` / ``model.moe_*`` and may hold
-  expert-parallel parameters. For any other family those keys must keep their defaults and
-  ``distributed.expert_parallel_size`` must be 1 (:func:`prepare_model_config` refuses them otherwise).
+- ``config_class``: the family's configuration, a dataclass derived from :class:`ModelConfig` holding the
+  family's own architecture keys (the recipe's ``model`` section and config.json are read into it; a key
+  of another family is refused by name). Mark a field ``metadata={"shape": True}`` when it decides
+  tensor shapes, ``{"architecture": True}`` when the weights a run starts from fix it, and give
+  ``{"choices": (...)}`` for a closed set of values; extend ``HF_KEYS`` for its config.json names.
+- ``mixture_of_experts``: the family may hold expert-parallel parameters; for any other family
+  ``distributed.expert_parallel_size`` must be 1 (:func:`prepare_model_config` refuses it otherwise).
 
-Register a family with :func:`register_model` (``model.type`` then names it), or hand a spec to
+Register a family with :func:`register_model` (``model.type`` then names it; a recipe names the module
+that registers it in ``experiment.imports`` so every rank and tool knows it), or hand a spec to
 ``Trainer(cfg, model_spec=...)``.
 """
 
@@ -36,7 +41,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from megacann.config import MOE_MODEL_KEYS, ConfigError, MegacannConfig, ModelConfig
+from megacann.config import ConfigError, MegacannConfig, ModelConfig, register_model_config
 from megacann.layers.loss import ChunkOutput
 from megacann.layers.sharding import get_sharding
 
@@ -117,12 +122,13 @@ class ModelSpec:
     after_optimizer_step: Optional[Callable[[list[torch.nn.Module]], None]] = None
     metric_warnings: Optional[Callable[[dict[str, Any]], list[str]]] = None
     mixture_of_experts: bool = False
+    config_class: type[ModelConfig] = ModelConfig
 
     def total_parameters(self, cfg: ModelConfig) -> int:
         """Parameters of the whole model (vocabulary unpadded), from the family's formula or by counting."""
         if self.num_parameters is not None:
             return self.num_parameters(cfg)
-        recipe = MegacannConfig(model=dataclasses.replace(cfg))
+        recipe = MegacannConfig(model=dataclasses.replace(cfg))  # a copy, of the family's class
         self.fill_defaults(recipe.model)
         with torch.device("meta"):  # no memory, no initialisation cost
             model = self.build_chunk(recipe, ChunkPlacement(tuple(range(cfg.num_layers))), "meta")
@@ -141,6 +147,7 @@ def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
     if spec.name in _REGISTRY and not replace and _REGISTRY[spec.name] is not spec:
         raise ValueError(f"a model family named {spec.name!r} is already registered (pass replace=True)")
     _REGISTRY[spec.name] = spec
+    register_model_config(spec.name, spec.config_class, spec.hf.model_types if spec.hf else ())
     return spec
 
 
@@ -162,6 +169,8 @@ def prepare_model_config(cfg: MegacannConfig, spec: Optional[ModelSpec] = None, 
     """Fill the family's defaults into ``cfg.model`` and run its checks, plus the checks every family
     shares; returns the spec. Idempotent."""
     spec = spec or get_model_spec(cfg.model.type, source)
+    if not isinstance(cfg.model, spec.config_class):  # a spec handed in by hand, with keys of its own
+        cfg.model = _as_config_class(cfg.model, spec.config_class, spec.name, source)
     spec.fill_defaults(cfg.model)
     m, tp = cfg.model, cfg.distributed.tensor_parallel_size
     if m.ffn_hidden_size is not None and m.ffn_hidden_size % tp:
@@ -175,17 +184,18 @@ def prepare_model_config(cfg: MegacannConfig, spec: Optional[ModelSpec] = None, 
     return spec
 
 
+def _as_config_class(model: ModelConfig, config_class: type[ModelConfig], family: str, source: str) -> ModelConfig:
+    """``model``'s settings in ``config_class`` (its own keys at their defaults); refused when ``model`` has
+    keys that class lacks."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    extra = [f.name for f in dataclasses.fields(model) if f.name not in names]
+    if extra:
+        raise ConfigError(f"{source}: model family {family!r} has no model key(s) {', '.join(extra)}")
+    return config_class(**{f.name: getattr(model, f.name) for f in dataclasses.fields(model)})
+
+
 def refuse_expert_settings(cfg: MegacannConfig, family: str, source: str = "<recipe>") -> None:
-    """A family without experts would ignore the mixture-of-experts keys and expert parallelism: refuse
-    any of them set away from its default."""
-    defaults = ModelConfig()
-    for key in MOE_MODEL_KEYS:
-        value = getattr(cfg.model, key)
-        if value != getattr(defaults, key):
-            raise ConfigError(
-                f"{source}: model.{key}: {value!r} is refused: model family {family!r} has no mixture of "
-                "experts (use model.type: moe)"
-            )
+    """A family without experts has nothing to spread over expert-parallel ranks: refuse the setting."""
     ep = cfg.distributed.expert_parallel_size
     if ep != 1:
         raise ConfigError(

@@ -7,8 +7,9 @@ of that buffer reduced with one collective each, in bucket order on every rank. 
 in reverse order, so the buckets whose gradients backward produces first come first.
 
 With ``overlap`` a bucket's reduction starts from the backward hooks as soon as every gradient in it is
-final, i.e. during the backward of the last micro-batch (announced by the schedule, see
-``megacann.pipeline.microbatches``); :meth:`GradBuffers.finish_grad_sync` starts the rest and waits.
+final, i.e. during the backward of the last micro-batch: the schedule runs that backward inside
+:meth:`GradBuffers.last_micro_batch_backward` (handed to it as ``grad_sync_context``, the way Megatron hands
+its schedules ``grad_sync_func``); :meth:`GradBuffers.finish_grad_sync` starts the rest and waits.
 
 ZeRO (``ShardedGradBuffer``) reduce-scatters the same buckets instead, which is why buckets are then
 padded to a multiple of the data-parallel size, and may keep a bucket's full storage only until it is
@@ -19,6 +20,8 @@ joined with the context-parallel group (each cp rank's gradients come from its s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -27,7 +30,6 @@ import torch.distributed as dist
 
 from megacann import parallel_state as ps
 from megacann.layers.sharding import SHARED_EMBEDDING_ATTR, get_sharding
-from megacann.pipeline.microbatches import is_last_micro_batch_backward
 
 
 @dataclass
@@ -161,7 +163,7 @@ class GradBuffer:
             raise RuntimeError(
                 f"a gradient of a {tuple(param.shape)} parameter arrived after its bucket {bucket.index} was "
                 "reduced this step: call zero_grad() before the next backward, and announce only the last "
-                "micro-batch's backward with last_micro_batch_backward()"
+                "micro-batch's backward with optimizer.last_micro_batch_backward()"
             )
         return bucket
 
@@ -271,6 +273,7 @@ class GradBuffers:
             )
         self.buffer_of = {id(p): buffer for buffer in self.buffers for p in buffer.params}
         self.overlap = overlap
+        self.in_last_backward = False  # inside the last micro-batch's backward: gradients are final
         self._aliased: set[int] = set()  # fp32 params whose .grad is their main_grad view
         self._hooks = []
         for p in trainable:
@@ -284,8 +287,20 @@ class GradBuffers:
         buffer = self.buffer_of[id(param)]
         if id(param) not in self._aliased:
             buffer.accumulate(param)
-        if self.overlap and is_last_micro_batch_backward():
+        if self.overlap and self.in_last_backward:
             buffer.grad_ready(param)
+
+    @contextmanager
+    def last_micro_batch_backward(self, active: bool = True) -> Iterator[None]:
+        """Run the step's last backward through these parameters inside this block (``active=False``: a
+        no-op; nested blocks keep the outer mark): with ``overlap`` the buckets start reducing from it.
+        Announcing it is optional: without it the reductions all run in :meth:`finish_grad_sync`."""
+        previous = self.in_last_backward
+        self.in_last_backward = previous or active
+        try:
+            yield
+        finally:
+            self.in_last_backward = previous
 
     def zero(self) -> None:
         for buffer in self.buffers:

@@ -10,6 +10,7 @@ checkpoint scalars); ZeRO (``megacann.optimizer.zero``) is the other subclass, w
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -146,6 +147,12 @@ class OptimizerBase:
 
     def zero_grad(self) -> None:
         self.grad_buffers.zero()
+
+    def last_micro_batch_backward(self, active: bool = True) -> AbstractContextManager:
+        """The block the step's last backward runs in (per model chunk): with ``overlap_grad_reduce`` the
+        gradient reductions start there. Schedules take it as ``grad_sync_context``; a custom loop wraps its
+        last ``backward()`` in it (optional: without it the reductions run in :meth:`finalize_grads`)."""
+        return self.grad_buffers.last_micro_batch_backward(active)
 
     def finalize_grads(self) -> None:
         """All gradient reductions of a step (data parallel, TP partial sums, tied embeddings)."""

@@ -1,14 +1,16 @@
 """Forward/backward schedules over the micro-batches of one step.
 
-Every schedule has the same signature and returns the :class:`~megacann.layers.loss.LossTotals` of the
+Every schedule has the same signature and returns the :class:`~megacann.models.step_loss.LossTotals` of the
 micro-batches it ran on this rank (the token-loss sum is zero off the last pipeline stage). A model chunk
 runs through the model family's ``forward_step`` (the model contract, :mod:`megacann.models.spec`); what
-its backward starts from is :func:`megacann.layers.loss.backward_objective`: each micro-batch's token-loss
+its backward starts from is :func:`megacann.models.step_loss.backward_objective`: each micro-batch's token-loss
 sum divided by ``loss_normalizer`` (the target tokens of the whole global batch), plus its auxiliary losses
 weighted by 1 / (micro-batches x data-parallel x context-parallel ranks), times the loss scale. Micro-batches
 come whole; under context parallelism the executor hands the model this cp rank's share of each.
-Each model chunk's last backward of the step runs inside ``last_micro_batch_backward()`` (see
-:mod:`megacann.pipeline.microbatches`), so gradient reductions may overlap it.
+Each model chunk's last backward of the step runs inside ``grad_sync_context()`` when the caller hands
+one (the optimizer's :meth:`~megacann.optimizer.OptimizerBase.last_micro_batch_backward`, as Megatron hands
+its schedules ``grad_sync_func``), so gradient reductions may overlap it; without one they all run when the
+step's gradients are finalised.
 
 All schedules run a plan (:mod:`megacann.pipeline.plan`) with one executor, :func:`run_plan`: no
 pipelining is a plan without transfers, 1F1B and interleaved 1F1B add the transfers of
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Optional
 
 import torch
@@ -26,15 +29,15 @@ import torch
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.layers.context_parallel import context_parallel_batch
-from megacann.layers.loss import LossTotals, aux_loss_weight, backward_objective
 from megacann.models.spec import decoder_forward_step
+from megacann.models.step_loss import LossTotals, aux_loss_weight, backward_objective
 from megacann.pipeline import p2p
-from megacann.pipeline.microbatches import last_micro_batch_backward
 from megacann.pipeline.plan import Action, Backward, Exchange, Forward, build_plan
 from megacann.pipeline.timeline import Timeline
 
 ForwardBackward = Callable[..., LossTotals]
 ForwardStep = Callable[[torch.nn.Module, dict, Optional[torch.Tensor]], object]
+GradSyncContext = Callable[[], AbstractContextManager]
 
 
 class _Queues:
@@ -68,6 +71,7 @@ def run_plan(
     forward_step: ForwardStep = decoder_forward_step,
     tensor_shape: Optional[tuple[int, ...]] = None,
     timeline: Optional[Timeline] = None,
+    grad_sync_context: Optional[GradSyncContext] = None,
 ) -> LossTotals:
     """Execute one stage's plan; returns this rank's loss totals.
 
@@ -77,14 +81,19 @@ def run_plan(
 
     ``tensor_shape`` is the shape of the activations passed between stages (needed when the plan has
     transfers); they travel in the dtype of the model's parameters.
+
+    ``grad_sync_context()`` wraps each model chunk's last backward of the step: its gradients become final
+    there, so the optimizer's buffers may start reducing them (``optimizer.last_micro_batch_backward``).
     """
     stages, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     num_chunks = len(model_chunks)
     param = next(model_chunks[0].parameters(), None)
     dtype = param.dtype if param is not None else torch.float32
     device = param.device if param is not None else torch.device("cpu")
-    totals = LossTotals(device)
-    aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True))
+    totals = LossTotals(
+        device,
+        aux_weight=aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True)),
+    )
     micro_batches = [context_parallel_batch(batch) for batch in micro_batches]  # this cp rank's tokens
     queues = _Queues(num_chunks)
     virtual = num_chunks > 1
@@ -112,7 +121,9 @@ def run_plan(
             objective = (
                 None
                 if forward_only
-                else backward_objective(out, normalizer=loss_normalizer, aux_weight=aux_weight, loss_scale=loss_scale)
+                else backward_objective(
+                    out, normalizer=loss_normalizer, aux_weight=totals.aux_weight, loss_scale=loss_scale
+                )
             )
         if not model_last(c):
             queues.to_next = out.hidden_states
@@ -129,7 +140,8 @@ def run_plan(
         if objective is not None:
             outputs.append(objective)
             grads.append(None)
-        with Timeline.span_of(timeline, "backward"), last_micro_batch_backward(action == last_backward[c]):
+        sync = grad_sync_context() if grad_sync_context is not None and action == last_backward[c] else nullcontext()
+        with Timeline.span_of(timeline, "backward"), sync:
             torch.autograd.backward(outputs, grad_tensors=grads)
         queues.to_prev = x.grad if x is not None else None
 
@@ -188,6 +200,7 @@ def forward_backward_no_pipelining(
     forward_only: bool = False,
     forward_step: ForwardStep = decoder_forward_step,
     timeline: Optional[Timeline] = None,
+    grad_sync_context: Optional[GradSyncContext] = None,
 ) -> LossTotals:
     """Plain gradient accumulation over micro-batches on one stage."""
     if len(model_chunks) != 1:
@@ -202,6 +215,7 @@ def forward_backward_no_pipelining(
         forward_only=forward_only,
         forward_step=forward_step,
         timeline=timeline,
+        grad_sync_context=grad_sync_context,
     )
 
 
@@ -215,6 +229,7 @@ def forward_backward_pipelining(
     forward_step: ForwardStep = decoder_forward_step,
     tensor_shape: tuple[int, ...],
     timeline: Optional[Timeline] = None,
+    grad_sync_context: Optional[GradSyncContext] = None,
 ) -> LossTotals:
     """1F1B over this rank's pipeline, interleaved when the rank holds several model chunks (one per
     virtual stage; then the number of micro-batches must be a multiple of the pipeline size)."""
@@ -236,6 +251,7 @@ def forward_backward_pipelining(
         forward_step=forward_step,
         tensor_shape=tensor_shape,
         timeline=timeline,
+        grad_sync_context=grad_sync_context,
     )
 
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.layers.compile import compile_blocks
-from megacann.layers.loss import aux_loss_weight, count_target_tokens
 from megacann.models import ModelSpec
+from megacann.models.step_loss import count_target_tokens
 from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
 from megacann.training import finetune
@@ -192,13 +192,13 @@ class Trainer:
             micro_batches,
             loss_normalizer=num_tokens,  # a device tensor: the step does not wait for the count
             loss_scale=self.optimizer.loss_scale,
+            grad_sync_context=self.optimizer.last_micro_batch_backward,  # overlapped reductions start there
             **timing,
         )
         self.profiling.lap("schedule")
         self.optimizer.finalize_grads()
         self.profiling.lap("grad_comm")
-        aux_weight = aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True))
-        figures = {**totals.reduce(num_tokens, aux_weight), "num_tokens": num_tokens}  # device tensors so far
+        figures = {**totals.reduce(num_tokens), "num_tokens": num_tokens}  # device tensors so far
         host: dict[str, Any] = {}
 
         def veto(grad_norm: torch.Tensor) -> bool:
@@ -244,7 +244,7 @@ class Trainer:
                 break
             num_tokens = self._global_token_count(batches)
             totals = self.forward_backward(self.model_chunks, batches, loss_normalizer=1.0, forward_only=True)
-            total_loss += float(totals.reduce(num_tokens, 0.0)["loss"]) * num_tokens.item()
+            total_loss += float(totals.reduce(num_tokens)["loss"]) * num_tokens.item()
             total_tokens += num_tokens.item()
         if total_tokens == 0:
             return None
