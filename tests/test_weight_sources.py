@@ -76,3 +76,12 @@ def test_a_recipe_taking_its_sizes_from_init_from_loads_then_prepares(tmp_path):
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_attention_heads) == (64, 2, 4)
     with pytest.raises(ConfigError, match=r"model.hidden_size is not set"):
         load_config(str(recipe), ["model.init_from=null"])
+
+
+def test_model_init_from_of_another_family_reads_that_family_keys(tmp_path):
+    moe = _write(tmp_path / "moe", CONSOLIDATED_CONFIG, {**SIZES, "type": "moe", "num_experts": 4, "moe_top_k": 1})
+    cfg = MegacannConfig()  # model.type left at its default
+    cfg.model.init_from = moe
+    apply_model_source(cfg)
+    assert (cfg.model.type, cfg.model.num_experts, cfg.model.moe_top_k) == ("moe", 4, 1)
+    assert type(cfg.model).__name__ == "MoEModelConfig"

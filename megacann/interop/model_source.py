@@ -24,7 +24,7 @@ from typing import Any
 
 from megacann.checkpoint.metadata import CheckpointError, read_info
 from megacann.config import ConfigError, MegacannConfig
-from megacann.config.families import architecture_keys
+from megacann.config.families import architecture_keys, switch_family
 from megacann.interop.hf import hf_family
 from megacann.interop.names import CONSOLIDATED_CONFIG, HF_CONFIG, INFO_FILE
 from megacann.interop.sources import CHECKPOINT, CONSOLIDATED, resolve_weight_source
@@ -67,6 +67,9 @@ def apply_model_source(cfg: MegacannConfig, source: str = "<recipe>") -> None:
     if not m.init_from:
         return
     settings, file = source_model_settings(m.init_from)
+    family = settings.get("type")
+    if family and family != m.type and m.type == type(m)().type:  # the source's family, read into its class
+        cfg.model = m = switch_family(m, family, f"{source}: model.init_from {m.init_from!r} ({file})")
     defaults = type(m)()
     conflicts = []
     for key in architecture_keys(m):
