@@ -117,6 +117,9 @@ def plan_main(argv: Optional[list[str]] = None) -> int:
     args = _plan_parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        from megacann.interop.model_source import apply_model_source
+
+        apply_model_source(cfg, args.config)  # model.init_from's sizes (and vocabulary) come first
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = _planning_vocab_size(cfg)
         from megacann.training.recipe import prepare_recipe

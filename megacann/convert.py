@@ -22,8 +22,8 @@ import time
 from typing import Optional
 
 from megacann.accelerator import PRECISION_DTYPES
-from megacann.checkpoint.export import consolidate, export_hf, import_hf
-from megacann.checkpoint.lora_export import export_peft_checkpoint, merge_lora_checkpoint
+from megacann.interop.export import consolidate, export_hf, import_hf
+from megacann.interop.lora_export import export_peft_checkpoint, merge_lora_checkpoint
 
 COMMANDS = {
     "consolidate": (consolidate, "checkpoint (any layout) -> consolidated safetensors directory with megacann names"),

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from training_helpers import synthetic_data_factory, tiny_config
 
 from megacann import parallel_state as ps
-from megacann.models.full_state import full_state_dict
+from megacann.interop.full_state import full_state_dict
 from megacann.training.runtime import setup_runtime
 from megacann.training.trainer import Trainer
 

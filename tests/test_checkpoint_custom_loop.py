@@ -1,5 +1,5 @@
 """A training loop of the user's own (no Trainer) saves and resumes with megacann's checkpoints, given its
-parts explicitly: model chunks, optimizer, step, data position and its own counters."""
+parts explicitly: model chunks, optimizer, step, data position, its own counters and files of its own."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]  # the RNG
 
 
 def _custom_loop(root: str) -> dict:
+    import json
+
     import torch
     from training_helpers import SyntheticData, tiny_config
 
@@ -44,9 +46,21 @@ def _custom_loop(root: str) -> dict:
         parts.progress["loss_sum"] = parts.progress.get("loss_sum", 0.0) + float(out.token_loss.sum() / tokens)
         return float(out.token_loss.sum() / tokens)
 
+    class Notes:  # files of the loop's own saved beside the weights (as the trainer saves its tokenizer)
+        key = "notes"
+
+        def record(self):
+            return {"file": "notes.txt"}
+
+        def write(self, directory, info):
+            with open(f"{directory}/notes.txt", "w") as f:
+                f.write(f"step {info['step']}\n")
+            return [f"{directory}/notes.txt"]
+
     data = SyntheticData(cfg, 0, 1)
     batches = [next(data.train) for _ in range(4)]
     run = fresh()
+    run.files = [Notes()]
     straight = [step(run, b) for b in batches[:2]]
     path = Checkpointer().save(run, cfg, log=lambda line: None)
     straight += [step(run, b) for b in batches[2:]]
@@ -55,7 +69,11 @@ def _custom_loop(root: str) -> dict:
     Checkpointer().load(resumed, cfg, path, log=lambda line: None)
     restored = (resumed.step, resumed.consumed_samples, dict(resumed.progress))
     after = [step(resumed, b) for b in batches[2:]]
-    return {"straight": straight, "after": after, "restored": restored, "path": path}
+    with open(f"{path}/notes.txt") as f:
+        notes = f.read()
+    with open(f"{path}/megacann.json") as f:
+        recorded = json.load(f)["notes"]
+    return {"straight": straight, "after": after, "restored": restored, "path": path, "notes": (notes, recorded)}
 
 
 def test_custom_loop_saves_and_resumes_bit_for_bit(tmp_path):
@@ -65,3 +83,4 @@ def test_custom_loop_saves_and_resumes_bit_for_bit(tmp_path):
     assert (step, consumed) == (2, 4)
     assert progress == {"loss_sum": out["straight"][0] + out["straight"][1]}
     assert out["after"] == out["straight"][2:]  # weights, Adam state and dropout RNG all restored
+    assert out["notes"] == ("step 2\n", {"file": "notes.txt"})  # CheckpointParts.files, written and recorded

@@ -7,9 +7,9 @@ from dist_harness import run_on_ranks
 from safetensors.torch import load_file
 
 from megacann.checkpoint import read_info
-from megacann.checkpoint.export import read_consolidated
 from megacann.checkpoint.metadata import model_config_of
 from megacann.convert import main
+from megacann.interop.reading import read_consolidated
 from megacann.models.hf_llama import to_hf_tensors
 
 CASES = {
@@ -51,9 +51,9 @@ def test_consolidate_gives_the_whole_weights(written, tmp_path, case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hf_export_loads_in_transformers_and_comes_back(written, tmp_path, case):
     transformers = pytest.importorskip("transformers")
+    from megacann.interop.full_state import load_full_state_dict_
     from megacann.layers import LayerContext
     from megacann.models import LlamaModel
-    from megacann.models.full_state import load_full_state_dict_
 
     source = written[case]
     hf_dir, back = str(tmp_path / "hf"), str(tmp_path / "back")

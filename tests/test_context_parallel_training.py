@@ -123,8 +123,8 @@ def _whole_grads(trainer):
     import torch.distributed as dist
 
     from megacann import parallel_state as ps
+    from megacann.interop.full_state import gather_full_tensor
     from megacann.layers.sharding import get_sharding, set_sharding
-    from megacann.models.full_state import gather_full_tensor
 
     if trainer.cfg.distributed.zero_stage:
         return None

@@ -73,11 +73,11 @@ def test_every_checkpoint_keeps_the_run_tokenizer(run_dir):
 
 
 def test_readme_snippet_loads_the_export_and_generates_what_megacann_generates(run_dir, tmp_path):
-    from megacann.checkpoint.export import read_checkpoint_weights
     from megacann.data.tokenizer import load_tokenizer
+    from megacann.interop.full_state import load_full_state_dict_
+    from megacann.interop.reading import read_checkpoint_weights
     from megacann.layers import LayerContext
     from megacann.models import LlamaModel
-    from megacann.models.full_state import load_full_state_dict_
 
     hf_dir = tmp_path / "hf"
     old_mask = os.umask(0o022)

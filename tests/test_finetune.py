@@ -40,7 +40,7 @@ def _trainer(overrides, out, model=None, **sections):
 
 
 def _weights(trainer):
-    from megacann.models.full_state import full_state_dict
+    from megacann.interop.full_state import full_state_dict
 
     return full_state_dict(trainer.model_chunks)
 
@@ -54,7 +54,7 @@ def _init_from_checks(tmp: str) -> dict:
     from training_helpers import tiny_hf_mixtral
     from transformers import LlamaForCausalLM, MixtralForCausalLM
 
-    from megacann.checkpoint.export import consolidate
+    from megacann.interop.export import consolidate
 
     out = {}
     hf_dir = tiny_hf_base(os.path.join(tmp, "hf_base"))
@@ -177,9 +177,9 @@ def _resume_and_export_checks(tmp: str, jsonl: str) -> dict:
     from transformers import LlamaForCausalLM
 
     from megacann.checkpoint import CheckpointError
-    from megacann.checkpoint.export import export_hf
-    from megacann.checkpoint.lora_export import build_full_model, export_peft_checkpoint, merge_lora_checkpoint
     from megacann.checkpoint.metadata import read_dcp_metadata, read_info
+    from megacann.interop.export import export_hf
+    from megacann.interop.lora_export import build_full_model, export_peft_checkpoint, merge_lora_checkpoint
 
     out = {}
     sft = [*sft_overrides(jsonl, os.path.join(tmp, "cache")), *LORA, "lora_dropout=0.1", "model.hidden_dropout=0.1"]

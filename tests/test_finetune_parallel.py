@@ -31,8 +31,8 @@ def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
     from training_helpers import SyntheticData
 
     from megacann import parallel_state as ps
+    from megacann.interop.full_state import full_state_dict, gather_full_tensor
     from megacann.layers.sharding import get_sharding, set_sharding
-    from megacann.models.full_state import full_state_dict, gather_full_tensor
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -146,7 +146,7 @@ def test_sft_tokenisation_runs_once_when_ranks_start_together(world2):
 
 
 def test_a_tensor_parallel_lora_checkpoint_merges_into_its_seed_base(world2):
-    from megacann.checkpoint.lora_export import build_full_model
+    from megacann.interop.lora_export import build_full_model
 
     run = world2[0]["tp2"]
     merged = build_full_model(run["checkpoint"]).eval()  # base drawn again from the recorded seed

@@ -34,19 +34,6 @@ FORBIDDEN = {
     "checkpoint": {"data", "models", "interop", "training", "pipeline"} | TOOLS,
 }
 
-# removed by the interop move: wrong-way imports other branches of issue 23 take out (config/model_source.py
-# and checkpoint's export, sources and tokenizer files move to megacann/interop/). Delete this list after
-# merging them; until then each pair is an expected failure of its own and the rest of the rules hold.
-PENDING = {
-    ("config/model_source.py", "models"),
-    ("checkpoint/checkpointer.py", "data"),
-    ("checkpoint/export.py", "data"),
-    ("checkpoint/export.py", "models"),
-    ("checkpoint/lora_export.py", "models"),
-    ("checkpoint/sources.py", "models"),
-    ("checkpoint/tokenizer.py", "data"),
-}
-
 
 class Import(NamedTuple):
     file: str  # relative to the package, e.g. "data/gpt_dataset.py"
@@ -123,22 +110,7 @@ def imports() -> list[Import]:
 @pytest.mark.parametrize("package", sorted({*ALLOWED, *FORBIDDEN}))
 def test_lower_layers_do_not_import_higher_ones(package, imports):
     assert (PACKAGE / package).is_dir(), f"megacann/{package}/ is gone: update the layering rules"
-    wrong = [imp for imp in violations(package, imports) if (imp.file, imp.target) not in PENDING]
-    assert not wrong, describe(wrong, package)
-
-
-@pytest.mark.parametrize(
-    "pending",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(strict=False, reason="removed by the interop move"))
-        for p in sorted(PENDING)
-    ],
-    ids=lambda p: f"{p[0]}->{p[1]}",
-)
-def test_pending_wrong_way_imports(pending, imports):
-    file, target = pending
-    package = file.split("/")[0]
-    wrong = [imp for imp in violations(package, imports) if (imp.file, imp.target) == pending]
+    wrong = violations(package, imports)
     assert not wrong, describe(wrong, package)
 
 

@@ -107,7 +107,7 @@ def test_the_router_and_unknown_targets_are_refused():
 def test_mixtral_peft_adapter_loads_in_peft_and_back(tmp_path, targets):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from megacann.models.peft import ADAPTER_CONFIG, load_peft_adapter, read_peft_tensors, save_peft_adapter
+    from megacann.interop.peft import ADAPTER_CONFIG, load_peft_adapter, read_peft_tensors, save_peft_adapter
 
     model = tiny_moe_model()
     model.save_pretrained_hf(str(tmp_path / "base"))
@@ -143,10 +143,10 @@ def test_mixtral_peft_adapter_loads_in_peft_and_back(tmp_path, targets):
 
 
 def test_expert_part_mixes_peft_cannot_fuse_round_trip_in_megacann_with_a_note(tmp_path, capsys):
-    from megacann.checkpoint.lora_export import merge_adapter_tensors
     from megacann.config.advice import forget_advice
-    from megacann.models.full_state import full_state_dict
-    from megacann.models.peft import load_peft_adapter, lora_full_tensors, save_peft_adapter
+    from megacann.interop.full_state import full_state_dict
+    from megacann.interop.lora_export import merge_adapter_tensors
+    from megacann.interop.peft import load_peft_adapter, lora_full_tensors, save_peft_adapter
 
     forget_advice()
     model = tiny_moe_model()

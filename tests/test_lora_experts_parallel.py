@@ -113,7 +113,7 @@ def _adapters(trainer) -> dict:
     """Whole adapter tensors of every rank's experts, on all ranks."""
     import torch.distributed as dist
 
-    from megacann.models.full_state import full_state_dict
+    from megacann.interop.full_state import full_state_dict
 
     local = {n: t for n, t in full_state_dict(trainer.model_chunks).items() if ".adapter." in n}
     parts: list = [None] * dist.get_world_size()
@@ -122,8 +122,8 @@ def _adapters(trainer) -> dict:
 
 
 def _train(overrides: list[str], out: str, resume: bool) -> dict:
+    from megacann.interop.full_state import gather_full_tensor
     from megacann.layers.sharding import set_sharding
-    from megacann.models.full_state import gather_full_tensor
     from megacann.training.finetune import parameter_counts
 
     trainer = _trainer(overrides, out)
@@ -169,7 +169,7 @@ def _train(overrides: list[str], out: str, resume: bool) -> dict:
 def _ep2_peft(root: str, reference: str) -> dict:
     """At ep 2: the PEFT export gathers every rank's experts; the one-process export loads into ep 2."""
     from megacann import parallel_state as ps
-    from megacann.models.peft import load_peft_adapter, save_peft_adapter
+    from megacann.interop.peft import load_peft_adapter, save_peft_adapter
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(expert_model_parallel_size=2)
@@ -203,7 +203,7 @@ def _world1(root: str) -> dict:
 @pytest.fixture(scope="module")
 def peft_one_process(tmp_path_factory) -> tuple[str, torch.Tensor]:
     """A one-process PEFT export of the model ``_ep2_peft`` builds, and that model's logits."""
-    from megacann.models.peft import save_peft_adapter
+    from megacann.interop.peft import save_peft_adapter
 
     path = str(tmp_path_factory.mktemp("peft1"))
     model = tiny_moe_model()
@@ -247,7 +247,7 @@ def test_expert_lora_layer_layouts_equal_one_process(world2, layout):
 
 
 def test_expert_parallel_peft_export_and_load_equal_one_process(world2, peft_one_process):
-    from megacann.models.peft import read_peft_tensors
+    from megacann.interop.peft import read_peft_tensors
 
     path, logits = peft_one_process
     expected = read_peft_tensors(path)
@@ -291,9 +291,9 @@ def test_expert_parallel_lora_checkpoint_resumes_bit_for_bit(world2):
 
 
 def test_merge_lora_of_an_expert_parallel_checkpoint_gives_its_logits(world2, tmp_path):
-    from megacann.checkpoint.export import read_checkpoint_weights
-    from megacann.checkpoint.lora_export import build_full_model
     from megacann.convert import main as convert
+    from megacann.interop.lora_export import build_full_model
+    from megacann.interop.reading import read_checkpoint_weights
 
     run = world2[0]["ep2_trainer"]
     stored, _ = read_checkpoint_weights(run["checkpoint"])

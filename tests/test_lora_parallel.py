@@ -20,6 +20,7 @@ from layers_reference import gather_dim, rel_err, split_dim
 
 from megacann import parallel_state as ps
 from megacann.config import ModelConfig
+from megacann.interop.peft import lora_full_tensors, read_peft_tensors, save_peft_adapter, write_peft_adapter
 from megacann.layers import (
     ColumnParallelLinear,
     LayerContext,
@@ -33,7 +34,6 @@ from megacann.layers import (
 from megacann.layers.lora import LoRAConfig, attach_lora, init_adapters_, lora_parameters, merge_lora
 from megacann.layers.sharding import ParamSharding, get_sharding, init_sharded_, shard_tensor, unshard_tensors
 from megacann.models import LlamaModel
-from megacann.models.peft import lora_full_tensors, read_peft_tensors, save_peft_adapter, write_peft_adapter
 
 TOL = 1e-5
 B, S, H = 2, 8, 16

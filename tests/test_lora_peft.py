@@ -13,20 +13,20 @@ import pytest
 import torch
 
 from megacann.config import ModelConfig
-from megacann.layers import init_normal, initialize_weights, parameter_seed
-from megacann.layers.lora import LoRAConfig, attach_lora, init_adapters_, lora_parameters, unload_lora
-from megacann.layers.sharding import init_sharded_
-from megacann.models import GPTModel, LlamaModel, decoder, from_pretrained_hf
-from megacann.models.full_state import load_full_state_dict_
-from megacann.models.hf import SafetensorsReader
-from megacann.models.hf_llama import from_hf_tensors
-from megacann.models.peft import (
+from megacann.interop.full_state import load_full_state_dict_
+from megacann.interop.hf import SafetensorsReader
+from megacann.interop.peft import (
     ADAPTER_CONFIG,
     PeftFormatError,
     load_peft_adapter,
     read_peft_tensors,
     save_peft_adapter,
 )
+from megacann.layers import init_normal, initialize_weights, parameter_seed
+from megacann.layers.lora import LoRAConfig, attach_lora, init_adapters_, lora_parameters, unload_lora
+from megacann.layers.sharding import init_sharded_
+from megacann.models import GPTModel, LlamaModel, decoder, from_pretrained_hf
+from megacann.models.hf_llama import from_hf_tensors
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -16,11 +16,11 @@ from megacann.config import ModelConfig
 from megacann.data.sft import parse_record, tokenize_conversation
 from megacann.data.sft_templates import get_template
 from megacann.data.tokenizer import ByteTokenizer
+from megacann.interop.peft import save_peft_adapter
 from megacann.layers import init_normal, initialize_weights, parameter_seed
 from megacann.layers.lora import LoRAConfig, attach_lora, lora_parameters
 from megacann.layers.sharding import init_sharded_
 from megacann.models import LlamaModel
-from megacann.models.peft import save_peft_adapter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT = os.path.join(ROOT, "examples", "sft")

@@ -68,7 +68,7 @@ def _whole_state(trainer) -> dict:
     import torch.distributed as dist
 
     from megacann.checkpoint.state import persistent_buffers
-    from megacann.models.full_state import full_state_dict
+    from megacann.interop.full_state import full_state_dict
 
     trainer.optimizer.finish_param_sync()
     local = full_state_dict(trainer.model_chunks)
@@ -81,8 +81,8 @@ def _whole_state(trainer) -> dict:
 
 def _first_grads(trainer) -> dict:
     """This rank's whole (TP-gathered) gradients by name."""
+    from megacann.interop.full_state import gather_full_tensor
     from megacann.layers.sharding import get_sharding, set_sharding
-    from megacann.models.full_state import gather_full_tensor
 
     return {
         name: gather_full_tensor(set_sharding(p.main_grad, get_sharding(p)))

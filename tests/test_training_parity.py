@@ -29,8 +29,8 @@ def _train_runs(runs: dict[str, list[str]]) -> dict:
     from training_helpers import SyntheticData, tiny_config
 
     from megacann import parallel_state as ps
+    from megacann.interop.full_state import full_state_dict, gather_full_tensor
     from megacann.layers.sharding import get_sharding, set_sharding
-    from megacann.models.full_state import full_state_dict, gather_full_tensor
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 

@@ -53,7 +53,7 @@ def _megacann_and_reference() -> dict:
     import torch.nn.functional as F
     from training_helpers import SyntheticData, tiny_config
 
-    from megacann.models.full_state import full_state_dict
+    from megacann.interop.full_state import full_state_dict
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 

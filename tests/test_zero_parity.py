@@ -109,8 +109,8 @@ def _zero_runs(runs: dict[str, list[str]], ckpt_dir: str = "") -> dict:
     from training_helpers import SyntheticData, tiny_config
 
     from megacann import parallel_state as ps
+    from megacann.interop.full_state import full_state_dict
     from megacann.models import LLAMA
-    from megacann.models.full_state import full_state_dict
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -163,7 +163,7 @@ def _resume_is_bitwise(trainer, ckpt_dir: str) -> bool:
     from training_helpers import SyntheticData
 
     from megacann import parallel_state as ps
-    from megacann.models.full_state import full_state_dict
+    from megacann.interop.full_state import full_state_dict
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 

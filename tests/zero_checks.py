@@ -126,7 +126,7 @@ def _reshard_check() -> dict:
     from training_helpers import SyntheticData, tiny_config
 
     from megacann import parallel_state as ps
-    from megacann.models.full_state import full_state_dict
+    from megacann.interop.full_state import full_state_dict
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 

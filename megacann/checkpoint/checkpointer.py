@@ -18,7 +18,7 @@ import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -59,6 +59,7 @@ from megacann.checkpoint.rng import capture_rng, restore_rng
 from megacann.checkpoint.state import (
     MODEL_PREFIX,
     PROGRESS_KEY,
+    CheckpointFiles,
     CheckpointParts,
     finish_load,
     load_request,
@@ -67,7 +68,6 @@ from megacann.checkpoint.state import (
     save_entries,
 )
 from megacann.config import MegacannConfig
-from megacann.data.tokenizer_files import TOKENIZER_DIR, save_tokenizer, tokenizer_record
 
 Log = Callable[[str], None]
 
@@ -119,7 +119,7 @@ class _SaveJob:
     keep_last: Optional[int]
     log: Callable[[str], None]
     start: float
-    tokenizer: Any = None
+    files: list[CheckpointFiles] = field(default_factory=list)  # those with a record in ``info``
 
 
 class Checkpointer:
@@ -163,10 +163,13 @@ class Checkpointer:
         state[PROGRESS_KEY] = progress(parts)
         state[rng_key(self.rank)] = capture_rng(get_accelerator())
         info = checkpoint_info(cfg, step, parts.consumed_samples, parts.base)
-        record = tokenizer_record(parts.tokenizer) if parts.tokenizer is not None else None
-        if record is not None:
-            info["tokenizer"] = record
-        job = _SaveJob(out, final, info, cfg.to_yaml(), cfg.logging.keep_last, log, start, parts.tokenizer)
+        files = []
+        for extra in parts.files:
+            record = extra.record()
+            if record is not None:
+                info[extra.key] = record
+                files.append(extra)
+        job = _SaveJob(out, final, info, cfg.to_yaml(), cfg.logging.keep_last, log, start, files)
         if self._executor is None:
             self._write(state, job)
         else:
@@ -230,10 +233,8 @@ class Checkpointer:
 
     def _publish(self, tmp: str, job: _SaveJob, metadata: Metadata) -> None:
         """Rank 0, once every rank's files are written: describe, mark complete, rename, ``latest``, rotate."""
-        if "tokenizer" in job.info:  # the run's tokenizer travels with its weights (exports need it)
-            for path in save_tokenizer(
-                job.tokenizer, os.path.join(tmp, TOKENIZER_DIR), job.info["model"].get("max_position_embeddings")
-            ):
+        for extra in job.files:  # e.g. the run's tokenizer, which travels with its weights (exports need it)
+            for path in extra.write(tmp, job.info):
                 fsync_path(path)
         write_file_synced(os.path.join(tmp, INFO_FILE), json.dumps(job.info, indent=1) + "\n")
         write_file_synced(os.path.join(tmp, RECIPE_FILE), job.recipe)

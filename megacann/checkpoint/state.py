@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
@@ -33,6 +33,23 @@ if TYPE_CHECKING:
     from megacann.optimizer import OptimizerBase, StateShard
 
 
+class CheckpointFiles(Protocol):
+    """Files saved into each checkpoint beside the weights, e.g. the run's tokenizer (so exports carry it;
+    :class:`megacann.interop.TokenizerFiles`). ``key`` names their record in ``megacann.json``; nothing is
+    saved when :meth:`record` gives None. Not restored by loading."""
+
+    key: str
+
+    def record(self) -> Optional[dict[str, Any]]:
+        """What ``megacann.json`` says about the files under ``key``, or None to save nothing."""
+        ...
+
+    def write(self, directory: str, info: dict[str, Any]) -> list[str]:
+        """Write the files into the checkpoint ``directory`` being saved (``info``: its ``megacann.json``);
+        returns the paths written."""
+        ...
+
+
 @dataclass
 class CheckpointParts:
     """What a checkpoint saves and restores, named explicitly, so any training loop can use it.
@@ -42,8 +59,8 @@ class CheckpointParts:
     ``consumed_samples`` is the data position (samples of the global order used); ``progress`` holds the
     loop's other counters (JSON-like values). Loading updates ``step``, ``consumed_samples`` and
     ``progress`` in place and restores the weights, optimizer state and every RNG of the rank.
-    ``tokenizer``: the run's tokenizer, saved beside the weights (``tokenizer/``, named in ``megacann.json``)
-    so that exports carry it; not restored by loading.
+    ``files``: what else each checkpoint holds beside the weights (:class:`CheckpointFiles`, e.g. the run's
+    tokenizer, so that exports carry it); not restored by loading.
 
     ``base`` (a LoRA run's): the frozen parameters come from this base (a JSON-like reference, e.g. path
     and fingerprint of ``model.init_from``) and are not saved; the checkpoint holds the trainable
@@ -55,7 +72,7 @@ class CheckpointParts:
     step: int = 0
     consumed_samples: int = 0
     progress: dict[str, Any] = field(default_factory=dict)
-    tokenizer: Any = None
+    files: Sequence[CheckpointFiles] = ()
     base: Optional[dict[str, Any]] = None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:

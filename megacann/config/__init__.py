@@ -24,7 +24,6 @@ from megacann.config.loading import (
     load_hf_model_config,
     suggest_key,
 )
-from megacann.config.model_source import apply_model_source
 from megacann.config.schema import (
     CHOICES,
     TOP_LEVEL_KEYS,
@@ -61,7 +60,6 @@ __all__ = [
     "model_config_from_dict",
     "register_model_config",
     "shape_keys",
-    "apply_model_source",
     "apply_overrides",
     "config_from_dict",
     "load_config",

@@ -23,7 +23,6 @@ from megacann.config.families import (
     resolve_imports,
     switch_family,
 )
-from megacann.config.model_source import apply_model_source
 from megacann.config.schema import (
     _SECTION_CLASSES,
     TOP_LEVEL_KEYS,
@@ -421,6 +420,5 @@ def load_config(path: str, overrides: Optional[list[str]] = None, world_size: Op
     _import_override_families(overrides or [])
     cfg = config_from_dict(raw, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
     apply_overrides(cfg, _imports_first(overrides or []))
-    apply_model_source(cfg, source=path)  # after overrides: model.init_from may come from the command line
     validate(cfg, world_size=world_size, source=path)
     return cfg

@@ -137,6 +137,8 @@ def check_context_parallel(cfg: MegacannConfig, source: str) -> None:
             f"{source}: model.attention_dropout {m.attention_dropout} is not supported with "
             f"distributed.context_parallel_size {cp}: set it to 0"
         )
+    if m.num_attention_heads is None:  # from model.init_from, checked once read
+        return
     heads = m.num_attention_heads // tp
     if d.context_parallel_algo == "ulysses" and heads % cp:
         raise ConfigError(
@@ -170,17 +172,19 @@ def fill_mode_defaults(cfg: MegacannConfig) -> None:
             setattr(cfg.optim, key, value)
 
 
-def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str = "<recipe>") -> None:
-    """Check the recipe for consistency; fills derived values (data_parallel_size, world_size) and the
-    train_mode's optimizer defaults."""
-    for dotted in CHOICES:
-        _check_choice(cfg, dotted, source)
-    check_family_choices(cfg.model, source)
-    fill_mode_defaults(cfg)
-    refuse_unimplemented(cfg, source)
-    check_ranges(cfg, source)
-    m, d, o = cfg.model, cfg.distributed, cfg.optim
-    for key in ("hidden_size", "num_layers", "num_attention_heads"):
+MODEL_SIZE_KEYS = ("hidden_size", "num_layers", "num_attention_heads")  # what no default can fill
+
+
+def architecture_pending(cfg: MegacannConfig) -> bool:
+    """True while the architecture is still to come from ``model.init_from`` (a size is unset): the model's
+    checks then wait until ``megacann.interop.apply_model_source`` has read it (``prepare_recipe``)."""
+    return bool(cfg.model.init_from) and any(getattr(cfg.model, key) is None for key in MODEL_SIZE_KEYS)
+
+
+def check_model_sizes(cfg: MegacannConfig, source: str) -> None:
+    """The model's sizes are set and positive."""
+    m = cfg.model
+    for key in MODEL_SIZE_KEYS:
         if getattr(m, key) is None:
             raise ConfigError(
                 f"{source}: model.{key} is not set (give it inline, through model.config_path or by model.init_from)"
@@ -190,19 +194,15 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
         "model.num_layers": m.num_layers,
         "model.num_attention_heads": m.num_attention_heads,
         "model.num_key_value_heads": m.kv_heads,
-        "data.seq_length": cfg.data.seq_length,
-        "data.batch_size": cfg.data.batch_size,
-        "optim.grad_accum_steps": o.grad_accum_steps,
-        "optim.max_steps": o.max_steps,
-        "distributed.tensor_parallel_size": d.tensor_parallel_size,
-        "distributed.pipeline_parallel_size": d.pipeline_parallel_size,
-        "distributed.context_parallel_size": d.context_parallel_size,
-        "distributed.expert_parallel_size": d.expert_parallel_size,
-        "logging.log_interval": cfg.logging.log_interval,
     }
     for key, value in positive.items():
-        if value is None or value < 1:
+        if value < 1:
             raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+
+
+def check_model_shape(cfg: MegacannConfig, source: str) -> None:
+    """Heads divide the hidden size and the tensor-parallel ranks; the sequence fits the positions."""
+    m, tp = cfg.model, cfg.distributed.tensor_parallel_size
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"{source}: model.hidden_size {m.hidden_size} is not divisible by "
@@ -219,7 +219,6 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
             f"{m.max_position_embeddings}, the longest sequence the model is made for: shorten data.seq_length "
             "or raise model.max_position_embeddings (LLaMA: with rope_scaling to extend a trained model)"
         )
-    tp, pp = d.tensor_parallel_size, d.pipeline_parallel_size
     if m.num_attention_heads % tp:
         raise ConfigError(
             f"{source}: model.num_attention_heads {m.num_attention_heads} is not divisible by "
@@ -230,6 +229,38 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
             f"{source}: model.num_key_value_heads {m.kv_heads} must be a multiple or a divisor of "
             f"distributed.tensor_parallel_size {tp}"
         )
+
+
+def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str = "<recipe>") -> None:
+    """Check the recipe for consistency; fills derived values (data_parallel_size, world_size) and the
+    train_mode's optimizer defaults."""
+    for dotted in CHOICES:
+        _check_choice(cfg, dotted, source)
+    check_family_choices(cfg.model, source)
+    fill_mode_defaults(cfg)
+    refuse_unimplemented(cfg, source)
+    check_ranges(cfg, source)
+    d, o = cfg.distributed, cfg.optim
+    pending = architecture_pending(cfg)
+    if not pending:
+        check_model_sizes(cfg, source)
+    positive = {
+        "data.seq_length": cfg.data.seq_length,
+        "data.batch_size": cfg.data.batch_size,
+        "optim.grad_accum_steps": o.grad_accum_steps,
+        "optim.max_steps": o.max_steps,
+        "distributed.tensor_parallel_size": d.tensor_parallel_size,
+        "distributed.pipeline_parallel_size": d.pipeline_parallel_size,
+        "distributed.context_parallel_size": d.context_parallel_size,
+        "distributed.expert_parallel_size": d.expert_parallel_size,
+        "logging.log_interval": cfg.logging.log_interval,
+    }
+    for key, value in positive.items():
+        if value is None or value < 1:
+            raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    if not pending:
+        check_model_shape(cfg, source)
+    tp, pp = d.tensor_parallel_size, d.pipeline_parallel_size
     mode = d.parallel_mode
     if mode == "data" and (tp > 1 or pp > 1):
         raise ConfigError(

@@ -1,15 +1,17 @@
-"""Model families built only from megacann.layers, the contract the rest of megacann knows them by, and
-Hugging Face interop.
+"""Model families built only from megacann.layers, and the contract the rest of megacann knows them by.
 
 ``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT and MoE here); a script registers its own
-with :func:`register_model` or hands one to ``Trainer(cfg, model_spec=...)``.
+with :func:`register_model` or hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face
+adapter (:class:`HFAdapter`); reading and writing the directories is :mod:`megacann.interop`'s, and
+``from megacann.models import from_pretrained_hf`` still finds it there.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.gpt import GPT, GPTModel
-from megacann.models.hf import from_pretrained_hf
 from megacann.models.llama import LLAMA, LlamaModel
 from megacann.models.moe import MOE, MoEModel
 from megacann.models.sizing import padded_vocab_size
@@ -53,3 +55,12 @@ __all__ = [
     "register_model",
     "registered_models",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``from_pretrained_hf`` lives in :mod:`megacann.interop.hf` (above models); imported on first use."""
+    if name == "from_pretrained_hf":
+        from megacann.interop.hf import from_pretrained_hf
+
+        return from_pretrained_hf
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

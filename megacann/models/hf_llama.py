@@ -2,7 +2,7 @@
 
 megacann's names are Hugging Face's without the ``model.`` prefix, except where megacann fuses
 projections (``mlp.gate_up_proj`` = gate then up; ``self_attn.qkv_proj`` = q, k, v), which are split and
-joined here. Reading and writing directories is :mod:`megacann.models.hf`'s job.
+joined here. Reading and writing directories is :mod:`megacann.interop.hf`'s job.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ class LlamaModel(DecoderLM):
 
     def save_pretrained_hf(self, path: str) -> None:
         """Write a Hugging Face LLaMA directory (config.json + safetensors) that transformers loads."""
-        from megacann.models.hf import save_pretrained_hf
+        from megacann.interop.hf import save_pretrained_hf
 
         save_pretrained_hf([self], path, self.config)
 

@@ -96,7 +96,7 @@ class MoEModel(DecoderLM):
 
     def save_pretrained_hf(self, path: str) -> None:
         """Write a Hugging Face Mixtral directory (config.json + safetensors) that transformers loads."""
-        from megacann.models.hf import save_pretrained_hf
+        from megacann.interop.hf import save_pretrained_hf
 
         save_pretrained_hf([self], path, self.config)
 

@@ -22,11 +22,11 @@ from megacann import parallel_state as ps
 from megacann.collectives import all_reduce_if_parallel
 from megacann.config import ConfigError, MegacannConfig
 from megacann.config.advice import advise
+from megacann.interop.full_state import whole_model_on_meta
 from megacann.layers import parameter_seed
 from megacann.layers.lora import LoRAConfig, attach_lora, count_parameters, init_adapters_
 from megacann.layers.sharding import get_sharding
 from megacann.models import ModelSpec
-from megacann.models.hf import whole_model_on_meta
 
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
 
@@ -79,7 +79,7 @@ def base_reference(cfg: MegacannConfig) -> dict[str, Any]:
     """What a LoRA checkpoint records about its frozen base: ``model.init_from``'s identity (kind, path,
     fingerprint, a checkpoint's step), or the seed the base was drawn from."""
     if cfg.model.init_from:
-        from megacann.checkpoint.sources import resolve_weight_source, source_identity
+        from megacann.interop.sources import resolve_weight_source, source_identity
 
         return source_identity(resolve_weight_source(cfg.model.init_from))
     return {"kind": "seed", "seed": cfg.seed, "path": None}
@@ -90,7 +90,8 @@ def prepare_model_chunks(cfg: MegacannConfig, chunks: list[torch.nn.Module]) -> 
     from the seed by name (the same on every layout), and freeze the rest. Returns the base reference of a
     LoRA run (its checkpoints hold only adapters), else None."""
     if cfg.model.init_from:
-        from megacann.checkpoint.sources import load_source_weights, resolve_weight_source
+        from megacann.interop.reading import load_source_weights
+        from megacann.interop.sources import resolve_weight_source
 
         load_source_weights(chunks, resolve_weight_source(cfg.model.init_from), cfg.model)
     if not cfg.lora:

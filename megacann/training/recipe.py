@@ -9,8 +9,9 @@ import difflib
 from typing import Optional
 
 from megacann import ops
-from megacann.config import ConfigError, MegacannConfig, apply_model_source, validate
+from megacann.config import ConfigError, MegacannConfig, validate
 from megacann.config.advice import advise
+from megacann.interop.model_source import apply_model_source
 from megacann.layers.compile import DEFAULT_BACKEND, available_backends
 from megacann.models import ModelSpec, prepare_model_config
 from megacann.pipeline import check_pipeline_config

@@ -325,15 +325,17 @@ class Trainer:
     def checkpoint_parts(self):
         """The trainer's state as checkpoint parts: model chunks, optimizer, step, data position, counters."""
         from megacann.checkpoint import CheckpointParts
+        from megacann.interop.tokenizer import TokenizerFiles
 
         s = self.state
+        kept = [TokenizerFiles(self.run_tokenizer)] if self.run_tokenizer is not None else []
         return CheckpointParts(
             self.model_chunks,
             self.optimizer,
             s.step,
             s.consumed_samples,
             {"skipped_steps": s.skipped_steps},
-            tokenizer=self.run_tokenizer,  # saved beside the weights, so exports carry it
+            files=kept,  # the run's tokenizer, saved beside the weights, so exports carry it
             base=self.lora_base,  # a LoRA run saves its adapters and names its base
         )
 
@@ -378,8 +380,10 @@ def train(cfg: MegacannConfig, resume_from: Optional[str] = None) -> list[dict[s
     trainer.resume(resume_from)
     trainer.data  # noqa: B018 -- built now: a data error is reported before the first step
     if trainer.is_logging_rank:
+        from megacann.checkpoint.metadata import RECIPE_FILE
+
         os.makedirs(cfg.experiment.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.experiment.output_dir, "config.yaml"), "w") as f:
+        with open(os.path.join(cfg.experiment.output_dir, RECIPE_FILE), "w") as f:
             f.write(cfg.to_yaml())
     history = trainer.fit()
     losses = [r["loss"] for r in history if "loss" in r]

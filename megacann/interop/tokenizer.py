@@ -1,6 +1,7 @@
-"""The tokenizer a checkpoint's weights were trained with, found for an export.
+"""The tokenizer that travels with the weights: written into each checkpoint, found again for an export.
 
-A checkpoint saved by the trainer holds a copy in ``tokenizer/`` (named in ``megacann.json``; see
+:class:`TokenizerFiles` is what a training loop hands its checkpoints (``CheckpointParts(files=...)``): a
+checkpoint then holds a copy of the run's tokenizer in ``tokenizer/``, named in ``megacann.json`` (see
 :mod:`megacann.data.tokenizer_files`), and so does a consolidated directory made from it. A checkpoint
 written before that copy existed names its tokenizer only in its recipe (``config.yaml``): ``data.tokenizer``,
 or when that is empty the default corpus's BPE in the cache, which is used if it is still there (it is
@@ -11,13 +12,35 @@ used another).
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
-from megacann.checkpoint.metadata import RECIPE_FILE
+from megacann.config import ModelConfig
 from megacann.data.tokenizer import TokenizerError, load_tokenizer
-from megacann.data.tokenizer_files import TOKENIZER_DIR
+from megacann.data.tokenizer_files import save_tokenizer, tokenizer_record
+from megacann.interop.names import RECIPE_FILE, TOKENIZER_DIR
+from megacann.interop.sources import CHECKPOINT, HUGGINGFACE, resolve_weight_source
+
+
+class TokenizerFiles:
+    """The run's tokenizer as files saved beside the weights of every checkpoint (``tokenizer/``), so that
+    exports carry it; ``megacann.json`` names it under ``tokenizer``. A tokenizer that cannot be written
+    as files (e.g. a test's stand-in) is kept out."""
+
+    key = "tokenizer"
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def record(self) -> Optional[dict[str, Any]]:
+        """What ``megacann.json`` says about the tokenizer, or None to save nothing."""
+        return tokenizer_record(self.tokenizer)
+
+    def write(self, directory: str, info: dict[str, Any]) -> list[str]:
+        """Write the tokenizer into the checkpoint ``directory`` being saved; returns the paths written."""
+        limit = info["model"].get("max_position_embeddings")
+        return save_tokenizer(self.tokenizer, os.path.join(directory, TOKENIZER_DIR), limit)
 
 
 def find_tokenizer(path: str, is_checkpoint: bool, vocab_size: Optional[int]) -> tuple[Optional[Any], str]:
@@ -61,3 +84,25 @@ def _from_recipe(path: str) -> tuple[Optional[Any], str]:
         return load_tokenizer(spec), what
     except TokenizerError as err:
         return None, f"{what} is not readable: {err}"
+
+
+def source_tokenizer(source: str, cfg: ModelConfig, log: Callable[[str], None]) -> Optional[Any]:
+    """The tokenizer the source's weights were trained with (said where it came from), or None (said why)."""
+    found = resolve_weight_source(source, "source")
+    if found.kind == HUGGINGFACE:
+        try:
+            tokenizer, where = load_tokenizer(found.path), found.path
+        except TokenizerError as err:
+            tokenizer, where = None, str(err)
+    else:
+        tokenizer, where = find_tokenizer(found.path, found.kind == CHECKPOINT, cfg.vocab_size)
+    if tokenizer is None:
+        log(f"no tokenizer to export: {where}")
+        return None
+    if cfg.vocab_size is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer from {where} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
+            f"{cfg.vocab_size}: it is not the tokenizer these weights were trained with"
+        )
+    log(f"tokenizer: {where}")
+    return tokenizer

@@ -1,7 +1,7 @@
 """LoRA adapters in Hugging Face PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``).
 
 The files load with ``peft.PeftModel.from_pretrained(hf_model, dir)`` on the base exported by
-:func:`megacann.models.hf.save_pretrained_hf`, and back into megacann with :func:`load_peft_adapter`.
+:func:`megacann.interop.hf.save_pretrained_hf`, and back into megacann with :func:`load_peft_adapter`.
 
 Names come from the model family's Hugging Face adapter (``HFAdapter.linear_parts``): any family that
 has one gets PEFT adapters. For LLaMA, megacann's ``layers.3.self_attn.q_proj.adapter.lora_A`` is PEFT's
@@ -27,6 +27,9 @@ from megacann import parallel_state as ps
 from megacann.config import ModelConfig
 from megacann.config.advice import advise
 from megacann.errors import MegacannError
+from megacann.interop.full_state import gather_full_tensor, whole_model_on_meta
+from megacann.interop.hf import save_safetensors
+from megacann.interop.names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from megacann.layers.lora import (
     ALL_PROJECTIONS,
     FUSED_PROJECTIONS,
@@ -40,11 +43,8 @@ from megacann.layers.lora import (
     resolve_target,
 )
 from megacann.layers.sharding import get_sharding, shard_tensor
-from megacann.models.full_state import gather_full_tensor
 from megacann.models.spec import get_model_spec
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 ADAPTER_SLOT = ".adapter."
 EXPERT_SLOT = ".experts."
@@ -188,8 +188,6 @@ def write_peft_adapter(
     base_model_name_or_path: Optional[str] = None,
 ) -> None:
     """Write whole megacann adapter tensors (held by one process) as a PEFT adapter directory."""
-    from megacann.models.hf import save_safetensors
-
     _linear_parts(cfg, path)
     peft_tensors = to_peft_tensors(tensors, cfg, lora)
     if not peft_tensors:
@@ -328,8 +326,6 @@ def from_peft_tensors(
         out[f"{layer}{ADAPTER_SLOT}lora_A"] = a
         out[f"{layer}{ADAPTER_SLOT}lora_B"] = torch.cat(pieces["lora_B"], dim=0)
     if unused:
-        from megacann.models.hf import whole_model_on_meta
-
         whole = whole_model_on_meta(get_model_spec(cfg.type), cfg)
         # layers of other pipeline stages, and experts of other expert-parallel ranks
         elsewhere = _linear_modules(whole, cfg, others=True) - _linear_modules(model, cfg)

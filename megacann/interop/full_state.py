@@ -1,4 +1,5 @@
-"""Whole (unsharded, unpadded) tensors of a model, gathered from or scattered to tensor-parallel ranks.
+"""Whole (unsharded, unpadded) tensors of a model, gathered from or scattered to tensor-parallel ranks,
+and a family's whole model on the meta device (its names and shapes, for nothing).
 
 Used wherever weights leave or enter the parallel layout: Hugging Face import/export, consolidated
 exports, tests. Names are the model's own (global layer indices), so a layout never shows in them.
@@ -12,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
+from megacann.config import MegacannConfig, ModelConfig
 from megacann.layers.sharding import ParamSharding, get_sharding, shard_tensor, unshard_tensors
+from megacann.models.spec import ChunkPlacement, ModelSpec
 
 
 def _strip_padding(full: torch.Tensor, sharding: ParamSharding) -> torch.Tensor:
@@ -82,3 +85,17 @@ def load_full_state_dict_(
                     f"{source}: missing tensor {name!r} (expected shape {list(get_sharding(param).logical_shape)})"
                 )
             load_full_tensor_(param, tensors[name], name, source)
+
+
+def whole_model_on_meta(spec: ModelSpec, model_cfg: ModelConfig) -> torch.nn.Module:
+    """A family's whole model on the meta device (no memory, no init cost): for its names and shapes.
+    Fills the family's defaults into ``model_cfg``."""
+    cfg = MegacannConfig(model=model_cfg)
+    spec.fill_defaults(model_cfg)  # not the family's recipe checks: the rest of this recipe is a default
+    with torch.device("meta"):
+        return spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "meta")
+
+
+def model_parameter_names(spec: ModelSpec, model_cfg: ModelConfig) -> list[str]:
+    """The parameter names of a family's whole model."""
+    return [name for name, _ in whole_model_on_meta(spec, model_cfg).named_parameters()]

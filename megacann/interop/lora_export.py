@@ -15,23 +15,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megacann.checkpoint.export import (
-    cast_weights,
-    read_checkpoint_weights,
-    read_weights,
-    source_tokenizer,
-    write_consolidated_export,
-    write_hf_export,
-)
 from megacann.checkpoint.metadata import CheckpointError, model_config_of, read_info
-from megacann.checkpoint.sources import CHECKPOINT, fingerprint, resolve_weight_source
 from megacann.config import MegacannConfig, ModelConfig
+from megacann.interop.export import cast_weights, write_consolidated_export, write_hf_export
+from megacann.interop.full_state import full_state_dict, load_full_state_dict_, whole_model_on_meta
+from megacann.interop.names import INFO_FILE
+from megacann.interop.peft import ADAPTER_SLOT, write_peft_adapter
+from megacann.interop.reading import read_checkpoint_weights, read_weights
+from megacann.interop.sources import CHECKPOINT, HUGGINGFACE, fingerprint, resolve_weight_source
+from megacann.interop.tokenizer import source_tokenizer
 from megacann.layers.lora import LoRAConfig, attach_lora, lora_adapters
-from megacann.models import hf
-from megacann.models.full_state import full_state_dict, load_full_state_dict_
 from megacann.models.spec import ChunkPlacement, get_model_spec
-
-ADAPTER_SLOT = ".adapter."
 
 
 def read_lora_checkpoint(source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -40,7 +34,7 @@ def read_lora_checkpoint(source: str) -> tuple[dict[str, torch.Tensor], dict[str
     info = read_info(found.path) if found.kind == CHECKPOINT else {}
     if info.get("base") is None:
         raise CheckpointError(
-            f"{source}: not a checkpoint of a LoRA run (no base reference in its megacann.json); full models "
+            f"{source}: not a checkpoint of a LoRA run (no base reference in its {INFO_FILE}); full models "
             "convert with consolidate / to-hf"
         )
     tensors, _ = read_checkpoint_weights(found.path)
@@ -92,7 +86,7 @@ def merge_adapter_tensors(
 ) -> dict[str, torch.Tensor]:
     """``base`` with every adapter's ``scaling * B A`` added to its layer's weight (in fp32, cast back), and
     the persistent buffers the LoRA checkpoint holds (e.g. MoE routing biases moved during training)."""
-    meta = hf.whole_model_on_meta(get_model_spec(model_cfg.type), model_cfg)
+    meta = whole_model_on_meta(get_model_spec(model_cfg.type), model_cfg)
     attach_lora(meta, lora, strict=False)
     merged = dict(base)
     used = set()
@@ -134,11 +128,9 @@ def merge_lora_checkpoint(
 def export_peft_checkpoint(source: str, out: str, dtype: Optional[str] = None, base: Optional[str] = None) -> str:
     """LoRA checkpoint -> a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``),
     to load with ``peft.PeftModel.from_pretrained`` on the base exported to Hugging Face."""
-    from megacann.models.peft import write_peft_adapter
-
     adapters, info = read_lora_checkpoint(source)
     reference = info["base"]
-    name = base or (reference.get("path") if reference.get("kind") == "huggingface" else None)
+    name = base or (reference.get("path") if reference.get("kind") == HUGGINGFACE else None)
     write_peft_adapter(cast_weights(adapters, dtype), model_config_of(info), lora_settings(info), out, name)
     return out
 

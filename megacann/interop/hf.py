@@ -2,7 +2,8 @@
 
 Offline only: a local directory is read or written. The family is found from config.json's
 ``model_type`` (:func:`megacann.models.spec.find_hf_family`); its :class:`~megacann.models.spec.HFAdapter`
-maps names and settings, this module does the reading, sharding and writing.
+(owned by the family, e.g. :mod:`megacann.models.hf_llama`) maps names and settings, this module does the
+reading, sharding and writing.
 """
 
 from __future__ import annotations
@@ -16,19 +17,16 @@ import torch.distributed as dist
 
 from megacann import parallel_state as ps
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
-from megacann.models.full_state import full_state_dict, load_full_state_dict_
+from megacann.interop.full_state import full_state_dict, load_full_state_dict_
+from megacann.interop.names import HF_CONFIG, SAFETENSORS_INDEX, WEIGHTS_FILE
 from megacann.models.spec import ChunkPlacement, ModelSpec, find_hf_family, get_model_spec, prepare_model_config
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 
 
 def hf_family(path: str) -> tuple[ModelSpec, ModelConfig]:
     """The megacann family and model config of a Hugging Face directory (its config.json)."""
-    config_file = os.path.join(path, CONFIG_FILE)
+    config_file = os.path.join(path, HF_CONFIG)
     if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"{path}: no {CONFIG_FILE} (expected a Hugging Face model directory)")
+        raise FileNotFoundError(f"{path}: no {HF_CONFIG} (expected a Hugging Face model directory)")
     with open(config_file) as f:
         try:
             model_type = json.load(f).get("model_type", "llama")
@@ -49,11 +47,11 @@ class SafetensorsReader:
         if os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
-            with safe_open(os.path.join(path, SINGLE_FILE), framework="pt") as handle:
-                weight_map = dict.fromkeys(handle.keys(), SINGLE_FILE)
+        elif os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+            with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as handle:
+                weight_map = dict.fromkeys(handle.keys(), WEIGHTS_FILE)
         else:
-            raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {SAFETENSORS_INDEX} found")
+            raise FileNotFoundError(f"{path}: neither {WEIGHTS_FILE} nor {SAFETENSORS_INDEX} found")
         self.weight_map = weight_map
         self._open = safe_open
         self._handles: dict[str, Any] = {}
@@ -68,20 +66,6 @@ class SafetensorsReader:
                 raise FileNotFoundError(f"{self.path}: shard {file} named by the index is missing")
             self._handles[file] = self._open(full, framework="pt")
         return self._handles[file].get_tensor(name)
-
-
-def whole_model_on_meta(spec: ModelSpec, model_cfg: ModelConfig) -> torch.nn.Module:
-    """A family's whole model on the meta device (no memory, no init cost): for its names and shapes.
-    Fills the family's defaults into ``model_cfg``."""
-    cfg = MegacannConfig(model=model_cfg)
-    spec.fill_defaults(model_cfg)  # not the family's recipe checks: the rest of this recipe is a default
-    with torch.device("meta"):
-        return spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "meta")
-
-
-def model_parameter_names(spec: ModelSpec, model_cfg: ModelConfig) -> list[str]:
-    """The parameter names of a family's whole model."""
-    return [name for name, _ in whole_model_on_meta(spec, model_cfg).named_parameters()]
 
 
 def from_pretrained_hf(
@@ -115,7 +99,7 @@ def _adapter(cfg: ModelConfig):
 
 def write_hf_config(path: str, cfg: ModelConfig, dtype: torch.dtype, extra: Optional[dict[str, Any]] = None) -> None:
     """config.json of the family's adapter, with ``extra`` settings (e.g. the tokenizer's token ids) on top."""
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+    with open(os.path.join(path, HF_CONFIG), "w") as f:
         json.dump({**_adapter(cfg).config_to_hf(cfg, dtype), **(extra or {})}, f, indent=1)
 
 
@@ -146,7 +130,7 @@ def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfi
     dtype = next(iter(tensors.values())).dtype
     pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    file = SINGLE_FILE if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+    file = WEIGHTS_FILE if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
     if writes:
         os.makedirs(path, exist_ok=True)
         save_safetensors(tensors, os.path.join(path, file), metadata={"format": "pt"})
@@ -168,5 +152,5 @@ def save_hf_tensors(
     directory with a single safetensors file (``extra_config`` goes into config.json)."""
     hf = _adapter(cfg).to_hf(tensors, cfg)
     os.makedirs(path, exist_ok=True)
-    save_safetensors(hf, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
+    save_safetensors(hf, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
     write_hf_config(path, cfg, next(iter(hf.values())).dtype, extra_config)
