@@ -185,3 +185,12 @@ def test_an_installed_package_announces_its_families(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "6"
+
+
+def test_a_rival_family_of_a_registered_name_is_refused():
+    import dataclasses
+
+    from megacann.models import LLAMA, register_model
+
+    with pytest.raises(ValueError, match=r"a model family named 'llama' is already registered \(pass replace=True\)"):
+        register_model(dataclasses.replace(LLAMA, num_parameters=None))

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -85,7 +87,7 @@ class HFAdapter:
     fused) tensors; ``from_hf(names, read, cfg)`` returns the whole tensors of megacann ``names`` using
     ``read(hf_name)``. ``linear_parts(name, cfg)`` (optional) gives the Hugging Face names of a megacann
     linear weight with the output rows of each, in order (a fused weight is several, split by rows; rows
-    None: the whole weight): what PEFT adapter names need (:mod:`megacann.models.peft`).
+    None: the whole weight): what PEFT adapter names need (:mod:`megacann.interop.peft`).
     """
 
     model_types: tuple[str, ...]
@@ -140,12 +142,18 @@ class ModelSpec:
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
+_REGISTERED_FROM: dict[str, str] = {}  # family -> the file whose code registered it
 
 
 def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
     """Make ``spec`` available as ``model.type: <spec.name>``; returns it (usable as a one-liner)."""
-    if spec.name in _REGISTRY and not replace and _REGISTRY[spec.name] is not spec:
+    caller = os.path.realpath(sys._getframe(1).f_code.co_filename)
+    known = _REGISTRY.get(spec.name)
+    # the same file imported twice (a script, then by experiment.imports under another module name)
+    # registers its family again; a rival family of that name from elsewhere is an error
+    if known is not None and not replace and known is not spec and _REGISTERED_FROM.get(spec.name) != caller:
         raise ValueError(f"a model family named {spec.name!r} is already registered (pass replace=True)")
+    _REGISTERED_FROM[spec.name] = caller
     _REGISTRY[spec.name] = spec
     register_model_config(spec.name, spec.config_class, spec.hf.model_types if spec.hf else ())
     return spec
