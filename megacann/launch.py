@@ -165,14 +165,12 @@ def torchrun_command(
 
 def imports_for_ranks(spec, cfg: MegacannConfig) -> list[str]:
     """An ``experiment.imports`` override when the ranks would not know the model family otherwise: it was
-    registered by the script that called the launcher (``__main__``) or by a module the recipe does not
-    name. megacann's own families, and those of ``experiment.imports``, need nothing."""
-    module_name = getattr(spec.build_chunk, "__module__", None) or ""
-    module = sys.modules.get(module_name)
-    if module is None or module_name.startswith(("megacann.", "megacann_user_")):
-        return []
-    entry = os.path.abspath(module.__file__) if module_name == "__main__" else module_name
-    if entry in cfg.experiment.imports:
+    registered by the script that called the launcher or by a module the recipe does not name. megacann's
+    own families, and those of ``experiment.imports``, need nothing."""
+    from megacann.models import family_import
+
+    entry = family_import(spec.name)
+    if entry is None or entry in cfg.experiment.imports:
         return []
     return [f"experiment.imports={json.dumps([*cfg.experiment.imports, entry])}"]
 

@@ -158,6 +158,12 @@ def test_a_script_family_reaches_every_rank_and_the_converter(tmp_path):
         capture_output=True, text=True, env=user_env(), timeout=300, cwd=str(tmp_path),
     )  # fmt: skip
     assert conv.returncode == 0, conv.stdout[-2000:] + conv.stderr[-3000:]
+    assert json.loads((out / "model_config.json").read_text())["imports"] == [os.path.abspath(script)]
+    code = "from megacann.interop.reading import read_consolidated; print(read_consolidated('whole')[1].type)"
+    back = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=user_env(), cwd=str(tmp_path)
+    )
+    assert back.returncode == 0 and back.stdout.split() == ["parallel_lm"], back.stderr[-3000:]
     from safetensors.torch import load_file
 
     tensors = load_file(str(out / "model.safetensors"))

@@ -28,6 +28,7 @@ from megacann.interop.hf import save_hf_tensors, save_safetensors
 from megacann.interop.names import CONSOLIDATED_CONFIG, GENERATION_CONFIG_FILE, TOKENIZER_DIR, WEIGHTS_FILE
 from megacann.interop.reading import read_hf_weights, read_weights
 from megacann.interop.tokenizer import source_tokenizer
+from megacann.models import family_import
 
 Log = Callable[[str], None]
 
@@ -44,8 +45,12 @@ def write_consolidated(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: 
     os.makedirs(out, exist_ok=True)
     contiguous = {name: t.contiguous() for name, t in sorted(tensors.items())}
     save_safetensors(contiguous, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt", "producer": "megacann"})
+    values = asdict(cfg)
+    origin = family_import(cfg.type)
+    if origin is not None:  # a family megacann does not ship: what a reader imports to know it
+        values["imports"] = [origin]
     with open(os.path.join(out, CONSOLIDATED_CONFIG), "w") as f:
-        json.dump(asdict(cfg), f, indent=1)
+        json.dump(values, f, indent=1)
 
 
 def consolidate(source: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:

@@ -93,7 +93,7 @@ def whole_model_on_meta(spec: ModelSpec, model_cfg: ModelConfig) -> torch.nn.Mod
     cfg = MegacannConfig(model=model_cfg)
     spec.fill_defaults(model_cfg)  # not the family's recipe checks: the rest of this recipe is a default
     with torch.device("meta"):
-        return spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "meta")
+        return spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "meta")
 
 
 def model_parameter_names(spec: ModelSpec, model_cfg: ModelConfig) -> list[str]:

@@ -84,7 +84,7 @@ def from_pretrained_hf(
     cfg.distributed.tensor_parallel_size = ps.get_tensor_model_parallel_world_size()
     cfg.distributed.sequence_parallel = sequence_parallel
     prepare_model_config(cfg, spec, source=path)
-    model = spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
+    model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
     names = [name for name, _ in model.named_parameters()]
     load_full_state_dict_([model], spec.hf.from_hf(names, SafetensorsReader(path), model_cfg), source=path)
     return model

@@ -57,7 +57,7 @@ def _seed_base(model_cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     spec = get_model_spec(model_cfg.type)
     cfg = MegacannConfig(model=model_cfg, seed=seed)
     spec.fill_defaults(model_cfg)
-    model = spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "cpu")
+    model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), "cpu")
     return full_state_dict([model])  # unpadded, as checkpoints store them
 
 
@@ -155,6 +155,6 @@ def build_full_model(
     spec = get_model_spec(model_cfg.type)
     cfg = MegacannConfig(model=model_cfg)
     spec.fill_defaults(model_cfg)
-    model = spec.build_chunk(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
+    model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
     load_full_state_dict_([model], tensors, source)
     return model

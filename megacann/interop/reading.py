@@ -82,7 +82,7 @@ def read_consolidated(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
             )
     with open(config) as f:
         values = json.load(f)
-    return load_file(weights), model_config_from_dict(values, config)
+    return load_file(weights), model_config_from_dict(values, config, values.get("imports", ()))
 
 
 def read_hf_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:

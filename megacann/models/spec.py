@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig, register_model_config
+from megacann.layers.context import layer_context_from_config
 from megacann.layers.loss import ChunkOutput
 from megacann.layers.sharding import get_sharding
 
@@ -126,6 +127,13 @@ class ModelSpec:
     mixture_of_experts: bool = False
     config_class: type[ModelConfig] = ModelConfig
 
+    def build(self, cfg: MegacannConfig, placement: ChunkPlacement, device: Device = None) -> torch.nn.Module:
+        """``build_chunk`` inside the recipe's layer context (sequence parallel, dtype, device, the
+        context-parallel algorithm, init): every layer the family builds gets the recipe's settings, even
+        one a family forgot to pass them to. What megacann calls to build a chunk."""
+        with layer_context_from_config(cfg, device):
+            return self.build_chunk(cfg, placement, device)
+
     def total_parameters(self, cfg: ModelConfig) -> int:
         """Parameters of the whole model (vocabulary unpadded), from the family's formula or by counting."""
         if self.num_parameters is not None:
@@ -133,7 +141,7 @@ class ModelSpec:
         recipe = MegacannConfig(model=dataclasses.replace(cfg))  # a copy, of the family's class
         self.fill_defaults(recipe.model)
         with torch.device("meta"):  # no memory, no initialisation cost
-            model = self.build_chunk(recipe, ChunkPlacement(tuple(range(cfg.num_layers))), "meta")
+            model = self.build(recipe, ChunkPlacement(tuple(range(cfg.num_layers))), "meta")
         return sum(math.prod(get_sharding(p).logical_shape) for p in model.parameters())
 
     def parameters_per_token(self, cfg: ModelConfig) -> int:
@@ -143,20 +151,33 @@ class ModelSpec:
 
 _REGISTRY: dict[str, ModelSpec] = {}
 _REGISTERED_FROM: dict[str, str] = {}  # family -> the file whose code registered it
+_REGISTERING_MODULE: dict[str, str] = {}  # family -> that code's module name
 
 
 def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
     """Make ``spec`` available as ``model.type: <spec.name>``; returns it (usable as a one-liner)."""
-    caller = os.path.realpath(sys._getframe(1).f_code.co_filename)
+    frame = sys._getframe(1)
+    caller = os.path.realpath(frame.f_code.co_filename)
     known = _REGISTRY.get(spec.name)
     # the same file imported twice (a script, then by experiment.imports under another module name)
     # registers its family again; a rival family of that name from elsewhere is an error
     if known is not None and not replace and known is not spec and _REGISTERED_FROM.get(spec.name) != caller:
         raise ValueError(f"a model family named {spec.name!r} is already registered (pass replace=True)")
     _REGISTERED_FROM[spec.name] = caller
+    _REGISTERING_MODULE[spec.name] = frame.f_globals.get("__name__", "")
     _REGISTRY[spec.name] = spec
     register_model_config(spec.name, spec.config_class, spec.hf.model_types if spec.hf else ())
     return spec
+
+
+def family_import(name: str) -> Optional[str]:
+    """What another process imports to know family ``name`` (an ``experiment.imports`` entry): nothing for
+    megacann's own families, the module's name when it is importable by name, else its file (a script run
+    as ``__main__``, or a file imported by path)."""
+    module, file = _REGISTERING_MODULE.get(name, ""), _REGISTERED_FROM.get(name)
+    if file is None or module == "megacann" or module.startswith("megacann."):
+        return None
+    return file if module == "__main__" or module.startswith("megacann_user_") or not module else module
 
 
 def registered_models() -> list[str]:

@@ -59,4 +59,4 @@ def build_model_chunks(
 ) -> list[torch.nn.Module]:
     """This rank's model chunks, built by the model family's spec (default: the recipe's ``model.type``)."""
     spec = spec or get_model_spec(cfg.model.type)
-    return [spec.build_chunk(cfg, placement, device) for placement in chunk_placements(cfg)]
+    return [spec.build(cfg, placement, device) for placement in chunk_placements(cfg)]
