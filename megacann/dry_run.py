@@ -92,7 +92,7 @@ def describe_context_parallel(cfg: MegacannConfig) -> list[str]:
         f"cut into {2 * cp} chunks of {chunk}, cp rank i holds chunks i and {2 * cp - 1}-i: {share} tokens per "
         f"rank ({1 / cp:.3g} of the activations)"
     )
-    if d.sequence_parallel and d.tensor_parallel_size > 1:
+    if d.sequence_parallel_active:
         line += f", {share // d.tensor_parallel_size} per rank between tensor-parallel layers (sequence parallel)"
     return [line, "the cp ranks of a data-parallel rank read the same samples; gradients are summed over dp x cp"]
 

@@ -167,6 +167,11 @@ class DistributedConfig:
     timeout_minutes: float = 30.0
 
     @property
+    def sequence_parallel_active(self) -> bool:
+        """Sequence parallelism in effect: asked for, and more than one tensor-parallel rank to split over."""
+        return self.sequence_parallel and self.tensor_parallel_size > 1
+
+    @property
     def zero_stage(self) -> int:
         z = self.zero_optimization
         return int(z) if not isinstance(z, bool) else (1 if z else 0)

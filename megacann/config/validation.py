@@ -127,7 +127,7 @@ def check_context_parallel(cfg: MegacannConfig, source: str) -> None:
             f"{source}: data.seq_length {seq} must be divisible by 2 x distributed.context_parallel_size {cp} = "
             f"{2 * cp} (each cp rank holds two of 2 x cp equal chunks, for balanced causal attention)"
         )
-    if d.sequence_parallel and tp > 1 and (seq // cp) % tp:
+    if d.sequence_parallel_active and (seq // cp) % tp:
         raise ConfigError(
             f"{source}: sequence parallelism splits each cp rank's {seq // cp} tokens (data.seq_length {seq} / "
             f"context_parallel_size {cp}) over tensor_parallel_size {tp}: they must divide"

@@ -265,7 +265,7 @@ def get_forward_backward_func(cfg: MegacannConfig, forward_step: ForwardStep = d
         cfg.data.batch_size,
         cfg.data.seq_length,
         cfg.model.hidden_size,
-        d.sequence_parallel,
+        d.sequence_parallel_active,
         d.tensor_parallel_size,
         d.context_parallel_size,
     )

@@ -127,7 +127,7 @@ def layout_of(cfg: MegacannConfig) -> Layout:
         recompute=cfg.model.activation_checkpointing,
         micro_batch=cfg.data.batch_size,
         num_microbatches=cfg.optim.grad_accum_steps,
-        sequence_parallel=d.sequence_parallel and d.tensor_parallel_size > 1,
+        sequence_parallel=d.sequence_parallel_active,
         overlap_grad_reduce=d.overlap_grad_reduce,
         cp=d.context_parallel_size,
     )
