@@ -6,7 +6,10 @@ rank, marked ``tp_partial_grad``, and each rank computes only the kv heads its q
 core attention runs through :func:`megacann.ops.scaled_dot_product_attention`, so fused kernels slot in.
 
 Parameter names follow Hugging Face LLaMA: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (or one fused
-``qkv_proj`` whose full weight is ``cat(q_proj, k_proj, v_proj)`` along the output rows).
+``qkv_proj`` whose full weight is ``cat(q_proj, k_proj, v_proj)`` along the output rows). With ``qk_norm``
+(Qwen3, OLMo-2 style per-head norms) ``q_norm`` and ``k_norm`` are RMSNorms of size ``head_dim`` applied to
+every query and key head before RoPE; every TP rank holds them whole and normalises only its own heads,
+so their gradients are partial per rank (``tp_partial_grad``) and summed over the TP group.
 
 Under context parallelism (a context-parallel group of more than one rank) the layer holds this rank's
 sequence chunks and the core attention runs over the whole group with ``context_parallel_algo``
@@ -31,8 +34,9 @@ from megacann.layers.context import current_layer_context
 from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_attention
 from megacann.layers.init import default_init_methods
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megacann.layers.norm import RMSNorm
 from megacann.layers.random import checkpoint, get_rng_tracker
-from megacann.layers.sharding import InitMethod
+from megacann.layers.sharding import InitMethod, mark_partial_grad
 
 Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
 
@@ -60,7 +64,8 @@ class SelfAttention(torch.nn.Module):
     how attention crosses the ranks of ``context_parallel_group`` (default: parallel_state's cp group).
     Without an algorithm the layer refuses to run under context parallelism rather than pick one.
     ``recompute_core_attention`` (default: the context's ``recompute == "selective"``) recomputes the
-    softmax attention in backward.
+    softmax attention in backward. ``qk_norm`` adds the per-head RMSNorms ``q_norm`` / ``k_norm`` (epsilon
+    ``qk_norm_eps``) between the projections and RoPE.
     """
 
     def __init__(
@@ -84,6 +89,8 @@ class SelfAttention(torch.nn.Module):
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
+        qk_norm: bool = False,
+        qk_norm_eps: float = 1e-6,
     ):
         super().__init__()
         ctx = current_layer_context()
@@ -150,6 +157,13 @@ class SelfAttention(torch.nn.Module):
             self.k_proj = ColumnParallelLinear(hidden_size, kv_size, **kv)
             self.v_proj = ColumnParallelLinear(hidden_size, kv_size, **kv)
         self.o_proj = RowParallelLinear(q_size, hidden_size, bias=output_bias, init_method=output_init_method, **linear)
+        self.q_norm = self.k_norm = None
+        if qk_norm:  # whole on every rank; each rank's heads give part of the gradient (under SP as well)
+            norm = dict(sequence_parallel=False, dtype=dtype, device=device)
+            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps, **norm), RMSNorm(head_dim, qk_norm_eps, **norm)
+            if tp > 1:
+                mark_partial_grad(self.q_norm.weight)
+                mark_partial_grad(self.k_norm.weight)
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as ``[b, s, heads, head_dim]`` views over the whole sequence."""
@@ -199,6 +213,8 @@ class SelfAttention(torch.nn.Module):
         self, hidden: torch.Tensor, rotary: Rotary = None, segment_ids: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         q, k, v = self._project(hidden)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             cos, sin = rotary
             q = ops.apply_rotary(q, cos, sin, self.rotary_interleaved)

@@ -4,6 +4,7 @@ Submodule names follow Hugging Face LLaMA, so a checkpoint maps by name::
 
     input_layernorm.weight           (LayerNorm: also .bias)
     self_attn.q_proj / k_proj / v_proj / o_proj .weight (.bias)   or self_attn.qkv_proj (fused_qkv)
+    self_attn.q_norm / k_norm .weight                             (qk_norm: per-head RMSNorm, Qwen3)
     post_attention_layernorm.weight  (LayerNorm: also .bias)
     mlp.gate_up_proj / down_proj .weight (swiglu, fused_gate_up)  or mlp.gate_proj / up_proj / down_proj
     mlp.up_proj / down_proj .weight (.bias)                       (gelu, gelu_tanh)
@@ -47,6 +48,8 @@ class TransformerBlockConfig:
     """Shape and options of one block. ``output_layer_init_std`` is the std of the projections that feed
     the residual (``o_proj``, ``down_proj``); Megatron uses ``init_method_std / sqrt(2 * num_layers)``.
     ``recompute``: ``selective`` recomputes the core attention in backward, ``full`` the whole block.
+    ``add_qkv_bias`` gives q, k, v biases apart from the other projections (Qwen2: only those);
+    ``qk_norm`` normalises every query and key head with an RMSNorm (``norm_eps``) before RoPE (Qwen3).
     ``context_parallel_algo`` is how attention crosses the context-parallel group when it has more than
     one rank (``ring``, ``allgather``, ``ulysses``).
 
@@ -66,6 +69,7 @@ class TransformerBlockConfig:
     activation: str = "swiglu"
     add_bias_linear: bool = False
     add_qkv_bias: Optional[bool] = None  # None: add_bias_linear (True for Qwen2-style q/k/v bias only)
+    qk_norm: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     sequence_parallel: Optional[bool] = None
@@ -161,6 +165,8 @@ class TransformerBlock(torch.nn.Module):
             init_method=init,
             output_init_method=out_init,
             group=group,
+            qk_norm=c.qk_norm,
+            qk_norm_eps=c.norm_eps,
             **common,
         )
         self.post_attention_layernorm = self._norm(common)

@@ -1,8 +1,8 @@
 """Model families built only from megacann.layers, and the contract the rest of megacann knows them by.
 
-``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT and MoE here); a script registers its own
-with :func:`register_model` or hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face
-adapter (:class:`HFAdapter`); reading and writing the directories is :mod:`megacann.interop`'s, and
+``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Qwen2, Qwen3 and Qwen3-MoE here;
+docs/models.md lists them); a script registers its own with :func:`register_model` or hands one to
+``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`); reading and writing the directories is :mod:`megacann.interop`'s, and
 ``from megacann.models import from_pretrained_hf`` still finds it there.
 """
 
@@ -14,6 +14,7 @@ from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.gpt import GPT, GPTModel
 from megacann.models.llama import LLAMA, LlamaModel
 from megacann.models.moe import MOE, MoEModel
+from megacann.models.qwen import QWEN2, QWEN3, QWEN3_MOE, Qwen2Model, Qwen3Model, Qwen3MoeModel
 from megacann.models.sizing import padded_vocab_size
 from megacann.models.spec import (
     ChunkPlacement,
@@ -32,11 +33,17 @@ from megacann.models.step_loss import count_target_tokens
 register_model(LLAMA)
 register_model(GPT)
 register_model(MOE)
+register_model(QWEN2)
+register_model(QWEN3)
+register_model(QWEN3_MOE)
 
 __all__ = [
     "GPT",
     "LLAMA",
     "MOE",
+    "QWEN2",
+    "QWEN3",
+    "QWEN3_MOE",
     "ChunkPlacement",
     "DecoderArch",
     "DecoderLM",
@@ -45,6 +52,9 @@ __all__ = [
     "LlamaModel",
     "ModelSpec",
     "MoEModel",
+    "Qwen2Model",
+    "Qwen3Model",
+    "Qwen3MoeModel",
     "count_target_tokens",
     "decoder_forward_step",
     "decoder_model_spec",

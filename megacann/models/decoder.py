@@ -52,11 +52,13 @@ EMBEDDING_WEIGHT = "embed_tokens.weight"  # the name a last stage's tied copy of
 @dataclass(frozen=True)
 class DecoderArch:
     """The choices that tell decoder families apart (LLaMA: RMSNorm, SwiGLU, RoPE; GPT: LayerNorm with
-    bias, GELU, learned positions)."""
+    bias, GELU, learned positions; Qwen2: LLaMA with q, k, v biases; Qwen3: LLaMA with q/k norms)."""
 
     normalization: str = "rmsnorm"  # rmsnorm | layernorm
     activation: str = "swiglu"  # swiglu | gelu | gelu_tanh
     position_embedding: str = "rope"  # rope | learned
+    qkv_bias: Optional[bool] = None  # q, k, v biases; None: as the other projections (model.add_bias_linear)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
 
     @property
     def mlp_matrices(self) -> int:
@@ -69,18 +71,21 @@ class DecoderArch:
         return 2 if self.normalization == "layernorm" else 1
 
 
-def block_config(cfg: ModelConfig, arch: DecoderArch) -> TransformerBlockConfig:
-    """The TransformerBlock settings of a model config and architecture; sequence parallelism, dtype and
-    the context-parallel algorithm are left to the layer context."""
+def block_config(cfg: ModelConfig, arch: DecoderArch, head_dim: Optional[int] = None) -> TransformerBlockConfig:
+    """The TransformerBlock settings of a model config and architecture (``head_dim`` None: hidden size /
+    heads); sequence parallelism, dtype and the context-parallel algorithm are left to the layer context."""
     return TransformerBlockConfig(
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.kv_heads,
         ffn_hidden_size=cfg.ffn_size,
+        head_dim=head_dim,
         normalization=arch.normalization,
         norm_eps=cfg.norm_eps,
         activation=arch.activation,
         add_bias_linear=cfg.use_bias,
+        add_qkv_bias=arch.qkv_bias,
+        qk_norm=arch.qk_norm,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std,
@@ -111,6 +116,11 @@ class DecoderLM(torch.nn.Module):
     def fill_defaults(cfg: ModelConfig) -> None:
         """Fill the family's defaults (MLP width, biases) into ``cfg`` where it leaves them unset."""
 
+    @staticmethod
+    def attention_head_dim(cfg: ModelConfig) -> int:
+        """Width of one attention head: hidden size / heads, unless the family's config says otherwise."""
+        return cfg.hidden_size // cfg.num_attention_heads
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -132,7 +142,7 @@ class DecoderLM(torch.nn.Module):
         context = context or current_layer_context()
         self.sequence_parallel = context.sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
-        self.block_config = block_config(cfg, arch)
+        self.block_config = block_config(cfg, arch, self.attention_head_dim(cfg))
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         with context:
             self._build(layer_ids)
@@ -159,7 +169,7 @@ class DecoderLM(torch.nn.Module):
         self.rotary = None
         if arch.position_embedding == "rope" and layer_ids:
             self.rotary = RotaryEmbedding(
-                h // cfg.num_attention_heads, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_interleaved
+                self.block_config.attention_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_interleaved
             )
         if post_process:
             if arch.normalization == "layernorm":
@@ -231,7 +241,7 @@ def decoder_model_spec(
     hf: Optional[HFAdapter] = None,
 ) -> ModelSpec:
     """The :class:`ModelSpec` of a :class:`DecoderLM` family (``model_class`` fixes its architecture)."""
-    arch = model_class.ARCH
+    arch, head_dim = model_class.ARCH, model_class.attention_head_dim
 
     def build_chunk(cfg: MegacannConfig, placement: ChunkPlacement, device=None) -> DecoderLM:
         model = model_class(
@@ -248,8 +258,8 @@ def decoder_model_spec(
     return ModelSpec(
         name=name,
         build_chunk=build_chunk,
-        flops_per_token=lambda m, seq: sizing.flops_per_token(m, seq, arch),
-        num_parameters=lambda m: sizing.num_parameters(m, arch),
+        flops_per_token=lambda m, seq: sizing.flops_per_token(m, seq, arch, head_dim(m)),
+        num_parameters=lambda m: sizing.num_parameters(m, arch, head_dim(m)),
         fill_defaults=model_class.fill_defaults,
         hf=hf,
         architecture=arch,

@@ -9,12 +9,15 @@ Attention, norms and embeddings are named as in LLaMA (:mod:`megacann.models.hf_
 (the checkpoint layout transformers writes and the Hub's Mixtral checkpoints use). Mixtral is every layer
 an MoE layer with softmax top-k routing (k >= 2, the chosen weights normalised), no shared experts and no
 routing bias; a model of the family that is more than that cannot be written as Mixtral and is refused.
+Other checkpoints that keep routers and experts the same way under other names (Qwen3-MoE) reuse the
+mapping through an :class:`ExpertLayout`.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,10 +26,90 @@ from megacann.config import ConfigError, ModelConfig
 from megacann.models import hf_llama
 from megacann.models.spec import HFAdapter
 
-HF_BLOCK = "model.layers.{layer}.block_sparse_moe"
 _ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.weight")
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_up_proj|down_proj)\.weight")
 _BIAS = re.compile(r"layers\.(\d+)\.mlp\.router\.expert_bias")
+DenseParts = Callable[[str, ModelConfig], list[tuple[str, Optional[int]]]]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a Hugging Face MoE checkpoint keeps an MoE layer's router and experts: ``block`` (with
+    ``{layer}``) holds ``<router>.weight`` and ``experts.<e>.<gate|up|down>.weight``. Mixtral's is
+    :data:`MIXTRAL_LAYOUT`; Qwen-MoE and DeepSeek name them ``mlp.gate`` and ``gate_proj / up_proj /
+    down_proj``."""
+
+    block: str
+    router: str = "gate"
+    gate: str = "w1"
+    up: str = "w3"
+    down: str = "w2"
+
+    def router_name(self, layer: str) -> str:
+        return f"{self.block.format(layer=layer)}.{self.router}.weight"
+
+    def expert_names(self, layer: str, expert: str) -> dict[str, str]:
+        base = f"{self.block.format(layer=layer)}.experts.{expert}"
+        return {part: f"{base}.{getattr(self, part)}.weight" for part in ("gate", "up", "down")}
+
+
+MIXTRAL_LAYOUT = ExpertLayout("model.layers.{layer}.block_sparse_moe")
+
+
+def expert_parts(
+    name: str, cfg: ModelConfig, layout: ExpertLayout, dense: DenseParts
+) -> list[tuple[str, Optional[int]]]:
+    """The Hugging Face names of megacann weight ``name`` with the output rows of each (rows None: the
+    whole tensor): an expert's gate_up_proj is gate then up, its down_proj down; other weights as
+    ``dense`` says. What PEFT adapter names need (``HFAdapter.linear_parts``)."""
+    if match := _EXPERT.fullmatch(name):
+        hf = layout.expert_names(match[1], match[2])
+        if match[3] == "down_proj":
+            return [(hf["down"], None)]
+        return [(hf["gate"], cfg.moe_ffn_hidden_size), (hf["up"], cfg.moe_ffn_hidden_size)]
+    return dense(name, cfg)
+
+
+def experts_to_hf(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: ExpertLayout
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Routers and experts of megacann whole tensors under ``layout``'s names (gate/up split), and the
+    tensors that are neither (for the dense adapter). A router's balancing bias must be zero."""
+    out: dict[str, torch.Tensor] = {}
+    rest: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if _BIAS.fullmatch(name):  # a zero bias (balancing off) carries nothing
+            if torch.count_nonzero(tensor):
+                raise ConfigError(f"{name} is not zero: the Hugging Face model has no routing bias")
+        elif match := _ROUTER.fullmatch(name):
+            out[layout.router_name(match[1])] = tensor
+        elif match := _EXPERT.fullmatch(name):
+            hf = layout.expert_names(match[1], match[2])
+            if match[3] == "down_proj":
+                out[hf["down"]] = tensor
+            else:
+                out[hf["gate"]], out[hf["up"]] = torch.split(tensor, [cfg.moe_ffn_hidden_size] * 2, dim=0)
+        else:
+            rest[name] = tensor
+    return out, rest
+
+
+def experts_from_hf(
+    names: Sequence[str], read: Callable[[str], torch.Tensor], layout: ExpertLayout
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The whole router and expert tensors among megacann ``names``, read by ``layout``'s names, and the
+    names that are neither (for the dense adapter)."""
+    out: dict[str, torch.Tensor] = {}
+    rest = []
+    for name in names:
+        if match := _ROUTER.fullmatch(name):
+            out[name] = read(layout.router_name(match[1]))
+        elif match := _EXPERT.fullmatch(name):
+            hf = layout.expert_names(match[1], match[2])
+            out[name] = read(hf["down"]) if match[3] == "down_proj" else torch.cat([read(hf["gate"]), read(hf["up"])])
+        else:
+            rest.append(name)
+    return out, rest
 
 
 def check_mixtral_compatible(cfg: ModelConfig) -> None:
@@ -46,43 +129,17 @@ def check_mixtral_compatible(cfg: ModelConfig) -> None:
             raise ConfigError(f"model.{key} {getattr(cfg, key)!r} cannot be written as Mixtral: {why}")
 
 
-def _expert_names(layer: str, expert: str) -> dict[str, str]:
-    base = f"{HF_BLOCK.format(layer=layer)}.experts.{expert}"
-    return {part: f"{base}.{part}.weight" for part in ("w1", "w2", "w3")}
-
-
 def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
-    """The Mixtral names of megacann weight ``name`` with the output rows of each (rows None: the whole
-    tensor): an expert's gate_up_proj is w1 (gate) then w3 (up), its down_proj w2; the rest as in LLaMA.
-    What PEFT adapter names need (``HFAdapter.linear_parts``)."""
+    """The Mixtral names of megacann weight ``name`` with the output rows of each: an expert's
+    gate_up_proj is w1 (gate) then w3 (up), its down_proj w2; the rest as in LLaMA."""
     check_mixtral_compatible(cfg)
-    if match := _EXPERT.fullmatch(name):
-        hf = _expert_names(match[1], match[2])
-        if match[3] == "down_proj":
-            return [(hf["w2"], None)]
-        return [(hf["w1"], cfg.moe_ffn_hidden_size), (hf["w3"], cfg.moe_ffn_hidden_size)]
-    return hf_llama.hf_parts(name, cfg)
+    return expert_parts(name, cfg, MIXTRAL_LAYOUT, hf_llama.hf_parts)
 
 
 def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """megacann whole tensors -> Mixtral names (gate/up split; router and experts renamed)."""
     check_mixtral_compatible(cfg)
-    out: dict[str, torch.Tensor] = {}
-    rest: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if _BIAS.fullmatch(name):  # a zero bias (balancing off) carries nothing
-            if torch.count_nonzero(tensor):
-                raise ConfigError(f"{name} is not zero: Mixtral has no routing bias")
-        elif match := _ROUTER.fullmatch(name):
-            out[f"{HF_BLOCK.format(layer=match[1])}.gate.weight"] = tensor
-        elif match := _EXPERT.fullmatch(name):
-            hf = _expert_names(match[1], match[2])
-            if match[3] == "down_proj":
-                out[hf["w2"]] = tensor
-            else:
-                out[hf["w1"]], out[hf["w3"]] = torch.split(tensor, [cfg.moe_ffn_hidden_size] * 2, dim=0)
-        else:
-            rest[name] = tensor
+    out, rest = experts_to_hf(tensors, cfg, MIXTRAL_LAYOUT)
     out.update(hf_llama.to_hf_tensors(rest, cfg))
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -91,16 +148,7 @@ def from_hf_tensors(
     names: Sequence[str], read: Callable[[str], torch.Tensor], cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
     """The whole tensors of megacann ``names``, read by Mixtral name through ``read(hf_name)``."""
-    out: dict[str, torch.Tensor] = {}
-    rest = []
-    for name in names:
-        if match := _ROUTER.fullmatch(name):
-            out[name] = read(f"{HF_BLOCK.format(layer=match[1])}.gate.weight")
-        elif match := _EXPERT.fullmatch(name):
-            hf = _expert_names(match[1], match[2])
-            out[name] = read(hf["w2"]) if match[3] == "down_proj" else torch.cat([read(hf["w1"]), read(hf["w3"])])
-        else:
-            rest.append(name)
+    out, rest = experts_from_hf(names, read, MIXTRAL_LAYOUT)
     out.update(hf_llama.from_hf_tensors(rest, read, cfg))
     return out
 
