@@ -8,7 +8,7 @@ import torch
 # embeddings (as its small sizes do); Qwen3's heads are 24 wide, not hidden / heads = 16; Qwen3-MoE has a
 # dense layer (mlp_only_layers) among its MoE layers and renormalised top-2 routing.
 SHAPE = {
-    "vocab_size": 200,
+    "vocab_size": 260,  # the byte tokenizer's 259 ids fit (model.init_from checks the tokenizer)
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 4,

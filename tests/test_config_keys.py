@@ -58,6 +58,12 @@ READ_BY = {
     "model.moe_layer_freq": "models/moe.py",
     "model.moe_shared_experts": "models/moe.py",
     "model.moe_ffn_hidden_size": "models/moe.py",
+    # the Qwen families' own keys (models/qwen_config.py)
+    "model.use_sliding_window": "models/qwen.py",  # refused when true
+    "model.head_dim": "models/qwen_config.py",  # qwen_head_dim, read by models/qwen.py and hf_qwen.py
+    "model.norm_topk_prob": "models/qwen.py",
+    "model.decoder_sparse_step": "models/qwen_config.py",  # qwen3_moe_layer_flags -> moe_layer_freq
+    "model.mlp_only_layers": "models/qwen_config.py",
     "data.path": "data/builders.py",
     "data.tokenizer": "data/builders.py",
     "data.seq_length": "data/builders.py",
@@ -148,7 +154,8 @@ REFUSED_VALUES = {
 
 def schema_keys() -> set[str]:
     """Every recipe key: the shared schema's and those of megacann's own families."""
-    return {key for family in ("llama", "gpt", "moe") for key in all_dotted_keys(model_config_class(family))}
+    families = ("llama", "gpt", "moe", "qwen2", "qwen3", "qwen3_moe")
+    return {key for family in families for key in all_dotted_keys(model_config_class(family))}
 
 
 def test_every_key_is_accounted_for():
