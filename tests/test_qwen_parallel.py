@@ -4,7 +4,9 @@ norms under the ring) and expert parallelism (qwen3_moe) as on one process (gloo
 gradient norms to 1e-5 relative. Each layout shows it is on: TP shard shapes (the per-head norms whole on
 every rank), tokens per rank under SP / CP, the layers of each stage, the experts of each rank.
 
-Two spawns: world 2 runs every layout of every family, world 1 the one-process references.
+The TP and PP layouts also write the weights they started from back as a Hugging Face directory
+(``save_pretrained_hf``, collective): the tensors equal the checkpoint's. Two spawns: world 2 runs every
+layout of every family, world 1 the one-process references.
 """
 
 from __future__ import annotations
@@ -74,12 +76,20 @@ def _train(trainer) -> dict:
     }
 
 
+EXPORTED = ("tp2_sp", "pp2")  # layouts that write the weights they started from back as Hugging Face files
+
+
 def _world(runs: dict, hf_dirs: dict, root: str) -> dict:
-    return {
-        (family, layout): _train(_trainer(family, hf_dirs[family], LAYOUTS.get(layout, [ACCUM2]), f"{root}/{layout}"))
-        for family, layouts in runs.items()
-        for layout in layouts
-    }
+    from megacann.interop.hf import save_pretrained_hf
+
+    results = {}
+    for family, layouts in runs.items():
+        for layout in layouts:
+            trainer = _trainer(family, hf_dirs[family], LAYOUTS.get(layout, [ACCUM2]), f"{root}/{family}_{layout}")
+            if layout in EXPORTED:  # collective: each stage writes its shard, TP slices gathered
+                save_pretrained_hf(trainer.model_chunks, f"{root}/{family}_{layout}/hf", trainer.cfg.model)
+            results[(family, layout)] = _train(trainer)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +100,13 @@ def hf_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world2(hf_dirs, tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("qwen_world2"))
-    return run_on_ranks(_world, 2, args=(RUNS, hf_dirs, root), timeout=600)
+def world2_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("qwen_world2"))
+
+
+@pytest.fixture(scope="module")
+def world2(hf_dirs, world2_root):
+    return run_on_ranks(_world, 2, args=(RUNS, hf_dirs, world2_root), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +136,23 @@ def test_layouts_train_like_one_process(world1, world2, family, layout):
         assert {f["tokens"][0] for f in facts} == {SEQ // 2}
     elif layout == "ep2":
         assert [f["experts"] for f in facts] == [[0, 1], [2, 3]] and reference["experts"] == [0, 1, 2, 3]
+
+
+def _hf_tensors(path: str) -> dict:
+    import glob
+
+    from safetensors.torch import load_file
+
+    return {k: v for file in sorted(glob.glob(f"{path}/*.safetensors")) for k, v in load_file(file).items()}
+
+
+@pytest.mark.parametrize("family,layout", [(f, layout) for f in RUNS for layout in EXPORTED])
+def test_weights_written_back_from_a_layout_equal_the_checkpoint(hf_dirs, world2, world2_root, family, layout):
+    import torch
+
+    original, exported = _hf_tensors(hf_dirs[family]), _hf_tensors(f"{world2_root}/{family}_{layout}/hf")
+    if layout == "pp2" and "lm_head.weight" not in original:  # tied: the last stage writes its copy too
+        assert torch.equal(exported.pop("lm_head.weight"), original["model.embed_tokens.weight"])
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
