@@ -1,8 +1,9 @@
 """The Qwen families started from a Hugging Face checkpoint (``model.init_from``, written by transformers)
 train alike under tensor + sequence parallelism, pipeline stages, context parallelism (qwen3: its q/k
-norms under the ring) and expert parallelism (qwen3_moe) as on one process (gloo, CPU, fp32): losses and
-gradient norms to 1e-5 relative. Each layout shows it is on: TP shard shapes (the per-head norms whole on
-every rank), tokens per rank under SP / CP, the layers of each stage, the experts of each rank.
+norms under ring and Ulysses attention) and expert parallelism (qwen3_moe) as on one process (gloo, CPU,
+fp32): losses and gradient norms to 1e-5 relative. Each layout shows it is on: TP shard shapes (the
+per-head norms whole on every rank), tokens per rank under SP / CP, the layers of each stage, the experts
+of each rank.
 
 The TP and PP layouts also write the weights they started from back as a Hugging Face directory
 (``save_pretrained_hf``, collective): the tensors equal the checkpoint's. Two spawns: world 2 runs every
@@ -24,10 +25,15 @@ ACCUM2 = "optim.grad_accum_steps=2"
 LAYOUTS = {
     "tp2_sp": ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true", ACCUM2],
     "pp2": ["distributed.pipeline_parallel_size=2", ACCUM2],
-    "cp2": ["distributed.context_parallel_size=2", ACCUM2],
+    "cp2": ["distributed.context_parallel_size=2", ACCUM2],  # ring attention
+    "cp2_ulysses": ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=ulysses", ACCUM2],
     "ep2": ["distributed.expert_parallel_size=2", "optim.grad_accum_steps=1"],  # dp 2 (ep within it)
 }
-RUNS = {"qwen2": ("tp2_sp", "pp2"), "qwen3": ("tp2_sp", "pp2", "cp2"), "qwen3_moe": ("tp2_sp", "pp2", "ep2")}
+RUNS = {
+    "qwen2": ("tp2_sp", "pp2"),
+    "qwen3": ("tp2_sp", "pp2", "cp2", "cp2_ulysses"),
+    "qwen3_moe": ("tp2_sp", "pp2", "ep2"),
+}
 
 
 def _trainer(family: str, hf_dir: str, overrides: list[str], output_dir: str):
@@ -132,7 +138,7 @@ def test_layouts_train_like_one_process(world1, world2, family, layout):
             assert {f["q_norm"] for f in facts} == {((head_dim,), True)} and reference["q_norm"] == ((head_dim,), False)
     elif layout == "pp2":
         assert [f["layers"] for f in facts] == [[0, 1], [2, 3]]
-    elif layout == "cp2":
+    elif layout.startswith("cp2"):
         assert {f["tokens"][0] for f in facts} == {SEQ // 2}
     elif layout == "ep2":
         assert [f["experts"] for f in facts] == [[0, 1], [2, 3]] and reference["experts"] == [0, 1, 2, 3]
