@@ -58,6 +58,9 @@ READ_BY = {
     "model.moe_layer_freq": "models/moe.py",
     "model.moe_shared_experts": "models/moe.py",
     "model.moe_ffn_hidden_size": "models/moe.py",
+    # the mistral family's own keys (models/mistral.py)
+    "model.head_dim": "models/mistral.py",  # its check; models/sizing.py reads it as attention_head_dim
+    "model.sliding_window": "models/mistral.py",
     "data.path": "data/builders.py",
     "data.tokenizer": "data/builders.py",
     "data.seq_length": "data/builders.py",
@@ -148,7 +151,7 @@ REFUSED_VALUES = {
 
 def schema_keys() -> set[str]:
     """Every recipe key: the shared schema's and those of megacann's own families."""
-    return {key for family in ("llama", "gpt", "moe") for key in all_dotted_keys(model_config_class(family))}
+    return {key for family in ("llama", "gpt", "moe", "mistral") for key in all_dotted_keys(model_config_class(family))}
 
 
 def test_every_key_is_accounted_for():

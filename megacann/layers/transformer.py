@@ -78,6 +78,7 @@ class TransformerBlockConfig:
     fused_qkv: bool = False
     fused_gate_up: bool = True
     softmax_scale: Optional[float] = None
+    sliding_window: Optional[int] = None  # each query sees its last W keys (Mistral); None: all earlier ones
     recompute: Optional[str] = None
     context_parallel_algo: Optional[str] = None
     params_dtype: Optional[torch.dtype] = None
@@ -156,6 +157,7 @@ class TransformerBlock(torch.nn.Module):
             fused_qkv=c.fused_qkv,
             rotary_interleaved=c.rotary_interleaved,
             softmax_scale=c.softmax_scale,
+            sliding_window=c.sliding_window,
             recompute_core_attention=c.recompute == "selective",
             context_parallel_algo=c.context_parallel_algo,
             init_method=init,

@@ -1,6 +1,6 @@
 """Model families built only from megacann.layers, and the contract the rest of megacann knows them by.
 
-``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT and MoE here); a script registers its own
+``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE and Mistral here); a script registers its own
 with :func:`register_model` or hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face
 adapter (:class:`HFAdapter`); reading and writing the directories is :mod:`megacann.interop`'s, and
 ``from megacann.models import from_pretrained_hf`` still finds it there.
@@ -13,6 +13,7 @@ from typing import Any
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.gpt import GPT, GPTModel
 from megacann.models.llama import LLAMA, LlamaModel
+from megacann.models.mistral import MISTRAL, MistralModel, MistralModelConfig
 from megacann.models.moe import MOE, MoEModel
 from megacann.models.sizing import padded_vocab_size
 from megacann.models.spec import (
@@ -32,10 +33,12 @@ from megacann.models.step_loss import count_target_tokens
 register_model(LLAMA)
 register_model(GPT)
 register_model(MOE)
+register_model(MISTRAL)
 
 __all__ = [
     "GPT",
     "LLAMA",
+    "MISTRAL",
     "MOE",
     "ChunkPlacement",
     "DecoderArch",
@@ -43,6 +46,8 @@ __all__ = [
     "GPTModel",
     "HFAdapter",
     "LlamaModel",
+    "MistralModel",
+    "MistralModelConfig",
     "ModelSpec",
     "MoEModel",
     "count_target_tokens",

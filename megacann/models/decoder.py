@@ -83,6 +83,7 @@ def block_config(cfg: ModelConfig, arch: DecoderArch) -> TransformerBlockConfig:
         add_bias_linear=cfg.use_bias,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
+        head_dim=sizing.attention_head_dim(cfg),
         init_method_std=cfg.init_method_std,
         output_layer_init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers),
         position_embedding="rope" if arch.position_embedding == "rope" else "none",
@@ -132,7 +133,7 @@ class DecoderLM(torch.nn.Module):
         context = context or current_layer_context()
         self.sequence_parallel = context.sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
-        self.block_config = block_config(cfg, arch)
+        self.block_config = self.make_block_config(cfg, arch)
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         with context:
             self._build(layer_ids)
@@ -159,7 +160,7 @@ class DecoderLM(torch.nn.Module):
         self.rotary = None
         if arch.position_embedding == "rope" and layer_ids:
             self.rotary = RotaryEmbedding(
-                h // cfg.num_attention_heads, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_interleaved
+                self.block_config.attention_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_interleaved
             )
         if post_process:
             if arch.normalization == "layernorm":
@@ -176,6 +177,12 @@ class DecoderLM(torch.nn.Module):
                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                 tie_to=tie_to,
             )
+
+    @staticmethod
+    def make_block_config(cfg: ModelConfig, arch: DecoderArch) -> TransformerBlockConfig:
+        """The settings of this family's blocks (:func:`block_config`); a family whose attention has more
+        (Mistral's sliding window) overrides this."""
+        return block_config(cfg, arch)
 
     def build_layer(self, layer_id: int) -> torch.nn.Module:
         """Layer ``layer_id`` (global index): a dense block here; a family with another feed-forward

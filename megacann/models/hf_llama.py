@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megacann.config import ModelConfig, load_hf_model_config, model_config_class
+from megacann.models.sizing import attention_head_dim
 from megacann.models.spec import HFAdapter
 
 HEAD = "lm_head.weight"
@@ -29,7 +30,7 @@ def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
     if ".mlp.gate_up_proj." in name:
         return [(hf.replace("gate_up_proj", part), cfg.ffn_size) for part in ("gate_proj", "up_proj")]
     if ".self_attn.qkv_proj." in name:
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        head_dim = attention_head_dim(cfg)
         rows = (cfg.num_attention_heads * head_dim, cfg.kv_heads * head_dim, cfg.kv_heads * head_dim)
         return [(hf.replace("qkv_proj", part), size) for part, size in zip(("q_proj", "k_proj", "v_proj"), rows)]
     return [(hf, None)]

@@ -13,11 +13,17 @@ if TYPE_CHECKING:
 padded_vocab_size = pad_vocab_size  # the vocabulary as VocabParallelEmbedding pads it
 
 
+def attention_head_dim(cfg: ModelConfig) -> int:
+    """Width of one attention head: the family's ``head_dim`` key where it has one and sets it (Mistral),
+    else ``hidden_size / num_attention_heads``."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def attention_parameters(cfg: ModelConfig) -> int:
     """q, k, v and output projections of one layer (with biases if the model has them)."""
-    h = cfg.hidden_size
-    kv = cfg.kv_heads * (h // cfg.num_attention_heads)
-    return h * h + 2 * h * kv + h * h + (h + 2 * kv + h if cfg.use_bias else 0)
+    h, head_dim = cfg.hidden_size, attention_head_dim(cfg)
+    q, kv = cfg.num_attention_heads * head_dim, cfg.kv_heads * head_dim
+    return h * q + 2 * h * kv + q * h + (q + 2 * kv + h if cfg.use_bias else 0)
 
 
 def layer_parameters(cfg: ModelConfig, arch: DecoderArch) -> int:
@@ -40,9 +46,9 @@ def num_parameters(cfg: ModelConfig, arch: DecoderArch) -> int:
 
 def attention_matmul_parameters(cfg: ModelConfig) -> int:
     """Weights of one layer's q, k, v and output projections (no biases)."""
-    h = cfg.hidden_size
-    kv = cfg.kv_heads * (h // cfg.num_attention_heads)
-    return 2 * h * h + 2 * h * kv
+    h, head_dim = cfg.hidden_size, attention_head_dim(cfg)
+    q, kv = cfg.num_attention_heads * head_dim, cfg.kv_heads * head_dim
+    return 2 * h * q + 2 * h * kv
 
 
 def matmul_parameters(cfg: ModelConfig, arch: DecoderArch) -> int:
@@ -53,7 +59,7 @@ def matmul_parameters(cfg: ModelConfig, arch: DecoderArch) -> int:
 
 def palm_flops_per_token(matmul_params: int, cfg: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token by the PaLM formula: 6N + 12 L H Q T (recompute not counted)."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = attention_head_dim(cfg)
     return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.num_attention_heads * head_dim * seq_length
 
 

@@ -90,11 +90,22 @@ def scaled_dot_product_attention(
     attn_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Attention over ``[b, s, heads, d]`` tensors with GQA, causal and packed-segment masking; see
-    :func:`megacann.ops.reference.scaled_dot_product_attention`."""
+    """Attention over ``[b, s, heads, d]`` tensors with GQA, causal, sliding-window and packed-segment
+    masking; see :func:`megacann.ops.reference.scaled_dot_product_attention`."""
     fn = resolve("scaled_dot_product_attention", q.device.type)
-    return fn(q, k, v, causal=causal, segment_ids=segment_ids, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+    return fn(
+        q,
+        k,
+        v,
+        causal=causal,
+        segment_ids=segment_ids,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        sliding_window=sliding_window,
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

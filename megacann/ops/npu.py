@@ -12,7 +12,10 @@ Calls follow torch_npu's documented signatures:
   the 2048x2048 upper-triangular bool mask, True = masked, with ``sparse_mode=2``); ``TND`` for packed
   sequences (``segment_ids``), with the cumulative document ends as ``actual_seq_qlen`` /
   ``actual_seq_kvlen`` and ``sparse_mode=3`` when causal; an explicit ``attn_mask`` goes in as its
-  complement with ``sparse_mode=0``. Key/value may have fewer heads (GQA).
+  complement with ``sparse_mode=0``. Key/value may have fewer heads (GQA). A sliding window W uses band
+  mode (``sparse_mode=4``, the same compressed mask) with ``pre_tockens=W-1`` and ``next_tockens=0``: a
+  query at ``i`` keeps keys ``j`` with ``i - pre_tockens <= j <= i + next_tockens``, i.e. its last W keys
+  (in TND, within each document).
 - ``npu_cross_entropy_loss(logits, target, reduction='none', ...)`` for fp32 logits (its loss has the input's
   dtype, so bf16 logits use the reference, which computes the loss in fp32)
 - ``npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, eps, grad, None, False,
@@ -37,7 +40,7 @@ from megacann.ops.registry import register
 NPU = "npu"
 PRIORITY = 20
 COMPRESSED_MASK_SIZE = 2048  # the optimised causal mask torch_npu expects with sparse_mode 2/3
-SPARSE_NONE, SPARSE_LEFT_UP_CAUSAL, SPARSE_RIGHT_DOWN_CAUSAL = 0, 2, 3
+SPARSE_NONE, SPARSE_LEFT_UP_CAUSAL, SPARSE_RIGHT_DOWN_CAUSAL, SPARSE_BAND = 0, 2, 3, 4
 
 _causal_masks: dict[torch.device, torch.Tensor] = {}
 
@@ -106,25 +109,31 @@ def scaled_dot_product_attention(
     attn_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
     b, s, heads, d = q.shape
     common = dict(scale=scale if scale is not None else 1.0 / math.sqrt(d), keep_prob=1.0 - dropout_p)
     npu = _npu()
+    window = reference.effective_window(sliding_window, s, causal)
     if attn_mask is not None:
-        allowed = reference.attention_mask(s, causal, segment_ids, q.device)
+        allowed = reference.attention_mask(s, causal, segment_ids, q.device, window)
         allowed = attn_mask if allowed is None else allowed & attn_mask
         masked = dict(atten_mask=~allowed, sparse_mode=SPARSE_NONE)
         return npu.npu_fusion_attention(q, k, v, heads, "BSND", **masked, **common)[0]
+    band = {}
+    if window is not None:  # the last W keys: a band W-1 behind the diagonal, none ahead
+        band = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_BAND, pre_tockens=window - 1, next_tockens=0)
     if segment_ids is not None:
         lens = cumulative_seq_lens(segment_ids)
         mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_RIGHT_DOWN_CAUSAL) if causal else {}
+        mask = band or mask
         flat = [t.reshape(b * s, t.shape[2], d) for t in (q, k, v)]
         out = npu.npu_fusion_attention(
             *flat, heads, "TND", actual_seq_qlen=lens, actual_seq_kvlen=lens, **mask, **common
         )[0]
         return out.view(b, s, heads, d)
     mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_LEFT_UP_CAUSAL) if causal else {}
-    return npu.npu_fusion_attention(q, k, v, heads, "BSND", **mask, **common)[0]
+    return npu.npu_fusion_attention(q, k, v, heads, "BSND", **(band or mask), **common)[0]
 
 
 @_npu_op("cross_entropy")
