@@ -1,7 +1,8 @@
 """The Mistral family: logits equal transformers' ``MistralForCausalLM`` (eager attention, a sliding window
 shorter than the sequence, heads wider than hidden / heads) after from_pretrained_hf, and a model written
 back (``save_pretrained_hf``, ``megacann-convert from-hf`` then ``to-hf``) loads in transformers with the
-same logits and tensors; the Mistral-7B recipe counts the parameters of transformers' Mistral-7B config;
+same logits and tensors; a trainer started with ``model.init_from`` of the directory has its logits
+too; the Mistral-7B recipe counts the parameters of transformers' Mistral-7B config;
 what is not Mistral is refused by name; the tiny recipe's loss trace at cp 2 (ring, all-gather, Ulysses)
 and at tp 2 with sequence parallelism equals one process (fp32, relative 1e-5), each mode really on.
 """
@@ -155,18 +156,50 @@ def _runs(layouts: dict, root: str) -> dict:
     return {name: _train(_trainer(MISTRAL_TINY + o, f"{root}/{name}", STEPS), STEPS) for name, o in layouts.items()}
 
 
+def _init_from_logits_diff(hf_dir: str, out: str) -> float:
+    """Largest logit difference between transformers and a trainer started with ``model.init_from``."""
+    import transformers
+    from finetune_helpers import chunk_logits, recipe
+    from training_helpers import synthetic_data_factory
+
+    from megacann import parallel_state as ps
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    ps.destroy_model_parallel()
+    cfg = recipe(
+        [f"experiment.output_dir={out}", f"model.init_from={hf_dir}", "data.tokenizer=byte"],
+        {"type": "mistral", "precision": "fp32"},
+    )
+    assert (cfg.model.sliding_window, cfg.model.head_dim) == (WINDOW, HEAD_DIM)  # filled from config.json
+    trainer = Trainer(cfg, setup_runtime(cfg), data_factory=synthetic_data_factory(cfg))
+    theirs = transformers.MistralForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        return float((chunk_logits(trainer, ids) - theirs(ids).logits).abs().max())
+
+
+def _one_process(root: str, hf_dir: str) -> dict:
+    return {**_runs({"one": []}, root), "init_from_diff": _init_from_logits_diff(hf_dir, f"{root}/init_from")}
+
+
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("mistral_layouts"))
-    one = run_on_ranks(_runs, 1, args=({"one": []}, root), timeout=300)[0]["one"]
+    hf_dir = tiny_hf_mistral(f"{root}/hf")
+    one = run_on_ranks(_one_process, 1, args=(root, hf_dir), timeout=300)[0]
     return one, run_on_ranks(_runs, 2, args=(LAYOUTS, root), timeout=600)[0]
+
+
+def test_init_from_a_hugging_face_mistral_gives_its_logits(traces):
+    assert traces[0]["init_from_diff"] < 1e-4
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_mistral_layouts_train_like_one_process(traces, layout):
     from test_training_parity import assert_close_trace, assert_params_close
 
-    ref, got = traces[0], traces[1][layout]
+    ref, got = traces[0]["one"], traces[1][layout]
     assert_close_trace(got["losses"], ref["losses"], 1e-5)
     assert_close_trace(got["norms"], ref["norms"], 1e-5)
     assert_params_close(got["grads"], ref["grads"], 1e-5)
