@@ -41,15 +41,7 @@ def test_the_declared_requirements():
     assert set(install_requires()) == EXPECTED
 
 
-@pytest.mark.parametrize(
-    "requirement",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(reason="used by the layers helper", strict=True))
-        if name == "einops"  # used by the layers helper: remove this mark once its branch is merged
-        else name
-        for name in sorted(EXPECTED)
-    ],
-)
+@pytest.mark.parametrize("requirement", sorted(EXPECTED))
 def test_every_requirement_is_imported(requirement):
     module = MODULE_OF.get(requirement, requirement.replace("-", "_"))
     assert module in imported_modules(), f"{requirement} is in install_requires but no module imports {module}"
