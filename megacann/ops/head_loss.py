@@ -29,9 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacann import parallel_state as ps
-from megacann.ops.registry import REFERENCE, mark_fp32_result, register
-
-DEFAULT_CHUNK_SIZE = 1024
+from megacann.ops.registry import REFERENCE, register
+from megacann.ops.signatures import DEFAULT_CHUNK_SIZE
 
 
 @dataclass(frozen=True)
@@ -181,4 +180,3 @@ def head_loss(
 
 
 register("vocab_parallel_head_loss", REFERENCE)(head_loss)
-mark_fp32_result("vocab_parallel_head_loss")

@@ -1,6 +1,6 @@
-"""The Ascend route: torch_npu's fused CANN kernels as registry implementations (name ``npu``, device type
-``npu``). torch_npu is imported only when an op first resolves on an NPU (through
-:func:`megacann.accelerator.import_torch_npu`), never by ``import megacann``.
+"""The Ascend route: torch_npu's fused CANN kernels as implementations (name ``npu``, device type ``npu``)
+of the ops declared in :mod:`megacann.ops.signatures`. torch_npu is imported only when an op first
+resolves on an NPU (through :func:`megacann.accelerator.import_torch_npu`), never by ``import megacann``.
 
 Calls follow torch_npu's documented signatures:
 
@@ -100,16 +100,7 @@ def cumulative_seq_lens(segment_ids: torch.Tensor) -> list[int]:
 
 @_npu_op("scaled_dot_product_attention")
 def scaled_dot_product_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = True,
-    segment_ids: Optional[torch.Tensor] = None,
-    attn_mask: Optional[torch.Tensor] = None,
-    dropout_p: float = 0.0,
-    scale: Optional[float] = None,
-    sliding_window: Optional[int] = None,
+    q, k, v, *, causal=True, segment_ids=None, attn_mask=None, dropout_p=0.0, scale=None, sliding_window=None
 ) -> torch.Tensor:
     b, s, heads, d = q.shape
     common = dict(scale=scale if scale is not None else 1.0 / math.sqrt(d), keep_prob=1.0 - dropout_p)
@@ -154,19 +145,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
 
 
 @_npu_op("adamw_step_")
-def adamw_step_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-) -> None:
+def adamw_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
     _npu().npu_apply_adam_w(
         beta1 ** (step - 1),
         beta2 ** (step - 1),

@@ -1,5 +1,5 @@
-"""PyTorch reference implementations of every op: correct on any device, and the baseline fused kernels
-are tested against.
+"""PyTorch reference implementations of the ops declared in :mod:`megacann.ops.signatures`: correct on any
+device, and the baseline fused kernels are tested against.
 
 Layouts: attention tensors are ``[batch, seq, heads, head_dim]`` (BSND, the layout of flash-attention and
 ``npu_fusion_attention``); rotary ``cos``/``sin`` are ``[batch, seq, head_dim]`` or ``[seq, head_dim]``.
@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megacann.ops.registry import REFERENCE, mark_fp32_result, register
+from megacann.ops.registry import REFERENCE, register
 
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
@@ -175,6 +175,3 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         flat = flat.float()
     loss = F.cross_entropy(flat, target.reshape(-1), ignore_index=ignore_index, reduction="none")
     return loss.view(target.shape)
-
-
-mark_fp32_result("cross_entropy")  # a loss: fp32 whatever the logits' dtype
