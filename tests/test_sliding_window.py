@@ -1,6 +1,6 @@
 """Sliding-window attention on every path equals a dense attention written here from the definition (query
 ``i`` sees key ``j`` when ``i - W < j <= i``, within its packed document): the reference op (the CPU
-path; CUDA runs the same SDPA call with the mask), the NPU route through the fake ``torch_npu`` (band mode,
+path; on a CUDA device the same SDPA call with the mask), the NPU route through the fake ``torch_npu`` (band mode,
 ``sparse_mode=4``), and context-parallel attention at cp 2 with ring, all-gather and Ulysses (output and
 dq, dk, dv), including windows that reach across the chunk edges and steps the ring skips.
 """
@@ -94,6 +94,21 @@ def test_npu_route_is_band_mode_and_equals_the_reference(fake_npu, packed):
     out = attend(q, k, v, segment_ids=seg, attn_mask=explicit, sliding_window=3)
     assert fake_npu.calls[-1].kwargs["sparse_mode"] == 0
     assert rel_err(out, reference.scaled_dot_product_attention(q, k, v, segment_ids=seg, sliding_window=3)) < 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_runs_the_band_through_sdpa(packed):
+    q, k, v = (t.float().cuda().requires_grad_() for t in _qkv())
+    seg = SEGMENTS.cuda() if packed else None
+    out = ops.scaled_dot_product_attention(q, k, v, segment_ids=seg, sliding_window=3)
+    cpu = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    expected = dense_window_attention(*cpu, 3, None if seg is None else SEGMENTS)
+    assert rel_err(out.double().cpu(), expected) < 1e-4  # fp32 kernels
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad.float().cuda())
+    want = torch.autograd.grad(expected, cpu, grad)
+    assert max(rel_err(a.double().cpu(), b) for a, b in zip(got, want)) < 1e-3
 
 
 # -- context parallelism ------------------------------------------------------------------------------
