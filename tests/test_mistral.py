@@ -137,6 +137,17 @@ def test_what_mistral_cannot_express_is_refused(tmp_path):
         model_config_from_hf(str(config))
 
 
+def test_the_memory_planner_plans_mistral_7b_and_refuses_other_head_widths():
+    from megacann.planning.formulas import architecture
+
+    cfg = load_config(str(RECIPES / "mistral_7b.yaml"))
+    prepare_model_config(cfg)
+    assert architecture(cfg.model) is MISTRAL.architecture  # head_dim 128 = 4096 / 32
+    tiny = load_config(str(RECIPES / "tiny.yaml"))
+    with pytest.raises(ConfigError, match=r"model.head_dim 48: the memory planner's formulas take heads of .* = 32"):
+        architecture(tiny.model)
+
+
 # -- parallel layouts ----------------------------------------------------------------------------------
 
 STEPS, S = 3, 32
