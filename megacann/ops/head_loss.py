@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacann import parallel_state as ps
+from megacann.constants import IGNORE_INDEX
 from megacann.ops.registry import REFERENCE, register
 from megacann.ops.signatures import DEFAULT_CHUNK_SIZE
 
@@ -148,7 +149,7 @@ def head_loss(
     target: torch.Tensor,
     *,
     vocab_size: Optional[int] = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     group: Optional[dist.ProcessGroup] = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     kernels: ShardKernels = TORCH_KERNELS,

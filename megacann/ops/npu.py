@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from megacann.accelerator import import_torch_npu
+from megacann.constants import IGNORE_INDEX
 from megacann.ops import reference
 from megacann.ops.registry import register
 
@@ -128,7 +129,7 @@ def scaled_dot_product_attention(
 
 
 @_npu_op("cross_entropy")
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     if logits.dtype != torch.float32:
         return reference.cross_entropy(logits, target, ignore_index)
     flat_target = target.reshape(-1).long()

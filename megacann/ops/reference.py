@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megacann.constants import IGNORE_INDEX
 from megacann.ops.registry import REFERENCE, register
 
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -167,7 +168,7 @@ def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 
 @register("cross_entropy", REFERENCE)
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-token cross entropy in fp32 (shape of ``target``; 0 where ``target == ignore_index``) of
     ``logits`` ``[..., V]`` in any float dtype."""
     flat = logits.reshape(-1, logits.shape[-1])

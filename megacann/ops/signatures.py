@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megacann.constants import IGNORE_INDEX
 from megacann.ops.registry import declare
 
 DEFAULT_CHUNK_SIZE = 1024  # tokens per chunk of the fused head loss
@@ -59,7 +60,7 @@ def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 
 @declare(fp32_result=True)
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-token cross entropy in fp32 of ``logits`` ``[..., V]`` in any float dtype: shape of ``target``,
     0 where ``target == ignore_index``."""
 
@@ -71,7 +72,7 @@ def vocab_parallel_head_loss(
     target: torch.Tensor,
     *,
     vocab_size: Optional[int] = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     group: Optional[dist.ProcessGroup] = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> torch.Tensor:
