@@ -3,7 +3,9 @@
 The kernels (``megacann._C``) are compiled here when torch and a C++ compiler are available; if not, or if
 the build fails, the install goes on without them and megacann builds them on first use (or runs the
 PyTorch reference ops). ``MEGACANN_BUILD_CPP=0`` skips the build. The sources are also installed as
-``megacann/csrc`` so a wheel install can build them later.
+``megacann/csrc`` so a wheel install can build them later. The build is portable (no ``-march``) unless
+``MEGACANN_CPP_NATIVE=1`` or ``MEGACANN_CPU_ARCH`` asks for more (see megacann/ops/extension.py): a
+wheel may run on another CPU than the one that built it.
 
 pip builds in an isolated environment without torch; to compile against the torch that will load the
 kernels, this script looks for torch in the target environment's site-packages too.
@@ -97,11 +99,12 @@ setup(
     cmdclass=cmdclass,
     python_requires=">=3.9",
     install_requires=[
-        "torch>=2.1",
+        # 2.7: dcp.save/dcp.load take no_dist (the checkpointer's single-process path); the ops' fake and
+        # autograd registrations (torch.library.register_fake / register_autograd) need 2.4
+        "torch>=2.7",
         "numpy",
         "pyyaml",
         "einops",
-        "regex",
         "tokenizers>=0.15",
         "safetensors",
     ],

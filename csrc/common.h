@@ -53,12 +53,24 @@ inline void store(c10::BFloat16* p, int64_t i, float v) {
   p[i].x = (v != v) ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
 }
 
+// floor(t) for |t| < 2^31. std::floor vectorises only with SSE4.1's roundps (or on other architectures);
+// x86-64's portable baseline (SSE2, no -march) has none, and the libm call would keep the whole loop
+// scalar, so there floor goes through an int conversion (cvttps2dq, SSE2). Both give the same value.
+inline float floor_small(float t) {
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(__SSE4_1__)
+  float k = static_cast<float>(static_cast<int32_t>(t));  // t rounded toward zero
+  return k > t ? k - 1.0f : k;
+#else
+  return std::floor(t);
+#endif
+}
+
 // e^x for fp32 that vectorises (std::exp is a libm call the compiler will not vectorise without
 // -ffast-math): x = n ln2 + r with |r| <= ln2/2, e^r from a degree-6 polynomial (the classic Cephes
 // coefficients), 2^n put in the exponent bits. Relative error about 1e-7; underflow gives 0, overflow inf, NaN stays NaN.
 inline float exp_fast(float x) {
   float c = std::min(std::max(x, -87.3f), 88.37f);
-  float n = std::floor(c * 1.44269504088896341f + 0.5f);
+  float n = floor_small(c * 1.44269504088896341f + 0.5f);  // |.| <= 128: equal to std::floor
   float r = c - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;

@@ -13,7 +13,7 @@ from typing import Optional
 
 # Versions megacann's test suite ran with (CI: CPU build of torch), and the minimums setup.py asks for.
 TESTED_WITH = {"python": "3.11", "torch": "2.13.0"}
-MINIMUM = {"python": (3, 9), "torch": (2, 1)}
+MINIMUM = {"python": (3, 9), "torch": (2, 7)}  # torch: the floor of setup.py's install_requires
 OPTIONAL_PACKAGES = ("tokenizers", "transformers", "safetensors", "wandb", "tensorboard", "matplotlib")
 CANN_INFO_GLOBS = (
     "{home}/*-linux/ascend_toolkit_install.info",

@@ -43,6 +43,13 @@ def _attend(q, k, v, scale, masked):
     return torch.einsum("nqk,nkd->nqd", scores.softmax(-1), v.double())
 
 
+def _band(n: int, pre: int, nxt: int) -> torch.Tensor:
+    """Band mode's mask as documented (True = masked): keys more than ``pre`` before or ``nxt`` after the
+    query's own position are out."""
+    ones = torch.ones(n, n, dtype=torch.bool)
+    return ones.triu(nxt + 1) | ones.tril(-pre - 1)
+
+
 def make_fake_torch_npu() -> types.ModuleType:
     npu = types.ModuleType("torch_npu")
     npu.calls = []
@@ -77,7 +84,8 @@ def make_fake_torch_npu() -> types.ModuleType:
         assert keep_prob == 1.0, "the fake does not draw dropout"
         assert input_layout in ("BSND", "TND"), input_layout
         assert mask is None or mask.dtype == torch.bool, "atten_mask must be bool (True = masked)"
-        if mode in (2, 3):
+        pre, nxt = kw.get("pre_tockens", 2147483647), kw.get("next_tockens", 2147483647)
+        if mode in (2, 3, 4):
             assert mask is not None and mask.shape == (COMPRESSED, COMPRESSED), "compressed causal mask expected"
             assert torch.equal(mask, torch.ones_like(mask).triu(1)), "causal mask must be True above the diagonal"
         assert query.shape[-2] == head_num and head_num % key.shape[-2] == 0
@@ -85,23 +93,23 @@ def make_fake_torch_npu() -> types.ModuleType:
         k, v = key.repeat_interleave(group, dim=-2), value.repeat_interleave(group, dim=-2)
 
         def causal(n):
-            return torch.ones(n, n, dtype=torch.bool).triu(1)
+            return torch.ones(n, n, dtype=torch.bool).triu(1) if mode in (2, 3) else _band(n, pre, nxt)
 
         if input_layout == "TND":
             lens = kw["actual_seq_qlen"]
             assert lens == kw["actual_seq_kvlen"] and lens[-1] == query.shape[0], "cumulative lengths expected"
-            assert mode in (0, 3)
+            assert mode in (0, 3, 4)
             out = torch.empty(query.shape, dtype=torch.float64)
             for start, end in zip([0, *lens[:-1]], lens):
                 seq = slice(start, end)
-                masked = causal(end - start) if mode == 3 else None
+                masked = causal(end - start) if mode in (3, 4) else None
                 out[seq] = _attend(
                     query[seq].transpose(0, 1), k[seq].transpose(0, 1), v[seq].transpose(0, 1), scale, masked
                 ).transpose(0, 1)
         else:
             b, s = query.shape[:2]
             assert kw.get("actual_seq_qlen") is None
-            if mode in (2, 3):
+            if mode in (2, 3, 4):
                 masked = causal(s).expand(b, head_num, s, s)
             elif mask is not None:
                 masked = mask.expand(b, head_num, s, s)  # [s, s] or [b, 1, s, s]

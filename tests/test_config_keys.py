@@ -58,9 +58,11 @@ READ_BY = {
     "model.moe_layer_freq": "models/moe.py",
     "model.moe_shared_experts": "models/moe.py",
     "model.moe_ffn_hidden_size": "models/moe.py",
-    # the Qwen families' own keys (models/qwen_config.py)
+    # the mistral family's own keys (models/mistral.py)
+    "model.head_dim": "models/mistral.py",  # its check; models/sizing.py reads it as attention_head_dim
+    "model.sliding_window": "models/mistral.py",
+    # the Qwen families' own keys (models/qwen_config.py; head_dim as Mistral's)
     "model.use_sliding_window": "models/qwen.py",  # refused when true
-    "model.head_dim": "models/qwen_config.py",  # qwen_head_dim, read by models/qwen.py and hf_qwen.py
     "model.norm_topk_prob": "models/qwen.py",
     "model.decoder_sparse_step": "models/qwen_config.py",  # qwen3_moe_layer_flags -> moe_layer_freq
     "model.mlp_only_layers": "models/qwen_config.py",
@@ -154,7 +156,7 @@ REFUSED_VALUES = {
 
 def schema_keys() -> set[str]:
     """Every recipe key: the shared schema's and those of megacann's own families."""
-    families = ("llama", "gpt", "moe", "qwen2", "qwen3", "qwen3_moe")
+    families = ("llama", "gpt", "moe", "mistral", "qwen2", "qwen3", "qwen3_moe")
     return {key for family in families for key in all_dotted_keys(model_config_class(family))}
 
 

@@ -20,7 +20,7 @@ import megacann
 
 PACKAGE = Path(megacann.__file__).resolve().parent
 
-FLOOR = {"errors", "accelerator", "parallel_state", "collectives", "constants"}
+FLOOR = {"errors", "accelerator", "parallel_state", "collectives", "constants", "lazy_exports"}
 TOOLS = {"planning", "dry_run", "launch", "cli", "convert", "train", "comm_check", "env_report"}
 ABOVE_DATA = {"pipeline", "optimizer", "checkpoint", "interop", "training"}
 

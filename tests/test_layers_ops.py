@@ -29,8 +29,14 @@ LLAMA3 = {
 @pytest.fixture
 def demo_op():
     calls = []
+
+    def demo(x):
+        """A test op."""
+
+    registry.declare(demo)
     registry.register("demo", "reference")(lambda x: calls.append("reference") or x)
     yield calls
+    registry._SPECS.pop("demo", None)
     registry._IMPLS.pop("demo", None)
     registry._PINNED.pop("demo", None)
     registry._CACHE.clear()

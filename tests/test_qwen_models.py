@@ -82,7 +82,7 @@ def test_peft_adapters_on_the_hf_base_give_megacann_logits(tmp_path, family):
 
 def test_qk_norm_with_the_fused_qkv_projection_equals_separate_projections():
     from megacann.layers import SelfAttention, initialize_weights
-    from megacann.models.hf_qwen import dense_parts
+    from megacann.models.hf_llama import hf_parts
     from megacann.models.qwen_config import Qwen3ModelConfig
 
     separate = SelfAttention(64, 4, 2, head_dim=24, qk_norm=True, qk_norm_eps=1e-6)
@@ -98,7 +98,7 @@ def test_qk_norm_with_the_fused_qkv_projection_equals_separate_projections():
     torch.testing.assert_close(fused(x), separate(x), atol=1e-6, rtol=0)
     # a fused weight's Hugging Face parts are split by Qwen3's head width (PEFT names of a fused LoRA)
     cfg = Qwen3ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24)
-    parts = dense_parts("layers.0.self_attn.qkv_proj.weight", cfg)
+    parts = hf_parts("layers.0.self_attn.qkv_proj.weight", cfg)
     assert [rows for _, rows in parts] == [96, 48, 48] and parts[0][0] == "model.layers.0.self_attn.q_proj.weight"
 
 

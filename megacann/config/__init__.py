@@ -15,13 +15,13 @@ from megacann.config.families import (
     register_model_config,
     shape_keys,
 )
+from megacann.config.hf_config import load_hf_model_config
 from megacann.config.loading import (
     SYNONYMS,
     all_dotted_keys,
     apply_overrides,
     config_from_dict,
     load_config,
-    load_hf_model_config,
     suggest_key,
 )
 from megacann.config.schema import (

@@ -57,7 +57,7 @@ class ModelConfig:
     }
     HF_INERT_KEYS: ClassVar[dict[str, object]] = {"sliding_window": None}
 
-    type: str = "llama"  # a registered model family: llama, gpt, moe, or one of experiment.imports
+    type: str = "llama"  # a registered family: llama, gpt, moe, mistral, qwen2, qwen3, qwen3_moe, or one imported
     config_path: Optional[str] = None
     # weights to start from (fine-tuning): a megacann checkpoint or output directory, a consolidated
     # directory, or a local Hugging Face directory; its architecture keys fill the recipe's

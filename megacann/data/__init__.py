@@ -15,8 +15,7 @@ Names are imported on first use, so ``megacann.data.preprocess`` and its worker 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megacann.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "DataIterators": "builders",
@@ -42,13 +41,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'megacann.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"megacann.data.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

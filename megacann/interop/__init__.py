@@ -21,8 +21,7 @@ families; neither of those imports interop. Names are imported on first use, so 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megacann.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "consolidate": "export",
@@ -49,13 +48,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'megacann.interop' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"megacann.interop.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

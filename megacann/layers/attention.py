@@ -56,7 +56,8 @@ class SelfAttention(torch.nn.Module):
 
     ``rotary`` tables and ``segment_ids`` ``[b, s]`` cover the whole sequence (under sequence parallelism
     the projections gather it). ``segment_ids`` limits attention to positions with the same id (packed
-    documents); attention is always causal.
+    documents); attention is always causal. ``sliding_window`` W (None: none) lets each query see only its
+    last W keys, itself included (Mistral), on every path: one process and each context-parallel algorithm.
 
     Under context parallelism ``s`` is this cp rank's share (``context_parallel_split``): ``hidden``,
     ``rotary`` (tables of the share's global positions) and ``segment_ids`` all cover those tokens, and
@@ -81,6 +82,7 @@ class SelfAttention(torch.nn.Module):
         fused_qkv: bool = False,
         rotary_interleaved: bool = False,
         softmax_scale: Optional[float] = None,
+        sliding_window: Optional[int] = None,
         recompute_core_attention: Optional[bool] = None,
         context_parallel_algo: Optional[str] = None,
         context_parallel_group: Optional[dist.ProcessGroup] = None,
@@ -114,6 +116,9 @@ class SelfAttention(torch.nn.Module):
             raise ValueError(
                 f"context_parallel_algo {context_parallel_algo!r} is not one of {CONTEXT_PARALLEL_ALGORITHMS}"
             )
+        if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
+            raise ValueError(f"sliding_window must be a positive number of keys or None, got {sliding_window!r}")
+        self.sliding_window = sliding_window
         kv_sharded = kv_heads % tp == 0
         if fused_qkv and not kv_sharded:
             raise ValueError(
@@ -200,14 +205,22 @@ class SelfAttention(torch.nn.Module):
                     "distributed.context_parallel_algo) or pass context_parallel_algo='ring'|'allgather'|'ulysses'"
                 )
             return context_parallel_attention(
-                q, k, v, segment_ids, algo=self.context_parallel_algo, scale=self.softmax_scale, group=cp_group
+                q,
+                k,
+                v,
+                segment_ids,
+                algo=self.context_parallel_algo,
+                scale=self.softmax_scale,
+                group=cp_group,
+                sliding_window=self.sliding_window,
             )
+        attend = dict(
+            causal=True, segment_ids=segment_ids, scale=self.softmax_scale, sliding_window=self.sliding_window
+        )
         if p > 0.0:
             with get_rng_tracker().fork():
-                return ops.scaled_dot_product_attention(
-                    q, k, v, causal=True, segment_ids=segment_ids, dropout_p=p, scale=self.softmax_scale
-                )
-        return ops.scaled_dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=self.softmax_scale)
+                return ops.scaled_dot_product_attention(q, k, v, dropout_p=p, **attend)
+        return ops.scaled_dot_product_attention(q, k, v, **attend)
 
     def forward(
         self, hidden: torch.Tensor, rotary: Rotary = None, segment_ids: Optional[torch.Tensor] = None

@@ -18,6 +18,7 @@ Megatron-Core's ``TransformerConfig`` and torchtitan's ``ModelArgs`` play the sa
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from contextvars import ContextVar
@@ -127,3 +128,18 @@ def resolve_init_stds(init_std: Optional[float], output_std: Optional[float]) ->
         return init_std, init_std if output_std is None else output_std
     ctx = current_layer_context()
     return ctx.init_method_std, ctx.output_init_std if output_std is None else output_std
+
+
+def with_context_defaults(config: Any, **more: Any) -> Any:
+    """A layer config dataclass (``sequence_parallel``, ``init_method_std``, ``output_layer_init_std``,
+    ``params_dtype`` fields) with the settings it leaves None taken from the current context; ``more``:
+    further fields to replace."""
+    init_std, output_std = resolve_init_stds(config.init_method_std, config.output_layer_init_std)
+    return dataclasses.replace(
+        config,
+        sequence_parallel=resolve_sequence_parallel(config.sequence_parallel),
+        init_method_std=init_std,
+        output_layer_init_std=output_std,
+        params_dtype=config.params_dtype or current_layer_context().params_dtype,
+        **more,
+    )

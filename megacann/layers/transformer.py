@@ -17,7 +17,7 @@ GPT-2 maps as ``ln_1 → input_layernorm``, ``attn.c_attn → self_attn.qkv_proj
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -26,7 +26,10 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.layers import mappings
 from megacann.layers.attention import SelfAttention
-from megacann.layers.context import current_layer_context, resolve_init_stds, resolve_sequence_parallel
+from megacann.layers.context import (
+    current_layer_context,
+    with_context_defaults,
+)
 from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_position_ids
 from megacann.layers.init import init_normal
 from megacann.layers.mlp import GeluMLP, SwiGLUMLP
@@ -82,6 +85,7 @@ class TransformerBlockConfig:
     fused_qkv: bool = False
     fused_gate_up: bool = True
     softmax_scale: Optional[float] = None
+    sliding_window: Optional[int] = None  # each query sees its last W keys (Mistral); None: all earlier ones
     recompute: Optional[str] = None
     context_parallel_algo: Optional[str] = None
     params_dtype: Optional[torch.dtype] = None
@@ -110,15 +114,10 @@ class TransformerBlockConfig:
 def _with_context(config: TransformerBlockConfig) -> TransformerBlockConfig:
     """``config`` with the settings it leaves None taken from the current layer context."""
     ctx = current_layer_context()
-    init_std, output_std = resolve_init_stds(config.init_method_std, config.output_layer_init_std)
-    return replace(
+    return with_context_defaults(
         config,
-        sequence_parallel=resolve_sequence_parallel(config.sequence_parallel),
-        init_method_std=init_std,
-        output_layer_init_std=output_std,
         recompute=config.recompute or ctx.recompute,
         context_parallel_algo=config.context_parallel_algo or ctx.context_parallel_algo,
-        params_dtype=config.params_dtype or ctx.params_dtype,
     )
 
 
@@ -160,6 +159,7 @@ class TransformerBlock(torch.nn.Module):
             fused_qkv=c.fused_qkv,
             rotary_interleaved=c.rotary_interleaved,
             softmax_scale=c.softmax_scale,
+            sliding_window=c.sliding_window,
             recompute_core_attention=c.recompute == "selective",
             context_parallel_algo=c.context_parallel_algo,
             init_method=init,

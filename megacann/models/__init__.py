@@ -1,8 +1,9 @@
 """Model families built only from megacann.layers, and the contract the rest of megacann knows them by.
 
-``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Qwen2, Qwen3 and Qwen3-MoE here;
-docs/models.md lists them); a script registers its own with :func:`register_model` or hands one to
-``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`); reading and writing the directories is :mod:`megacann.interop`'s, and
+``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Mistral, Qwen2, Qwen3 and Qwen3-MoE
+here; docs/models.md lists them); a script registers its own with :func:`register_model` or hands one to
+``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`); reading and
+writing the directories is :mod:`megacann.interop`'s, and
 ``from megacann.models import from_pretrained_hf`` still finds it there.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.gpt import GPT, GPTModel
 from megacann.models.llama import LLAMA, LlamaModel
+from megacann.models.mistral import MISTRAL, MistralModel, MistralModelConfig
 from megacann.models.moe import MOE, MoEModel
 from megacann.models.qwen import QWEN2, QWEN3, QWEN3_MOE, Qwen2Model, Qwen3Model, Qwen3MoeModel
 from megacann.models.sizing import padded_vocab_size
@@ -33,6 +35,7 @@ from megacann.models.step_loss import count_target_tokens
 register_model(LLAMA)
 register_model(GPT)
 register_model(MOE)
+register_model(MISTRAL)
 register_model(QWEN2)
 register_model(QWEN3)
 register_model(QWEN3_MOE)
@@ -40,6 +43,7 @@ register_model(QWEN3_MOE)
 __all__ = [
     "GPT",
     "LLAMA",
+    "MISTRAL",
     "MOE",
     "QWEN2",
     "QWEN3",
@@ -50,6 +54,8 @@ __all__ = [
     "GPTModel",
     "HFAdapter",
     "LlamaModel",
+    "MistralModel",
+    "MistralModelConfig",
     "ModelSpec",
     "MoEModel",
     "Qwen2Model",

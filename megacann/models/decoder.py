@@ -71,15 +71,14 @@ class DecoderArch:
         return 2 if self.normalization == "layernorm" else 1
 
 
-def block_config(cfg: ModelConfig, arch: DecoderArch, head_dim: Optional[int] = None) -> TransformerBlockConfig:
-    """The TransformerBlock settings of a model config and architecture (``head_dim`` None: hidden size /
-    heads); sequence parallelism, dtype and the context-parallel algorithm are left to the layer context."""
+def block_config(cfg: ModelConfig, arch: DecoderArch) -> TransformerBlockConfig:
+    """The TransformerBlock settings of a model config and architecture; sequence parallelism, dtype and
+    the context-parallel algorithm are left to the layer context."""
     return TransformerBlockConfig(
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.kv_heads,
         ffn_hidden_size=cfg.ffn_size,
-        head_dim=head_dim,
         normalization=arch.normalization,
         norm_eps=cfg.norm_eps,
         activation=arch.activation,
@@ -88,6 +87,7 @@ def block_config(cfg: ModelConfig, arch: DecoderArch, head_dim: Optional[int] = 
         qk_norm=arch.qk_norm,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
+        head_dim=sizing.attention_head_dim(cfg),
         init_method_std=cfg.init_method_std,
         output_layer_init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers),
         position_embedding="rope" if arch.position_embedding == "rope" else "none",
@@ -116,11 +116,6 @@ class DecoderLM(torch.nn.Module):
     def fill_defaults(cfg: ModelConfig) -> None:
         """Fill the family's defaults (MLP width, biases) into ``cfg`` where it leaves them unset."""
 
-    @staticmethod
-    def attention_head_dim(cfg: ModelConfig) -> int:
-        """Width of one attention head: hidden size / heads, unless the family's config says otherwise."""
-        return cfg.hidden_size // cfg.num_attention_heads
-
     def __init__(
         self,
         cfg: ModelConfig,
@@ -142,7 +137,7 @@ class DecoderLM(torch.nn.Module):
         context = context or current_layer_context()
         self.sequence_parallel = context.sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
-        self.block_config = block_config(cfg, arch, self.attention_head_dim(cfg))
+        self.block_config = self.make_block_config(cfg, arch)
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         with context:
             self._build(layer_ids)
@@ -186,6 +181,12 @@ class DecoderLM(torch.nn.Module):
                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                 tie_to=tie_to,
             )
+
+    @staticmethod
+    def make_block_config(cfg: ModelConfig, arch: DecoderArch) -> TransformerBlockConfig:
+        """The settings of this family's blocks (:func:`block_config`); a family whose attention has more
+        (Mistral's sliding window) overrides this."""
+        return block_config(cfg, arch)
 
     def build_layer(self, layer_id: int) -> torch.nn.Module:
         """Layer ``layer_id`` (global index): a dense block here; a family with another feed-forward
@@ -241,7 +242,7 @@ def decoder_model_spec(
     hf: Optional[HFAdapter] = None,
 ) -> ModelSpec:
     """The :class:`ModelSpec` of a :class:`DecoderLM` family (``model_class`` fixes its architecture)."""
-    arch, head_dim = model_class.ARCH, model_class.attention_head_dim
+    arch = model_class.ARCH
 
     def build_chunk(cfg: MegacannConfig, placement: ChunkPlacement, device=None) -> DecoderLM:
         model = model_class(
@@ -258,8 +259,8 @@ def decoder_model_spec(
     return ModelSpec(
         name=name,
         build_chunk=build_chunk,
-        flops_per_token=lambda m, seq: sizing.flops_per_token(m, seq, arch, head_dim(m)),
-        num_parameters=lambda m: sizing.num_parameters(m, arch, head_dim(m)),
+        flops_per_token=lambda m, seq: sizing.flops_per_token(m, seq, arch),
+        num_parameters=lambda m: sizing.num_parameters(m, arch),
         fill_defaults=model_class.fill_defaults,
         hf=hf,
         architecture=arch,

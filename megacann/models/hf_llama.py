@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megacann.config import ModelConfig, load_hf_model_config, model_config_class
+from megacann.models.sizing import attention_head_dim
 from megacann.models.spec import HFAdapter
 
 HEAD = "lm_head.weight"
@@ -22,30 +23,24 @@ def _hf_name(name: str) -> str:
     return name if name == HEAD else "model." + name
 
 
-Parts = Callable[[str, ModelConfig], list[tuple[str, Optional[int]]]]
-
-
-def hf_parts(name: str, cfg: ModelConfig, head_dim: Optional[int] = None) -> list[tuple[str, Optional[int]]]:
+def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
     """The Hugging Face names of megacann weight ``name`` with the output rows of each (rows None: the
-    whole tensor). Fused projections are several parts: gate then up, or q, k, v (``head_dim`` None:
-    hidden size / heads)."""
+    whole tensor). Fused projections are several parts: gate then up, or q, k, v."""
     hf = _hf_name(name)
     if ".mlp.gate_up_proj." in name:
         return [(hf.replace("gate_up_proj", part), cfg.ffn_size) for part in ("gate_proj", "up_proj")]
     if ".self_attn.qkv_proj." in name:
-        head_dim = head_dim or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = attention_head_dim(cfg)
         rows = (cfg.num_attention_heads * head_dim, cfg.kv_heads * head_dim, cfg.kv_heads * head_dim)
         return [(hf.replace("qkv_proj", part), size) for part, size in zip(("q_proj", "k_proj", "v_proj"), rows)]
     return [(hf, None)]
 
 
-def to_hf_tensors(
-    tensors: dict[str, torch.Tensor], cfg: ModelConfig, parts_of: Parts = hf_parts
-) -> dict[str, torch.Tensor]:
-    """megacann whole tensors -> Hugging Face names (fused projections split as ``parts_of`` says)."""
+def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """megacann whole tensors -> Hugging Face names (fused projections split)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        parts = parts_of(name, cfg)
+        parts = hf_parts(name, cfg)
         if len(parts) == 1:
             out[parts[0][0]] = tensor
             continue
@@ -55,7 +50,7 @@ def to_hf_tensors(
 
 
 def from_hf_tensors(
-    names: Sequence[str], read: Callable[[str], torch.Tensor], cfg: ModelConfig, parts_of: Parts = hf_parts
+    names: Sequence[str], read: Callable[[str], torch.Tensor], cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
     """The whole tensors of megacann ``names``, read by Hugging Face name through ``read(hf_name)``."""
     out: dict[str, torch.Tensor] = {}
@@ -63,7 +58,7 @@ def from_hf_tensors(
         if name == HEAD and cfg.tie_word_embeddings:
             out[name] = read("model.embed_tokens.weight")
             continue
-        parts = parts_of(name, cfg)
+        parts = hf_parts(name, cfg)
         out[name] = read(parts[0][0]) if len(parts) == 1 else torch.cat([read(hf) for hf, _ in parts], dim=0)
     return out
 

@@ -29,6 +29,7 @@ from megacann.models.spec import HFAdapter
 _ROUTER = re.compile(r"layers\.(\d+)\.mlp\.router\.weight")
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_up_proj|down_proj)\.weight")
 _BIAS = re.compile(r"layers\.(\d+)\.mlp\.router\.expert_bias")
+DenseParts = Callable[[str, ModelConfig], list[tuple[str, Optional[int]]]]  # e.g. hf_llama.hf_parts
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ MIXTRAL_LAYOUT = ExpertLayout("model.layers.{layer}.block_sparse_moe")
 
 
 def expert_parts(
-    name: str, cfg: ModelConfig, layout: ExpertLayout, dense: hf_llama.Parts
+    name: str, cfg: ModelConfig, layout: ExpertLayout, dense: DenseParts
 ) -> list[tuple[str, Optional[int]]]:
     """The Hugging Face names of megacann weight ``name`` with the output rows of each (rows None: the
     whole tensor): an expert's gate_up_proj is gate then up, its down_proj down; other weights as

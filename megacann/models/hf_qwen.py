@@ -1,9 +1,9 @@
 """The Hugging Face adapters of the Qwen families: ``Qwen2ForCausalLM`` (Qwen2 / Qwen2.5), ``Qwen3ForCausalLM``
 and ``Qwen3MoeForCausalLM`` checkpoints.
 
-Names are LLaMA's (:mod:`megacann.models.hf_llama`): the q, k, v biases of Qwen2 and the per-head norms of
-Qwen3 (``self_attn.q_norm`` / ``k_norm``) are named alike on both sides. A fused ``qkv_proj`` splits by
-Qwen3's ``head_dim``. A Qwen3-MoE layer maps as::
+Names are LLaMA's (:mod:`megacann.models.hf_llama`, whose fused ``qkv_proj`` splits by ``head_dim``): the q,
+k, v biases of Qwen2 and the per-head norms of Qwen3 (``self_attn.q_norm`` / ``k_norm``) are named alike on
+both sides. A Qwen3-MoE layer maps as::
 
     layers.<i>.mlp.router.weight                    model.layers.<i>.mlp.gate.weight
     layers.<i>.mlp.experts.<e>.gate_up_proj.weight  cat(...mlp.experts.<e>.gate_proj.weight, ...up_proj.weight)
@@ -22,20 +22,12 @@ import torch
 from megacann.config import ConfigError, ModelConfig
 from megacann.models import hf_llama
 from megacann.models.hf_mixtral import ExpertLayout, expert_parts, experts_from_hf, experts_to_hf
-from megacann.models.qwen_config import qwen3_moe_layer_flags, qwen_head_dim
+from megacann.models.qwen_config import qwen3_moe_layer_flags
+from megacann.models.sizing import attention_head_dim
 from megacann.models.spec import HFAdapter
 
 QWEN3_MOE_LAYOUT = ExpertLayout("model.layers.{layer}.mlp", gate="gate_proj", up="up_proj", down="down_proj")
 Reader = Callable[[str], torch.Tensor]
-
-
-def _head_dim(cfg: ModelConfig) -> int:
-    return qwen_head_dim(cfg) if hasattr(cfg, "head_dim") else cfg.hidden_size // cfg.num_attention_heads
-
-
-def dense_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
-    """Hugging Face names (and rows) of a weight outside the MoE layers: LLaMA's, heads of ``head_dim``."""
-    return hf_llama.hf_parts(name, cfg, _head_dim(cfg))
 
 
 def check_qwen3_moe_compatible(cfg: ModelConfig) -> None:
@@ -49,29 +41,21 @@ def check_qwen3_moe_compatible(cfg: ModelConfig) -> None:
 
 def moe_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
     """Hugging Face names (and rows) of a Qwen3-MoE weight: experts as :data:`QWEN3_MOE_LAYOUT`, the rest
-    as :func:`dense_parts` (``HFAdapter.linear_parts``: PEFT adapter names)."""
+    as LLaMA's (``HFAdapter.linear_parts``: PEFT adapter names)."""
     check_qwen3_moe_compatible(cfg)
-    return expert_parts(name, cfg, QWEN3_MOE_LAYOUT, dense_parts)
-
-
-def dense_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    return hf_llama.to_hf_tensors(tensors, cfg, dense_parts)
-
-
-def dense_from_hf(names: Sequence[str], read: Reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    return hf_llama.from_hf_tensors(names, read, cfg, dense_parts)
+    return expert_parts(name, cfg, QWEN3_MOE_LAYOUT, hf_llama.hf_parts)
 
 
 def moe_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     check_qwen3_moe_compatible(cfg)
     out, rest = experts_to_hf(tensors, cfg, QWEN3_MOE_LAYOUT)
-    out.update(dense_to_hf(rest, cfg))
+    out.update(hf_llama.to_hf_tensors(rest, cfg))
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def moe_from_hf(names: Sequence[str], read: Reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out, rest = experts_from_hf(names, read, QWEN3_MOE_LAYOUT)
-    out.update(dense_from_hf(rest, read, cfg))
+    out.update(hf_llama.from_hf_tensors(rest, read, cfg))
     return out
 
 
@@ -92,7 +76,7 @@ def qwen2_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 def qwen3_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     config = _hf_config(cfg, dtype, "Qwen3ForCausalLM", "qwen3")
-    config.update(head_dim=qwen_head_dim(cfg), attention_bias=False)
+    config.update(head_dim=attention_head_dim(cfg), attention_bias=False)
     return config
 
 
@@ -100,7 +84,7 @@ def qwen3_moe_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any
     check_qwen3_moe_compatible(cfg)
     config = _hf_config(cfg, dtype, "Qwen3MoeForCausalLM", "qwen3_moe")
     config.update(
-        head_dim=qwen_head_dim(cfg),
+        head_dim=attention_head_dim(cfg),
         attention_bias=False,
         moe_intermediate_size=cfg.moe_ffn_hidden_size,
         num_experts=cfg.num_experts,
@@ -134,17 +118,17 @@ QWEN2_HF = HFAdapter(
     model_types=("qwen2",),
     config_from_hf=_reader("qwen2"),
     config_to_hf=qwen2_config_dict,
-    to_hf=dense_to_hf,
-    from_hf=dense_from_hf,
-    linear_parts=dense_parts,
+    to_hf=hf_llama.to_hf_tensors,
+    from_hf=hf_llama.from_hf_tensors,
+    linear_parts=hf_llama.hf_parts,
 )
 QWEN3_HF = HFAdapter(
     model_types=("qwen3",),
     config_from_hf=_reader("qwen3"),
     config_to_hf=qwen3_config_dict,
-    to_hf=dense_to_hf,
-    from_hf=dense_from_hf,
-    linear_parts=dense_parts,
+    to_hf=hf_llama.to_hf_tensors,
+    from_hf=hf_llama.from_hf_tensors,
+    linear_parts=hf_llama.hf_parts,
 )
 QWEN3_MOE_HF = HFAdapter(
     model_types=("qwen3_moe",),

@@ -167,23 +167,23 @@ def _moe_mlp_matmul_parameters(m: ModelConfig, active: bool) -> int:
 
 def moe_num_parameters(m: ModelConfig, active: bool = False, model_class: type[MoEModel] = MoEModel) -> int:
     """Parameters of the whole model (``active``: those one token meets: top-k and shared experts);
-    ``model_class``: the family's model (its attention: head width, biases, q/k norms)."""
-    arch, h, head_dim = model_class.ARCH, m.hidden_size, model_class.attention_head_dim(m)
-    dense_layer = sizing.layer_parameters(m, arch, head_dim)
-    moe_layer = sizing.attention_parameters(m, arch, head_dim) + 2 * h + _moe_mlp_matmul_parameters(m, active)
+    ``model_class``: the family's model (its attention: biases, q/k norms)."""
+    arch, h = model_class.ARCH, m.hidden_size
+    dense_layer = sizing.layer_parameters(m, arch)
+    moe_layer = sizing.attention_parameters(m, arch) + 2 * h + _moe_mlp_matmul_parameters(m, active)
     layers = num_moe_layers(m)
     total = (m.num_layers - layers) * dense_layer + layers * moe_layer + h  # + the final norm
     vocab = m.vocab_size or 0
     return total + vocab * h * (1 if m.tie_word_embeddings else 2)
 
 
-def moe_flops_per_token(m: ModelConfig, seq_length: int, model_class: type[MoEModel] = MoEModel) -> float:
+def moe_flops_per_token(m: ModelConfig, seq_length: int) -> float:
     """PaLM's 6N + 12 L H Q T with N the matrix weights a token meets (top-k and shared experts, router)."""
-    layers, head_dim = num_moe_layers(m), model_class.attention_head_dim(m)
-    dense_mlp = model_class.ARCH.mlp_matrices * m.hidden_size * m.ffn_size
-    n = m.num_layers * sizing.attention_matmul_parameters(m, head_dim) + (m.num_layers - layers) * dense_mlp
+    layers = num_moe_layers(m)
+    dense_mlp = MoEModel.ARCH.mlp_matrices * m.hidden_size * m.ffn_size
+    n = m.num_layers * sizing.attention_matmul_parameters(m) + (m.num_layers - layers) * dense_mlp
     n += layers * _moe_mlp_matmul_parameters(m, active=True) + (m.vocab_size or 0) * m.hidden_size
-    return sizing.palm_flops_per_token(n, m, seq_length, head_dim)
+    return sizing.palm_flops_per_token(n, m, seq_length)
 
 
 # -- the forward step, the bias update and the console ------------------------------------------------

@@ -30,7 +30,6 @@ from megacann.models.qwen_config import (
     Qwen3ModelConfig,
     Qwen3MoeModelConfig,
     qwen3_moe_layer_flags,
-    qwen_head_dim,
 )
 
 QWEN3_ARCH = DecoderArch(normalization="rmsnorm", activation="swiglu", position_embedding="rope", qk_norm=True)
@@ -46,7 +45,6 @@ class Qwen3Model(LlamaModel):
     """A dense Qwen3 model: per-head q/k RMSNorm, heads of width ``head_dim``. See :class:`DecoderLM`."""
 
     ARCH = QWEN3_ARCH
-    attention_head_dim = staticmethod(qwen_head_dim)
 
 
 def qwen3_moe_defaults(cfg: ModelConfig) -> None:
@@ -60,7 +58,6 @@ class Qwen3MoeModel(MoEModel):
     """A Qwen3-MoE model: Qwen3's attention, MoE layers routed as Qwen3-MoE does (``norm_topk_prob``)."""
 
     ARCH = QWEN3_ARCH
-    attention_head_dim = staticmethod(qwen_head_dim)
     fill_defaults = staticmethod(qwen3_moe_defaults)
 
     def moe_config(self) -> MoEConfig:
@@ -132,7 +129,6 @@ QWEN2 = dataclasses.replace(
 )
 QWEN3 = dataclasses.replace(
     decoder_model_spec("qwen3", Qwen3Model, check_config=check_qwen_config, hf=QWEN3_HF),
-    architecture=None,  # the memory planner's formulas take heads of hidden_size / num_attention_heads
     config_class=Qwen3ModelConfig,
 )
 _QWEN3_MOE_BASE = decoder_model_spec("qwen3_moe", Qwen3MoeModel, check_config=check_qwen3_moe_config, hf=QWEN3_MOE_HF)
@@ -143,7 +139,7 @@ QWEN3_MOE = dataclasses.replace(
     fill_defaults=_QWEN3_MOE_BASE.fill_defaults,
     check_config=_QWEN3_MOE_BASE.check_config,
     hf=QWEN3_MOE_HF,
-    flops_per_token=partial(moe_flops_per_token, model_class=Qwen3MoeModel),
+    flops_per_token=moe_flops_per_token,
     num_parameters=_qwen3_moe_parameters,
     active_parameters=partial(_qwen3_moe_parameters, active=True),
     config_class=Qwen3MoeModelConfig,

@@ -72,11 +72,6 @@ class Qwen3MoeModelConfig(_Qwen3Keys, MoEModelConfig):
     moe_layer_freq: Union[int, list, None] = field(default=None, metadata={"shape": True})
 
 
-def qwen_head_dim(cfg: ModelConfig) -> int:
-    """Width of one attention head of a Qwen3 model: ``head_dim``, else hidden_size / num_attention_heads."""
-    return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-
-
 def qwen3_moe_layer_flags(cfg: ModelConfig) -> list[int]:
     """Which layers are MoE layers (1) and which dense (0), by Qwen3-MoE's rule (see the config class)."""
     step, dense = cfg.decoder_sparse_step, set(cfg.mlp_only_layers)

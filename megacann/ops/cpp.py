@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from megacann.constants import IGNORE_INDEX
 from megacann.ops import extension, head_loss, reference
 from megacann.ops.registry import register
 
@@ -191,7 +192,7 @@ def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 
 @register("cross_entropy", CPP, priority=PRIORITY, device_types=("cpu",), available=available)
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     if logits.dtype not in KERNEL_DTYPES:
         return reference.cross_entropy(logits, target, ignore_index)
     return torch.ops.megacann.cross_entropy_forward(logits, target.long(), ignore_index)[0]

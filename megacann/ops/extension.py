@@ -2,15 +2,22 @@
 
 Order: ``megacann._C`` (compiled by ``pip install`` when torch and a C++ compiler were present), then a
 just-in-time build of the sources with ``torch.utils.cpp_extension.load`` (cached under
-``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; later processes only load the library).
-When neither works, the PyTorch reference ops run and one log line says why.
+``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, in a folder named after this CPU, the
+torch version and the flags, so a shared cache never hands one CPU's build to another; later processes
+only load the library). When neither works, the PyTorch reference ops run and one log line says why.
+
+Both builds are portable by default: no ``-march``, so the library runs on any CPU of the architecture
+(a binary tuned for one CPU dies with SIGILL on an older one, which is no ImportError and so nothing
+falls back). ``MEGACANN_CPP_NATIVE=1`` tunes for the building CPU (``-march=native``, 512-bit vectors
+where it has them); ``MEGACANN_CPU_ARCH`` names a target instead (e.g. ``x86-64-v3``).
 
 ``MEGACANN_CPP``: ``auto`` (default, the order above), ``jit`` (skip the installed build), ``off`` (never
-load: reference ops only). ``MEGACANN_CPU_ARCH`` sets ``-march`` (default ``native``; empty for none).
+load: reference ops only).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 import os
@@ -28,17 +35,54 @@ JIT_NAME = "megacann_C"
 MODES = ("auto", "jit", "off")
 
 
+def target_arch() -> Optional[str]:
+    """The ``-march`` to build for: ``MEGACANN_CPU_ARCH`` if set, ``native`` with ``MEGACANN_CPP_NATIVE=1``,
+    else None (the compiler's portable baseline)."""
+    arch = os.environ.get("MEGACANN_CPU_ARCH", "").strip()
+    if arch:
+        return arch
+    return "native" if os.environ.get("MEGACANN_CPP_NATIVE", "0").strip() == "1" else None
+
+
 def compile_flags() -> list[str]:
     """C++ flags for both builds: -O3 without debug info, OpenMP (ATen's parallel_for), `omp simd`
     reductions, no floating-point contraction (so fp32 results match PyTorch's), no FP-trap semantics
-    (lets GCC vectorise selects), the host's instruction set with full-width vectors."""
-    arch = os.environ.get("MEGACANN_CPU_ARCH", "native")
+    (lets GCC vectorise selects); an instruction set beyond the baseline only when asked (:func:`target_arch`)."""
     flags = ["-O3", "-g0", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
+    arch = target_arch()
     if arch:
         flags.append(f"-march={arch}")
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        flags.append("-mprefer-vector-width=512")  # use AVX-512 where the CPU has it (measured 1.2-1.4x on exp loops)
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            flags.append("-mprefer-vector-width=512")  # full-width AVX-512 where the target has it
     return flags
+
+
+def cpu_identity(cpuinfo: Optional[str] = None) -> str:
+    """The machine architecture, CPU model and feature flags (from ``/proc/cpuinfo`` where it exists):
+    what decides whether a compiled library runs here."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    wanted = ("model name", "flags", "features", "cpu implementer", "cpu architecture", "cpu part", "isa")
+    seen: dict[str, str] = {}
+    for line in cpuinfo.splitlines():  # the first core's values (all cores of one machine share a build)
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in wanted and key not in seen:
+            seen[key] = " ".join(sorted(value.split())) if key in ("flags", "features", "isa") else value.strip()
+    fields = [platform.machine(), platform.processor()] + [f"{k}={seen[k]}" for k in sorted(seen)]
+    return "\n".join(fields)
+
+
+def jit_name(cpuinfo: Optional[str] = None) -> str:
+    """The JIT build's name (and so its cache folder): ``megacann_C_`` and a hash of the CPU
+    (:func:`cpu_identity`), the torch version and the compile flags."""
+    import torch
+
+    key = "\n".join([cpu_identity(cpuinfo), torch.__version__, " ".join(compile_flags())])
+    return f"{JIT_NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 LINK_FLAGS = ["-fopenmp"]
@@ -76,7 +120,7 @@ def _build_jit() -> None:
 
     logger.info("building megacann C++ kernels from %s (first use; cached afterwards)", sources)
     load(
-        name=JIT_NAME,
+        name=jit_name(),
         sources=[str(sources / name) for name in SOURCES],
         extra_cflags=compile_flags(),
         extra_ldflags=LINK_FLAGS,

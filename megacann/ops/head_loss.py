@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacann import parallel_state as ps
-from megacann.ops.registry import REFERENCE, mark_fp32_result, register
-
-DEFAULT_CHUNK_SIZE = 1024
+from megacann.constants import IGNORE_INDEX
+from megacann.ops.registry import REFERENCE, register
+from megacann.ops.signatures import DEFAULT_CHUNK_SIZE
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def head_loss(
     target: torch.Tensor,
     *,
     vocab_size: Optional[int] = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     group: Optional[dist.ProcessGroup] = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     kernels: ShardKernels = TORCH_KERNELS,
@@ -181,4 +181,3 @@ def head_loss(
 
 
 register("vocab_parallel_head_loss", REFERENCE)(head_loss)
-mark_fp32_result("vocab_parallel_head_loss")

@@ -1,4 +1,5 @@
-"""Mixture-of-experts operators: permuting tokens by expert, the experts' grouped matmul, and the way back.
+"""Implementations of the mixture-of-experts ops (declared in :mod:`megacann.ops.signatures`): permuting
+tokens by expert, the experts' grouped matmul, and the way back.
 
 Three ops, each with a PyTorch reference that runs anywhere:
 
@@ -21,38 +22,12 @@ only when pinned); shapes it cannot take fall back to the reference.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from megacann.accelerator import import_torch_npu
-from megacann.ops.registry import REFERENCE, register, resolve
-
-__all__ = ["grouped_matmul", "moe_permute", "moe_unpermute"]
-
-
-# -- public entry points -------------------------------------------------------------------------------
-
-
-def moe_permute(tokens: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of ``tokens`` sorted by expert, and the map back; see the module docstring."""
-    return resolve("moe_permute", tokens.device.type)(tokens, expert_ids)
-
-
-def moe_unpermute(permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Each token's expert outputs, weighted by ``probs`` and summed; inverse of :func:`moe_permute`."""
-    return resolve("moe_unpermute", permuted.device.type)(permuted, row_id_map, probs)
-
-
-def grouped_matmul(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: Sequence[int]) -> torch.Tensor:
-    """Consecutive row groups of ``x`` each multiplied by their own weight (``F.linear`` layout)."""
-    if len(weights) != len(group_sizes):
-        raise ValueError(f"grouped_matmul: {len(weights)} weights but {len(group_sizes)} group sizes")
-    if sum(group_sizes) != x.shape[0]:
-        raise ValueError(f"grouped_matmul: group sizes add up to {sum(group_sizes)}, x has {x.shape[0]} rows")
-    return resolve("grouped_matmul", x.device.type)(x, list(weights), [int(n) for n in group_sizes])
-
+from megacann.ops.registry import REFERENCE, register
 
 # -- PyTorch reference ---------------------------------------------------------------------------------
 

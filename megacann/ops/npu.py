@@ -1,6 +1,6 @@
-"""The Ascend route: torch_npu's fused CANN kernels as registry implementations (name ``npu``, device type
-``npu``). torch_npu is imported only when an op first resolves on an NPU (through
-:func:`megacann.accelerator.import_torch_npu`), never by ``import megacann``.
+"""The Ascend route: torch_npu's fused CANN kernels as implementations (name ``npu``, device type ``npu``)
+of the ops declared in :mod:`megacann.ops.signatures`. torch_npu is imported only when an op first
+resolves on an NPU (through :func:`megacann.accelerator.import_torch_npu`), never by ``import megacann``.
 
 Calls follow torch_npu's documented signatures:
 
@@ -12,7 +12,10 @@ Calls follow torch_npu's documented signatures:
   the 2048x2048 upper-triangular bool mask, True = masked, with ``sparse_mode=2``); ``TND`` for packed
   sequences (``segment_ids``), with the cumulative document ends as ``actual_seq_qlen`` /
   ``actual_seq_kvlen`` and ``sparse_mode=3`` when causal; an explicit ``attn_mask`` goes in as its
-  complement with ``sparse_mode=0``. Key/value may have fewer heads (GQA).
+  complement with ``sparse_mode=0``. Key/value may have fewer heads (GQA). A sliding window W uses band
+  mode (``sparse_mode=4``, the same compressed mask) with ``pre_tockens=W-1`` and ``next_tockens=0``: a
+  query at ``i`` keeps keys ``j`` with ``i - pre_tockens <= j <= i + next_tockens``, i.e. its last W keys
+  (in TND, within each document).
 - ``npu_cross_entropy_loss(logits, target, reduction='none', ...)`` for fp32 logits (its loss has the input's
   dtype, so bf16 logits use the reference, which computes the loss in fp32)
 - ``npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, eps, grad, None, False,
@@ -31,13 +34,14 @@ from typing import Optional
 import torch
 
 from megacann.accelerator import import_torch_npu
+from megacann.constants import IGNORE_INDEX
 from megacann.ops import reference
 from megacann.ops.registry import register
 
 NPU = "npu"
 PRIORITY = 20
 COMPRESSED_MASK_SIZE = 2048  # the optimised causal mask torch_npu expects with sparse_mode 2/3
-SPARSE_NONE, SPARSE_LEFT_UP_CAUSAL, SPARSE_RIGHT_DOWN_CAUSAL = 0, 2, 3
+SPARSE_NONE, SPARSE_LEFT_UP_CAUSAL, SPARSE_RIGHT_DOWN_CAUSAL, SPARSE_BAND = 0, 2, 3, 4
 
 _causal_masks: dict[torch.device, torch.Tensor] = {}
 
@@ -97,38 +101,35 @@ def cumulative_seq_lens(segment_ids: torch.Tensor) -> list[int]:
 
 @_npu_op("scaled_dot_product_attention")
 def scaled_dot_product_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = True,
-    segment_ids: Optional[torch.Tensor] = None,
-    attn_mask: Optional[torch.Tensor] = None,
-    dropout_p: float = 0.0,
-    scale: Optional[float] = None,
+    q, k, v, *, causal=True, segment_ids=None, attn_mask=None, dropout_p=0.0, scale=None, sliding_window=None
 ) -> torch.Tensor:
     b, s, heads, d = q.shape
     common = dict(scale=scale if scale is not None else 1.0 / math.sqrt(d), keep_prob=1.0 - dropout_p)
     npu = _npu()
+    window = reference.effective_window(sliding_window, s, causal)
     if attn_mask is not None:
-        allowed = reference.attention_mask(s, causal, segment_ids, q.device)
+        allowed = reference.attention_mask(s, causal, segment_ids, q.device, window)
         allowed = attn_mask if allowed is None else allowed & attn_mask
         masked = dict(atten_mask=~allowed, sparse_mode=SPARSE_NONE)
         return npu.npu_fusion_attention(q, k, v, heads, "BSND", **masked, **common)[0]
+    band = {}
+    if window is not None:  # the last W keys: a band W-1 behind the diagonal, none ahead
+        band = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_BAND, pre_tockens=window - 1, next_tockens=0)
     if segment_ids is not None:
         lens = cumulative_seq_lens(segment_ids)
         mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_RIGHT_DOWN_CAUSAL) if causal else {}
+        mask = band or mask
         flat = [t.reshape(b * s, t.shape[2], d) for t in (q, k, v)]
         out = npu.npu_fusion_attention(
             *flat, heads, "TND", actual_seq_qlen=lens, actual_seq_kvlen=lens, **mask, **common
         )[0]
         return out.view(b, s, heads, d)
     mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_LEFT_UP_CAUSAL) if causal else {}
-    return npu.npu_fusion_attention(q, k, v, heads, "BSND", **mask, **common)[0]
+    return npu.npu_fusion_attention(q, k, v, heads, "BSND", **(band or mask), **common)[0]
 
 
 @_npu_op("cross_entropy")
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     if logits.dtype != torch.float32:
         return reference.cross_entropy(logits, target, ignore_index)
     flat_target = target.reshape(-1).long()
@@ -145,19 +146,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
 
 
 @_npu_op("adamw_step_")
-def adamw_step_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-) -> None:
+def adamw_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
     _npu().npu_apply_adam_w(
         beta1 ** (step - 1),
         beta2 ** (step - 1),

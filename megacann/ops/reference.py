@@ -1,5 +1,5 @@
-"""PyTorch reference implementations of every op: correct on any device, and the baseline fused kernels
-are tested against.
+"""PyTorch reference implementations of the ops declared in :mod:`megacann.ops.signatures`: correct on any
+device, and the baseline fused kernels are tested against.
 
 Layouts: attention tensors are ``[batch, seq, heads, head_dim]`` (BSND, the layout of flash-attention and
 ``npu_fusion_attention``); rotary ``cos``/``sin`` are ``[batch, seq, head_dim]`` or ``[seq, head_dim]``.
@@ -13,10 +13,23 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megacann.ops.registry import REFERENCE, mark_fp32_result, register
+from megacann.constants import IGNORE_INDEX
+from megacann.ops.registry import REFERENCE, register
 
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
+
+
+def effective_window(sliding_window: Optional[int], seq_len: int, causal: bool) -> Optional[int]:
+    """The sliding window that changes anything: None when it is unset or covers the whole sequence.
+    A window needs causal attention (each query sees its last ``sliding_window`` keys, itself included)."""
+    if sliding_window is None:
+        return None
+    if not causal:
+        raise ValueError("sliding_window needs causal attention (causal=True)")
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of keys, got {sliding_window}")
+    return None if sliding_window >= seq_len else int(sliding_window)
 
 
 def attention_mask(
@@ -24,19 +37,23 @@ def attention_mask(
     causal: bool,
     segment_ids: Optional[torch.Tensor],
     device: torch.device,
+    sliding_window: Optional[int] = None,
 ) -> Optional[torch.Tensor]:
     """Boolean mask, True where a query may attend to a key: ``[b, 1, s, s]`` (or ``[s, s]``), or None.
+    ``sliding_window`` W (causal only): query ``i`` sees keys ``i-W+1 .. i`` (Hugging Face Mistral's band).
 
     The mask of the last ``segment_ids`` tensor seen is kept, so the layers of one model, which all get
     the same tensor, build it once per step."""
     if segment_ids is not None:
-        key = (seq_len, causal, device, segment_ids._version)
+        key = (seq_len, causal, device, segment_ids._version, sliding_window)
         cached = _MASK_CACHE.get("entry")
         if cached is not None and cached[0] == key and cached[1]() is segment_ids:
             return cached[2]
     mask = None
     if causal:
         mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril_()
+        if sliding_window is not None:
+            mask.triu_(1 - sliding_window)  # keys more than W-1 behind the query are out
     if segment_ids is not None:
         same = (segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)).unsqueeze(1)
         mask = same if mask is None else same & mask
@@ -58,16 +75,19 @@ def scaled_dot_product_attention(
     attn_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention over BSND tensors; ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA: kv head ``j``
     serves q heads ``j*g .. j*g+g-1``). ``segment_ids`` ``[b, s]`` restricts attention to equal ids
-    (packed documents); ``attn_mask`` is boolean, True = attend. Returns ``[b, s, hq, d]``."""
+    (packed documents); ``attn_mask`` is boolean, True = attend; ``sliding_window`` W (causal only) lets
+    each query see its last W keys, itself included. Returns ``[b, s, hq, d]``."""
     hq, hkv = q.shape[2], k.shape[2]
     if hq % hkv:
         raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hkv}")
+    window = effective_window(sliding_window, q.shape[1], causal)
     mask = None
-    if segment_ids is not None or attn_mask is not None:
-        mask = attention_mask(q.shape[1], causal, segment_ids, q.device)
+    if segment_ids is not None or attn_mask is not None or window is not None:
+        mask = attention_mask(q.shape[1], causal, segment_ids, q.device, window)
         if attn_mask is not None:
             mask = attn_mask if mask is None else mask & attn_mask
     extra = {}
@@ -148,7 +168,7 @@ def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 
 @register("cross_entropy", REFERENCE)
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-token cross entropy in fp32 (shape of ``target``; 0 where ``target == ignore_index``) of
     ``logits`` ``[..., V]`` in any float dtype."""
     flat = logits.reshape(-1, logits.shape[-1])
@@ -156,6 +176,3 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         flat = flat.float()
     loss = F.cross_entropy(flat, target.reshape(-1), ignore_index=ignore_index, reduction="none")
     return loss.view(target.shape)
-
-
-mark_fp32_result("cross_entropy")  # a loss: fp32 whatever the logits' dtype

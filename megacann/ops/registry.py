@@ -1,5 +1,8 @@
 """A small registry of fused operators: several implementations per op, chosen per device type.
 
+An op is declared once (:func:`declare`: name, signature, docstring; the declarations are
+:mod:`megacann.ops.signatures`), which makes its public function; implementations register under the
+declared name and are checked against the declared signature as they register (:mod:`megacann.ops.opspec`).
 Every op has a PyTorch ``reference`` implementation that runs anywhere. Faster ones (torch_npu kernels,
 the C++ extension in ``csrc/``, CUDA kernels) register under the same op name with a priority, the device
 types they serve and an availability check; the check runs once, lazily, on first use, so registering
@@ -22,6 +25,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from megacann.ops.opspec import OpSpec, make_function, mismatches
+
 REFERENCE = "reference"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 logger = logging.getLogger("megacann.ops")
@@ -41,12 +46,12 @@ class OpImpl:
         return self.device_types is None or device_type in self.device_types
 
 
+_SPECS: dict[str, OpSpec] = {}
 _IMPLS: dict[str, dict[str, OpImpl]] = {}
 _PINNED: dict[str, str] = {}
 _PIN_ALL: Optional[str] = None
 _FUSED: Optional[frozenset[str]] = None  # None: every op may use a fused implementation
 _FP32: frozenset[str] = frozenset()
-_FP32_RESULT: set[str] = set()  # ops whose results are fp32 by contract (losses): never cast back
 _CACHE: dict[tuple[str, str], tuple[OpImpl, Callable]] = {}
 _AVAILABLE: dict[tuple[str, str], bool] = {}
 
@@ -59,16 +64,49 @@ def register(
     device_types: Optional[tuple[str, ...]] = None,
     available: Optional[Callable[[], bool]] = None,
 ) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as implementation ``name`` of ``op``. Higher priority wins; the
-    reference implementation has priority 0."""
+    """Decorator: register ``fn`` as implementation ``name`` of the declared ``op``. Higher priority wins;
+    the reference implementation has priority 0. TypeError when ``fn`` does not fit the declared signature
+    (:func:`megacann.ops.opspec.mismatches`), KeyError when ``op`` is not declared."""
 
     def decorate(fn: Callable) -> Callable:
+        problems = mismatches(_spec(op), fn)
+        if problems:
+            raise TypeError(
+                f"implementation {name!r} of op {op!r} does not fit the declared signature "
+                f"{op}{_SPECS[op].signature}: " + "; ".join(problems)
+            )
         impl = OpImpl(op, name, fn, priority, frozenset(device_types) if device_types else None, available or _always)
         _IMPLS.setdefault(op, {})[name] = impl
         _CACHE.clear()
         return fn
 
     return decorate
+
+
+def declare(
+    stub: Optional[Callable] = None, *, prepare: Optional[Callable[..., tuple]] = None, fp32_result: bool = False
+) -> Any:
+    """Decorator: declare the op named, typed and documented by ``stub`` (its body is never run) and return
+    its public function, which dispatches by the device type of its first argument. ``prepare`` checks and
+    normalises the arguments first; ``fp32_result`` marks an op whose result is fp32 by contract (a loss),
+    which ``precision.fp32_ops`` never casts back. See :class:`megacann.ops.opspec.OpSpec`."""
+
+    def decorate(fn: Callable) -> Callable:
+        spec = OpSpec.from_stub(fn, prepare=prepare, fp32_result=fp32_result)
+        if spec.name in _SPECS:
+            raise ValueError(f"op {spec.name!r} is declared twice")
+        _SPECS[spec.name] = spec
+        _IMPLS.setdefault(spec.name, {})
+        _CACHE.clear()
+        return make_function(spec, resolve, fn.__module__)
+
+    return decorate if stub is None else decorate(stub)
+
+
+def _spec(op: str) -> OpSpec:
+    if op not in _SPECS:
+        raise KeyError(f"unknown op {op!r}; declared ops: {ops()}")
+    return _SPECS[op]
 
 
 def _always() -> bool:
@@ -86,7 +124,8 @@ def _is_available(impl: OpImpl) -> bool:
 
 
 def ops() -> list[str]:
-    return sorted(_IMPLS)
+    """The declared ops, sorted."""
+    return sorted(_SPECS)
 
 
 def implementations(op: str) -> list[str]:
@@ -95,9 +134,8 @@ def implementations(op: str) -> list[str]:
 
 
 def _impls(op: str) -> dict[str, OpImpl]:
-    if op not in _IMPLS:
-        raise KeyError(f"unknown op {op!r}; registered ops: {ops()}")
-    return _IMPLS[op]
+    _spec(op)
+    return _IMPLS.setdefault(op, {})
 
 
 def resolve(op: str, device_type: str) -> Callable:
@@ -113,7 +151,7 @@ def resolve(op: str, device_type: str) -> Callable:
             f"call megacann.ops.selection({device_type!r}) (or run one eager step) before compiling"
         )
     impl = _choose(op, device_type)
-    fn = _in_fp32(impl.fn, op in _FP32_RESULT) if op in _FP32 else impl.fn
+    fn = _in_fp32(impl.fn, _SPECS[op].fp32_result) if op in _FP32 else impl.fn
     _CACHE[key] = (impl, fn)
     return fn
 
@@ -191,12 +229,6 @@ def _cast_back(out: Any, dtype: torch.dtype) -> Any:
     return out
 
 
-def mark_fp32_result(op: str) -> None:
-    """Declare that ``op`` returns fp32 whatever its inputs (a loss): fp32_ops never casts it back."""
-    _FP32_RESULT.add(op)
-    _CACHE.clear()
-
-
 # -- recipe selection ----------------------------------------------------------------------------------
 
 
@@ -214,7 +246,7 @@ def check_op_names(key: str, names: Sequence[str]) -> list[str]:
 def _check_names(key: str, names: Sequence[str]) -> list[str]:
     if isinstance(names, (str, bytes)) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"{key} must be a list of op names, got {names!r}; valid op names: {ops()}")
-    unknown = [n for n in names if n not in _IMPLS]
+    unknown = [n for n in names if n not in _SPECS]
     if unknown:
         raise ValueError(f"{key}: unknown op name(s) {unknown}; valid op names: {ops()}")
     return list(names)

@@ -69,6 +69,7 @@ from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers.embedding import pad_vocab_size
 from megacann.layers.output import HEAD_LOSS
 from megacann.models import DecoderArch, get_model_spec
+from megacann.models.sizing import attention_head_dim
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in PRECISION_DTYPES.items()}
 GRAD_BYTES = 4  # fp32 gradient buffers
@@ -162,6 +163,12 @@ def architecture(m: ModelConfig) -> DecoderArch:
         raise ConfigError(
             f"model.type {m.type!r}: the memory planner's formulas are a decoder's (llama, gpt); this family "
             "describes no DecoderArch in its ModelSpec.architecture"
+        )
+    if attention_head_dim(m) * m.num_attention_heads != m.hidden_size:
+        raise ConfigError(
+            f"model.head_dim {attention_head_dim(m)}: the memory planner's formulas take heads of hidden_size / "
+            f"num_attention_heads = {m.hidden_size // m.num_attention_heads} (query and output projections of "
+            "hidden_size x hidden_size); it cannot estimate wider or narrower heads yet"
         )
     return arch
 

@@ -11,6 +11,7 @@ from megacann import ops
 from megacann.layers.context_parallel.blockwise import blockwise_attention
 from megacann.layers.context_parallel.layout import chunk_length, cp_group
 from megacann.layers.context_parallel.ulysses import ulysses_attention
+from megacann.ops.reference import effective_window
 
 CONTEXT_PARALLEL_ALGORITHMS = ("ring", "allgather", "ulysses")
 
@@ -24,6 +25,7 @@ def context_parallel_attention(
     algo: str = "ring",
     scale: Optional[float] = None,
     group: Optional[dist.ProcessGroup] = None,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of this cp rank's tokens over the whole sequence of the cp group.
 
@@ -31,7 +33,10 @@ def context_parallel_attention(
     query heads ``j·g .. j·g+g-1``) and ``segment_ids`` ``[b, s_local]`` (packed documents: attention stays
     within equal ids) hold this rank's chunks, as :func:`context_parallel_split` cuts them. Returns
     ``[b, s_local, heads, d]``. ``group`` defaults to parallel_state's cp group; with one rank this is
-    plain causal attention. ``algo`` is one of :data:`CONTEXT_PARALLEL_ALGORITHMS`.
+    plain causal attention. ``algo`` is one of :data:`CONTEXT_PARALLEL_ALGORITHMS`. ``sliding_window`` W
+    (None: none) lets each query see only its last W keys of the whole sequence, itself included: every
+    algorithm carries it (ring and all-gather mask each block by global positions and skip blocks wholly
+    outside the window; Ulysses attends over the whole sequence).
     """
     if algo not in CONTEXT_PARALLEL_ALGORITHMS:
         raise ValueError(f"context_parallel_algo {algo!r} is not one of {CONTEXT_PARALLEL_ALGORITHMS}")
@@ -49,8 +54,11 @@ def context_parallel_attention(
         )
     group, size, _ = cp_group(group)
     if size == 1:
-        return ops.scaled_dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=scale)
+        return ops.scaled_dot_product_attention(
+            q, k, v, causal=True, segment_ids=segment_ids, scale=scale, sliding_window=sliding_window
+        )
     chunk_length(q.shape[1] * size, size)
+    window = effective_window(sliding_window, q.shape[1] * size, causal=True)
     if algo == "ulysses":
-        return ulysses_attention(q, k, v, segment_ids, scale, group, size)
-    return blockwise_attention(q, k, v, segment_ids, scale, group, transport=algo)
+        return ulysses_attention(q, k, v, segment_ids, scale, group, size, window)
+    return blockwise_attention(q, k, v, segment_ids, scale, group, transport=algo, sliding_window=window)

@@ -15,7 +15,9 @@ Backward recomputes each block's scores from the saved ``out`` and ``lse`` (flas
 and sends each block's ``dk, dv`` (fp32) back to its owner. Scores are computed a tile of query rows at a
 time (``SCORE_TILE_ELEMENTS``) with the tile's mask built on the spot, so no block-sized score or mask
 matrix is held. Packed sequences add ``segment_ids`` equality to the masks (the ids of all ranks are
-all-gathered once, they are small). GQA needs no copies: queries are viewed as
+all-gathered once, they are small). A sliding window W adds ``query position - key position < W`` on the
+global positions of the step's rows and columns, and a step whose keys all lie W or more behind its
+queries is skipped (in backward it hands on a zero gradient). GQA needs no copies: queries are viewed as
 ``[b, kv_heads, group, s, d]`` and broadcast against their kv head.
 
 How the blocks reach a rank is the transport:
@@ -45,6 +47,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
+from megacann.layers.context_parallel.layout import context_parallel_position_ids
 from megacann.layers.mappings import all_gather_flat, reduce_scatter_flat
 
 _NEG_INF = float("-inf")
@@ -181,10 +184,11 @@ def _tiles(q: torch.Tensor, keys: int, causal: bool):
         yield first, end, (end if causal else None)
 
 
-def _tile_mask(segments, causal, first, end, key_end, device) -> Optional[torch.Tensor]:
+def _tile_mask(segments, causal, first, end, key_end, device, band=None) -> Optional[torch.Tensor]:
     """Mask of query rows ``[first, end)`` over keys ``[0, key_end)`` (True = attend), broadcastable to
-    [b, hkv, g, rows, keys], or None: equal segment ids (``segments`` = (ids of the rows, of the keys))
-    and, when ``causal``, key index <= row index. Built per tile, so no block-sized mask is ever held."""
+    [b, hkv, g, rows, keys], or None: equal segment ids (``segments`` = (ids of the rows, of the keys)),
+    when ``causal`` key index <= row index, and with a ``band`` (global positions of the rows, of the
+    keys, window W) keys less than W positions behind. Built per tile, so no block-sized mask is held."""
     mask = None
     if segments is not None:
         seg_q, seg_k = segments
@@ -192,15 +196,19 @@ def _tile_mask(segments, causal, first, end, key_end, device) -> Optional[torch.
     if causal:
         tri = torch.arange(first, end, device=device)[:, None] >= torch.arange(end, device=device)[None, :]
         mask = tri if mask is None else mask & tri
+    if band is not None:
+        pos_q, pos_k, window = band
+        near = (pos_q[first:end, None] - pos_k[None, :key_end]) < window
+        mask = near if mask is None else mask & near
     return mask
 
 
-def _block_forward(q, k, v, scale, segments, causal):
+def _block_forward(q, k, v, scale, segments, causal, band=None):
     """Attention of query rows ``q`` [b, hkv, g, sq, d] to one block ``k, v`` [b, hkv, 1, sk, d]: the
     block-normalised output and the rows' log-sum-exp over the block."""
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
     for first, end, key_end in _tiles(q, k.shape[-2], causal):
-        tile_mask = _tile_mask(segments, causal, first, end, key_end, q.device)
+        tile_mask = _tile_mask(segments, causal, first, end, key_end, q.device, band)
         scores = _scores(q[..., first:end, :], k[..., :key_end, :], scale, tile_mask)
         tile_lse = torch.logsumexp(scores, dim=-1)
         out[..., first:end, :] = torch.matmul(_probs(scores, tile_lse), v[..., :key_end, :])
@@ -216,12 +224,12 @@ def _merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(total)
 
 
-def _block_backward(q, k, v, scale, segments, causal, lse, dout, delta):
+def _block_backward(q, k, v, scale, segments, causal, lse, dout, delta, band=None):
     """Gradients of one block from the final ``lse`` and ``delta = rowsum(dout * out)``: (dq, dk, dv)."""
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for first, end, key_end in _tiles(q, k.shape[-2], causal):
         rows, keys = slice(first, end), slice(None, key_end)
-        tile_mask = _tile_mask(segments, causal, first, end, key_end, q.device)
+        tile_mask = _tile_mask(segments, causal, first, end, key_end, q.device, band)
         q_t, k_t, v_t, dout_t = q[..., rows, :], k[..., keys, :], v[..., keys, :], dout[..., rows, :]
         probs = _probs(_scores(q_t, k_t, scale, tile_mask), lse[..., rows])
         dv[..., keys, :] += torch.matmul(probs.transpose(-1, -2), dout_t).sum(2, keepdim=True)
@@ -240,9 +248,35 @@ def _step_plan(rank: int, source: int, chunk: int) -> tuple[slice, slice, bool]:
     return slice(chunk, None), slice(None), False
 
 
+def _band(window: Optional[int], blocks: _Ring, source: int, rows: slice, cols: slice, local: torch.Tensor):
+    """(global positions of the step's query rows, of its key columns, ``window``), or None without a
+    window; ``local``: a tensor of this rank's tokens along dim 1 (their number and device)."""
+    if window is None:
+        return None
+    seq_len, device = local.shape[1] * blocks.size, local.device
+    pos_q = context_parallel_position_ids(seq_len, blocks.size, blocks.rank, device)
+    pos_k = context_parallel_position_ids(seq_len, blocks.size, source, device)
+    return pos_q[rows], pos_k[cols], window
+
+
+def _global_position(index: int, rank: int, size: int, chunk: int) -> int:
+    """Global position of local token ``index`` of cp rank ``rank`` (chunks ``rank`` and ``2·size-1-rank``)."""
+    return (rank if index < chunk else 2 * size - 1 - rank - 1) * chunk + index
+
+
+def _out_of_window(window: Optional[int], blocks: _Ring, source: int, rows: slice, cols: slice, chunk: int) -> bool:
+    """Whether every key of the step lies ``window`` or more positions behind every query (nothing is
+    seen), from the layout alone (no device read)."""
+    if window is None or source == blocks.rank:
+        return False
+    first_row = _global_position(rows.start or 0, blocks.rank, blocks.size, chunk)
+    last_col = _global_position((cols.stop or 2 * chunk) - 1, source, blocks.size, chunk)
+    return first_row - last_col >= window
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, scale, group, transport):
+    def forward(ctx, q, k, v, segment_ids, scale, group, transport, window):
         blocks = TRANSPORTS[transport](group)
         hkv, chunk = k.shape[2], q.shape[1] // 2
         seg_all = _gather_segments(segment_ids, blocks)
@@ -251,13 +285,16 @@ class _BlockwiseAttention(torch.autograd.Function):
         lse = torch.full(qg.shape[:-1], _NEG_INF, dtype=qg.dtype, device=q.device)
         for source, kv in blocks.blocks(torch.stack([k, v])):
             rows, cols, causal = _step_plan(blocks.rank, source, chunk)
+            if _out_of_window(window, blocks, source, rows, cols, chunk):
+                continue
+            band = _band(window, blocks, source, rows, cols, q)
             segments = _segments(seg_all, blocks.rank, source, rows, cols)
             kb, vb = (_grouped(t, hkv)[:, :, :, cols] for t in kv)
-            block_out, block_lse = _block_forward(qg[:, :, :, rows], kb, vb, scale, segments, causal)
+            block_out, block_lse = _block_forward(qg[:, :, :, rows], kb, vb, scale, segments, causal, band)
             _merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
         result = _ungrouped(out, q.dtype)
         ctx.save_for_backward(q, k, v, result, lse, seg_all)
-        ctx.scale, ctx.group, ctx.transport = scale, group, transport
+        ctx.scale, ctx.group, ctx.transport, ctx.window = scale, group, transport, window
         return result
 
     @staticmethod
@@ -270,6 +307,11 @@ class _BlockwiseAttention(torch.autograd.Function):
         dq = torch.zeros_like(qg)
         for source, kv in blocks.blocks(torch.stack([k, v])):
             rows, cols, causal = _step_plan(blocks.rank, source, chunk)
+            dkv = torch.zeros((2,) + tuple(k.shape), dtype=qg.dtype, device=k.device)  # laid out like the block
+            if _out_of_window(ctx.window, blocks, source, rows, cols, chunk):  # nothing seen: zeros travel on
+                blocks.add_grad(source, dkv)
+                continue
+            band = _band(ctx.window, blocks, source, rows, cols, q)
             segments = _segments(seg_all, blocks.rank, source, rows, cols)
             kb, vb = (_grouped(t, hkv)[:, :, :, cols] for t in kv)
             dq_b, dk_b, dv_b = _block_backward(
@@ -282,14 +324,14 @@ class _BlockwiseAttention(torch.autograd.Function):
                 lse[:, :, :, rows],
                 dout[:, :, :, rows],
                 delta[:, :, :, rows],
+                band,
             )
             dq[:, :, :, rows] += dq_b
-            dkv = torch.zeros((2,) + tuple(k.shape), dtype=qg.dtype, device=k.device)  # laid out like the block
             dkv[0][:, cols] = rearrange(dk_b, "b hkv 1 s d -> b s hkv d")
             dkv[1][:, cols] = rearrange(dv_b, "b hkv 1 s d -> b s hkv d")
             blocks.add_grad(source, dkv)
         dkv = blocks.own_grad()
-        return _ungrouped(dq, q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return _ungrouped(dq, q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def _gather_segments(segment_ids: Optional[torch.Tensor], ring: _Ring) -> Optional[torch.Tensor]:
@@ -319,13 +361,15 @@ def blockwise_attention(
     scale: Optional[float] = None,
     group: Optional[dist.ProcessGroup] = None,
     transport: str = "ring",
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's two sequence chunks over the whole sequence of ``group``.
 
     ``q`` ``[b, s_local, heads, d]``, ``k``/``v`` ``[b, s_local, kv_heads, d]`` and ``segment_ids``
     ``[b, s_local]`` are this rank's tokens in the load-balanced layout; returns ``[b, s_local, heads, d]``
     in ``q``'s dtype. ``transport``: ``ring`` or ``allgather``. ``group`` None or of one rank: plain
-    (single block) attention.
+    (single block) attention. ``sliding_window`` W: each query sees only its last W keys of the whole
+    sequence (itself included).
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r} is not one of {tuple(TRANSPORTS)}")
@@ -334,4 +378,4 @@ def blockwise_attention(
             f"blockwise attention needs this rank's two sequence chunks, an even local length; got {q.shape[1]}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _BlockwiseAttention.apply(q, k, v, segment_ids, scale, group, transport)
+    return _BlockwiseAttention.apply(q, k, v, segment_ids, scale, group, transport, sliding_window)

@@ -70,9 +70,11 @@ def ulysses_attention(
     scale: Optional[float],
     group: Group,
     size: int,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's ``q [b, s, heads, d]``, ``k, v [b, s, kv_heads, d]`` over the
-    ``size`` ranks of ``group``, by two all-to-alls; returns ``[b, s, heads, d]``."""
+    ``size`` ranks of ``group``, by two all-to-alls; returns ``[b, s, heads, d]``. Each rank attends over
+    the whole sequence in order, so a ``sliding_window`` is the one-process window."""
     b, s, hq, d = q.shape
     if hq % size:
         raise ValueError(
@@ -91,6 +93,8 @@ def ulysses_attention(
     q, k, v = qkv.index_select(1, positions.argsort()).split(per_rank, dim=2)  # sequence order
     if segment_ids is not None:
         segment_ids = context_parallel_gather(segment_ids, group=group)
-    out = ops.scaled_dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=scale)
+    out = ops.scaled_dot_product_attention(
+        q, k, v, causal=True, segment_ids=segment_ids, scale=scale, sliding_window=sliding_window
+    )
     out = _AllToAll.apply(out.index_select(1, positions), group, False)
     return rearrange(out, "b s cp m d -> b s (cp m) d")

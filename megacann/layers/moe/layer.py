@@ -17,7 +17,7 @@ rank dispatches only its own tokens to whole experts.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.collectives import all_reduce_if_parallel
 from megacann.layers import mappings
-from megacann.layers.context import current_layer_context, resolve_init_stds, resolve_sequence_parallel
+from megacann.layers.context import with_context_defaults
 from megacann.layers.init import init_normal
 from megacann.layers.mlp import SwiGLUMLP
 from megacann.layers.moe.config import MoEConfig
@@ -59,14 +59,7 @@ class MoEStats:
 
 def _with_context(config: MoEConfig) -> MoEConfig:
     """``config`` with the settings it leaves None taken from the current layer context."""
-    init_std, output_std = resolve_init_stds(config.init_method_std, config.output_layer_init_std)
-    return replace(
-        config,
-        sequence_parallel=resolve_sequence_parallel(config.sequence_parallel),
-        init_method_std=init_std,
-        output_layer_init_std=output_std,
-        params_dtype=config.params_dtype or current_layer_context().params_dtype,
-    )
+    return with_context_defaults(config)
 
 
 class MoELayer(torch.nn.Module):

@@ -1,0 +1,90 @@
+"""Hugging Face style config.json: read, its family recognised by ``model_type``, its keys mapped onto the
+fields of a family's configuration class (``HF_KEYS``; ``HF_INERT_KEYS`` only at their inert value)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional
+
+from megacann.config.advice import advise
+from megacann.config.families import family_of_hf_model_type, model_config_class
+from megacann.config.schema import ConfigError, ModelConfig
+
+# Keys of HF configs that carry nothing megacann needs (accepted silently).
+HF_IGNORED_KEYS = {
+    "architectures",
+    "model_type",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "use_cache",
+    "pretraining_tp",
+    "hidden_act",
+    "mlp_bias",
+    "head_dim",
+    "_name_or_path",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+    "auto_map",
+    "output_router_logits",
+}
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """A Hugging Face style config.json as a dict (rope settings of transformers >= 5 moved back to the
+    top level, where older files keep them)."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object of model settings")
+    rope = raw.get("rope_parameters")  # transformers >= 5 keeps rope_theta and the scaling here
+    if isinstance(rope, dict):
+        raw = {k: v for k, v in raw.items() if k != "rope_parameters"}
+        rope = dict(rope)
+        if "rope_theta" in rope:
+            raw.setdefault("rope_theta", rope.pop("rope_theta"))
+        if rope.get("rope_type", "default") != "default":
+            raw.setdefault("rope_scaling", rope)
+    return raw
+
+
+def hf_config_family(raw: dict[str, Any]) -> Optional[str]:
+    """The registered family a config.json describes (by its ``model_type``), if megacann knows one."""
+    family = family_of_hf_model_type(raw.get("model_type"))
+    if family is None and (raw.get("model_type") == "gpt2" or "n_embd" in raw):
+        family = "gpt"
+    return family
+
+
+def load_hf_model_config(path: str, model_cls: Optional[type[ModelConfig]] = None) -> dict[str, Any]:
+    """Map a Hugging Face style config.json onto the field names of a family's configuration
+    (``model_cls``; None: the family its ``model_type`` names, else the shared keys alone). The family is
+    returned as ``type`` when config.json names one."""
+    raw = read_hf_config(path)
+    family = hf_config_family(raw)
+    if model_cls is None:
+        model_cls = model_config_class(family, path) if family else ModelConfig
+    names = {f.name for f in dataclasses.fields(model_cls)}
+    mapped: dict[str, Any] = {"type": family} if family else {}
+    for key, value in raw.items():
+        if key in model_cls.HF_INERT_KEYS:
+            if value != model_cls.HF_INERT_KEYS[key]:
+                raise ConfigError(f"{path}: {key} {value!r} is not supported (only {model_cls.HF_INERT_KEYS[key]!r})")
+        elif key in model_cls.HF_KEYS:
+            mapped[model_cls.HF_KEYS[key]] = value
+        elif key in names and key != "type":
+            mapped[key] = value
+        elif key not in HF_IGNORED_KEYS:
+            advise(f"{path}: model key '{key}' is not used by megacann and is ignored")
+    act = raw.get("hidden_act")
+    if act is not None and act not in ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(f"{path}: hidden_act {act!r} is not supported (expected silu or gelu)")
+    return mapped

@@ -1,0 +1,125 @@
+"""The ops' declarations: each op's name, signature and docstring, written once.
+
+Each stub below becomes the public function of its op (``megacann.ops.rms_norm`` etc.): a function with
+this signature that picks the implementation by the device type of its first argument and calls it with
+every argument. The implementations (:mod:`~megacann.ops.reference`, :mod:`~megacann.ops.cpp`,
+:mod:`~megacann.ops.npu`, :mod:`~megacann.ops.cuda`, :mod:`~megacann.ops.adamw`, :mod:`~megacann.ops.moe`,
+:mod:`~megacann.ops.head_loss`) register under these names and are checked against these signatures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann.constants import IGNORE_INDEX
+from megacann.ops.registry import declare
+
+DEFAULT_CHUNK_SIZE = 1024  # tokens per chunk of the fused head loss
+
+
+@declare
+def scaled_dot_product_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    segment_ids: Optional[torch.Tensor] = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention over ``[b, s, heads, d]`` tensors; ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA:
+    kv head ``j`` serves q heads ``j*g .. j*g+g-1``). ``segment_ids`` ``[b, s]`` restricts attention to
+    equal ids (packed documents); ``attn_mask`` is boolean, True = attend; ``sliding_window`` W (causal
+    only) lets each query see its last W keys, itself included. Returns ``[b, s, hq, d]``."""
+
+
+@declare
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation over the last dim, scaled by ``weight``: ``weight * x / sqrt(mean(x²) + eps)``."""
+
+
+@declare
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary position embedding of ``x`` ``[b, s, heads, d]`` by the angles whose cos/sin are given
+    (``[b, s, d]`` or ``[s, d]``). ``interleaved=False`` (Hugging Face LLaMA, GPT-NeoX): dims ``i`` and
+    ``i + d/2`` form a pair; ``interleaved=True`` (GPT-J, original RoPE): dims ``2i`` and ``2i+1`` do.
+    The result has ``x``'s dtype."""
+
+
+@declare
+def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``silu(gate) * up``: with ``up`` given, ``x`` is the gate; otherwise ``x`` is a fused gate|up
+    projection whose last dim holds the gate then the up half."""
+
+
+@declare(fp32_result=True)
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-token cross entropy in fp32 of ``logits`` ``[..., V]`` in any float dtype: shape of ``target``,
+    0 where ``target == ignore_index``."""
+
+
+@declare(fp32_result=True)
+def vocab_parallel_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_size: Optional[int] = None,
+    ignore_index: int = IGNORE_INDEX,
+    group: Optional[dist.ProcessGroup] = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Per-token fp32 loss of the output head ``hidden @ weight.T`` (``weight``: this TP rank's vocabulary
+    shard) computed in chunks of ``chunk_size`` tokens, never holding the whole batch's logits. Equal to
+    ``F.linear`` + :func:`megacann.layers.vocab_parallel_cross_entropy`; see :mod:`megacann.ops.head_loss`."""
+
+
+@declare
+def adamw_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """One AdamW update of flat fp32 buffers in place, as ``torch.optim.AdamW``; ``step`` counts from 1
+    (this update's)."""
+
+
+@declare
+def moe_permute(tokens: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``tokens`` ``[T, h]`` sorted by expert (``expert_ids`` ``[T, k]``), and the map back
+    (``[T*k]`` int32); see :mod:`megacann.ops.moe`."""
+
+
+@declare
+def moe_unpermute(permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Each token's expert outputs, weighted by ``probs`` ``[T, k]`` and summed; inverse of
+    :func:`moe_permute`."""
+
+
+def _check_groups(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: Sequence[int]) -> tuple:
+    if len(weights) != len(group_sizes):
+        raise ValueError(f"grouped_matmul: {len(weights)} weights but {len(group_sizes)} group sizes")
+    if sum(group_sizes) != x.shape[0]:
+        raise ValueError(f"grouped_matmul: group sizes add up to {sum(group_sizes)}, x has {x.shape[0]} rows")
+    return x, list(weights), [int(n) for n in group_sizes]
+
+
+@declare(prepare=_check_groups)
+def grouped_matmul(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: Sequence[int]) -> torch.Tensor:
+    """Consecutive row groups of ``x`` each multiplied by their own weight (``F.linear`` layout): the first
+    ``group_sizes[0]`` rows times ``weights[0]ᵀ``, and so on. Implementations get lists (ints)."""
