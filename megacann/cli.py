@@ -128,12 +128,13 @@ def plan_main(argv: Optional[list[str]] = None) -> int:
         world = args.world_size or cfg.distributed.world_size or 1
         if args.world_size is not None and args.world_size < 1:
             raise ConfigError(f"--world_size must be >= 1, got {args.world_size}")
-    except ConfigError as err:
+        from megacann.planning import plan_report
+
+        report = plan_report(cfg, args.config, world, args.device_memory_gb, args.devices_per_node, args.top)
+    except ConfigError as err:  # the recipe, or what the planner's formulas cannot estimate yet
         print(f"megacann-plan: error: {err}", file=sys.stderr)
         return 2
-    from megacann.planning import plan_report
-
-    print(plan_report(cfg, args.config, world, args.device_memory_gb, args.devices_per_node, args.top))
+    print(report)
     return 0
 
 
