@@ -176,6 +176,17 @@ def test_hf_config_json_merges_and_inline_wins(tmp_path):
     assert os.path.isabs(m.config_path)
 
 
+def test_a_head_width_the_family_cannot_hold_is_refused_not_ignored(tmp_path):
+    hf = {"model_type": "llama", "hidden_size": 128, "num_attention_heads": 8, "num_hidden_layers": 2}
+    (tmp_path / "m.json").write_text(json.dumps({**hf, "head_dim": 16}))  # 128 / 8: the width llama has
+    assert load_config(write(tmp_path, "model: {config_path: m.json}\n")).model.hidden_size == 128
+    (tmp_path / "m.json").write_text(json.dumps({**hf, "head_dim": 32}))
+    with pytest.raises(ConfigError, match=r"m.json: head_dim 32 is not hidden_size 128 / num_attention_heads 8"):
+        load_config(write(tmp_path, "model: {config_path: m.json}\n"))
+    (tmp_path / "m.json").write_text(json.dumps({**hf, "model_type": "mistral", "head_dim": 32}))
+    assert load_config(write(tmp_path, "model: {config_path: m.json}\n")).model.head_dim == 32  # mistral reads it
+
+
 def test_missing_config_path_names_it(tmp_path):
     path = write(tmp_path, "model: {config_path: nowhere.json}\n")
     with pytest.raises(ConfigError, match="model.config_path: file not found: 'nowhere.json'"):

@@ -84,7 +84,22 @@ def load_hf_model_config(path: str, model_cls: Optional[type[ModelConfig]] = Non
             mapped[key] = value
         elif key not in HF_IGNORED_KEYS:
             advise(f"{path}: model key '{key}' is not used by megacann and is ignored")
+    _check_implied_head_dim(raw, names, path)
     act = raw.get("hidden_act")
     if act is not None and act not in ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"{path}: hidden_act {act!r} is not supported (expected silu or gelu)")
     return mapped
+
+
+def _check_implied_head_dim(raw: dict[str, Any], names: set[str], path: str) -> None:
+    """A family without a ``head_dim`` key has heads of hidden_size / num_attention_heads: a config.json
+    naming other heads would load into the wrong shapes, so it is refused (not ignored)."""
+    head_dim, hidden, heads = raw.get("head_dim"), raw.get("hidden_size"), raw.get("num_attention_heads")
+    if "head_dim" in names or head_dim is None or not hidden or not heads:
+        return
+    if head_dim * heads != hidden:
+        raise ConfigError(
+            f"{path}: head_dim {head_dim} is not hidden_size {hidden} / num_attention_heads {heads}, and this "
+            "model family has heads of that width only (a family with a head_dim key, e.g. mistral or qwen3, "
+            "reads it)"
+        )
