@@ -283,16 +283,19 @@ def _torch_moe_weights(block, w: dict[str, torch.Tensor]) -> None:
 
 
 def _against_hf(block, spec: Spec, w: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
-    """megacann with the same weights gives ``block``'s output and gradients; ``params`` maps megacann names
-    to the block's parameters (or slices of them)."""
+    """megacann with the same weights gives ``block``'s output and gradients, and so does the reference;
+    ``params`` maps megacann names to the block's parameters (or slices of them)."""
     layer = megacann_layer(spec, w)
     x, g = _batch(0)
+    ref = reference_run(spec, w, x, g)
+    assert ref.get("bias_changed_choice", True)  # with a choice bias, it steered some token
     got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = layer(got_x)
     want = block(want_x)
     (out * g).sum().backward()
     (want * g).sum().backward()
     assert rel(out, want) <= TOL and rel(got_x.grad, want_x.grad) <= TOL
+    assert rel(ref["out"], want) <= TOL and rel(ref["dx"], want_x.grad) <= TOL
     grads = dict(layer.named_parameters())
     for name, hf_grad in params.items():
         assert rel(grads[name].grad, hf_grad()) <= TOL, name
