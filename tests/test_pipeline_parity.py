@@ -1,13 +1,15 @@
 """Pipeline parallelism (1F1B, interleaved) alone and with TP, SP, DP, recompute and tied embeddings trains
 exactly as one process: loss trace, grad norms, every parameter's first-step gradient and the weights after
-the last step; tied embeddings stay bitwise equal on the first and last stage; evaluation runs forward-only."""
+the last step; tied embeddings stay bitwise equal on the first and last stage; evaluation runs forward-only.
+Probes on every rank's blocks show the layout's modes were on (virtual chunks, SP, recompute, evaluation)."""
 
 import pytest
 import torch
 from dist_harness import run_on_ranks
-from test_training_parity import COMMON, assert_close_trace, assert_params_close
+from test_training_parity import COMMON, ModeProbes, assert_close_trace, assert_modes_on, assert_params_close
 
 STEPS = 4
+EVAL_ITERS = 2
 # pp = 1 references; layout runs name theirs. Global batch = micro-batch 2 x dp x grad_accum_steps.
 REFERENCE_RUNS = {
     "m4": ["optim.grad_accum_steps=4"],
@@ -82,13 +84,16 @@ def _train_runs(runs: dict[str, list[str]]) -> dict:
     warnings.simplefilter("ignore")  # pipeline-bubble warnings of the small test recipes
     results = {}
     for name, overrides in runs.items():
-        cfg = tiny_config(COMMON + overrides + ["logging.eval_iters=2"], world_size=dist.get_world_size())
+        cfg = tiny_config(COMMON + overrides + [f"logging.eval_iters={EVAL_ITERS}"], world_size=dist.get_world_size())
         runtime = setup_runtime(cfg)
         data = WithValidation(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         trainer = Trainer(cfg, runtime, data=data)
         owner = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
         named = {n: p for chunk in trainer.model_chunks for n, p in chunk.named_parameters()}
+        probes = ModeProbes(trainer)
+        probes.phase = "eval"
         eval_before = trainer.evaluate()
+        probes.phase = "train"
         losses, norms, grads, timers = [], [], None, []
         tied = [{n: gather_full_tensor(named[n]) for n in TIED if n in named}]  # at the start, then every step
         for _ in range(STEPS):
@@ -108,6 +113,7 @@ def _train_runs(runs: dict[str, list[str]]) -> dict:
             "grads": grads if owner else None,
             "params": params if owner else None,
             "tied": tied if owner else None,
+            "probes": probes.summary(),
         }
         ps.destroy_model_parallel()
     return results
@@ -123,6 +129,7 @@ def _merge(per_rank: list[dict], name: str) -> dict:
             merged[key].update(run[key] or {})
     merged["tied"] = [run["tied"] for run in runs if run["tied"] is not None]
     merged["all_losses"] = [run["losses"] for run in runs]
+    merged["probes"] = [run["probes"] for run in runs]
     return merged
 
 
@@ -158,6 +165,24 @@ def test_pipeline_layout_matches_one_process(reference, layouts, layout):
         assert torch.equal(params.pop("lm_head.weight"), params["embed_tokens.weight"])
     assert_params_close(grads, ref["grads"], 1e-5)
     assert_params_close(params, ref["params"], 1e-4)  # a few Adam steps amplify rounding differences
+
+
+ALL_OVERRIDES = {name: overrides for runs in LAYOUTS.values() for name, (overrides, _) in runs.items()}
+
+
+@pytest.mark.parametrize("layout", sorted(ALL_OVERRIDES))
+def test_pipeline_layout_ran_its_modes(layouts, layout):
+    """Every rank: its virtual chunks each ran their share of the blocks in training and evaluation, with
+    the sequence split under SP, every block replayed under full recompute, evaluation forward-only."""
+    world = next(world for world, runs in LAYOUTS.items() if layout in runs)
+    assert len(layouts[layout]["probes"]) == world
+    for probes in layouts[layout]["probes"]:
+        assert_modes_on(probes, COMMON + ALL_OVERRIDES[layout], STEPS, eval_iters=EVAL_ITERS)
+
+
+def test_references_ran_one_process_modes(reference):
+    for name, overrides in REFERENCE_RUNS.items():
+        assert_modes_on(reference[name]["probes"], COMMON + overrides, STEPS, eval_iters=EVAL_ITERS)
 
 
 @pytest.mark.parametrize("layout", ["pp2_tied", "pp2_bf16_tied", "pp2_dp2_interleaved_tied_recompute"])

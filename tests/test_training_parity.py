@@ -1,10 +1,12 @@
-"""Training under data / tensor / sequence parallelism equals one process; accumulation equals a big batch."""
+"""Training under data / tensor / sequence parallelism equals one process; accumulation equals a big batch.
+Probes on the transformer blocks show each layout's modes were really on (see ``ModeProbes``)."""
 
 import pytest
 import torch
 from dist_harness import run_on_ranks
 
 STEPS = 5
+SEQ, LAYERS, ACCUM = 32, 4, 2  # tiny_config's sequence length, layers and grad_accum_steps
 LAYOUTS_WORLD2 = {
     "dp2": [],
     "tp2": ["distributed.tensor_parallel_size=2"],
@@ -24,6 +26,90 @@ MATCHING_REFERENCE = {"dp2": "accum4", "tp2": "base", "tp2_sp": "base", "gpt_tp2
 COMMON = ["optim.clip_grad=0.5", "optim.lr=1e-3"]  # clipping active in every step; Adam well conditioned
 
 
+class ModeProbes:
+    """Evidence from hooks on every transformer block of a trainer that a layout's modes were on: the
+    sequence length each block sees (``seq / tp`` under sequence parallelism), how many blocks each model
+    chunk ran (virtual pipeline chunks), how many block forwards backward replayed (recompute), and how
+    evaluation ran (autograd off, modules in eval mode, the schedule called forward-only). Set ``phase``
+    to ``"eval"`` around ``trainer.evaluate()``; ``summary()`` is a plain dict."""
+
+    def __init__(self, trainer) -> None:
+        from megacann.layers import TransformerBlock
+        from megacann.layers.random import is_recomputing
+
+        self.phase, self._recomputing = "train", is_recomputing
+        self.forwards = {p: [0] * len(trainer.model_chunks) for p in ("train", "eval")}
+        self.seq_lengths = {"train": set(), "eval": set()}
+        self.recomputes = self.eval_with_grad = self.eval_training_mode = 0
+        self.forward_only = {"train": set(), "eval": set()}
+        for index, chunk in enumerate(trainer.model_chunks):
+            for block in (m for m in chunk.modules() if isinstance(m, TransformerBlock)):
+                # the block's first layer: called again when a full recompute replays the block in backward
+                block.input_layernorm.register_forward_pre_hook(self._hook(index, block))
+        schedule = trainer.forward_backward
+
+        def recording(*args, **kwargs):
+            self.forward_only[self.phase].add(bool(kwargs.get("forward_only", False)))
+            return schedule(*args, **kwargs)
+
+        trainer.forward_backward = recording
+
+    def _hook(self, index: int, block):
+        def seen(module, args) -> None:
+            if self._recomputing():
+                self.recomputes += 1
+                return
+            self.forwards[self.phase][index] += 1
+            self.seq_lengths[self.phase].add(args[0].shape[1])
+            if self.phase == "eval":
+                self.eval_with_grad += torch.is_grad_enabled()
+                self.eval_training_mode += block.training
+
+        return seen
+
+    def summary(self) -> dict:
+        return {
+            "forwards": self.forwards,
+            "seq_lengths": {k: sorted(v) for k, v in self.seq_lengths.items()},
+            "recomputes": self.recomputes,
+            "eval_with_grad": self.eval_with_grad,
+            "eval_training_mode": self.eval_training_mode,
+            "forward_only": {k: sorted(v) for k, v in self.forward_only.items()},
+        }
+
+
+def _setting(overrides: list[str], key: str, default):
+    """The value ``overrides`` give ``key`` (the last one wins), as the type of ``default``."""
+    values = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key]
+    if not values:
+        return default
+    return values[-1] == "true" if isinstance(default, bool) else type(default)(values[-1])
+
+
+def assert_modes_on(probes: dict, overrides: list[str], steps: int, eval_iters: int = 0) -> None:
+    """One rank's ``ModeProbes.summary()`` shows the modes ``overrides`` ask for (read from the overrides,
+    not from the parsed config, so a setting the config dropped fails here)."""
+    tp = _setting(overrides, "distributed.tensor_parallel_size", 1)
+    pp = _setting(overrides, "distributed.pipeline_parallel_size", 1)
+    vpp = _setting(overrides, "distributed.virtual_pipeline_size", 1)
+    sp = _setting(overrides, "distributed.sequence_parallel", False) and tp > 1
+    full_recompute = _setting(overrides, "model.activation_checkpointing", "none") == "full"
+    accum = _setting(overrides, "optim.grad_accum_steps", ACCUM)
+    blocks_per_chunk = _setting(overrides, "model.num_layers", LAYERS) // (pp * vpp)
+    train, evaluation = probes["forwards"]["train"], probes["forwards"]["eval"]
+    assert train == [steps * accum * blocks_per_chunk] * vpp, probes  # vpp chunks per rank, each its blocks
+    assert probes["seq_lengths"]["train"] == [SEQ // tp if sp else SEQ], probes  # seq / tp under SP
+    assert probes["recomputes"] == (sum(train) if full_recompute else 0), probes  # every block replayed once
+    assert probes["forward_only"]["train"] == [False], probes
+    if eval_iters:
+        assert evaluation == [eval_iters * accum * blocks_per_chunk] * vpp, probes
+        assert probes["seq_lengths"]["eval"] == probes["seq_lengths"]["train"], probes
+        assert probes["forward_only"]["eval"] == [True], probes
+        assert probes["eval_with_grad"] == probes["eval_training_mode"] == 0, probes
+    else:
+        assert sum(evaluation) == 0, probes
+
+
 def _train_runs(runs: dict[str, list[str]]) -> dict:
     import torch.distributed as dist
     from training_helpers import SyntheticData, tiny_config
@@ -40,6 +126,7 @@ def _train_runs(runs: dict[str, list[str]]) -> dict:
         runtime = setup_runtime(cfg)
         data = SyntheticData(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         trainer = Trainer(cfg, runtime, data=data)
+        probes = ModeProbes(trainer)
         losses, norms, grads = [], [], None
         for _ in range(STEPS):
             metrics = trainer.train_step()
@@ -53,11 +140,14 @@ def _train_runs(runs: dict[str, list[str]]) -> dict:
                 }
         params = full_state_dict(trainer.model_chunks)
         main = dist.get_rank() == 0
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, probes.summary())
         results[name] = {
             "losses": losses,
             "norms": norms,
             "grads": grads if main else None,
             "params": params if main else None,
+            "probes": every_rank,
         }
         ps.destroy_model_parallel()
     return results
@@ -103,6 +193,18 @@ def test_two_rank_layouts_match_one_process(reference, world2, layout):
     assert_close_trace(got["norms"], ref["norms"], 1e-5)
     assert_params_close(got["grads"], ref["grads"], 1e-5)
     assert_params_close(got["params"], ref["params"], 1e-4)  # 5 Adam steps amplify rounding differences
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS_WORLD2))
+def test_two_rank_layouts_ran_their_modes(world2, layout):
+    for probes in world2[layout]["probes"]:
+        assert_modes_on(probes, COMMON + LAYOUTS_WORLD2[layout], STEPS)
+
+
+def test_references_ran_one_process_modes(reference):
+    for name, overrides in REFERENCE_RUNS.items():
+        (probes,) = reference[name]["probes"]
+        assert_modes_on(probes, COMMON + overrides, STEPS)
 
 
 def test_accumulation_equals_one_big_batch(reference):
