@@ -1,5 +1,5 @@
-"""``logging.hf_save_interval``: a run at tensor parallel 2 x pipeline parallel 2 writes Hugging Face
-directories at the expected steps; transformers loads the last one as it is, with the logits of the
+"""``logging.hf_save_interval``: a run at tensor parallel 2 x pipeline parallel 2 (and a Qwen3-MoE run at
+tensor parallel 2 x expert parallel 2) writes Hugging Face directories at the expected steps; transformers loads the last one as it is, with the logits of the
 checkpoint of the same step loaded on one process, and AutoTokenizer loads its tokenizer. A LoRA run's
 directory holds its adapters merged. A family without a Hugging Face adapter is refused up front."""
 
@@ -14,16 +14,25 @@ from training_helpers import synthetic_data_factory, tiny_config
 
 from megacann.config import ConfigError
 
+TP2_PP2 = ["distributed.tensor_parallel_size=2", "distributed.pipeline_parallel_size=2"]
 RUNS = {
-    "full": [],
+    "full": TP2_PP2,
     # adapters on a frozen base drawn from the seed; the HF directory holds them merged
-    "lora": ["lora=true", "lora_rank=4", "lora_target_modules=[q_proj,v_proj,down_proj]", "optim.lr=5e-2"],
+    "lora": [*TP2_PP2, "lora=true", "lora_rank=4", "lora_target_modules=[q_proj,v_proj,down_proj]", "optim.lr=5e-2"],
+    # Qwen3-MoE at tp 2 x ep 2 (dp 2): each expert-parallel rank holds half of the experts
+    "moe_ep2": [
+        "model.type=qwen3_moe",
+        "model.num_experts=4",
+        "model.moe_ffn_hidden_size=32",
+        "distributed.tensor_parallel_size=2",
+        "distributed.expert_parallel_size=2",
+        "optim.grad_accum_steps=1",
+    ],
 }
-LAYOUT = ["distributed.tensor_parallel_size=2", "distributed.pipeline_parallel_size=2"]
 
 
 def _train(root: str) -> dict:
-    """Every run at tp 2 x pp 2 (world 4) with hf_save_interval 3 over 4 steps; what each rank held."""
+    """Every run on 4 ranks with hf_save_interval 3 over 4 steps; what each rank held."""
     from megacann import parallel_state as ps
     from megacann.data.tokenizer import load_tokenizer
     from megacann.training.runtime import setup_runtime
@@ -34,7 +43,6 @@ def _train(root: str) -> dict:
         ps.destroy_model_parallel()
         cfg = tiny_config(
             [
-                *LAYOUT,
                 *overrides,
                 f"experiment.output_dir={root}/{name}",
                 "model.vocab_size=260",  # the byte tokenizer's 259 ids fit; padded to 272 (tp rows)
@@ -53,6 +61,7 @@ def _train(root: str) -> dict:
         held[name] = {
             "sizes": (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()),
             "layers": sorted({n.split(".")[1] for n, _ in chunk.named_parameters() if n.startswith("layers.")}),
+            "experts": sorted({n.split(".")[4] for n, _ in chunk.named_parameters() if ".experts." in n}),
             "q_rows": q.shape[0],
         }
     return held
@@ -66,11 +75,14 @@ def trained(tmp_path_factory):
 
 def test_the_layout_is_really_split(trained):
     _, held = trained
-    for name in RUNS:
+    for name in ("full", "lora"):
         stages = [held[rank][name]["layers"] for rank in range(4)]
         assert stages[0] == stages[1] == ["0", "1"] and stages[2] == stages[3] == ["2", "3"]
         assert {held[rank][name]["sizes"] for rank in range(4)} == {(2, 2)}
         assert held[0][name]["q_rows"] == 64 // 2  # each tensor-parallel rank holds half of q's rows
+    experts = [held[rank]["moe_ep2"]["experts"] for rank in range(4)]
+    assert experts[0] == experts[1] == ["0", "1"] and experts[2] == experts[3] == ["2", "3"]
+    assert held[0]["moe_ep2"]["q_rows"] == 64 // 2
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -88,13 +100,13 @@ def test_hf_directories_load_in_transformers_with_the_checkpoint_logits(trained,
 
     stored = load_file(os.path.join(hf_dir, "model.safetensors"))
     assert not [k for k in stored if "lora" in k or "adapter" in k]  # a LoRA run's adapters are merged
-    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     ours = build_full_model(os.path.join(out, "checkpoint_4"), precision="fp32").eval()  # LoRA: merged here too
     ids = torch.randint(0, 259, (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         theirs, mine = hf(ids).logits, ours(input_ids=ids)
     torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=0)  # both 260 wide: padding dropped
-    earlier = transformers.LlamaForCausalLM.from_pretrained(os.path.join(out, "hf_3")).eval()
+    earlier = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf_3")).eval()
     with torch.no_grad():
         assert not torch.allclose(earlier(ids).logits, theirs)  # step 3's weights, not step 4's
 
