@@ -119,6 +119,7 @@ READ_BY = {
     "logging.log_interval": "training/trainer.py",
     "logging.ckpt_interval": "training/trainer.py",
     "logging.keep_last": "checkpoint/checkpointer.py",
+    "logging.hf_save_interval": "training/hf_save.py",
     "logging.eval_interval": "training/trainer.py",
     "logging.eval_iters": "training/trainer.py",
     "logging.wandb": "training/metrics.py",

@@ -182,6 +182,8 @@ class LoggingConfig:
     log_interval: int = 10
     ckpt_interval: int = 1000  # 0: save only at the end
     keep_last: Optional[int] = None  # None: keep all
+    # also write a Hugging Face directory <output_dir>/hf_<step> every N steps and at the last; 0: never
+    hf_save_interval: int = 0
     eval_interval: int = 0  # 0: no evaluation during training
     eval_iters: int = 10
     wandb: bool = False

@@ -63,6 +63,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "distributed.timeout_minutes": _above(0),
     "logging.ckpt_interval": _at_least(0),
     "logging.keep_last": _at_least(1),
+    "logging.hf_save_interval": _at_least(0),
     "logging.eval_interval": _at_least(0),
     "logging.eval_iters": _at_least(1),
 }

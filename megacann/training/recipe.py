@@ -1,6 +1,6 @@
 """A recipe checked whole, once, before anything starts: the recipe's own rules (with the architecture
-of ``model.init_from``), the model family's defaults and checks, the fine-tuning settings (LoRA), the
-pipeline layout's rules. Used by the trainer, ``megacann-train`` (before any rank
+of ``model.init_from``), the model family's defaults and checks, the fine-tuning settings (LoRA), Hugging
+Face saves during training, the pipeline layout's rules. Used by the trainer, ``megacann-train`` (before any rank
 starts), the dry run and the planner."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from megacann.layers.compile import DEFAULT_BACKEND, available_backends
 from megacann.models import ModelSpec, prepare_model_config
 from megacann.pipeline import check_pipeline_config
 from megacann.training.finetune import check_finetune_config
+from megacann.training.hf_save import check_hf_save_config
 
 
 def prepare_recipe(
@@ -39,6 +40,7 @@ def prepare_recipe(
     check_compile(cfg, source)
     spec = prepare_model_config(cfg, spec, source)
     check_finetune_config(cfg, spec, source)
+    check_hf_save_config(cfg, spec, source)
     advice = check_pipeline_config(cfg, source)
     for line in advice:
         advise(line)

@@ -27,6 +27,7 @@ from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward
 from megacann.training import finetune
 from megacann.training.failure import guarded
 from megacann.training.guards import StepGuard
+from megacann.training.hf_save import HFSaves
 from megacann.training.host_values import step_values_on_host
 from megacann.training.metrics import MetricsLogger
 from megacann.training.preflight import (
@@ -124,6 +125,7 @@ class Trainer:
         self._own_data = data is None
         self._checkpointer = None
         self.guard = StepGuard(cfg.training, log=self.metrics.print)  # non-finite / spiking steps are skipped
+        self.hf_saves = HFSaves(cfg, self.metrics.print)  # logging.hf_save_interval: hf_<step>/ beside checkpoints
 
     # -- data ---------------------------------------------------------------------------------------
     @property
@@ -300,6 +302,9 @@ class Trainer:
                 if due and step_metrics["skipped"] is None:  # a skipped step saves nothing new
                     with watchdog.watch(f"checkpoint save at step {step}"):
                         self.save_checkpoint()
+                if self.hf_saves.due(step):  # the whole model as a Hugging Face directory, with the tokenizer
+                    with watchdog.watch(f"Hugging Face save at step {step}"):
+                        self.hf_saves.save(self.model_chunks, self.optimizer, self.run_tokenizer, step)
                 signum = signals.agreed()
                 if signum is not None:  # saves a checkpoint at this step, raises RunInterrupted
                     stop_after_signal(self, signum, saved=due and step_metrics["skipped"] is None)
