@@ -120,3 +120,9 @@ def test_a_family_without_hf_adapter_is_refused():
         tiny_config(["model.type=gpt", "logging.hf_save_interval=2"])
     with pytest.raises(ConfigError, match=r"logging.hf_save_interval must be >= 0"):
         tiny_config(["logging.hf_save_interval=-1"])
+    moe = ["model.type=moe", "model.num_experts=4", "logging.hf_save_interval=2"]
+    tiny_config(moe)  # Mixtral can hold it
+    with pytest.raises(
+        ConfigError, match=r"logging.hf_save_interval: model.moe_shared_experts 1 cannot be written as Mixtral"
+    ):
+        tiny_config([*moe, "model.moe_shared_experts=1"])  # refused when prepared, not at the first write

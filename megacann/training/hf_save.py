@@ -13,6 +13,7 @@ import os
 import time
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from megacann.config import ConfigError, MegacannConfig
@@ -34,6 +35,13 @@ def check_hf_save_config(cfg: MegacannConfig, spec: ModelSpec, source: str = "<r
             "weights cannot be written as a Hugging Face directory; set logging.hf_save_interval: 0 (checkpoints "
             "still convert with megacann-convert consolidate)"
         )
+    if (
+        cfg.logging.hf_save_interval
+    ):  # what the family's Hugging Face format cannot express: refused now, not at the first write
+        try:
+            spec.hf.config_to_hf(cfg.model, torch.float32)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: logging.hf_save_interval: {err}") from None
 
 
 class HFSaves:
