@@ -106,9 +106,10 @@ class MoEStructure:
     """The mixture-of-experts part of a decoder, as estimators need it: which layers are MoE layers
     (``moe_layers[i]``; the others have the dense MLP), ``num_experts`` routed SwiGLU experts of width
     ``expert_ffn_hidden_size`` each (split over TP like a dense MLP, spread over expert parallelism), each
-    token routed to ``top_k`` of them (their weights renormalised when ``normalize_top_k``; at most ``capacity_factor`` times the even share per expert, None:
-    dropless), a router of ``num_experts x hidden`` weights, and one shared SwiGLU MLP of width
-    ``shared_ffn_hidden_size`` (0: none) every token passes through."""
+    token routed to ``top_k`` of them (their weights renormalised when ``normalize_top_k``; at most
+    ``capacity_factor`` times the even share per expert, None: dropless), a router of
+    ``num_experts x hidden`` weights, and one shared SwiGLU MLP of width ``shared_ffn_hidden_size``
+    (0: none) every token passes through."""
 
     moe_layers: tuple[bool, ...]
     num_experts: int

@@ -20,11 +20,11 @@ So mixed-precision Adam is 2 + 4 + 12 = 18 B/param without ZeRO; the ZeRO paper 
 gradients); ``unsharded_bytes`` gives both.
 
 Parameters per device follow the layers' sharding: column/row-parallel weights and the vocabulary split
-over TP (q and o projections h x n d / t with n heads of width d = ``head_dim``, which may differ from h / n;
-q, k, v biases split like their rows), norms (also the per-head q/k norms) and row-parallel biases
-replicated, k/v projections replicated when there are fewer kv heads than TP ranks; an MoE layer's router,
-shared and routed experts as :mod:`megacann.planning.moe` says; the first pipeline stage holds the embedding, the last the final norm and the
-output layer (a copy of the embedding when tied and pp > 1).
+over TP (q and o projections h x n d / t with n heads of width d = ``head_dim``, which may differ from
+h / n; q, k, v biases split like their rows), norms (also the per-head q/k norms) and row-parallel biases
+replicated, k/v projections replicated when there are fewer kv heads than TP ranks; an MoE layer's
+router, shared and routed experts as :mod:`megacann.planning.moe` says; the first pipeline stage holds
+the embedding, the last the final norm and the output layer (a copy of the embedding when tied and pp > 1).
 
 **Activations** (bytes autograd saves for backward, per micro-batch of b sequences of s tokens; a = bytes
 of the weights' dtype; t = TP size; h hidden, f ffn, k = kv heads x head dim, n = attention heads):
