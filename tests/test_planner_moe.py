@@ -66,8 +66,8 @@ def test_moe_estimates_match_the_tensors_of_four_ranks():
 
 def test_head_dim_and_one_rank_moe_are_planned_to_the_byte():
     """Mistral / Qwen3 heads of head_dim 24 (hidden 64 / 4 heads = 16), and Qwen2's q, k, v biases: the
-    planner's per-layer parameters equal the built layer's; on one rank the activations of that Mistral and of the tiny MoE equal
-    autograd's to the byte (_compare allows 0.5%)."""
+    planner's per-layer parameters equal the built layer's; on one rank the activations of that Mistral
+    and of the tiny MoE equal autograd's to the byte (_compare allows 0.5%)."""
     from training_helpers import tiny_config
 
     for family, width in (("mistral", ["model.head_dim=24"]), ("qwen3", ["model.head_dim=24"]), ("qwen2", [])):
