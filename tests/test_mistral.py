@@ -137,15 +137,16 @@ def test_what_mistral_cannot_express_is_refused(tmp_path):
         model_config_from_hf(str(config))
 
 
-def test_the_memory_planner_plans_mistral_7b_and_refuses_other_head_widths():
-    from megacann.planning.formulas import architecture
+def test_the_memory_planner_plans_mistral_at_any_head_width():
+    from megacann.models.sizing import layer_parameters
+    from megacann.planning.formulas import architecture, layer_parameters_per_rank
 
     cfg = load_config(str(RECIPES / "mistral_7b.yaml"))
     prepare_model_config(cfg)
     assert architecture(cfg.model) is MISTRAL.architecture  # head_dim 128 = 4096 / 32
-    tiny = load_config(str(RECIPES / "tiny.yaml"))
-    with pytest.raises(ConfigError, match=r"model.head_dim 48: the memory planner's formulas take heads of .* = 32"):
-        architecture(tiny.model)
+    tiny = load_config(str(RECIPES / "tiny.yaml"))  # head_dim 48, hidden / heads 32
+    prepare_model_config(tiny)
+    assert layer_parameters_per_rank(tiny.model, 1) == (layer_parameters(tiny.model, MISTRAL.architecture), 0)
 
 
 # -- parallel layouts ----------------------------------------------------------------------------------

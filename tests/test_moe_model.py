@@ -193,11 +193,23 @@ def test_dry_run_shows_layout_and_total_and_active_parameters(recipe):
     assert padded_vocab_size(m.vocab_size, d.tensor_parallel_size, m.make_vocab_size_divisible_by) == m.vocab_size
 
 
-def test_the_memory_planner_refuses_moe_clearly():
-    from megacann.planning.formulas import architecture
+@pytest.mark.parametrize("recipe", ["mixtral_8x7b.yaml", "deepseek_style_16b.yaml"])
+def test_the_memory_planner_counts_the_parameters_the_family_counts(recipe):
+    """On one rank the planner's parameters (router, shared experts, dense first layer) are the family's
+    count; with ep 8 each rank holds an eighth of the routed experts."""
+    from megacann.planning import estimate_stages
+    from megacann.planning.formulas import Layout
 
-    with pytest.raises(ConfigError, match=r"model.type 'moe': the memory planner's formulas are a decoder's"):
-        architecture(MoEModelConfig())
+    cfg = load_config(str(RECIPES / recipe))
+    prepare_model_config(cfg)
+    m = cfg.model
+    (one,) = estimate_stages(cfg, Layout())
+    assert one.params == MOE.total_parameters(m)  # vocabularies a multiple of 128: no padding
+    (spread,) = estimate_stages(cfg, Layout(dp=8, ep=8))
+    layers = sum(1 for i in range(m.num_layers) if (m.moe_layer_freq[i] if isinstance(m.moe_layer_freq, list) else 1))
+    routed = layers * m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size
+    assert (one.expert_params, spread.expert_params) == (routed, routed // 8)
+    assert one.params - spread.params == routed - routed // 8
 
 
 # -- the console's load warning ------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from megacann.models.decoder import DecoderLM, decoder_model_spec
 from megacann.models.hf_mixtral import MIXTRAL_HF
 from megacann.models.llama import LlamaModel, llama_defaults
 from megacann.models.moe_config import MoEModelConfig
-from megacann.models.spec import Batch, decoder_forward_step
+from megacann.models.spec import Batch, MoEStructure, decoder_forward_step
 
 TOKENS_PER_EXPERT = "moe_tokens_per_expert"  # stats name prefix: f"{TOKENS_PER_EXPERT}/layer_{i}"
 DROPPED_TOKENS = "moe_dropped_tokens"
@@ -177,6 +177,18 @@ def moe_num_parameters(m: ModelConfig, active: bool = False, model_class: type[M
     return total + vocab * h * (1 if m.tie_word_embeddings else 2)
 
 
+def moe_structure(m: ModelConfig) -> MoEStructure:
+    """The MoE layers of a (filled) recipe, for estimators such as ``megacann-plan``."""
+    return MoEStructure(
+        moe_layers=tuple(is_moe_layer(m, i) for i in range(m.num_layers)),
+        num_experts=m.num_experts,
+        expert_ffn_hidden_size=m.moe_ffn_hidden_size,
+        top_k=m.moe_top_k,
+        shared_ffn_hidden_size=m.moe_shared_experts * m.moe_ffn_hidden_size,
+        capacity_factor=m.moe_capacity_factor,
+    )
+
+
 def moe_flops_per_token(m: ModelConfig, seq_length: int) -> float:
     """PaLM's 6N + 12 L H Q T with N the matrix weights a token meets (top-k and shared experts, router)."""
     layers = num_moe_layers(m)
@@ -252,7 +264,8 @@ MOE = dataclasses.replace(
     forward_step=moe_forward_step,
     after_optimizer_step=update_router_biases,
     metric_warnings=expert_load_warnings,
-    architecture=None,  # the memory planner's formulas are a dense decoder's: megacann-plan refuses MoE
+    architecture=MoEModel.ARCH,
+    moe_structure=moe_structure,
     mixture_of_experts=True,
     config_class=MoEModelConfig,
 )

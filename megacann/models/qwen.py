@@ -24,13 +24,22 @@ from megacann.layers import MoEConfig
 from megacann.models.decoder import DecoderArch, decoder_model_spec
 from megacann.models.hf_qwen import QWEN2_HF, QWEN3_HF, QWEN3_MOE_HF
 from megacann.models.llama import LlamaModel
-from megacann.models.moe import MOE, MoEModel, check_moe_config, moe_defaults, moe_flops_per_token, moe_num_parameters
+from megacann.models.moe import (
+    MOE,
+    MoEModel,
+    check_moe_config,
+    moe_defaults,
+    moe_flops_per_token,
+    moe_num_parameters,
+    moe_structure,
+)
 from megacann.models.qwen_config import (
     Qwen2ModelConfig,
     Qwen3ModelConfig,
     Qwen3MoeModelConfig,
     qwen3_moe_layer_flags,
 )
+from megacann.models.spec import MoEStructure
 
 QWEN3_ARCH = DecoderArch(normalization="rmsnorm", activation="swiglu", position_embedding="rope", qk_norm=True)
 
@@ -117,6 +126,12 @@ def check_qwen3_moe_config(cfg: MegacannConfig, source: str) -> None:
 # -- the specs ----------------------------------------------------------------------------------------
 
 
+def _qwen3_moe_structure(m: ModelConfig) -> MoEStructure:
+    m = dataclasses.replace(m)  # the MoE layers from decoder_sparse_step / mlp_only_layers when unset
+    qwen3_moe_defaults(m)
+    return dataclasses.replace(moe_structure(m), normalize_top_k=m.norm_topk_prob)
+
+
 def _qwen3_moe_parameters(m: ModelConfig, active: bool = False) -> int:
     m = dataclasses.replace(m)  # counted with the family's defaults, the recipe left as it is
     qwen3_moe_defaults(m)
@@ -143,4 +158,6 @@ QWEN3_MOE = dataclasses.replace(
     num_parameters=_qwen3_moe_parameters,
     active_parameters=partial(_qwen3_moe_parameters, active=True),
     config_class=Qwen3MoeModelConfig,
+    architecture=QWEN3_ARCH,
+    moe_structure=_qwen3_moe_structure,
 )

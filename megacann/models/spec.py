@@ -25,6 +25,8 @@ A family is one :class:`ModelSpec`:
   ``{"choices": (...)}`` for a closed set of values; extend ``HF_KEYS`` for its config.json names.
 - ``mixture_of_experts``: the family may hold expert-parallel parameters; for any other family
   ``distributed.expert_parallel_size`` must be 1 (:func:`prepare_model_config` refuses it otherwise).
+- ``architecture`` (a ``DecoderArch``) and, for an MoE family, ``moe_structure(cfg)`` (a
+  :class:`MoEStructure`): what estimators such as ``megacann-plan`` need of the family's structure.
 
 Register a family with :func:`register_model` (``model.type`` then names it; a recipe names the module
 that registers it in ``experiment.imports`` so every rank and tool knows it), or hand a spec to
@@ -99,6 +101,25 @@ class HFAdapter:
     linear_parts: Optional[Callable[[str, ModelConfig], list[tuple[str, Optional[int]]]]] = None
 
 
+@dataclass(frozen=True)
+class MoEStructure:
+    """The mixture-of-experts part of a decoder, as estimators need it: which layers are MoE layers
+    (``moe_layers[i]``; the others have the dense MLP), ``num_experts`` routed SwiGLU experts of width
+    ``expert_ffn_hidden_size`` each (split over TP like a dense MLP, spread over expert parallelism), each
+    token routed to ``top_k`` of them (their weights renormalised when ``normalize_top_k``; at most
+    ``capacity_factor`` times the even share per expert, None: dropless), a router of
+    ``num_experts x hidden`` weights, and one shared SwiGLU MLP of width ``shared_ffn_hidden_size``
+    (0: none) every token passes through."""
+
+    moe_layers: tuple[bool, ...]
+    num_experts: int
+    expert_ffn_hidden_size: int
+    top_k: int
+    shared_ffn_hidden_size: int = 0
+    capacity_factor: Optional[float] = None
+    normalize_top_k: bool = True
+
+
 def _no_defaults(cfg: ModelConfig) -> None:
     return None
 
@@ -122,6 +143,7 @@ class ModelSpec:
     check_config: Callable[[MegacannConfig, str], None] = _no_checks
     hf: Optional[HFAdapter] = None
     architecture: Any = None  # what estimators need of its structure (a DecoderArch); None: no memory plan
+    moe_structure: Optional[Callable[[ModelConfig], MoEStructure]] = None  # its MoE layers (MoE families)
     after_optimizer_step: Optional[Callable[[list[torch.nn.Module]], None]] = None
     metric_warnings: Optional[Callable[[dict[str, Any]], list[str]]] = None
     mixture_of_experts: bool = False

@@ -11,15 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megacann.config import MegacannConfig
+from megacann.models import get_model_spec
 from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
 from megacann.pipeline.plan import Backward, Forward, build_plan
 from megacann.planning.formulas import (
     Layout,
-    architecture,
     chunk_extra_terms,
     chunk_parameters_per_rank,
+    is_moe_layer,
     layer_activation_bytes,
     pipeline_buffer_bytes,
+    query_width,
     static_bytes,
 )
 
@@ -39,6 +41,7 @@ class StageEstimate:
     chunk_saved: list[float] = field(default_factory=list)  # per chunk: bytes autograd saves for one micro-batch
     chunk_buffers: list[float] = field(default_factory=list)  # per chunk: pipeline executor's tensors per micro-batch
     recompute_transient: float = 0.0  # full recompute: one layer's activations rebuilt during backward
+    expert_params: int = 0  # of ``params``: routed experts' (ZeRO shards them over dp / ep x cp)
 
     @property
     def static(self) -> float:
@@ -76,23 +79,25 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
     pipeline_layers = (
         d.pipeline_layers if (pp, vpp) == (d.pipeline_parallel_size, d.virtual_pipeline_size or 1) else None
     )
-    params, saved, buffers, holds, transient = 0, [], [], [], 0.0
+    params, experts, saved, buffers, holds, transient = 0, 0, [], [], [], 0.0
     for chunk in range(vpp):
         ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers)
         first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == vpp - 1
-        params += chunk_parameters_per_rank(cfg, layout.tp, len(ids), first, last, pp)
+        chunk_params, chunk_experts = chunk_parameters_per_rank(cfg, layout.tp, ids, first, last, pp, layout.ep)
+        params, experts = params + chunk_params, experts + chunk_experts
+        kinds = [is_moe_layer(m, i) for i in ids]
+        layers = {moe: layer_activation_bytes(cfg, layout, layout.recompute, moe) for moe in set(kinds)}
         saved.append(
-            len(ids) * layer_activation_bytes(cfg, layout, layout.recompute)
-            + sum(chunk_extra_terms(cfg, layout, first, last, bool(ids)).values())
+            sum(layers[moe] for moe in kinds) + sum(chunk_extra_terms(cfg, layout, first, last, bool(ids)).values())
         )
         buffers.append(pipeline_buffer_bytes(cfg, layout, first, last))
         if layout.recompute == "full" and ids:  # backward re-runs one layer at a time
-            transient = layer_activation_bytes(cfg, layout, "none")
+            transient = max(transient, *(layer_activation_bytes(cfg, layout, "none", moe) for moe in set(kinds)))
         parts = (["embedding"] if first else []) + [_describe_layers(ids)] + (["output layer"] if last else [])
         holds.append(" + ".join(parts))
     plan = build_plan(pp, stage, layout.num_microbatches, vpp if vpp > 1 else None)
     peak, in_flight = replay_in_flight(plan, [a + b for a, b in zip(saved, buffers)])
-    static = static_bytes(cfg, layout, params)
+    static = static_bytes(cfg, layout, params, experts)
     return StageEstimate(
         stage,
         " | ".join(holds),
@@ -105,6 +110,7 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         saved,
         buffers,
         transient,
+        experts,
     )
 
 
@@ -122,14 +128,12 @@ def bubble_fraction(layout: Layout) -> float:
 def recompute_extra_flops(cfg: MegacannConfig, recompute: str) -> float:
     """Extra compute of recomputation as a share of a step's (PaLM-formula) FLOPs: ``full`` repeats every
     layer's forward (2 of the 6 FLOPs per parameter and token, and a third of the attention's), ``selective``
-    only the attention core's forward."""
-    from megacann.models.sizing import matmul_parameters
-
+    only the attention core's forward. The step's FLOPs are the family's (MoE: the experts a token meets)."""
     m, s = cfg.model, cfg.data.seq_length
     vocab = m.vocab_size or 0
-    matmul = matmul_parameters(m, architecture(m))
-    attention = 12.0 * m.num_layers * m.hidden_size * s  # per token, forward + backward
-    total = 6.0 * matmul + attention
+    total = get_model_spec(m.type).flops_per_token(m, s)
+    attention = 12.0 * m.num_layers * query_width(m) * s  # per token, forward + backward
+    matmul = (total - attention) / 6.0
     if recompute == "full":
         layers = matmul - vocab * m.hidden_size
         return (2.0 * layers + attention / 3) / total

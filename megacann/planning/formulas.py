@@ -13,24 +13,33 @@ from the tensors autograd saves), not textbook figures.
 - optimizer: fp32 master weights (4, none when the weights are fp32 already) + Adam's two moments (8;
   SGD's momentum 4), divided over the N data-parallel (x context-parallel) ranks with ZeRO-1/2.
 
+With expert parallelism (an MoE family, :mod:`megacann.planning.moe`) N is dp x cp for dense parameters
+and dp / ep x cp for expert parameters (the ranks holding the same experts).
+
 So mixed-precision Adam is 2 + 4 + 12 = 18 B/param without ZeRO; the ZeRO paper counts 16 (bf16
 gradients); ``unsharded_bytes`` gives both.
 
 Parameters per device follow the layers' sharding: column/row-parallel weights and the vocabulary split
-over TP, norms and row-parallel biases replicated, k/v projections replicated when there are fewer kv
-heads than TP ranks; the first pipeline stage holds the embedding, the last the final norm and the
-output layer (a copy of the embedding when tied and pp > 1).
+over TP (q and o projections h x n d / t with n heads of width d = ``head_dim``, which may differ from
+h / n; q, k, v biases split like their rows), norms (also the per-head q/k norms) and row-parallel biases
+replicated, k/v projections replicated when there are fewer kv heads than TP ranks; an MoE layer's
+router, shared and routed experts as :mod:`megacann.planning.moe` says; the first pipeline stage holds
+the embedding, the last the final norm and the output layer (a copy of the embedding when tied and pp > 1).
 
 **Activations** (bytes autograd saves for backward, per micro-batch of b sequences of s tokens; a = bytes
 of the weights' dtype; t = TP size; h hidden, f ffn, k = kv heads x head dim, n = attention heads):
-per transformer layer, per token,
+per transformer layer, per token (q = n x head_dim, = h when heads are h / n wide),
 
-- LLaMA: a * [4h + 2 + (2h + 2k + 4f)/t] + 4n/t: two RMSNorms save their normalised input and 1/rms
+- LLaMA: a * [4h + 2 + (2q + 2k + 4f)/t] + 4n/t: two RMSNorms save their normalised input and 1/rms
   (h + 1 each), the q/k/v and gate/up projections save their input (h each), attention saves q, k, v
-  after rotary and its output (2h/t + 2k/t) plus a float32 log-sum-exp per head (4n/t), the SwiGLU saves
+  after rotary and its output (2q/t + 2k/t) plus a float32 log-sum-exp per head (4n/t), the SwiGLU saves
   the gate|up output (2f/t) and silu(gate) (f/t), the down projection its input (f/t);
-- GPT: a * [4h + 4 + (2h + 2k + 2f)/t] + 4n/t: LayerNorms save their input, mean and 1/std, the GELU MLP
-  its input and output (2f/t).
+- GPT: a * [4h + 4 + (2q + 2k + 2f)/t] + 4n/t: LayerNorms save their input, mean and 1/std, the GELU MLP
+  its input and output (2f/t);
+- an MoE layer: the norms and attention as above, its feed-forward block as :mod:`megacann.planning.moe`
+  says (router, routed token copies, shared experts) instead of the MLP's.
+
+Not counted: the tensors the per-head q/k norms (Qwen3) save.
 
 Sequence parallelism divides only the norms' part by t: the column-parallel projections save the input
 gathered over the sequence (the whole s). ``selective`` recompute drops the log-sum-exp (the attention
@@ -62,7 +71,9 @@ single op, communication buffers, the allocator's fragmentation and the device r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
@@ -70,6 +81,8 @@ from megacann.layers.embedding import pad_vocab_size
 from megacann.layers.output import HEAD_LOSS
 from megacann.models import DecoderArch, get_model_spec
 from megacann.models.sizing import attention_head_dim
+from megacann.models.spec import MoEStructure
+from megacann.planning.moe import moe_activation_terms, moe_parameters_per_rank
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in PRECISION_DTYPES.items()}
 GRAD_BYTES = 4  # fp32 gradient buffers
@@ -94,6 +107,7 @@ class Layout:
     sequence_parallel: bool = False
     overlap_grad_reduce: bool = False
     cp: int = 1  # context parallel: each rank holds seq_length / cp tokens of every sequence
+    ep: int = 1  # expert parallel, carved out of dp: each rank holds num_experts / ep experts
 
     @property
     def world_size(self) -> int:
@@ -104,8 +118,14 @@ class Layout:
         """Ranks ZeRO shards over: the data-parallel x context-parallel group gradients are reduced over."""
         return self.dp * self.cp
 
+    @property
+    def expert_zero_shards(self) -> int:
+        """Ranks ZeRO shards expert parameters over: the expert-data-parallel x cp group (dp / ep x cp)."""
+        return self.dp // self.ep * self.cp
+
     def describe(self) -> str:
-        parts = [f"tp {self.tp}", f"pp {self.pp}" + (f" (vpp {self.vpp})" if self.vpp > 1 else ""), f"dp {self.dp}"]
+        dp = f"dp {self.dp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
+        parts = [f"tp {self.tp}", f"pp {self.pp}" + (f" (vpp {self.vpp})" if self.vpp > 1 else ""), dp]
         if self.cp > 1:
             parts.append(f"cp {self.cp}")
         extra = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", f"recompute {self.recompute}"]
@@ -131,6 +151,7 @@ def layout_of(cfg: MegacannConfig) -> Layout:
         sequence_parallel=d.sequence_parallel_active,
         overlap_grad_reduce=d.overlap_grad_reduce,
         cp=d.context_parallel_size,
+        ep=d.expert_parallel_size,
     )
 
 
@@ -139,8 +160,7 @@ def layout_of(cfg: MegacannConfig) -> Layout:
 
 def _local_kv(m: ModelConfig, tp: int) -> int:
     """Rows of each k/v projection on one TP rank: split when kv heads divide by tp, else replicated."""
-    head_dim = m.hidden_size // m.num_attention_heads
-    kv = m.kv_heads * head_dim
+    kv = m.kv_heads * attention_head_dim(m)
     return kv // tp if m.kv_heads % tp == 0 else kv
 
 
@@ -149,7 +169,7 @@ def _kv_read(m: ModelConfig, tp: int) -> int:
     its query heads read."""
     from megacann.layers.attention import kv_heads_for_rank
 
-    head_dim = m.hidden_size // m.num_attention_heads
+    head_dim = attention_head_dim(m)
     if m.kv_heads % tp == 0:
         return m.kv_heads * head_dim // tp
     first, end = kv_heads_for_rank(m.num_attention_heads, m.kv_heads, tp, 0)
@@ -164,38 +184,66 @@ def architecture(m: ModelConfig) -> DecoderArch:
             f"model.type {m.type!r}: the memory planner's formulas are a decoder's (llama, gpt); this family "
             "describes no DecoderArch in its ModelSpec.architecture"
         )
-    if attention_head_dim(m) * m.num_attention_heads != m.hidden_size:
-        raise ConfigError(
-            f"model.head_dim {attention_head_dim(m)}: the memory planner's formulas take heads of hidden_size / "
-            f"num_attention_heads = {m.hidden_size // m.num_attention_heads} (query and output projections of "
-            "hidden_size x hidden_size); it cannot estimate wider or narrower heads yet"
-        )
     return arch
 
 
-def layer_parameters_per_rank(m: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer held by one TP rank."""
+def moe_structure(m: ModelConfig) -> Optional[MoEStructure]:
+    """The MoE layers of the recipe's family (its ``ModelSpec.moe_structure``), None for a dense family."""
+    describe = get_model_spec(m.type).moe_structure
+    return describe(m) if describe is not None else None
+
+
+def is_moe_layer(m: ModelConfig, layer_id: int) -> bool:
+    moe = moe_structure(m)
+    return moe is not None and moe.moe_layers[layer_id]
+
+
+def query_width(m: ModelConfig) -> int:
+    """Rows of the q projection (columns of the output projection): heads x head_dim."""
+    return m.num_attention_heads * attention_head_dim(m)
+
+
+def attention_parameters_per_rank(m: ModelConfig, tp: int) -> int:
+    """q, k, v and output projections of one layer on one TP rank, with their biases and q/k norms."""
     arch = architecture(m)
-    h, f, kv = m.hidden_size, m.ffn_size, _local_kv(m, tp)
-    bias = m.use_bias
-    attention = h * h // tp + 2 * kv * h + h * h // tp
-    attention += (h // tp + 2 * kv + h) if bias else 0  # q/k/v biases split like their rows; o_proj's replicated
+    h, q, kv = m.hidden_size, query_width(m) // tp, _local_kv(m, tp)
+    qkv_bias = m.use_bias if arch.qkv_bias is None else arch.qkv_bias
+    total = h * q + 2 * kv * h + q * h
+    total += (q + 2 * kv) if qkv_bias else 0  # split like their rows
+    total += h if m.use_bias else 0  # o_proj's, replicated
+    return total + (2 * attention_head_dim(m) if arch.qk_norm else 0)  # per-head norms, whole on every rank
+
+
+def layer_parameters_per_rank(m: ModelConfig, tp: int, layer_id: int = 0, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters of transformer layer ``layer_id`` held by one TP rank (of one
+    expert-parallel rank): attention, two norms and the MLP, or an MoE layer's router, shared and routed
+    experts (the only expert parameters)."""
+    arch = architecture(m)
+    h, f = m.hidden_size, m.ffn_size
+    dense = attention_parameters_per_rank(m, tp) + 2 * arch.norm_parameters_per_width * h
+    moe = moe_structure(m)
+    if moe is not None and moe.moe_layers[layer_id]:
+        router_shared, experts = moe_parameters_per_rank(h, tp, ep, moe)
+        return dense + router_shared, experts
     mats = arch.mlp_matrices  # gate (if gated), up, down
-    mlp = mats * h * f // tp + (((mats - 1) * f // tp + h) if bias else 0)
-    norms = 2 * arch.norm_parameters_per_width * h
-    return attention + mlp + norms
+    mlp = mats * h * f // tp + (((mats - 1) * f // tp + h) if m.use_bias else 0)
+    return dense + mlp, 0
 
 
 def padded_vocab(cfg: MegacannConfig, tp: int) -> int:
     return pad_vocab_size(cfg.model.vocab_size, tp, cfg.model.make_vocab_size_divisible_by)
 
 
-def chunk_parameters_per_rank(cfg: MegacannConfig, tp: int, layers: int, first: bool, last: bool, pp: int) -> int:
-    """Parameters of one model chunk on one TP rank: its layers, plus the embedding (first chunk of the
-    model) and the final norm and output layer (last chunk)."""
+def chunk_parameters_per_rank(
+    cfg: MegacannConfig, tp: int, layer_ids: Sequence[int], first: bool, last: bool, pp: int, ep: int = 1
+) -> tuple[int, int]:
+    """(all, expert) parameters of one model chunk on one TP rank: its layers, plus the embedding (first
+    chunk of the model) and the final norm and output layer (last chunk)."""
     m = cfg.model
     h, vocab = m.hidden_size, padded_vocab(cfg, tp) // tp
-    total = layers * layer_parameters_per_rank(m, tp)
+    per_layer = [layer_parameters_per_rank(m, tp, i, ep) for i in layer_ids]
+    experts = sum(e for _, e in per_layer)
+    total = sum(d for d, _ in per_layer) + experts
     arch = architecture(m)
     if first:
         total += vocab * h + (m.max_position_embeddings * h if arch.position_embedding == "learned" else 0)
@@ -203,7 +251,7 @@ def chunk_parameters_per_rank(cfg: MegacannConfig, tp: int, layers: int, first: 
         total += arch.norm_parameters_per_width * h
         if not m.tie_word_embeddings or pp > 1:  # tied with one stage: the embedding is the output layer
             total += vocab * h
-    return total
+    return total, experts
 
 
 def fused_head_loss(cfg: MegacannConfig) -> bool:
@@ -223,13 +271,14 @@ def optimizer_bytes_per_param(cfg: MegacannConfig) -> int:
     return master + state
 
 
-def static_bytes(cfg: MegacannConfig, layout: Layout, params: int) -> dict[str, float]:
-    """{"weights", "grads", "optimizer"}: bytes at the peak for ``params`` parameters on one device."""
-    grads = GRAD_BYTES * params
+def static_bytes(cfg: MegacannConfig, layout: Layout, params: int, expert_params: int = 0) -> dict[str, float]:
+    """{"weights", "grads", "optimizer"}: bytes at the peak for ``params`` parameters on one device, of
+    which ``expert_params`` are experts (ZeRO shards those over dp / ep x cp ranks, the rest over dp x cp)."""
+    dense = params - expert_params
+    sharded = dense / layout.zero_shards + expert_params / layout.expert_zero_shards  # ZeRO's share
     grads_sharded = layout.zero >= 2 and layout.num_microbatches == 1 and layout.overlap_grad_reduce
-    if grads_sharded:
-        grads = grads / layout.zero_shards
-    optimizer = optimizer_bytes_per_param(cfg) * params / (layout.zero_shards if layout.zero else 1)
+    grads = GRAD_BYTES * (sharded if grads_sharded else params)
+    optimizer = optimizer_bytes_per_param(cfg) * (sharded if layout.zero else params)
     return {"weights": weight_bytes_per_param(cfg) * params, "grads": grads, "optimizer": optimizer}
 
 
@@ -252,11 +301,12 @@ def tokens_per_rank(cfg: MegacannConfig, layout: Layout) -> float:
     return layout.micro_batch * cfg.data.seq_length / layout.cp
 
 
-def layer_activation_terms(cfg: MegacannConfig, layout: Layout) -> dict[str, float]:
-    """Bytes one transformer layer saves for one micro-batch, by what saves them (recompute: none)."""
+def layer_activation_terms(cfg: MegacannConfig, layout: Layout, moe_layer: bool = False) -> dict[str, float]:
+    """Bytes one transformer layer (``moe_layer``: an MoE layer) saves for one micro-batch, by what saves
+    them (recompute: none)."""
     m = cfg.model
     a, t = DTYPE_BYTES[m.precision], layout.tp
-    h, f, kv = m.hidden_size, m.ffn_size, _kv_read(m, t)
+    h, f, kv, q = m.hidden_size, m.ffn_size, _kv_read(m, t), query_width(m)
     tokens = tokens_per_rank(cfg, layout)
     norm_share = t if layout.sequence_parallel else 1
     arch = architecture(m)
@@ -265,10 +315,14 @@ def layer_activation_terms(cfg: MegacannConfig, layout: Layout) -> dict[str, flo
     terms = {
         "norms": tokens * a * 2 * (h + stats) / norm_share,
         "projection inputs": tokens * a * 2 * h,
-        "attention q k v out": tokens * a * (2 * h // t + 2 * kv),
+        "attention q k v out": tokens * a * (2 * q // t + 2 * kv),
         "attention log-sum-exp": tokens * 4 * (m.num_attention_heads // t),
         "mlp": tokens * a * mlp,
     }
+    if moe_layer:  # the router reads the MLP's input: its own term counts it
+        terms["projection inputs"] = tokens * a * h
+        del terms["mlp"]
+        terms.update(moe_activation_terms(tokens, a, h, t, moe_structure(m)))
     if layout.cp > 1 and cfg.distributed.context_parallel_algo == "ulysses":
         terms[ULYSSES_TERM] = ulysses_extra_bytes(cfg, layout, tokens)
     return terms
@@ -284,15 +338,17 @@ def ulysses_extra_bytes(cfg: MegacannConfig, layout: Layout, tokens: float) -> f
     from megacann.layers.context_parallel import ulysses_kv_repeat
 
     m, t = cfg.model, layout.tp
-    a, h, kv = DTYPE_BYTES[m.precision], m.hidden_size, _kv_read(m, t)
-    head_dim = h // m.num_attention_heads
+    a, kv, head_dim = DTYPE_BYTES[m.precision], _kv_read(m, t), attention_head_dim(m)
     repeat = ulysses_kv_repeat(m.num_attention_heads // t, kv // head_dim, layout.cp)
-    return tokens * a * (h // t + 2 * kv * (repeat - 1)) + 2 * 8 * cfg.data.seq_length
+    return tokens * a * (query_width(m) // t + 2 * kv * (repeat - 1)) + 2 * 8 * cfg.data.seq_length
 
 
-def layer_activation_bytes(cfg: MegacannConfig, layout: Layout, recompute: str = "none") -> float:
-    """Bytes one layer keeps between its forward and backward for one micro-batch."""
-    terms = layer_activation_terms(cfg, layout)
+def layer_activation_bytes(
+    cfg: MegacannConfig, layout: Layout, recompute: str = "none", moe_layer: bool = False
+) -> float:
+    """Bytes one layer (``moe_layer``: an MoE layer) keeps between its forward and backward for one
+    micro-batch."""
+    terms = layer_activation_terms(cfg, layout, moe_layer)
     if recompute == "full":
         tokens = tokens_per_rank(cfg, layout)
         return (
@@ -323,7 +379,7 @@ def chunk_extra_terms(
         positions = (s if layout.cp == 1 else tokens) * 8
         terms["token ids"] = tokens * (8 + (t > 1)) + (positions if learned else 0)
     if has_layers and arch.position_embedding == "rope":
-        terms["rotary tables"] = tokens * 2 * (m.hidden_size // m.num_attention_heads) * a
+        terms["rotary tables"] = tokens * 2 * attention_head_dim(m) * a
     if last:
         stats = 2 if arch.normalization == "layernorm" else 1
         norm = tokens * a * (m.hidden_size + stats) / (t if layout.sequence_parallel else 1)

@@ -12,6 +12,7 @@ from megacann.planning.formulas import (
     Layout,
     layer_activation_bytes,
     layout_of,
+    moe_structure,
     optimizer_bytes_per_param,
     unsharded_bytes,
 )
@@ -71,18 +72,26 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
     )
     ways = layout.tp * layout.pp
     split = f"tp {layout.tp} x pp {layout.pp} split the parameters {ways} ways" if ways > 1 else "no model parallelism"
-    shards = f"dp {layout.dp}" + (f" x cp {layout.cp}" if layout.cp > 1 else "")
+    if layout.ep > 1:
+        split += f"; ep {layout.ep} spreads the routed experts"
+    cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
+    shards = f"dp {layout.dp}{cp}" + (
+        f", the experts' by dp / ep {layout.dp // layout.ep}{cp}" if layout.ep > 1 else ""
+    )
     zero = f"; ZeRO-{layout.zero} divides the optimizer state by {shards}" if layout.zero else ""
     lines.append(
         f"weights + gradients + optimizer: {_gb(whole)} GB unsharded -> {_gb(largest.static)} GB on stage "
         f"{largest.stage}'s devices ({split}{zero})"
     )
-    by_recompute = {r: layer_activation_bytes(cfg, layout, r) for r in ("none", "selective", "full")}
-    lines.append(
-        "activations per layer and micro-batch: "
-        + ", ".join(f"{r} {by_recompute[r] / 2**20:,.0f} MiB" for r in by_recompute)
-        + f" (recipe: {layout.recompute})"
-    )
+    moe = moe_structure(cfg.model)
+    kinds = sorted(set(moe.moe_layers)) if moe else [False]
+    for kind in kinds:  # dense layers, MoE layers
+        by_recompute = {r: layer_activation_bytes(cfg, layout, r, kind) for r in ("none", "selective", "full")}
+        lines.append(
+            f"activations per {'MoE ' if kind else 'dense ' if moe else ''}layer and micro-batch: "
+            + ", ".join(f"{r} {by_recompute[r] / 2**20:,.0f} MiB" for r in by_recompute)
+            + f" (recipe: {layout.recompute})"
+        )
     if layout.cp > 1:
         share = cfg.data.seq_length // layout.cp
         lines.append(
@@ -108,13 +117,17 @@ def plan_report(
 ) -> str:
     """The whole report; ``cfg`` is the validated recipe (vocab_size set)."""
     m = cfg.model
-    params = get_model_spec(m.type).total_parameters(m)
+    spec = get_model_spec(m.type)
+    params = spec.total_parameters(m)
+    active = spec.parameters_per_token(m)
     layout = layout_of(cfg)
     lines = [
         f"== megacann plan: {cfg.experiment.name}" + (f" ({recipe_path})" if recipe_path else "") + "; GB = 1e9 bytes"
     ]
     lines.append(
-        f"model: {m.type}, {params:,} parameters ({params / 1e9:.2f} B), {m.num_layers} layers, {m.precision}; "
+        f"model: {m.type}, {params:,} parameters ({params / 1e9:.2f} B"
+        + (f"; {active:,} active per token" if active != params else "")
+        + f"), {m.num_layers} layers, {m.precision}; "
         f"seq {cfg.data.seq_length}, micro-batch {cfg.data.batch_size} x {cfg.optim.grad_accum_steps} per step, "
         f"global batch {cfg.global_batch_size}"
     )

@@ -1,13 +1,16 @@
 """Layouts for a world size and a device memory: every (tp, pp, vpp, dp, ZeRO, recompute, micro-batch) the
-recipe's validation accepts (with the recipe's context-parallel size), at the recipe's global batch, kept when its largest stage fits, and ranked by
-a relative step-time estimate.
+recipe's validation accepts (with the recipe's context-parallel size; for an MoE family also every
+expert-parallel size that divides both dp and the number of experts), at the recipe's global batch, kept
+when its largest stage fits, and ranked by a relative step-time estimate.
 
 The estimate is deliberately simple and says what it counts: compute grows by the recompute's extra
 FLOPs, the pipeline idles its bubble, and each doubling of TP costs ``TP_COST_PER_DOUBLING`` (its
 all-reduces run in every layer; keep TP inside a node, as the search does). Data-parallel and ZeRO
 traffic is the same for ZeRO 0/1/2 (a reduce-scatter and an all-gather move what one all-reduce moves), so
 ZeRO changes memory, not the estimate. Ties go to the larger micro-batch (devices run larger matrix
-multiplies more efficiently), then to the layout with more memory to spare.
+multiplies more efficiently), then to the layout with more memory to spare. Expert parallelism's
+all-to-alls are not in the estimate either: among layouts otherwise alike, ties go to the one that fits
+with more to spare.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass, replace
 from megacann.config import ConfigError, MegacannConfig
 from megacann.config.advice import quiet_advice
 from megacann.planning.estimate import StageEstimate, bubble_fraction, estimate_stages, recompute_extra_flops
-from megacann.planning.formulas import Layout
+from megacann.planning.formulas import Layout, moe_structure
 from megacann.training.recipe import prepare_recipe
 
 TP_COST_PER_DOUBLING = 0.05
@@ -50,6 +53,8 @@ class RankedLayout:
             parts.append(f"{lay.recompute} recompute +{self.extra_flops:.0%} compute")
         if lay.zero:
             over = f"dp {lay.dp}" + (f" x cp {lay.cp}" if lay.cp > 1 else "")
+            if lay.ep > 1:
+                over += f", the experts' over dp / ep {lay.dp // lay.ep}" + (f" x cp {lay.cp}" if lay.cp > 1 else "")
             parts.append(f"ZeRO-{lay.zero} shards optimizer{' and grads' if lay.zero == 2 else ''} over {over}")
         parts.append(f"est. time x{self.time_factor:.2f}")
         return "; ".join(parts)
@@ -66,6 +71,7 @@ def layout_config(cfg: MegacannConfig, layout: Layout, world: int) -> MegacannCo
     d.world_size, d.data_parallel_size = world, None
     d.tensor_parallel_size, d.pipeline_parallel_size = layout.tp, layout.pp
     d.context_parallel_size = layout.cp
+    d.expert_parallel_size = layout.ep
     d.virtual_pipeline_size = layout.vpp if layout.vpp > 1 else None
     d.zero_optimization = layout.zero
     d.sequence_parallel = layout.sequence_parallel
@@ -80,9 +86,11 @@ def layout_config(cfg: MegacannConfig, layout: Layout, world: int) -> MegacannCo
 
 def candidate_layouts(cfg: MegacannConfig, world: int, devices_per_node: int = 8) -> Iterator[Layout]:
     """Layouts of ``world`` ranks at the recipe's global batch (TP within a node; ZeRO only with dp > 1;
-    the recipe's context-parallel size, which the sequence length calls for, is kept)."""
+    the recipe's context-parallel size, which the sequence length calls for, is kept; expert parallelism
+    of MoE families divides dp and the experts)."""
     global_batch = cfg.global_batch_size
     cp = cfg.distributed.context_parallel_size
+    moe = moe_structure(cfg.model)
     if world % cp:
         return
     for tp in (t for t in _divisors(world // cp) if t <= devices_per_node):
@@ -90,12 +98,13 @@ def candidate_layouts(cfg: MegacannConfig, world: int, devices_per_node: int = 8
             dp = world // (cp * tp * pp)
             if global_batch % dp:
                 continue
-            for vpp in (1, 2) if pp > 1 else (1,):
+            experts = [ep for ep in _divisors(dp) if moe.num_experts % ep == 0] if moe else [1]
+            for vpp, ep in ((v, e) for v in ((1, 2) if pp > 1 else (1,)) for e in experts):
                 for micro_batch in _divisors(global_batch // dp):
                     m = global_batch // (dp * micro_batch)
                     for zero in (0, 1, 2) if dp > 1 else (0,):
                         for recompute in RECOMPUTE:
-                            yield Layout(tp, pp, dp, vpp, zero, recompute, micro_batch, m, tp > 1, zero == 2, cp)
+                            yield Layout(tp, pp, dp, vpp, zero, recompute, micro_batch, m, tp > 1, zero == 2, cp, ep)
 
 
 def time_factor(cfg: MegacannConfig, layout: Layout) -> float:

@@ -1,0 +1,75 @@
+"""Memory formulas of a mixture-of-experts layer (the family's :class:`~megacann.models.spec.MoEStructure`).
+
+**Parameters** of one MoE layer on one rank (t = TP size, ep = expert-parallel size, h hidden, E routed
+experts of width f_e, shared-expert width f_s): attention and norms as a dense layer, plus
+
+- the router: E x h, whole on every rank (dense: data-parallel);
+- the shared experts: one SwiGLU MLP of width f_s, split over TP like a dense MLP: 3 h f_s / t (dense);
+- the routed experts: E / ep experts on each expert-parallel rank, each split over TP like a dense MLP:
+  (E / ep) x 3 h f_e / t (expert parameters).
+
+Expert parallelism is carved out of data parallelism (ep divides dp): dense parameters are replicated
+over the dp (x cp) ranks, expert parameters only over the dp / ep (x cp) ranks of the expert-data-parallel
+group that hold the same experts. Gradients are reduced, and ZeRO shards master weights, optimizer state
+(and ZeRO-2 gradients) over those groups: dense parameters over dp x cp ranks, expert parameters over
+dp / ep x cp ranks (:mod:`megacann.optimizer.grad_buffer`, one buffer per kind).
+
+**Activations** of one MoE layer and micro-batch (T tokens on the rank, a = bytes of the weights'
+dtype, k = top_k): the router runs on T_r = T / t tokens (each TP rank routes its share of the
+sequence), the experts on the TP group's T tokens (every TP rank computes its slice of every expert, the
+expert input gathered over TP). With balanced routing an expert-parallel rank receives as many token
+copies as it sends, so its experts compute R = T k rows (with a capacity factor c, at most
+E x ceil(c T k / E)). Saved for backward, per token or row:
+
+- router: its input in fp32 (4h per routed token; in fp32 training the norm's output itself), the
+  scores (4E), the chosen experts' ids (8k) and weights (4k), with ``normalize_top_k`` their
+  unnormalised copy and sum (4k + 4), and the weights in the tokens' dtype where that is not fp32 (ak);
+- routed experts, per row they compute: the input (ah), the gate|up output (2a f_e / t), silu(gate) and
+  the down projection's input (a f_e / t each); per token copy the rank sends (T k, dropped ones too): the
+  int64 source index of the permutation (8), the int32 row map (4) and the expert output the weighted
+  sum gathers (ah);
+- shared experts: as a dense SwiGLU MLP (4a f_s / t per token), and the MLP input once more (ah) where it
+  is not the router's own input (low-precision weights, or TP).
+
+Not counted: the z-loss's logits and log-sum-exp (``moe_z_loss_coeff``), the fp32 copy of a low-precision
+router weight, and load imbalance (an expert-parallel rank receiving more than its share of rows). The
+layer terms are measured against a tiny fp32 run in tests/test_planner_moe.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megacann.models.spec import MoEStructure
+
+
+def moe_parameters_per_rank(h: int, tp: int, ep: int, moe: MoEStructure) -> tuple[int, int]:
+    """(dense, expert) parameters of one MoE layer's feed-forward block on one rank: the router and shared
+    experts (dense), this expert-parallel rank's routed experts (expert)."""
+    dense = moe.num_experts * h + 3 * h * moe.shared_ffn_hidden_size // tp
+    experts = moe.num_experts // ep * 3 * h * moe.expert_ffn_hidden_size // tp
+    return dense, experts
+
+
+def routed_rows(tokens: float, moe: MoEStructure) -> float:
+    """Token copies one rank's experts compute per micro-batch, routing balanced: T k, or with a capacity
+    factor at most E x ceil(c T k / E) (``tokens``: the TP group's T)."""
+    rows = tokens * moe.top_k
+    if moe.capacity_factor is None:
+        return rows
+    return min(rows, moe.num_experts * math.ceil(moe.capacity_factor * rows / moe.num_experts))
+
+
+def moe_activation_terms(tokens: float, a: int, h: int, tp: int, moe: MoEStructure) -> dict[str, float]:
+    """Bytes an MoE feed-forward block saves for one micro-batch of ``tokens`` tokens on the rank, by what
+    saves them (see the module docstring); the layer's norms and attention are a dense layer's."""
+    k, routed = moe.top_k, tokens / tp
+    router = 4 * h + 4 * moe.num_experts + 12 * k + (4 * k + 4 if moe.normalize_top_k and k > 1 else 0)
+    terms = {"router": routed * router + (tokens * a * k if a != 4 else 0)}
+    rows = routed_rows(tokens, moe)
+    f = moe.expert_ffn_hidden_size // tp
+    terms["routed experts"] = rows * a * (h + 4 * f) + tokens * k * (a * h + 12)
+    if moe.shared_ffn_hidden_size:
+        again = h if a != 4 or tp > 1 else 0
+        terms["shared experts"] = tokens * a * (4 * moe.shared_ffn_hidden_size // tp + again)
+    return terms
