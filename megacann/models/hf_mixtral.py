@@ -70,11 +70,9 @@ def expert_parts(
     return dense(name, cfg)
 
 
-def experts_to_hf(
-    tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: ExpertLayout
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Routers and experts of megacann whole tensors under ``layout``'s names (gate/up split), and the
-    tensors that are neither (for the dense adapter). A router's balancing bias must be zero."""
+def experts_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: ExpertLayout) -> dict[str, torch.Tensor]:
+    """megacann whole tensors of an MoE decoder -> Hugging Face names: routers and experts under
+    ``layout``'s names (gate/up split), the rest as LLaMA's. A router's balancing bias must be zero."""
     out: dict[str, torch.Tensor] = {}
     rest: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
@@ -91,14 +89,15 @@ def experts_to_hf(
                 out[hf["gate"]], out[hf["up"]] = torch.split(tensor, [cfg.moe_ffn_hidden_size] * 2, dim=0)
         else:
             rest[name] = tensor
-    return out, rest
+    out.update(hf_llama.to_hf_tensors(rest, cfg))
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def experts_from_hf(
-    names: Sequence[str], read: Callable[[str], torch.Tensor], layout: ExpertLayout
-) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The whole router and expert tensors among megacann ``names``, read by ``layout``'s names, and the
-    names that are neither (for the dense adapter)."""
+    names: Sequence[str], read: Callable[[str], torch.Tensor], cfg: ModelConfig, layout: ExpertLayout
+) -> dict[str, torch.Tensor]:
+    """The whole tensors of an MoE decoder's megacann ``names``: routers and experts read by ``layout``'s
+    names, the rest as LLaMA's."""
     out: dict[str, torch.Tensor] = {}
     rest = []
     for name in names:
@@ -109,7 +108,8 @@ def experts_from_hf(
             out[name] = read(hf["down"]) if match[3] == "down_proj" else torch.cat([read(hf["gate"]), read(hf["up"])])
         else:
             rest.append(name)
-    return out, rest
+    out.update(hf_llama.from_hf_tensors(rest, read, cfg))
+    return out
 
 
 def check_mixtral_compatible(cfg: ModelConfig) -> None:
@@ -139,18 +139,14 @@ def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
 def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """megacann whole tensors -> Mixtral names (gate/up split; router and experts renamed)."""
     check_mixtral_compatible(cfg)
-    out, rest = experts_to_hf(tensors, cfg, MIXTRAL_LAYOUT)
-    out.update(hf_llama.to_hf_tensors(rest, cfg))
-    return {k: v.contiguous() for k, v in out.items()}
+    return experts_to_hf(tensors, cfg, MIXTRAL_LAYOUT)
 
 
 def from_hf_tensors(
     names: Sequence[str], read: Callable[[str], torch.Tensor], cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
     """The whole tensors of megacann ``names``, read by Mixtral name through ``read(hf_name)``."""
-    out, rest = experts_from_hf(names, read, MIXTRAL_LAYOUT)
-    out.update(hf_llama.from_hf_tensors(rest, read, cfg))
-    return out
+    return experts_from_hf(names, read, cfg, MIXTRAL_LAYOUT)
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:

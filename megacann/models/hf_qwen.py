@@ -48,15 +48,11 @@ def moe_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
 
 def moe_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     check_qwen3_moe_compatible(cfg)
-    out, rest = experts_to_hf(tensors, cfg, QWEN3_MOE_LAYOUT)
-    out.update(hf_llama.to_hf_tensors(rest, cfg))
-    return {k: v.contiguous() for k, v in out.items()}
+    return experts_to_hf(tensors, cfg, QWEN3_MOE_LAYOUT)
 
 
 def moe_from_hf(names: Sequence[str], read: Reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out, rest = experts_from_hf(names, read, QWEN3_MOE_LAYOUT)
-    out.update(hf_llama.from_hf_tensors(rest, read, cfg))
-    return out
+    return experts_from_hf(names, read, cfg, QWEN3_MOE_LAYOUT)
 
 
 # -- config.json ----------------------------------------------------------------------------------------
