@@ -1,6 +1,7 @@
 # Two commands from a fresh clone with only python3:
 #   make train    the tiny recipe (a small LLaMA on the embedded corpus, CPU is enough)
 #   make test     the test suite
+# `make test-extended` runs the long checks the suite leaves out (marked extended; CI runs them too).
 # Each creates and fills the project's virtual environment (.venv) on first use, as the README's set-up does:
 # torch 2.13.0 first (set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where plain pip would pick a
 # CUDA build), then megacann itself with its dev extra. ARGS passes more arguments, e.g.
@@ -11,13 +12,17 @@ TORCH_INDEX_URL ?=
 VENV_PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megacann-installed
 
-.PHONY: train test venv
+.PHONY: train test test-extended venv
 
 train: $(STAMP)
 	PYTHON=$(abspath $(VENV_PY)) bash scripts/run_pretrain.sh --config examples/configs/llama/tiny.yaml $(ARGS)
 
 test: $(STAMP)
 	$(VENV_PY) -m pytest tests $(ARGS)
+
+# the long checks `make test` leaves out (tests marked extended); .ci/run runs them after the suite
+test-extended: $(STAMP)
+	$(VENV_PY) -m pytest tests --extended $(ARGS)
 
 venv: $(STAMP)
 
