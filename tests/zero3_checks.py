@@ -136,7 +136,7 @@ def checkpoint_round_trip(source: list[str], target: list[str], output_dir: str)
     path = trainer.save_checkpoint()
     result = {"source": [trainer.train_step()["loss"] for _ in range(2)]}
     ps.destroy_model_parallel()
-    trainer = _trainer_at(target, 0, output_dir)
+    trainer = _trainer_at(target, 2, output_dir)
     trainer.load_checkpoint(path)
     result["step_loaded"] = trainer.state.step
     result["target"] = [trainer.train_step()["loss"] for _ in range(2)]
