@@ -74,6 +74,7 @@ def test_zero3_matches_plain_data_parallel_dp2(world2):
         assert_close_trace(got["losses"], expected["losses"], 1e-5)
         assert_close_trace(got["norms"], expected["norms"], 1e-5)
         assert_params_close(got["params"], expected["params"], 1e-5)
+        assert got["eval"]["eval_loss"] == pytest.approx(expected["eval"]["eval_loss"], rel=1e-5)
 
 
 def test_zero3_holds_one_shard_of_everything(world2):

@@ -65,21 +65,32 @@ def memory_facts(trainer) -> dict:
     }
 
 
+def _with_validation():
+    from training_helpers import SyntheticData
+
+    class WithValidation(SyntheticData):
+        def valid(self):
+            return self._iterate(1000)
+
+    return WithValidation
+
+
 def train_run(overrides: list[str], steps: int = STEPS, resume_dir: str = "") -> dict:
     """Train ``steps`` steps; returns losses, norms, whole weights (on a rank per stage), the memory facts
     and, with ``resume_dir``, whether a save / load / next step equals the uninterrupted step bit for bit."""
     import torch.distributed as dist
     from test_zero_parity import _resume_is_bitwise
-    from training_helpers import SyntheticData, tiny_config
+    from training_helpers import tiny_config
 
     from megacann import parallel_state as ps
     from megacann.interop.full_state import full_state_dict
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
+    WithValidation = _with_validation()
     cfg = tiny_config(COMMON + overrides, world_size=dist.get_world_size())
     runtime = setup_runtime(cfg)
-    data = SyntheticData(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    data = WithValidation(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     trainer = Trainer(cfg, runtime, data=data)
     probe = GatherProbe(trainer)
     record = {"losses": [], "norms": []}
@@ -87,6 +98,8 @@ def train_run(overrides: list[str], steps: int = STEPS, resume_dir: str = "") ->
         metrics = trainer.train_step()
         record["losses"].append(metrics["loss"])
         record["norms"].append(metrics["grad_norm"])
+    trainer.cfg.logging.eval_iters = 1
+    record["eval"] = trainer.evaluate()  # forwards under no_grad: each unit gathered and freed again
     record.update(memory_facts(trainer))
     record["peak_gathered"] = probe.peak
     trainer.optimizer.finish_param_sync()
