@@ -109,7 +109,7 @@ class DistributedOptimizer(OptimizerBase):
             frozen = [p for _, p in named_params if not p.requires_grad]
             for (expert, _), members in split_by_group(frozen).items():
                 group, size = group_for(expert)
-                layout = GradBuffer(members, group, self.bucket_size, size, None, None, False, unit_of)
+                layout = GradBuffer(members, group, self.bucket_size, pad_to=size, persistent=False, unit_of=unit_of)
                 self.frozen.append(ShardedParams(layout, dist.get_rank(group) if size > 1 else 0))
             storages = [s.params for s in self.shards] + self.frozen
             self._unit_hooks = UnitHooks(modules, storages, prefetch=self.overlap_param_gather)
