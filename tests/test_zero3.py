@@ -85,7 +85,10 @@ def test_zero3_holds_one_shard_of_everything(world2):
         run = rank["zero3"]
         assert [n for _, n, _ in run["buffers"]] == [2]
         assert_formula(run)
-        assert 0 < run["peak_gathered"] < run["whole_numel"]
+        root, *blocks = run["unit_numels"]
+        assert len(blocks) == 4 and len(set(blocks)) == 1  # one unit per transformer block, alike
+        # before a block runs: the chunk's own weights, that block and (prefetch) the next one are whole
+        assert run["peak_gathered"] == root + 2 * blocks[0] < run["whole_numel"]
         plain = rank["plain"]["memory"]
         assert run["memory"]["params"] < plain["params"] // 2 + 2 * 64 and plain["grads"] == plain["params"]
         lora = rank["zero3_lora_recompute"]

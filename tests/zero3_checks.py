@@ -62,6 +62,11 @@ def memory_facts(trainer) -> dict:
         "whole_numel": sum(p.numel() for c in chunks for p in c.parameters()),
         "stored_bytes": sum(p.untyped_storage().nbytes() for c in chunks for p in c.parameters()),
         "gathered": sum(s.gathered_numel() for s in storages(optimizer)),
+        # elements (padding included) of each unit: the chunk's own weights first, then its blocks
+        "unit_numels": [
+            sum(storage.layout.buckets[index].numel for storage, index in unit.pieces)
+            for unit in (optimizer._unit_hooks.units if getattr(optimizer, "_unit_hooks", None) else [])
+        ],
     }
 
 
