@@ -111,6 +111,7 @@ READ_BY = {
     "distributed.sequence_parallel": "layers/context.py",
     "distributed.pipeline_layers": "pipeline/partition.py",
     "distributed.zero_optimization": "config/schema.py",  # zero_stage, read by optimizer/__init__.py
+    "distributed.zero_shard_group_size": "optimizer/zero/optimizer.py",
     "distributed.overlap_grad_reduce": "optimizer/optimizer.py",
     "distributed.overlap_param_gather": "optimizer/__init__.py",
     "distributed.bucket_size_mb": "optimizer/optimizer.py",

@@ -159,7 +159,8 @@ class DistributedConfig:
     virtual_pipeline_size: Optional[int] = None
     sequence_parallel: bool = False
     pipeline_layers: Optional[list] = None  # layers per (virtual) stage; None: even split
-    zero_optimization: Union[bool, int] = False  # false | true (=1) | 1 | 2
+    zero_optimization: Union[bool, int] = False  # false | true (=1) | 1 | 2 | 3 (weights sharded too)
+    zero_shard_group_size: Optional[int] = None  # hybrid: shard within groups of this many dp ranks
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     bucket_size_mb: float = 40.0

@@ -26,7 +26,7 @@ def build_optimizer(
         return DistributedOptimizer(named_params, cfg, modules)
     if d.overlap_param_gather:
         raise ValueError(
-            "distributed.overlap_param_gather needs distributed.zero_optimization (true, 1 or 2): without ZeRO "
+            "distributed.overlap_param_gather needs distributed.zero_optimization (true, 1, 2 or 3): without ZeRO "
             "no parameters are gathered"
         )
     return MixedPrecisionOptimizer(named_params, cfg)

@@ -4,7 +4,8 @@ Each storage is counted once, under the first heading that reaches it: parameter
 optimizer state. So fp32 master weights that *are* the parameters (fp32 training) count as parameters,
 and the optimizer-state figure is what the optimizer adds on top: fp32 masters of low-precision
 parameters and Adam's two moments, for all parameters (plain) or this rank's shard (ZeRO, padding
-included). ZeRO-2's full-size bucket storage counts as gradients only while it is allocated.
+included). ZeRO-2's full-size bucket storage counts as gradients only while it is allocated; ZeRO-3's
+weights count as this rank's shard plus whatever buckets are gathered at the time.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def grad_tensors(optimizer: OptimizerBase) -> list[torch.Tensor]:
 
 def optimizer_memory(optimizer: OptimizerBase) -> dict[str, int]:
     """{"params", "grads", "optimizer_states"}: bytes held for the trainable parameters on this rank."""
-    params = _storages(optimizer.model_params)
+    params = _storages(optimizer.param_tensors())
     grads = {k: v for k, v in _storages(grad_tensors(optimizer)).items() if k not in params}
     state_tensors = [t for shard in optimizer.state_shards() for t in shard.tensors.values()]
     states = {k: v for k, v in _storages(state_tensors).items() if k not in params and k not in grads}

@@ -190,6 +190,10 @@ class OptimizerBase:
     def _copy_master_to_model(self) -> None:
         raise NotImplementedError
 
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's trainable weights now (for memory accounting)."""
+        return list(self.model_params)
+
     def finish_param_sync(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
         """Wait until the model's parameters hold the last update (ZeRO may still be gathering them after
         the step with ``overlap_param_gather``). Code reading parameters outside a forward calls this."""
