@@ -163,7 +163,11 @@ def _world1(root: str) -> dict:
     """The one-process trace; a run through fit() (metrics.jsonl); a checkpoint resumed keeps MTP's weights."""
     from checkpoint_helpers import weights
 
-    result = {"one": _train(_trainer([ACCUM2], f"{root}/one"))}
+    tied = "model.tie_word_embeddings=true"
+    result = {
+        "one": _train(_trainer([ACCUM2], f"{root}/one")),
+        "one_tied": _train(_trainer([ACCUM2, tied], f"{root}/t")),
+    }
     first = _trainer([ACCUM2], f"{root}/fit", steps=2)
     first.fit()
     first.save_checkpoint()
@@ -200,7 +204,7 @@ def test_logged_and_resumed(world1):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layouts_train_like_one_process(world1, world2, layout):
-    reference = world1["one"]
+    reference = world1["one_tied" if layout == "pp2_tied" else "one"]
     assert len(reference["trace"]) == 3 * STEPS
     for rank in world2:
         if rank[layout]["mtp"]:  # the last stage's values; every rank's under TP
