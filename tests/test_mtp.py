@@ -101,6 +101,17 @@ def test_mtp_keys_are_checked_and_counted():
         assert spec.flops_per_token(with_mtp, SEQ) > spec.flops_per_token(without, SEQ)
 
 
+def test_dry_run_counts_and_places_mtp():
+    from megacann.dry_run import describe
+
+    cfg = tiny_config(MTP + ["distributed.pipeline_parallel_size=2"], world_size=2)
+    text = describe(cfg)
+    total = LLAMA.total_parameters(cfg.model)
+    assert f"{total:,}" in text
+    stage1 = next(line for line in text.splitlines() if line.startswith("stage 1"))
+    assert "2 multi-token prediction depths, its embedding a copy of stage 0's" in stage1
+
+
 def test_console_line_shows_mtp_loss():
     record = {"step": 2, "loss": 5.25, "mtp_loss": 1.5, "lr": 1e-3, "tokens_per_second": 10.0, "step_time": 0.1}
     assert "loss 5.2500 | mtp_loss 1.5000 |" in format_step_line(record, 4, None)
@@ -218,3 +229,68 @@ def test_layouts_train_like_one_process(world1, world2, layout):
         assert not first["mtp"] and set(last["tokens"]) == {SEQ}
         copy = "lm_head.weight" if layout == "pp2_tied" else "mtp_embed_tokens.weight"
         assert last["tied_copies"] == [(copy, True)] and first["tied_copies"] == [("embed_tokens.weight", False)]
+
+
+def test_lora_adapts_eh_proj():
+    from megacann.layers.lora import LoRAConfig, attach_lora
+
+    cfg = tiny_config(MTP)
+    model = LLAMA.build(cfg, ChunkPlacement((0, 1)))
+    adapted = attach_lora(model, LoRAConfig(rank=2, target_modules=("eh_proj", "q_proj")))
+    assert {n for n in adapted if "mtp" in n} == {
+        f"mtp.layers.{k}.{p}" for k in (0, 1) for p in ("eh_proj", "transformer_layer.self_attn.q_proj")
+    }
+
+
+# -- extended: context parallelism, the MoE family ------------------------------------------------------
+
+MOE_KEYS = ["model.type=moe", "model.num_experts=4", "model.moe_top_k=2", "model.moe_aux_loss_coeff=0.01"]
+EXTENDED = {  # name -> (one-process reference overrides, world-2 overrides)
+    "cp2_ring": ([ACCUM2], ["distributed.context_parallel_size=2", ACCUM2]),
+    "cp2_ulysses": (
+        [ACCUM2],
+        ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=ulysses", ACCUM2],
+    ),
+    "moe_tp2_sp": (MOE_KEYS + [ACCUM2], MOE_KEYS + LAYOUTS["tp2_sp"]),
+    "moe_pp2": (MOE_KEYS + [ACCUM2], MOE_KEYS + LAYOUTS["pp2"]),
+    "moe_ep2": (MOE_KEYS + [ACCUM2], MOE_KEYS + ["distributed.expert_parallel_size=2", "optim.grad_accum_steps=1"]),
+}
+
+
+def _extended(world: int, root: str) -> dict:
+    runs = {}
+    for name, overrides in EXTENDED.items():
+        trainer = _trainer(overrides[0 if world == 1 else 1], f"{root}/{name}")
+        runs[name] = _train(trainer)
+        runs[name]["aux"] = sorted(k for k in trainer.train_step() if k.startswith("moe_") or k == "mtp_loss")
+        mtp = trainer.model_chunks[-1].mtp
+        moe = getattr(mtp.layers[0].transformer_layer.mlp, "experts", None) if mtp is not None else None
+        runs[name]["experts"] = sorted(int(e) for e in moe) if moe is not None else []
+    return runs
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("name", sorted(EXTENDED))
+def test_extended_layouts_train_like_one_process(tmp_path_factory, name):
+    global _EXTENDED_RESULTS
+    if not _EXTENDED_RESULTS:
+        root = str(tmp_path_factory.mktemp("mtpx"))
+        _EXTENDED_RESULTS = {
+            1: run_on_ranks(_extended, 1, args=(1, root + "/w1"), timeout=600)[0],
+            2: run_on_ranks(_extended, 2, args=(2, root + "/w2"), timeout=900),
+        }
+    reference, ranks = _EXTENDED_RESULTS[1][name], _EXTENDED_RESULTS[2]
+    for rank in ranks:
+        if rank[name]["mtp"]:
+            assert_close_trace(rank[name]["trace"], reference["trace"], 1e-5)
+    last = ranks[1][name]
+    if name.startswith("cp2"):  # each cp rank's share of the sequence enters the MTP layer
+        assert set(last["tokens"]) == {SEQ // 2} and set(reference["tokens"]) == {SEQ}
+    if name.startswith("moe"):  # the MTP layer is an MoE layer; its balancing loss is counted
+        assert "moe_load_balancing" in last["aux"] and "mtp_loss" in last["aux"]
+        assert reference["experts"] == [0, 1, 2, 3]
+        if name == "moe_ep2":
+            assert [r[name]["experts"] for r in ranks] == [[0, 1], [2, 3]]
+
+
+_EXTENDED_RESULTS: dict = {}
