@@ -294,3 +294,24 @@ def test_extended_layouts_train_like_one_process(tmp_path_factory, name):
 
 
 _EXTENDED_RESULTS: dict = {}
+
+
+def _zero_world4(root: str) -> dict:
+    overrides = ["distributed.pipeline_parallel_size=2", "distributed.zero_optimization=1", "optim.grad_accum_steps=1"]
+    return _train(_trainer(overrides, f"{root}/pp2_dp2_zero1"))
+
+
+@pytest.mark.extended
+def test_pp2_dp2_zero1_trains_like_one_process(tmp_path_factory):
+    """ZeRO-1 over dp 2 with pipeline stages: the last stage's embedding copy is sharded and summed with stage 0's."""
+    root = str(tmp_path_factory.mktemp("mtpz"))
+    reference = run_on_ranks(_train_one, 1, args=(root + "/w1",), timeout=300)[0]
+    ranks = run_on_ranks(_zero_world4, 4, args=(root + "/w4",), timeout=600)
+    last = [r for r in ranks if r["mtp"]]
+    assert len(last) == 2 and all(r["tied_copies"] == [("mtp_embed_tokens.weight", True)] for r in last)
+    for rank in last:
+        assert_close_trace(rank["trace"], reference["trace"], 1e-5)
+
+
+def _train_one(root: str) -> dict:
+    return _train(_trainer([ACCUM2], f"{root}/one"))
