@@ -50,6 +50,8 @@ READ_BY = {
     # the moe family's own keys (models/moe_config.py); the other families do not have them
     "model.num_experts": "models/moe.py",
     "model.moe_top_k": "models/moe.py",
+    "model.mtp_num_layers": "models/mtp.py",
+    "model.mtp_loss_scaling_factor": "models/decoder.py",
     "model.moe_router": "models/moe.py",
     "model.moe_capacity_factor": "models/moe.py",
     "model.moe_aux_loss_coeff": "models/moe.py",
