@@ -26,6 +26,8 @@ from __future__ import annotations
 from megacann.ops.signatures import (
     adamw_step_,
     apply_rotary,
+    attention_block,
+    attention_block_backward,
     cross_entropy,
     grouped_matmul,
     moe_permute,
@@ -38,12 +40,14 @@ from megacann.ops.signatures import (
 
 # isort: split
 from megacann.ops import adamw as _adamw  # noqa: F401  (each module registers its implementations)
+from megacann.ops import attention_blocks as _attention_blocks  # noqa: F401
 from megacann.ops import cpp as _cpp  # noqa: F401
 from megacann.ops import cuda as _cuda  # noqa: F401
 from megacann.ops import head_loss as _head_loss  # noqa: F401
 from megacann.ops import moe as _moe  # noqa: F401
 from megacann.ops import npu as _npu  # noqa: F401
 from megacann.ops import reference as _reference  # noqa: F401
+from megacann.ops import varlen as _varlen  # noqa: F401
 from megacann.ops.registry import (
     check_op_names,
     configure,
@@ -68,6 +72,8 @@ __all__ = [
     "DEFAULT_FP32_OPS",
     "adamw_step_",
     "apply_rotary",
+    "attention_block",
+    "attention_block_backward",
     "check_op_names",
     "configure",
     "cross_entropy",
