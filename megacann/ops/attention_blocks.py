@@ -188,8 +188,14 @@ def _cuda_flash_available() -> bool:
     return torch.cuda.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward")
 
 
+def cuda_flash_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether CUDA flash attention takes these tensors: fp16/bf16 alike, head dim a multiple of 8 up to 256."""
+    d = q.shape[-1]
+    return _same_dtype(q, k, v) and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+
+
 def _cuda_flash_fits(q, k, v, band) -> bool:
-    return band is None and _same_dtype(q, k, v) and q.dtype in (torch.float16, torch.bfloat16)
+    return band is None and cuda_flash_fits(q, k, v)
 
 
 @register(

@@ -32,7 +32,7 @@ import torch
 
 from megacann import ops
 from megacann.ops import reference
-from megacann.ops.attention_blocks import acc_dtype, merge_block
+from megacann.ops.attention_blocks import acc_dtype, cuda_flash_fits, merge_block
 from megacann.ops.npu import cumulative_seq_lens
 from megacann.ops.registry import register
 
@@ -244,7 +244,7 @@ def flash_varlen_attention(
     q, k, v, *, causal, segment_ids, attn_mask, dropout_p, scale, sliding_window
 ) -> torch.Tensor:
     window = reference.effective_window(sliding_window, q.shape[1], causal)
-    fits = q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
+    fits = cuda_flash_fits(q, k, v)
     if not (fits and _takes_varlen(causal, segment_ids, attn_mask, dropout_p, window)):
         return varlen_attention(
             q, k, v, causal=causal, segment_ids=segment_ids, attn_mask=attn_mask, dropout_p=dropout_p,
