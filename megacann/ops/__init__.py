@@ -4,16 +4,20 @@ Each op is declared once in :mod:`megacann.ops.signatures` (signature and docstr
 here picks, by the device type of its first tensor, the best available implementation registered in
 :mod:`megacann.ops.registry`:
 
-==========  ===============================================================================  ============
-name        what                                                                             device types
-==========  ===============================================================================  ============
-npu         torch_npu's CANN kernels (:mod:`megacann.ops.npu`)                               npu
-cpp         megacann's C++ kernels from ``csrc/`` (:mod:`megacann.ops.cpp`)                  cpu
-fused       the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)            cpu, cuda
-compiled    ``torch.compile`` of norm, RoPE, SwiGLU, head loss; opt-in (``ops.cuda``)        cuda
-apex        apex's fused RMSNorm, opt-in, if installed                                       cuda
-reference   PyTorch (:mod:`megacann.ops.reference`), always there                             any
-==========  ===============================================================================  ============
+============  =========================================================================  ============
+name          what                                                                       device types
+============  =========================================================================  ============
+npu           torch_npu's CANN kernels (:mod:`megacann.ops.npu`)                         npu
+flash_varlen  packed attention by flash-attention's varlen kernel (``ops.varlen``)       cuda
+cpp           megacann's C++ kernels from ``csrc/`` (:mod:`megacann.ops.cpp`)            cpu
+varlen        packed / windowed attention per document, no mask (``ops.varlen``)         cpu, cuda
+flash         block attention and its lse by PyTorch's CPU flash kernel                  cpu
+cuda_flash    block attention and its lse by PyTorch's CUDA flash kernel                 cuda
+fused         the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)      cpu, cuda
+compiled      ``torch.compile`` of norm, RoPE, SwiGLU, head loss; opt-in (``ops.cuda``)  cuda
+apex          apex's fused RMSNorm, opt-in, if installed                                 cuda
+reference     PyTorch (:mod:`megacann.ops.reference`), always there                      any
+============  =========================================================================  ============
 
 Optional packages are imported lazily by each implementation's availability check, so ``import
 megacann.ops`` never imports torch_npu or builds the C++ kernels. :func:`configure` applies the recipe's
