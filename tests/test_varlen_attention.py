@@ -214,3 +214,69 @@ def test_cuda_varlen_and_block_kernels_match_the_reference(dtype):
     want_out, want_lse = _dense_block(*(t.float() for t in (qh, kh, vh)), 0.25, torch.ones(32, 32).tril().bool().cuda())
     torch.testing.assert_close(block_out, want_out, **tol)
     torch.testing.assert_close(lse, want_lse, **tol)
+
+
+# -- extended: bf16, and the ring with each block implementation ----------------------------------------
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("window", [None, 16])
+def test_varlen_bf16_is_as_close_to_the_fp64_truth_as_the_masked_reference(window):
+    seg = torch.tensor([[0] * 100 + [1] * 60 + [2] * 96])
+    q, k, v = (_randn(1, 256, h, 32, seed=h).to(torch.bfloat16).requires_grad_() for h in (4, 2, 2))
+    truth = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = _dense(*truth, seg, window)
+    dout = _randn(*expected.shape, seed=9)
+    want = (expected, *torch.autograd.grad(expected, truth, dout.double()))
+    errors = {}
+    for impl in ("reference", "varlen"):
+        ops.pin("scaled_dot_product_attention", impl)
+        try:
+            out = ops.scaled_dot_product_attention(q, k, v, segment_ids=seg, sliding_window=window)
+            got = (out, *torch.autograd.grad(out, (q, k, v), dout.to(torch.bfloat16)))
+        finally:
+            ops.pin("scaled_dot_product_attention", None)
+        errors[impl] = [((a.double() - b).norm() / b.norm()).item() for a, b in zip(got, want)]
+    assert all(e < 1e-2 for e in errors["varlen"]), errors
+    assert all(new <= 1.5 * old + 1e-3 for new, old in zip(errors["varlen"], errors["reference"])), errors
+
+
+def _ring_each_block_impl() -> dict:
+    """At cp 2: ring and all-gather attention of packed rows (with and without a window) with the block op
+    pinned to each CPU implementation, against the dense attention of the whole sequence."""
+    from megacann import parallel_state as ps
+    from megacann.layers.context_parallel import context_parallel_attention, context_parallel_split
+
+    ps.initialize_model_parallel(context_parallel_size=2)
+    worst: dict[str, float] = {}
+    q, k, v = (_randn(2, 32, h, 8, seed=h).requires_grad_() for h in (4, 2, 2))
+    dout = _randn(2, 32, 4, 8, seed=11)
+    for window in (None, 5):
+        expected = _dense(q, k, v, SEGMENTS, window)
+        want = [expected, *torch.autograd.grad(expected, (q, k, v), dout)]
+        for impl in CPU_BLOCK_IMPLS:
+            ops.pin("attention_block", impl)
+            ops.pin("attention_block_backward", impl)
+            for algo in ("ring", "allgather"):
+                local = [context_parallel_split(t.detach()).requires_grad_() for t in (q, k, v)]
+                out = context_parallel_attention(
+                    *local, context_parallel_split(SEGMENTS), algo=algo, sliding_window=window
+                )
+                got = [out, *torch.autograd.grad(out, local, context_parallel_split(dout))]
+                worst[f"{impl}/{algo}/w{window}"] = max(
+                    ((a - context_parallel_split(b)).norm() / context_parallel_split(b).norm()).item()
+                    for a, b in zip(got, want)
+                )
+    ops.pin("attention_block", None)
+    ops.pin("attention_block_backward", None)
+    ps.destroy_model_parallel()
+    return worst
+
+
+@pytest.mark.extended
+def test_ring_and_allgather_equal_dense_attention_with_every_block_implementation():
+    from dist_harness import run_on_ranks
+
+    for worst in run_on_ranks(_ring_each_block_impl, world_size=2, timeout=300):
+        assert len(worst) == 2 * len(CPU_BLOCK_IMPLS) * 2, worst
+        assert all(err < 1e-5 for err in worst.values()), worst
