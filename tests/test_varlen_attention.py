@@ -121,6 +121,18 @@ def test_cpu_selects_the_flash_block_and_the_varlen_attention():
     assert ops.implementations("scaled_dot_product_attention")[:2] == ["npu", "flash_varlen"]
 
 
+def test_block_results_stay_fp32_for_bf16_inputs_also_as_an_fp32_op():
+    q, k, v = (_randn(1, 2, 6, 8, seed=i).to(torch.bfloat16) for i in range(3))
+    for fp32_ops in ([], ["attention_block", "attention_block_backward"]):
+        ops.configure(True, fp32_ops)
+        try:
+            out, lse = ops.attention_block(q, k, v, scale=0.3, causal=True)
+            grads = ops.attention_block_backward(q, k, v, out, lse, out, scale=0.3, causal=True)
+        finally:
+            ops.configure(True, [])
+        assert [t.dtype for t in (out, lse, *grads)] == [torch.float32] * 5, fp32_ops
+
+
 @pytest.mark.parametrize("impl", CPU_BLOCK_IMPLS)
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("kv_heads", [4, 2])

@@ -43,7 +43,7 @@ def scaled_dot_product_attention(
 Band = Optional[tuple[torch.Tensor, torch.Tensor, int]]  # (query positions, key positions, window)
 
 
-@declare
+@declare(fp32_result=True)
 def attention_block(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -62,7 +62,7 @@ def attention_block(
     no key has lse -inf and output 0."""
 
 
-@declare
+@declare(fp32_result=True)
 def attention_block_backward(
     q: torch.Tensor,
     k: torch.Tensor,
