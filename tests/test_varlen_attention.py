@@ -25,6 +25,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 CPU_BLOCK_IMPLS = ("reference", "flash")
 # a one-token document, an id that comes back later in the row (equal ids attend), a whole-row document
 SEGMENTS = torch.tensor([[0] * 7 + [1] * 9 + [5] + [2] * 6 + [0] * 3 + [3] * 6, [4] * 32])
+RUNS = torch.tensor([[0] * 7 + [1] * 9 + [5] + [2] * 6 + [6] * 3 + [3] * 6, [4] * 32])  # every id once per row
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -210,6 +211,59 @@ def test_rectangles_follow_runs_of_equal_ids(monkeypatch):
         (0, 6, 9, 4, 9, False),
         (0, 9, 10, 7, 10, False),
     ]
+
+
+def _fake_varlen_attn(calls):
+    """``torch.nn.attention.varlen.varlen_attn`` as documented, on the CPU: sequences ``cu[i]:cu[i+1]`` of
+    ``[tokens, heads, d]``; ``window_size=(left, right)`` keeps keys ``i - left .. i + right`` (-1: no
+    limit); GQA by ``enable_gqa``."""
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        calls.append(dict(cu=cu_q.tolist(), same=cu_k is cu_q, max=(max_q, max_k), window=window_size, gqa=enable_gqa))
+        assert cu_q.dtype == torch.int32 and enable_gqa == (q.shape[1] != k.shape[1])
+        out, scale = torch.empty_like(q), scale or q.shape[-1] ** -0.5
+        for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:]):
+            i = torch.arange(b - a)
+            diff = i[:, None] - i[None, :]
+            allowed = torch.ones(b - a, b - a, dtype=torch.bool)
+            left, right = window_size
+            if left >= 0:
+                allowed &= diff <= left
+            if right >= 0:
+                allowed &= -diff <= right
+            qh, kh, vh = (t[a:b].transpose(0, 1).float() for t in (q, k, v))
+            out[a:b] = _dense_block(qh[None], kh[None], vh[None], scale, allowed)[0][0].transpose(0, 1).to(q.dtype)
+        return out
+
+    return varlen_attn
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_flash_varlen_hands_the_kernel_cumulative_lengths_and_the_window(monkeypatch, window):
+    import torch.nn.attention.varlen as torch_varlen
+
+    calls = []
+    monkeypatch.setattr(torch_varlen, "varlen_attn", _fake_varlen_attn(calls))
+    q, k, v = (_randn(2, 32, h, 8, seed=h).to(torch.bfloat16) for h in (4, 2, 2))
+    segments = RUNS  # the kernel takes runs as documents (like the NPU's TND): no id comes back in a row
+    out = varlen.flash_varlen_attention(
+        q, k, v, causal=True, segment_ids=segments, attn_mask=None, dropout_p=0.0, scale=None, sliding_window=window
+    )
+    assert calls == [
+        dict(
+            cu=[0, 7, 16, 17, 23, 26, 32, 64],
+            same=True,
+            max=(32, 32),
+            window=(window - 1 if window else -1, 0),
+            gqa=True,
+        )
+    ]
+    ref = _dense(*(t.float() for t in (q, k, v)), segments, window)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    fp32 = [t.float() for t in (q, k, v)]  # fp32 is not flash's: the rectangles instead
+    kwargs = dict(causal=True, segment_ids=segments, attn_mask=None, dropout_p=0.0, scale=None, sliding_window=window)
+    torch.testing.assert_close(varlen.flash_varlen_attention(*fp32, **kwargs), ref, **TOL)
+    assert len(calls) == 1
 
 
 @needs_cuda
