@@ -266,6 +266,16 @@ def test_flash_varlen_hands_the_kernel_cumulative_lengths_and_the_window(monkeyp
     assert len(calls) == 1
 
 
+def test_cuda_flash_block_calls_fit_the_aten_schemas_on_meta_tensors():
+    """The CUDA kernels' argument order and shapes, checked by PyTorch's meta functions without a GPU."""
+    q = torch.empty(2, 4, 8, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 2, 8, 64, dtype=torch.bfloat16, device="meta")
+    out, lse = attention_blocks.cuda_flash_attention_block(q, k, k, scale=0.1, causal=True)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, torch.float32, (2, 4, 8), torch.float32)
+    grads = attention_blocks.cuda_flash_attention_block_backward(q, k, k, out, lse, out, scale=0.1, causal=True)
+    assert [(g.shape, g.dtype) for g in grads] == [(q.shape, torch.float32)] + [(k.shape, torch.float32)] * 2
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_varlen_and_block_kernels_match_the_reference(dtype):
