@@ -200,6 +200,9 @@ def test_rectangles_follow_runs_of_equal_ids(monkeypatch):
         (0, 5, 6, 5, 6, True),
         (0, 6, 7, 6, 7, True),
     ]
+    runs = varlen.runs_of(seg)
+    assert runs == [[(0, 2, 1), (2, 5, 2), (5, 6, 1), (6, 7, 3)]]
+    assert varlen.clip_runs(runs, 1, 6) == [[(0, 1, 1), (1, 4, 2), (4, 5, 1)]]  # tokens 1..5, from 0
     other = torch.tensor([[2, 2, 3, 3]])
     assert varlen.rectangles(seg, other, causal=False) == [(0, 2, 5, 0, 2, False), (0, 6, 7, 2, 4, False)]
     one = torch.zeros(1, 10, dtype=torch.long)

@@ -38,38 +38,53 @@ from megacann.ops.registry import register
 
 VARLEN, FLASH_VARLEN = "varlen", "flash_varlen"
 MIN_CHUNK = 256  # query rows per chunk of a windowed rectangle, at least
-Segments = Optional[tuple[torch.Tensor, torch.Tensor]]
+Runs = list[list[tuple[int, int, int]]]  # per batch row: (start, end, id) of each run of equal ids
+Segments = Optional[tuple[Runs, Runs]]  # runs of the query rows, of the keys
 # (batch row, query start, query end, key start, key end, causal)
 Rect = tuple[int, int, int, int, int, bool]
 
 
-def _runs(segment_ids: torch.Tensor) -> list[list[tuple[int, int, int]]]:
+def runs_of(segment_ids: torch.Tensor) -> Runs:
     """Per row of ``segment_ids`` ``[b, s]``: its runs of equal ids as ``(start, end, id)`` (one device read)."""
     b, s = segment_ids.shape
     starts = torch.ones(b, s, dtype=torch.bool, device=segment_ids.device)
     starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
     where = starts.nonzero()
     found = torch.cat([where, segment_ids[starts].unsqueeze(1).to(where.dtype)], 1).tolist()
-    rows: list[list[tuple[int, int, int]]] = [[] for _ in range(b)]
+    rows: Runs = [[] for _ in range(b)]
     for (row, start, ident), after in zip(found, found[1:] + [None]):
         end = after[1] if after is not None and after[0] == row else s
         rows[row].append((start, end, ident))
     return rows
 
 
-def rectangles(seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool, window: Optional[int] = None) -> list[Rect]:
-    """The dense rectangles ``(row, q0, q1, k0, k1, causal)`` of attention restricted to equal ids.
+def clip_runs(runs: Runs, start: int, stop: int) -> Runs:
+    """The runs of tokens ``[start, stop)`` of each row, counted from ``start`` (no device read)."""
+    return [
+        [(max(a, start) - start, min(b, stop) - start, ident) for a, b, ident in row if a < stop and b > start]
+        for row in runs
+    ]
 
-    ``causal`` needs ``seg_q`` and ``seg_k`` to be the ids of the same tokens: a key run before the query
+
+def rectangles(seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool, window: Optional[int] = None) -> list[Rect]:
+    """The dense rectangles ``(row, q0, q1, k0, k1, causal)`` of attention restricted to equal ids (see
+    :func:`pair_runs`)."""
+    return pair_runs(runs_of(seg_q), runs_of(seg_k), causal, window)
+
+
+def pair_runs(q_runs: Runs, k_runs: Runs, causal: bool, window: Optional[int] = None) -> list[Rect]:
+    """The dense rectangles ``(row, q0, q1, k0, k1, causal)`` between runs of equal ids.
+
+    ``causal`` needs the query and key runs to be those of the same tokens: a key run before the query
     run is whole, the run itself causal, a later one skipped. ``window`` W (positions = indices, causal):
     rectangles are cut into query chunks reading keys ``[q0 - W + 1, q1)`` only; they then need the band
     mask (``causal`` False in the result, see :func:`band_of`)."""
     rects: list[Rect] = []
-    for row, (q_runs, k_runs) in enumerate(zip(_runs(seg_q), _runs(seg_k))):
+    for row, (q_row, k_row) in enumerate(zip(q_runs, k_runs)):
         by_id: dict[int, list[tuple[int, int]]] = {}
-        for start, end, ident in k_runs:
+        for start, end, ident in k_row:
             by_id.setdefault(ident, []).append((start, end))
-        for q0, q1, ident in q_runs:
+        for q0, q1, ident in q_row:
             for k0, k1 in by_id.get(ident, ()):
                 diagonal = False
                 if causal:
@@ -148,14 +163,14 @@ def run_backward(q, k, v, out, lse, dout, scale: float, rects: list[Rect], bands
     return dq, dk, dv
 
 
-def _block_plan(causal: bool, segments: tuple[torch.Tensor, torch.Tensor], band):
-    rects = rectangles(segments[0], segments[1], causal)
+def _block_plan(causal: bool, segments: tuple[Runs, Runs], band):
+    rects = pair_runs(segments[0], segments[1], causal)
     return rects, [_slice_band(band, rect) for rect in rects]
 
 
 def block_attention(q, k, v, scale: float, *, causal: bool, segments: Segments = None, band=None):
-    """One context-parallel step: BHSD ``q`` over ``k, v`` with packed ``segments`` (ids of the query
-    rows, of the keys) as rectangles; without segments one :func:`megacann.ops.attention_block` call."""
+    """One context-parallel step: BHSD ``q`` over ``k, v`` with packed ``segments`` (:func:`runs_of` the
+    query rows, of the keys) as rectangles; without segments one :func:`megacann.ops.attention_block` call."""
     if segments is None:
         return ops.attention_block(q, k, v, scale=scale, causal=causal, band=band)
     rects, bands = _block_plan(causal, segments, band)

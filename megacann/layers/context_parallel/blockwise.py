@@ -15,8 +15,8 @@ flash attention on CPU and CUDA, ``npu_fusion_attention`` on NPU), which returns
 log-sum-exp ``lse``; partial results merge by online softmax in fp32. Backward runs
 :func:`megacann.ops.attention_block_backward` per step with the saved final ``out`` and ``lse``
 (flash-attention's backward) and sends each block's ``dk, dv`` (fp32) back to its owner. Packed
-sequences (``segment_ids``; the ids of all ranks are all-gathered once, they are small) split a step into
-the rectangles of equal ids (:func:`megacann.ops.varlen.block_attention`, the variable-length path), so
+sequences (``segment_ids``; the ids of all ranks are all-gathered once, they are small, and their runs
+read from the device once per call) split a step into the rectangles of equal ids (:func:`megacann.ops.varlen.block_attention`, the variable-length path), so
 no mask is built. A sliding window W passes the global positions of the step's rows and columns as the
 op's ``band`` (``0 <= query position - key position < W``), and a step whose keys all lie W or more behind
 its queries is skipped (in backward it hands on a zero gradient).
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from megacann.layers.context_parallel.layout import context_parallel_position_ids
 from megacann.layers.mappings import all_gather_flat, reduce_scatter_flat
 from megacann.ops.attention_blocks import acc_dtype, merge_block
-from megacann.ops.varlen import block_attention, block_attention_backward
+from megacann.ops.varlen import block_attention, block_attention_backward, clip_runs, runs_of
 
 _NEG_INF = float("-inf")
 
@@ -194,6 +194,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         blocks = TRANSPORTS[transport](group)
         chunk = q.shape[1] // 2
         seg_all = _gather_segments(segment_ids, blocks)
+        runs = _runs_by_rank(seg_all)
         qh, acc = q.transpose(1, 2), acc_dtype(q.dtype)
         out = torch.zeros(qh.shape, dtype=acc, device=q.device)
         lse = torch.full(qh.shape[:-1], _NEG_INF, dtype=acc, device=q.device)
@@ -202,18 +203,18 @@ class _BlockwiseAttention(torch.autograd.Function):
             if _out_of_window(window, blocks, source, rows, cols, chunk):
                 continue
             band = _band(window, blocks, source, rows, cols, q)
-            segments = _segments(seg_all, blocks.rank, source, rows, cols)
+            segments = _segments(runs, blocks.rank, source, rows, cols, chunk)
             kb, vb = (t[:, cols].transpose(1, 2) for t in kv)
             block_out, block_lse = _block_forward(qh[:, :, rows], kb, vb, scale, segments, causal, band)
             merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         result = out.transpose(1, 2).to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse, seg_all)
-        ctx.scale, ctx.group, ctx.transport, ctx.window = scale, group, transport, window
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.scale, ctx.group, ctx.transport, ctx.window, ctx.runs = scale, group, transport, window, runs
         return result
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, seg_all = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         blocks, scale = TRANSPORTS[ctx.transport](ctx.group), ctx.scale
         chunk, acc = q.shape[1] // 2, acc_dtype(q.dtype)
         qh, oh, gh = q.transpose(1, 2), out.transpose(1, 2), grad.transpose(1, 2)
@@ -225,7 +226,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 blocks.add_grad(source, dkv)
                 continue
             band = _band(ctx.window, blocks, source, rows, cols, q)
-            segments = _segments(seg_all, blocks.rank, source, rows, cols)
+            segments = _segments(ctx.runs, blocks.rank, source, rows, cols, chunk)
             kb, vb = (t[:, cols].transpose(1, 2) for t in kv)
             dq_b, dk_b, dv_b = _block_backward(
                 qh[:, :, rows], kb, vb, oh[:, :, rows], lse[:, :, rows], gh[:, :, rows], scale, segments, causal, band
@@ -250,11 +251,24 @@ def _gather_segments(segment_ids: Optional[torch.Tensor], ring: _Ring) -> Option
     return out
 
 
-def _segments(seg_all, rank, source, rows, cols) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(segment ids of this step's query rows, of its key columns), or None without packing."""
+def _runs_by_rank(seg_all: Optional[torch.Tensor]) -> Optional[list]:
+    """The runs of equal ids of every rank's rows (``[cp][b]``), read from the device once per call."""
     if seg_all is None:
         return None
-    return seg_all[rank][:, rows], seg_all[source][:, cols]
+    cp, b = seg_all.shape[:2]
+    flat = runs_of(seg_all.flatten(0, 1))
+    return [flat[r * b : (r + 1) * b] for r in range(cp)]
+
+
+def _segments(runs, rank, source, rows, cols, chunk) -> Optional[tuple]:
+    """(runs of this step's query rows, of its key columns), or None without packing."""
+    if runs is None:
+        return None
+
+    def bounds(part: slice) -> tuple[int, int]:
+        return part.start or 0, 2 * chunk if part.stop is None else part.stop
+
+    return clip_runs(runs[rank], *bounds(rows)), clip_runs(runs[source], *bounds(cols))
 
 
 def blockwise_attention(
