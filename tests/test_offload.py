@@ -1,6 +1,6 @@
 """Offload (docs/zero.md#offload): optimizer state and masters on the host (``optim.offload_optimizer``) and
 activations of chosen layers on the host (``training.activation_offload_layers``) train the loss trace of the
-run without offload (fp32 and bf16, dp 1, dp 2 with ZeRO-1 and ZeRO-2), move the bytes the formulas say
+run without offload (fp32 and bf16, dp 1, dp 2 with ZeRO-1 and ZeRO-2, MoE at ep 2), move the bytes the formulas say
 through the offload path, and resume bit for bit (also into a run without offload). On CPU the host is the
 same memory: the counters of the offload path are what shows it ran.
 
@@ -34,9 +34,19 @@ RUNS_WORLD1 = {
 }
 Z1 = ["distributed.zero_optimization=1"]
 Z2 = ["distributed.zero_optimization=2", "distributed.bucket_size_mb=0.01"]
+MOE_EP2 = [
+    "model.type=moe",
+    "model.num_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_ffn_hidden_size=32",
+    "model.moe_layer_freq=2",
+    "distributed.expert_parallel_size=2",
+]
 RUNS_WORLD2 = {
     "zero1": Z1,
     "zero1_offload": Z1 + OFF,
+    "moe_zero1": MOE_EP2 + Z1,
+    "moe_zero1_offload": MOE_EP2 + Z1 + OFF,  # dense state over dp 2, the experts' over dp / ep = 1
     "zero2_bf16": Z2 + ["model.precision=bf16"],
     "zero2_bf16_offload": Z2 + OFF + ["model.precision=bf16"],
 }
@@ -135,7 +145,11 @@ def test_optimizer_offload_dp1_trains_the_same_trace_and_moves_its_bytes(world1)
 @pytest.mark.extended
 def test_optimizer_offload_dp2_zero_trains_the_same_trace_and_moves_its_shard(world2):
     for rank in world2:
-        for run, ref in (("zero1_offload", "zero1"), ("zero2_bf16_offload", "zero2_bf16")):
+        for run, ref in (
+            ("zero1_offload", "zero1"),
+            ("zero2_bf16_offload", "zero2_bf16"),
+            ("moe_zero1_offload", "moe_zero1"),
+        ):
             _same_trace(rank[run]["trace"], rank[ref]["trace"])
             shard = rank[ref]["memory"]["optimizer_states"] // (8 if "bf16" not in run else 12)  # numel / N
             _check_optimizer_offload(rank[run], shard)
