@@ -139,10 +139,15 @@ def rank_layouts(
     """Layouts whose largest stage fits ``device_memory`` bytes less ``headroom``, fastest estimate first."""
     budget = device_memory * (1.0 - headroom)
     ranked = []
+    refused_stages: set[int] = set()  # ZeRO stages the recipe's validation refuses whatever the layout
     for layout in candidate_layouts(cfg, world, devices_per_node):
+        if layout.zero in refused_stages:
+            continue
         try:
             candidate = layout_config(cfg, layout, world)
-        except (ConfigError, ValueError):
+        except (ConfigError, ValueError) as err:
+            if "distributed.zero_optimization must be" in str(err):
+                refused_stages.add(layout.zero)
             continue
         stages = estimate_stages(candidate, layout)
         if max(s.total for s in stages) > budget and not layout.offload_optimizer:
