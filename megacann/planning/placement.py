@@ -5,7 +5,8 @@
 - ZeRO-3 (``Layout.zero == 3``) shards the weights and gradients too: a device keeps a·Ψ/N of weights and
   4·Ψ/N of gradients, plus the unit being computed gathered whole and the next one prefetched (2 units of
   weights, a = bytes of the weights' dtype) and one unit's whole fp32 gradients until they are
-  reduce-scattered; a unit is one transformer layer (the largest of the stage's). Ready for the ZeRO-3
+  reduce-scattered; a unit is one transformer layer (the largest of the stage's; the embedding and output
+  layer, gathered on their own, are not counted: an underestimate on those stages). Ready for the ZeRO-3
   engine: a recipe reaches it only where ``distributed.zero_optimization`` accepts 3.
 - Hybrid sharding (``Layout.zero_group``, from ``distributed.zero_shard_group_size`` where the recipe has
   that key) shards within groups of that many ranks and replicates across them: N is the group size.
