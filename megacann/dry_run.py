@@ -160,7 +160,21 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
         f"layers {m.num_layers}, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv {m.kv_heads}), "
         f"ffn {m.ffn_size}, precision {m.precision}"
     )
+    if m.vocab_size:
+        lines += describe_memory(cfg, layout.data_parallel_size, spec.total_parameters(m))
     return "\n".join(lines)
+
+
+def describe_memory(cfg: MegacannConfig, dp: int, params: int) -> list[str]:
+    """Per-device bytes of the recipe's layout, stage by stage, as ``megacann-plan`` estimates them: weights,
+    gradients, optimizer state (by ZeRO stage), activations, and what offload keeps in host memory."""
+    from megacann.planning import layout_of
+    from megacann.planning.report import layout_lines
+
+    lines = ["-- memory per device (megacann-plan's estimate; GB = 1e9 bytes)"]
+    if cfg.lora:
+        lines.append("LoRA: every parameter is counted as trained (gradients and optimizer state): an upper bound")
+    return lines + layout_lines(cfg, dataclasses.replace(layout_of(cfg), dp=dp), params)[1:]
 
 
 def print_dry_run(cfg: MegacannConfig, recipe_path: Optional[str] = None, out: Optional[TextIO] = None) -> None:

@@ -101,6 +101,7 @@ READ_BY = {
     "optim.initial_loss_scale": "optimizer/optimizer.py",
     "optim.loss_scale_window": "optimizer/optimizer.py",
     "optim.min_loss_scale": "optimizer/optimizer.py",
+    "optim.offload_optimizer": "optimizer/__init__.py",
     "distributed.world_size": "config/validation.py",
     "distributed.parallel_mode": "config/validation.py",
     "distributed.tensor_parallel_size": "training/runtime.py",
@@ -141,6 +142,7 @@ READ_BY = {
     "training.hang_factor": "training/watchdog.py",
     "training.hang_min_seconds": "training/watchdog.py",
     "training.save_on_signal": "training/signals.py",
+    "training.activation_offload_layers": "config/offload_keys.py",  # offloaded_layer_ids, read by the trainer
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
     "precision.compile": "training/recipe.py",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+from megacann.config.offload_keys import check_offload_keys
 from megacann.config.schema import CHOICES, MODE_DEFAULTS, ConfigError, MegacannConfig
 from megacann.config.zero import check_zero_keys, check_zero_layout
 
@@ -294,6 +295,7 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
     if o.lr <= 0:
         raise ConfigError(f"{source}: optim.lr must be positive, got {o.lr}")
     check_training_section(cfg, source)
+    check_offload_keys(cfg, source)
     if o.clip_grad < 0:
         raise ConfigError(f"{source}: optim.clip_grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
     check_profiler_window(cfg.logging.profiler, o.max_steps, source)

@@ -43,9 +43,18 @@ def grad_tensors(optimizer: OptimizerBase) -> list[torch.Tensor]:
 
 
 def optimizer_memory(optimizer: OptimizerBase) -> dict[str, int]:
-    """{"params", "grads", "optimizer_states"}: bytes held for the trainable parameters on this rank."""
+    """{"params", "grads", "optimizer_states", "host"}: bytes held for the trainable parameters on this rank;
+    "host" is what ``optim.offload_optimizer`` keeps in host memory (fp32 masters, state, gradient staging),
+    left out of the other headings (on CPU the host is the same memory, so only this tells them apart)."""
+    offload = getattr(optimizer, "offload", None)
+    host = _storages(offload.host_tensors()) if offload is not None else {}
     params = _storages(optimizer.param_tensors())
     grads = {k: v for k, v in _storages(grad_tensors(optimizer)).items() if k not in params}
     state_tensors = [t for shard in optimizer.state_shards() for t in shard.tensors.values()]
-    states = {k: v for k, v in _storages(state_tensors).items() if k not in params and k not in grads}
-    return {"params": sum(params.values()), "grads": sum(grads.values()), "optimizer_states": sum(states.values())}
+    states = {k: v for k, v in _storages(state_tensors).items() if k not in params and k not in grads and k not in host}
+    return {
+        "params": sum(params.values()),
+        "grads": sum(grads.values()),
+        "optimizer_states": sum(states.values()),
+        "host": sum(host.values()),
+    }

@@ -229,6 +229,10 @@ class MixedPrecisionOptimizer(OptimizerBase):
         self.grad_buffers = grad_buffers or GradBuffers(
             self.model_params, self.bucket_size, overlap=cfg.distributed.overlap_grad_reduce
         )
+        self._build_update(cfg)
+
+    def _build_update(self, cfg: MegacannConfig) -> None:
+        """The fp32 masters and the inner optimizer with its state (on the device; offload overrides it)."""
         self.master_params = [self._master_of(p) for p in self.model_params]
         self.optimizer = build_inner_optimizer(self.master_params, cfg)
         init_optimizer_state(self.optimizer)
