@@ -37,7 +37,7 @@ REFERENCES = {
 }
 WORLD2 = {  # (overrides, reference)
     "pp2_zb1p_uneven": ([PP2, ZB, M4, "distributed.pipeline_layers=[1,3]"], "m4"),
-    "pp2_1f1b": ([PP2, "distributed.pipeline_schedule=1f1b", M4], "m4"),
+    "pp2_1f1b": ([PP2, "distributed.pipeline_schedule=1f1b", M4], None),
 }
 WORLD4 = {
     "pp4_zb1p": ([PP4, ZB, M4], "m4"),
@@ -58,7 +58,10 @@ WORLD4 = {
     "pp2_zb1p_lora_tp2": ([PP2, ZB, M4, *LORA, "distributed.tensor_parallel_size=2"], "lora_m4"),
     "pp4_interleaved": ([PP4, M4, "distributed.virtual_pipeline_size=2", "model.num_layers=8"], None),
 }
-RESUME_WORLD2 = {"pp2_zb1p": [PP2, ZB, M4]}
+TRACE_ONLY = {"pp2_1f1b": 1}  # runs whose trace alone is checked: one step (1F1B parity: test_pipeline_parity)
+RESUMED = ("pp2_zb1p_uneven",)  # saved after SAVE_AT steps, resumed by a new trainer, compared bit for bit
+SAVE_AT = 2
+# with dropout (every RNG stream must be restored), through test_checkpoint_resume's matrix
 RESUME_WORLD4 = {"pp4_zb1p": [PP4, ZB, M4], "pp2_zb1p_dp2_zero1": [PP2, ZB, M2, "distributed.zero_optimization=1"]}
 
 
@@ -89,9 +92,11 @@ def expected_trace(plan: list, stage: int) -> list:
 
 
 def _train(runs: dict, resume: dict, root: str) -> dict:
-    """Every rank trains each run, recording what its executor ran in the first step; then the resume cases."""
+    """Every rank trains each run, recording what its executor ran in the first step; the RESUMED runs
+    also save after SAVE_AT steps and a new trainer resumes there; then the ``resume`` matrix."""
     import warnings
 
+    import torch
     import torch.distributed as dist
     from test_checkpoint_resume import _resume_matrix
     from training_helpers import synthetic_data_factory, tiny_config
@@ -103,23 +108,34 @@ def _train(runs: dict, resume: dict, root: str) -> dict:
     from megacann.training.trainer import Trainer
 
     warnings.simplefilter("ignore")  # bubble advice of the small recipes
+
+    def trainer_for(name: str, overrides: list) -> Trainer:
+        ps.destroy_model_parallel()
+        out = f"experiment.output_dir={root}/{name}"
+        cfg = tiny_config(COMMON + overrides + [out], world_size=dist.get_world_size())
+        return Trainer(cfg, setup_runtime(cfg), data_factory=synthetic_data_factory(cfg))
+
+    def weights(trainer: Trainer) -> dict:
+        trainer.optimizer.finish_param_sync()
+        return full_state_dict(trainer.model_chunks)
+
     results = {}
     for name, overrides in runs.items():
-        ps.destroy_model_parallel()
-        cfg = tiny_config(COMMON + overrides, world_size=dist.get_world_size())
-        trainer = Trainer(cfg, setup_runtime(cfg), data_factory=synthetic_data_factory(cfg))
+        trainer = trainer_for(name, overrides)
         trace: list = []
         schedule = trainer.forward_backward
         trainer.forward_backward = functools.partial(schedule, trace=trace)
         losses, norms = [], []
-        for step in range(STEPS):
+        for step in range(TRACE_ONLY.get(name, STEPS)):
             metrics = trainer.train_step()
             losses.append(metrics["loss"])
             norms.append(metrics["grad_norm"])
-            if step == 0:
-                trainer.forward_backward = schedule
-        d = cfg.distributed
-        stage = ps.get_pipeline_model_parallel_rank()
+            trainer.forward_backward = schedule
+            if name in RESUMED and step + 1 == SAVE_AT:
+                trainer.save_checkpoint()
+                trainer.checkpointer.wait()
+        cfg = trainer.cfg
+        d, stage = cfg.distributed, ps.get_pipeline_model_parallel_rank()
         plan = build_plan(
             d.pipeline_parallel_size,
             stage,
@@ -127,10 +143,9 @@ def _train(runs: dict, resume: dict, root: str) -> dict:
             d.virtual_pipeline_size,
             schedule=d.pipeline_schedule,
         )
-        trainer.optimizer.finish_param_sync()
-        params = full_state_dict(trainer.model_chunks)
-        owner = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-        owner = owner and ps.get_context_parallel_rank() == 0
+        params = weights(trainer)
+        # data-parallel ranks hold equal weights, expert-parallel ones their own experts: all are merged
+        owner = ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         results[name] = {
             "losses": losses,
             "norms": norms,
@@ -139,6 +154,16 @@ def _train(runs: dict, resume: dict, root: str) -> dict:
             "weights_run": sum(isinstance(a, BackwardWeight) for a in trace),
             "params": params if owner else None,
         }
+        if name in RESUMED:
+            second = trainer_for(name, overrides)
+            path = second.resume()
+            tail = [second.train_step()["loss"] for _ in range(STEPS - SAVE_AT)]
+            again = weights(second)
+            results[name]["resumed"] = {
+                "path": path,
+                "losses": losses[:SAVE_AT] + tail,
+                "same_weights": again.keys() == params.keys() and all(torch.equal(again[k], params[k]) for k in params),
+            }
     ps.destroy_model_parallel()
     results["resume"] = _resume_matrix(resume, root) if resume else {}
     return results
@@ -152,9 +177,9 @@ def _merge(per_rank: list[dict], name: str) -> dict:
     return {"runs": runs, "losses": runs[0]["losses"], "norms": runs[0]["norms"], "params": params}
 
 
-def _reference(names) -> dict:
+def _reference(names, root: str) -> dict:
     runs = {name: REFERENCES[name] for name in names}
-    return run_on_ranks(_train, 1, args=(runs, {}, ""), timeout=300)[0]
+    return run_on_ranks(_train, 1, args=(runs, {}, root), timeout=300)[0]
 
 
 def _layouts(world: int, layouts: dict, resume: dict, root: str) -> tuple[dict, dict]:
@@ -174,6 +199,7 @@ def _check_parity(got: dict, ref: dict) -> None:
 
 
 def _check_trace(got: dict, split: bool) -> None:
+    """Every rank executed exactly its plan; W ran apart exactly when the schedule splits backwards."""
     for rank, run in enumerate(got["runs"]):
         assert run["trace"] == run["expected"], f"rank {rank} ran another order than its plan"
         assert len(run["trace"]) > 0
@@ -189,23 +215,27 @@ def _check_resume(resumed: dict, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _layouts(2, WORLD2, RESUME_WORLD2, str(tmp_path_factory.mktemp("zb2")))
+    return _layouts(2, WORLD2, {}, str(tmp_path_factory.mktemp("zb2")))[0]
 
 
 @pytest.fixture(scope="module")
-def reference2():
-    return {name: _merge([result], name) for result in [_reference(["m4"])] for name in ["m4"]}
+def reference2(tmp_path_factory):
+    return {"m4": _merge([_reference(["m4"], str(tmp_path_factory.mktemp("ref2")))], "m4")}
 
 
-@pytest.mark.parametrize("layout", sorted(WORLD2))
-def test_pp2_matches_one_process_and_follows_its_plan(world2, reference2, layout):
-    got = world2[0][layout]
-    _check_parity(got, reference2[WORLD2[layout][1]])
-    _check_trace(got, split="zb1p" in layout)
+def test_pp2_zb1p_uneven_matches_one_process_and_resumes_bit_for_bit(world2, reference2):
+    got = world2["pp2_zb1p_uneven"]
+    _check_parity(got, reference2["m4"])
+    _check_trace(got, split=True)
+    for rank, run in enumerate(got["runs"]):
+        resumed = run["resumed"]
+        assert resumed["path"].endswith(f"checkpoint_{SAVE_AT}"), rank
+        assert len(resumed["losses"]) == STEPS and resumed["losses"] == run["losses"], rank
+        assert resumed["same_weights"], rank
 
 
-def test_pp2_zb1p_resumes_bit_for_bit(world2):
-    _check_resume(world2[1], "pp2_zb1p")
+def test_pp2_1f1b_follows_its_plan(world2):
+    _check_trace(world2["pp2_1f1b"], split=False)
 
 
 @pytest.fixture(scope="module")
@@ -214,9 +244,9 @@ def world4(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference4():
+def reference4(tmp_path_factory):
     names = sorted({ref for _, ref in WORLD4.values() if ref})
-    result = _reference(names)
+    result = _reference(names, str(tmp_path_factory.mktemp("ref4")))
     return {name: _merge([result], name) for name in names}
 
 
