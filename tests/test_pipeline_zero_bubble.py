@@ -104,3 +104,14 @@ def test_split_actions_need_their_counterparts():
     with pytest.raises(PlanError, match="W of chunk 0, micro-batch 0 is not the oldest B"):
         simulate(early_w)
     assert all(isinstance(a, (Forward, BackwardInput, BackwardWeight, Exchange)) for a in plans[0])
+
+
+def test_bubble_advice_uses_the_simulated_zb1p_bubble():
+    from megacann.pipeline import check_pipeline_config
+
+    pp4 = ["distributed.pipeline_parallel_size=4", "distributed.pipeline_schedule=zb1p"]
+    (advice,) = check_pipeline_config(tiny_config([*pp4, "optim.grad_accum_steps=2"], world_size=4))
+    bubble = schedule_summary(4, 2, None, "zb1p")[0]
+    assert f"pipeline bubble {bubble:.0%} > 25%: zb1p with pipeline_parallel_size 4" in advice
+    assert check_pipeline_config(tiny_config([*pp4, "optim.grad_accum_steps=8"], world_size=4)) == []  # 20%
+    assert build_plan(4, 1, 3, forward_only=True, schedule="zb1p") == build_plan(4, 1, 3, forward_only=True)
