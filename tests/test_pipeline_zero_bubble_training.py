@@ -8,6 +8,7 @@ parallelism, recompute, MoE with expert parallelism and LoRA are ``extended``.""
 import functools
 
 import pytest
+import torch
 from dist_harness import run_on_ranks
 from test_training_parity import assert_close_trace, assert_params_close
 
@@ -16,6 +17,7 @@ COMMON = ["optim.clip_grad=0.5", "optim.lr=1e-3"]
 PP2, PP4 = "distributed.pipeline_parallel_size=2", "distributed.pipeline_parallel_size=4"
 ZB = "distributed.pipeline_schedule=zb1p"
 M2, M4 = "optim.grad_accum_steps=2", "optim.grad_accum_steps=4"
+TIED = "model.tie_word_embeddings=true"
 MOE = [
     "model.type=moe",
     "model.hidden_size=32",
@@ -34,6 +36,7 @@ REFERENCES = {
     "l6_m4": [M4, "model.num_layers=6"],
     "moe_m4": [M4, *MOE],
     "lora_m4": [M4, *LORA],
+    "tied_m4": [M4, TIED],
 }
 WORLD2 = {  # (overrides, reference)
     "pp2_zb1p_uneven": ([PP2, ZB, M4, "distributed.pipeline_layers=[1,3]"], "m4"),
@@ -56,6 +59,7 @@ WORLD4 = {
     ),
     "pp2_zb1p_moe_ep2": ([PP2, ZB, M2, *MOE, "distributed.expert_parallel_size=2"], "moe_m4"),
     "pp2_zb1p_lora_tp2": ([PP2, ZB, M4, *LORA, "distributed.tensor_parallel_size=2"], "lora_m4"),
+    "pp2_zb1p_dp2_tied": ([PP2, ZB, M2, TIED], "tied_m4"),
     "pp4_interleaved": ([PP4, M4, "distributed.virtual_pipeline_size=2", "model.num_layers=8"], None),
 }
 TRACE_ONLY = {"pp2_1f1b": 1}  # runs whose trace alone is checked: one step (1F1B parity: test_pipeline_parity)
@@ -153,6 +157,16 @@ def _train(runs: dict, resume: dict, root: str) -> dict:
             "expected": expected_trace(plan, stage),
             "weights_run": sum(isinstance(a, BackwardWeight) for a in trace),
             "params": params if owner else None,
+            "sizes": {
+                "pipeline_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+                "tensor_parallel_size": ps.get_tensor_model_parallel_world_size(),
+                "context_parallel_size": ps.get_context_parallel_world_size(),
+                "expert_parallel_size": ps.get_expert_model_parallel_world_size(),
+                "data_parallel_size": ps.get_data_parallel_world_size(),
+            },
+            "zero_stage": cfg.distributed.zero_stage,
+            "recompute": cfg.model.activation_checkpointing,
+            "lora": bool(getattr(cfg, "lora", False)),
         }
         if name in RESUMED:
             second = trainer_for(name, overrides)
@@ -195,7 +209,21 @@ def _check_parity(got: dict, ref: dict) -> None:
     ref_params = {}
     for run in ref["runs"]:
         ref_params.update(run["params"] or {})
-    assert_params_close(got["params"], ref_params, 1e-4)  # a few Adam steps amplify rounding differences
+    params = dict(got["params"])
+    if "lm_head.weight" in params and "lm_head.weight" not in ref_params:  # the last stage's tied copy
+        assert torch.equal(params.pop("lm_head.weight"), params["embed_tokens.weight"])
+    assert_params_close(params, ref_params, 1e-4)  # a few Adam steps amplify rounding differences
+
+
+def _check_layout_on(got: dict, overrides: list) -> None:
+    """The parallel sizes the run's overrides ask for were really in effect on every rank."""
+    asked = dict(o.split("=", 1) for o in overrides)
+    for run in got["runs"]:
+        for key, size in run["sizes"].items():
+            assert size == int(asked.get(f"distributed.{key}", run["sizes"][key])), (key, run["sizes"])
+        assert str(run["zero_stage"]) == asked.get("distributed.zero_optimization", str(run["zero_stage"]))
+        assert run["recompute"] == asked.get("model.activation_checkpointing", run["recompute"])
+        assert run["lora"] == ("lora" in asked)
 
 
 def _check_trace(got: dict, split: bool) -> None:
@@ -225,6 +253,7 @@ def reference2(tmp_path_factory):
 
 def test_pp2_zb1p_uneven_matches_one_process_and_resumes_bit_for_bit(world2, reference2):
     got = world2["pp2_zb1p_uneven"]
+    _check_layout_on(got, WORLD2["pp2_zb1p_uneven"][0])
     _check_parity(got, reference2["m4"])
     _check_trace(got, split=True)
     for rank, run in enumerate(got["runs"]):
@@ -254,6 +283,7 @@ def reference4(tmp_path_factory):
 @pytest.mark.parametrize("layout", sorted(WORLD4))
 def test_extended_layouts_match_one_process_and_follow_their_plans(world4, reference4, layout):
     got, ref = world4[0][layout], WORLD4[layout][1]
+    _check_layout_on(got, WORLD4[layout][0])
     if ref is not None:
         _check_parity(got, reference4[ref])
     _check_trace(got, split="zb1p" in layout)
