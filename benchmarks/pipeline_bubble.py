@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import socket
 import sys
 
@@ -111,7 +112,16 @@ def measure(pp: int, virtual, schedule: str, args: argparse.Namespace) -> dict[s
     procs = [ctx.Process(target=_stage, args=(r, pp, port, args, virtual, schedule, results)) for r in range(pp)]
     for p in procs:
         p.start()
-    totals = results.get(timeout=600)
+    while True:  # a stage that fails ends the case at once instead of leaving the others waiting
+        try:
+            totals = results.get(timeout=1.0)
+            break
+        except queue.Empty:
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"pp {pp} {schedule}: stage(s) {failed} failed (see above)") from None
     for p in procs:
         p.join(timeout=60)
     return totals

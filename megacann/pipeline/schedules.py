@@ -201,6 +201,7 @@ def run_plan(
         if gradient is not None:
             queues.grads[action.recv_backward].append(gradient)
 
+    compute = {Forward: forward, Backward: backward, BackwardInput: backward_b, BackwardWeight: backward_w}
     try:
         with Timeline.run_of(timeline):
             for action in plan:
@@ -209,8 +210,7 @@ def run_plan(
                     continue
                 if virtual:
                     ps.set_virtual_pipeline_model_parallel_rank(action.chunk)
-                run = {Forward: forward, Backward: backward, BackwardInput: backward_b, BackwardWeight: backward_w}
-                run[type(action)](action)
+                compute[type(action)](action)
                 if trace is not None:
                     trace.append(action)
     finally:
