@@ -11,6 +11,7 @@ from megacann.models import padded_vocab_size, prepare_model_config
 from megacann.models.mtp import mtp_depths
 from megacann.parallel_state import RankLayout, rank_layout
 from megacann.pipeline import chunk_placements, pipeline_bubble_fraction
+from megacann.pipeline.simulate import schedule_summary
 
 GROUP_TITLES = (
     ("tp", "tensor-parallel"),
@@ -53,11 +54,17 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
     """Which layers (and embedding, final norm, head) each pipeline stage and virtual chunk holds."""
     d, m = cfg.distributed, cfg.model
     pp, vpp, micro = d.pipeline_parallel_size, d.virtual_pipeline_size or 1, cfg.optim.grad_accum_steps
+    in_flight: list[int] = []
     if pp == 1:
         schedule = "no pipelining (gradient accumulation)"
     else:
         name = f"interleaved 1F1B, {vpp} chunks per stage" if vpp > 1 else "1F1B"
-        schedule = f"{name}, {micro} micro-batches, bubble {pipeline_bubble_fraction(pp, micro, vpp):.1%}"
+        if d.pipeline_schedule == "zb1p":
+            name = "zb1p (ZB-H1 zero bubble: backward split into input and weight gradients)"
+        bubble, in_flight = schedule_summary(pp, micro, vpp, d.pipeline_schedule)
+        if d.pipeline_schedule is None:
+            bubble = pipeline_bubble_fraction(pp, micro, vpp)  # the simulator's figure, by the formula
+        schedule = f"{name}, {micro} micro-batches, bubble {bubble:.1%}"
     lines = [f"-- pipeline: {pp} stage{'s' if pp > 1 else ''}, {schedule}"]
     tied = m.tie_word_embeddings
     for stage in range(pp):
@@ -81,7 +88,8 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
                     copy = ", its embedding a copy of stage 0's" if pp > 1 and not tied else ""
                     parts.append(f"{depths} multi-token prediction depth{'s' if depths > 1 else ''}{copy}")
             chunks.append((f"chunk {len(chunks)}: " if vpp > 1 else "") + ", ".join(parts))
-        lines.append(f"stage {stage} (ranks {_fmt_ranks(ranks)}): " + " | ".join(chunks))
+        peak = f"; at most {in_flight[stage]} micro-batch chunks in flight" if in_flight else ""
+        lines.append(f"stage {stage} (ranks {_fmt_ranks(ranks)}): " + " | ".join(chunks) + peak)
     return lines
 
 

@@ -159,6 +159,8 @@ class DistributedConfig:
     context_parallel_algo: str = "ring"  # ring | allgather | ulysses: how attention crosses the cp ranks
     expert_parallel_size: int = 1
     virtual_pipeline_size: Optional[int] = None
+    # 1f1b | interleaved | zb1p | zbv | dualpipev; None: 1F1B, interleaved when virtual_pipeline_size > 1
+    pipeline_schedule: Optional[str] = None
     sequence_parallel: bool = False
     pipeline_layers: Optional[list] = None  # layers per (virtual) stage; None: even split
     zero_optimization: Union[bool, int] = False  # false | true (=1) | 1 | 2 | 3 (weights sharded too)

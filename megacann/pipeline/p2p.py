@@ -87,12 +87,14 @@ def exchange(
     recv_prev: bool = False,
     recv_next: bool = False,
     timeline: Optional[Timeline] = None,
+    posted: Optional[list] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """One schedule step's transfers; returns (tensor from the previous stage, tensor from the next).
 
     ``send_next`` is an activation for the next stage, ``send_prev`` a gradient for the previous one;
     ``recv_prev`` asks for an activation from the previous stage, ``recv_next`` for a gradient from the
-    next one. Blocks until every transfer is done.
+    next one. Blocks until every transfer is done. ``posted``, a list, receives the name of each transfer
+    (``send_next``, ``recv_prev``, ``send_prev``, ``recv_next``) as it is posted.
     """
     prev_rank, next_rank = _neighbours()
     group = ps.get_pipeline_model_parallel_group()
@@ -114,6 +116,8 @@ def exchange(
         is_recv, tensor, peer = transfers[name]
         if tensor is None:
             continue
+        if posted is not None:
+            posted.append(name)
         if is_recv:
             receives.append(dist.irecv(tensor, peer, group=group))
         else:

@@ -6,6 +6,9 @@ A plan is a list of three kinds of action:
   activation received for that chunk (none on the model's first chunk);
 - ``Backward(chunk, micro_batch)``: back-propagate the oldest forward of that chunk; the gradient of its
   output is the oldest one received for that chunk (none on the model's last chunk, whose output is the loss);
+- ``BackwardInput(chunk, micro_batch)`` and ``BackwardWeight(chunk, micro_batch)``: the two halves of a
+  Backward that the zero-bubble schedules run apart: B computes only the gradient of the chunk's input
+  (what the previous stage waits for), W later the gradients of the chunk's weights, oldest B first;
 - ``Exchange``: one step's transfers (see :mod:`megacann.pipeline.p2p`): send the output of the latest
   Forward to the next stage, send the input gradient of the latest Backward to the previous stage,
   receive an activation for chunk ``recv_forward`` and/or a gradient for chunk ``recv_backward``.
@@ -37,6 +40,18 @@ class Backward:
 
 
 @dataclass(frozen=True)
+class BackwardInput:
+    chunk: int
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class BackwardWeight:
+    chunk: int
+    micro_batch: int
+
+
+@dataclass(frozen=True)
 class Exchange:
     send_forward: bool = False
     send_backward: bool = False
@@ -44,7 +59,8 @@ class Exchange:
     recv_backward: Optional[int] = None  # chunk that the gradient from the next stage is for
 
 
-Action = Union[Forward, Backward, Exchange]
+Action = Union[Forward, Backward, BackwardInput, BackwardWeight, Exchange]
+Compute = (Forward, Backward, BackwardInput, BackwardWeight)
 
 
 def _exchange(
@@ -201,12 +217,19 @@ def build_plan(
     num_microbatches: int,
     virtual_stages: Optional[int] = None,
     forward_only: bool = False,
+    schedule: Optional[str] = None,
 ) -> list[Action]:
-    """The plan the recipe's schedule runs on ``stage``: no pipelining, 1F1B, or interleaved 1F1B."""
+    """The plan the recipe's schedule runs on ``stage``: no pipelining, 1F1B, interleaved 1F1B, or a
+    zero-bubble schedule (``schedule``, see :mod:`megacann.pipeline.zero_bubble`). ``schedule`` None picks
+    1F1B or interleaved 1F1B from ``virtual_stages``, as before the key existed."""
     if num_microbatches < 1:
         raise ValueError(f"a schedule needs at least one micro-batch, got {num_microbatches}")
     if stages == 1:
         return no_pipelining_plan(num_microbatches, forward_only)
+    if schedule not in (None, "1f1b", "interleaved"):
+        from megacann.pipeline.zero_bubble import zero_bubble_plan  # builds on this module's actions
+
+        return zero_bubble_plan(schedule, stages, stage, num_microbatches, forward_only)
     if virtual_stages and virtual_stages > 1:
         return interleaved_plan(stages, stage, virtual_stages, num_microbatches, forward_only)
     return one_f_one_b_plan(stages, stage, num_microbatches, forward_only)

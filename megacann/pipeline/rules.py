@@ -1,4 +1,5 @@
-"""What a pipeline layout allows: stage sizes, the interleaved schedule's micro-batch rule, the bubble."""
+"""What a pipeline layout allows: stage sizes, the schedule named, the interleaved schedule's micro-batch rule,
+the bubble."""
 
 from __future__ import annotations
 
@@ -7,6 +8,38 @@ from typing import Optional
 from megacann.config import ConfigError, MegacannConfig
 
 BUBBLE_ADVICE = 0.25  # advise when a pipeline idles longer than this share of a step
+
+SCHEDULES = ("1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
+NOT_BUILT = {
+    "zbv": "the V-shaped zero-bubble schedule needs the V placement (stage s holding model segments s and "
+    "2p - 1 - s, the loss on stage 0) and transfers in both directions, which megacann does not build yet",
+    "dualpipev": "DualPipeV needs the V placement (stage s holding model segments s and 2p - 1 - s) and "
+    "transfers in both directions, which megacann does not build yet",
+}
+
+
+def schedule_error(schedule: Optional[str], pipeline_size: int, virtual_size: Optional[int]) -> Optional[str]:
+    """Why ``distributed.pipeline_schedule`` cannot run with this layout, or None when it can."""
+    if schedule is None:
+        return None
+    if schedule not in SCHEDULES:
+        return f"distributed.pipeline_schedule must be one of {', '.join(SCHEDULES)} (or unset), got {schedule!r}"
+    if schedule in NOT_BUILT:
+        return f"distributed.pipeline_schedule {schedule!r} is not available: {NOT_BUILT[schedule]}; use zb1p"
+    vpp = virtual_size or 1
+    if pipeline_size < 2:
+        return f"distributed.pipeline_schedule {schedule!r} needs pipeline_parallel_size > 1, got {pipeline_size}"
+    if schedule == "interleaved" and vpp < 2:
+        return (
+            f"distributed.pipeline_schedule 'interleaved' needs distributed.virtual_pipeline_size >= 2, "
+            f"got {virtual_size}"
+        )
+    if schedule in ("1f1b", "zb1p") and vpp > 1:
+        return (
+            f"distributed.pipeline_schedule {schedule!r} runs one model chunk per stage, but "
+            f"distributed.virtual_pipeline_size is {vpp}: unset it, or use 'interleaved'"
+        )
+    return None
 
 
 def pipeline_bubble_fraction(pipeline_size: int, num_microbatches: int, virtual_size: Optional[int] = None) -> float:
@@ -68,6 +101,10 @@ def _check_stage_sizes(cfg: MegacannConfig, source: str) -> None:
 def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list[str]:
     """Raise ConfigError for a layout the schedules cannot run; return advice (a large bubble) as text."""
     _check_stage_sizes(cfg, source)
+    d = cfg.distributed
+    error = schedule_error(d.pipeline_schedule, d.pipeline_parallel_size, d.virtual_pipeline_size)
+    if error:
+        raise ConfigError(f"{source}: {error}")
     pp, vpp, m = (
         cfg.distributed.pipeline_parallel_size,
         cfg.distributed.virtual_pipeline_size or 1,
@@ -79,6 +116,17 @@ def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list
         error = interleaved_schedule_error(pp, vpp, m)
         if error:
             raise ConfigError(f"{source}: {error}")
+    if d.pipeline_schedule == "zb1p":
+        from megacann.pipeline.simulate import schedule_summary  # the simulator builds on these rules
+
+        bubble = schedule_summary(pp, m, vpp, "zb1p")[0]
+        if bubble <= BUBBLE_ADVICE:
+            return []
+        return [
+            f"{source}: pipeline bubble {bubble:.0%} > {BUBBLE_ADVICE:.0%}: zb1p with pipeline_parallel_size {pp} "
+            f"and optim.grad_accum_steps {m} micro-batches idles each stage that share of a step (simulated, "
+            "forward, input gradient and weight gradient taking equal time); use more grad_accum_steps"
+        ]
     bubble = pipeline_bubble_fraction(pp, m, vpp)
     if bubble <= BUBBLE_ADVICE:
         return []

@@ -14,7 +14,10 @@ step's gradients are finalised.
 
 All schedules run a plan (:mod:`megacann.pipeline.plan`) with one executor, :func:`run_plan`: no
 pipelining is a plan without transfers, 1F1B and interleaved 1F1B add the transfers of
-:mod:`megacann.pipeline.p2p`. ``forward_only=True`` runs forwards alone (evaluation).
+:mod:`megacann.pipeline.p2p`, the zero-bubble schedules (:mod:`megacann.pipeline.zero_bubble`) split
+backwards into B and W (:mod:`megacann.pipeline.split_backward`). ``forward_only=True`` runs forwards
+alone (evaluation). ``trace=[]`` records what the executor really ran, in order: each compute action and
+each point-to-point transfer by the name p2p posted it under (tests compare it with the plan).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from megacann.layers.context_parallel import context_parallel_batch
 from megacann.models.spec import decoder_forward_step
 from megacann.models.step_loss import LossTotals, aux_loss_weight, backward_objective
 from megacann.pipeline import p2p
-from megacann.pipeline.plan import Action, Backward, Exchange, Forward, build_plan
+from megacann.pipeline.plan import Action, Backward, BackwardInput, BackwardWeight, Exchange, Forward, build_plan
+from megacann.pipeline.split_backward import backward_input, backward_weight, trainable_parameters
 from megacann.pipeline.timeline import Timeline
 
 ForwardBackward = Callable[..., LossTotals]
@@ -48,6 +52,7 @@ class _Queues:
         self.inputs: list[deque] = [deque() for _ in range(num_chunks)]
         self.grads: list[deque] = [deque() for _ in range(num_chunks)]
         self.saved: list[deque] = [deque() for _ in range(num_chunks)]
+        self.weights: list[deque] = [deque() for _ in range(num_chunks)]  # B run, W not yet
         self.to_next: Optional[torch.Tensor] = None
         self.to_prev: Optional[torch.Tensor] = None
 
@@ -57,7 +62,7 @@ class _Queues:
         return queue.popleft()
 
     def leftovers(self) -> int:
-        return sum(len(q) for q in self.inputs + self.grads + self.saved)
+        return sum(len(q) for q in self.inputs + self.grads + self.saved + self.weights)
 
 
 def run_plan(
@@ -72,6 +77,7 @@ def run_plan(
     tensor_shape: Optional[tuple[int, ...]] = None,
     timeline: Optional[Timeline] = None,
     grad_sync_context: Optional[GradSyncContext] = None,
+    trace: Optional[list] = None,
 ) -> LossTotals:
     """Execute one stage's plan; returns this rank's loss totals.
 
@@ -82,8 +88,11 @@ def run_plan(
     ``tensor_shape`` is the shape of the activations passed between stages (needed when the plan has
     transfers); they travel in the dtype of the model's parameters.
 
-    ``grad_sync_context()`` wraps each model chunk's last backward of the step: its gradients become final
-    there, so the optimizer's buffers may start reducing them (``optimizer.last_micro_batch_backward``).
+    ``grad_sync_context()`` wraps each model chunk's last backward (or W) of the step: its gradients become
+    final there, so the optimizer's buffers may start reducing them (``optimizer.last_micro_batch_backward``).
+
+    ``trace``, a list, receives every action as it runs: the compute actions themselves and, for an
+    Exchange, the names of its transfers (``send_next``, ``recv_prev``, ...) in the order they were posted.
     """
     stages, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     num_chunks = len(model_chunks)
@@ -97,8 +106,9 @@ def run_plan(
     micro_batches = [context_parallel_batch(batch) for batch in micro_batches]  # this cp rank's tokens
     queues = _Queues(num_chunks)
     virtual = num_chunks > 1
+    chunk_params = [trainable_parameters(chunk) for chunk in model_chunks]
     saved_virtual_rank = ps.get_virtual_pipeline_model_parallel_rank()
-    last_backward = {action.chunk: action for action in plan if isinstance(action, Backward)}
+    last_backward = {a.chunk: a for a in plan if isinstance(a, (Backward, BackwardWeight))}  # grads final there
 
     def model_first(chunk: int) -> bool:
         return stage == 0 and chunk == 0
@@ -130,8 +140,8 @@ def run_plan(
         if not forward_only:
             queues.saved[c].append((x, None if model_last(c) else out.hidden_states, objective))
 
-    def backward(action: Backward) -> None:
-        c = action.chunk
+    def backward_start(c: int) -> tuple:
+        """(chunk input, outputs, their gradients) of the oldest forward of chunk ``c`` awaiting its backward."""
         x, hidden, objective = queues.take(queues.saved[c], "saved forward", c)
         outputs, grads = [], []
         if hidden is not None:
@@ -140,10 +150,29 @@ def run_plan(
         if objective is not None:
             outputs.append(objective)
             grads.append(None)
-        sync = grad_sync_context() if grad_sync_context is not None and action == last_backward[c] else nullcontext()
-        with Timeline.span_of(timeline, "backward"), sync:
+        return x, outputs, grads
+
+    def sync_of(action: Action) -> AbstractContextManager:
+        last = grad_sync_context is not None and action == last_backward[action.chunk]
+        return grad_sync_context() if last else nullcontext()
+
+    def backward(action: Backward) -> None:
+        x, outputs, grads = backward_start(action.chunk)
+        with Timeline.span_of(timeline, "backward"), sync_of(action):
             torch.autograd.backward(outputs, grad_tensors=grads)
         queues.to_prev = x.grad if x is not None else None
+
+    def backward_b(action: BackwardInput) -> None:
+        x, outputs, grads = backward_start(action.chunk)
+        with Timeline.span_of(timeline, "backward"):
+            queues.to_prev = backward_input(outputs, grads, [x])[0] if x is not None else None
+        queues.weights[action.chunk].append((outputs, grads))
+
+    def backward_w(action: BackwardWeight) -> None:
+        c = action.chunk
+        outputs, grads = queues.take(queues.weights[c], "input gradient (B) run before this W", c)
+        with Timeline.span_of(timeline, "weight"), sync_of(action):
+            backward_weight(outputs, grads, chunk_params[c])
 
     def transfer(action: Exchange) -> None:
         if tensor_shape is None:
@@ -161,6 +190,7 @@ def run_plan(
             recv_prev=action.recv_forward is not None,
             recv_next=action.recv_backward is not None,
             timeline=timeline,
+            posted=trace,
         )
         if action.send_forward:
             queues.to_next = None
@@ -171,6 +201,7 @@ def run_plan(
         if gradient is not None:
             queues.grads[action.recv_backward].append(gradient)
 
+    compute = {Forward: forward, Backward: backward, BackwardInput: backward_b, BackwardWeight: backward_w}
     try:
         with Timeline.run_of(timeline):
             for action in plan:
@@ -179,10 +210,9 @@ def run_plan(
                     continue
                 if virtual:
                     ps.set_virtual_pipeline_model_parallel_rank(action.chunk)
-                if isinstance(action, Forward):
-                    forward(action)
-                else:
-                    backward(action)
+                compute[type(action)](action)
+                if trace is not None:
+                    trace.append(action)
     finally:
         if virtual and saved_virtual_rank is not None:
             ps.set_virtual_pipeline_model_parallel_rank(saved_virtual_rank)
@@ -201,6 +231,7 @@ def forward_backward_no_pipelining(
     forward_step: ForwardStep = decoder_forward_step,
     timeline: Optional[Timeline] = None,
     grad_sync_context: Optional[GradSyncContext] = None,
+    trace: Optional[list] = None,
 ) -> LossTotals:
     """Plain gradient accumulation over micro-batches on one stage."""
     if len(model_chunks) != 1:
@@ -216,6 +247,7 @@ def forward_backward_no_pipelining(
         forward_step=forward_step,
         timeline=timeline,
         grad_sync_context=grad_sync_context,
+        trace=trace,
     )
 
 
@@ -230,9 +262,12 @@ def forward_backward_pipelining(
     tensor_shape: tuple[int, ...],
     timeline: Optional[Timeline] = None,
     grad_sync_context: Optional[GradSyncContext] = None,
+    schedule: Optional[str] = None,
+    trace: Optional[list] = None,
 ) -> LossTotals:
     """1F1B over this rank's pipeline, interleaved when the rank holds several model chunks (one per
-    virtual stage; then the number of micro-batches must be a multiple of the pipeline size)."""
+    virtual stage; then the number of micro-batches must be a multiple of the pipeline size), or the
+    ``schedule`` named (``distributed.pipeline_schedule``)."""
     stages = ps.get_pipeline_model_parallel_world_size()
     virtual = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     if len(model_chunks) != virtual:
@@ -240,7 +275,9 @@ def forward_backward_pipelining(
             f"this rank holds {len(model_chunks)} model chunks, virtual_pipeline_size is {virtual}: "
             "build them with megacann.pipeline.build_model_chunks"
         )
-    plan = build_plan(stages, ps.get_pipeline_model_parallel_rank(), len(micro_batches), virtual, forward_only)
+    plan = build_plan(
+        stages, ps.get_pipeline_model_parallel_rank(), len(micro_batches), virtual, forward_only, schedule
+    )
     return run_plan(
         plan,
         model_chunks,
@@ -252,12 +289,13 @@ def forward_backward_pipelining(
         tensor_shape=tensor_shape,
         timeline=timeline,
         grad_sync_context=grad_sync_context,
+        trace=trace,
     )
 
 
 def get_forward_backward_func(cfg: MegacannConfig, forward_step: ForwardStep = decoder_forward_step) -> ForwardBackward:
-    """The schedule the recipe asks for (no pipelining, 1F1B, or interleaved 1F1B with
-    virtual_pipeline_size), running chunks through ``forward_step`` (the model family's)."""
+    """The schedule the recipe asks for (no pipelining, 1F1B, interleaved 1F1B with virtual_pipeline_size,
+    or ``distributed.pipeline_schedule``), running chunks through ``forward_step`` (the model family's)."""
     d = cfg.distributed
     if d.pipeline_parallel_size == 1:
         return functools.partial(forward_backward_no_pipelining, forward_step=forward_step)
@@ -269,4 +307,6 @@ def get_forward_backward_func(cfg: MegacannConfig, forward_step: ForwardStep = d
         d.tensor_parallel_size,
         d.context_parallel_size,
     )
-    return functools.partial(forward_backward_pipelining, tensor_shape=shape, forward_step=forward_step)
+    return functools.partial(
+        forward_backward_pipelining, tensor_shape=shape, forward_step=forward_step, schedule=d.pipeline_schedule
+    )

@@ -4,7 +4,9 @@ The model of communication is the strictest of the backends: the transfers betwe
 ordered stream per pair (as NCCL and HCCL run them), so the k-th transfer one end posts to the other must be
 the counterpart of the k-th the other end posts (a send against a receive of the same kind). A transfer
 completes when both ends have posted it; an Exchange completes when all of its transfers have. Forward and
-backward take fixed times and transfers none, which gives the schedule's ideal timeline and bubble.
+backward take fixed times and transfers none, which gives the schedule's ideal timeline and bubble; a
+backward split into B and W (zero-bubble schedules) takes half of the backward's time in each unless told.
+It also counts each stage's peak number of micro-batches in flight (forward run, backward or W not yet).
 
 :func:`simulate` raises :class:`PlanError` when the plans would deadlock, mismatch a transfer, feed a
 chunk the wrong micro-batch or leave work undone; tests run it over many pipeline shapes in milliseconds.
@@ -18,7 +20,7 @@ from typing import Optional
 
 from megacann.errors import MegacannError
 from megacann.pipeline.p2p import EVEN_ORDER, ODD_ORDER
-from megacann.pipeline.plan import Action, Exchange, Forward, build_plan
+from megacann.pipeline.plan import Action, Backward, BackwardWeight, Exchange, Forward, build_plan
 
 
 class PlanError(MegacannError, RuntimeError):
@@ -30,6 +32,7 @@ class SimulationResult:
     makespan: float  # time until the last stage finishes
     busy: list[float]  # forward + backward time per stage
     finish: list[float]  # time each stage finishes
+    peak_in_flight: list[int]  # per stage: most micro-batch chunks whose forward ran and backward (or W) not yet
 
     def idle_fraction(self, stage: int) -> float:
         return 1.0 - self.busy[stage] / self.makespan
@@ -59,8 +62,13 @@ def simulate(
     forward_time: float = 1.0,
     backward_time: float = 2.0,
     forward_only: bool = False,
+    input_time: Optional[float] = None,
+    weight_time: Optional[float] = None,
 ) -> SimulationResult:
-    """Run ``plans`` (one per stage); raise PlanError on any inconsistency."""
+    """Run ``plans`` (one per stage); raise PlanError on any inconsistency. A BackwardInput takes
+    ``input_time`` and a BackwardWeight ``weight_time`` (default: half of ``backward_time`` each)."""
+    input_time = backward_time / 2 if input_time is None else input_time
+    weight_time = backward_time / 2 if weight_time is None else weight_time
     p, v = len(plans), virtual_stages
     pc = [0] * p
     clock = [0.0] * p
@@ -74,6 +82,9 @@ def simulate(
     last_grad: list[Optional[tuple[int, int, int]]] = [None] * p
     done_f = [set() for _ in range(p)]
     done_b = [set() for _ in range(p)]
+    done_w = [set() for _ in range(p)]
+    weights = [[deque() for _ in range(v)] for _ in range(p)]  # B run, W not yet
+    in_flight, peak = [0] * p, [0] * p
 
     def fail(stage: int, message: str) -> PlanError:
         return PlanError(f"stage {stage} of {p} (virtual {v}), action {pc[stage]}: {message}")
@@ -108,9 +119,19 @@ def simulate(
             done_f[stage].add((c, i))
             if not forward_only:
                 saved[stage][c].append(i)
+                in_flight[stage] += 1
+                peak[stage] = max(peak[stage], in_flight[stage])
             last_out[stage] = None if model_last else (stage, c, i)
             clock[stage] += forward_time
             busy[stage] += forward_time
+        elif isinstance(action, BackwardWeight):
+            if not weights[stage][c] or weights[stage][c][0] != i:
+                raise fail(stage, f"W of chunk {c}, micro-batch {i} is not the oldest B of the chunk waiting for its W")
+            weights[stage][c].popleft()
+            done_w[stage].add((c, i))
+            in_flight[stage] -= 1
+            clock[stage] += weight_time
+            busy[stage] += weight_time
         else:
             if not saved[stage][c] or saved[stage][c][0] != i:
                 raise fail(stage, f"backward of chunk {c}, micro-batch {i} is not the oldest forward of the chunk")
@@ -124,8 +145,14 @@ def simulate(
                     raise fail(stage, f"backward of chunk {c}, micro-batch {i} got the gradient of {got}, needs {want}")
             done_b[stage].add((c, i))
             last_grad[stage] = None if model_first else (stage, c, i)
-            clock[stage] += backward_time
-            busy[stage] += backward_time
+            if isinstance(action, Backward):
+                in_flight[stage] -= 1
+                took = backward_time
+            else:
+                weights[stage][c].append(i)
+                took = input_time
+            clock[stage] += took
+            busy[stage] += took
 
     def start_exchange(stage: int, ex: Exchange) -> None:
         prev, nxt = (stage - 1) % p, (stage + 1) % p
@@ -185,7 +212,7 @@ def simulate(
         where = ", ".join(f"stage {s} at action {pc[s]} {plans[s][pc[s]]}" for s in stuck)
         raise PlanError(f"deadlock with {p} stages, virtual {v}: {where}")
     for stage in range(p):
-        leftovers = [q for q in inputs[stage] + grads[stage] + saved[stage] if q]
+        leftovers = [q for q in inputs[stage] + grads[stage] + saved[stage] + weights[stage] if q]
         if leftovers:
             raise fail(stage, f"tensors received or saved but never used: {leftovers}")
         expected = len(done_f[0]) if stage else None
@@ -193,7 +220,7 @@ def simulate(
             raise fail(stage, f"ran {len(done_f[stage])} forwards, stage 0 ran {expected}")
         if not forward_only and done_b[stage] != done_f[stage]:
             raise fail(stage, f"backwards {sorted(done_b[stage])} differ from forwards {sorted(done_f[stage])}")
-    return SimulationResult(max(clock), busy, list(clock))
+    return SimulationResult(max(clock), busy, list(clock), peak)
 
 
 def _name(op: _Op) -> str:
@@ -207,7 +234,21 @@ def simulate_schedule(
     forward_only: bool = False,
     forward_time: float = 1.0,
     backward_time: float = 2.0,
+    schedule: Optional[str] = None,
+    input_time: Optional[float] = None,
+    weight_time: Optional[float] = None,
 ) -> SimulationResult:
-    """Build every stage's plan for this pipeline shape and :func:`simulate` them."""
-    plans = [build_plan(stages, s, num_microbatches, virtual_stages, forward_only) for s in range(stages)]
-    return simulate(plans, virtual_stages or 1, forward_time, backward_time, forward_only)
+    """Build every stage's plan for this pipeline shape (``schedule`` as ``distributed.pipeline_schedule``)
+    and :func:`simulate` them."""
+    plans = [build_plan(stages, s, num_microbatches, virtual_stages, forward_only, schedule) for s in range(stages)]
+    return simulate(plans, virtual_stages or 1, forward_time, backward_time, forward_only, input_time, weight_time)
+
+
+def schedule_summary(
+    stages: int, num_microbatches: int, virtual_stages: Optional[int] = None, schedule: Optional[str] = None
+) -> tuple[float, list[int]]:
+    """(bubble, peak micro-batches in flight per stage) of a schedule, simulated with a forward taking one
+    unit and a backward two (one each for B and W when split): the bubble is the largest idle share of any
+    stage, what the dry run prints."""
+    result = simulate_schedule(stages, num_microbatches, virtual_stages, schedule=schedule)
+    return max(result.idle_fraction(s) for s in range(stages)), result.peak_in_flight

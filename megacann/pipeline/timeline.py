@@ -1,10 +1,12 @@
-"""Per-stage timing of a schedule: forward, backward and the waits for receives and sends.
+"""Per-stage timing of a schedule: forward, backward (or its input-gradient half, B), the weight-gradient
+half W of a split backward, and the waits for receives and sends.
 
 A :class:`Timeline` is passed to a schedule (``timeline=``; the trainer does so when ``logging.timers`` is
 true). The schedule marks its whole run with :meth:`Timeline.run` and every piece of work with
 :meth:`Timeline.span`; what is neither forward nor backward is the stage's idle time, the pipeline bubble
-plus communication. Spans are wall-clock; on an accelerator pass ``synchronize`` so queued kernels are
-counted where they run (this serialises the device, so leave timers off for speed runs).
+plus communication (``weight`` counts the W half of a backward the zero-bubble schedules split, as
+work). Spans are wall-clock; on an accelerator pass ``synchronize`` so queued kernels are counted where
+they run (this serialises the device, so leave timers off for speed runs).
 
 Work that follows one piece after another (the phases of a training step) is timed with laps instead of
 spans: :meth:`Timeline.mark` starts the clock and each :meth:`Timeline.lap` books the time since the last
@@ -20,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Callable, Optional
 
-KINDS = ("forward", "backward", "recv_wait", "send_wait")
+KINDS = ("forward", "backward", "weight", "recv_wait", "send_wait")  # weight: the W of a split backward
 
 
 class Timeline:
@@ -97,11 +99,11 @@ class Timeline:
 
     @property
     def busy(self) -> float:
-        return self.totals.get("forward", 0.0) + self.totals.get("backward", 0.0)
+        return sum(self.totals.get(kind, 0.0) for kind in ("forward", "backward", "weight"))
 
     @property
     def idle_fraction(self) -> float:
-        """Share of the run's wall time spent neither in forward nor in backward."""
+        """Share of the run's wall time spent neither in forward nor in backward (B or W)."""
         return max(0.0, 1.0 - self.busy / self.wall) if self.wall > 0 else 0.0
 
     def summary(self) -> dict[str, float]:
