@@ -1,0 +1,193 @@
+"""The deepseek_v3 family on one process (CPU, fp32): transformers' DeepseekV3ForCausalLM logits both ways
+(from_pretrained_hf, save_pretrained_hf, megacann-convert from-hf / to-hf) with low-rank or plain queries,
+rotate-half or interleaved RoPE and YaRN scaling; the group-limited router against transformers' router;
+PEFT adapters on the latent-attention projections; what the family refuses; and the parameter counts of
+the real-size recipes against transformers' models of the published configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from deepseek_helpers import SHAPE, VARIANTS, hf_logits, tiny_hf_deepseek
+from training_helpers import tiny_config
+
+from megacann.config import ConfigError, load_config
+from megacann.config.families import shape_keys
+from megacann.models import from_pretrained_hf, prepare_model_config
+
+transformers = pytest.importorskip("transformers")
+RECIPES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+IDS = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_hf_logits_parity_both_ways_and_through_convert(tmp_path, variant):
+    from megacann.convert import main as convert
+
+    hf_dir = tiny_hf_deepseek(str(tmp_path / "hf"), variant)
+    expected = hf_logits(hf_dir, IDS)
+    ours = from_pretrained_hf(hf_dir).eval()
+    assert ours.config.type == "deepseek_v3" and ours.config.moe_layer_freq == [0, 1, 1, 1]
+    attn = ours.layers["0"].self_attn
+    assert (attn.q_proj is None) == (variant == "yarn") and attn.kv_b_proj.weight.shape == (4 * (16 + 12), 24)
+    bias = ours.layers["1"].mlp.router.expert_bias
+    assert not bias.requires_grad and bias.abs().max() > 0  # the checkpoint's routing bias came in
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=IDS), expected, atol=1e-4, rtol=0)
+
+    ours.save_pretrained_hf(str(tmp_path / "back"))
+    assert convert(["from-hf", hf_dir, str(tmp_path / "whole")]) == 0
+    assert convert(["to-hf", str(tmp_path / "whole"), str(tmp_path / "converted")]) == 0
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir).state_dict()
+    for out in ("back", "converted"):
+        torch.testing.assert_close(hf_logits(str(tmp_path / out), IDS), expected, atol=1e-4, rtol=0)
+        again = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / out)).state_dict()
+        assert again.keys() == reference.keys()
+        for name, tensor in reference.items():
+            assert torch.equal(again[name], tensor), (out, name)
+
+
+def test_group_limited_router_chooses_and_weighs_as_transformers():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from megacann.layers.moe.router import TopKRouter
+
+    config = transformers.DeepseekV3Config(**{**SHAPE, "n_routed_experts": 16, "num_experts_per_tok": 3})
+    theirs = DeepseekV3TopkRouter(config)
+    ours = TopKRouter(64, 16, 3, "sigmoid", routed_scaling_factor=2.5, num_groups=4, top_k_groups=2, expert_bias=True)
+    with torch.no_grad():
+        theirs.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+        theirs.e_score_correction_bias.uniform_(-0.2, 0.2, generator=torch.Generator().manual_seed(3))
+        ours.weight.copy_(theirs.weight)
+        ours.expert_bias.copy_(theirs.e_score_correction_bias)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
+    _, weights, ids = theirs(x)
+    routing = ours(x)
+    order, their_order = routing.expert_ids.argsort(-1), ids.argsort(-1)
+    assert torch.equal(routing.expert_ids.gather(1, order), ids.gather(1, their_order))
+    torch.testing.assert_close(routing.probs.gather(1, order), weights.gather(1, their_order), atol=1e-6, rtol=0)
+    # the groups really limit the choice: every token's experts lie in at most 2 of the 4 groups
+    assert max(len(set((row // 4).tolist())) for row in routing.expert_ids) == 2
+
+
+def test_peft_adapters_on_latent_attention_projections_give_megacann_logits(tmp_path):
+    peft = pytest.importorskip("peft")
+    from megacann.interop.peft import save_peft_adapter
+    from megacann.layers.lora import LoRAConfig, attach_lora, lora_parameters
+
+    hf_dir = tiny_hf_deepseek(str(tmp_path / "hf"), "yarn")
+    model = from_pretrained_hf(hf_dir).eval()
+    targets = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=targets)
+    attach_lora(model, lora)
+    with torch.no_grad():
+        for _, p in lora_parameters(model):  # lora_B starts at zero: give both factors weight
+            p.normal_(0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+        ours = model(input_ids=IDS)
+    save_peft_adapter([model], str(tmp_path / "adapter"), lora, base_model_name_or_path=hf_dir)
+    base = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert (ours - base(IDS).logits).abs().max() > 0.05  # the adapters act
+        theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()(IDS).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+
+
+# -- what the family refuses ---------------------------------------------------------------------------
+
+DS = ["model.type=deepseek_v3", "model.num_experts=8", "model.moe_ffn_hidden_size=32", "model.kv_lora_rank=16"]
+DS += ["model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (DS + ["model.num_nextn_predict_layers=1"], r"num_nextn_predict_layers 1 is refused: multi-token"),
+        (DS + ["model.moe_router=softmax"], r"moe_router"),
+        (DS + ["model.n_group=3"], r"n_group 3 must divide num_experts 8"),
+        (DS + ["model.n_group=4", "model.topk_group=1", "model.moe_top_k=3"], r"moe_top_k 3 exceeds the experts"),
+        (DS + ["model.moe_layer_freq=1", "model.first_k_dense_replace=1"], r"disagrees with first_k_dense_replace"),
+        (DS + ["model.qk_rope_head_dim=7"], r"qk_rope_head_dim must be a positive even number"),
+        (DS + ["model.add_bias_linear=true"], r"add_bias_linear .* true is refused"),
+    ],
+)
+def test_refusals_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(overrides)
+
+
+def test_mtp_layers_of_a_checkpoint_are_left_out_with_a_note(tmp_path, capsys):
+    from megacann.models import get_model_spec
+
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "model_type": "deepseek_v3", "num_nextn_predict_layers": 1}))
+    cfg = get_model_spec("deepseek_v3").hf.config_from_hf(str(tmp_path / "config.json"))
+    assert cfg.num_nextn_predict_layers == 0 and cfg.q_lora_rank == 1536  # transformers' default where silent
+    assert "multi-token prediction layers" in capsys.readouterr().err
+
+
+# -- sizes ---------------------------------------------------------------------------------------------
+
+# The published config.json of each real size (the keys that decide shapes), as on the Hugging Face Hub.
+PUBLISHED = {
+    "deepseek/deepseek_v3_16b.yaml": {  # moonshotai/Moonlight-16B-A3B
+        "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+        "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1, "norm_topk_prob": True, "rms_norm_eps": 1e-5, "vocab_size": 163840,
+        "max_position_embeddings": 8192, "rope_theta": 50000.0, "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0,
+    },
+    "deepseek/deepseek_v3_671b.yaml": {  # deepseek-ai/DeepSeek-V3
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "vocab_size": 129280,
+        "max_position_embeddings": 163840, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+        "num_nextn_predict_layers": 1,
+    },
+}  # fmt: skip
+# what the dry run prints (the counts of transformers' models below; MTP layers not counted): total, active
+EXPECTED = {
+    "deepseek/deepseek_v3_16b.yaml": (15_960_111_936, 2_237_820_224),
+    "deepseek/deepseek_v3_671b.yaml": (671_026_419_200, 37_554_757_632),
+}
+
+
+def _hf_counts(config: dict) -> tuple[int, int]:
+    """Parameters of transformers' model of ``config`` (on the meta device), and those one token meets:
+    all but the routed experts it is not sent to (n_routed_experts - num_experts_per_tok per MoE layer)."""
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config))
+    total = sum(p.numel() for p in model.parameters())
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    per_expert = sum(p.numel() for p in experts[0].parameters()) // config["n_routed_experts"]
+    idle = config["n_routed_experts"] - config["num_experts_per_tok"]
+    return total, total - len(experts) * idle * per_expert
+
+
+@pytest.mark.parametrize("recipe", sorted(PUBLISHED))
+def test_real_size_recipes_count_what_transformers_counts(tmp_path, recipe):
+    from megacann.dry_run import describe
+
+    published = PUBLISHED[recipe]
+    total, active = _hf_counts(published)
+    assert (total, active) == EXPECTED[recipe]
+    cfg = load_config(str(RECIPES / recipe))
+    spec = prepare_model_config(cfg)
+    assert (spec.total_parameters(cfg.model), spec.parameters_per_token(cfg.model)) == (total, active)
+    text = describe(cfg, recipe)
+    assert f"deepseek_v3: {total:,} parameters" in text and f"active per token: {active:,} parameters" in text
+    # and the recipe's shapes are those the published config.json gives
+    (tmp_path / "config.json").write_text(json.dumps({**published, "model_type": "deepseek_v3"}))
+    from_hf = spec.hf.config_from_hf(str(tmp_path / "config.json"))
+    prepare_model_config(dataclasses.replace(cfg, model=from_hf), spec)
+    keys = [k for k in shape_keys(cfg.model) if k != "make_vocab_size_divisible_by"]
+    assert {k: getattr(from_hf, k) for k in keys} == {k: getattr(cfg.model, k) for k in keys}
+    assert from_hf.rope_scaling == cfg.model.rope_scaling and from_hf.norm_eps == cfg.model.norm_eps

@@ -1,0 +1,85 @@
+"""The deepseek_v3 family started from a Hugging Face checkpoint (``model.init_from``, written by
+transformers: low-rank q, YaRN, interleaved RoPE, value heads narrower than q/k heads, group-limited
+routing) trains alike under tensor + sequence parallelism, pipeline stages, expert parallelism and
+context parallelism (ring, all-gather and Ulysses, the padded heads carried by each) as on one process
+(gloo, CPU, fp32): losses and gradient norms to 1e-5 relative. Each layout shows it is on: the latent
+attention's shards (up-projections split by heads, down-projections whole), tokens per rank under SP / CP,
+the layers of each stage, the experts of each rank. Two spawns: world 2 runs every layout, world 1 the
+one-process reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+from deepseek_helpers import tiny_hf_deepseek
+from dist_harness import run_on_ranks
+from test_qwen_parallel import ACCUM2, LAYOUTS, SEQ, STEPS, _trainer
+from test_training_parity import assert_close_trace
+
+pytestmark = pytest.mark.extended
+
+RUNS = {
+    **{k: LAYOUTS[k] for k in ("tp2_sp", "pp2", "ep2", "cp2", "cp2_ulysses")},
+    "cp2_allgather": ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=allgather", ACCUM2],
+}
+
+
+def _train(trainer) -> dict:
+    from megacann.layers.moe import moe_layers
+
+    seen: list = []
+    layers = {int(i): block for chunk in trainer.model_chunks for i, block in chunk.layers.items()}
+    layers[min(layers)].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    attn = layers[min(layers)].self_attn
+    trace = [trainer.train_step() for _ in range(STEPS)]
+    return {
+        "losses": [m["loss"] for m in trace],
+        "norms": [m["grad_norm"] for m in trace],
+        "tokens": sorted(set(seen)),
+        "layers": sorted(layers),
+        "shards": (tuple(attn.q_b_proj.weight.shape), tuple(attn.kv_b_proj.weight.shape), tuple(attn.q_a_proj.weight.shape)),
+        "experts": sorted({int(e) for chunk in trainer.model_chunks for m in moe_layers(chunk) for e in m.experts}),
+    }
+
+
+def _world(layouts: dict, hf_dir: str, root: str) -> dict:
+    return {
+        name: _train(_trainer("deepseek_v3", hf_dir, overrides, f"{root}/{name}")) for name, overrides in layouts.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return tiny_hf_deepseek(str(tmp_path_factory.mktemp("deepseek_hf") / "hf"), "yarn")
+
+
+@pytest.fixture(scope="module")
+def world2(hf_dir, tmp_path_factory):
+    return run_on_ranks(_world, 2, args=(RUNS, hf_dir, str(tmp_path_factory.mktemp("ds2"))), timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world1(hf_dir, tmp_path_factory):
+    return run_on_ranks(_world, 1, args=({"one": [ACCUM2]}, hf_dir, str(tmp_path_factory.mktemp("ds1"))), timeout=600)[0]
+
+
+@pytest.mark.parametrize("layout", sorted(RUNS))
+def test_layouts_train_like_one_process(world1, world2, layout):
+    reference = world1["one"]
+    assert len(reference["losses"]) == STEPS and reference["layers"] == [0, 1, 2, 3]
+    for rank in world2:
+        assert_close_trace(rank[layout]["losses"], reference["losses"], 1e-5)
+        assert_close_trace(rank[layout]["norms"], reference["norms"], 1e-5)
+    facts = [rank[layout] for rank in world2]
+    # q_b_proj: 4 heads x (16 + 8) rows over a 32-wide q latent; kv_b_proj: 4 x (16 + 12) over 24; q_a_proj whole
+    assert reference["shards"] == ((96, 32), (112, 24), (32, 64)) and reference["tokens"] == [SEQ]
+    if layout == "tp2_sp":
+        assert {f["shards"] for f in facts} == {((48, 32), (56, 24), (32, 64))}
+        assert {f["tokens"][0] for f in facts} == {SEQ // 2}
+    elif layout == "pp2":
+        assert [f["layers"] for f in facts] == [[0, 1], [2, 3]]
+    elif layout.startswith("cp2"):
+        assert {f["tokens"][0] for f in facts} == {SEQ // 2}
+    elif layout == "ep2":
+        assert [f["experts"] for f in facts] == [[0, 1, 2, 3], [4, 5, 6, 7]] and reference["experts"] == list(range(8))
