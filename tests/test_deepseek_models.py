@@ -99,7 +99,7 @@ def test_peft_adapters_on_latent_attention_projections_give_megacann_logits(tmp_
 # -- what the family refuses ---------------------------------------------------------------------------
 
 DS = ["model.type=deepseek_v3", "model.num_experts=8", "model.moe_ffn_hidden_size=32", "model.kv_lora_rank=16"]
-DS += ["model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8"]
+DS += ["model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.num_key_value_heads=4"]
 
 
 @pytest.mark.parametrize(
@@ -112,6 +112,7 @@ DS += ["model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim
         (DS + ["model.moe_layer_freq=1", "model.first_k_dense_replace=1"], r"disagrees with first_k_dense_replace"),
         (DS + ["model.qk_rope_head_dim=7"], r"qk_rope_head_dim must be a positive even number"),
         (DS + ["model.add_bias_linear=true"], r"add_bias_linear .* true is refused"),
+        (DS + ["model.num_key_value_heads=2"], r"num_key_value_heads 2 must equal num_attention_heads"),
     ],
 )
 def test_refusals_name_the_key(overrides, message):
@@ -155,8 +156,8 @@ PUBLISHED = {
 }  # fmt: skip
 # what the dry run prints (the counts of transformers' models below; MTP layers not counted): total, active
 EXPECTED = {
-    "deepseek/deepseek_v3_16b.yaml": (15_960_111_936, 2_237_820_224),
-    "deepseek/deepseek_v3_671b.yaml": (671_026_419_200, 37_554_757_632),
+    "deepseek/deepseek_v3_16b.yaml": (15_960_108_544, 2_914_774_528),
+    "deepseek/deepseek_v3_671b.yaml": (671_026_404_352, 37_552_282_624),
 }
 
 
@@ -190,4 +191,7 @@ def test_real_size_recipes_count_what_transformers_counts(tmp_path, recipe):
     prepare_model_config(dataclasses.replace(cfg, model=from_hf), spec)
     keys = [k for k in shape_keys(cfg.model) if k != "make_vocab_size_divisible_by"]
     assert {k: getattr(from_hf, k) for k in keys} == {k: getattr(cfg.model, k) for k in keys}
-    assert from_hf.rope_scaling == cfg.model.rope_scaling and from_hf.norm_eps == cfg.model.norm_eps
+    assert from_hf.norm_eps == cfg.model.norm_eps and from_hf.rope_theta == cfg.model.rope_theta
+    scaling = [{k: v for k, v in (s or {}).items() if k not in ("type", "rope_type", "rope_theta")} for s in
+               (from_hf.rope_scaling, cfg.model.rope_scaling)]  # fmt: skip
+    assert scaling[0] == scaling[1]

@@ -119,6 +119,11 @@ def check_deepseek_config(cfg: MegacannConfig, source: str) -> None:
             f"{source}: model.num_attention_heads {m.num_attention_heads} is not divisible by "
             f"distributed.tensor_parallel_size {d.tensor_parallel_size}"
         )
+    if m.num_key_value_heads not in (None, m.num_attention_heads):
+        raise ConfigError(
+            f"{source}: model.num_key_value_heads {m.num_key_value_heads} must equal num_attention_heads "
+            f"{m.num_attention_heads} (or be unset): latent attention expands its kv latent for every head"
+        )
     if m.qk_rope_head_dim < 2 or m.qk_rope_head_dim % 2:
         raise ConfigError(f"{source}: model.qk_rope_head_dim must be a positive even number, got {m.qk_rope_head_dim}")
     if m.first_k_dense_replace < 0 or m.moe_layer_freq != deepseek_layer_flags(m):
