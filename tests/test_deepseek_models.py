@@ -123,7 +123,9 @@ def test_refusals_name_the_key(overrides, message):
 def test_mtp_layers_of_a_checkpoint_are_left_out_with_a_note(tmp_path, capsys):
     from megacann.models import get_model_spec
 
-    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "model_type": "deepseek_v3", "num_nextn_predict_layers": 1}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**SHAPE, "model_type": "deepseek_v3", "num_nextn_predict_layers": 1})
+    )
     cfg = get_model_spec("deepseek_v3").hf.config_from_hf(str(tmp_path / "config.json"))
     assert cfg.num_nextn_predict_layers == 0 and cfg.q_lora_rank == 1536  # transformers' default where silent
     assert "multi-token prediction layers" in capsys.readouterr().err

@@ -37,14 +37,19 @@ def _train(trainer) -> dict:
         "norms": [m["grad_norm"] for m in trace],
         "tokens": sorted(set(seen)),
         "layers": sorted(layers),
-        "shards": (tuple(attn.q_b_proj.weight.shape), tuple(attn.kv_b_proj.weight.shape), tuple(attn.q_a_proj.weight.shape)),
+        "shards": (
+            tuple(attn.q_b_proj.weight.shape),
+            tuple(attn.kv_b_proj.weight.shape),
+            tuple(attn.q_a_proj.weight.shape),
+        ),
         "experts": sorted({int(e) for chunk in trainer.model_chunks for m in moe_layers(chunk) for e in m.experts}),
     }
 
 
 def _world(layouts: dict, hf_dir: str, root: str) -> dict:
     return {
-        name: _train(_trainer("deepseek_v3", hf_dir, overrides, f"{root}/{name}")) for name, overrides in layouts.items()
+        name: _train(_trainer("deepseek_v3", hf_dir, overrides, f"{root}/{name}"))
+        for name, overrides in layouts.items()
     }
 
 
@@ -61,7 +66,9 @@ def world2(hf_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world1(hf_dir, tmp_path_factory):
-    return run_on_ranks(_world, 1, args=({"one": [ACCUM2]}, hf_dir, str(tmp_path_factory.mktemp("ds1"))), timeout=600)[0]
+    return run_on_ranks(_world, 1, args=({"one": [ACCUM2]}, hf_dir, str(tmp_path_factory.mktemp("ds1"))), timeout=600)[
+        0
+    ]
 
 
 @pytest.mark.parametrize("layout", sorted(RUNS))

@@ -121,7 +121,9 @@ class LatentAttention(torch.nn.Module):
         self.rotary_interleaved = rotary_interleaved
         # what SelfAttention.core_attention reads (the core attention is shared)
         self.dropout_p, self.sliding_window = attention_dropout, None
-        self.context_parallel_algo = ctx.context_parallel_algo if context_parallel_algo is None else context_parallel_algo
+        self.context_parallel_algo = (
+            ctx.context_parallel_algo if context_parallel_algo is None else context_parallel_algo
+        )
         self.context_parallel_group = context_parallel_group
         if recompute_core_attention is None:
             recompute_core_attention = ctx.recompute == "selective"
@@ -161,9 +163,7 @@ class LatentAttention(torch.nn.Module):
             f"qk_nope_head_dim={self.nope}, qk_rope_head_dim={self.rope}, v_head_dim={self.v_head_dim}"
         )
 
-    def _project(
-        self, hidden: torch.Tensor, rotary: Rotary
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, hidden: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k ``[b, s, local heads, qk width]`` (RoPE applied) and v ``[b, s, local heads, v_head_dim]``
         over the whole sequence."""
         # one prepared input for every projection of the hidden state: gathered under sequence
@@ -175,7 +175,9 @@ class LatentAttention(torch.nn.Module):
             q = self.q_b_proj.forward_prepared(self.q_a_layernorm(self.q_a_proj.forward_prepared(x)))
         q_nope, q_rope = rearrange(q, "b s (h d) -> b s h d", d=self.qk_head_dim).split([self.nope, self.rope], -1)
         latent, k_rope = self.kv_a_proj_with_mqa.forward_prepared(x).split([self.kv_lora_rank, self.rope], -1)
-        kv = rearrange(self.kv_b_proj.forward_prepared(self.kv_a_layernorm(latent)), "b s (h d) -> b s h d", h=self.local_heads)
+        kv = rearrange(
+            self.kv_b_proj.forward_prepared(self.kv_a_layernorm(latent)), "b s (h d) -> b s h d", h=self.local_heads
+        )
         k_nope, v = kv.split([self.nope, self.v_head_dim], -1)
         q_rope, k_rope = q_rope.contiguous(), k_rope.unsqueeze(2).contiguous()  # the shared key: one head
         if rotary is not None:

@@ -152,7 +152,9 @@ class TransformerBlock(torch.nn.Module):
         init, out_init = init_normal(c.init_method_std), init_normal(c.output_layer_init_std)
         common = dict(sequence_parallel=c.sequence_parallel, dtype=c.params_dtype, device=device)
         self.input_layernorm = self._norm(common)
-        self.self_attn = attention if attention is not None else SelfAttention(
+        # a given attention module is taken as is (the SelfAttention settings below are then unused)
+        make_attention = SelfAttention if attention is None else lambda *args, **kwargs: attention
+        self.self_attn = make_attention(
             c.hidden_size,
             c.num_attention_heads,
             c.num_key_value_heads,

@@ -111,8 +111,7 @@ def check_deepseek_config(cfg: MegacannConfig, source: str) -> None:
         )
     if m.add_bias_linear:
         raise ConfigError(
-            f"{source}: model.add_bias_linear (config.json attention_bias) true is refused: DeepSeek-V3 has no "
-            "biases"
+            f"{source}: model.add_bias_linear (config.json attention_bias) true is refused: DeepSeek-V3 has no biases"
         )
     if m.num_attention_heads % d.tensor_parallel_size:
         raise ConfigError(

@@ -85,9 +85,13 @@ class MoEConfig:
             if getattr(self, key) < 0:
                 raise ValueError(f"MoEConfig.{key} must be >= 0, got {getattr(self, key)}")
         if self.num_groups < 1 or self.num_experts % self.num_groups:
-            raise ValueError(f"MoEConfig.num_groups {self.num_groups} must be >= 1 and divide num_experts {self.num_experts}")
+            raise ValueError(
+                f"MoEConfig.num_groups {self.num_groups} must be >= 1 and divide num_experts {self.num_experts}"
+            )
         if not 1 <= self.top_k_groups <= self.num_groups:
-            raise ValueError(f"MoEConfig.top_k_groups must be in [1, num_groups={self.num_groups}], got {self.top_k_groups}")
+            raise ValueError(
+                f"MoEConfig.top_k_groups must be in [1, num_groups={self.num_groups}], got {self.top_k_groups}"
+            )
         if self.top_k > self.top_k_groups * (self.num_experts // self.num_groups):
             raise ValueError(
                 f"MoEConfig.top_k {self.top_k} exceeds the {self.top_k_groups * (self.num_experts // self.num_groups)} "

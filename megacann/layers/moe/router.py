@@ -160,8 +160,13 @@ class TopKRouter(torch.nn.Module):
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if with_bias else None
         if expert_bias:  # a frozen parameter, so weight conversion (Hugging Face both ways) carries it
             bias = make_parameter(
-                (num_experts,), init_zeros(), tp_rank=0, tp_size=1, name="TopKRouter expert_bias",
-                dtype=torch.float32, device=device,
+                (num_experts,),
+                init_zeros(),
+                tp_rank=0,
+                tp_size=1,
+                name="TopKRouter expert_bias",
+                dtype=torch.float32,
+                device=device,
             )
             self.expert_bias = bias.requires_grad_(False)
         else:
