@@ -74,6 +74,20 @@ def test_group_limited_router_chooses_and_weighs_as_transformers():
     assert max(len(set((row // 4).tolist())) for row in routing.expert_ids) == 2
 
 
+def test_frozen_routing_bias_is_a_parameter_the_balancing_update_moves():
+    from megacann.layers.moe import MoEConfig, MoELayer, update_expert_biases
+
+    layer = MoELayer(MoEConfig(16, 4, 8, top_k=2, score_function="sigmoid", bias_update_rate=0.1, expert_bias=True))
+    names = dict(layer.named_parameters())
+    assert "router.expert_bias" in names and not names["router.expert_bias"].requires_grad
+    layer.train()
+    layer(torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))).sum().backward()
+    load = layer.router.load_since_update.clone()
+    update_expert_biases(layer)
+    expected = 0.1 * torch.sign(load.double().mean() - load.double()).float()
+    assert torch.equal(layer.router.expert_bias.detach(), expected) and layer.router.expert_bias.grad is None
+
+
 def test_peft_adapters_on_latent_attention_projections_give_megacann_logits(tmp_path):
     peft = pytest.importorskip("peft")
     from megacann.interop.peft import save_peft_adapter
