@@ -8,6 +8,7 @@ from typing import Optional, TextIO
 
 from megacann.config import MegacannConfig
 from megacann.models import padded_vocab_size, prepare_model_config
+from megacann.models.mtp import mtp_depths
 from megacann.parallel_state import RankLayout, rank_layout
 from megacann.pipeline import chunk_placements, pipeline_bubble_fraction
 
@@ -75,6 +76,10 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
                 else:
                     head = "lm_head (copy of stage 0's tied embedding, gradients summed over the embedding group)"
                 parts += ["final norm", head, "loss"]
+                depths = mtp_depths(m)
+                if depths:  # multi-token prediction: on the last stage, with the embedding it needs
+                    copy = ", its embedding a copy of stage 0's" if pp > 1 and not tied else ""
+                    parts.append(f"{depths} multi-token prediction depth{'s' if depths > 1 else ''}{copy}")
             chunks.append((f"chunk {len(chunks)}: " if vpp > 1 else "") + ", ".join(parts))
         lines.append(f"stage {stage} (ranks {_fmt_ranks(ranks)}): " + " | ".join(chunks))
     return lines

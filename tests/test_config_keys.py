@@ -50,6 +50,8 @@ READ_BY = {
     # the moe family's own keys (models/moe_config.py); the other families do not have them
     "model.num_experts": "models/moe.py",
     "model.moe_top_k": "models/moe.py",
+    "model.mtp_num_layers": "models/mtp.py",
+    "model.mtp_loss_scaling_factor": "models/decoder.py",
     "model.moe_router": "models/moe.py",
     "model.moe_capacity_factor": "models/moe.py",
     "model.moe_aux_loss_coeff": "models/moe.py",
@@ -77,7 +79,6 @@ READ_BY = {
     "model.topk_group": "models/deepseek.py",
     "model.routed_scaling_factor": "models/deepseek.py",
     "model.first_k_dense_replace": "models/deepseek_config.py",  # deepseek_layer_flags -> moe_layer_freq
-    "model.num_nextn_predict_layers": "models/deepseek.py",  # refused when > 0
     "data.path": "data/builders.py",
     "data.tokenizer": "data/builders.py",
     "data.seq_length": "data/builders.py",

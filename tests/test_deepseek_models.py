@@ -119,7 +119,6 @@ DS += ["model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (DS + ["model.num_nextn_predict_layers=1"], r"num_nextn_predict_layers 1 is refused: multi-token"),
         (DS + ["model.moe_router=softmax"], r"moe_router"),
         (DS + ["model.n_group=3"], r"n_group 3 must divide num_experts 8"),
         (DS + ["model.n_group=4", "model.topk_group=1", "model.moe_top_k=3"], r"moe_top_k 3 exceeds the experts"),
@@ -134,15 +133,58 @@ def test_refusals_name_the_key(overrides, message):
         tiny_config(overrides)
 
 
-def test_mtp_layers_of_a_checkpoint_are_left_out_with_a_note(tmp_path, capsys):
+def test_mtp_depths_without_weights_are_left_out_with_a_note(tmp_path, capsys):
     from megacann.models import get_model_spec
 
-    (tmp_path / "config.json").write_text(
-        json.dumps({**SHAPE, "model_type": "deepseek_v3", "num_nextn_predict_layers": 1})
+    read = get_model_spec("deepseek_v3").hf.config_from_hf
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "model_type": "deepseek_v3", "num_mtp_layers": 1}))
+    cfg = read(str(tmp_path / "config.json"))  # a config.json alone: its depths are taken as they are
+    assert cfg.mtp_num_layers == 1 and cfg.q_lora_rank == 1536  # transformers' default where silent
+    hf_dir = tiny_hf_deepseek(str(tmp_path / "hf"), "plain", num_mtp_layers=1)  # transformers writes no MTP
+    assert read(hf_dir + "/config.json").mtp_num_layers == 0
+    assert "no multi-token prediction weights (model.layers.4.eh_proj.weight)" in capsys.readouterr().err
+
+
+def test_mtp_depths_go_to_hf_layers_and_back(tmp_path):
+    """A model with a multi-token prediction depth: to Hugging Face (depth j as decoder layer L + j, which
+    transformers loads beside the model, its logits unchanged) and back (the same weights, the same MTP
+    loss)."""
+    from megacann.config import MegacannConfig
+    from megacann.interop.hf import save_pretrained_hf
+    from megacann.models import ChunkPlacement, get_model_spec
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**SHAPE, **VARIANTS["yarn"], "model_type": "deepseek_v3", "num_mtp_layers": 1}))
+    spec = get_model_spec("deepseek_v3")
+    cfg = MegacannConfig(model=spec.hf.config_from_hf(str(config)))
+    prepare_model_config(cfg, spec)
+    model = spec.build(cfg, ChunkPlacement(tuple(range(4)))).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("expert_bias"):
+                param.uniform_(0.5, 1.5)
+    labels = torch.roll(IDS, -1, 1)
+    with torch.no_grad():
+        before = model(input_ids=IDS, labels=labels)
+        logits = model(input_ids=IDS)
+    save_pretrained_hf([model], str(tmp_path / "out"), model.config)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "self_attn.kv_b_proj", "mlp.gate"):
+        assert f"model.layers.4.{name}.weight" in names
+    assert "model.layers.4.mlp.gate.e_score_correction_bias" in names
+    torch.testing.assert_close(hf_logits(str(tmp_path / "out"), IDS), logits, atol=1e-4, rtol=0)
+    back = from_pretrained_hf(str(tmp_path / "out")).eval()
+    assert back.config.mtp_num_layers == 1
+    ours, theirs = dict(model.named_parameters()), dict(back.named_parameters())
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with torch.no_grad():
+        again = back(input_ids=IDS, labels=labels)
+    assert (
+        torch.equal(again.aux_losses["mtp_loss"], before.aux_losses["mtp_loss"]) and before.aux_losses["mtp_loss"] > 0
     )
-    cfg = get_model_spec("deepseek_v3").hf.config_from_hf(str(tmp_path / "config.json"))
-    assert cfg.num_nextn_predict_layers == 0 and cfg.q_lora_rank == 1536  # transformers' default where silent
-    assert "multi-token prediction layers" in capsys.readouterr().err
 
 
 # -- sizes ---------------------------------------------------------------------------------------------
@@ -170,23 +212,28 @@ PUBLISHED = {
         "num_nextn_predict_layers": 1,
     },
 }  # fmt: skip
-# what the dry run prints (the counts of transformers' models below; MTP layers not counted): total, active
+# what the dry run prints (the counts of transformers' models below, with the MTP depth): total, active
 EXPECTED = {
     "deepseek/deepseek_v3_16b.yaml": (15_960_108_544, 2_914_774_528),
-    "deepseek/deepseek_v3_671b.yaml": (671_026_404_352, 37_552_282_624),
+    "deepseek/deepseek_v3_671b.yaml": (682_636_472_320, 38_240_382_976),
 }
 
 
 def _hf_counts(config: dict) -> tuple[int, int]:
-    """Parameters of transformers' model of ``config`` (on the meta device), and those one token meets:
-    all but the routed experts it is not sent to (n_routed_experts - num_experts_per_tok per MoE layer)."""
+    """Parameters of transformers' model of ``config`` (on the meta device) with the multi-token prediction
+    depths its checkpoint stores, and those one token meets: all but the routed experts it is not sent to
+    (n_routed_experts - num_experts_per_tok per MoE layer)."""
     with torch.device("meta"):
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config))
     total = sum(p.numel() for p in model.parameters())
     experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
     per_expert = sum(p.numel() for p in experts[0].parameters()) // config["n_routed_experts"]
-    idle = config["n_routed_experts"] - config["num_experts_per_tok"]
-    return total, total - len(experts) * idle * per_expert
+    idle = (config["n_routed_experts"] - config["num_experts_per_tok"]) * per_expert
+    # each multi-token prediction depth (stored as one more decoder layer; transformers builds none): a layer
+    # like the last, enorm, hnorm, eh_proj (2h -> h) and shared_head.norm; embedding and head are shared
+    depths, h = config.get("num_nextn_predict_layers", 0), config["hidden_size"]
+    mtp = depths * (sum(p.numel() for p in model.model.layers[-1].parameters()) + 3 * h + 2 * h * h)
+    return total + mtp, total + mtp - (len(experts) + depths) * idle
 
 
 @pytest.mark.parametrize("recipe", sorted(PUBLISHED))

@@ -13,7 +13,10 @@ multi-head latent attention and DeepSeek's mixture of experts.
   ``norm_topk_prob``, times ``routed_scaling_factor``; ``moe_shared_experts`` shared experts.
 
 The rest (forward step, balancing, console warnings, expert parallelism) is the MoE family's
-(:mod:`megacann.models.moe`). Multi-token prediction (``num_nextn_predict_layers > 0``) is refused for now.
+(:mod:`megacann.models.moe`), and so is multi-token prediction (config.json's
+``num_nextn_predict_layers`` = ``model.mtp_num_layers``; :mod:`megacann.models.mtp`): each depth's layer is
+one of the last layer's kind (latent attention and an MoE layer), stored in Hugging Face checkpoints as
+decoder layer ``num_hidden_layers + k - 1``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from megacann.models.decoder import DecoderArch, block_config, decoder_model_spe
 from megacann.models.deepseek_config import DeepseekV3ModelConfig, deepseek_layer_flags
 from megacann.models.hf_deepseek import DEEPSEEK_V3_HF
 from megacann.models.moe import MOE, MoEModel, check_moe_config, is_moe_layer, moe_defaults, moe_structure
+from megacann.models.mtp import mtp_depths, mtp_parameters
 from megacann.models.spec import MoEStructure
 
 
@@ -103,12 +107,6 @@ class DeepseekV3Model(MoEModel):
 def check_deepseek_config(cfg: MegacannConfig, source: str) -> None:
     """What DeepSeek-V3 needs of a recipe, then the MoE family's checks."""
     m, d = cfg.model, cfg.distributed
-    if m.num_nextn_predict_layers:
-        raise ConfigError(
-            f"{source}: model.num_nextn_predict_layers {m.num_nextn_predict_layers} is refused: multi-token "
-            "prediction is not wired into model.type deepseek_v3 yet (set 0; a Hugging Face checkpoint's MTP "
-            "layers are then left out)"
-        )
     if m.add_bias_linear:
         raise ConfigError(
             f"{source}: model.add_bias_linear (config.json attention_bias) true is refused: DeepSeek-V3 has no biases"
@@ -173,17 +171,21 @@ def deepseek_num_parameters(m: ModelConfig, active: bool = False) -> int:
     moe = sum(is_moe_layer(m, i) for i in range(m.num_layers))
     vocab = m.vocab_size or 0
     total = (m.num_layers - moe) * dense_layer + moe * moe_layer + h
+    total += mtp_parameters(m, moe_layer if is_moe_layer(m, m.num_layers - 1) else dense_layer)
     return total + vocab * h * (1 if m.tie_word_embeddings else 2)
 
 
 def deepseek_flops_per_token(m: ModelConfig, seq_length: int) -> float:
-    """6N (N: the matrix weights a token meets) plus the attention scores and values, 6 L H (qk + v) T."""
+    """6N (N: the matrix weights a token meets, multi-token prediction's depths and their use of the head
+    included) plus the attention scores and values, 6 L H (qk + v) T."""
     m = _filled(m)
-    norms = m.num_layers * (2 * m.hidden_size + m.kv_lora_rank + (m.q_lora_rank or 0)) + m.hidden_size
-    vocab = (m.vocab_size or 0) * m.hidden_size * (0 if m.tie_word_embeddings else 1)  # the input embedding
-    n = deepseek_num_parameters(m, active=True) - norms - vocab
+    depths, h, vocab = mtp_depths(m), m.hidden_size, m.vocab_size or 0
+    layers = m.num_layers + depths
+    norms = layers * (2 * h + m.kv_lora_rank + (m.q_lora_rank or 0)) + h + depths * 3 * h
+    embedding = vocab * h * (0 if m.tie_word_embeddings else 1)  # the input embedding: no matmul
+    n = deepseek_num_parameters(m, active=True) - norms - embedding + depths * vocab * h  # MTP: the head again
     qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-    return 6.0 * n + 6.0 * m.num_layers * m.num_attention_heads * (qk + v) * seq_length
+    return 6.0 * n + 6.0 * layers * m.num_attention_heads * (qk + v) * seq_length
 
 
 def deepseek_structure(m: ModelConfig) -> MoEStructure:

@@ -17,8 +17,9 @@ class DeepseekV3ModelConfig(MoEModelConfig):
     best ``topk_group`` of them), ``norm_topk_prob``, ``routed_scaling_factor``, ``moe_shared_experts``
     (config.json ``n_shared_experts``) shared experts, and the first ``first_k_dense_replace`` layers
     dense (MLP of width ``ffn_hidden_size``; the experts are ``moe_ffn_hidden_size`` wide).
-    ``moe_layer_freq`` is derived from ``first_k_dense_replace``. ``num_nextn_predict_layers``:
-    multi-token prediction modules (only 0: not wired into this family yet). ``head_dim`` and
+    ``moe_layer_freq`` is derived from ``first_k_dense_replace``. config.json's
+    ``num_nextn_predict_layers`` is ``mtp_num_layers`` (multi-token prediction depths, each with a layer
+    of the last layer's kind: :mod:`megacann.models.mtp`). ``head_dim`` and
     ``qk_head_dim``, which transformers' config.json carries, must be ``qk_rope_head_dim`` and
     ``qk_nope_head_dim + qk_rope_head_dim`` when set."""
 
@@ -28,6 +29,8 @@ class DeepseekV3ModelConfig(MoEModelConfig):
         "moe_intermediate_size": "moe_ffn_hidden_size",
         "n_shared_experts": "moe_shared_experts",
         "rope_interleave": "rotary_interleaved",
+        "num_nextn_predict_layers": "mtp_num_layers",  # multi-token prediction depths (megacann.models.mtp)
+        "num_mtp_layers": "mtp_num_layers",  # transformers' other name of it
     }
     # DeepSeek's own config.json (trust_remote_code) names its routing; only DeepSeek-V3's is read
     HF_INERT_KEYS: ClassVar[dict[str, object]] = {
@@ -51,7 +54,6 @@ class DeepseekV3ModelConfig(MoEModelConfig):
     norm_topk_prob: bool = field(default=True, metadata={"architecture": True})
     routed_scaling_factor: float = field(default=1.0, metadata={"architecture": True})
     first_k_dense_replace: int = field(default=0, metadata={"shape": True})
-    num_nextn_predict_layers: int = field(default=0, metadata={"shape": True})
     # what transformers writes beside the shapes (the rotary width and q/k head width): read, checked
     head_dim: Optional[int] = None
     qk_head_dim: Optional[int] = None

@@ -12,12 +12,23 @@ Hugging Face's names). An MoE layer maps as::
     layers.<i>.mlp.shared_experts.down_proj.weight      model.layers.<i>.mlp.shared_experts.down_proj.weight
 
 (the per-expert layout of the published checkpoints, which transformers reads), dense layers as LLaMA's
-MLP. Multi-token prediction modules, stored as extra layers ``model.layers.<num_hidden_layers + j>``,
-are not read: config.json's ``num_nextn_predict_layers`` (``num_mtp_layers``) is read as 0, with a note.
+MLP. Multi-token prediction depth ``j`` (``model.mtp_num_layers`` = config.json's
+``num_nextn_predict_layers``) is decoder layer ``L + j`` there (``L = num_hidden_layers``)::
+
+    mtp.layers.<j>.enorm / hnorm / eh_proj .weight      model.layers.<L+j>.enorm / hnorm / eh_proj .weight
+    mtp.layers.<j>.final_layernorm.weight               model.layers.<L+j>.shared_head.norm.weight
+    mtp.layers.<j>.transformer_layer.<rest>             model.layers.<L+j>.<rest> (as any layer's)
+
+The model's embedding and head serve the depths; the copies DeepSeek's checkpoints keep beside them
+(``model.layers.<L+j>.embed_tokens``, ``shared_head.head``) are not read, and not written. A config.json
+naming depths whose weights its checkpoint lacks (transformers writes none) is read without them, with a
+note.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
@@ -30,6 +41,7 @@ from megacann.config.hf_config import read_hf_config
 from megacann.models import hf_llama
 from megacann.models.deepseek_config import deepseek_layer_flags
 from megacann.models.hf_mixtral import ExpertLayout, expert_parts, experts_from_hf, experts_to_hf
+from megacann.models.mtp import mtp_depths
 from megacann.models.spec import HFAdapter
 
 DEEPSEEK_LAYOUT = ExpertLayout("model.layers.{layer}.mlp", gate="gate_proj", up="up_proj", down="down_proj")
@@ -50,6 +62,20 @@ HF_DEFAULTS = {
 }
 
 
+_MTP = re.compile(r"mtp\.layers\.(\d+)\.(transformer_layer\.)?(.+)")
+MTP_EMBEDDING_COPY = "mtp_embed_tokens.weight"  # a last pipeline stage's copy of embed_tokens.weight
+
+
+def _as_layer(name: str, cfg: ModelConfig) -> str:
+    """A multi-token prediction weight's name as that of decoder layer ``num_layers + depth`` (other names
+    unchanged), so that it maps as the layers' do."""
+    match = _MTP.fullmatch(name)
+    if match is None:
+        return name
+    rest = "shared_head.norm.weight" if match[3] == "final_layernorm.weight" else match[3]
+    return f"layers.{cfg.num_layers + int(match[1])}.{rest}"
+
+
 def _own_parts(name: str, cfg: ModelConfig) -> Optional[list[tuple[str, Optional[int]]]]:
     """The parts of the weights this family adds to the MoE decoder's: the routing bias, the shared
     experts' fused gate/up projection (None for any other weight)."""
@@ -63,6 +89,7 @@ def _own_parts(name: str, cfg: ModelConfig) -> Optional[list[tuple[str, Optional
 
 def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
     """Hugging Face names (and rows) of a DeepSeek-V3 weight (``HFAdapter.linear_parts``: PEFT names)."""
+    name = _as_layer(name, cfg)
     own = _own_parts(name, cfg)
     return own if own is not None else expert_parts(name, cfg, DEEPSEEK_LAYOUT, hf_llama.hf_parts)
 
@@ -72,6 +99,9 @@ def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     out: dict[str, torch.Tensor] = {}
     rest: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
+        if name == MTP_EMBEDDING_COPY:  # the copy of embed_tokens.weight a last stage holds
+            continue
+        name = _as_layer(name, cfg)
         parts = _own_parts(name, cfg)
         if parts is None:
             rest[name] = tensor
@@ -85,14 +115,16 @@ def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
 def from_hf_tensors(names: Sequence[str], read: Reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The whole tensors of megacann ``names``, read by Hugging Face name through ``read(hf_name)``."""
     out: dict[str, torch.Tensor] = {}
-    rest = []
+    rest, renamed = [], {}
     for name in names:
-        parts = _own_parts(name, cfg)
+        layer_name = _as_layer(name, cfg)
+        parts = _own_parts(layer_name, cfg)
         if parts is None:
-            rest.append(name)
+            rest.append(layer_name)
+            renamed[layer_name] = name
         else:
             out[name] = torch.cat([read(hf) for hf, _ in parts]) if len(parts) > 1 else read(parts[0][0])
-    out.update(experts_from_hf(rest, read, cfg, DEEPSEEK_LAYOUT))
+    out.update({renamed[k]: v for k, v in experts_from_hf(rest, read, cfg, DEEPSEEK_LAYOUT).items()})
     return out
 
 
@@ -122,14 +154,14 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         norm_topk_prob=cfg.norm_topk_prob,
         routed_scaling_factor=cfg.routed_scaling_factor,
         first_k_dense_replace=cfg.first_k_dense_replace,
-        num_nextn_predict_layers=cfg.num_nextn_predict_layers,
+        num_nextn_predict_layers=mtp_depths(cfg),
     )
     return config
 
 
 def config_from_hf(config_file: str) -> ModelConfig:
     """A deepseek_v3 ModelConfig from config.json (its MoE layers derived from ``first_k_dense_replace``).
-    Multi-token prediction layers are left out: ``num_nextn_predict_layers`` is read as 0, with a note."""
+    Multi-token prediction depths whose weights the checkpoint beside it lacks are left out, with a note."""
     cfg = hf_llama.model_config_from_hf(config_file, family="deepseek_v3")
     if cfg.num_experts is None or cfg.moe_ffn_hidden_size is None:
         raise ConfigError(f"{config_file}: n_routed_experts and moe_intermediate_size are needed for DeepSeek-V3")
@@ -137,14 +169,31 @@ def config_from_hf(config_file: str) -> ModelConfig:
     for key, (field, value) in HF_DEFAULTS.items():  # what transformers assumes where config.json is silent
         if key not in raw:
             setattr(cfg, field, value)
-    if cfg.num_nextn_predict_layers:
+    if mtp_depths(cfg) and not _has_mtp_weights(os.path.dirname(config_file), cfg.num_layers):
         advise(
-            f"{config_file}: num_nextn_predict_layers {cfg.num_nextn_predict_layers}: the multi-token prediction "
-            "layers (model.layers.<num_hidden_layers>..) are not read; megacann's deepseek_v3 trains without them"
+            f"{config_file}: num_nextn_predict_layers {mtp_depths(cfg)}, but the checkpoint beside it has no "
+            f"multi-token prediction weights (model.layers.{cfg.num_layers}.eh_proj.weight): read without them"
         )
-        cfg.num_nextn_predict_layers = 0
+        cfg.mtp_num_layers = 0
     cfg.moe_layer_freq = deepseek_layer_flags(cfg)
     return cfg
+
+
+def _has_mtp_weights(directory: str, num_layers: int) -> bool:
+    """Whether the safetensors checkpoint in ``directory`` holds the first MTP depth's projection (a
+    directory without a checkpoint, e.g. a config.json alone, is taken to have it)."""
+    name = f"model.layers.{num_layers}.eh_proj.weight"
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return name in json.load(f).get("weight_map", {})
+    single = os.path.join(directory, "model.safetensors")
+    if not os.path.isfile(single):
+        return True
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return name in list(f.keys())  # a safetensors handle has no membership test
 
 
 DEEPSEEK_V3_HF = HFAdapter(

@@ -26,7 +26,8 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # multi-head latent attention's (DeepSeek-V3): the down- and up-projections of its q and kv latents
 LATENT_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-PROJECTION_NAMES = (*HF_PROJECTIONS, *LATENT_PROJECTIONS, *FUSED_PROJECTIONS)
+MTP_PROJECTIONS = ("eh_proj",)  # multi-token prediction's projection of [embedding, hidden]
+PROJECTION_NAMES = (*HF_PROJECTIONS, *LATENT_PROJECTIONS, *FUSED_PROJECTIONS, *MTP_PROJECTIONS)
 ALL_PROJECTIONS = "all-linear"  # PEFT's shorthand: every attention and MLP projection
 
 
