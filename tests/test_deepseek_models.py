@@ -145,6 +145,17 @@ def test_mtp_depths_without_weights_are_left_out_with_a_note(tmp_path, capsys):
     assert "no multi-token prediction weights (model.layers.4.eh_proj.weight)" in capsys.readouterr().err
 
 
+def test_quantized_checkpoints_are_refused_by_name(tmp_path):
+    from megacann.models import get_model_spec
+
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(
+        json.dumps({**SHAPE, "model_type": "deepseek_v3", "quantization_config": fp8})
+    )
+    with pytest.raises(ConfigError, match=r"config.json: quantization_config .*fp8.* is not supported"):
+        get_model_spec("deepseek_v3").hf.config_from_hf(str(tmp_path / "config.json"))
+
+
 def test_mtp_depths_go_to_hf_layers_and_back(tmp_path):
     """A model with a multi-token prediction depth: to Hugging Face (depth j as decoder layer L + j, which
     transformers loads beside the model, its logits unchanged) and back (the same weights, the same MTP

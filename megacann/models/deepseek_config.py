@@ -39,6 +39,7 @@ class DeepseekV3ModelConfig(MoEModelConfig):
         "topk_method": "noaux_tc",
         "moe_layer_freq": 1,
         "ep_size": 1,
+        "quantization_config": None,  # DeepSeek-V3's published fp8 weights (block scales) are not read
     }
 
     type: str = "deepseek_v3"
