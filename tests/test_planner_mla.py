@@ -3,6 +3,7 @@ optimizer bytes and its activation bytes against the tensors a run holds and aut
 and under tensor + sequence parallelism (the latents whole on every rank), with q and v heads of different
 widths (the padded core attention)."""
 
+import pytest
 from dist_harness import run_on_ranks
 from test_planner import COMMON, _compare, _measure
 
@@ -28,6 +29,10 @@ RUNS_2 = {
 }
 
 
-def test_latent_attention_estimates_match_one_rank_and_tp2():
+def test_latent_attention_estimates_match_one_rank():
     _compare(RUNS_1, run_on_ranks(_measure, 1, args=(RUNS_1,), timeout=600), 1)
+
+
+@pytest.mark.extended
+def test_latent_attention_estimates_match_tp2_with_sequence_parallelism():
     _compare(RUNS_2, run_on_ranks(_measure, 2, args=(RUNS_2,), timeout=600), 2)
