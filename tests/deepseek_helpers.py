@@ -76,3 +76,30 @@ def hf_logits(path: str, ids: torch.Tensor) -> torch.Tensor:
     model = transformers.DeepseekV3ForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     with torch.no_grad():
         return model(ids).logits
+
+
+def tiny_deepseek_with_mtp(path: str):
+    """A tiny DeepSeek-V3 ("yarn" variant) with one multi-token prediction depth, built and drawn by megacann
+    (transformers builds no MTP module), its norms and routing biases randomised; written to ``path`` as a
+    Hugging Face directory (the depth as decoder layer 4). Returns the model."""
+    import json
+    import os
+
+    from megacann.config import MegacannConfig
+    from megacann.interop.hf import save_pretrained_hf
+    from megacann.models import ChunkPlacement, get_model_spec, prepare_model_config
+
+    os.makedirs(path, exist_ok=True)
+    config = os.path.join(path, "config.json")
+    with open(config, "w") as f:
+        json.dump({**SHAPE, **VARIANTS["yarn"], "model_type": "deepseek_v3", "num_mtp_layers": 1}, f)
+    spec = get_model_spec("deepseek_v3")
+    cfg = MegacannConfig(model=spec.hf.config_from_hf(config))
+    prepare_model_config(cfg, spec)
+    model = spec.build(cfg, ChunkPlacement(tuple(range(SHAPE["num_hidden_layers"])))).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("expert_bias"):
+                param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(param.numel()))
+    save_pretrained_hf([model], path, model.config)
+    return model

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from deepseek_helpers import SHAPE, VARIANTS, hf_logits, tiny_hf_deepseek
+from deepseek_helpers import SHAPE, VARIANTS, hf_logits, tiny_deepseek_with_mtp, tiny_hf_deepseek
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError, load_config
@@ -160,25 +160,11 @@ def test_mtp_depths_go_to_hf_layers_and_back(tmp_path):
     """A model with a multi-token prediction depth: to Hugging Face (depth j as decoder layer L + j, which
     transformers loads beside the model, its logits unchanged) and back (the same weights, the same MTP
     loss)."""
-    from megacann.config import MegacannConfig
-    from megacann.interop.hf import save_pretrained_hf
-    from megacann.models import ChunkPlacement, get_model_spec
-
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({**SHAPE, **VARIANTS["yarn"], "model_type": "deepseek_v3", "num_mtp_layers": 1}))
-    spec = get_model_spec("deepseek_v3")
-    cfg = MegacannConfig(model=spec.hf.config_from_hf(str(config)))
-    prepare_model_config(cfg, spec)
-    model = spec.build(cfg, ChunkPlacement(tuple(range(4)))).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("expert_bias"):
-                param.uniform_(0.5, 1.5)
+    model = tiny_deepseek_with_mtp(str(tmp_path / "out"))
     labels = torch.roll(IDS, -1, 1)
     with torch.no_grad():
         before = model(input_ids=IDS, labels=labels)
         logits = model(input_ids=IDS)
-    save_pretrained_hf([model], str(tmp_path / "out"), model.config)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
