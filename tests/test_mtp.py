@@ -112,6 +112,21 @@ def test_dry_run_counts_and_places_mtp():
     assert "2 multi-token prediction depths, its embedding a copy of stage 0's" in stage1
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_plan_counts_the_last_stage_mtp_parameters(tied):
+    from megacann.planning.estimate import estimate_stages
+    from megacann.planning.formulas import Layout
+
+    layout = Layout(pp=2)
+    flag = f"model.tie_word_embeddings={str(tied).lower()}"
+    with_mtp, without = tiny_config(MTP + [flag], world_size=2), tiny_config(MTP[2:] + [flag], world_size=2)
+    added = estimate_stages(with_mtp, layout)[1].params - estimate_stages(without, layout)[1].params
+    last = LLAMA.build(with_mtp, ChunkPlacement((1,), pre_process=False, post_process=True))
+    held = sum(p.numel() for n, p in last.named_parameters() if n.startswith(("mtp.", "mtp_embed_tokens.")))
+    assert added == held and held > 0
+    assert "2 MTP depths" in estimate_stages(with_mtp, layout)[1].holds
+
+
 def test_console_line_shows_mtp_loss():
     record = {"step": 2, "loss": 5.25, "mtp_loss": 1.5, "lr": 1e-3, "tokens_per_second": 10.0, "step_time": 0.1}
     assert "loss 5.2500 | mtp_loss 1.5000 |" in format_step_line(record, 4, None)
@@ -294,3 +309,24 @@ def test_extended_layouts_train_like_one_process(tmp_path_factory, name):
 
 
 _EXTENDED_RESULTS: dict = {}
+
+
+def _zero_world4(root: str) -> dict:
+    overrides = ["distributed.pipeline_parallel_size=2", "distributed.zero_optimization=1", "optim.grad_accum_steps=1"]
+    return _train(_trainer(overrides, f"{root}/pp2_dp2_zero1"))
+
+
+@pytest.mark.extended
+def test_pp2_dp2_zero1_trains_like_one_process(tmp_path_factory):
+    """ZeRO-1 over dp 2 with pipeline stages: the last stage's embedding copy is sharded and summed with stage 0's."""
+    root = str(tmp_path_factory.mktemp("mtpz"))
+    reference = run_on_ranks(_train_one, 1, args=(root + "/w1",), timeout=300)[0]
+    ranks = run_on_ranks(_zero_world4, 4, args=(root + "/w4",), timeout=600)
+    last = [r for r in ranks if r["mtp"]]
+    assert len(last) == 2 and all(r["tied_copies"] == [("mtp_embed_tokens.weight", True)] for r in last)
+    for rank in last:
+        assert_close_trace(rank["trace"], reference["trace"], 1e-5)
+
+
+def _train_one(root: str) -> dict:
+    return _train(_trainer([ACCUM2], f"{root}/one"))

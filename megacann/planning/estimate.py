@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from megacann.config import MegacannConfig
 from megacann.models import get_model_spec
+from megacann.models.mtp import mtp_depths
 from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
 from megacann.pipeline.plan import Backward, Forward, build_plan
 from megacann.planning.formulas import (
@@ -20,6 +21,7 @@ from megacann.planning.formulas import (
     chunk_parameters_per_rank,
     is_moe_layer,
     layer_activation_bytes,
+    padded_vocab,
     pipeline_buffer_bytes,
     query_width,
     static_bytes,
@@ -73,6 +75,23 @@ def replay_in_flight(plan, chunk_bytes: list[float]) -> tuple[float, int]:
     return peak, peak_count
 
 
+def mtp_terms(cfg: MegacannConfig, layout: Layout) -> tuple[int, int, float]:
+    """(parameters, expert parameters, bytes saved per micro-batch) of the multi-token prediction depths on
+    the last chunk of one TP rank: per depth a layer of the last layer's kind, its norms and projection, its
+    head's input and loss; with pipeline stages and an untied head, the embedding's copy."""
+    m, depths = cfg.model, mtp_depths(cfg.model)
+    if not depths:
+        return 0, 0, 0.0
+    h, tp, last = m.hidden_size, layout.tp, m.num_layers - 1
+    params, experts = chunk_parameters_per_rank(cfg, tp, [last] * depths, False, False, layout.pp, layout.ep)
+    params += depths * (3 * h + 2 * h * h // tp)
+    if layout.pp > 1 and not m.tie_word_embeddings:
+        params += padded_vocab(cfg, tp) // tp * h
+    layer = layer_activation_bytes(cfg, layout, layout.recompute, is_moe_layer(m, last))
+    head = sum(chunk_extra_terms(cfg, layout, False, True, False).values())
+    return params, experts, depths * (layer + head)
+
+
 def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEstimate:
     m, d = cfg.model, cfg.distributed
     pp, vpp = layout.pp, layout.vpp
@@ -93,7 +112,11 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         buffers.append(pipeline_buffer_bytes(cfg, layout, first, last))
         if layout.recompute == "full" and ids:  # backward re-runs one layer at a time
             transient = max(transient, *(layer_activation_bytes(cfg, layout, "none", moe) for moe in set(kinds)))
+        if last and mtp_depths(m):
+            mtp_params, mtp_experts, mtp_saved = mtp_terms(cfg, layout)
+            params, experts, saved[-1] = params + mtp_params, experts + mtp_experts, saved[-1] + mtp_saved
         parts = (["embedding"] if first else []) + [_describe_layers(ids)] + (["output layer"] if last else [])
+        parts += [f"{mtp_depths(m)} MTP depths"] if last and mtp_depths(m) else []
         holds.append(" + ".join(parts))
     plan = build_plan(pp, stage, layout.num_microbatches, vpp if vpp > 1 else None)
     peak, in_flight = replay_in_flight(plan, [a + b for a, b in zip(saved, buffers)])
