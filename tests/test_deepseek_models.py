@@ -40,10 +40,13 @@ def test_hf_logits_parity_both_ways_and_through_convert(tmp_path, variant):
         torch.testing.assert_close(ours(input_ids=IDS), expected, atol=1e-4, rtol=0)
 
     ours.save_pretrained_hf(str(tmp_path / "back"))
-    assert convert(["from-hf", hf_dir, str(tmp_path / "whole")]) == 0
-    assert convert(["to-hf", str(tmp_path / "whole"), str(tmp_path / "converted")]) == 0
+    outs = ["back"]
+    if variant == "yarn":  # through megacann-convert too (one variant is enough: the adapter is the same)
+        assert convert(["from-hf", hf_dir, str(tmp_path / "whole")]) == 0
+        assert convert(["to-hf", str(tmp_path / "whole"), str(tmp_path / "converted")]) == 0
+        outs.append("converted")
     reference = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir).state_dict()
-    for out in ("back", "converted"):
+    for out in outs:
         torch.testing.assert_close(hf_logits(str(tmp_path / out), IDS), expected, atol=1e-4, rtol=0)
         again = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / out)).state_dict()
         assert again.keys() == reference.keys()
