@@ -68,6 +68,17 @@ READ_BY = {
     "model.norm_topk_prob": "models/qwen.py",
     "model.decoder_sparse_step": "models/qwen_config.py",  # qwen3_moe_layer_flags -> moe_layer_freq
     "model.mlp_only_layers": "models/qwen_config.py",
+    # the deepseek_v3 family's own keys (models/deepseek_config.py)
+    "model.q_lora_rank": "models/deepseek.py",
+    "model.kv_lora_rank": "models/deepseek.py",
+    "model.qk_nope_head_dim": "models/deepseek.py",
+    "model.qk_rope_head_dim": "models/deepseek.py",
+    "model.v_head_dim": "models/deepseek.py",
+    "model.qk_head_dim": "models/deepseek.py",  # checked against nope + rope
+    "model.n_group": "models/deepseek.py",
+    "model.topk_group": "models/deepseek.py",
+    "model.routed_scaling_factor": "models/deepseek.py",
+    "model.first_k_dense_replace": "models/deepseek_config.py",  # deepseek_layer_flags -> moe_layer_freq
     "data.path": "data/builders.py",
     "data.tokenizer": "data/builders.py",
     "data.seq_length": "data/builders.py",
@@ -163,7 +174,7 @@ REFUSED_VALUES = {
 
 def schema_keys() -> set[str]:
     """Every recipe key: the shared schema's and those of megacann's own families."""
-    families = ("llama", "gpt", "moe", "mistral", "qwen2", "qwen3", "qwen3_moe")
+    families = ("llama", "gpt", "moe", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
     return {key for family in families for key in all_dotted_keys(model_config_class(family))}
 
 

@@ -27,6 +27,7 @@ from megacann.layers.init import (
     make_parameter,
     parameter_seed,
 )
+from megacann.layers.latent_attention import LatentAttention
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.loss import (
     IGNORE_INDEX,
@@ -65,6 +66,7 @@ __all__ = [
     "LayerNorm",
     "RotaryEmbedding",
     "SelfAttention",
+    "LatentAttention",
     "SwiGLUMLP",
     "GeluMLP",
     "TransformerBlock",

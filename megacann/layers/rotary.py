@@ -6,8 +6,10 @@ Face LLaMA convention, "rotate_half") the tables are ``cat(f, f)`` along the las
 :func:`megacann.ops.apply_rotary`.
 
 ``scaling`` follows the Hugging Face ``rope_scaling`` dict: ``{"rope_type": "llama3", "factor",
-"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}`` or ``{"rope_type": "linear",
-"factor"}``; ``"type"`` is accepted for ``"rope_type"``.
+"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``, ``{"rope_type": "linear", "factor"}`` or ``{"rope_type": "yarn",
+"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+"attention_factor", "truncate"}`` (DeepSeek-V3; YaRN also scales the tables by :func:`rope_attention_factor`,
+as transformers does); ``"type"`` is accepted for ``"rope_type"``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,55 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict[
         if missing:
             raise ValueError(f"llama3 rope scaling needs {missing} (got keys {sorted(scaling)})")
         return _llama3_scale(inv_freq, *(float(scaling[k]) for k in _LLAMA3_KEYS))
-    raise ValueError(f"unknown rope scaling type {kind!r}; supported: default, linear, llama3")
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    raise ValueError(f"unknown rope scaling type {kind!r}; supported: default, linear, llama3, yarn")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 · mscale · ln(factor) + 1`` (1 when ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_factor(scaling: dict[str, Any]) -> float:
+    missing = [k for k in ("factor", "original_max_position_embeddings") if scaling.get(k) is None]
+    if missing:
+        raise ValueError(f"yarn rope scaling needs {missing} (got keys {sorted(scaling)})")
+    return float(scaling["factor"])
+
+
+def rope_attention_factor(scaling: Optional[dict[str, Any]]) -> float:
+    """What YaRN multiplies the cos/sin tables by (1 for every other scaling): ``attention_factor`` when
+    given, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else
+    ``mscale(factor)``."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, all_dim = _yarn_factor(scaling), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (NTK-by-parts): frequencies rotating fewer than ``beta_slow`` times over the original context
+    are divided by ``factor``, those over ``beta_fast`` kept, a linear ramp between."""
+    factor, old_len = _yarn_factor(scaling), float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the unscaled (extrapolated) frequency
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def _llama3_scale(inv_freq: torch.Tensor, factor: float, low: float, high: float, old_len: float) -> torch.Tensor:
@@ -69,6 +119,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.head_dim, self.theta, self.interleaved = head_dim, theta, interleaved
         self.scaling = dict(scaling) if scaling else None
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.attention_factor = rope_attention_factor(scaling)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}, interleaved={self.interleaved}"
@@ -83,6 +134,8 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         if dtype is not None:
             cos, sin = cos.to(dtype), sin.to(dtype)
         return cos, sin

@@ -133,6 +133,9 @@ class TransformerBlock(torch.nn.Module):
 
     ``mlp`` replaces the dense feed-forward block the config describes (e.g. a
     :class:`~megacann.layers.moe.MoELayer`): any module mapping ``[b, s_local, h]`` to the same shape.
+    ``attention`` likewise replaces the config's :class:`SelfAttention` (e.g. a
+    :class:`~megacann.layers.LatentAttention`): called as ``attention(hidden, (cos, sin), segment_ids)``,
+    with the rotary tables of width ``config.attention_head_dim``.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class TransformerBlock(torch.nn.Module):
         group: Optional[dist.ProcessGroup] = None,
         device: Optional[Union[torch.device, str]] = None,
         mlp: Optional[torch.nn.Module] = None,
+        attention: Optional[torch.nn.Module] = None,
     ):
         super().__init__()
         self.config = c = _with_context(config)
@@ -148,7 +152,9 @@ class TransformerBlock(torch.nn.Module):
         init, out_init = init_normal(c.init_method_std), init_normal(c.output_layer_init_std)
         common = dict(sequence_parallel=c.sequence_parallel, dtype=c.params_dtype, device=device)
         self.input_layernorm = self._norm(common)
-        self.self_attn = SelfAttention(
+        # a given attention module is taken as is (the SelfAttention settings below are then unused)
+        make_attention = SelfAttention if attention is None else lambda *args, **kwargs: attention
+        self.self_attn = make_attention(
             c.hidden_size,
             c.num_attention_heads,
             c.num_key_value_heads,

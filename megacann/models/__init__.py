@@ -1,9 +1,9 @@
 """Model families built only from megacann.layers, and the contract the rest of megacann knows them by.
 
-``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Mistral, Qwen2, Qwen3 and Qwen3-MoE
-here; docs/models.md lists them); a script registers its own with :func:`register_model` or hands one to
-``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`); reading and
-writing the directories is :mod:`megacann.interop`'s, and
+``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Mistral, Qwen2, Qwen3, Qwen3-MoE
+and DeepSeek-V3 here; docs/models.md lists them); a script registers its own with :func:`register_model` or
+hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`); reading
+and writing the directories is :mod:`megacann.interop`'s, and
 ``from megacann.models import from_pretrained_hf`` still finds it there.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
+from megacann.models.deepseek import DEEPSEEK_V3, DeepseekV3Model
 from megacann.models.gpt import GPT, GPTModel
 from megacann.models.llama import LLAMA, LlamaModel
 from megacann.models.mistral import MISTRAL, MistralModel, MistralModelConfig
@@ -39,8 +40,10 @@ register_model(MISTRAL)
 register_model(QWEN2)
 register_model(QWEN3)
 register_model(QWEN3_MOE)
+register_model(DEEPSEEK_V3)
 
 __all__ = [
+    "DEEPSEEK_V3",
     "GPT",
     "LLAMA",
     "MISTRAL",
@@ -51,6 +54,7 @@ __all__ = [
     "ChunkPlacement",
     "DecoderArch",
     "DecoderLM",
+    "DeepseekV3Model",
     "GPTModel",
     "HFAdapter",
     "LlamaModel",

@@ -63,6 +63,7 @@ class DecoderArch:
     position_embedding: str = "rope"  # rope | learned
     qkv_bias: Optional[bool] = None  # q, k, v biases; None: as the other projections (model.add_bias_linear)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    latent_attention: bool = False  # multi-head latent attention (DeepSeek-V3): its keys are the family's
 
     @property
     def mlp_matrices(self) -> int:

@@ -39,7 +39,8 @@ per transformer layer, per token (q = n x head_dim, = h when heads are h / n wid
 - an MoE layer: the norms and attention as above, its feed-forward block as :mod:`megacann.planning.moe`
   says (router, routed token copies, shared experts) instead of the MLP's.
 
-Not counted: the tensors the per-head q/k norms (Qwen3) save.
+Not counted: the tensors the per-head q/k norms (Qwen3) save. Latent attention (DeepSeek-V3) replaces the q, k, v
+terms by those of :mod:`megacann.planning.mla`.
 
 Sequence parallelism divides only the norms' part by t: the column-parallel projections save the input
 gathered over the sequence (the whole s). ``selective`` recompute drops the log-sum-exp (the attention
@@ -83,6 +84,7 @@ from megacann.layers.output import HEAD_LOSS
 from megacann.models import DecoderArch, get_model_spec
 from megacann.models.sizing import attention_head_dim
 from megacann.models.spec import MoEStructure
+from megacann.planning import mla
 from megacann.planning.moe import moe_activation_terms, moe_parameters_per_rank
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in PRECISION_DTYPES.items()}
@@ -214,8 +216,11 @@ def query_width(m: ModelConfig) -> int:
 
 
 def attention_parameters_per_rank(m: ModelConfig, tp: int) -> int:
-    """q, k, v and output projections of one layer on one TP rank, with their biases and q/k norms."""
+    """q, k, v and output projections of one layer on one TP rank, with their biases and q/k norms
+    (latent attention: :mod:`megacann.planning.mla`)."""
     arch = architecture(m)
+    if arch.latent_attention:
+        return mla.latent_attention_parameters_per_rank(m, tp)
     h, q, kv = m.hidden_size, query_width(m) // tp, _local_kv(m, tp)
     qkv_bias = m.use_bias if arch.qkv_bias is None else arch.qkv_bias
     total = h * q + 2 * kv * h + q * h
@@ -329,6 +334,9 @@ def layer_activation_terms(cfg: MegacannConfig, layout: Layout, moe_layer: bool 
         "attention log-sum-exp": tokens * 4 * (m.num_attention_heads // t),
         "mlp": tokens * a * mlp,
     }
+    if arch.latent_attention:
+        del terms["attention q k v out"]
+        terms.update(mla.latent_attention_activation_terms(m, tokens, a, t))
     if moe_layer:  # the router reads the MLP's input: its own term counts it
         terms["projection inputs"] = tokens * a * h
         del terms["mlp"]
@@ -389,7 +397,8 @@ def chunk_extra_terms(
         positions = (s if layout.cp == 1 else tokens) * 8
         terms["token ids"] = tokens * (8 + (t > 1)) + (positions if learned else 0)
     if has_layers and arch.position_embedding == "rope":
-        terms["rotary tables"] = tokens * 2 * attention_head_dim(m) * a
+        width = m.qk_rope_head_dim if arch.latent_attention else attention_head_dim(m)
+        terms["rotary tables"] = tokens * 2 * width * a
     if last:
         stats = 2 if arch.normalization == "layernorm" else 1
         norm = tokens * a * (m.hidden_size + stats) / (t if layout.sequence_parallel else 1)

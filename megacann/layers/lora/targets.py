@@ -7,7 +7,8 @@ Naming parts (``q_proj``, ``v_proj``, ``gate_proj``…) on a fused layer gives e
 rank-r LoRA (own ``A`` and ``B``) and leaves the other blocks unchanged: exactly Hugging Face PEFT's LoRA on
 separate projections. On a model with separate projections, a fused name selects each of its parts.
 
-The same names select MoE experts' ``gate_up_proj`` (gate, up) and ``down_proj``. :func:`resolve_target`
+The same names select MoE experts' ``gate_up_proj`` (gate, up) and ``down_proj``; latent attention's
+projections have names of their own (:data:`LATENT_PROJECTIONS`; ``"all-linear"`` does not include them). :func:`resolve_target`
 is the one place a name becomes a layer's LoRA; attaching, merging and the PEFT writer / reader all use it.
 """
 
@@ -23,8 +24,10 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# multi-head latent attention's (DeepSeek-V3): the down- and up-projections of its q and kv latents
+LATENT_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 MTP_PROJECTIONS = ("eh_proj",)  # multi-token prediction's projection of [embedding, hidden]
-PROJECTION_NAMES = (*HF_PROJECTIONS, *FUSED_PROJECTIONS, *MTP_PROJECTIONS)
+PROJECTION_NAMES = (*HF_PROJECTIONS, *LATENT_PROJECTIONS, *FUSED_PROJECTIONS, *MTP_PROJECTIONS)
 ALL_PROJECTIONS = "all-linear"  # PEFT's shorthand: every attention and MLP projection
 
 

@@ -26,6 +26,12 @@ class MoEConfig:
     router z-loss; ``bias_update_rate > 0`` turns on auxiliary-loss-free balancing (a per-expert bias added
     to the scores for choosing only, moved by this rate after each optimizer step).
 
+    Group-limited routing (DeepSeek-V3): with ``num_groups > 1`` the experts form that many equal groups
+    and each token chooses among the experts of its ``top_k_groups`` best groups only (a group rated by
+    the sum of its two highest biased scores). ``expert_bias``: keep the per-expert bias buffer even
+    without bias-based balancing (a checkpoint's trained bias, DeepSeek-V3's ``e_score_correction_bias``);
+    None: only when ``bias_update_rate > 0``.
+
     Capacity: ``capacity_factor=None`` is dropless; a number caps every expert at
     ``ceil(capacity_factor * tokens * top_k / num_experts)`` tokens per forward (see
     :func:`megacann.layers.moe.router.capacity_mask` for which tokens drop).
@@ -53,6 +59,9 @@ class MoEConfig:
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     bias_update_rate: float = 0.0
+    num_groups: int = 1
+    top_k_groups: int = 1
+    expert_bias: Optional[bool] = None
     capacity_factor: Optional[float] = None
     num_shared_experts: int = 0
     shared_expert_ffn_hidden_size: Optional[int] = None
@@ -75,6 +84,19 @@ class MoEConfig:
         for key in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
             if getattr(self, key) < 0:
                 raise ValueError(f"MoEConfig.{key} must be >= 0, got {getattr(self, key)}")
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(
+                f"MoEConfig.num_groups {self.num_groups} must be >= 1 and divide num_experts {self.num_experts}"
+            )
+        if not 1 <= self.top_k_groups <= self.num_groups:
+            raise ValueError(
+                f"MoEConfig.top_k_groups must be in [1, num_groups={self.num_groups}], got {self.top_k_groups}"
+            )
+        if self.top_k > self.top_k_groups * (self.num_experts // self.num_groups):
+            raise ValueError(
+                f"MoEConfig.top_k {self.top_k} exceeds the {self.top_k_groups * (self.num_experts // self.num_groups)} "
+                "experts of the top_k_groups groups a token may choose from"
+            )
         if self.routed_scaling_factor <= 0:
             raise ValueError(f"MoEConfig.routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:

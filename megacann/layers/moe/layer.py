@@ -91,6 +91,9 @@ class MoELayer(torch.nn.Module):
             aux_loss_coeff=c.aux_loss_coeff,
             z_loss_coeff=c.z_loss_coeff,
             bias_update_rate=c.bias_update_rate,
+            num_groups=c.num_groups,
+            top_k_groups=c.top_k_groups,
+            expert_bias=c.expert_bias,
             init_method=init,
             group=group,
             dtype=c.params_dtype,
@@ -185,7 +188,7 @@ def update_expert_biases(
     data-parallel group with context parallelism, which spans the expert-parallel ranks too) in one
     all-reduce, so every rank moves its biases alike."""
     layers = moe_layers(layers) if isinstance(layers, torch.nn.Module) else list(layers)
-    routers = [layer.router for layer in layers if layer.router.expert_bias is not None]
+    routers = [r for r in (layer.router for layer in layers) if r.expert_bias is not None and r.bias_update_rate > 0]
     if not routers:
         return
     loads = torch.stack([r.load_since_update for r in routers])

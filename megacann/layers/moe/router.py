@@ -2,8 +2,12 @@
 
 For tokens ``x [T, h]`` the router computes logits ``x Wᵀ`` (in fp32 at least), scores (softmax over the experts
 or a sigmoid per expert), picks the ``top_k`` experts with the highest ``score + expert_bias`` (the bias,
-zero unless bias-based balancing is on, only steers the choice) and weights them with their scores,
-optionally normalised to sum to one and scaled.
+zero unless bias-based balancing is on or a checkpoint brought one, only steers the choice) and weights
+them with their scores, optionally normalised to sum to one and scaled.
+
+Group-limited routing (DeepSeek-V3, ``num_groups > 1``): the experts form ``num_groups`` equal groups, each
+group is rated by the sum of its two highest biased scores, and a token picks its ``top_k`` experts only
+among the ``top_k_groups`` best groups (transformers' DeepseekV3TopkRouter).
 
 Auxiliary losses, already multiplied by their coefficients, over the ``N`` tokens of the tensor-parallel
 group (every TP rank routes its own share of them):
@@ -33,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacann.layers import mappings
-from megacann.layers.init import default_init_methods, make_parameter, resolve_device
+from megacann.layers.init import default_init_methods, init_zeros, make_parameter, resolve_device
 from megacann.layers.random import is_recomputing
 from megacann.layers.sharding import InitMethod
 
@@ -93,7 +97,9 @@ def capacity_mask(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: i
 
 class TopKRouter(torch.nn.Module):
     """``forward(x [T, h]) -> Routing``. ``weight`` ``[num_experts, hidden_size]`` is whole on every rank;
-    ``expert_bias`` (a persistent fp32 buffer, present when ``bias_update_rate > 0``) steers the choice.
+    ``expert_bias`` (fp32) steers the choice: a persistent buffer when ``bias_update_rate > 0`` and
+    ``expert_bias`` is None, a frozen parameter (``requires_grad=False``: moved only by the balancing
+    update, never by the optimizer) when ``expert_bias=True`` (a checkpoint's trained bias, DeepSeek-V3).
 
     ``group`` is the tensor-parallel group over which the tokens of one sequence are split (each rank
     routes its share); the token counts and auxiliary losses are summed over it."""
@@ -109,6 +115,9 @@ class TopKRouter(torch.nn.Module):
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
         bias_update_rate: float = 0.0,
+        num_groups: int = 1,
+        top_k_groups: int = 1,
+        expert_bias: Optional[bool] = None,
         init_method: Optional[InitMethod] = None,
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
@@ -121,6 +130,17 @@ class TopKRouter(torch.nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.bias_update_rate = bias_update_rate
+        self.num_groups, self.top_k_groups = num_groups, top_k_groups
+        if num_experts % num_groups or not 1 <= top_k_groups <= num_groups:
+            raise ValueError(
+                f"TopKRouter: num_groups {num_groups} must divide num_experts {num_experts} and top_k_groups "
+                f"{top_k_groups} be in [1, num_groups]"
+            )
+        if top_k > top_k_groups * (num_experts // num_groups):
+            raise ValueError(
+                f"TopKRouter: top_k {top_k} exceeds the experts of top_k_groups {top_k_groups} groups of "
+                f"{num_experts // num_groups}"
+            )
         self.group = group
         self.tp_size = mappings.tp_world_size(group)
         self.weight = make_parameter(
@@ -134,16 +154,42 @@ class TopKRouter(torch.nn.Module):
             device=device,
         )
         device = resolve_device(device)  # the parameter's (from the layer context when None)
-        bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if bias_update_rate > 0 else None
-        self.register_buffer("expert_bias", bias)
+        with_bias = bias_update_rate > 0 if expert_bias is None else expert_bias
+        if bias_update_rate > 0 and not with_bias:
+            raise ValueError("TopKRouter: bias_update_rate > 0 needs the expert bias (expert_bias=False given)")
+        bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if with_bias else None
+        if expert_bias:  # a frozen parameter, so weight conversion (Hugging Face both ways) carries it
+            bias = make_parameter(
+                (num_experts,),
+                init_zeros(),
+                tp_rank=0,
+                tp_size=1,
+                name="TopKRouter expert_bias",
+                dtype=torch.float32,
+                device=device,
+            )
+            self.expert_bias = bias.requires_grad_(False)
+        else:
+            self.register_buffer("expert_bias", bias)
         load = None if bias is None else torch.zeros(num_experts, dtype=torch.int64, device=device)  # exact counts
         self.register_buffer("load_since_update", load, persistent=False)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, score_function={self.score_function}, "
-            f"normalize_top_k={self.normalize_top_k}, bias_update_rate={self.bias_update_rate}"
+            f"normalize_top_k={self.normalize_top_k}, bias_update_rate={self.bias_update_rate}, "
+            f"num_groups={self.num_groups}, top_k_groups={self.top_k_groups}"
         )
+
+    def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` ``[T, E]`` with the experts outside each token's ``top_k_groups`` best groups set to
+        -inf; a group's rating is the sum of its two highest entries (its one entry when it has one)."""
+        tokens, per_group = choice.shape[0], self.num_experts // self.num_groups
+        grouped = choice.view(tokens, self.num_groups, per_group)
+        rating = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)
+        best = torch.topk(rating, self.top_k_groups, dim=-1).indices
+        keep = torch.zeros_like(rating, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, self.num_experts)
 
     def forward(self, x: torch.Tensor) -> Routing:
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
@@ -153,6 +199,8 @@ class TopKRouter(torch.nn.Module):
         else:
             scores = torch.sigmoid(logits)
         choice = scores.detach() if self.expert_bias is None else scores.detach() + self.expert_bias
+        if self.num_groups > 1:
+            choice = self.limit_to_groups(choice)
         expert_ids = torch.topk(choice, self.top_k, dim=-1).indices
         probs = scores.gather(1, expert_ids)
         if self.normalize_top_k and self.top_k > 1:
@@ -184,7 +232,7 @@ class TopKRouter(torch.nn.Module):
         router counted since the last update, which is then reset). For the same bias on every rank the
         load must be the same everywhere: :func:`megacann.layers.moe.update_expert_biases` sums it over the
         data-parallel group first."""
-        if self.expert_bias is None:
+        if self.expert_bias is None or self.bias_update_rate == 0:
             raise RuntimeError("TopKRouter.update_expert_bias: bias-based balancing is off (bias_update_rate 0)")
         load = (self.load_since_update if load is None else load).double()
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load).to(self.expert_bias)

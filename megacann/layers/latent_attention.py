@@ -1,0 +1,229 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2 / V3), split across tensor-parallel ranks by heads.
+
+Queries come from the hidden state through a low-rank bottleneck (``q_a_proj`` to ``q_lora_rank``, an
+RMSNorm ``q_a_layernorm``, ``q_b_proj`` up to every head) or, with ``q_lora_rank=None``, one ``q_proj``.
+Keys and values share one compressed latent: ``kv_a_proj_with_mqa`` gives ``kv_lora_rank`` latent features
+(normed by ``kv_a_layernorm`` and expanded per head by ``kv_b_proj`` into the head's key part without
+positions, ``qk_nope_head_dim``, and its value, ``v_head_dim``) plus one rotary key of
+``qk_rope_head_dim`` shared by all heads. A query head is ``[nope | rope]`` (``qk_nope_head_dim +
+qk_rope_head_dim``), RoPE turns only the rope part, and the output projection ``o_proj`` reads
+``heads x v_head_dim``. Names and layouts are Hugging Face's DeepseekV3Attention, so checkpoints map by name.
+
+Tensor parallelism (as Megatron-Core's MLA): the down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and
+their norms are replicated on every rank and see the whole sequence (under sequence parallelism the
+shared input is gathered first); the up-projections (``q_b_proj``, ``kv_b_proj``, or ``q_proj``) are
+column-parallel over heads and ``o_proj`` row-parallel. Each rank's heads give only part of the
+gradient of the replicated weights, so those are marked ``tp_partial_grad`` (summed over TP).
+
+The core attention runs through the same path as :class:`~megacann.layers.SelfAttention` (one process:
+:func:`megacann.ops.scaled_dot_product_attention`; context parallelism: ring, all-gather or Ulysses).
+Those kernels and algorithms take one head width for q, k and v, so when ``v_head_dim`` differs from the
+q/k width the narrower side is padded with zeros (zero value columns give zero outputs, cut off after;
+zero q/k columns add nothing to the scores): every algorithm carries MLA, at the cost of attention
+over the wider head.
+
+``softmax_scale`` defaults to :func:`mla_softmax_scale` (``1/sqrt(qk head width)``, times YaRN's
+``mscale_all_dim`` correction squared when ``rope_scaling`` is YaRN, as transformers does). The rotary
+tables ``rotary=(cos, sin)`` are of width ``qk_rope_head_dim``; ``rotary_interleaved`` rotates adjacent
+pairs (DeepSeek's ``rope_interleave``: the same scores as transformers, whose interleaved rotation
+differs only by a permutation applied alike to queries and keys).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from einops import rearrange
+
+from megacann import ops
+from megacann.layers import mappings
+from megacann.layers.attention import Rotary, SelfAttention
+from megacann.layers.context import current_layer_context
+from megacann.layers.init import default_init_methods
+from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megacann.layers.norm import RMSNorm
+from megacann.layers.random import checkpoint
+from megacann.layers.rotary import yarn_mscale
+from megacann.layers.sharding import InitMethod, mark_partial_grad
+
+
+def mla_softmax_scale(qk_head_dim: int, rope_scaling: Optional[dict[str, Any]] = None) -> float:
+    """DeepSeek's softmax scale: ``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim)²`` when
+    the rope scaling is not the default one and sets ``mscale_all_dim`` (YaRN)."""
+    scale = qk_head_dim**-0.5
+    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if kind != "default" and rope_scaling.get("mscale_all_dim"):
+        mscale = yarn_mscale(float(rope_scaling["factor"]), float(rope_scaling["mscale_all_dim"]))
+        scale *= mscale * mscale
+    return scale
+
+
+def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+class LatentAttention(torch.nn.Module):
+    """``forward(hidden [b, s_local, h], rotary=(cos, sin) | None, segment_ids=None) -> [b, s_local, h]``,
+    causal; see the module docstring. Arguments as :class:`~megacann.layers.SelfAttention`'s (those left
+    None come from the current layer context); ``bias`` adds biases to ``q_a_proj``,
+    ``kv_a_proj_with_mqa`` and ``o_proj`` (Hugging Face's ``attention_bias``)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: Optional[int] = None,
+        norm_eps: float = 1e-6,
+        bias: bool = False,
+        softmax_scale: Optional[float] = None,
+        rotary_interleaved: bool = False,
+        attention_dropout: float = 0.0,
+        sequence_parallel: Optional[bool] = None,
+        recompute_core_attention: Optional[bool] = None,
+        context_parallel_algo: Optional[str] = None,
+        context_parallel_group: Optional[dist.ProcessGroup] = None,
+        init_method: Optional[InitMethod] = None,
+        output_init_method: Optional[InitMethod] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ):
+        super().__init__()
+        ctx = current_layer_context()
+        tp = mappings.tp_world_size(group)
+        if num_attention_heads % tp:
+            raise ValueError(
+                f"LatentAttention: num_attention_heads {num_attention_heads} is not divisible by "
+                f"tensor_model_parallel_size {tp} (heads split over TP)"
+            )
+        for key, value in (("kv_lora_rank", kv_lora_rank), ("v_head_dim", v_head_dim), ("q_lora_rank", q_lora_rank)):
+            if value is not None and value < 1:
+                raise ValueError(f"LatentAttention: {key} must be >= 1, got {value}")
+        if qk_rope_head_dim < 2 or qk_rope_head_dim % 2 or qk_nope_head_dim < 0:
+            raise ValueError(
+                f"LatentAttention: qk_rope_head_dim must be a positive even number (RoPE pairs) and "
+                f"qk_nope_head_dim >= 0, got {qk_rope_head_dim} and {qk_nope_head_dim}"
+            )
+        init_method, output_init_method = default_init_methods(init_method, output_init_method)
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.local_heads = num_attention_heads // tp
+        self.softmax_scale = mla_softmax_scale(self.qk_head_dim) if softmax_scale is None else softmax_scale
+        self.rotary_interleaved = rotary_interleaved
+        # what SelfAttention.core_attention reads (the core attention is shared)
+        self.dropout_p, self.sliding_window = attention_dropout, None
+        self.context_parallel_algo = (
+            ctx.context_parallel_algo if context_parallel_algo is None else context_parallel_algo
+        )
+        self.context_parallel_group = context_parallel_group
+        if recompute_core_attention is None:
+            recompute_core_attention = ctx.recompute == "selective"
+        self.recompute_core_attention = recompute_core_attention
+
+        linear = dict(group=group, dtype=dtype, device=device)
+        down = dict(replicated=True, sequence_parallel=sequence_parallel, init_method=init_method, **linear)
+        up = dict(bias=False, sequence_parallel=False, init_method=init_method, **linear)
+        norm = dict(sequence_parallel=False, dtype=dtype, device=device)
+        q_size = num_attention_heads * self.qk_head_dim
+        self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        if q_lora_rank is None:  # reads the sequence the kv down-projection gathers, split by heads
+            self.q_proj = ColumnParallelLinear(hidden_size, q_size, **up)
+        else:
+            self.q_a_proj = ColumnParallelLinear(hidden_size, q_lora_rank, bias=bias, **down)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps, **norm)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, q_size, **up)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias, **down)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, **norm)
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_attention_heads * (qk_nope_head_dim + v_head_dim), **up)
+        self.o_proj = RowParallelLinear(
+            num_attention_heads * v_head_dim,
+            hidden_size,
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            init_method=output_init_method,
+            **linear,
+        )
+        if tp > 1:  # whole on every rank; each rank's heads give part of the gradient
+            for norm_layer in (self.q_a_layernorm, self.kv_a_layernorm):
+                if norm_layer is not None:
+                    mark_partial_grad(norm_layer.weight)
+
+    def extra_repr(self) -> str:
+        return (
+            f"local_heads={self.local_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
+            f"qk_nope_head_dim={self.nope}, qk_rope_head_dim={self.rope}, v_head_dim={self.v_head_dim}"
+        )
+
+    def _project(self, hidden: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k ``[b, s, local heads, qk width]`` (RoPE applied) and v ``[b, s, local heads, v_head_dim]``
+        over the whole sequence."""
+        # one prepared input for every projection of the hidden state: gathered under sequence
+        # parallelism, its gradient summed over TP in backward
+        x = self.kv_a_proj_with_mqa.prepare_input(hidden)
+        if self.q_proj is not None:
+            q = self.q_proj.forward_prepared(x)
+        else:
+            q = self.q_b_proj.forward_prepared(self.q_a_layernorm(self.q_a_proj.forward_prepared(x)))
+        q_nope, q_rope = rearrange(q, "b s (h d) -> b s h d", d=self.qk_head_dim).split([self.nope, self.rope], -1)
+        latent, k_rope = self.kv_a_proj_with_mqa.forward_prepared(x).split([self.kv_lora_rank, self.rope], -1)
+        kv = rearrange(
+            self.kv_b_proj.forward_prepared(self.kv_a_layernorm(latent)), "b s (h d) -> b s h d", h=self.local_heads
+        )
+        k_nope, v = kv.split([self.nope, self.v_head_dim], -1)
+        q_rope, k_rope = q_rope.contiguous(), k_rope.unsqueeze(2).contiguous()  # the shared key: one head
+        if rotary is not None:
+            cos, sin = rotary
+            q_rope = ops.apply_rotary(q_rope, cos, sin, self.rotary_interleaved)
+            k_rope = ops.apply_rotary(k_rope, cos, sin, self.rotary_interleaved)
+        q = torch.cat([q_nope, q_rope], -1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, self.local_heads, -1)], -1)
+        return q, k, v
+
+    def core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """Softmax attention of this rank's heads, q/k and v padded to one width (see the module
+        docstring), through SelfAttention's core attention (one process or the context-parallel group)."""
+        width = max(self.qk_head_dim, self.v_head_dim)
+        q, k, v = (_pad_heads(t, width) for t in (q, k, v))
+        return SelfAttention.core_attention(self, q, k, v, segment_ids)[..., : self.v_head_dim]
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: Rotary = None, segment_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        q, k, v = self._project(hidden, rotary)
+        if self.recompute_core_attention and self.training:
+            out = checkpoint(self.core_attention, q, k, v, segment_ids)
+        else:
+            out = self.core_attention(q, k, v, segment_ids)
+        return self.o_proj(rearrange(out, "b s h d -> b s (h d)"))
+
+
+def latent_attention_parameters(
+    hidden_size: int,
+    num_attention_heads: int,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    q_lora_rank: Optional[int] = None,
+    bias: bool = False,
+) -> int:
+    """Parameters of one :class:`LatentAttention` (whole, all ranks together)."""
+    h, heads, qk = hidden_size, num_attention_heads, qk_nope_head_dim + qk_rope_head_dim
+    q = h * heads * qk if q_lora_rank is None else h * q_lora_rank + q_lora_rank + q_lora_rank * heads * qk
+    kv = h * (kv_lora_rank + qk_rope_head_dim) + kv_lora_rank + kv_lora_rank * heads * (qk_nope_head_dim + v_head_dim)
+    biases = (q_lora_rank or 0) + kv_lora_rank + qk_rope_head_dim + h if bias else 0
+    return q + kv + heads * v_head_dim * h + biases
+
+
+__all__ = ["LatentAttention", "latent_attention_parameters", "mla_softmax_scale"]

@@ -1,0 +1,46 @@
+"""Memory formulas of multi-head latent attention (:class:`megacann.layers.LatentAttention`; a family whose
+``DecoderArch.latent_attention`` is set, reading its ``q_lora_rank``, ``kv_lora_rank``,
+``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim`` keys).
+
+**Parameters** of one layer's attention on one TP rank (t = TP size, n heads, h hidden, r_q / r_kv the q and
+kv latents, d_qk = nope + rope, d_v the value width): the down-projections and their norms whole on every
+rank (h r_q + r_q, h (r_kv + rope) + r_kv), the up-projections split over heads (r_q n d_qk / t, or
+h n d_qk / t without a q latent; r_kv n (nope + d_v) / t) and the output projection n d_v h / t.
+
+**Activations** per token and micro-batch (a = bytes of the weights' dtype; the latents cover the whole
+sequence on every TP rank, also under sequence parallelism): the q latent's norm saves its input and
+1/rms and q_b_proj its normed input (a (2 r_q + 1)), likewise the kv latent (a (2 r_kv + 1)); the core
+attention runs on heads padded to one width W = max(d_qk, d_v) and saves q, k, v and its output
+(4 a n W / t) plus a float32 log-sum-exp per head; o_proj saves its input (a n d_v / t). RoPE saves
+nothing (its tables carry no gradient); the rotary tables are of width ``qk_rope_head_dim``.
+"""
+
+from __future__ import annotations
+
+from megacann.config import ModelConfig
+
+
+def padded_head_width(m: ModelConfig) -> int:
+    """The head width the core attention runs on: q/k and v padded to the wider."""
+    return max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+
+
+def latent_attention_parameters_per_rank(m: ModelConfig, tp: int) -> int:
+    """One layer's latent attention on one TP rank (see the module docstring)."""
+    h, heads = m.hidden_size, m.num_attention_heads // tp
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = h * heads * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank * (1 + heads * qk)
+    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * (1 + heads * (m.qk_nope_head_dim + m.v_head_dim))
+    return q + kv + heads * m.v_head_dim * h
+
+
+def latent_attention_activation_terms(m: ModelConfig, tokens: float, a: int, tp: int) -> dict[str, float]:
+    """Bytes one layer's latent attention saves for ``tokens`` tokens (beside the projection input)."""
+    heads = m.num_attention_heads // tp
+    latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank
+    norms = (m.q_lora_rank is not None) + 1  # each latent norm's 1/rms
+    return {
+        "attention latents": tokens * a * (latents + norms),
+        "attention q k v out": tokens * a * (4 * heads * padded_head_width(m) + heads * m.v_head_dim),
+        "attention log-sum-exp": tokens * 4 * heads,
+    }
