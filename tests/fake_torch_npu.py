@@ -47,6 +47,7 @@ class Call:
     args: tuple
     kwargs: dict[str, Any] = field(default_factory=dict)
     result: Any = None
+    drawn: tuple = ()  # attention with dropout: the (seed, offset) drawn, kept even if the call stops early
 
 
 def _rotate_half(x):
@@ -161,6 +162,7 @@ def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
         assert pse is None and padding_mask is None and prefix is None, "the fake models no pse/padding/prefix"
         seed, offset = (int(torch.randint(0, 2**31 - 1, (1,))), 0) if keep_prob < 1.0 else (0, 0)
         drop = _Dropout(keep_prob, seed, offset)
+        npu.calls[-1].drawn = (seed, offset)
         numels = 0
         if input_layout == "BNSD":
             assert keep_prob == 1.0, "the fake's BNSD blocks (context parallelism) take no dropout"
