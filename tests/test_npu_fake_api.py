@@ -81,13 +81,17 @@ def test_documented_limits_are_enforced(fake_npu):
     with pytest.raises(AssertionError, match="one float dtype"):
         attend(q, k.double(), v.double(), 4, "BSND")
     with pytest.raises(AssertionError, match="200000 rows"):
-        fake_npu.npu_cross_entropy_loss(torch.zeros(200_001, 2), torch.zeros(200_001, dtype=torch.int64), reduction="none")
+        fake_npu.npu_cross_entropy_loss(
+            torch.zeros(200_001, 2), torch.zeros(200_001, dtype=torch.int64), reduction="none"
+        )
     x = torch.randn(1, 2, 1001, 16)
     with pytest.raises(AssertionError, match="over the limits"):
         fake_npu.npu_rotary_mul(x, x[:1, :, :1], x[:1, :, :1])
     rows, gl = torch.randn(129, 4), torch.ones(129, dtype=torch.int64)
     with pytest.raises(AssertionError, match="at most 128 weights"):
-        fake_npu.npu_grouped_matmul([rows], [torch.randn(4, 2)] * 129, group_list=gl, split_item=2, group_type=0, group_list_type=1)
+        fake_npu.npu_grouped_matmul(
+            [rows], [torch.randn(4, 2)] * 129, group_list=gl, split_item=2, group_type=0, group_list_type=1
+        )
     with pytest.raises(AssertionError, match="one dtype"):
         fake_npu.npu_grouped_matmul([rows[:2]], [torch.randn(4, 2).double()] * 2, group_list=gl[:2], split_item=2, group_type=0, group_list_type=1)  # fmt: skip
 

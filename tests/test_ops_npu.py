@@ -12,10 +12,9 @@ import sys
 
 import pytest
 import torch
-from fake_torch_npu import COMPRESSED, make_fake_torch_npu
+from fake_torch_npu import COMPRESSED, forget_npu_checks, make_fake_torch_npu
 from layers_reference import rel_err
 
-from megacann import accelerator
 from megacann.ops import reference, registry
 from megacann.ops.attention_blocks import attention_block as reference_block
 from megacann.ops.attention_blocks import attention_block_backward as reference_block_backward
@@ -32,11 +31,7 @@ NPU_OPS = (
 )
 
 
-def _forget_npu_checks():
-    accelerator.import_torch_npu.cache_clear()
-    for key in [k for k in registry._AVAILABLE if k[1] == "npu"]:
-        del registry._AVAILABLE[key]
-    registry._CACHE.clear()
+_forget_npu_checks = forget_npu_checks
 
 
 @pytest.fixture
