@@ -21,7 +21,7 @@ from fake_torch_npu import forget_npu_checks, make_fake_torch_npu
 from layers_reference import rel_err
 
 from megacann.layers.random import checkpoint
-from megacann.ops import registry
+from megacann.ops import npu_api, registry
 
 
 def _install(monkeypatch, old_api=False):
@@ -165,3 +165,21 @@ def test_attention_dropout_is_seeded_and_replays_under_recompute(fake_npu):
     assert rel_err(out, want) < 1e-6
     no_drop = attend(q, k, v, causal=True)
     assert rel_err(out, no_drop) > 1e-2  # dropout really dropped
+
+
+class _CompiledOp:
+    """A callable without a Python signature (like a compiled torch_npu operator), with a schema."""
+
+    __signature__ = "unreadable"
+
+    def __init__(self, schema):
+        self._schema = schema
+
+
+def test_the_api_check_reads_an_operator_schema_when_there_is_no_signature():
+    new = _CompiledOp("npu::npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor")
+    old = _CompiledOp("npu::npu_rotary_mul(Tensor self, Tensor r1, Tensor r2) -> Tensor")
+    assert npu_api.accepts(new, "rotary_mode") is True
+    assert npu_api.accepts(old, "rotary_mode") is False
+    assert npu_api.accepts(_CompiledOp(None), "rotary_mode") is None  # unknown: the newest API is assumed
+    assert npu_api.accepts(make_fake_torch_npu(old_api=True).npu_grouped_matmul, "group_type") is False

@@ -4,7 +4,8 @@ instead of failing at the first step.
 megacann's NPU kernels call two arguments that older torch_npu releases lack: ``npu_rotary_mul``'s
 ``rotary_mode`` (older releases: ``npu_rotary_mul(x, r1, r2)``, half mode only) and ``npu_grouped_matmul``'s
 ``group_type`` (the weight gradient splits the contraction with ``group_type=2``). :func:`supports` reads the
-function's signature (``inspect.signature``; for an operator without one, its schema text) and, when the
+function's signature (``inspect.signature``; for a compiled operator without one, the schema torch_npu
+registers as ``torch.ops.npu.<name>``) and, when the
 argument is missing, logs one line (logger ``megacann.ops``, WARNING) naming the op, the implementation
 that stands down, the torch_npu version and the missing argument; the registry then resolves the op to
 its next implementation. A signature that cannot be read at all counts as the documented newest API.
@@ -14,20 +15,32 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from typing import Any, Callable, Optional
+
+import torch
 
 from megacann.accelerator import import_torch_npu
 
 logger = logging.getLogger("megacann.ops")
 
 
+def _operator_schema(name: str) -> Optional[str]:
+    """The schema torch_npu registers for ``torch.ops.npu.<name>`` (its argument names), if any."""
+    try:
+        return str(getattr(torch.ops.npu, name).default._schema)
+    except Exception:  # no such namespace / operator / overload here
+        return None
+
+
 def accepts(fn: Callable[..., Any], parameter: str) -> Optional[bool]:
-    """Whether ``fn`` takes an argument named ``parameter`` (None: its signature cannot be read)."""
+    """Whether ``fn`` takes an argument named ``parameter``: from its Python signature, else from its
+    operator schema (``fn._schema``, or ``torch.ops.npu.<fn.__name__>``'s); None when neither is there."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        schema = getattr(fn, "_schema", None) or getattr(fn, "__doc__", None)
-        return None if not schema else f" {parameter}" in str(schema) or f"({parameter}" in str(schema)
+        schema = getattr(fn, "_schema", None) or _operator_schema(getattr(fn, "__name__", ""))
+        return None if schema is None else re.search(rf"\b{re.escape(parameter)}\b", str(schema)) is not None
     return parameter in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
