@@ -1,13 +1,29 @@
 """A stand-in ``torch_npu`` for testing megacann's NPU route on CPU.
 
-Each function records its call (name, positional and keyword arguments) and computes what torch_npu's
-documentation says the kernel computes, written here independently of megacann's reference ops, and
-checks the documented argument contract (layouts, mask shape and dtype, table shapes and dtypes). A
-wrong layout or mask therefore gives a wrong result or an AssertionError, not a silent pass.
+Each function has torch_npu's documented signature (an unknown keyword argument is a TypeError, as on the
+real module), records its call (name, and the positional and keyword arguments as passed), checks the
+documented limits (layouts, ``sparse_mode`` values, head counts against shapes, ``keep_prob`` in (0, 1],
+head dims, dtypes, list lengths, row counts) and computes what the documentation says the kernel computes,
+written here independently of megacann's reference ops. A wrong call therefore gives a wrong result, a
+TypeError or an AssertionError, not a silent pass.
+
+``make_fake_torch_npu(old_api=True)`` plays an older release (``__version__`` "2.1.0"): ``npu_rotary_mul``
+has no ``rotary_mode`` (half mode only) and ``npu_grouped_matmul`` no ``group_type`` / ``group_list_type``.
+
+Attention dropout (``keep_prob < 1``) follows the kernel's contract: the forward takes its random state
+from the device generator and returns it as ``(seed, offset, numels)``; the fake draws ``seed`` with one
+``torch.randint`` from the default (CPU) generator, sets ``offset = 0`` and ``numels`` = the number of
+attention probabilities, and keeps probability ``p`` where ``torch.rand`` of a ``torch.Generator`` seeded
+with ``seed + offset`` (drawn over all probabilities in the order of the output layout) is below
+``keep_prob``, scaling kept ones by ``1 / keep_prob``. Replaying a forward with the generator state restored
+(megacann's recompute does so) therefore draws the same mask; ``npu_fusion_attention_grad`` rebuilds it
+from the ``seed`` / ``offset`` it is given.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +32,13 @@ import torch
 import torch.nn.functional as F
 
 COMPRESSED = 2048
+NEW_VERSION, OLD_VERSION = "2.6.0", "2.1.0"
+MAX_INT = 2147483647
+LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+SPARSE_MODES = tuple(range(9))  # documented: 0 .. 8
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_CE_ROWS = 200_000  # npu_cross_entropy_loss: at most 200,000 rows
+MAX_GMM_WEIGHTS = 128  # npu_grouped_matmul: at most 128 tensors in a list
 
 
 @dataclass
@@ -23,6 +46,8 @@ class Call:
     name: str
     args: tuple
     kwargs: dict[str, Any] = field(default_factory=dict)
+    result: Any = None
+    drawn: tuple = ()  # attention with dropout: the (seed, offset) drawn, kept even if the call stops early
 
 
 def _rotate_half(x):
@@ -35,12 +60,27 @@ def _rotate_pairs(x):
     return torch.stack((-odd, even), dim=-1).flatten(-2)
 
 
-def _attend(q, k, v, scale, masked):
+class _Dropout:
+    """The mask stream of one attention call: ``torch.rand`` of a generator seeded ``seed + offset``."""
+
+    def __init__(self, keep_prob: float, seed: int, offset: int):
+        self.keep_prob = keep_prob
+        self.gen = torch.Generator().manual_seed(seed + offset) if keep_prob < 1.0 else None
+
+    def __call__(self, probs: torch.Tensor) -> torch.Tensor:
+        if self.gen is None:
+            return probs
+        keep = torch.rand(probs.shape, generator=self.gen, dtype=torch.float64) < self.keep_prob
+        return probs * keep / self.keep_prob
+
+
+def _attend(q, k, v, scale, masked, drop=None):
     """q [n, sq, d], k/v [n, skv, d], masked [sq, skv] (True = masked) or None."""
     scores = torch.einsum("nqd,nkd->nqk", q.double(), k.double()) * scale
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
-    return torch.einsum("nqk,nkd->nqd", scores.softmax(-1), v.double())
+    probs = scores.softmax(-1)
+    return torch.einsum("nqk,nkd->nqd", probs if drop is None else drop(probs), v.double())
 
 
 def _band(n: int, pre: int, nxt: int) -> torch.Tensor:
@@ -50,113 +90,157 @@ def _band(n: int, pre: int, nxt: int) -> torch.Tensor:
     return ones.triu(nxt + 1) | ones.tril(-pre - 1)
 
 
-def make_fake_torch_npu() -> types.ModuleType:
+def _check_attention(query, key, value, head_num, input_layout, keep_prob, sparse_mode):
+    """The documented limits shared by the forward and the backward."""
+    assert input_layout in LAYOUTS, f"input_layout must be one of {LAYOUTS}, got {input_layout!r}"
+    assert sparse_mode in SPARSE_MODES, f"sparse_mode must be one of {SPARSE_MODES}, got {sparse_mode}"
+    assert 0.0 < keep_prob <= 1.0, f"keep_prob must lie in (0, 1], got {keep_prob}"
+    assert query.dtype in FLOAT_DTYPES and key.dtype == value.dtype == query.dtype, "q/k/v: one float dtype"
+    heads_dim = {"BSND": 2, "BNSD": 1, "TND": 1}.get(input_layout)
+    assert heads_dim is not None, f"the fake models BSND, BNSD and TND, not {input_layout}"
+    assert query.shape[heads_dim] == head_num, f"head_num {head_num} but query has {query.shape[heads_dim]} heads"
+    assert head_num % key.shape[heads_dim] == 0, "query heads must be a multiple of key/value heads"
+    d = query.shape[-1]
+    assert d % 16 == 0 and d <= 512, f"head dim must be a multiple of 16 up to 512, got {d}"
+
+
+def _strict(npu, fn):
+    """Wrap a fake kernel: bind the call to its documented signature (TypeError on anything else), record
+    it as passed, run it, keep the result on the record."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def kernel(*args, **kwargs):
+        signature.bind(*args, **kwargs)
+        call = Call(fn.__name__, args, kwargs)
+        npu.calls.append(call)
+        call.result = fn(*args, **kwargs)
+        return call.result
+
+    return kernel
+
+
+def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
+    """A fresh fake module (``calls`` starts empty); ``old_api`` plays torch_npu 2.1.0's signatures."""
     npu = types.ModuleType("torch_npu")
+    npu.__version__ = OLD_VERSION if old_api else NEW_VERSION
     npu.calls = []
 
-    def record(name, args, kwargs):
-        npu.calls.append(Call(name, args, kwargs))
-
-    def npu_rms_norm(x, gamma, epsilon=1e-6):
-        record("npu_rms_norm", (x, gamma), {"epsilon": epsilon})
-        assert gamma.shape == x.shape[-1:], "gamma must match the last dim of x"
-        xf = x.float()
+    def npu_rms_norm(self, gamma, epsilon=1e-6):
+        assert self.dtype in FLOAT_DTYPES and gamma.shape == self.shape[-1:], "gamma must match the last dim"
+        xf = self.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + epsilon)
-        return (xf * rstd * gamma.float()).to(x.dtype), rstd
+        return (xf * rstd * gamma.float()).to(self.dtype), rstd
 
-    def npu_rotary_mul(x, r1, r2, rotary_mode="half"):
-        record("npu_rotary_mul", (x, r1, r2), {"rotary_mode": rotary_mode})
+    def _rotary(x, r1, r2, rotary_mode):
         assert x.dim() == 4 and r1.dim() == 4 and r2.shape == r1.shape, "4-D tensors expected"
-        assert r1.dtype == x.dtype and r2.dtype == x.dtype, "tables must have x's dtype"
-        assert rotary_mode in ("half", "interleave")
+        assert x.dtype in FLOAT_DTYPES and r1.dtype == x.dtype and r2.dtype == x.dtype, "tables in x's dtype"
+        assert rotary_mode in ("half", "interleave"), f"rotary_mode must be half or interleave, got {rotary_mode!r}"
+        b, n, d = x.shape[0], x.shape[2], x.shape[3]  # BSND, as megacann passes it
+        assert d % 2 == 0 and d < 896, f"head dim must be even and below 896, got {d}"
+        assert (b < 1000 and n < 1000) if rotary_mode == "half" else b * n < 1000, f"b={b}, n={n} over the limits"
         rotated = _rotate_half(x) if rotary_mode == "half" else _rotate_pairs(x)
         return x * r1 + rotated * r2
 
-    def npu_swiglu(x, dim=-1):
-        record("npu_swiglu", (x,), {"dim": dim})
-        a, b = x.chunk(2, dim=dim)
+    def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
+        return _rotary(input, r1, r2, rotary_mode)
+
+    def npu_rotary_mul_old(x, r1, r2):
+        return _rotary(x, r1, r2, "half")
+
+    def npu_swiglu(input, dim=-1):
+        assert input.dtype in FLOAT_DTYPES and input.shape[dim] % 2 == 0, "swiglu: an even split dim"
+        a, b = input.chunk(2, dim=dim)
         return F.silu(a) * b
 
-    def npu_fusion_attention(query, key, value, head_num, input_layout, **kw):
-        record("npu_fusion_attention", (query, key, value, head_num, input_layout), kw)
+    def npu_fusion_attention(
+        query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None, scale=1.0,
+        keep_prob=1.0, pre_tockens=MAX_INT, next_tockens=MAX_INT, inner_precise=0, prefix=None,
+        actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
+    ):  # fmt: skip
+        _check_attention(query, key, value, head_num, input_layout, keep_prob, sparse_mode)
+        assert pse is None and padding_mask is None and prefix is None, "the fake models no pse/padding/prefix"
+        seed, offset = (int(torch.randint(0, 2**31 - 1, (1,))), 0) if keep_prob < 1.0 else (0, 0)
+        drop = _Dropout(keep_prob, seed, offset)
+        npu.calls[-1].drawn = (seed, offset)
+        numels = 0
         if input_layout == "BNSD":
-            return _bnsd_attention(query, key, value, **kw)
-        mask, mode = kw.get("atten_mask"), kw.get("sparse_mode", 0)
-        scale, keep_prob = kw.get("scale", 1.0), kw.get("keep_prob", 1.0)
-        assert keep_prob == 1.0, "the fake does not draw dropout"
-        assert input_layout in ("BSND", "TND"), input_layout
+            assert keep_prob == 1.0, "the fake's BNSD blocks (context parallelism) take no dropout"
+            scores, v = _bnsd_scores(query, key, value, atten_mask, sparse_mode, scale)
+            row_max = scores.amax(-1, keepdim=True)
+            row_sum = (scores - row_max).exp().sum(-1, keepdim=True)
+            out = ((scores - row_max).exp() / row_sum) @ v
+            stats = [t.float().expand(*t.shape[:-1], 8) for t in (row_max, row_sum)]
+            return out.to(query.dtype), *stats, torch.empty(0), seed, offset, numels
+        mask, mode = atten_mask, sparse_mode
         assert mask is None or mask.dtype == torch.bool, "atten_mask must be bool (True = masked)"
-        pre, nxt = kw.get("pre_tockens", 2147483647), kw.get("next_tockens", 2147483647)
         if mode in (2, 3, 4):
             assert mask is not None and mask.shape == (COMPRESSED, COMPRESSED), "compressed causal mask expected"
             assert torch.equal(mask, torch.ones_like(mask).triu(1)), "causal mask must be True above the diagonal"
-        assert query.shape[-2] == head_num and head_num % key.shape[-2] == 0
+        else:
+            assert mode == 0, f"the fake models sparse_mode 0, 2, 3, 4, got {mode}"
         group = head_num // key.shape[-2]
         k, v = key.repeat_interleave(group, dim=-2), value.repeat_interleave(group, dim=-2)
 
         def causal(n):
-            return torch.ones(n, n, dtype=torch.bool).triu(1) if mode in (2, 3) else _band(n, pre, nxt)
+            return torch.ones(n, n, dtype=torch.bool).triu(1) if mode in (2, 3) else _band(n, pre_tockens, next_tockens)
 
         if input_layout == "TND":
-            lens = kw["actual_seq_qlen"]
-            assert lens == kw["actual_seq_kvlen"] and lens[-1] == query.shape[0], "cumulative lengths expected"
+            lens = actual_seq_qlen
+            assert lens == actual_seq_kvlen and lens[-1] == query.shape[0], "cumulative lengths expected"
             assert mode in (0, 3, 4)
             out = torch.empty(query.shape, dtype=torch.float64)
             for start, end in zip([0, *lens[:-1]], lens):
                 seq = slice(start, end)
                 masked = causal(end - start) if mode in (3, 4) else None
+                numels += head_num * (end - start) ** 2
                 out[seq] = _attend(
-                    query[seq].transpose(0, 1), k[seq].transpose(0, 1), v[seq].transpose(0, 1), scale, masked
+                    query[seq].transpose(0, 1), k[seq].transpose(0, 1), v[seq].transpose(0, 1), scale, masked, drop
                 ).transpose(0, 1)
         else:
             b, s = query.shape[:2]
-            assert kw.get("actual_seq_qlen") is None
+            assert actual_seq_qlen is None
             if mode in (2, 3, 4):
                 masked = causal(s).expand(b, head_num, s, s)
             elif mask is not None:
                 masked = mask.expand(b, head_num, s, s)  # [s, s] or [b, 1, s, s]
             else:
                 masked = torch.zeros(b, head_num, s, s, dtype=torch.bool)
+            numels = b * head_num * s * s
             out = torch.stack(
                 [
-                    _attend(query[i].transpose(0, 1), k[i].transpose(0, 1), v[i].transpose(0, 1), scale, masked[i])
-                    for i in range(b)
+                    _attend(q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), scale, m, drop)
+                    for q, kk, vv, m in zip(query, k, v, masked)
                 ]
             ).transpose(1, 2)
         empty = torch.empty(0)
-        return out.to(query.dtype), empty, empty, empty, 0, 0, 0
+        return out.to(query.dtype), empty, empty, empty, seed, offset, numels if keep_prob < 1.0 else 0
 
-    def _bnsd_attention(query, key, value, **kw):
-        """BNSD with no mask or the compressed causal mask (sparse_mode 2): output and the rows' softmax
-        max and sum, each value repeated over a last dim of 8, fp32."""
-        scores, v = _bnsd_scores(query, key, value, kw)
-        row_max = scores.amax(-1, keepdim=True)
-        row_sum = (scores - row_max).exp().sum(-1, keepdim=True)
-        out = ((scores - row_max).exp() / row_sum) @ v
-        stats = [t.float().expand(*t.shape[:-1], 8) for t in (row_max, row_sum)]
-        return out.to(query.dtype), *stats, torch.empty(0), 0, 0, 0
-
-    def _bnsd_scores(query, key, value, kw):
-        mode, mask = kw.get("sparse_mode", 0), kw.get("atten_mask")
+    def _bnsd_scores(query, key, value, mask, mode, scale):
         assert mode in (0, 2) and (mode == 2) == (mask is not None), "BNSD blocks: no mask, or causal mode 2"
         group = query.shape[1] // key.shape[1]
         k, v = key.double().repeat_interleave(group, 1), value.double().repeat_interleave(group, 1)
-        scores = query.double() @ k.transpose(-1, -2) * kw.get("scale", kw.get("scale_value", 1.0))
+        scores = query.double() @ k.transpose(-1, -2) * scale
         if mode == 2:
             assert mask.shape == (COMPRESSED, COMPRESSED) and torch.equal(mask, torch.ones_like(mask).triu(1))
             n, m = scores.shape[-2:]
             scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
         return scores, v
 
-    def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, **kw):
+    def npu_fusion_attention_grad(
+        query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None, atten_mask=None,
+        softmax_max=None, softmax_sum=None, softmax_in=None, attention_in=None, scale_value=1.0, keep_prob=1.0,
+        pre_tockens=MAX_INT, next_tockens=MAX_INT, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
+        actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
+    ):  # fmt: skip
         """Flash backward from the given softmax statistics (lse = max + log sum) and forward output."""
-        record("npu_fusion_attention_grad", (query, key, value, dy, head_num, input_layout), kw)
-        assert input_layout == "BNSD" and query.shape[1] == head_num
-        scores, v = _bnsd_scores(query, key, value, kw)
-        lse = (kw["softmax_max"][..., :1] + kw["softmax_sum"][..., :1].log()).double()
+        _check_attention(query, key, value, head_num, input_layout, keep_prob, sparse_mode)
+        assert input_layout == "BNSD" and keep_prob == 1.0, "the fake's backward models BNSD blocks, no dropout"
+        scores, v = _bnsd_scores(query, key, value, atten_mask, sparse_mode, scale_value)
+        lse = (softmax_max[..., :1] + softmax_sum[..., :1].log()).double()
         probs, dout = (scores - lse).exp(), dy.double()
-        delta = (dout * kw["attention_in"].double()).sum(-1, keepdim=True)
-        dscores = probs * (dout @ v.transpose(-1, -2) - delta) * kw["scale_value"]
+        delta = (dout * attention_in.double()).sum(-1, keepdim=True)
+        dscores = probs * (dout @ v.transpose(-1, -2) - delta) * scale_value
         group = query.shape[1] // key.shape[1]
 
         def per_kv(t):
@@ -167,50 +251,39 @@ def make_fake_torch_npu() -> types.ModuleType:
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), torch.empty(0)
 
     def npu_cross_entropy_loss(
-        input, target, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0, **kw
-    ):
-        record(
-            "npu_cross_entropy_loss",
-            (input, target),
-            {
-                "weight": weight,
-                "reduction": reduction,
-                "ignore_index": ignore_index,
-                "label_smoothing": label_smoothing,
-                **kw,
-            },
-        )
+        input, target, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
+        lse_square_scale_for_zloss=0.0, return_zloss=False,
+    ):  # fmt: skip
         assert input.dim() == 2 and target.dtype == torch.int64 and target.shape == input.shape[:1]
+        assert input.dtype in FLOAT_DTYPES and input.shape[0] <= MAX_CE_ROWS, f"at most {MAX_CE_ROWS} rows"
+        assert weight is None and label_smoothing == 0.0 and not return_zloss, "the fake models the plain loss"
         assert bool(((target >= 0) & (target < input.shape[1])).all()), "targets must lie in [0, C)"
         log_prob = torch.log_softmax(input.float(), dim=-1)
         loss = -log_prob.gather(1, target.unsqueeze(1)).squeeze(1)
         if ignore_index >= 0:  # documented: a negative ignore_index ignores nothing
             loss = loss.masked_fill(target == ignore_index, 0.0)
-        assert reduction == "none"
+        assert reduction == "none", "the fake models reduction='none'"
         return loss.to(input.dtype), log_prob.to(input.dtype), torch.empty(0), torch.empty(0)
 
     def npu_apply_adam_w(
-        beta1_power, beta2_power, lr, weight_decay, beta1, beta2, eps, grad, max_grad_norm, amsgrad, maximize, *, out
-    ):
-        record(
-            "npu_apply_adam_w",
-            (beta1_power, beta2_power, lr, weight_decay, beta1, beta2, eps, grad, max_grad_norm, amsgrad, maximize),
-            {"out": out},
-        )
+        beta1_power, beta2_power, lr, weight_decay, beta1, beta2, epsilon, grad, max_grad_norm, amsgrad, maximize,
+        *, out,
+    ):  # fmt: skip
         var, m, v = out
         assert not amsgrad and not maximize and max_grad_norm is None
+        assert var.dtype in FLOAT_DTYPES and grad.shape == var.shape == m.shape == v.shape
         # the ApplyAdamW formula (the powers passed in are one step behind: the kernel multiplies once more)
         bias1, bias2 = 1 - beta1_power * beta1, 1 - beta2_power * beta2
         var.mul_(1 - lr * weight_decay)
         m.mul_(beta1).add_(grad, alpha=1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        var.addcdiv_(m, (v / bias2).sqrt_().add_(eps), value=-lr / bias1)
+        var.addcdiv_(m, (v / bias2).sqrt_().add_(epsilon), value=-lr / bias1)
         return var, m, v
 
-    def npu_grouped_matmul(x, weight, *, group_list, split_item, group_type, group_list_type, **kw):
-        record("npu_grouped_matmul", (x, weight), {"group_list": group_list, "split_item": split_item,
-               "group_type": group_type, "group_list_type": group_list_type, **kw})  # fmt: skip
+    def _gmm(x, weight, group_list, split_item, group_type, group_list_type):
         assert isinstance(x, list) and isinstance(weight, list) and len(x) == 1, "lists of tensors expected"
+        assert len(weight) <= MAX_GMM_WEIGHTS, f"at most {MAX_GMM_WEIGHTS} weights in a list, got {len(weight)}"
+        assert all(t.dtype in FLOAT_DTYPES and t.dtype == x[0].dtype for t in weight), "x and weights: one dtype"
         assert group_list.dtype == torch.int64 and group_list_type in (0, 1)
         sizes = group_list.tolist()
         if group_list_type == 0:  # cumulative ends
@@ -223,10 +296,23 @@ def make_fake_torch_npu() -> types.ModuleType:
         pieces = zip(x[0].split(sizes, 1), weight[0].split(sizes, 0))
         return [torch.stack([a @ b for a, b in pieces])]
 
+    def npu_grouped_matmul(
+        x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
+        per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
+        activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
+        output_dtype=None, tuning_config=None,
+    ):  # fmt: skip
+        assert bias is None and scale is None and output_dtype is None, "the fake models the plain product"
+        return _gmm(x, weight, group_list, split_item, group_type, group_list_type)
+
+    def npu_grouped_matmul_old(
+        x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
+        group_list=None, split_item=0, output_dtype=None,
+    ):  # fmt: skip
+        assert bias is None and scale is None and output_dtype is None, "the fake models the plain product"
+        return _gmm(x, weight, group_list, split_item, 0, 0)  # cumulative ends, rows split
+
     def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
-        record(
-            "npu_moe_token_permute", (tokens, indices), {"num_out_tokens": num_out_tokens, "padded_mode": padded_mode}
-        )
         assert not padded_mode and tokens.dim() == 2 and indices.dim() in (1, 2)
         top_k = 1 if indices.dim() == 1 else indices.shape[1]
         first = torch.argsort(indices.reshape(-1), stable=True)  # the documented formula
@@ -236,7 +322,6 @@ def make_fake_torch_npu() -> types.ModuleType:
         return permuted, sorted_out.to(torch.int32)
 
     def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
-        record("npu_moe_token_unpermute", (permuted_tokens, sorted_indices, probs), {"padded_mode": padded_mode})
         assert not padded_mode and sorted_indices.dtype == torch.int32
         assert probs is None or probs.dtype == permuted_tokens.dtype, "probs in the tokens' dtype"
         top_k = 1 if probs is None else probs.shape[1]
@@ -244,17 +329,45 @@ def make_fake_torch_npu() -> types.ModuleType:
         weights = torch.ones(copies.shape[:2], dtype=copies.dtype) if probs is None else probs
         return (copies * weights.unsqueeze(-1)).sum(1)
 
+    rotary, gmm = (npu_rotary_mul_old, npu_grouped_matmul_old) if old_api else (npu_rotary_mul, npu_grouped_matmul)
+    rotary.__name__, gmm.__name__ = "npu_rotary_mul", "npu_grouped_matmul"
     for fn in (
         npu_rms_norm,
-        npu_rotary_mul,
+        rotary,
         npu_swiglu,
         npu_fusion_attention,
         npu_fusion_attention_grad,
         npu_cross_entropy_loss,
         npu_apply_adam_w,
-        npu_grouped_matmul,
+        gmm,
         npu_moe_token_permute,
         npu_moe_token_unpermute,
     ):
-        setattr(npu, fn.__name__, fn)
+        setattr(npu, fn.__name__, _strict(npu, fn))
     return npu
+
+
+def forget_npu_checks() -> None:
+    """Drop megacann's cached torch_npu import and NPU availability answers (after swapping the module)."""
+    from megacann import accelerator
+    from megacann.ops import registry
+
+    accelerator.import_torch_npu.cache_clear()
+    for key in [k for k in registry._AVAILABLE if k[1] in ("npu", "torch_npu")]:
+        del registry._AVAILABLE[key]
+    registry._CACHE.clear()
+
+
+def route_cpu_to_npu() -> None:
+    """Make every megacann op called on CPU tensors resolve as on an NPU (for a whole model on the fake):
+    each public op function looks its implementation up through its own ``_resolve``."""
+    from megacann import ops
+    from megacann.ops import registry
+
+    def as_npu(op: str, device_type: str):
+        return registry.resolve(op, "npu" if device_type == "cpu" else device_type)
+
+    for name in registry.ops():
+        fn = getattr(ops, name, None)
+        if fn is not None and hasattr(fn, "spec"):
+            fn.__globals__["_resolve"] = as_npu

@@ -12,10 +12,9 @@ import sys
 
 import pytest
 import torch
-from fake_torch_npu import COMPRESSED, make_fake_torch_npu
+from fake_torch_npu import COMPRESSED, forget_npu_checks, make_fake_torch_npu
 from layers_reference import rel_err
 
-from megacann import accelerator
 from megacann.ops import reference, registry
 from megacann.ops.attention_blocks import attention_block as reference_block
 from megacann.ops.attention_blocks import attention_block_backward as reference_block_backward
@@ -32,11 +31,7 @@ NPU_OPS = (
 )
 
 
-def _forget_npu_checks():
-    accelerator.import_torch_npu.cache_clear()
-    for key in [k for k in registry._AVAILABLE if k[1] == "npu"]:
-        del registry._AVAILABLE[key]
-    registry._CACHE.clear()
+_forget_npu_checks = forget_npu_checks
 
 
 @pytest.fixture
@@ -105,7 +100,7 @@ def test_swiglu_fused_calls_npu_swiglu_split_uses_the_reference(fake_npu):
     assert len(fake_npu.calls) == n
 
 
-def _qkv(b=2, s=6, hq=4, hkv=2, d=8, dtype=torch.float32):
+def _qkv(b=2, s=6, hq=4, hkv=2, d=16, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     return [torch.randn(b, s, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv)]
 
@@ -119,7 +114,7 @@ def test_causal_attention_is_bsnd_with_the_compressed_mask(fake_npu):
     mask = call.kwargs["atten_mask"]
     assert mask.dtype == torch.bool and mask.shape == (COMPRESSED, COMPRESSED) and mask[0, 1] and not mask[1, 0]
     assert call.kwargs["sparse_mode"] == 2 and call.kwargs["keep_prob"] == 1.0
-    assert call.kwargs["scale"] == pytest.approx(1 / math.sqrt(8))
+    assert call.kwargs["scale"] == pytest.approx(1 / math.sqrt(16))
     assert out.shape == q.shape and rel_err(out, reference.scaled_dot_product_attention(q, k, v)) < 1e-6
 
 
@@ -129,7 +124,7 @@ def test_packed_sequences_are_tnd_with_cumulative_lengths(fake_npu):
     for causal, mode in ((True, 3), (False, None)):
         out = npu_op("scaled_dot_product_attention")(q, k, v, causal=causal, segment_ids=seg, scale=0.3)
         call = fake_npu.calls[-1]
-        assert call.args[4] == "TND" and call.args[0].shape == (12, 4, 8) and call.args[1].shape == (12, 2, 8)
+        assert call.args[4] == "TND" and call.args[0].shape == (12, 4, 16) and call.args[1].shape == (12, 2, 16)
         assert call.kwargs["actual_seq_qlen"] == [3, 5, 6, 12] == call.kwargs["actual_seq_kvlen"]
         assert call.kwargs.get("sparse_mode") == mode and call.kwargs["scale"] == 0.3
         assert ("atten_mask" in call.kwargs) == causal
@@ -228,9 +223,9 @@ def test_moe_ops_call_the_torch_npu_kernels_and_equal_the_reference(fake_npu):
 @pytest.mark.parametrize("causal", [True, False])
 def test_attention_block_takes_the_lse_from_softmax_max_and_sum(fake_npu, causal):
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 4, 6, 8, generator=gen)
-    k, v = torch.randn(2, 2, 6, 8, generator=gen), torch.randn(2, 2, 6, 8, generator=gen)
-    dout = torch.randn(2, 4, 6, 8, generator=gen)
+    q = torch.randn(2, 4, 6, 16, generator=gen)
+    k, v = torch.randn(2, 2, 6, 16, generator=gen), torch.randn(2, 2, 6, 16, generator=gen)
+    dout = torch.randn(2, 4, 6, 16, generator=gen)
     out, lse = npu_op("attention_block")(q, k, v, scale=0.3, causal=causal)
     call = fake_npu.calls[-1]
     assert call.name == "npu_fusion_attention" and call.args[3:] == (4, "BNSD")

@@ -19,7 +19,7 @@ from test_ops_npu import _forget_npu_checks
 from megacann import ops
 from megacann.ops import reference, registry
 
-B, S, HQ, HKV, D = 2, 16, 4, 2, 8
+B, S, HQ, HKV, D = 2, 16, 4, 2, 16
 SEGMENTS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3], [5] * 7 + [7] * 9])
 WINDOWS = (1, 3, 6, 16)
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megacann.accelerator import import_torch_npu
+from megacann.ops import npu_api
 from megacann.ops.registry import REFERENCE, register
 
 # -- PyTorch reference ---------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class _NpuGroupedMatmul(torch.autograd.Function):
     "torch_npu",
     priority=20,
     device_types=("npu",),
-    available=lambda: _npu_has("npu_grouped_matmul"),
+    available=lambda: npu_api.supports("grouped_matmul", "torch_npu", "npu_grouped_matmul", "group_type"),
 )
 def _grouped_matmul_npu(x: torch.Tensor, weights: list[torch.Tensor], group_sizes: list[int]) -> torch.Tensor:
     group_list = torch.tensor(group_sizes, dtype=torch.int64, device=x.device)

@@ -28,6 +28,9 @@ Calls follow torch_npu's documented signatures:
   False, out=(param, exp_avg, exp_avg_sq))``, where the powers are ``beta ** (step - 1)`` (the kernel
   multiplies by ``beta`` once more)
 
+An older torch_npu whose ``npu_rotary_mul`` takes no ``rotary_mode`` leaves ``apply_rotary`` to its next
+implementation, with one log line (:mod:`megacann.ops.npu_api`).
+
 A packed batch's documents are the runs of equal ``segment_ids`` in each row (what GPT packing makes);
 the reference masks by equality of ids, which is the same for contiguous runs.
 """
@@ -41,7 +44,7 @@ import torch
 
 from megacann.accelerator import import_torch_npu
 from megacann.constants import IGNORE_INDEX
-from megacann.ops import attention_blocks, reference
+from megacann.ops import attention_blocks, npu_api, reference
 from megacann.ops.registry import register
 
 NPU = "npu"
@@ -69,7 +72,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _npu().npu_rms_norm(x, weight, epsilon=eps)[0]
 
 
-@_npu_op("apply_rotary")
+@register(
+    "apply_rotary",
+    NPU,
+    priority=PRIORITY,
+    device_types=("npu",),
+    available=lambda: npu_api.supports("apply_rotary", NPU, "npu_rotary_mul", "rotary_mode"),
+)
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     if x.dim() != 4:
         return reference.apply_rotary(x, cos, sin, interleaved)
