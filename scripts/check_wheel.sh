@@ -13,6 +13,7 @@ PYTHON=${PYTHON:-python3}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/megacann-wheel-XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 step() { echo "check_wheel: $*"; }
+export MEGACANN_CACHE="$WORK/cache"  # tokenizer and corpus caches stay out of ~/.cache/megacann
 
 step "fresh environment in $WORK"
 "$PYTHON" -m venv "$WORK/venv"
@@ -54,5 +55,5 @@ step "the tiny recipe, a few steps, with the installed megacann-train"
 "$WORK/venv/bin/megacann-train" --config "$REPO/examples/configs/llama/tiny.yaml" \
     optim.max_steps=6 logging.log_interval=2 logging.eval_interval=0 logging.ckpt_interval=0 \
     experiment.output_dir="$WORK/run" | tee "$WORK/train.log"
-grep -q "step 6" "$WORK/train.log" || { echo "check_wheel: the tiny recipe did not reach step 6" >&2; exit 1; }
+grep -q "step 6/6" "$WORK/train.log" || { echo "check_wheel: the tiny recipe did not reach step 6" >&2; exit 1; }
 step "ok"
