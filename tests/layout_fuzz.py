@@ -28,6 +28,7 @@ MOE = [
     "model.moe_z_loss_coeff=1e-3",
 ]
 EOS = 5  # the token id that ends a document in packed samples
+AUX_METRICS = ("moe_load_balancing", "moe_z_loss")  # logged auxiliary losses, compared like the loss
 
 
 @dataclass
@@ -105,8 +106,7 @@ def _draw(rng: random.Random, seed: int, world: int) -> Layout:
     if moe:
         eps = [e for e in (1, 2, 4) if dp % e == 0]
         parallel.append(f"distributed.expert_parallel_size={rng.choice(eps)}")
-        # the auxiliary load-balancing loss is still computed per cp rank (docs/moe.md): off under cp
-        model.append(f"model.moe_aux_loss_coeff={0 if cp > 1 else 1e-2}")
+        model.append("model.moe_aux_loss_coeff=1e-2")
     if rng.random() < 0.25:
         model += ["lora=true", "lora_rank=4", "lora_alpha=8.0", "lora_target_modules=all-linear", "optim.lr=2e-2"]
     model.append(f"model.activation_checkpointing={rng.choice(['none', 'selective', 'full'])}")
@@ -220,14 +220,15 @@ def _train(layout: Layout, overrides: list[str], world: int) -> dict:
     data = FuzzData(cfg, dp_rank, dp_size, layout.packed, layout.distinct)
     trainer = Trainer(cfg, runtime, data=data)
     seen = _probe(trainer)
-    losses, norms = [], []
+    losses, norms, aux = [], [], []
     for _ in range(layout.steps):
         metrics = trainer.train_step()
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
+        aux.append({k: v for k, v in metrics.items() if k in AUX_METRICS})
     ps.destroy_model_parallel()
     seen["seq"] = sorted(seen["seq"])
-    return {"losses": losses, "norms": norms, "probes": seen}
+    return {"losses": losses, "norms": norms, "aux": aux, "probes": seen}
 
 
 def run_layouts(layouts: list[Layout], reference: bool) -> dict[str, dict]:
@@ -272,6 +273,11 @@ def check_layout(
         a, e = got[key], ref[key]
         if len(a) != len(e) or any(abs(x - y) > bound * abs(y) for x, y in zip(a, e)):
             problems.append(f"{key} differ: {a} vs one process {e}")
+    a, e = got.get("aux", []), ref.get("aux", [])
+    if [sorted(x) for x in a] != [sorted(x) for x in e]:
+        problems.append(f"auxiliary losses logged differ: {a} vs one process {e}")
+    elif any(abs(x[k] - y[k]) > rel * abs(y[k]) for x, y in zip(a, e) for k in y):
+        problems.append(f"auxiliary losses differ: {a} vs one process {e}")
     o = layout.overrides()
     tp = int(_setting(o, "distributed.tensor_parallel_size", 1))
     cp = int(_setting(o, "distributed.context_parallel_size", 1))
