@@ -2,7 +2,7 @@
 
 A layout is drawn from a seed (``sample_layout(seed, world)``): tensor (+ sequence) parallel, context parallel
 with its algorithm, pipeline parallel with virtual chunks and uneven layer counts, data parallel with a ZeRO
-stage, expert parallel (the moe family), LoRA, recompute, packed documents, tied embeddings, a vocabulary
+stage (0-3) and optimizer offload, expert parallel (the moe family), LoRA, recompute, packed documents, tied embeddings, a vocabulary
 that tensor parallelism does not divide, and the optimizer (adamw, adam or sgd). Draws the recipe validation refuses are redrawn (the seed stays
 the replay handle). ``run_layouts`` trains every layout on its ranks and the matching one-process runs, and
 returns per layout the loss and gradient-norm traces and the probes that prove the modes were on; failures
@@ -102,7 +102,7 @@ def _draw(rng: random.Random, seed: int, world: int) -> Layout:
                 counts[0], counts[-1] = counts[0] + 1, counts[-1] - 1
             parallel.append(f"distributed.pipeline_layers=[{','.join(map(str, counts))}]")
     if dp > 1:
-        parallel.append(f"distributed.zero_optimization={rng.choice([0, 1, 2])}")
+        parallel.append(f"distributed.zero_optimization={rng.choice([0, 1, 2, 3])}")
     if moe:
         eps = [e for e in (1, 2, 4) if dp % e == 0]
         parallel.append(f"distributed.expert_parallel_size={rng.choice(eps)}")
@@ -118,6 +118,8 @@ def _draw(rng: random.Random, seed: int, world: int) -> Layout:
     if optimizer != "adamw":
         model += [f"optim.name={optimizer}"] + (["optim.lr=0.1"] if optimizer == "sgd" else [])
     packed = rng.random() < 0.3
+    if rng.random() < 0.15:  # optimizer state and the update in host memory
+        parallel.append("optim.offload_optimizer=true")
     if packed:
         model += ["data.reset_position_ids=true", "data.reset_attention_mask=true"]
     return Layout(seed, world, model, parallel, dp, packed)
@@ -177,6 +179,7 @@ def _probe(trainer) -> dict:
     from megacann.layers import TransformerBlock
     from megacann.layers.moe.layer import MoELayer
     from megacann.layers.random import is_recomputing
+    from megacann.optimizer.zero.optimizer import DistributedOptimizer
 
     seen = {"forwards": [0] * len(trainer.model_chunks), "seq": set(), "recomputes": 0, "core_recomputes": 0}
     for index, chunk in enumerate(trainer.model_chunks):
@@ -204,6 +207,8 @@ def _probe(trainer) -> dict:
     )
     seen["trainable"] = sorted(n for c in trainer.model_chunks for n, p in c.named_parameters() if p.requires_grad)
     seen["optimizer"] = type(trainer.optimizer).__name__
+    seen["sharded"] = isinstance(trainer.optimizer, DistributedOptimizer)
+    seen["offloaded"] = getattr(trainer.optimizer, "offload", None) is not None
     return seen
 
 
@@ -291,6 +296,7 @@ def check_layout(
     ep = int(_setting(o, "distributed.expert_parallel_size", 1))
     zero = int(_setting(o, "distributed.zero_optimization", 0))
     lora = _setting(o, "lora", "false") == "true"
+    offload = _setting(o, "optim.offload_optimizer", "false") == "true"
     recompute = _setting(o, "model.activation_checkpointing", "none")
     full = recompute == "full"
     seq = SEQ // cp // (tp if sp else 1)
@@ -307,8 +313,8 @@ def check_layout(
             problems.append(f"rank {rank}: core attention replayed {probes['core_recomputes']} times ({recompute})")
         if experts and probes["local_experts"] != [experts // ep]:
             problems.append(f"rank {rank}: local experts {probes['local_experts']}, expected [{experts // ep}]")
-        if (probes["optimizer"] == "DistributedOptimizer") != (zero > 0):
-            problems.append(f"rank {rank}: optimizer {probes['optimizer']} for zero_optimization={zero}")
+        if probes["sharded"] != (zero > 0) or probes["offloaded"] != offload:
+            problems.append(f"rank {rank}: optimizer {probes['optimizer']} for ZeRO {zero}, offload {offload}")
         if lora != all("lora" in n for n in probes["trainable"]):
             problems.append(f"rank {rank}: trainable parameters {probes['trainable'][:4]}... with lora={lora}")
     return problems

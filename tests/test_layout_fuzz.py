@@ -19,6 +19,8 @@ FEATURES = {
     "uneven pipeline layers": "pipeline_layers=",
     "ZeRO-1": "zero_optimization=1",
     "ZeRO-2": "zero_optimization=2",
+    "ZeRO-3": "zero_optimization=3",
+    "optimizer offload": "offload_optimizer=true",
     "expert parallel": "expert_parallel_size=2",
     "LoRA": "lora=true",
     "full recompute": "activation_checkpointing=full",
@@ -49,7 +51,8 @@ def test_the_fixed_sample_covers_every_mode():
 def _run(losses, **probes):
     rank = {"pp_rank": 0, "forwards": [STEPS * 2 * 4], "seq": [32], "recomputes": 0, "core_recomputes": 0}
     rank["local_experts"] = []
-    rank.update(optimizer="MixedPrecisionOptimizer", trainable=["layers.0.mlp.weight"], **probes)
+    rank.update(optimizer="MixedPrecisionOptimizer", sharded=False, offloaded=False, **probes)
+    rank.setdefault("trainable", ["layers.0.mlp.weight"])
     return {"losses": losses, "norms": [1.0] * len(losses), "probes": [rank]}
 
 
