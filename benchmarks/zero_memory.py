@@ -3,12 +3,15 @@
     python benchmarks/zero_memory.py [--dp 1 2 4] [--steps 2] [--hidden 512 --layers 6 --vocab 32000]
 
 One bf16 LLaMA of about 50M parameters, trained on random tokens by the real Trainer on ``dp`` gloo
-ranks (CPU processes, one thread each), under plain data parallelism (ZeRO-0), ZeRO-1 and ZeRO-2, with
-overlap_grad_reduce (and overlap_param_gather for ZeRO). Bytes come from the tensors' storages
+ranks (CPU processes, one thread each), under plain data parallelism (ZeRO-0), ZeRO-1, ZeRO-2 and ZeRO-3,
+with overlap_grad_reduce (and overlap_param_gather for ZeRO: ZeRO-3 prefetches the next block's weights). Bytes come from the tensors' storages
 (``megacann.optimizer.memory``), after a step, on rank 0 (all ranks hold the same up to one bucket's
 padding). The prediction is megacann's, which keeps gradients in fp32 buffers as Megatron does:
-params 2 Psi, grads 4 Psi (ZeRO-2: 4 Psi / N), fp32 master + Adam moments 12 Psi (ZeRO-1/2: 12 Psi / N);
-the ZeRO paper's total (bf16 gradients: 16 Psi, 4 Psi + 12 Psi / N, 2 Psi + 14 Psi / N) is shown too.
+params 2 Psi (ZeRO-3: 2 Psi / N), grads 4 Psi (ZeRO-2/3: 4 Psi / N), fp32 master + Adam moments 12 Psi
+(ZeRO-1/2/3: 12 Psi / N); the ZeRO paper's total (bf16 gradients: 16 Psi, 4 Psi + 12 Psi / N,
+2 Psi + 14 Psi / N, 16 Psi / N) is shown too. ZeRO-3's "params" is the shard held between steps; "w peak"
+is the most weight storage held at once in the forward (the shard, the chunk's own weights, the running
+block and the prefetched next one).
 "grads peak" is the most gradient storage held at once during the step: ZeRO-2 frees reduced buckets
 during backward, but with gradient accumulation ("ZeRO-2 accum 2" rows) it keeps the full fp32
 gradients between micro-batches (it reduces once per step), so its peak is then ZeRO-1's.
@@ -30,9 +33,10 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 from bench_common import RandomTokens, llama_model  # noqa: E402
 from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher: N spawned ranks, hard timeout)
+from zero3_checks import GatherProbe  # noqa: E402  (ZeRO-3: weights gathered before each block runs)
 
 MB = 2**20
-VARIANTS = [("ZeRO-0", 0, 1), ("ZeRO-1", 1, 1), ("ZeRO-2", 2, 1), ("ZeRO-2 accum 2", 2, 2)]
+VARIANTS = [("ZeRO-0", 0, 1), ("ZeRO-1", 1, 1), ("ZeRO-2", 2, 1), ("ZeRO-2 accum 2", 2, 2), ("ZeRO-3", 3, 1)]
 
 
 def _config(args: argparse.Namespace, dp: int, stage: int, accum: int, out: str):
@@ -73,6 +77,7 @@ def _measure(args: argparse.Namespace) -> list[dict]:
             cfg = _config(args, dp, stage, accum, out)
             runtime = setup_runtime(cfg)
             trainer = Trainer(cfg, runtime, data=RandomTokens(args.vocab, args.seq, 1, seed=dist.get_rank()))
+            probe = GatherProbe(trainer) if stage == 3 else None
             trainer.train_step()
             times = []
             for _ in range(args.steps):
@@ -84,6 +89,8 @@ def _measure(args: argparse.Namespace) -> list[dict]:
                 times.append(float(slowest.item()))
             buffers = trainer.optimizer.grad_buffers.buffers
             memory = optimizer_memory(trainer.optimizer)
+            item = 2  # bf16 weights
+            weights_peak = memory["params"] + (item * probe.peak if probe else 0)
             shard_grads = sum(4 * b.shard.numel() for b in buffers if getattr(b, "shard", None) is not None)
             rows.append(
                 {
@@ -95,6 +102,7 @@ def _measure(args: argparse.Namespace) -> list[dict]:
                     **memory,
                     "grads_peak": shard_grads + 4 * sum(b.peak_allocated_numel for b in buffers),
                     "step_time": min(times),
+                    "weights_peak": weights_peak,
                 }
             )
             trainer.metrics.close()
@@ -105,10 +113,10 @@ def _measure(args: argparse.Namespace) -> list[dict]:
 
 def predicted(psi: int, n: int, stage: int) -> dict[str, float]:
     """megacann's per-rank bytes (fp32 gradient buffers) and the ZeRO paper's total (bf16 gradients)."""
-    paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n}[stage]
+    paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
     return {
-        "params": 2 * psi,
-        "grads": 4 * psi / (n if stage == 2 else 1),
+        "params": 2 * psi / (n if stage == 3 else 1),
+        "grads": 4 * psi / (n if stage >= 2 else 1),
         "optimizer_states": 12 * psi / (n if stage else 1),
         "paper_total": paper,
     }
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket_mb", type=float, default=16.0)
     args = parser.parse_args(argv)
     header = (
-        f"{'dp':>2} {'variant':<15} | {'params':>7} {'grads':>7} {'peak':>7} {'states':>7} {'total':>7} | "
+        f"{'dp':>2} {'variant':<15} | {'params':>7} {'w peak':>7} {'grads':>7} {'peak':>7} {'states':>7} {'total':>7} | "
         f"{'params':>7} {'grads':>7} {'states':>7} {'total':>7} {'paper':>7} | {'step s':>6}"
     )
     rows = []
@@ -134,14 +142,14 @@ def main(argv: list[str] | None = None) -> None:
         rows += run_on_ranks(_measure, dp, args=(args,), timeout=900)[0]
     psi = rows[0]["psi"]
     print(f"model: {psi / 1e6:.1f}M parameters (Psi), bf16, seq {args.seq}, micro-batch 1; MB = 2^20 bytes per rank")
-    print(f"{'':19}| {'measured (from tensors)':^39} | {'predicted':^39} |")
+    print(f"{'':19}| {'measured (from tensors)':^47} | {'predicted':^39} |")
     print(header)
     for r in rows:
         p = predicted(r["psi"], r["dp"], r["stage"])
         total = r["params"] + r["grads"] + r["optimizer_states"]
         p_total = p["params"] + p["grads"] + p["optimizer_states"]
         print(
-            f"{r['dp']:>2} {r['variant']:<15} | {r['params'] / MB:7.1f} {r['grads'] / MB:7.1f} "
+            f"{r['dp']:>2} {r['variant']:<15} | {r['params'] / MB:7.1f} {r['weights_peak'] / MB:7.1f} {r['grads'] / MB:7.1f} "
             f"{r['grads_peak'] / MB:7.1f} {r['optimizer_states'] / MB:7.1f} {total / MB:7.1f} | "
             f"{p['params'] / MB:7.1f} {p['grads'] / MB:7.1f} {p['optimizer_states'] / MB:7.1f} {p_total / MB:7.1f} "
             f"{p['paper_total'] / MB:7.1f} | {r['step_time']:6.2f}"

@@ -8,6 +8,7 @@ from typing import Optional, TextIO
 
 from megacann.config import MegacannConfig
 from megacann.models import padded_vocab_size, prepare_model_config
+from megacann.models.mtp import mtp_depths
 from megacann.parallel_state import RankLayout, rank_layout
 from megacann.pipeline import chunk_placements, pipeline_bubble_fraction
 
@@ -75,6 +76,10 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
                 else:
                     head = "lm_head (copy of stage 0's tied embedding, gradients summed over the embedding group)"
                 parts += ["final norm", head, "loss"]
+                depths = mtp_depths(m)
+                if depths:  # multi-token prediction: on the last stage, with the embedding it needs
+                    copy = ", its embedding a copy of stage 0's" if pp > 1 and not tied else ""
+                    parts.append(f"{depths} multi-token prediction depth{'s' if depths > 1 else ''}{copy}")
             chunks.append((f"chunk {len(chunks)}: " if vpp > 1 else "") + ", ".join(parts))
         lines.append(f"stage {stage} (ranks {_fmt_ranks(ranks)}): " + " | ".join(chunks))
     return lines
@@ -155,7 +160,21 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
         f"layers {m.num_layers}, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv {m.kv_heads}), "
         f"ffn {m.ffn_size}, precision {m.precision}"
     )
+    if m.vocab_size:
+        lines += describe_memory(cfg, layout.data_parallel_size, spec.total_parameters(m))
     return "\n".join(lines)
+
+
+def describe_memory(cfg: MegacannConfig, dp: int, params: int) -> list[str]:
+    """Per-device bytes of the recipe's layout, stage by stage, as ``megacann-plan`` estimates them: weights,
+    gradients, optimizer state (by ZeRO stage), activations, and what offload keeps in host memory."""
+    from megacann.planning import layout_of
+    from megacann.planning.report import layout_lines
+
+    lines = ["-- memory per device (megacann-plan's estimate; GB = 1e9 bytes)"]
+    if cfg.lora:
+        lines.append("LoRA: every parameter is counted as trained (gradients and optimizer state): an upper bound")
+    return lines + layout_lines(cfg, dataclasses.replace(layout_of(cfg), dp=dp), params)[1:]
 
 
 def print_dry_run(cfg: MegacannConfig, recipe_path: Optional[str] = None, out: Optional[TextIO] = None) -> None:

@@ -79,6 +79,8 @@ def make_fake_torch_npu() -> types.ModuleType:
 
     def npu_fusion_attention(query, key, value, head_num, input_layout, **kw):
         record("npu_fusion_attention", (query, key, value, head_num, input_layout), kw)
+        if input_layout == "BNSD":
+            return _bnsd_attention(query, key, value, **kw)
         mask, mode = kw.get("atten_mask"), kw.get("sparse_mode", 0)
         scale, keep_prob = kw.get("scale", 1.0), kw.get("keep_prob", 1.0)
         assert keep_prob == 1.0, "the fake does not draw dropout"
@@ -123,6 +125,46 @@ def make_fake_torch_npu() -> types.ModuleType:
             ).transpose(1, 2)
         empty = torch.empty(0)
         return out.to(query.dtype), empty, empty, empty, 0, 0, 0
+
+    def _bnsd_attention(query, key, value, **kw):
+        """BNSD with no mask or the compressed causal mask (sparse_mode 2): output and the rows' softmax
+        max and sum, each value repeated over a last dim of 8, fp32."""
+        scores, v = _bnsd_scores(query, key, value, kw)
+        row_max = scores.amax(-1, keepdim=True)
+        row_sum = (scores - row_max).exp().sum(-1, keepdim=True)
+        out = ((scores - row_max).exp() / row_sum) @ v
+        stats = [t.float().expand(*t.shape[:-1], 8) for t in (row_max, row_sum)]
+        return out.to(query.dtype), *stats, torch.empty(0), 0, 0, 0
+
+    def _bnsd_scores(query, key, value, kw):
+        mode, mask = kw.get("sparse_mode", 0), kw.get("atten_mask")
+        assert mode in (0, 2) and (mode == 2) == (mask is not None), "BNSD blocks: no mask, or causal mode 2"
+        group = query.shape[1] // key.shape[1]
+        k, v = key.double().repeat_interleave(group, 1), value.double().repeat_interleave(group, 1)
+        scores = query.double() @ k.transpose(-1, -2) * kw.get("scale", kw.get("scale_value", 1.0))
+        if mode == 2:
+            assert mask.shape == (COMPRESSED, COMPRESSED) and torch.equal(mask, torch.ones_like(mask).triu(1))
+            n, m = scores.shape[-2:]
+            scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
+        return scores, v
+
+    def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, **kw):
+        """Flash backward from the given softmax statistics (lse = max + log sum) and forward output."""
+        record("npu_fusion_attention_grad", (query, key, value, dy, head_num, input_layout), kw)
+        assert input_layout == "BNSD" and query.shape[1] == head_num
+        scores, v = _bnsd_scores(query, key, value, kw)
+        lse = (kw["softmax_max"][..., :1] + kw["softmax_sum"][..., :1].log()).double()
+        probs, dout = (scores - lse).exp(), dy.double()
+        delta = (dout * kw["attention_in"].double()).sum(-1, keepdim=True)
+        dscores = probs * (dout @ v.transpose(-1, -2) - delta) * kw["scale_value"]
+        group = query.shape[1] // key.shape[1]
+
+        def per_kv(t):
+            return t.unflatten(1, (key.shape[1], group)).sum(2)
+
+        dq = dscores @ key.double().repeat_interleave(group, 1)
+        dk, dv = per_kv(dscores.transpose(-1, -2) @ query.double()), per_kv(probs.transpose(-1, -2) @ dout)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), torch.empty(0)
 
     def npu_cross_entropy_loss(
         input, target, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0, **kw
@@ -207,6 +249,7 @@ def make_fake_torch_npu() -> types.ModuleType:
         npu_rotary_mul,
         npu_swiglu,
         npu_fusion_attention,
+        npu_fusion_attention_grad,
         npu_cross_entropy_loss,
         npu_apply_adam_w,
         npu_grouped_matmul,

@@ -113,7 +113,7 @@ def test_wrong_type_in_file(tmp_path):
         ("distributed: {parallel_mode: tensor, pipeline_parallel_size: 2}", "parallel_mode 'tensor' needs"),
         ("distributed: {parallel_mode: pipeline, tensor_parallel_size: 2}", "parallel_mode 'pipeline' needs"),
         ("optim: {scheduler: step}", "optim.scheduler: 'step' is not one of cosine, linear, constant"),
-        ("distributed: {zero_optimization: 3}", "zero_optimization must be false, true, 1 or 2, got 3"),
+        ("distributed: {zero_optimization: 4}", "zero_optimization must be false, true, 1, 2 or 3, got 4"),
     ],
 )
 def test_validation_errors(tmp_path, extra, pattern):

@@ -50,6 +50,8 @@ READ_BY = {
     # the moe family's own keys (models/moe_config.py); the other families do not have them
     "model.num_experts": "models/moe.py",
     "model.moe_top_k": "models/moe.py",
+    "model.mtp_num_layers": "models/mtp.py",
+    "model.mtp_loss_scaling_factor": "models/decoder.py",
     "model.moe_router": "models/moe.py",
     "model.moe_capacity_factor": "models/moe.py",
     "model.moe_aux_loss_coeff": "models/moe.py",
@@ -99,6 +101,7 @@ READ_BY = {
     "optim.initial_loss_scale": "optimizer/optimizer.py",
     "optim.loss_scale_window": "optimizer/optimizer.py",
     "optim.min_loss_scale": "optimizer/optimizer.py",
+    "optim.offload_optimizer": "optimizer/__init__.py",
     "distributed.world_size": "config/validation.py",
     "distributed.parallel_mode": "config/validation.py",
     "distributed.tensor_parallel_size": "training/runtime.py",
@@ -111,6 +114,7 @@ READ_BY = {
     "distributed.sequence_parallel": "layers/context.py",
     "distributed.pipeline_layers": "pipeline/partition.py",
     "distributed.zero_optimization": "config/schema.py",  # zero_stage, read by optimizer/__init__.py
+    "distributed.zero_shard_group_size": "optimizer/zero/optimizer.py",
     "distributed.overlap_grad_reduce": "optimizer/optimizer.py",
     "distributed.overlap_param_gather": "optimizer/__init__.py",
     "distributed.bucket_size_mb": "optimizer/optimizer.py",
@@ -138,6 +142,7 @@ READ_BY = {
     "training.hang_factor": "training/watchdog.py",
     "training.hang_min_seconds": "training/watchdog.py",
     "training.save_on_signal": "training/signals.py",
+    "training.activation_offload_layers": "config/offload_keys.py",  # offloaded_layer_ids, read by the trainer
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
     "precision.compile": "training/recipe.py",

@@ -35,6 +35,7 @@ from megacann.layers.context_parallel import (
     context_parallel_split,
 )
 from megacann.layers.context_parallel import blockwise as ring_module
+from megacann.ops import attention_blocks
 
 TOL = 1e-5
 B, S, D = 2, 16, 8
@@ -284,7 +285,7 @@ def _check_layout_helpers(errs, layout):
 def _cp_checks() -> tuple[dict[str, float], dict[str, object]]:
     errs: dict[str, float] = {}
     info: dict[str, object] = {}
-    ring_module.SCORE_TILE_ELEMENTS = 200  # several (uneven) row tiles per ring block
+    attention_blocks.SCORE_TILE_ELEMENTS = 200  # several (uneven) row tiles per reference block
     for layout, sizes in LAYER_LAYOUTS.items():
         ps.initialize_model_parallel(**sizes)
         try:

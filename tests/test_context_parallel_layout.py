@@ -9,7 +9,6 @@ import torch
 
 from megacann import ops
 from megacann.layers import SelfAttention, TransformerBlock, TransformerBlockConfig
-from megacann.layers.context_parallel import blockwise as ring_module
 from megacann.layers.context_parallel import (
     blockwise_attention,
     context_parallel_attention,
@@ -18,6 +17,7 @@ from megacann.layers.context_parallel import (
     context_parallel_split,
     ulysses_kv_repeat,
 )
+from megacann.ops import attention_blocks
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
@@ -70,7 +70,7 @@ def _inputs(dtype):
 
 @pytest.mark.parametrize("tile", [1 << 22, 200])
 def test_ring_block_math_gradcheck_fp64(monkeypatch, tile):
-    monkeypatch.setattr(ring_module, "SCORE_TILE_ELEMENTS", tile)  # one tile, or uneven tiles of 3 rows
+    monkeypatch.setattr(attention_blocks, "SCORE_TILE_ELEMENTS", tile)  # one tile, or uneven tiles of 3 rows
     q, k, v, segments = _inputs(torch.float64)
     assert torch.autograd.gradcheck(lambda *t: blockwise_attention(*t, segment_ids=segments), (q, k, v), fast_mode=True)
     assert torch.autograd.gradcheck(lambda *t: blockwise_attention(*t, scale=0.3), (q, k, v), fast_mode=True)

@@ -17,6 +17,7 @@ from megacann.models import MOE, ChunkPlacement, from_pretrained_hf, prepare_mod
 from megacann.models.hf_mixtral import hf_config_dict
 from megacann.models.moe import expert_load_warnings, moe_flops_per_token
 from megacann.models.moe_config import MoEModelConfig
+from megacann.models.mtp import MTPKeys
 from megacann.models.sizing import padded_vocab_size
 
 RECIPES = Path(__file__).resolve().parents[1] / "examples" / "configs" / "moe"
@@ -87,8 +88,8 @@ NON_DEFAULT = {
 
 
 def test_every_moe_key_has_a_refusal_case():
-    shared = {f.name for f in dataclasses.fields(ModelConfig)}
-    own = {f.name for f in dataclasses.fields(MoEModelConfig)} - shared
+    shared = {f.name for f in dataclasses.fields(ModelConfig)} | {f.name for f in dataclasses.fields(MTPKeys)}
+    own = {f.name for f in dataclasses.fields(MoEModelConfig)} - shared  # multi-token prediction's: test_mtp.py
     assert set(NON_DEFAULT) == own
 
 

@@ -17,8 +17,19 @@ from layers_reference import rel_err
 
 from megacann import accelerator
 from megacann.ops import reference, registry
+from megacann.ops.attention_blocks import attention_block as reference_block
+from megacann.ops.attention_blocks import attention_block_backward as reference_block_backward
 
-NPU_OPS = ("rms_norm", "apply_rotary", "swiglu", "scaled_dot_product_attention", "cross_entropy", "adamw_step_")
+NPU_OPS = (
+    "rms_norm",
+    "apply_rotary",
+    "swiglu",
+    "scaled_dot_product_attention",
+    "attention_block",
+    "attention_block_backward",
+    "cross_entropy",
+    "adamw_step_",
+)
 
 
 def _forget_npu_checks():
@@ -212,3 +223,25 @@ def test_moe_ops_call_the_torch_npu_kernels_and_equal_the_reference(fake_npu):
     assert call.name == "npu_moe_token_unpermute" and call.args[2].dtype == torch.bfloat16  # probs cast
     ref_back = registry._impls("moe_unpermute")["reference"].fn(low, row_id_map, probs)
     assert back.dtype == torch.bfloat16 and rel_err(back.float(), ref_back.float()) < 1e-2
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_block_takes_the_lse_from_softmax_max_and_sum(fake_npu, causal):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 8, generator=gen)
+    k, v = torch.randn(2, 2, 6, 8, generator=gen), torch.randn(2, 2, 6, 8, generator=gen)
+    dout = torch.randn(2, 4, 6, 8, generator=gen)
+    out, lse = npu_op("attention_block")(q, k, v, scale=0.3, causal=causal)
+    call = fake_npu.calls[-1]
+    assert call.name == "npu_fusion_attention" and call.args[3:] == (4, "BNSD")
+    assert call.kwargs.get("sparse_mode") == (2 if causal else None) and call.kwargs["scale"] == 0.3
+    want_out, want_lse = reference_block(q, k, v, scale=0.3, causal=causal)
+    assert rel_err(out, want_out) < 1e-6 and rel_err(lse, want_lse) < 1e-6
+    grads = npu_op("attention_block_backward")(q, k, v, out, lse, dout, scale=0.3, causal=causal)
+    call = fake_npu.calls[-1]
+    assert call.name == "npu_fusion_attention_grad" and call.kwargs["scale_value"] == 0.3
+    assert call.kwargs["softmax_max"].shape == (2, 4, 6, 8) and torch.equal(
+        call.kwargs["softmax_sum"][0, 0, 0], torch.ones(8)
+    )
+    want = reference_block_backward(q, k, v, out, lse, dout, scale=0.3, causal=causal)
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(grads, want))

@@ -14,6 +14,8 @@ from megacann.ops import opspec, reference, registry, signatures
 DECLARED = (
     "adamw_step_",
     "apply_rotary",
+    "attention_block",
+    "attention_block_backward",
     "cross_entropy",
     "grouped_matmul",
     "moe_permute",

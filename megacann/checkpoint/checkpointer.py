@@ -294,7 +294,7 @@ class Checkpointer:
         if PROGRESS_KEY not in stored:
             problems.append(f"'{PROGRESS_KEY}' (step and optimizer counters) is missing")
         problems += check_files(path, metadata, set(request.entries) | set(objects))
-        model_keys = {k for k in request.entries if k.startswith(MODEL_PREFIX)}
+        model_keys = {k for k in request.entries if k.startswith(MODEL_PREFIX)} | request.weights_from_masters
         gathered = self._all_gather((problems, model_keys))
         problems = [p for rank_problems, _ in gathered for p in rank_problems]
         used = set().union(*(keys for _, keys in gathered))

@@ -125,3 +125,29 @@ def tensor_pieces(local: torch.Tensor, sharding: ParamSharding, tp_rank: int, tp
             f"local shard has shape {list(local.shape)}, its sharding says {list(sharding.local_shape(tp_size))}"
         )
     return range_pieces(local.detach().view(-1), 0, local.numel(), sharding, tp_rank, tp_size)
+
+
+def split_piece(piece: Piece, limit_bytes: int) -> list[Piece]:
+    """``piece`` cut into pieces of at most ``limit_bytes`` each (blocks of rows; a row over the limit is cut
+    along its next dimension, and so on), so that no stored chunk, and so nothing a load reads at once, is
+    larger than the limit. Deterministic: ranks holding the same piece cut it alike."""
+    itemsize = piece.tensor.element_size()
+    sizes = piece.sizes
+    if not sizes or math.prod(sizes) * itemsize <= limit_bytes or sizes[0] == 0:
+        return [piece]
+    row = math.prod(sizes[1:]) * itemsize
+    step = max(1, limit_bytes // row) if row else sizes[0]
+    out = []
+    for start in range(0, sizes[0], step):
+        length = min(step, sizes[0] - start)
+        offsets = (piece.offsets[0] + start, *piece.offsets[1:])
+        block = Piece(offsets, (length, *sizes[1:]), piece.tensor.narrow(0, start, length))
+        if length == 1 and row > limit_bytes and len(sizes) > 1:  # one row, still too large: cut inside it
+            inner = Piece(block.offsets[1:], block.sizes[1:], block.tensor[0])
+            out += [
+                Piece((block.offsets[0], *p.offsets), (1, *p.sizes), p.tensor.unsqueeze(0))
+                for p in split_piece(inner, limit_bytes)
+            ]
+        else:
+            out.append(block)
+    return out

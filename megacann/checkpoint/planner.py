@@ -36,7 +36,12 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megacann.checkpoint.pieces import Piece
+from megacann.checkpoint.pieces import Piece, split_piece
+
+# the largest chunk a save writes: loading reads one stored chunk at a time (DCP's reader materialises the
+# whole chunk before copying the part it needs), so this bounds what a load holds besides the training
+# state (docs/checkpoints.md, "Memory while loading")
+MAX_CHUNK_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -83,7 +88,8 @@ class PieceSavePlanner(DefaultSavePlanner):
                 items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
                 continue
             properties = TensorProperties(dtype=value.dtype)
-            for i, piece in enumerate(value.pieces):
+            pieces = [p for whole in value.pieces for p in split_piece(whole, MAX_CHUNK_BYTES)]
+            for i, piece in enumerate(pieces):
                 if (key, piece.offsets) in self._by_offset:  # the same box twice on one rank: write it once
                     continue
                 self._by_offset[(key, piece.offsets)] = piece

@@ -184,11 +184,13 @@ def save_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:
 
 @dataclass
 class LoadRequest:
-    """The pieces a rank asks for, and copies to make once they are read (``(source, destination)``:
-    masters that share memory with the weights are read aside, so the two never race)."""
+    """The pieces a rank asks for. ``weights_from_masters``: model keys not read, because their weights share
+    memory with fp32 masters the checkpoint stores: the masters are read straight into the weights (which
+    equal their masters once loaded), so nothing is read twice or held aside (no whole copy of the masters
+    at any moment of a load); under ZeRO each rank reads its owned range and the gather joins them."""
 
     entries: dict[str, TensorPieces]
-    copies_after: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    weights_from_masters: set[str] = field(default_factory=set)
 
 
 def load_request(parts: CheckpointParts, stored_keys: set[str]) -> LoadRequest:
@@ -202,20 +204,18 @@ def load_request(parts: CheckpointParts, stored_keys: set[str]) -> LoadRequest:
                 if _aliases(flat, shard.param):
                     if key not in stored_keys:
                         continue  # loaded with the weights
-                    aside = torch.empty_like(flat)
-                    request.copies_after.append((aside, flat))
-                    flat = aside
+                    request.weights_from_masters.add(model_key(shard.name, shard.param))
                 elif key not in stored_keys:
                     key = model_key(shard.name, shard.param)
             _add(request.entries, key, shard.param, flat.dtype, _shard_pieces(shard, flat))
+    for key in request.weights_from_masters:
+        request.entries.pop(key, None)
     return request
 
 
 @torch.no_grad()
 def finish_load(parts: CheckpointParts, request: LoadRequest, loaded_progress: dict[str, Any]) -> None:
-    """After the pieces were read: pending copies, model weights from masters, counters."""
-    for source, destination in request.copies_after:
-        destination.copy_(source)
+    """After the pieces were read: model weights from masters, counters."""
     if parts.optimizer is not None:
         parts.optimizer.reload_model_params()
         if loaded_progress.get("optimizer") is not None:

@@ -144,6 +144,8 @@ class OptimConfig:
     initial_loss_scale: float = 65536.0  # fp16 dynamic loss scaling
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
+    # fp32 master weights and optimizer state in host memory, the update on the CPU (docs/zero.md#offload)
+    offload_optimizer: bool = False
 
 
 @dataclass
@@ -159,7 +161,8 @@ class DistributedConfig:
     virtual_pipeline_size: Optional[int] = None
     sequence_parallel: bool = False
     pipeline_layers: Optional[list] = None  # layers per (virtual) stage; None: even split
-    zero_optimization: Union[bool, int] = False  # false | true (=1) | 1 | 2
+    zero_optimization: Union[bool, int] = False  # false | true (=1) | 1 | 2 | 3 (weights sharded too)
+    zero_shard_group_size: Optional[int] = None  # hybrid: shard within groups of this many dp ranks
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     bucket_size_mb: float = 40.0
@@ -208,6 +211,9 @@ class TrainingConfig:
     hang_factor: float = 10.0  # watchdog: report and stop a step running this many times the median; 0: off
     hang_min_seconds: float = 300.0  # ... never sooner than this (and always before the collective timeout)
     save_on_signal: bool = True  # SIGTERM / SIGINT: save a checkpoint at the step reached, then exit
+    # activations the chosen transformer layers save for backward go to host memory: N (the first N
+    # layers) or a list of global layer indices; 0: none (docs/zero.md#offload)
+    activation_offload_layers: Union[int, list] = 0
 
 
 @dataclass

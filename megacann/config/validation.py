@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+from megacann.config.offload_keys import check_offload_keys
 from megacann.config.schema import CHOICES, MODE_DEFAULTS, ConfigError, MegacannConfig
+from megacann.config.zero import check_zero_keys, check_zero_layout
 
 # Keys the schema names whose feature is not built yet: anything but their inert value is refused with the
 # reason, rather than accepted and ignored. Each feature's work removes its entry; tests/test_config_keys.py
@@ -276,12 +278,10 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
         raise ConfigError(
             f"{source}: distributed.parallel_mode 'pipeline' needs tensor_parallel_size 1, got {tp} (use 'hybrid')"
         )
-    if d.zero_optimization not in (False, True, 0, 1, 2):
-        raise ConfigError(
-            f"{source}: distributed.zero_optimization must be false, true, 1 or 2, got {d.zero_optimization!r}"
-        )
+    check_zero_keys(cfg, source)
     resolve_parallel_sizes(cfg, world_size, source)
     check_context_parallel(cfg, source)
+    check_zero_layout(cfg, source)
     dp = d.data_parallel_size
     if dp is not None and dp % d.expert_parallel_size:
         raise ConfigError(
@@ -295,6 +295,7 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
     if o.lr <= 0:
         raise ConfigError(f"{source}: optim.lr must be positive, got {o.lr}")
     check_training_section(cfg, source)
+    check_offload_keys(cfg, source)
     if o.clip_grad < 0:
         raise ConfigError(f"{source}: optim.clip_grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
     check_profiler_window(cfg.logging.profiler, o.max_steps, source)

@@ -37,6 +37,7 @@ from megacann.layers.loss import (
 from megacann.layers.mappings import sync_partial_grads
 from megacann.layers.mlp import GeluMLP, SwiGLUMLP
 from megacann.layers.moe import MoEConfig, MoELayer
+from megacann.layers.multi_token_prediction import MTPLayer, MultiTokenPrediction, embedding_copy_for_last_stage
 from megacann.layers.norm import LayerNorm, RMSNorm
 from megacann.layers.output import LMHead, tie_embedding_across_stages
 from megacann.layers.random import checkpoint, dropout, get_rng_tracker, model_parallel_manual_seed
@@ -70,6 +71,10 @@ __all__ = [
     "TransformerBlockConfig",
     "MoEConfig",
     "MoELayer",
+    # multi-token prediction (DeepSeek-V3): extra depths on the last stage, their loss
+    "MTPLayer",
+    "MultiTokenPrediction",
+    "embedding_copy_for_last_stage",
     # initialisation
     "make_parameter",
     "initialize_weights",

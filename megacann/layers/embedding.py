@@ -77,12 +77,26 @@ class VocabParallelEmbedding(torch.nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
-        local_ids = (input_ids - self.vocab_start).masked_fill_(outside, 0)
-        out = F.embedding(local_ids, self.weight)
-        out.masked_fill_(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return mappings.reduce_scatter_to_sequence_parallel_region(out, self.group)
-        return mappings.reduce_from_tensor_model_parallel_region(out, self.group, inplace=True)
+        return vocab_parallel_embedding(input_ids, self.weight, self.sequence_parallel, self.group)
+
+
+def vocab_parallel_embedding(
+    input_ids: torch.Tensor,
+    weight: torch.Tensor,
+    sequence_parallel: bool = False,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """The lookup of :class:`VocabParallelEmbedding` with a given weight (this TP rank's rows of the padded
+    vocabulary): what a module holding the weight under another role uses, e.g. multi-token prediction
+    embedding with the last pipeline stage's tied copy held by its :class:`~megacann.layers.LMHead`."""
+    tp_size = mappings.tp_world_size(group)
+    if tp_size == 1:
+        return F.embedding(input_ids, weight)
+    vocab_start = mappings.tp_rank(group) * weight.shape[0]
+    outside = (input_ids < vocab_start) | (input_ids >= vocab_start + weight.shape[0])
+    local_ids = (input_ids - vocab_start).masked_fill_(outside, 0)
+    out = F.embedding(local_ids, weight)
+    out.masked_fill_(outside.unsqueeze(-1), 0.0)
+    if sequence_parallel:
+        return mappings.reduce_scatter_to_sequence_parallel_region(out, group)
+    return mappings.reduce_from_tensor_model_parallel_region(out, group, inplace=True)

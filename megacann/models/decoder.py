@@ -43,7 +43,11 @@ from megacann.layers import (
     tie_embedding_across_stages,
 )
 from megacann.layers.context_parallel import context_parallel_position_ids
+from megacann.layers.embedding import vocab_parallel_embedding
+from megacann.layers.loss import ChunkOutput
+from megacann.layers.multi_token_prediction import MTPLayer, MultiTokenPrediction, embedding_copy_for_last_stage
 from megacann.models import sizing
+from megacann.models.mtp import mtp_depths, mtp_matmul_parameters, mtp_parameters
 from megacann.models.spec import ChunkPlacement, HFAdapter, ModelSpec
 
 EMBEDDING_WEIGHT = "embed_tokens.weight"  # the name a last stage's tied copy of the embedding is drawn from
@@ -104,10 +108,12 @@ class DecoderLM(torch.nn.Module):
     ``forward(input_ids, position_ids=None, labels=None, segment_ids=None, hidden_states=None)`` returns
     hidden states ``[b, s_local, h]`` on a stage without the head; on the last stage the per-token loss
     ``[b, s]`` (fp32) when ``labels`` are given, else logits ``[b, s, vocab_size]``. ``arch`` defaults to
-    the class's ``ARCH``. Under context parallelism every input is this cp rank's share of the sequence
-    (``s = seq_length / cp``) and ``position_ids`` name the tokens' global positions (the schedules give
-    both; see :func:`megacann.layers.context_parallel.context_parallel_batch`). ``context``: the layer
-    context to build under (default: the current one).
+    the class's ``ARCH``. With multi-token prediction (``cfg.mtp_num_layers`` > 0; docs/models.md) the
+    last stage given ``labels`` returns a :class:`~megacann.layers.ChunkOutput`: the per-token loss and the
+    scaled MTP loss as the auxiliary loss ``mtp_loss``. Under context parallelism every input is this cp
+    rank's share of the sequence (``s = seq_length / cp``) and ``position_ids`` name the tokens' global
+    positions (the schedules give both; see :func:`megacann.layers.context_parallel.context_parallel_batch`).
+    ``context``: the layer context to build under (default: the current one).
     """
 
     ARCH: ClassVar[DecoderArch] = DecoderArch()
@@ -149,7 +155,8 @@ class DecoderLM(torch.nn.Module):
             self.embed_tokens = VocabParallelEmbedding(
                 cfg.vocab_size, h, init_normal(std), cfg.make_vocab_size_divisible_by
             )
-            if cfg.tie_word_embeddings and not post_process:  # the last stage holds a copy (lm_head)
+            # the last stage holds a copy: the tied head's, or multi-token prediction's
+            if (cfg.tie_word_embeddings or mtp_depths(cfg)) and not post_process:
                 tie_embedding_across_stages(self.embed_tokens)
             if arch.position_embedding == "learned":
                 self.embed_positions = make_parameter(
@@ -162,7 +169,7 @@ class DecoderLM(torch.nn.Module):
                 )
         self.layers = torch.nn.ModuleDict({str(i): self.build_layer(i) for i in layer_ids})
         self.rotary = None
-        if arch.position_embedding == "rope" and layer_ids:
+        if arch.position_embedding == "rope" and (layer_ids or (post_process and mtp_depths(cfg))):
             self.rotary = RotaryEmbedding(
                 self.block_config.attention_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_interleaved
             )
@@ -181,6 +188,26 @@ class DecoderLM(torch.nn.Module):
                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                 tie_to=tie_to,
             )
+        self.mtp = self._build_mtp() if post_process and mtp_depths(cfg) else None
+
+    def _build_mtp(self) -> MultiTokenPrediction:
+        """The multi-token prediction depths (last stage), and on a last stage without the input embedding
+        or a tied head holding its copy, a copy of the embedding tied to the first stage's."""
+        cfg, std = self.config, self.config.init_method_std
+        if not self.pre_process and not cfg.tie_word_embeddings:
+            self.mtp_embed_tokens = embedding_copy_for_last_stage(
+                cfg.vocab_size, cfg.hidden_size, EMBEDDING_WEIGHT, cfg.make_vocab_size_divisible_by
+            )
+        layers = [
+            MTPLayer(cfg.hidden_size, self.build_mtp_layer(k), norm_eps=cfg.norm_eps, init_method=init_normal(std))
+            for k in range(mtp_depths(cfg))
+        ]
+        return MultiTokenPrediction(layers, cfg.mtp_loss_scaling_factor)
+
+    def build_mtp_layer(self, depth: int) -> torch.nn.Module:
+        """The transformer layer of MTP depth ``depth + 1``: one of the kind of the model's last layer (a
+        family whose MTP layers differ overrides this)."""
+        return self.build_layer(self.config.num_layers - 1)
 
     @staticmethod
     def make_block_config(cfg: ModelConfig, arch: DecoderArch) -> TransformerBlockConfig:
@@ -231,7 +258,28 @@ class DecoderLM(torch.nn.Module):
             hidden = layer(hidden, rotary, segment_ids)
         if not self.post_process:
             return hidden
-        return self.lm_head(self.norm(hidden), labels)
+        hidden = self.norm(hidden)
+        loss = self.lm_head(hidden, labels)
+        if self.mtp is None or labels is None:
+            return loss
+        mtp_loss, _ = self.mtp(hidden, input_ids, labels, self._mtp_embed, self.lm_head, rotary, segment_ids)
+        return ChunkOutput(token_loss=loss, aux_losses={"mtp_loss": mtp_loss})
+
+    def _mtp_embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding for multi-token prediction on this (last) stage: the model's own, the
+        stage's tied copy, or the tied head's weight (which then is that copy)."""
+        if self.pre_process:
+            return self.embed_tokens(input_ids)
+        if hasattr(self, "mtp_embed_tokens"):
+            return self.mtp_embed_tokens(input_ids)
+        return vocab_parallel_embedding(input_ids, self.lm_head.output_weight, self.sequence_parallel)
+
+
+def decoder_flops_per_token(cfg: ModelConfig, seq_length: int, arch: DecoderArch) -> float:
+    """PaLM FLOPs per token of a decoder, its multi-token prediction depths included."""
+    per_layer = sizing.attention_matmul_parameters(cfg) + arch.mlp_matrices * cfg.hidden_size * cfg.ffn_size
+    n = sizing.matmul_parameters(cfg, arch) + mtp_matmul_parameters(cfg, per_layer)
+    return sizing.palm_flops_per_token(n, cfg, seq_length, extra_layers=mtp_depths(cfg))
 
 
 def decoder_model_spec(
@@ -259,8 +307,8 @@ def decoder_model_spec(
     return ModelSpec(
         name=name,
         build_chunk=build_chunk,
-        flops_per_token=lambda m, seq: sizing.flops_per_token(m, seq, arch),
-        num_parameters=lambda m: sizing.num_parameters(m, arch),
+        flops_per_token=lambda m, seq: decoder_flops_per_token(m, seq, arch),
+        num_parameters=lambda m: sizing.num_parameters(m, arch) + mtp_parameters(m, sizing.layer_parameters(m, arch)),
         fill_defaults=model_class.fill_defaults,
         hf=hf,
         architecture=arch,

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from megacann.config import ModelConfig
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.hf_llama import LLAMA_HF
+from megacann.models.mtp import MTPKeys
+
+
+@dataclass
+class LlamaModelConfig(MTPKeys, ModelConfig):
+    """The keys of ``model.type: llama``: those every decoder has, and multi-token prediction's."""
+
+    type: str = "llama"
 
 
 def llama_defaults(cfg: ModelConfig) -> None:
@@ -28,4 +38,4 @@ class LlamaModel(DecoderLM):
         save_pretrained_hf([self], path, self.config)
 
 
-LLAMA = decoder_model_spec("llama", LlamaModel, hf=LLAMA_HF)
+LLAMA = replace(decoder_model_spec("llama", LlamaModel, hf=LLAMA_HF), config_class=LlamaModelConfig)

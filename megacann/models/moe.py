@@ -34,6 +34,7 @@ from megacann.models.decoder import DecoderLM, decoder_model_spec
 from megacann.models.hf_mixtral import MIXTRAL_HF
 from megacann.models.llama import LlamaModel, llama_defaults
 from megacann.models.moe_config import MoEModelConfig
+from megacann.models.mtp import mtp_depths, mtp_matmul_parameters, mtp_parameters
 from megacann.models.spec import Batch, MoEStructure, decoder_forward_step
 
 TOKENS_PER_EXPERT = "moe_tokens_per_expert"  # stats name prefix: f"{TOKENS_PER_EXPERT}/layer_{i}"
@@ -173,6 +174,7 @@ def moe_num_parameters(m: ModelConfig, active: bool = False, model_class: type[M
     moe_layer = sizing.attention_parameters(m, arch) + 2 * h + _moe_mlp_matmul_parameters(m, active)
     layers = num_moe_layers(m)
     total = (m.num_layers - layers) * dense_layer + layers * moe_layer + h  # + the final norm
+    total += mtp_parameters(m, moe_layer if is_moe_layer(m, m.num_layers - 1) else dense_layer)
     vocab = m.vocab_size or 0
     return total + vocab * h * (1 if m.tie_word_embeddings else 2)
 
@@ -195,7 +197,9 @@ def moe_flops_per_token(m: ModelConfig, seq_length: int) -> float:
     dense_mlp = MoEModel.ARCH.mlp_matrices * m.hidden_size * m.ffn_size
     n = m.num_layers * sizing.attention_matmul_parameters(m) + (m.num_layers - layers) * dense_mlp
     n += layers * _moe_mlp_matmul_parameters(m, active=True) + (m.vocab_size or 0) * m.hidden_size
-    return sizing.palm_flops_per_token(n, m, seq_length)
+    last = _moe_mlp_matmul_parameters(m, active=True) if is_moe_layer(m, m.num_layers - 1) else dense_mlp
+    n += mtp_matmul_parameters(m, sizing.attention_matmul_parameters(m) + last)  # MTP layers: the last one's kind
+    return sizing.palm_flops_per_token(n, m, seq_length, extra_layers=mtp_depths(m))
 
 
 # -- the forward step, the bias update and the console ------------------------------------------------
@@ -208,7 +212,10 @@ def moe_forward_step(chunk: torch.nn.Module, batch: Batch, hidden_states: Option
     ``moe_dropped_tokens``."""
     out = decoder_forward_step(chunk, batch, hidden_states)
     dropped: list[int] = []
-    for layer_id, block in chunk.layers.items():
+    blocks = list(chunk.layers.items())
+    if getattr(chunk, "mtp", None) is not None:  # multi-token prediction's layers, named mtp_<depth index>
+        blocks += [(f"mtp_{k}", layer.transformer_layer) for k, layer in enumerate(chunk.mtp.layers)]
+    for layer_id, block in blocks:
         moe = getattr(block, "mlp", None)
         if not isinstance(moe, MoELayer) or moe.last_stats is None:
             continue

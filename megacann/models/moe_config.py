@@ -6,13 +6,15 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Union
 
 from megacann.config import ModelConfig
+from megacann.models.mtp import MTPKeys
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 @dataclass
-class MoEModelConfig(ModelConfig):
-    """A decoder whose feed-forward blocks are mixtures of experts (Mixtral, DeepSeek-style routing)."""
+class MoEModelConfig(MTPKeys, ModelConfig):
+    """A decoder whose feed-forward blocks are mixtures of experts (Mixtral, DeepSeek-style routing), with
+    multi-token prediction's keys (:class:`~megacann.models.mtp.MTPKeys`)."""
 
     HF_KEYS: ClassVar[dict[str, str]] = {
         **ModelConfig.HF_KEYS,

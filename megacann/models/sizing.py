@@ -60,10 +60,12 @@ def matmul_parameters(cfg: ModelConfig, arch: DecoderArch) -> int:
     return cfg.num_layers * per_layer + (cfg.vocab_size or 0) * cfg.hidden_size
 
 
-def palm_flops_per_token(matmul_params: int, cfg: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token by the PaLM formula: 6N + 12 L H Q T (recompute not counted)."""
+def palm_flops_per_token(matmul_params: int, cfg: ModelConfig, seq_length: int, extra_layers: int = 0) -> float:
+    """Training FLOPs per token by the PaLM formula: 6N + 12 L H Q T (recompute not counted);
+    ``extra_layers``: attention layers besides the model's (multi-token prediction's)."""
     head_dim = attention_head_dim(cfg)
-    return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.num_attention_heads * head_dim * seq_length
+    layers = cfg.num_layers + extra_layers
+    return 6.0 * matmul_params + 12.0 * layers * cfg.num_attention_heads * head_dim * seq_length
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int, arch: DecoderArch) -> float:

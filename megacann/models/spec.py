@@ -49,6 +49,7 @@ from megacann.config import ConfigError, MegacannConfig, ModelConfig, register_m
 from megacann.layers.context import layer_context_from_config
 from megacann.layers.loss import ChunkOutput
 from megacann.layers.sharding import get_sharding
+from megacann.models.mtp import check_mtp_config
 
 Device = Optional[Union[torch.device, str]]
 Batch = dict[str, torch.Tensor]
@@ -231,6 +232,7 @@ def prepare_model_config(cfg: MegacannConfig, spec: Optional[ModelSpec] = None, 
         )
     if not spec.mixture_of_experts:
         refuse_expert_settings(cfg, spec.name, source)
+    check_mtp_config(cfg, source)  # a family whose config has multi-token prediction's keys
     spec.check_config(cfg, source)
     return spec
 

@@ -4,16 +4,20 @@ Each op is declared once in :mod:`megacann.ops.signatures` (signature and docstr
 here picks, by the device type of its first tensor, the best available implementation registered in
 :mod:`megacann.ops.registry`:
 
-==========  ===============================================================================  ============
-name        what                                                                             device types
-==========  ===============================================================================  ============
-npu         torch_npu's CANN kernels (:mod:`megacann.ops.npu`)                               npu
-cpp         megacann's C++ kernels from ``csrc/`` (:mod:`megacann.ops.cpp`)                  cpu
-fused       the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)            cpu, cuda
-compiled    ``torch.compile`` of norm, RoPE, SwiGLU, head loss; opt-in (``ops.cuda``)        cuda
-apex        apex's fused RMSNorm, opt-in, if installed                                       cuda
-reference   PyTorch (:mod:`megacann.ops.reference`), always there                             any
-==========  ===============================================================================  ============
+============  =========================================================================  ============
+name          what                                                                       device types
+============  =========================================================================  ============
+npu           torch_npu's CANN kernels (:mod:`megacann.ops.npu`)                         npu
+flash_varlen  packed attention by flash-attention's varlen kernel (``ops.varlen``)       cuda
+cpp           megacann's C++ kernels from ``csrc/`` (:mod:`megacann.ops.cpp`)            cpu
+varlen        packed / windowed attention per document, no mask (``ops.varlen``)         cpu, cuda
+flash         block attention and its lse by PyTorch's CPU flash kernel                  cpu
+cuda_flash    block attention and its lse by PyTorch's CUDA flash kernel                 cuda
+fused         the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)      cpu, cuda
+compiled      ``torch.compile`` of norm, RoPE, SwiGLU, head loss; opt-in (``ops.cuda``)  cuda
+apex          apex's fused RMSNorm, opt-in, if installed                                 cuda
+reference     PyTorch (:mod:`megacann.ops.reference`), always there                      any
+============  =========================================================================  ============
 
 Optional packages are imported lazily by each implementation's availability check, so ``import
 megacann.ops`` never imports torch_npu or builds the C++ kernels. :func:`configure` applies the recipe's
@@ -26,6 +30,8 @@ from __future__ import annotations
 from megacann.ops.signatures import (
     adamw_step_,
     apply_rotary,
+    attention_block,
+    attention_block_backward,
     cross_entropy,
     grouped_matmul,
     moe_permute,
@@ -38,12 +44,14 @@ from megacann.ops.signatures import (
 
 # isort: split
 from megacann.ops import adamw as _adamw  # noqa: F401  (each module registers its implementations)
+from megacann.ops import attention_blocks as _attention_blocks  # noqa: F401
 from megacann.ops import cpp as _cpp  # noqa: F401
 from megacann.ops import cuda as _cuda  # noqa: F401
 from megacann.ops import head_loss as _head_loss  # noqa: F401
 from megacann.ops import moe as _moe  # noqa: F401
 from megacann.ops import npu as _npu  # noqa: F401
 from megacann.ops import reference as _reference  # noqa: F401
+from megacann.ops import varlen as _varlen  # noqa: F401
 from megacann.ops.registry import (
     check_op_names,
     configure,
@@ -68,6 +76,8 @@ __all__ = [
     "DEFAULT_FP32_OPS",
     "adamw_step_",
     "apply_rotary",
+    "attention_block",
+    "attention_block_backward",
     "check_op_names",
     "configure",
     "cross_entropy",

@@ -1,8 +1,10 @@
 """CUDA implementations beyond the reference.
 
-Attention needs none: the reference calls ``F.scaled_dot_product_attention``, which on CUDA runs the flash
-kernel for the causal, mask-free case and the memory-efficient kernel when packed sequences bring a
-boolean mask. AdamW's fused kernel is :mod:`megacann.ops.adamw` (``fused``, CPU and CUDA).
+Attention: the reference calls ``F.scaled_dot_product_attention`` (the flash kernel for the causal,
+mask-free case); packed documents and sliding windows take :mod:`megacann.ops.varlen` (``flash_varlen``:
+flash-attention's varlen kernel, no mask), and context-parallel blocks the CUDA flash kernel with its
+log-sum-exp (:mod:`megacann.ops.attention_blocks`). AdamW's fused kernel is :mod:`megacann.ops.adamw`
+(``fused``, CPU and CUDA).
 
 Registered here, opt-in (priority below the reference until a GPU benchmark shows a win; select with
 ``megacann.ops.pin(op, name)``):

@@ -16,6 +16,12 @@ Calls follow torch_npu's documented signatures:
   mode (``sparse_mode=4``, the same compressed mask) with ``pre_tockens=W-1`` and ``next_tockens=0``: a
   query at ``i`` keeps keys ``j`` with ``i - pre_tockens <= j <= i + next_tockens``, i.e. its last W keys
   (in TND, within each document).
+- ``attention_block`` (a context-parallel step, layout ``BNSD``): ``npu_fusion_attention`` returns the
+  softmax max and sum per row (``[b, n, s, 8]``, the value repeated), so ``lse = max + log(sum)``; the
+  backward ``npu_fusion_attention_grad(q, k, v, dy, head_num, "BNSD", softmax_max=, softmax_sum=,
+  attention_in=, scale_value=, ...)`` gets the final lse as the max and ones as the sum (``max + log 1``
+  is the lse) and the final output as ``attention_in``; a causal step uses ``sparse_mode=2``. A ``band``
+  (windows under context parallelism) runs the reference.
 - ``npu_cross_entropy_loss(logits, target, reduction='none', ...)`` for fp32 logits (its loss has the input's
   dtype, so bf16 logits use the reference, which computes the loss in fp32)
 - ``npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, eps, grad, None, False,
@@ -35,7 +41,7 @@ import torch
 
 from megacann.accelerator import import_torch_npu
 from megacann.constants import IGNORE_INDEX
-from megacann.ops import reference
+from megacann.ops import attention_blocks, reference
 from megacann.ops.registry import register
 
 NPU = "npu"
@@ -126,6 +132,37 @@ def scaled_dot_product_attention(
         return out.view(b, s, heads, d)
     mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_LEFT_UP_CAUSAL) if causal else {}
     return npu.npu_fusion_attention(q, k, v, heads, "BSND", **(band or mask), **common)[0]
+
+
+STAT_COLUMNS = 8  # npu_fusion_attention's softmax max / sum repeat each row's value 8 times
+
+
+@_npu_op("attention_block")
+def attention_block(q, k, v, *, scale, causal=False, band=None) -> tuple[torch.Tensor, torch.Tensor]:
+    if band is not None:
+        return attention_blocks.attention_block(q, k, v, scale=scale, causal=causal, band=band)
+    mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_LEFT_UP_CAUSAL) if causal else {}
+    out, row_max, row_sum = _npu().npu_fusion_attention(
+        q, k, v, q.shape[1], "BNSD", scale=scale, keep_prob=1.0, **mask
+    )[:3]
+    acc = attention_blocks.acc_dtype(q.dtype)
+    return out.to(acc), (row_max[..., 0] + row_sum[..., 0].log()).to(acc)
+
+
+@_npu_op("attention_block_backward")
+def attention_block_backward(
+    q, k, v, out, lse, dout, *, scale, causal=False, band=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if band is not None:
+        return attention_blocks.attention_block_backward(q, k, v, out, lse, dout, scale=scale, causal=causal, band=band)
+    mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_LEFT_UP_CAUSAL) if causal else {}
+    row_max = lse.float().unsqueeze(-1).expand(*lse.shape, STAT_COLUMNS).contiguous()
+    dq, dk, dv = _npu().npu_fusion_attention_grad(
+        q, k, v, dout.to(q.dtype), q.shape[1], "BNSD", softmax_max=row_max, softmax_sum=torch.ones_like(row_max),
+        attention_in=out.to(q.dtype), scale_value=scale, keep_prob=1.0, **mask,
+    )[:3]  # fmt: skip
+    acc = attention_blocks.acc_dtype(q.dtype)
+    return dq.to(acc), dk.to(acc), dv.to(acc)
 
 
 @_npu_op("cross_entropy")

@@ -40,6 +40,47 @@ def scaled_dot_product_attention(
     only) lets each query see its last W keys, itself included. Returns ``[b, s, hq, d]``."""
 
 
+Band = Optional[tuple[torch.Tensor, torch.Tensor, int]]  # (query positions, key positions, window)
+
+
+@declare(fp32_result=True)
+def attention_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    band: Band = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of one block of queries over one block of keys, with the rows' log-sum-exp: the
+    step of blockwise attention (context-parallel rings, packed documents). ``q`` ``[b, hq, sq, d]``,
+    ``k``/``v`` ``[b, hkv, sk, d]`` (BHSD; GQA as above). ``causal`` (square blocks): key index <= query
+    index. ``band`` (positions of the query rows ``[sq]``, of the keys ``[sk]``, window W): only keys
+    ``0 <= query position - key position < W``. Returns the block-normalised output ``[b, hq, sq, d]`` and
+    the log-sum-exp ``[b, hq, sq]`` of the scaled scores, both fp32 (fp64 for fp64 inputs); a row that sees
+    no key has lse -inf and output 0."""
+
+
+@declare(fp32_result=True)
+def attention_block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    band: Band = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` (fp32, shapes of ``q, k, v``) of one :func:`attention_block` step, given
+    the rows' final output ``out`` and log-sum-exp ``lse`` over every block and the output gradient
+    ``dout`` (flash-attention's backward: ``delta = rowsum(dout * out)``, probabilities
+    ``exp(scores - lse)``). Every row must see some key in some block (finite ``lse``)."""
+
+
 @declare
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation over the last dim, scaled by ``weight``: ``weight * x / sqrt(mean(x²) + eps)``."""

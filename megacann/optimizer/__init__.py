@@ -1,4 +1,5 @@
-"""Optimizers: fp32 master weights, loss scaling, clipping, LR schedules, and ZeRO-1/2 as a drop-in."""
+"""Optimizers: fp32 master weights, loss scaling, clipping, LR schedules, ZeRO-1/2 as a drop-in, and host
+offload of masters and state (``optim.offload_optimizer``)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,17 @@ def build_optimizer(
     """The optimizer for this rank's parameters (global names), as the recipe asks (plain DP or ZeRO).
     ``modules`` (the model chunks) let ZeRO wait for overlapped parameter gathers in forward hooks."""
     d = cfg.distributed
+    offload = cfg.optim.offload_optimizer  # fp32 masters and state in host memory (megacann.optimizer.offload)
+    if offload:
+        from megacann.optimizer.offload import OffloadedDistributedOptimizer, OffloadedOptimizer
     if d.zero_stage:
-        return DistributedOptimizer(named_params, cfg, modules)
+        return (OffloadedDistributedOptimizer if offload else DistributedOptimizer)(named_params, cfg, modules)
     if d.overlap_param_gather:
         raise ValueError(
-            "distributed.overlap_param_gather needs distributed.zero_optimization (true, 1 or 2): without ZeRO "
+            "distributed.overlap_param_gather needs distributed.zero_optimization (true, 1, 2 or 3): without ZeRO "
             "no parameters are gathered"
         )
-    return MixedPrecisionOptimizer(named_params, cfg)
+    return (OffloadedOptimizer if offload else MixedPrecisionOptimizer)(named_params, cfg)
 
 
 __all__ = [

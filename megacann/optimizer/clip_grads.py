@@ -39,6 +39,7 @@ def global_grad_norm(
     params: Iterable[torch.nn.Parameter],
     grads: Optional[Iterable[torch.Tensor]] = None,
     sharded_over_data_parallel: bool = False,
+    shard_groups: Optional[tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]] = None,
 ) -> torch.Tensor:
     """L2 norm of the gradients over the whole model (TP shards, pipeline stages and expert ranks), as a
     0-d fp32 tensor on the gradients' device: reading it (``float(norm)``) is the caller's choice, so a
@@ -47,7 +48,8 @@ def global_grad_norm(
     ``grads`` are the gradients of ``params`` in the same order (default: each one's ``main_grad``). With
     ``sharded_over_data_parallel`` (ZeRO) every rank of the data-parallel x context-parallel group (the
     group gradients are reduced over) holds a disjoint part of each gradient, so the squared sums are first
-    added over it (experts: the expert-data-parallel x context-parallel group).
+    added over it (experts: the expert-data-parallel x context-parallel group); ``shard_groups`` (dense,
+    expert) replace those groups under hybrid sharding, where a shard group holds each element once.
     """
     params = list(params)
     grads = [p.main_grad for p in params] if grads is None else list(grads)
@@ -62,8 +64,12 @@ def global_grad_norm(
     if expert:
         sums[1] = _sum_of_squares(expert)
     if sharded_over_data_parallel:
-        dense_sum = _all_reduce_sum(sums[:1].clone(), [ps.get_data_parallel_group(with_context_parallel=True)])
-        expert_sum = _all_reduce_sum(sums[1:].clone(), [ps.get_expert_data_parallel_group(with_context_parallel=True)])
+        dense_group, expert_group = shard_groups or (
+            ps.get_data_parallel_group(with_context_parallel=True),
+            ps.get_expert_data_parallel_group(with_context_parallel=True),
+        )
+        dense_sum = _all_reduce_sum(sums[:1].clone(), [dense_group])
+        expert_sum = _all_reduce_sum(sums[1:].clone(), [expert_group])
         sums = torch.cat([dense_sum, expert_sum])
     _all_reduce_sum(sums, [ps.get_model_parallel_group()])
     if expert:  # expert shards differ across the expert-parallel group as well

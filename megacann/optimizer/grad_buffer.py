@@ -64,7 +64,9 @@ class GradBuffer:
 
     ``pad_to`` pads every bucket to a multiple of it; ``own_bucket(param)`` puts a parameter in a bucket of
     its own (ZeRO: tied embeddings, so the first and last pipeline stage shard them alike);
-    ``persistent=False`` allocates a bucket's storage at its first gradient and frees it once reduced.
+    ``persistent=False`` allocates a bucket's storage at its first gradient and frees it once reduced;
+    ``unit_of(param)`` (ZeRO-3: the module that gathers it) starts a new bucket wherever it changes, so a
+    bucket never spans two units.
     """
 
     MAX_IN_FLIGHT = 2  # buckets reducing at once inside backward when storage is freed after reduction
@@ -78,6 +80,7 @@ class GradBuffer:
         device: Optional[torch.device] = None,
         own_bucket: Optional[Callable[[torch.nn.Parameter], bool]] = None,
         persistent: bool = True,
+        unit_of: Optional[Callable[[torch.nn.Parameter], int]] = None,
     ):
         self.group = group
         self.group_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
@@ -97,7 +100,8 @@ class GradBuffer:
 
         for p in reversed(self.params):
             alone = own_bucket is not None and own_bucket(p)
-            if alone and members:
+            new_unit = unit_of is not None and members and unit_of(p) != unit_of(members[-1])
+            if (alone or new_unit) and members:
                 close_bucket()
             self.ranges[id(p)] = (offset, offset + p.numel())
             offset += p.numel()
@@ -235,9 +239,29 @@ class GradBuffer:
         return [self.data] if self.data is not None else []
 
 
+def reduction_group(expert: bool) -> tuple[Optional[dist.ProcessGroup], int]:
+    """The group (and its size) a dense or expert parameter's gradient is summed over: every cp rank
+    computes part of every gradient from its own tokens, so data parallel x context parallel."""
+    if expert:
+        return (
+            ps.get_expert_data_parallel_group(with_context_parallel=True),
+            ps.get_expert_data_parallel_world_size(with_context_parallel=True),
+        )
+    return ps.get_data_parallel_group(with_context_parallel=True), ps.get_data_parallel_world_size(True)
+
+
+def split_by_group(params: list[torch.nn.Parameter]) -> dict[tuple[bool, torch.dtype], list[torch.nn.Parameter]]:
+    """``params`` by (expert, dtype): one buffer each, in first-seen order (the same on every rank)."""
+    groups: dict[tuple[bool, torch.dtype], list[torch.nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault((get_sharding(p).expert, p.dtype), []).append(p)
+    return groups
+
+
 class GradBuffers:
     """The gradient buffers of a model: per parameter dtype, dense (data-parallel group) and expert
-    (expert-data-parallel group), each with the context-parallel ranks. ``buffer_cls`` and ``buffer_kwargs`` choose the reduction (ZeRO)."""
+    (expert-data-parallel group), each with the context-parallel ranks. ``buffer_cls`` and ``buffer_kwargs`` choose the reduction (ZeRO);
+    ``group_for(expert)`` the group and its size (hybrid sharding: a shard group)."""
 
     def __init__(
         self,
@@ -246,21 +270,14 @@ class GradBuffers:
         pad_for_zero: bool = False,
         overlap: bool = False,
         buffer_cls: type[GradBuffer] = GradBuffer,
+        group_for: Callable[[bool], tuple[Optional[dist.ProcessGroup], int]] = reduction_group,
         **buffer_kwargs,
     ):
         trainable = [p for p in params if p.requires_grad]
-        groups: dict[tuple[bool, torch.dtype], list[torch.nn.Parameter]] = {}
-        for p in trainable:
-            groups.setdefault((get_sharding(p).expert, p.dtype), []).append(p)
+        groups = split_by_group(trainable)
         self.buffers: list[GradBuffer] = []
         for (expert, _), members in groups.items():
-            # every cp rank computes part of every gradient from its own tokens: sum over dp x cp
-            if expert:
-                group = ps.get_expert_data_parallel_group(with_context_parallel=True)
-                size = ps.get_expert_data_parallel_world_size(with_context_parallel=True)
-            else:
-                group = ps.get_data_parallel_group(with_context_parallel=True)
-                size = ps.get_data_parallel_world_size(with_context_parallel=True)
+            group, size = group_for(expert)
             self.buffers.append(
                 buffer_cls(
                     members,

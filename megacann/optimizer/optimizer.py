@@ -190,6 +190,10 @@ class OptimizerBase:
     def _copy_master_to_model(self) -> None:
         raise NotImplementedError
 
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's trainable weights now (for memory accounting)."""
+        return list(self.model_params)
+
     def finish_param_sync(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
         """Wait until the model's parameters hold the last update (ZeRO may still be gathering them after
         the step with ``overlap_param_gather``). Code reading parameters outside a forward calls this."""
@@ -225,6 +229,10 @@ class MixedPrecisionOptimizer(OptimizerBase):
         self.grad_buffers = grad_buffers or GradBuffers(
             self.model_params, self.bucket_size, overlap=cfg.distributed.overlap_grad_reduce
         )
+        self._build_update(cfg)
+
+    def _build_update(self, cfg: MegacannConfig) -> None:
+        """The fp32 masters and the inner optimizer with its state (on the device; offload overrides it)."""
         self.master_params = [self._master_of(p) for p in self.model_params]
         self.optimizer = build_inner_optimizer(self.master_params, cfg)
         init_optimizer_state(self.optimizer)

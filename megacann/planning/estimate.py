@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from megacann.config import MegacannConfig
 from megacann.models import get_model_spec
+from megacann.models.mtp import mtp_depths
 from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
 from megacann.pipeline.plan import Backward, Forward, build_plan
 from megacann.planning.formulas import (
@@ -20,10 +21,12 @@ from megacann.planning.formulas import (
     chunk_parameters_per_rank,
     is_moe_layer,
     layer_activation_bytes,
+    layer_parameters_per_rank,
+    padded_vocab,
     pipeline_buffer_bytes,
     query_width,
-    static_bytes,
 )
+from megacann.planning.placement import placed_static_bytes
 
 
 @dataclass
@@ -42,6 +45,12 @@ class StageEstimate:
     chunk_buffers: list[float] = field(default_factory=list)  # per chunk: pipeline executor's tensors per micro-batch
     recompute_transient: float = 0.0  # full recompute: one layer's activations rebuilt during backward
     expert_params: int = 0  # of ``params``: routed experts' (ZeRO shards them over dp / ep x cp)
+    host_optimizer: float = 0.0  # optim.offload_optimizer: masters, state and gradient staging in host memory
+    host_activations: float = 0.0  # peak of the offloaded layers' saved activations in host memory
+
+    @property
+    def host(self) -> float:
+        return self.host_optimizer + self.host_activations
 
     @property
     def static(self) -> float:
@@ -73,6 +82,23 @@ def replay_in_flight(plan, chunk_bytes: list[float]) -> tuple[float, int]:
     return peak, peak_count
 
 
+def mtp_terms(cfg: MegacannConfig, layout: Layout) -> tuple[int, int, float]:
+    """(parameters, expert parameters, bytes saved per micro-batch) of the multi-token prediction depths on
+    the last chunk of one TP rank: per depth a layer of the last layer's kind, its norms and projection, its
+    head's input and loss; with pipeline stages and an untied head, the embedding's copy."""
+    m, depths = cfg.model, mtp_depths(cfg.model)
+    if not depths:
+        return 0, 0, 0.0
+    h, tp, last = m.hidden_size, layout.tp, m.num_layers - 1
+    params, experts = chunk_parameters_per_rank(cfg, tp, [last] * depths, False, False, layout.pp, layout.ep)
+    params += depths * (3 * h + 2 * h * h // tp)
+    if layout.pp > 1 and not m.tie_word_embeddings:
+        params += padded_vocab(cfg, tp) // tp * h
+    layer = layer_activation_bytes(cfg, layout, layout.recompute, is_moe_layer(m, last))
+    head = sum(chunk_extra_terms(cfg, layout, False, True, False).values())
+    return params, experts, depths * (layer + head)
+
+
 def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEstimate:
     m, d = cfg.model, cfg.distributed
     pp, vpp = layout.pp, layout.vpp
@@ -80,6 +106,7 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         d.pipeline_layers if (pp, vpp) == (d.pipeline_parallel_size, d.virtual_pipeline_size or 1) else None
     )
     params, experts, saved, buffers, holds, transient = 0, 0, [], [], [], 0.0
+    offloaded, host_saved, unit = set(layout.offload_layers), [], 0
     for chunk in range(vpp):
         ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers)
         first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == vpp - 1
@@ -87,17 +114,28 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         params, experts = params + chunk_params, experts + chunk_experts
         kinds = [is_moe_layer(m, i) for i in ids]
         layers = {moe: layer_activation_bytes(cfg, layout, layout.recompute, moe) for moe in set(kinds)}
+        kept = [moe for i, moe in zip(ids, kinds) if i not in offloaded]
+        moved = [moe for i, moe in zip(ids, kinds) if i in offloaded]
         saved.append(
-            sum(layers[moe] for moe in kinds) + sum(chunk_extra_terms(cfg, layout, first, last, bool(ids)).values())
+            sum(layers[moe] for moe in kept) + sum(chunk_extra_terms(cfg, layout, first, last, bool(ids)).values())
         )
+        host_saved.append(sum(layers[moe] for moe in moved))
+        if moved:  # an offloaded layer's activations are on the device during its forward and its backward
+            transient = max(transient, *(layers[moe] for moe in moved))
+        unit = max([unit] + [sum(layer_parameters_per_rank(m, layout.tp, i, layout.ep)) for i in ids])
         buffers.append(pipeline_buffer_bytes(cfg, layout, first, last))
         if layout.recompute == "full" and ids:  # backward re-runs one layer at a time
             transient = max(transient, *(layer_activation_bytes(cfg, layout, "none", moe) for moe in set(kinds)))
+        if last and mtp_depths(m):
+            mtp_params, mtp_experts, mtp_saved = mtp_terms(cfg, layout)
+            params, experts, saved[-1] = params + mtp_params, experts + mtp_experts, saved[-1] + mtp_saved
         parts = (["embedding"] if first else []) + [_describe_layers(ids)] + (["output layer"] if last else [])
+        parts += [f"{mtp_depths(m)} MTP depths"] if last and mtp_depths(m) else []
         holds.append(" + ".join(parts))
     plan = build_plan(pp, stage, layout.num_microbatches, vpp if vpp > 1 else None)
     peak, in_flight = replay_in_flight(plan, [a + b for a, b in zip(saved, buffers)])
-    static = static_bytes(cfg, layout, params, experts)
+    host_peak, _ = replay_in_flight(plan, host_saved)
+    static = placed_static_bytes(cfg, layout, params, experts, unit)
     return StageEstimate(
         stage,
         " | ".join(holds),
@@ -111,6 +149,8 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         buffers,
         transient,
         experts,
+        static["host_optimizer"],
+        host_peak,
     )
 
 

@@ -77,6 +77,7 @@ from typing import Optional
 
 from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.config.offload_keys import offloaded_layer_ids
 from megacann.layers.embedding import pad_vocab_size
 from megacann.layers.output import HEAD_LOSS
 from megacann.models import DecoderArch, get_model_spec
@@ -108,6 +109,9 @@ class Layout:
     overlap_grad_reduce: bool = False
     cp: int = 1  # context parallel: each rank holds seq_length / cp tokens of every sequence
     ep: int = 1  # expert parallel, carved out of dp: each rank holds num_experts / ep experts
+    offload_optimizer: bool = False  # fp32 masters and optimizer state in host memory (planning.placement)
+    offload_layers: tuple[int, ...] = ()  # global ids of the layers whose activations go to host memory
+    zero_group: int = 0  # hybrid sharding: ZeRO shards within groups of this many ranks; 0: the whole group
 
     @property
     def world_size(self) -> int:
@@ -115,13 +119,14 @@ class Layout:
 
     @property
     def zero_shards(self) -> int:
-        """Ranks ZeRO shards over: the data-parallel x context-parallel group gradients are reduced over."""
-        return self.dp * self.cp
+        """Ranks ZeRO shards over: the data-parallel x context-parallel group gradients are reduced over (or
+        a hybrid-sharding group of it)."""
+        return min(self.zero_group or self.dp * self.cp, self.dp * self.cp)
 
     @property
     def expert_zero_shards(self) -> int:
         """Ranks ZeRO shards expert parameters over: the expert-data-parallel x cp group (dp / ep x cp)."""
-        return self.dp // self.ep * self.cp
+        return min(self.zero_group or self.dp // self.ep * self.cp, self.dp // self.ep * self.cp)
 
     def describe(self) -> str:
         dp = f"dp {self.dp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
@@ -131,6 +136,8 @@ class Layout:
         extra = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", f"recompute {self.recompute}"]
         if self.sequence_parallel:
             extra.append("SP")
+        extra += ["optimizer offload"] if self.offload_optimizer else []
+        extra += [f"activation offload of {len(self.offload_layers)} layers"] if self.offload_layers else []
         return (
             " x ".join(parts) + ", " + ", ".join(extra) + f", micro-batch {self.micro_batch} x {self.num_microbatches}"
         )
@@ -152,6 +159,9 @@ def layout_of(cfg: MegacannConfig) -> Layout:
         overlap_grad_reduce=d.overlap_grad_reduce,
         cp=d.context_parallel_size,
         ep=d.expert_parallel_size,
+        offload_optimizer=cfg.optim.offload_optimizer,
+        offload_layers=tuple(offloaded_layer_ids(cfg)),
+        zero_group=getattr(d, "zero_shard_group_size", None) or 0,  # hybrid sharding, where the recipe has it
     )
 
 

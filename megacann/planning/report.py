@@ -27,13 +27,17 @@ def _gb(n: float) -> str:
 
 
 def stage_table(stages: list[StageEstimate]) -> list[str]:
-    header = f"{'stage':<6}{'params/device':>15}{'weights':>9}{'grads':>8}{'optimizer':>11}{'activations':>13}{'total':>8}  holds"
-    lines = [header]
+    """One row per stage; a ``host`` column (offloaded bytes, not in ``total``) when anything is offloaded."""
+    host = any(s.host for s in stages)
+    header = (
+        f"{'stage':<6}{'params/device':>15}{'weights':>9}{'grads':>8}{'optimizer':>11}{'activations':>13}{'total':>8}"
+    )
+    lines = [header + (f"{'host':>8}" if host else "") + "  holds"]
     for s in stages:
         act = f"{_gb(s.activations)} ({s.in_flight})"
         lines.append(
             f"{s.stage:<6}{s.params:>15,}{_gb(s.weights):>9}{_gb(s.grads):>8}{_gb(s.optimizer):>11}{act:>13}"
-            f"{_gb(s.total):>8}  {s.holds}"
+            f"{_gb(s.total):>8}" + (f"{_gb(s.host):>8}" if host else "") + f"  {s.holds}"
         )
     return lines
 
@@ -78,11 +82,24 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
     shards = f"dp {layout.dp}{cp}" + (
         f", the experts' by dp / ep {layout.dp // layout.ep}{cp}" if layout.ep > 1 else ""
     )
-    zero = f"; ZeRO-{layout.zero} divides the optimizer state by {shards}" if layout.zero else ""
+    if layout.zero_group:
+        shards = f"hybrid groups of {layout.zero_shards} (replicated across groups)"
+    what = "weights, gradients and optimizer state" if layout.zero >= 3 else "the optimizer state"
+    zero = f"; ZeRO-{layout.zero} divides {what} by {shards}" if layout.zero else ""
     lines.append(
         f"weights + gradients + optimizer: {_gb(whole)} GB unsharded -> {_gb(largest.static)} GB on stage "
         f"{largest.stage}'s devices ({split}{zero})"
     )
+    if layout.offload_optimizer:
+        lines.append(
+            f"optimizer offload: fp32 masters, state and gradient staging in host memory, "
+            f"{_gb(largest.host_optimizer)} GB per device on stage {largest.stage} (not in the device total)"
+        )
+    if layout.offload_layers:
+        lines.append(
+            f"activation offload: layers {list(layout.offload_layers)} keep their saved activations in host "
+            f"memory, peak {_gb(max(s.host_activations for s in stages))} GB per device (not in the device total)"
+        )
     moe = moe_structure(cfg.model)
     kinds = sorted(set(moe.moe_layers)) if moe else [False]
     for kind in kinds:  # dense layers, MoE layers

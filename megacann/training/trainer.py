@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
+from megacann.config.offload_keys import offloaded_layer_ids
+from megacann.layers.activation_offload import offload_layer_activations
 from megacann.layers.compile import compile_blocks
 from megacann.models import ModelSpec
 from megacann.models.step_loss import count_target_tokens
@@ -105,6 +107,8 @@ class Trainer:
         self.lora_base = finetune.prepare_model_chunks(cfg, self.model_chunks)
         if compile_backend(cfg) is not None:  # precision.compile: torch.compile per transformer block
             compile_blocks(self.model_chunks, backend=compile_backend(cfg))
+        # training.activation_offload_layers: those layers' saved activations go to host memory
+        self.activation_offload = offload_layer_activations(self.model_chunks, offloaded_layer_ids(cfg))
         self.named_params = [(n, p) for chunk in self.model_chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
         self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)

@@ -10,15 +10,16 @@ own exactly half a block of work, with no mask:
     block of a later rank (j > r):    the second local chunk of queries, the whole block
     own block (j = r):                everything, causal (local order is global order)
 
-Partial results merge by online softmax in fp32: ``out`` and the log-sum-exp ``lse`` of each query row.
-Backward recomputes each block's scores from the saved ``out`` and ``lse`` (flash-attention's backward)
-and sends each block's ``dk, dv`` (fp32) back to its owner. Scores are computed a tile of query rows at a
-time (``SCORE_TILE_ELEMENTS``) with the tile's mask built on the spot, so no block-sized score or mask
-matrix is held. Packed sequences add ``segment_ids`` equality to the masks (the ids of all ranks are
-all-gathered once, they are small). A sliding window W adds ``query position - key position < W`` on the
-global positions of the step's rows and columns, and a step whose keys all lie W or more behind its
-queries is skipped (in backward it hands on a zero gradient). GQA needs no copies: queries are viewed as
-``[b, kv_heads, group, s, d]`` and broadcast against their kv head.
+Each step is the registered op :func:`megacann.ops.attention_block` (the reference's fp32 tiles, PyTorch's
+flash attention on CPU and CUDA, ``npu_fusion_attention`` on NPU), which returns the block's output and
+log-sum-exp ``lse``; partial results merge by online softmax in fp32. Backward runs
+:func:`megacann.ops.attention_block_backward` per step with the saved final ``out`` and ``lse``
+(flash-attention's backward) and sends each block's ``dk, dv`` (fp32) back to its owner. Packed
+sequences (``segment_ids``; the ids of all ranks are all-gathered once, they are small, and their runs
+read from the device once per call) split a step into the rectangles of equal ids (:func:`megacann.ops.varlen.block_attention`, the variable-length path), so
+no mask is built. A sliding window W passes the global positions of the step's rows and columns as the
+op's ``band`` (``0 <= query position - key position < W``), and a step whose keys all lie W or more behind
+its queries is skipped (in backward it hands on a zero gradient).
 
 How the blocks reach a rank is the transport:
 
@@ -45,13 +46,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from einops import rearrange
 
 from megacann.layers.context_parallel.layout import context_parallel_position_ids
 from megacann.layers.mappings import all_gather_flat, reduce_scatter_flat
+from megacann.ops.attention_blocks import acc_dtype, merge_block
+from megacann.ops.varlen import block_attention, block_attention_backward, clip_runs, runs_of
 
 _NEG_INF = float("-inf")
-SCORE_TILE_ELEMENTS = 1 << 22  # most score-matrix elements computed at once (16 MiB in fp32)
 
 
 # -- point-to-point around the ring ---------------------------------------------------------------------
@@ -138,105 +139,18 @@ def _wait(works: list[dist.Work]) -> None:
         work.wait()
 
 
-# -- per-block math (fp32) --------------------------------------------------------------------------
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype blocks are computed and accumulated in: fp32, or fp64 for fp64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``[b, s, heads, d]`` -> fp32 ``[b, kv_heads, heads/kv_heads, s, d]`` (a kv head's queries together)."""
-    return rearrange(x.to(_acc_dtype(x.dtype)), "b s (hkv g) d -> b hkv g s d", hkv=kv_heads)
-
-
-def _ungrouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`_grouped`: ``[b, kv_heads, g, s, d]`` -> ``[b, s, kv_heads*g, d]`` in ``dtype``."""
-    return rearrange(x, "b hkv g s d -> b s (hkv g) d").to(dtype)
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with -inf (rows that see no key of this block) replaced by 0, so ``exp(score - lse)`` is 0
-    there instead of NaN."""
-    return lse.masked_fill(torch.isinf(lse), 0.0)
-
-
-def _scores(q, k, scale, mask):
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    return scores if mask is None else scores.masked_fill_(~mask, _NEG_INF)
-
-
-def _probs(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``exp(scores - lse)`` in place (masked entries become 0)."""
-    return scores.sub_(_finite(lse).unsqueeze(-1)).exp_()
-
-
-def _tiles(q: torch.Tensor, keys: int, causal: bool):
-    """Row tiles ``(first, end, key_end)`` of a block: as many query rows at a time as keep a tile's
-    scores within ``SCORE_TILE_ELEMENTS``, so no block-sized score matrix is ever held; under the local
-    causal mask a tile needs keys ``[0, end)`` only."""
-    rows = q.shape[-2]
-    per_row = q.numel() // (rows * q.shape[-1]) * keys  # score elements of one query row (all heads)
-    step = max(1, SCORE_TILE_ELEMENTS // max(1, per_row))
-    for first in range(0, rows, step):
-        end = min(first + step, rows)
-        yield first, end, (end if causal else None)
-
-
-def _tile_mask(segments, causal, first, end, key_end, device, band=None) -> Optional[torch.Tensor]:
-    """Mask of query rows ``[first, end)`` over keys ``[0, key_end)`` (True = attend), broadcastable to
-    [b, hkv, g, rows, keys], or None: equal segment ids (``segments`` = (ids of the rows, of the keys)),
-    when ``causal`` key index <= row index, and with a ``band`` (global positions of the rows, of the
-    keys, window W) keys less than W positions behind. Built per tile, so no block-sized mask is held."""
-    mask = None
-    if segments is not None:
-        seg_q, seg_k = segments
-        mask = (seg_q[:, first:end, None] == seg_k[:, None, :key_end])[:, None, None]
-    if causal:
-        tri = torch.arange(first, end, device=device)[:, None] >= torch.arange(end, device=device)[None, :]
-        mask = tri if mask is None else mask & tri
-    if band is not None:
-        pos_q, pos_k, window = band
-        near = (pos_q[first:end, None] - pos_k[None, :key_end]) < window
-        mask = near if mask is None else mask & near
-    return mask
+# -- per-block math: the registered block ops, merged in fp32 ------------------------------------------
 
 
 def _block_forward(q, k, v, scale, segments, causal, band=None):
-    """Attention of query rows ``q`` [b, hkv, g, sq, d] to one block ``k, v`` [b, hkv, 1, sk, d]: the
-    block-normalised output and the rows' log-sum-exp over the block."""
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
-    for first, end, key_end in _tiles(q, k.shape[-2], causal):
-        tile_mask = _tile_mask(segments, causal, first, end, key_end, q.device, band)
-        scores = _scores(q[..., first:end, :], k[..., :key_end, :], scale, tile_mask)
-        tile_lse = torch.logsumexp(scores, dim=-1)
-        out[..., first:end, :] = torch.matmul(_probs(scores, tile_lse), v[..., :key_end, :])
-        lse[..., first:end] = tile_lse
-    return out, lse
+    """One step: BHSD query rows ``q`` over one block ``k, v``: the block-normalised output and the rows'
+    log-sum-exp (fp32), by :func:`megacann.ops.attention_block` (per document rectangle when packed)."""
+    return block_attention(q, k, v, scale, causal=causal, segments=segments, band=band)
 
 
-def _merge(out, lse, block_out, block_lse) -> None:
-    """Online softmax: fold a block's (output, lse) into the running ones, in place."""
-    total = torch.logaddexp(lse, block_lse)
-    safe = _finite(total)
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
-    lse.copy_(total)
-
-
-def _block_backward(q, k, v, scale, segments, causal, lse, dout, delta, band=None):
-    """Gradients of one block from the final ``lse`` and ``delta = rowsum(dout * out)``: (dq, dk, dv)."""
-    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for first, end, key_end in _tiles(q, k.shape[-2], causal):
-        rows, keys = slice(first, end), slice(None, key_end)
-        tile_mask = _tile_mask(segments, causal, first, end, key_end, q.device, band)
-        q_t, k_t, v_t, dout_t = q[..., rows, :], k[..., keys, :], v[..., keys, :], dout[..., rows, :]
-        probs = _probs(_scores(q_t, k_t, scale, tile_mask), lse[..., rows])
-        dv[..., keys, :] += torch.matmul(probs.transpose(-1, -2), dout_t).sum(2, keepdim=True)
-        dscores = torch.matmul(dout_t, v_t.transpose(-1, -2)).sub_(delta[..., rows].unsqueeze(-1)).mul_(probs)
-        dq[..., rows, :] = torch.matmul(dscores, k_t) * scale
-        dk[..., keys, :] += torch.matmul(dscores.transpose(-1, -2), q_t).sum(2, keepdim=True) * scale
-    return dq, dk, dv
+def _block_backward(q, k, v, out, lse, dout, scale, segments, causal, band=None):
+    """Gradients ``(dq, dk, dv)`` (fp32) of one step from the final ``out`` and ``lse``."""
+    return block_attention_backward(q, k, v, out, lse, dout, scale, causal=causal, segments=segments, band=band)
 
 
 def _step_plan(rank: int, source: int, chunk: int) -> tuple[slice, slice, bool]:
@@ -278,60 +192,51 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, segment_ids, scale, group, transport, window):
         blocks = TRANSPORTS[transport](group)
-        hkv, chunk = k.shape[2], q.shape[1] // 2
+        chunk = q.shape[1] // 2
         seg_all = _gather_segments(segment_ids, blocks)
-        qg = _grouped(q, hkv)
-        out = torch.zeros_like(qg)
-        lse = torch.full(qg.shape[:-1], _NEG_INF, dtype=qg.dtype, device=q.device)
+        runs = _runs_by_rank(seg_all)
+        qh, acc = q.transpose(1, 2), acc_dtype(q.dtype)
+        out = torch.zeros(qh.shape, dtype=acc, device=q.device)
+        lse = torch.full(qh.shape[:-1], _NEG_INF, dtype=acc, device=q.device)
         for source, kv in blocks.blocks(torch.stack([k, v])):
             rows, cols, causal = _step_plan(blocks.rank, source, chunk)
             if _out_of_window(window, blocks, source, rows, cols, chunk):
                 continue
             band = _band(window, blocks, source, rows, cols, q)
-            segments = _segments(seg_all, blocks.rank, source, rows, cols)
-            kb, vb = (_grouped(t, hkv)[:, :, :, cols] for t in kv)
-            block_out, block_lse = _block_forward(qg[:, :, :, rows], kb, vb, scale, segments, causal, band)
-            _merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
-        result = _ungrouped(out, q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse, seg_all)
-        ctx.scale, ctx.group, ctx.transport, ctx.window = scale, group, transport, window
+            segments = _segments(runs, blocks.rank, source, rows, cols, chunk)
+            kb, vb = (t[:, cols].transpose(1, 2) for t in kv)
+            block_out, block_lse = _block_forward(qh[:, :, rows], kb, vb, scale, segments, causal, band)
+            merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        result = out.transpose(1, 2).to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.scale, ctx.group, ctx.transport, ctx.window, ctx.runs = scale, group, transport, window, runs
         return result
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, seg_all = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         blocks, scale = TRANSPORTS[ctx.transport](ctx.group), ctx.scale
-        hkv, chunk = k.shape[2], q.shape[1] // 2
-        qg, dout = _grouped(q, hkv), _grouped(grad, hkv)
-        delta = (dout * _grouped(out, hkv)).sum(-1)
-        dq = torch.zeros_like(qg)
+        chunk, acc = q.shape[1] // 2, acc_dtype(q.dtype)
+        qh, oh, gh = q.transpose(1, 2), out.transpose(1, 2), grad.transpose(1, 2)
+        dq = torch.zeros(qh.shape, dtype=acc, device=q.device)
         for source, kv in blocks.blocks(torch.stack([k, v])):
             rows, cols, causal = _step_plan(blocks.rank, source, chunk)
-            dkv = torch.zeros((2,) + tuple(k.shape), dtype=qg.dtype, device=k.device)  # laid out like the block
+            dkv = torch.zeros((2,) + tuple(k.shape), dtype=acc, device=k.device)  # laid out like the block
             if _out_of_window(ctx.window, blocks, source, rows, cols, chunk):  # nothing seen: zeros travel on
                 blocks.add_grad(source, dkv)
                 continue
             band = _band(ctx.window, blocks, source, rows, cols, q)
-            segments = _segments(seg_all, blocks.rank, source, rows, cols)
-            kb, vb = (_grouped(t, hkv)[:, :, :, cols] for t in kv)
+            segments = _segments(ctx.runs, blocks.rank, source, rows, cols, chunk)
+            kb, vb = (t[:, cols].transpose(1, 2) for t in kv)
             dq_b, dk_b, dv_b = _block_backward(
-                qg[:, :, :, rows],
-                kb,
-                vb,
-                scale,
-                segments,
-                causal,
-                lse[:, :, :, rows],
-                dout[:, :, :, rows],
-                delta[:, :, :, rows],
-                band,
+                qh[:, :, rows], kb, vb, oh[:, :, rows], lse[:, :, rows], gh[:, :, rows], scale, segments, causal, band
             )
-            dq[:, :, :, rows] += dq_b
-            dkv[0][:, cols] = rearrange(dk_b, "b hkv 1 s d -> b s hkv d")
-            dkv[1][:, cols] = rearrange(dv_b, "b hkv 1 s d -> b s hkv d")
+            dq[:, :, rows] += dq_b
+            dkv[0][:, cols] = dk_b.transpose(1, 2)
+            dkv[1][:, cols] = dv_b.transpose(1, 2)
             blocks.add_grad(source, dkv)
         dkv = blocks.own_grad()
-        return _ungrouped(dq, q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.transpose(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def _gather_segments(segment_ids: Optional[torch.Tensor], ring: _Ring) -> Optional[torch.Tensor]:
@@ -346,11 +251,24 @@ def _gather_segments(segment_ids: Optional[torch.Tensor], ring: _Ring) -> Option
     return out
 
 
-def _segments(seg_all, rank, source, rows, cols) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(segment ids of this step's query rows, of its key columns), or None without packing."""
+def _runs_by_rank(seg_all: Optional[torch.Tensor]) -> Optional[list]:
+    """The runs of equal ids of every rank's rows (``[cp][b]``), read from the device once per call."""
     if seg_all is None:
         return None
-    return seg_all[rank][:, rows], seg_all[source][:, cols]
+    cp, b = seg_all.shape[:2]
+    flat = runs_of(seg_all.flatten(0, 1))
+    return [flat[r * b : (r + 1) * b] for r in range(cp)]
+
+
+def _segments(runs, rank, source, rows, cols, chunk) -> Optional[tuple]:
+    """(runs of this step's query rows, of its key columns), or None without packing."""
+    if runs is None:
+        return None
+
+    def bounds(part: slice) -> tuple[int, int]:
+        return part.start or 0, 2 * chunk if part.stop is None else part.stop
+
+    return clip_runs(runs[rank], *bounds(rows)), clip_runs(runs[source], *bounds(cols))
 
 
 def blockwise_attention(

@@ -23,7 +23,8 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROJECTION_NAMES = (*HF_PROJECTIONS, *FUSED_PROJECTIONS)
+MTP_PROJECTIONS = ("eh_proj",)  # multi-token prediction's projection of [embedding, hidden]
+PROJECTION_NAMES = (*HF_PROJECTIONS, *FUSED_PROJECTIONS, *MTP_PROJECTIONS)
 ALL_PROJECTIONS = "all-linear"  # PEFT's shorthand: every attention and MLP projection
 
 

@@ -5,7 +5,8 @@ range of each bucket holds the summed gradient and the rest its local, unreduced
 (``keep_full=False``) keeps only a persistent shard of ``numel / N`` elements; a bucket's full storage
 is allocated at its first gradient of a step, kept while micro-batches accumulate into it (gradient
 accumulation sums locally, one reduction per step), and freed as soon as its reduce-scatter has
-finished: during backward with ``overlap_grad_reduce``, else right after it.
+finished: during backward with ``overlap_grad_reduce``, else right after it. Under hybrid sharding
+(``replica_groups``) each reduced range is then summed over the shard groups.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megacann.collectives import reduce_scatter_flat
+from megacann.layers.sharding import get_sharding
 from megacann.optimizer.grad_buffer import Bucket, GradBuffer
 from megacann.optimizer.zero.layout import owned_range, shard_slice
 
@@ -30,8 +32,13 @@ class ShardedGradBuffer(GradBuffer):
         device: Optional[torch.device] = None,
         own_bucket=None,
         keep_full: bool = True,
+        unit_of=None,
+        replica_groups: Optional[dict[bool, Optional[dist.ProcessGroup]]] = None,
     ):
-        super().__init__(params, group, bucket_size, pad_to, device, own_bucket, persistent=keep_full)
+        super().__init__(params, group, bucket_size, pad_to, device, own_bucket, keep_full, unit_of)
+        # hybrid sharding: the ranks holding the same ranges in the other shard groups (summed over after)
+        expert = bool(params) and get_sharding(params[0]).expert
+        self.replica_group = (replica_groups or {}).get(expert)
         self.rank = dist.get_rank(group) if self.group_size > 1 else 0
         self.shard_numel = self.numel // self.group_size
         # ZeRO-2: the reduced gradients of this rank's ranges, the only gradient storage kept between steps
@@ -53,6 +60,8 @@ class ShardedGradBuffer(GradBuffer):
         return reduce_scatter_flat(out, bucket.data, self.group, async_op=True)
 
     def _after_reduction(self, bucket: Bucket) -> None:
+        if self.replica_group is not None:
+            dist.all_reduce(self.owned_grad(bucket), group=self.replica_group)
         self.release(bucket)
 
     def zero(self) -> None:

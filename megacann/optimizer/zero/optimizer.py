@@ -1,5 +1,7 @@
-"""ZeRO stages 1 and 2: fp32 master weights, optimizer state and (stage 2) gradients sharded over data
-parallelism (the data-parallel x context-parallel group, the one gradients are reduced over). How a step runs (reduce-scatter, shard update, all-gather, overlap) is in docs/zero.md.
+"""ZeRO stages 1, 2 and 3: fp32 master weights, optimizer state, (stage 2 and 3) gradients and (stage 3)
+the weights themselves sharded over data parallelism (the data-parallel x context-parallel group, the one
+gradients are reduced over). How a step runs (reduce-scatter, shard update, all-gather, overlap) is in
+docs/zero.md; stage 3 gathers each unit's weights around its forward and backward (``units``).
 
 In fp32 the master weights are the parameters' own owned ranges (no copy). Checkpoints see the state
 through :meth:`DistributedOptimizer.state_shards` (views) and :meth:`DistributedOptimizer.shard_layout`.
@@ -11,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from megacann.config import MegacannConfig
 from megacann.optimizer.clip_grads import global_grad_norm
-from megacann.optimizer.grad_buffer import GradBuffers
+from megacann.optimizer.grad_buffer import GradBuffer, GradBuffers, reduction_group, split_by_group
 from megacann.optimizer.optimizer import (
     OptimizerBase,
     StateShard,
@@ -24,8 +27,11 @@ from megacann.optimizer.optimizer import (
     state_keys,
 )
 from megacann.optimizer.zero.grad_buffer import ShardedGradBuffer
+from megacann.optimizer.zero.hybrid import HybridGroups
 from megacann.optimizer.zero.layout import ShardRange, shard_ranges, shard_slice
 from megacann.optimizer.zero.param_buffer import ForwardGatherHooks, ParamBuffer
+from megacann.optimizer.zero.sharded_params import ShardedParams
+from megacann.optimizer.zero.units import UnitHooks, unit_modules
 
 
 @dataclass
@@ -33,21 +39,22 @@ class _Shard:
     """This rank's optimizer shard of one buffer: flat fp32 tensors of ``buffer.shard_numel`` elements."""
 
     buffer: ShardedGradBuffer
-    params: ParamBuffer
+    params: ParamBuffer | ShardedParams
     ranges: list[ShardRange]
     master: Optional[torch.Tensor]  # None: fp32 parameters are their own masters
     states: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def master_view(self, r: ShardRange) -> torch.Tensor:
         if self.master is None:
-            return self.params.data[r.buffer_start : r.buffer_start + r.numel]
+            return self.params.master_view(r.buffer_start, r.shard_start, r.numel)
         return self.master[r.shard_start : r.shard_start + r.numel]
 
 
 class DistributedOptimizer(OptimizerBase):
-    """ZeRO-1/2 over this rank's trainable parameters; the same interface as ``MixedPrecisionOptimizer``.
+    """ZeRO-1/2/3 over this rank's trainable parameters; the same interface as ``MixedPrecisionOptimizer``.
 
-    ``modules`` (the model chunks) are needed for ``distributed.overlap_param_gather`` (forward hooks).
+    ``modules`` (the model chunks) are needed for ``distributed.overlap_param_gather`` (forward hooks) and
+    for stage 3 (its units). Stage 3 shards frozen parameters (``requires_grad=False``) too.
     """
 
     def __init__(
@@ -59,36 +66,54 @@ class DistributedOptimizer(OptimizerBase):
         super().__init__(named_params, cfg)
         d = cfg.distributed
         self.stage = d.zero_stage
-        if self.stage not in (1, 2):
-            raise ValueError(f"DistributedOptimizer implements ZeRO stages 1 and 2, got zero_stage {self.stage}")
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"DistributedOptimizer implements ZeRO stages 1, 2 and 3, got zero_stage {self.stage}")
         self.overlap_param_gather = d.overlap_param_gather
-        if self.overlap_param_gather and modules is None:
+        if (self.overlap_param_gather or self.stage == 3) and modules is None:
             raise ValueError(
-                "distributed.overlap_param_gather needs the model's modules for its forward hooks: "
-                "build_optimizer(cfg, named_params, modules=model_chunks)"
+                "distributed.overlap_param_gather and zero_optimization 3 need the model's modules for their "
+                "hooks: build_optimizer(cfg, named_params, modules=model_chunks)"
             )
+        unit_of = None
+        if self.stage == 3:
+            unit_ids = unit_modules(modules)[1]
+            unit_of = lambda p: unit_ids[id(p)]  # noqa: E731 (a bucket never spans two units)
+        self.hybrid = HybridGroups(d.zero_shard_group_size) if d.zero_shard_group_size else None
+        group_for = self.hybrid.group_for if self.hybrid else reduction_group
         self.grad_buffers = GradBuffers(
             self.model_params,
             self.bucket_size,
             pad_for_zero=True,
             overlap=d.overlap_grad_reduce,
             buffer_cls=ShardedGradBuffer,
+            group_for=group_for,
             keep_full=self.stage == 1,
+            unit_of=unit_of,
+            replica_groups=self.hybrid.replica if self.hybrid else None,
         )
         names = {id(p): n for n, p in self.named_params}
         self.shards: list[_Shard] = []
+        self.frozen: list[ShardedParams] = []  # stage 3: frozen weights, sharded alike (no gradient, no state)
         for buffer in self.grad_buffers.buffers:
-            params = ParamBuffer(buffer, buffer.rank)
+            params = ShardedParams(buffer, buffer.rank) if self.stage == 3 else ParamBuffer(buffer, buffer.rank)
             master = None
-            if params.data.dtype != torch.float32:
+            if params.dtype != torch.float32:
                 master = torch.zeros(buffer.shard_numel, dtype=torch.float32, device=buffer.device)
                 for bucket in buffer.buckets:
                     master[shard_slice(bucket, buffer.group_size)].copy_(params.owned(bucket))
             ranges = shard_ranges(buffer, buffer.rank, buffer.group_size, names)
             self.shards.append(_Shard(buffer, params, ranges, master))
         self._build_inner_optimizer(cfg)
-        self._gather_hooks = None
-        if self.overlap_param_gather:
+        self._gather_hooks = self._unit_hooks = None
+        if self.stage == 3:
+            frozen = [p for _, p in named_params if not p.requires_grad]
+            for (expert, _), members in split_by_group(frozen).items():
+                group, size = group_for(expert)
+                layout = GradBuffer(members, group, self.bucket_size, pad_to=size, persistent=False, unit_of=unit_of)
+                self.frozen.append(ShardedParams(layout, dist.get_rank(group) if size > 1 else 0))
+            storages = [s.params for s in self.shards] + self.frozen
+            self._unit_hooks = UnitHooks(modules, storages, prefetch=self.overlap_param_gather)
+        elif self.overlap_param_gather:
             self._gather_hooks = ForwardGatherHooks(modules, self.model_params, self.finish_param_sync)
 
     def _build_inner_optimizer(self, cfg: MegacannConfig) -> None:
@@ -123,7 +148,8 @@ class DistributedOptimizer(OptimizerBase):
     # -- the step -----------------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
         grads = [self.grad_buffers.reduced_grad(p) for p in self.model_params]
-        return global_grad_norm(self.model_params, grads, sharded_over_data_parallel=True)
+        groups = (self.hybrid.shard[False][0], self.hybrid.shard[True][0]) if self.hybrid else None
+        return global_grad_norm(self.model_params, grads, sharded_over_data_parallel=True, shard_groups=groups)
 
     @torch.no_grad()
     def _copy_master_to_model(self) -> None:
@@ -133,20 +159,31 @@ class DistributedOptimizer(OptimizerBase):
                 for bucket in shard.buffer.buckets:
                     size = shard.buffer.group_size
                     shard.params.owned(bucket).copy_(shard.master[shard_slice(bucket, size)])
-            shard.params.gather(async_op=True)
-        if not self.overlap_param_gather:
+            shard.params.gather(async_op=True)  # stage 3: frees the stale gathered buckets instead
+        if not self.overlap_param_gather and self.stage < 3:
             self.finish_param_sync()
 
+    def param_tensors(self) -> list[torch.Tensor]:
+        """Stage 3: this rank's weight shards, and the parameters (their storage is empty unless gathered)."""
+        shards = [s.params.shard for s in self.shards if isinstance(s.params, ShardedParams)]
+        return shards + list(self.model_params)
+
     def finish_param_sync(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
-        """Wait for the parameter all-gathers in flight (those of ``params``; default all)."""
+        """Wait for the parameter all-gathers in flight (those of ``params``; default all). Stage 3 gathers
+        every weight and keeps it until each unit's next forward frees it (a memory peak of the whole model,
+        for checkpoints and exports)."""
         for shard in self.shards:
             shard.params.wait(params)
+        for frozen in self.frozen:
+            frozen.wait(params)
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_shards(self) -> list[StateShard]:
         """The optimizer state of every parameter range this rank owns (views; see :class:`StateShard`).
-        Checkpointing reads the parameters too, so the gathers in flight are waited for first."""
-        self.finish_param_sync()
+        Checkpointing reads the parameters too, so the gathers in flight are waited for first (not under
+        stage 3, which would gather the whole model; the checkpointer calls ``finish_param_sync`` itself)."""
+        if self.stage < 3:
+            self.finish_param_sync()
         return [
             StateShard(
                 r.name,
@@ -173,7 +210,7 @@ class DistributedOptimizer(OptimizerBase):
                 {
                     "dp_size": b.group_size,
                     "dp_rank": rank,
-                    "dtype": str(shard.params.data.dtype),
+                    "dtype": str(shard.params.dtype),
                     "numel": b.numel,
                     "shard_numel": b.shard_numel,
                     "buckets": [(bucket.start, bucket.end) for bucket in b.buckets],
@@ -183,9 +220,13 @@ class DistributedOptimizer(OptimizerBase):
         return layout
 
     def reload_model_params(self) -> None:
-        """After masters were loaded in place: write them into the parameters and all-gather (waited)."""
+        """After masters were loaded in place: write them into the parameters and all-gather (waited).
+        Stage 3 first keeps its ranges of frozen weights loaded into gathered buckets."""
+        for frozen in self.frozen:
+            frozen.absorb_gathered()
         self._copy_master_to_model()
-        self.finish_param_sync()
+        if self.stage < 3:
+            self.finish_param_sync()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shards (copies) and scalars, for a checkpoint of the same layout."""

@@ -30,6 +30,7 @@ class ParamBuffer:
         if len(dtypes) > 1:
             raise ValueError(f"a parameter buffer holds one dtype, got {sorted(map(str, dtypes))}")
         dtype = dtypes.pop() if dtypes else torch.float32
+        self.dtype = dtype
         self.data = torch.zeros(grad_buffer.numel, dtype=dtype, device=grad_buffer.device)
         with torch.no_grad():
             for p in grad_buffer.params:
@@ -43,6 +44,10 @@ class ParamBuffer:
         """This rank's range of ``bucket`` (what its optimizer updates)."""
         start, end = owned_range(bucket, self.rank, self.size)
         return self.data[start:end]
+
+    def master_view(self, buffer_start: int, shard_start: int, numel: int) -> torch.Tensor:
+        """fp32 weights are their own masters: the owned elements of the flat buffer."""
+        return self.data[buffer_start : buffer_start + numel]
 
     def gather(self, async_op: bool) -> None:
         """All-gather every bucket in place, last bucket first (the forward's order)."""

@@ -1,0 +1,153 @@
+"""ZeRO-3's units: the modules whose weights are gathered together before their forward and backward and
+freed after them.
+
+Every :class:`~megacann.layers.transformer.TransformerBlock` is a unit; each model chunk is a unit too,
+holding the weights outside its blocks (embedding, final norm, output layer). A unit's buckets are
+gathered in its forward pre-hook and freed in its forward hook; a hook on its outputs gathers them again
+when the gradient reaches them (before its backward, recomputation included) and a hook on its input
+frees them once the gradient has passed through it. What is still gathered when the backward ends (a
+chunk's own weights, a unit whose input needs no gradient) is freed then. With ``prefetch`` the next
+unit's gather (in the order the first forward ran them; the previous one in backward) starts before the
+current unit computes, overlapping the communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from megacann.layers.transformer import TransformerBlock
+from megacann.optimizer.zero.sharded_params import ShardedParams
+
+
+@dataclass
+class Unit:
+    index: int
+    module: torch.nn.Module
+    root: int  # index of the chunk it belongs to
+    pieces: list[tuple[ShardedParams, int]] = field(default_factory=list)  # (storage, bucket index)
+    in_backward: bool = False
+
+
+def unit_modules(roots: list[torch.nn.Module]) -> tuple[list[tuple[torch.nn.Module, int]], dict[int, int]]:
+    """The units of ``roots`` (each chunk first, then its transformer blocks) and the unit index of every
+    parameter, by id: a parameter belongs to the innermost unit holding it."""
+    modules: list[tuple[torch.nn.Module, int]] = []
+    unit_of: dict[int, int] = {}
+    for root_index, root in enumerate(roots):
+        root_unit = len(modules)
+        modules.append((root, root_index))
+        for module in root.modules():
+            if isinstance(module, TransformerBlock):
+                index = len(modules)
+                modules.append((module, root_index))
+                for p in module.parameters():
+                    unit_of.setdefault(id(p), index)
+        for p in root.parameters():
+            unit_of.setdefault(id(p), root_unit)
+    return modules, unit_of
+
+
+def _grad_tensors(value) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class UnitHooks:
+    """Gathers and frees the units of ``roots`` around their forward and backward (see the module doc)."""
+
+    def __init__(self, roots: list[torch.nn.Module], storages: Iterable[ShardedParams], prefetch: bool):
+        modules, self.unit_of = unit_modules(roots)
+        self.units = [Unit(i, module, root) for i, (module, root) in enumerate(modules)]
+        for storage in storages:
+            for bucket in storage.layout.buckets:
+                self.units[self.unit_of[id(bucket.params[0])]].pieces.append((storage, bucket.index))
+        self.prefetch = prefetch
+        self.order: dict[int, list[int]] = {}  # root -> unit indices in the order the forward ran them
+        self._callback_queued = False
+        self._handles = []
+        for unit in self.units:
+            module = unit.module
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
+            self._handles.append(module.register_forward_hook(self._post_forward(unit)))
+
+    # -- gather / free --------------------------------------------------------------------------------
+    @staticmethod
+    def start(unit: Unit) -> None:
+        for storage, index in unit.pieces:
+            storage.gather_bucket(index)
+
+    def gather(self, unit: Unit) -> None:
+        self.start(unit)
+        for storage, index in unit.pieces:
+            storage.wait_bucket(index)
+
+    @staticmethod
+    def free(unit: Unit) -> None:
+        unit.in_backward = False
+        for storage, index in unit.pieces:
+            storage.free_bucket(index)
+
+    def _neighbour(self, unit: Unit, step: int) -> None:
+        """Start gathering the unit ``step`` places from ``unit`` in forward order (prefetch)."""
+        order = self.order.get(unit.root, [])
+        if not self.prefetch or unit.index not in order:
+            return
+        position = order.index(unit.index) + step
+        if 0 <= position < len(order):
+            self.start(self.units[order[position]])
+
+    # -- hooks ----------------------------------------------------------------------------------------
+    def _pre_forward(self, unit: Unit):
+        def hook(module: torch.nn.Module, args) -> None:
+            order = self.order.setdefault(unit.root, [])
+            if unit.index not in order:
+                order.append(unit.index)
+            self.gather(unit)
+            self._neighbour(unit, +1)
+            if torch.is_grad_enabled():
+                for t in _grad_tensors(args):  # the gradient reaching the input: this unit's backward is done
+                    t.register_hook(self._after_backward(unit))
+
+        return hook
+
+    def _post_forward(self, unit: Unit):
+        def hook(module: torch.nn.Module, args, output) -> None:
+            if not unit.in_backward:
+                self.free(unit)
+            if torch.is_grad_enabled():
+                for t in _grad_tensors(output):
+                    t.register_hook(self._before_backward(unit))
+
+        return hook
+
+    def _before_backward(self, unit: Unit):
+        def hook(grad: torch.Tensor) -> None:
+            unit.in_backward = True
+            self.gather(unit)
+            self._neighbour(unit, -1)
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+        return hook
+
+    def _after_backward(self, unit: Unit):
+        def hook(grad: torch.Tensor) -> None:
+            if unit.in_backward:
+                self.free(unit)
+
+        return hook
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        for unit in self.units:  # prefetched units that did not run are freed too
+            self.free(unit)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
