@@ -6,7 +6,7 @@ import pytest
 from layout_fuzz import STEPS, Layout, check_layout, fuzz, sample_layout
 
 # chosen so that together they cover every mode the generator draws (checked below)
-SAMPLE = {2: [0, 2, 7, 12, 24, 26, 28, 34, 49, 79], 4: [3, 4, 6, 11, 14, 16, 18, 23, 34, 74, 76]}
+SAMPLE = {2: [0, 2, 5, 7, 12, 26, 28, 34, 49], 4: [3, 4, 6, 9, 11, 14, 16, 18, 23, 34]}
 FEATURES = {
     "tensor parallel": "tensor_parallel_size=2",
     "tensor parallel 4": "tensor_parallel_size=4",
