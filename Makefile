@@ -12,7 +12,7 @@ TORCH_INDEX_URL ?=
 VENV_PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megacann-installed
 
-.PHONY: train test test-extended venv
+.PHONY: train test test-extended fuzz venv
 
 train: $(STAMP)
 	PYTHON=$(abspath $(VENV_PY)) bash scripts/run_pretrain.sh --config examples/configs/llama/tiny.yaml $(ARGS)
@@ -23,6 +23,10 @@ test: $(STAMP)
 # the long checks `make test` leaves out (tests marked extended); .ci/run runs them after the suite
 test-extended: $(STAMP)
 	$(VENV_PY) -m pytest tests --extended $(ARGS)
+
+# more layout fuzzing than CI's fixed sample, e.g. make fuzz ARGS="--world 4 --count 20 --first-seed 2000"
+fuzz: $(STAMP)
+	$(VENV_PY) scripts/fuzz_layouts.py $(ARGS)
 
 venv: $(STAMP)
 

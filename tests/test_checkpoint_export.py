@@ -10,7 +10,6 @@ from megacann.checkpoint import read_info
 from megacann.checkpoint.metadata import model_config_of
 from megacann.convert import main
 from megacann.interop.reading import read_consolidated
-from megacann.models.hf_llama import to_hf_tensors
 
 CASES = {
     "untied_fp32": ["distributed.tensor_parallel_size=2"],
@@ -26,6 +25,32 @@ def _write_checkpoints(root: str) -> dict:
         trainer = make_trainer(overrides, f"{root}/{name}")
         run_steps(trainer, 2)
         out[name] = {"path": trainer.save_checkpoint(), "weights": weights(trainer), "output_dir": f"{root}/{name}"}
+    return out
+
+
+def _hf_tensors_by_hand(weights: dict, cfg) -> dict:
+    """What LlamaForCausalLM's state dict must hold, written out here rather than by megacann's adapter:
+    ``model.`` before every name but the head; megacann's fused ``qkv_proj`` rows are q (heads x head_dim),
+    k and v (kv heads x head_dim each), its ``gate_up_proj`` rows gate then up (ffn each)."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    q_rows, kv_rows = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    out = {}
+    for name, tensor in weights.items():
+        tensor = tensor.float()
+        hf = name if name == "lm_head.weight" else "model." + name
+        if ".qkv_proj." in name:
+            out[hf.replace("qkv_proj", "q_proj")] = tensor[:q_rows]
+            out[hf.replace("qkv_proj", "k_proj")] = tensor[q_rows : q_rows + kv_rows]
+            out[hf.replace("qkv_proj", "v_proj")] = tensor[q_rows + kv_rows :]
+            assert tensor.shape[0] == q_rows + 2 * kv_rows, name
+        elif ".gate_up_proj." in name:
+            half = tensor.shape[0] // 2
+            out[hf.replace("gate_up_proj", "gate_proj")], out[hf.replace("gate_up_proj", "up_proj")] = (
+                tensor[:half],
+                tensor[half:],
+            )
+        else:
+            out[hf] = tensor
     return out
 
 
@@ -60,8 +85,9 @@ def test_hf_export_loads_in_transformers_and_comes_back(written, tmp_path, case)
     assert main(["to-hf", source["path"], hf_dir, "--dtype", "fp32"]) == 0
     hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     cfg = model_config_of(read_info(source["path"]))
-    expected = to_hf_tensors({k: v.float() for k, v in source["weights"].items()}, cfg)
     state = hf.state_dict()
+    expected = _hf_tensors_by_hand(source["weights"], cfg)
+    assert expected.keys() == {k for k in state if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     for name, tensor in expected.items():
         assert torch.equal(state[name], tensor), name
 

@@ -10,7 +10,13 @@ STOP, STEPS = 3, 6
 BF16 = ["model.precision=bf16"]
 # saves every step in the background while training goes on; rotation keeps two
 ASYNC = ["logging.async_save=true", "logging.ckpt_interval=1", "logging.keep_last=2"]
-CASES_WORLD1 = {"one_fp32": [], "one_bf16": BF16, "one_fp16": ["model.precision=fp16"], "one_fp32_async": ASYNC}
+CASES_WORLD1 = {
+    "one_fp32": [],
+    "one_bf16": BF16,
+    "one_fp16": ["model.precision=fp16"],
+    "one_fp32_async": ASYNC,
+    "one_sgd": ["optim.name=sgd", "optim.lr=0.1"],  # momentum buffers are optimizer state too
+}
 CASES_WORLD2 = {
     "dp2_fp32": [],
     "dp2_bf16_async": BF16 + ASYNC,
@@ -20,6 +26,7 @@ CASES_WORLD2 = {
     "pp2_bf16_tied": ["distributed.pipeline_parallel_size=2", "model.tie_word_embeddings=true"] + BF16,
     "zero1_dp2_fp32": ["distributed.zero_optimization=1"],
     "zero1_dp2_bf16": ["distributed.zero_optimization=1"] + BF16,
+    "zero1_dp2_adam": ["distributed.zero_optimization=1", "optim.name=adam"],
     "zero2_dp2_overlap": [  # gathers may be in flight when a save or a load comes
         "distributed.zero_optimization=2",
         "distributed.overlap_grad_reduce=true",

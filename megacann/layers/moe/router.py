@@ -19,7 +19,11 @@ group (every TP rank routes its own share of them):
 
 Under tensor parallelism each rank computes its tokens' share of a loss and the shares are summed in
 forward only, so every rank holds the whole value and backward reaches each token once; the router
-weight's gradient is then partial per rank (marked ``tp_partial_grad``).
+weight's gradient is then partial per rank (marked ``tp_partial_grad``). Under context parallelism the
+losses are taken over the whole sequence too, as in one process: the token counts are summed over the
+context-parallel group and so are the loss shares, in forward and in backward (every cp rank's objective
+holds the whole value and gradients are summed over the cp ranks, so each share's gradient is the sum of
+theirs).
 
 Bias-based balancing (DeepSeek-V3): in training the router adds up how many tokens each expert was
 chosen for; :meth:`TopKRouter.update_expert_bias` (after the optimizer step) moves each bias by
@@ -34,8 +38,10 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
+from megacann import parallel_state as ps
 from megacann.layers import mappings
 from megacann.layers.init import default_init_methods, init_zeros, make_parameter, resolve_device
 from megacann.layers.random import is_recomputing
@@ -102,7 +108,10 @@ class TopKRouter(torch.nn.Module):
     update, never by the optimizer) when ``expert_bias=True`` (a checkpoint's trained bias, DeepSeek-V3).
 
     ``group`` is the tensor-parallel group over which the tokens of one sequence are split (each rank
-    routes its share); the token counts and auxiliary losses are summed over it."""
+    routes its share); the token counts and auxiliary losses are summed over it. ``context_group`` (default:
+    the context-parallel group of :mod:`megacann.parallel_state`) holds the other parts of each sequence:
+    the auxiliary losses are taken over the whole sequence across it. ``Routing.tokens_per_expert`` stays
+    the count of this tensor-parallel group's tokens."""
 
     def __init__(
         self,
@@ -122,8 +131,13 @@ class TopKRouter(torch.nn.Module):
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
+        context_group: Optional[dist.ProcessGroup] = None,
     ):
         super().__init__()
+        if context_group is None and ps.model_parallel_is_initialized():
+            context_group = ps.get_context_parallel_group()
+        self.context_group = context_group
+        self.cp_size = dist.get_world_size(context_group) if context_group is not None else 1
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function = score_function
         self.normalize_top_k = normalize_top_k
@@ -213,18 +227,27 @@ class TopKRouter(torch.nn.Module):
         if self.expert_bias is not None and self.training and not is_recomputing():
             self.load_since_update += tokens_per_expert
         routing = Routing(probs, expert_ids, scores.detach().gather(1, expert_ids), tokens_per_expert)
-        num_tokens = x.shape[0] * self.tp_size
+        num_tokens = x.shape[0] * self.tp_size * self.cp_size  # the whole sequence's
+        sequence_counts = tokens_per_expert
+        if self.cp_size > 1 and self.aux_loss_coeff > 0:
+            sequence_counts = tokens_per_expert.clone()
+            dist.all_reduce(sequence_counts, group=self.context_group)
         if self.aux_loss_coeff > 0:
             normalised = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
-            loss = load_balancing_loss(normalised, tokens_per_expert, num_tokens, self.top_k, self.aux_loss_coeff)
-            routing.aux_losses["load_balancing"] = self._sum_over_tp(loss)
+            loss = load_balancing_loss(normalised, sequence_counts, num_tokens, self.top_k, self.aux_loss_coeff)
+            routing.aux_losses["load_balancing"] = self._sum_over_sequence(loss)
         if self.z_loss_coeff > 0:
-            routing.aux_losses["z_loss"] = self._sum_over_tp(z_loss(logits, num_tokens, self.z_loss_coeff))
+            routing.aux_losses["z_loss"] = self._sum_over_sequence(z_loss(logits, num_tokens, self.z_loss_coeff))
         return routing
 
-    def _sum_over_tp(self, loss: torch.Tensor) -> torch.Tensor:
-        """Sum the ranks' shares in forward; backward passes the gradient through unchanged."""
-        return mappings.reduce_from_tensor_model_parallel_region(loss, self.group) if self.tp_size > 1 else loss
+    def _sum_over_sequence(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' shares of a loss: over the TP group in forward only (backward passes the gradient
+        through unchanged), then over the cp group in forward and backward."""
+        if self.tp_size > 1:
+            loss = mappings.reduce_from_tensor_model_parallel_region(loss, self.group)
+        if self.cp_size > 1:
+            loss = dist_nn.all_reduce(loss, group=self.context_group)
+        return loss
 
     @torch.no_grad()
     def update_expert_bias(self, load: Optional[torch.Tensor] = None) -> None:

@@ -1,0 +1,338 @@
+"""Layout fuzzing: sample valid parallel layouts, train each a few steps, compare with one process.
+
+A layout is drawn from a seed (``sample_layout(seed, world)``): tensor (+ sequence) parallel, context parallel
+with its algorithm, pipeline parallel with virtual chunks and uneven layer counts, data parallel with a ZeRO
+stage (0-3) and optimizer offload, expert parallel (the moe family), LoRA, recompute, packed documents, tied embeddings, a vocabulary
+that tensor parallelism does not divide, and the optimizer (adamw, adam or sgd). Draws the recipe validation refuses are redrawn (the seed stays
+the replay handle). ``run_layouts`` trains every layout on its ranks and the matching one-process runs, and
+returns per layout the loss and gradient-norm traces and the probes that prove the modes were on; failures
+are returned, not raised, so one bad layout does not hide the others. tests/test_layout_fuzz.py runs a fixed
+sample; ``make fuzz`` (scripts/fuzz_layouts.py) runs more and prints the seed of each failure.
+"""
+
+from __future__ import annotations
+
+import random
+import traceback
+from dataclasses import dataclass, field
+from typing import Optional
+
+STEPS, SEQ, ACCUM = 3, 32, 2
+COMMON = ["optim.clip_grad=0.5", "optim.lr=1e-3", "optim.warmup_steps=1"]
+MOE = [
+    "model.type=moe",
+    "model.num_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_ffn_hidden_size=32",
+    "model.moe_shared_experts=1",
+    "model.moe_z_loss_coeff=1e-3",
+]
+EOS = 5  # the token id that ends a document in packed samples
+AUX_METRICS = ("moe_load_balancing", "moe_z_loss")  # logged auxiliary losses, compared like the loss
+
+
+@dataclass
+class Layout:
+    """One drawn layout: ``model`` overrides are shared with the one-process reference, ``parallel`` ones
+    are the layout's own; ``dp`` scales the reference's accumulation so both see the same global batch."""
+
+    seed: int
+    world: int
+    model: list[str] = field(default_factory=list)
+    parallel: list[str] = field(default_factory=list)
+    dp: int = 1
+    packed: bool = False
+    steps: int = STEPS
+    label: str = ""
+    distinct: Optional[int] = None  # samples repeat with this period (a memorisation task), None: all new
+
+    @property
+    def name(self) -> str:
+        return self.label or f"seed{self.seed}-w{self.world}"
+
+    def overrides(self) -> list[str]:
+        return [
+            *COMMON,
+            f"optim.max_steps={self.steps}",
+            *self.model,
+            *self.parallel,
+            f"optim.grad_accum_steps={ACCUM}",
+        ]
+
+    def reference_overrides(self) -> list[str]:
+        return [*COMMON, f"optim.max_steps={self.steps}", *self.model, f"optim.grad_accum_steps={ACCUM * self.dp}"]
+
+    def describe(self) -> str:
+        return " ".join(self.model + self.parallel) + (" [packed]" if self.packed else "")
+
+
+def _draw(rng: random.Random, seed: int, world: int) -> Layout:
+    moe = rng.random() < 0.3
+    model = list(MOE) if moe else []
+    layers = rng.choice([2, 4])
+    model.append(f"model.num_layers={layers}")
+    tp = rng.choice([t for t in (1, 2, 4) if world % t == 0])
+    heads = 4
+    model.append(f"model.num_key_value_heads={rng.choice([k for k in (2, 4) if k % tp == 0])}")
+    remaining = world // tp
+    cp = rng.choice([c for c in (1, 2) if remaining % c == 0])
+    remaining //= cp
+    pp = rng.choice([p for p in (1, 2) if remaining % p == 0 and layers % p == 0])
+    dp = remaining // pp
+    parallel = [
+        f"distributed.tensor_parallel_size={tp}",
+        f"distributed.context_parallel_size={cp}",
+        f"distributed.pipeline_parallel_size={pp}",
+    ]
+    if tp > 1 and rng.random() < 0.6:
+        parallel.append("distributed.sequence_parallel=true")
+    if cp > 1:
+        algos = ["ring", "allgather"] + (["ulysses"] if (heads // tp) % cp == 0 else [])
+        parallel.append(f"distributed.context_parallel_algo={rng.choice(algos)}")
+    if pp > 1:
+        vpp = rng.choice([v for v in (1, 2) if layers % (pp * v) == 0])
+        if vpp > 1:
+            parallel.append(f"distributed.virtual_pipeline_size={vpp}")
+        if rng.random() < 0.5 and layers >= pp * vpp + 1:  # uneven: every (virtual) stage at least one layer
+            stages = pp * vpp
+            counts = [1] * stages
+            for _ in range(layers - stages):
+                counts[rng.randrange(stages)] += 1
+            if len(set(counts)) == 1:  # an even draw: move one layer so the stages really differ
+                counts[0], counts[-1] = counts[0] + 1, counts[-1] - 1
+            parallel.append(f"distributed.pipeline_layers=[{','.join(map(str, counts))}]")
+    if dp > 1:
+        parallel.append(f"distributed.zero_optimization={rng.choice([0, 1, 2, 3])}")
+    if moe:
+        eps = [e for e in (1, 2, 4) if dp % e == 0]
+        parallel.append(f"distributed.expert_parallel_size={rng.choice(eps)}")
+        model.append("model.moe_aux_loss_coeff=1e-2")
+    if rng.random() < 0.25:
+        model += ["lora=true", "lora_rank=4", "lora_alpha=8.0", "lora_target_modules=all-linear", "optim.lr=2e-2"]
+    model.append(f"model.activation_checkpointing={rng.choice(['none', 'selective', 'full'])}")
+    if not moe and rng.random() < 0.3:
+        model.append("model.tie_word_embeddings=true")
+    if rng.random() < 0.3:  # a vocabulary tp does not divide: padded to a multiple of tp only
+        model += ["model.vocab_size=203", "model.make_vocab_size_divisible_by=1"]
+    optimizer = rng.choice(["adamw", "adamw", "adam", "sgd"])
+    if optimizer != "adamw":
+        model += [f"optim.name={optimizer}"] + (["optim.lr=0.1"] if optimizer == "sgd" else [])
+    packed = rng.random() < 0.3
+    if rng.random() < 0.15:  # optimizer state and the update in host memory
+        parallel.append("optim.offload_optimizer=true")
+    if packed:
+        model += ["data.reset_position_ids=true", "data.reset_attention_mask=true"]
+    return Layout(seed, world, model, parallel, dp, packed)
+
+
+def sample_layout(seed: int, world: int, attempts: int = 50) -> Layout:
+    """The first draw from ``seed`` that the recipe validation accepts at ``world`` ranks."""
+    from training_helpers import tiny_config
+
+    rng = random.Random(seed)
+    errors = []
+    for _ in range(attempts):
+        layout = _draw(rng, seed, world)
+        try:
+            tiny_config(layout.overrides(), world_size=world)
+            tiny_config(layout.reference_overrides(), world_size=1)
+        except Exception as error:  # a combination megacann refuses: draw again
+            errors.append(f"{layout.describe()}: {error}")
+            continue
+        return layout
+    raise RuntimeError(f"seed {seed}: no valid layout in {attempts} draws; last refusals: {errors[-3:]}")
+
+
+class FuzzData:
+    """SyntheticData's global sample order; with ``packed`` each sample holds documents ended by EOS and
+    carries the position and segment ids the real data pipeline derives from them."""
+
+    def __init__(self, cfg, dp_rank: int, dp_size: int, packed: bool, distinct: Optional[int] = None):
+        from training_helpers import SyntheticData
+
+        self.inner = SyntheticData(cfg, dp_rank, dp_size, num_distinct=distinct)
+        self.packed = packed
+        self.train = self._batches()
+
+    def _batches(self):
+        import torch
+
+        from megacann.data.gpt_dataset import pretrain_fields
+
+        for batch in self.inner.train:
+            if not self.packed:
+                yield batch
+                continue
+            rows = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
+            rows[:, 7::11] = EOS  # documents of 7, 11, 11 ... tokens
+            fields = [pretrain_fields(row.numpy(), EOS, True, True) for row in rows]
+            yield {k: torch.stack([torch.from_numpy(f[k]) for f in fields]) for k in fields[0]}
+
+    def valid(self):
+        return None
+
+
+def _probe(trainer) -> dict:
+    """What each rank really ran: block forwards per chunk and the sequence length a block sees (hooks),
+    how often backward replayed a block and core attention (recompute), its pipeline stage, its local experts per MoE layer, trainable parameter names, the optimizer's class."""
+    from megacann import parallel_state as ps
+    from megacann.layers import TransformerBlock
+    from megacann.layers.moe.layer import MoELayer
+    from megacann.layers.random import is_recomputing
+    from megacann.optimizer.zero.optimizer import DistributedOptimizer
+
+    seen = {"forwards": [0] * len(trainer.model_chunks), "seq": set(), "recomputes": 0, "core_recomputes": 0}
+    for index, chunk in enumerate(trainer.model_chunks):
+        for block in (m for m in chunk.modules() if isinstance(m, TransformerBlock)):
+
+            def hook(module, args, index=index):
+                if is_recomputing():
+                    seen["recomputes"] += 1
+                else:
+                    seen["forwards"][index] += 1
+                    seen["seq"].add(args[0].shape[1])
+
+            block.input_layernorm.register_forward_pre_hook(hook)
+        for attention in (m for m in chunk.modules() if hasattr(m, "recompute_core_attention")):
+            core = attention.core_attention
+
+            def counted(*args, core=core, **kwargs):
+                seen["core_recomputes"] += is_recomputing()
+                return core(*args, **kwargs)
+
+            attention.core_attention = counted  # looked up per call, also by the selective checkpoint
+    seen["pp_rank"] = ps.get_pipeline_model_parallel_rank()
+    seen["local_experts"] = sorted(
+        {m.dispatcher.num_local_experts for c in trainer.model_chunks for m in c.modules() if isinstance(m, MoELayer)}
+    )
+    seen["trainable"] = sorted(n for c in trainer.model_chunks for n, p in c.named_parameters() if p.requires_grad)
+    seen["optimizer"] = type(trainer.optimizer).__name__
+    seen["sharded"] = isinstance(trainer.optimizer, DistributedOptimizer)
+    seen["offloaded"] = getattr(trainer.optimizer, "offload", None) is not None
+    return seen
+
+
+def _train(layout: Layout, overrides: list[str], world: int) -> dict:
+    from training_helpers import tiny_config
+
+    from megacann import parallel_state as ps
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    cfg = tiny_config(overrides, world_size=world)
+    runtime = setup_runtime(cfg)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    data = FuzzData(cfg, dp_rank, dp_size, layout.packed, layout.distinct)
+    trainer = Trainer(cfg, runtime, data=data)
+    seen = _probe(trainer)
+    losses, norms, aux = [], [], []
+    for _ in range(layout.steps):
+        metrics = trainer.train_step()
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+        aux.append({k: v for k, v in metrics.items() if k in AUX_METRICS})
+    ps.destroy_model_parallel()
+    seen["seq"] = sorted(seen["seq"])
+    return {"losses": losses, "norms": norms, "aux": aux, "probes": seen}
+
+
+def run_layouts(layouts: list[Layout], reference: bool) -> dict[str, dict]:
+    """On every rank: each layout (or, with ``reference``, its one-process run) trained; a failure is
+    returned as ``{"error": traceback}`` so the other layouts still run."""
+    import torch.distributed as dist
+
+    from megacann import parallel_state as ps
+
+    out = {}
+    for layout in layouts:
+        overrides = layout.reference_overrides() if reference else layout.overrides()
+        try:
+            result = _train(layout, overrides, 1 if reference else layout.world)
+        except Exception:
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            result = {"error": traceback.format_exc()}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, result.get("probes"))
+        result["probes"] = every
+        out[layout.name] = result
+    return out
+
+
+def _setting(overrides: list[str], key: str, default):
+    values = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key]
+    return values[-1] if values else default
+
+
+def check_layout(
+    layout: Layout, got: dict, ref: dict, rel: float = 1e-5, norm_rel: Optional[float] = None
+) -> list[str]:
+    """What is wrong with ``got`` (the layout's run) against ``ref`` (one process): the loss trace (within
+    ``rel``), the gradient-norm trace (within ``norm_rel``, default ``rel``) and the mode probes."""
+    problems = [
+        f"{which} failed:\n{run['error']}" for which, run in (("layout", got), ("reference", ref)) if "error" in run
+    ]
+    if problems:
+        return problems
+    for key, bound in (("losses", rel), ("norms", rel if norm_rel is None else norm_rel)):
+        a, e = got[key], ref[key]
+        if len(a) != len(e) or any(abs(x - y) > bound * abs(y) for x, y in zip(a, e)):
+            problems.append(f"{key} differ: {a} vs one process {e}")
+    a, e = got.get("aux", []), ref.get("aux", [])
+    if [sorted(x) for x in a] != [sorted(x) for x in e]:
+        problems.append(f"auxiliary losses logged differ: {a} vs one process {e}")
+    elif any(abs(x[k] - y[k]) > rel * abs(y[k]) for x, y in zip(a, e) for k in y):
+        problems.append(f"auxiliary losses differ: {a} vs one process {e}")
+    o = layout.overrides()
+    tp = int(_setting(o, "distributed.tensor_parallel_size", 1))
+    cp = int(_setting(o, "distributed.context_parallel_size", 1))
+    pp = int(_setting(o, "distributed.pipeline_parallel_size", 1))
+    vpp = int(_setting(o, "distributed.virtual_pipeline_size", 1))
+    sp = _setting(o, "distributed.sequence_parallel", "false") == "true" and tp > 1
+    layers = int(_setting(o, "model.num_layers", 4))
+    counts = _setting(o, "distributed.pipeline_layers", None)
+    counts = [int(c) for c in counts.strip("[]").split(",")] if counts else [layers // (pp * vpp)] * (pp * vpp)
+    experts = int(_setting(o, "model.num_experts", 0))
+    ep = int(_setting(o, "distributed.expert_parallel_size", 1))
+    zero = int(_setting(o, "distributed.zero_optimization", 0))
+    lora = _setting(o, "lora", "false") == "true"
+    offload = _setting(o, "optim.offload_optimizer", "false") == "true"
+    recompute = _setting(o, "model.activation_checkpointing", "none")
+    full = recompute == "full"
+    seq = SEQ // cp // (tp if sp else 1)
+    for rank, probes in enumerate(got["probes"]):
+        stage = probes["pp_rank"]
+        want = [layout.steps * ACCUM * counts[v * pp + stage] for v in range(vpp)]  # chunk v of stage r: entry v*pp+r
+        if probes["forwards"] != want:
+            problems.append(f"rank {rank}: block forwards per chunk {probes['forwards']}, expected {want}")
+        if probes["seq"] != [seq]:
+            problems.append(f"rank {rank}: blocks saw sequence lengths {probes['seq']}, expected [{seq}]")
+        if probes["recomputes"] != (sum(want) if full else 0):
+            problems.append(f"rank {rank}: {probes['recomputes']} recomputed blocks (full recompute: {full})")
+        if probes["core_recomputes"] != (0 if recompute == "none" else sum(want)):  # selective: attention only
+            problems.append(f"rank {rank}: core attention replayed {probes['core_recomputes']} times ({recompute})")
+        if experts and probes["local_experts"] != [experts // ep]:
+            problems.append(f"rank {rank}: local experts {probes['local_experts']}, expected [{experts // ep}]")
+        if probes["sharded"] != (zero > 0) or probes["offloaded"] != offload:
+            problems.append(f"rank {rank}: optimizer {probes['optimizer']} for ZeRO {zero}, offload {offload}")
+        if lora != all("lora" in n for n in probes["trainable"]):
+            problems.append(f"rank {rank}: trainable parameters {probes['trainable'][:4]}... with lora={lora}")
+    return problems
+
+
+def compare(layouts: list[Layout], rel: float = 1e-5, timeout: float = 900) -> dict[str, list[str]]:
+    """Layouts (all of one world size) against their one-process runs: ``{name: problems}``, empty when
+    the traces agree within ``rel`` and the probes show every mode on."""
+    from dist_harness import run_on_ranks
+
+    (world,) = {layout.world for layout in layouts}
+    got = run_on_ranks(run_layouts, world, args=(layouts, False), timeout=timeout)[0]
+    ref = run_on_ranks(run_layouts, 1, args=(layouts, True), timeout=timeout)[0]
+    return {layout.name: check_layout(layout, got[layout.name], ref[layout.name], rel) for layout in layouts}
+
+
+def fuzz(seeds: list[int], world: int, timeout: float = 900) -> dict[int, list[str]]:
+    """Each seed's layout at ``world`` ranks against one process: ``{seed: problems}`` (empty when equal)."""
+    layouts = [sample_layout(seed, world) for seed in seeds]
+    found = compare(layouts, timeout=timeout)
+    return {layout.seed: found[layout.name] for layout in layouts}
