@@ -207,7 +207,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             kb, vb = (t[:, cols].transpose(1, 2) for t in kv)
             block_out, block_lse = _block_forward(qh[:, :, rows], kb, vb, scale, segments, causal, band)
             merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-        result = out.transpose(1, 2).to(q.dtype)
+        # contiguous [b, s, heads, d]: the output projection's view of it (b s (h d)) then shares its storage
+        # instead of saving a copy of its own for backward
+        result = out.transpose(1, 2).to(q.dtype).contiguous()
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.scale, ctx.group, ctx.transport, ctx.window, ctx.runs = scale, group, transport, window, runs
         return result
