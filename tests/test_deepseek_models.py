@@ -175,6 +175,11 @@ def test_mtp_depths_go_to_hf_layers_and_back(tmp_path):
     for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "self_attn.kv_b_proj", "mlp.gate"):
         assert f"model.layers.4.{name}.weight" in names
     assert "model.layers.4.mlp.gate.e_score_correction_bias" in names
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:  # the depth's copies
+        assert torch.equal(
+            f.get_tensor("model.layers.4.embed_tokens.weight"), f.get_tensor("model.embed_tokens.weight")
+        )
+        assert torch.equal(f.get_tensor("model.layers.4.shared_head.head.weight"), f.get_tensor("lm_head.weight"))
     torch.testing.assert_close(hf_logits(str(tmp_path / "out"), IDS), logits, atol=1e-4, rtol=0)
     back = from_pretrained_hf(str(tmp_path / "out")).eval()
     assert back.config.mtp_num_layers == 1

@@ -19,8 +19,9 @@ MLP. Multi-token prediction depth ``j`` (``model.mtp_num_layers`` = config.json'
     mtp.layers.<j>.final_layernorm.weight               model.layers.<L+j>.shared_head.norm.weight
     mtp.layers.<j>.transformer_layer.<rest>             model.layers.<L+j>.<rest> (as any layer's)
 
-The model's embedding and head serve the depths; the copies DeepSeek's checkpoints keep beside them
-(``model.layers.<L+j>.embed_tokens``, ``shared_head.head``) are not read, and not written. A config.json
+The model's embedding and head serve the depths; DeepSeek's checkpoints keep copies of them beside each
+depth (``model.layers.<L+j>.embed_tokens``, ``shared_head.head``), which inference engines read for the
+depth: they are written (copies of the model's) and not read. A config.json
 naming depths whose weights its checkpoint lacks (transformers writes none) is read without them, with a
 note.
 """
@@ -109,6 +110,12 @@ def to_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         for (hf, _), piece in zip(parts, torch.split(tensor, [rows or tensor.shape[0] for _, rows in parts])):
             out[hf] = piece.contiguous()
     out.update(experts_to_hf(rest, cfg, DEEPSEEK_LAYOUT))
+    embedding = tensors.get("embed_tokens.weight")
+    head = tensors.get("lm_head.weight", embedding)
+    for depth in range(mtp_depths(cfg) if embedding is not None else 0):  # the copies each depth keeps
+        layer = f"model.layers.{cfg.num_layers + depth}"
+        out[f"{layer}.embed_tokens.weight"] = embedding.clone()
+        out[f"{layer}.shared_head.head.weight"] = head.clone()
     return out
 
 
