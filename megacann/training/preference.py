@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -226,15 +228,14 @@ class PreferenceTraining:
         return preference_figures(figures)
 
     @torch.no_grad()
-    def evaluate(
-        self, batches: Callable[[], Optional[list[dict]]], iters: int, forward_backward, data
-    ) -> Optional[dict[str, float]]:
-        """Mean pair loss, reward accuracy and margin over ``iters`` held-out global batches."""
+    def evaluate(self, batches: Iterator[dict], forward_backward, data) -> Optional[dict[str, float]]:
+        """Mean pair loss, reward accuracy and margin over ``logging.eval_iters`` held-out global batches
+        (``batches``: this rank's held-out micro-batches, on the device)."""
         sums = {"eval_loss": 0.0, "eval_reward_accuracy": 0.0, "eval_reward_margin": 0.0}
         pairs = 0.0
-        for _ in range(iters):
-            micro_batches = batches()
-            if micro_batches is None:
+        for _ in range(self.cfg.logging.eval_iters):
+            micro_batches = list(itertools.islice(batches, self.cfg.optim.grad_accum_steps))
+            if len(micro_batches) < self.cfg.optim.grad_accum_steps:
                 break
             self.prepare(micro_batches, data)
             count = self.count(micro_batches)

@@ -253,15 +253,9 @@ class Trainer:
             return None
         for chunk in self.model_chunks:
             chunk.eval()
-        if self.preference is not None:
-
-            def global_batch() -> Optional[list[dict[str, torch.Tensor]]]:
-                try:
-                    return [_to_device(next(iterator), self.device) for _ in range(self.cfg.optim.grad_accum_steps)]
-                except StopIteration:
-                    return None
-
-            return self.preference.evaluate(global_batch, self.cfg.logging.eval_iters, self.forward_backward, self.data)
+        if self.preference is not None:  # mean pair loss, reward accuracy and margin
+            batches = (_to_device(b, self.device) for b in iterator)
+            return self.preference.evaluate(batches, self.forward_backward, self.data)
         total_loss, total_tokens = 0.0, 0.0
         for _ in range(self.cfg.logging.eval_iters):
             try:
