@@ -75,6 +75,7 @@ def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
                 ps.get_pipeline_model_parallel_world_size(),
                 ps.get_data_parallel_world_size(),
                 ps.get_context_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size(),
             ),
         }
         ps.destroy_model_parallel()
