@@ -37,11 +37,11 @@ bash "$ROOT/scripts/run_sft.sh" --config "$ROOT/examples/configs/llama/sft_tiny.
     logging.ckpt_interval="$SFT_STEPS" logging.eval_interval="$SFT_STEPS"
 
 for mode in full lora; do
-    lora=false
-    [ "$mode" = lora ] && lora=true
+    settings=(lora=false)  # full DPO: the recipe's lr (1e-4); LoRA learns slower and takes 1e-3
+    [ "$mode" = lora ] && settings=(lora=true optim.lr=1e-3)
     bash "$ROOT/scripts/run_dpo.sh" --config "$ROOT/examples/configs/llama/dpo_tiny.yaml" \
         model.init_from="$OUT/sft" data.path="$OUT/pairs/train.jsonl" experiment.output_dir="$OUT/dpo_$mode" \
-        optim.max_steps="$DPO_STEPS" logging.ckpt_interval="$DPO_STEPS" logging.eval_interval="$DPO_STEPS" lora=$lora
+        optim.max_steps="$DPO_STEPS" logging.ckpt_interval="$DPO_STEPS" logging.eval_interval="$DPO_STEPS" "${settings[@]}"
 done
 
 megacann-convert to-hf "$OUT/dpo_full" "$OUT/dpo_full_hf"
