@@ -155,6 +155,11 @@ READ_BY = {
     "training.hang_min_seconds": "training/watchdog.py",
     "training.save_on_signal": "training/signals.py",
     "training.activation_offload_layers": "config/offload_keys.py",  # offloaded_layer_ids, read by the trainer
+    "dpo.beta": "models/preference_loss.py",
+    "dpo.loss_type": "models/preference_loss.py",
+    "dpo.label_smoothing": "models/preference_loss.py",
+    "dpo.simpo_gamma": "models/preference_loss.py",
+    "dpo.reference": "training/preference.py",
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
     "precision.compile": "training/recipe.py",

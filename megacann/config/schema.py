@@ -228,6 +228,20 @@ class PrecisionConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Preference optimisation (``train_mode: dpo``; megacann.training.preference)."""
+
+    beta: float = 0.1  # strength of the KL-like constraint: rewards are beta * log(pi / pi_ref)
+    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | simpo (reference-free, length-normalised)
+    label_smoothing: float = 0.0  # sigmoid / simpo: assumed share of flipped preferences (conservative DPO)
+    simpo_gamma: float = 0.5  # simpo: the target reward margin
+    # the reference policy: auto (LoRA: adapters_off, else copy) | copy (a frozen copy of the starting weights,
+    # sharded like the policy) | adapters_off (LoRA: the base with adapters disabled) | precomputed (log-probs of
+    # the starting weights computed in one pass before training and cached beside the data)
+    reference: str = "auto"
+
+
+@dataclass
 class MegacannConfig:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -237,8 +251,9 @@ class MegacannConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     seed: int = 1234
-    train_mode: str = "pretrain"  # pretrain | sft
+    train_mode: str = "pretrain"  # pretrain | sft | dpo
     lora: bool = False  # train LoRA adapters on a frozen base (megacann.training.finetune)
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -268,6 +283,7 @@ _SECTION_CLASSES = {
     "logging": LoggingConfig,
     "precision": PrecisionConfig,
     "training": TrainingConfig,
+    "dpo": DPOConfig,
 }
 TOP_LEVEL_KEYS = [f.name for f in dataclasses.fields(MegacannConfig) if f.name not in _SECTION_CLASSES]
 
@@ -275,6 +291,7 @@ TOP_LEVEL_KEYS = [f.name for f in dataclasses.fields(MegacannConfig) if f.name n
 MODE_DEFAULTS = {
     "pretrain": {"lr": 3.0e-4, "warmup_ratio": 0.0},
     "sft": {"lr": 1.0e-5, "warmup_ratio": 0.05},
+    "dpo": {"lr": 1.0e-6, "warmup_ratio": 0.1},
 }
 
 CHOICES = {  # a family's own keys give theirs in their field's metadata ("choices")
@@ -284,6 +301,8 @@ CHOICES = {  # a family's own keys give theirs in their field's metadata ("choic
     "optim.scheduler": ("cosine", "linear", "constant"),
     "distributed.parallel_mode": ("data", "tensor", "pipeline", "hybrid"),
     "distributed.context_parallel_algo": ("ring", "allgather", "ulysses"),
-    "train_mode": ("pretrain", "sft"),
+    "train_mode": ("pretrain", "sft", "dpo"),
+    "dpo.loss_type": ("sigmoid", "ipo", "simpo"),
+    "dpo.reference": ("auto", "copy", "adapters_off", "precomputed"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
 }

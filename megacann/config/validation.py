@@ -299,6 +299,29 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
     if o.clip_grad < 0:
         raise ConfigError(f"{source}: optim.clip_grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
     check_profiler_window(cfg.logging.profiler, o.max_steps, source)
+    check_dpo_section(cfg, source)
+
+
+def check_dpo_section(cfg: MegacannConfig, source: str) -> None:
+    """``train_mode: dpo``: whole pairs per micro-batch, a usable reference, sensible loss settings."""
+    if cfg.train_mode != "dpo":
+        return
+    p = cfg.dpo
+    if cfg.data.batch_size % 2:
+        raise ConfigError(
+            f"{source}: data.batch_size {cfg.data.batch_size} must be even with train_mode dpo: a micro-batch "
+            "holds whole preference pairs (a chosen and a rejected sequence each)"
+        )
+    if cfg.data.weights is not None:
+        raise ConfigError(f"{source}: data.weights is refused with train_mode dpo: the files' pairs are concatenated")
+    if not p.beta > 0:
+        raise ConfigError(f"{source}: dpo.beta must be positive, got {p.beta!r}")
+    if not 0.0 <= p.label_smoothing < 0.5:
+        raise ConfigError(f"{source}: dpo.label_smoothing must be in [0, 0.5), got {p.label_smoothing!r}")
+    if p.label_smoothing and p.loss_type == "ipo":
+        raise ConfigError(f"{source}: dpo.label_smoothing applies to loss_type sigmoid or simpo, not ipo")
+    if p.reference == "adapters_off" and not cfg.lora:
+        raise ConfigError(f"{source}: dpo.reference adapters_off needs lora: true (the base under the adapters)")
 
 
 PROFILER_KEYS = ("start_step", "end_step")

@@ -1,4 +1,5 @@
-"""Data pipeline: tokenizers, Megatron ``.bin``/``.idx`` data, packing, resumable sampling, SFT data.
+"""Data pipeline: tokenizers, Megatron ``.bin``/``.idx`` data, packing, resumable sampling, SFT data,
+preference pairs (DPO).
 
 The trainer's contract::
 
@@ -31,6 +32,7 @@ _EXPORTS = {
     "write_indexed_dataset": "indexed_dataset",
     "ConsumedSamplesSampler": "sampler",
     "SFTDataError": "sft",
+    "PreferenceDataError": "preference",
     "ByteTokenizer": "tokenizer",
     "HFTokenizer": "tokenizer",
     "SentencePieceTokenizer": "tokenizer",

@@ -159,8 +159,14 @@ def build_data_iterators(
     if remaining_steps is not None:  # a resumed run whose global batch changed (another data-parallel size)
         train_n = max(train_n, consumed_samples + max(0, remaining_steps) * global_batch)
     valid_n = max(cfg.logging.eval_iters, 1) * global_batch
+    catalog = None
     if cfg.train_mode == "sft":
         train, valid = build_sft_datasets(cfg, tokenizer, train_n, valid_n)
+        transform = None
+    elif cfg.train_mode == "dpo":  # pairs of sequences, chosen then rejected (megacann.data.preference_dataset)
+        from megacann.data.preference_dataset import build_preference_datasets
+
+        train, valid, catalog = build_preference_datasets(cfg, tokenizer, train_n, valid_n)
         transform = None
     else:
         train, valid = build_pretrain_datasets(cfg, tokenizer, train_n, valid_n)
@@ -173,4 +179,6 @@ def build_data_iterators(
         )
     if valid is None:
         _log("no held-out samples (data.split gives the validation split nothing); data.valid() returns None")
-    return DataIterators(cfg, train, valid, transform, consumed_samples, dp_rank, dp_size)
+    iterators = DataIterators(cfg, train, valid, transform, consumed_samples, dp_rank, dp_size)
+    iterators.preference_catalog = catalog  # DPO: every sequence, for precomputed reference log-probs
+    return iterators

@@ -151,13 +151,17 @@ SFT_CACHE_VERSION = 1
 _STAT_FIELDS = ("lines", "samples", "bad_lines", "truncated", "dropped_too_long")
 
 
-def sft_cache_dir(path: str, tokenizer, template: PromptTemplate, seq_length: int, skip_bad_lines: bool, cache_dir):
+def sft_cache_dir(
+    path: str, tokenizer, template: PromptTemplate, seq_length: int, skip_bad_lines: bool, cache_dir, kind: str = "sft"
+):
     """Where the tokenized samples of JSONL file ``path`` are cached: beside the data (or in ``cache_dir``),
-    keyed by the file (path, size, modification time), the tokenizer, the template and the settings."""
+    keyed by the file (path, size, modification time), the tokenizer, the template and the settings.
+    ``kind`` names the record format (``sft``; ``dpo`` for preference pairs)."""
     from megacann.data.gpt_dataset import index_cache_dir
 
     stat = os.stat(path)
     key = digest(
+        *(() if kind == "sft" else (kind,)),
         SFT_CACHE_VERSION,
         os.path.realpath(path),
         stat.st_size,
@@ -170,7 +174,24 @@ def sft_cache_dir(path: str, tokenizer, template: PromptTemplate, seq_length: in
         skip_bad_lines,
     )
     name = os.path.splitext(os.path.basename(path))[0]
-    return os.path.join(index_cache_dir(path, cache_dir), f"sft-{name}-{key}")
+    return os.path.join(index_cache_dir(path, cache_dir), f"{kind}-{name}-{key}")
+
+
+def samples_to_arrays(samples: list[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> dict[str, np.ndarray]:
+    """Samples (ids, trained mask) as three flat arrays for a cache: ids, mask and offsets."""
+    lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
+    dtype = np.int32 if vocab_size < 2**31 else np.int64
+    return {
+        "ids": np.concatenate([ids for ids, _ in samples]).astype(dtype) if samples else np.zeros(0, dtype),
+        "mask": np.concatenate([m for _, m in samples]) if samples else np.zeros(0, bool),
+        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+    }
+
+
+def arrays_to_samples(arrays: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The inverse of :func:`samples_to_arrays` (views into the, possibly memory-mapped, arrays)."""
+    ids, mask, offsets = arrays["ids"], arrays["mask"], arrays["offsets"].tolist()
+    return [(ids[a:b], mask[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
 
 
 def cached_sft_samples(
@@ -189,18 +210,11 @@ def cached_sft_samples(
     def build() -> dict[str, np.ndarray]:
         built[0] = True
         samples, stats = load_sft_samples([path], tokenizer, template, seq_length, skip_bad_lines)
-        lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
-        dtype = np.int32 if tokenizer.vocab_size < 2**31 else np.int64
-        return {
-            "ids": np.concatenate([ids for ids, _ in samples]).astype(dtype) if samples else np.zeros(0, dtype),
-            "mask": np.concatenate([m for _, m in samples]) if samples else np.zeros(0, bool),
-            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-            "stats": np.array([getattr(stats, f) for f in _STAT_FIELDS], dtype=np.int64),
-        }
+        stat_values = np.array([getattr(stats, f) for f in _STAT_FIELDS], dtype=np.int64)
+        return {**samples_to_arrays(samples, tokenizer.vocab_size), "stats": stat_values}
 
     directory = sft_cache_dir(path, tokenizer, template, seq_length, skip_bad_lines, cache_dir)
     arrays = cached_npy_dir(directory, build)
-    ids, mask, offsets = arrays["ids"], arrays["mask"], arrays["offsets"].tolist()
-    samples = [(ids[a:b], mask[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+    samples = arrays_to_samples(arrays)
     stats = SFTStats(**{f: int(v) for f, v in zip(_STAT_FIELDS, arrays["stats"].tolist())})
     return samples, stats, built[0]

@@ -20,6 +20,8 @@ def format_step_line(record: dict[str, Any], max_steps: int, eta_seconds: Option
     parts = [f"step {step}/{max_steps} ({100.0 * step / max_steps:.0f}%)", f"loss {record['loss']:.4f}"]
     if record.get("mtp_loss") is not None:  # multi-token prediction's scaled loss, added to the objective
         parts.append(f"mtp_loss {record['mtp_loss']:.4f}")
+    if record.get("reward_margin") is not None:  # preference optimisation (train_mode dpo)
+        parts.append(f"margin {record['reward_margin']:.3f} acc {record['reward_accuracy']:.2f}")
     if record.get("grad_norm") is not None:
         parts.append(f"grad_norm {record['grad_norm']:.3f}")
     parts.append(f"lr {record['lr']:.3e}")

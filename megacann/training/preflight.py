@@ -44,7 +44,7 @@ def check_data(cfg: MegacannConfig) -> None:
     from megacann.data.indexed_dataset import IndexedDataset, IndexedDatasetError
     from megacann.data.sources import resolve_sources
 
-    sft = cfg.train_mode == "sft"
+    sft = cfg.train_mode in ("sft", "dpo")  # JSONL records
     for _, path in resolve_sources(cfg.data.path, cfg.data.weights, sft=sft):
         if sft:
             if os.path.getsize(path) == 0:

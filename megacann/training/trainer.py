@@ -32,6 +32,7 @@ from megacann.training.guards import StepGuard
 from megacann.training.hf_save import HFSaves
 from megacann.training.host_values import step_values_on_host
 from megacann.training.metrics import MetricsLogger
+from megacann.training.preference import PreferenceTraining
 from megacann.training.preflight import (
     check_checkpoint_model,
     check_output_dir,
@@ -113,7 +114,14 @@ class Trainer:
         self.params = [p for _, p in self.named_params]
         self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)
         self.schedule = LRSchedule.from_config(cfg.optim)
-        self.forward_backward = get_forward_backward_func(cfg, self.model_spec.forward_step)
+        # train_mode dpo: per-pair losses from the family's forward step, and a reference policy
+        self.preference = (
+            PreferenceTraining(cfg, self.model_spec, self.model_chunks, self.device)
+            if cfg.train_mode == "dpo"
+            else None
+        )
+        step_fn = self.preference.forward_step if self.preference is not None else self.model_spec.forward_step
+        self.forward_backward = get_forward_backward_func(cfg, step_fn)
         # logging.timers: per-stage forward/backward/transfer-wait seconds of each step, in the metrics
         timed = cfg.logging.timers or cfg.logging.profile_breakdown
         self.timeline = Timeline(self.runtime.accelerator.synchronize) if timed else None
@@ -155,7 +163,10 @@ class Trainer:
     def _global_token_count(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Target tokens in the whole global batch (every data-parallel rank's micro-batches). The batches
         hold whole sequences (the cp ranks of one data-parallel rank read the same samples; the schedule
-        hands each its share), so counting them over the data-parallel group counts every token once."""
+        hands each its share), so counting them over the data-parallel group counts every token once.
+        A preference step counts pairs instead."""
+        if self.preference is not None:
+            return self.preference.count(micro_batches)
         return count_target_tokens(micro_batches, ps.get_data_parallel_group())
 
     def _stage_timers(self) -> dict[str, list[float]]:
@@ -185,6 +196,8 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.train()
         micro_batches = self._next_micro_batches()
+        if self.preference is not None:  # the reference policy's log-probabilities, into each micro-batch
+            self.preference.prepare(micro_batches, self.data)
         self.profiling.lap("data_wait")
         num_tokens = self._global_token_count(micro_batches)
         lr = self.schedule.lr_at(self.state.step)
@@ -205,6 +218,8 @@ class Trainer:
         self.optimizer.finalize_grads()
         self.profiling.lap("grad_comm")
         figures = {**totals.reduce(num_tokens), "num_tokens": num_tokens}  # device tensors so far
+        if self.preference is not None:  # rewards, margins, accuracy: means over the pairs
+            figures = self.preference.figures(figures)
         host: dict[str, Any] = {}
 
         def veto(grad_norm: torch.Tensor) -> bool:
@@ -242,6 +257,9 @@ class Trainer:
             return None
         for chunk in self.model_chunks:
             chunk.eval()
+        if self.preference is not None:  # mean pair loss, reward accuracy and margin
+            batches = (_to_device(b, self.device) for b in iterator)
+            return self.preference.evaluate(batches, self.forward_backward, self.data)
         total_loss, total_tokens = 0.0, 0.0
         for _ in range(self.cfg.logging.eval_iters):
             try:

@@ -5,13 +5,15 @@
 - :mod:`.adapter`: one adapter (:class:`LoRAAdapter`) in the ``adapter`` slot of a column- or
   row-parallel linear layer, and its layout over tensor-parallel ranks;
 - :mod:`.experts`: adapters on MoE experts' projections, computed with grouped matmuls;
-- :mod:`.attach`: a whole model: attach, list, re-draw, merge, unmerge and unload adapters.
+- :mod:`.attach`: a whole model: attach, list, re-draw, merge, unmerge, unload and
+  temporarily disable adapters.
 
 Fine-tuning with it from a recipe: docs/finetuning.md; PEFT import and export use the same target rules.
 """
 
 from megacann.layers.lora.adapter import AdapterLayout, LoRAAdapter, adapter_layout, is_lora_parameter
 from megacann.layers.lora.attach import (
+    adapters_disabled,
     attach_lora,
     count_parameters,
     init_adapters_,
@@ -42,6 +44,7 @@ __all__ = [
     "LoRAConfig",
     "LoRATarget",
     "adapter_layout",
+    "adapters_disabled",
     "attach_lora",
     "count_parameters",
     "expert_layers_elsewhere",

@@ -168,6 +168,7 @@ class LoRAAdapter(torch.nn.Module):
         self.target = target
         self.tp_rank, self.tp_size, self.shard = layout.tp_rank, layout.tp_size, layout.shard
         self.merged = False
+        self.disabled = False  # switched off for a while (adapters_disabled): the base layer alone
         blocks = layout.blocks
         if len(blocks) != len(target.parts):
             raise ValueError(f"LoRA target {target.parts} does not match the layer's {len(blocks)} output blocks")
@@ -235,7 +236,7 @@ class LoRAAdapter(torch.nn.Module):
         return x * mask / keep
 
     def forward(self, x: torch.Tensor, rows: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
-        if self.merged:
+        if self.merged or self.disabled:
             return None
         b = self.local_b()
         if rows is not None:

@@ -8,7 +8,8 @@ projection) is found by :func:`megacann.layers.lora.adapter.adapter_layout`; tar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -92,6 +93,21 @@ def init_adapters_(model: torch.nn.Module, seed_for_name: Callable[[str], int]) 
 
 
 @torch.no_grad()
+@contextmanager
+def adapters_disabled(models: Iterable[torch.nn.Module]) -> Iterator[int]:
+    """Inside the block every LoRA adapter of ``models`` is off: the models compute their frozen base
+    exactly (no second copy of it), e.g. as a DPO reference policy. Yields how many adapters are off."""
+    adapters = [a for model in models for _, a in lora_adapters(model)]
+    previous = [a.disabled for a in adapters]
+    for adapter in adapters:
+        adapter.disabled = True
+    try:
+        yield len(adapters)
+    finally:
+        for adapter, was in zip(adapters, previous):
+            adapter.disabled = was
+
+
 def merge_lora(model: torch.nn.Module) -> int:
     """Add ``scaling * B A`` into every adapted layer's weight (this rank's slice; no communication) and
     switch the adapters off. Returns the number of layers merged. Keep a merged model for inference or

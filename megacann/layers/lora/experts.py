@@ -58,7 +58,7 @@ def add_grouped_lora(
     """``y`` (the grouped base output of ``projections`` on ``x``) plus every expert's LoRA output, computed
     with two grouped matmuls; ``y`` unchanged when the experts carry no active adapter."""
     adapters: list[Optional[LoRAAdapter]] = [p.adapter for p in projections]
-    active = [isinstance(a, LoRAAdapter) and not a.merged for a in adapters]
+    active = [isinstance(a, LoRAAdapter) and not (a.merged or a.disabled) for a in adapters]
     if not any(active):
         return y
     if not all(active):

@@ -1,0 +1,120 @@
+"""DPO across ranks (gloo, CPU, fp32): tensor parallel 2 with sequence parallelism, pipeline parallel 2
+(a pair's chosen and rejected sequences in one micro-batch), data parallel 2 with ZeRO-1, context
+parallel 2 and (an MoE model) expert parallel 2 train the one-process loss and reward trace, with the reference a frozen copy sharded like the
+policy, or (LoRA) the base with adapters disabled. One spawn per world size."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from dist_harness import run_on_ranks
+from finetune_helpers import LORA
+from test_training_parity import assert_close_trace
+
+pytestmark = pytest.mark.extended
+
+STEPS = 3
+TP2 = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
+PP2 = ["distributed.pipeline_parallel_size=2"]
+Z1_DP2 = ["distributed.zero_optimization=1", "optim.grad_accum_steps=1"]  # global batch 8, as one process
+CP2 = ["distributed.context_parallel_size=2"]
+MOE = [
+    "model.type=moe", "model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64",
+    "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32", "model.moe_aux_loss_coeff=1e-2",
+]  # fmt: skip
+EP2 = [*MOE, "distributed.expert_parallel_size=2", "optim.grad_accum_steps=1"]  # dp 2, experts split over it
+RUNS_WORLD1 = {"copy": [], "lora": LORA, "moe": MOE}
+RUNS_WORLD2 = {
+    "tp2": TP2,
+    "pp2": PP2,
+    "zero1_dp2": Z1_DP2,
+    "cp2": CP2,
+    "tp2_lora": [*TP2, *LORA],
+    "pp2_lora": [*PP2, *LORA],
+    "ep2": EP2,
+}
+FIGURES = ("loss", "chosen_reward", "rejected_reward", "reward_margin")
+
+
+def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
+    import torch.distributed as dist
+    from finetune_helpers import recipe
+    from test_dpo import dpo_overrides, write_pairs
+
+    from megacann import parallel_state as ps
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    path = os.path.join(tmp, "p.jsonl")
+    if dist.get_rank() == 0:
+        write_pairs(path)
+    dist.barrier()
+    results = {}
+    for name, overrides in runs.items():
+        out = os.path.join(tmp, name)
+        cfg = recipe(
+            [*dpo_overrides(path, tmp, f"experiment.output_dir={out}", "optim.lr=1e-3"), *overrides],
+            world_size=dist.get_world_size(),
+        )
+        trainer = Trainer(cfg, setup_runtime(cfg))
+        steps = [trainer.train_step() for _ in range(STEPS)]
+        results[name] = {
+            "trace": {k: [s[k] for s in steps] for k in (*FIGURES, "reward_accuracy")},
+            "copy_sharded": trainer.preference.reference is not None
+            and all(
+                tuple(p.shape) == tuple(q.shape)
+                for chunk, ref in zip(trainer.model_chunks, trainer.preference.reference)
+                for (_, p), q in zip(
+                    [(n, p) for n, p in chunk.named_parameters() if ".adapter." not in n], ref.parameters()
+                )
+            ),
+            "kind": trainer.preference.kind,
+            "layout": (
+                ps.get_tensor_model_parallel_world_size(),
+                ps.get_pipeline_model_parallel_world_size(),
+                ps.get_data_parallel_world_size(),
+                ps.get_context_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size(),
+            ),
+        }
+        ps.destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    return run_on_ranks(_runs, 1, args=(RUNS_WORLD1, str(tmp_path_factory.mktemp("w1"))), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return run_on_ranks(_runs, 2, args=(RUNS_WORLD2, str(tmp_path_factory.mktemp("w2"))), timeout=600)
+
+
+LAYOUTS = {
+    "tp2": (2, 1, 1, 1, 1),
+    "pp2": (1, 2, 1, 1, 1),
+    "zero1_dp2": (1, 1, 2, 1, 1),
+    "cp2": (1, 1, 1, 2, 1),
+    "ep2": (1, 1, 2, 1, 2),
+}
+
+
+@pytest.mark.parametrize("run", sorted(RUNS_WORLD2))
+def test_dpo_trains_like_one_process(world1, world2, run):
+    lora = run.endswith("_lora")
+    ref = world1["lora" if lora else "moe" if run == "ep2" else "copy"]
+    for rank in world2:  # every rank logs the same figures
+        got = rank[run]
+        assert got["layout"] == LAYOUTS[run.removesuffix("_lora")]  # the parallel mode is really on
+        assert got["kind"] == ("adapters_off" if lora else "copy")
+        assert got["copy_sharded"] != lora
+        assert_close_trace(got["trace"]["loss"], ref["trace"]["loss"], 1e-5)
+        for key in FIGURES[1:]:  # beta x differences of log-probability sums (~10 each): compared absolutely
+            assert len(got["trace"][key]) == STEPS
+            for a, e in zip(got["trace"][key], ref["trace"][key]):
+                assert abs(a - e) <= 1e-5, (key, got["trace"][key], ref["trace"][key])
+        assert got["trace"]["reward_accuracy"] == ref["trace"]["reward_accuracy"]
+    assert ref["trace"]["reward_margin"][0] == 0.0  # step 1: the policy is its reference
+    assert all(abs(m) > 1e-4 for m in ref["trace"]["reward_margin"][1:])  # then it moves away
