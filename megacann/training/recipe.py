@@ -56,8 +56,9 @@ def compile_backend(cfg: MegacannConfig) -> Optional[str]:
 
 
 def check_compile(cfg: MegacannConfig, source: str) -> None:
-    """``precision.compile``: false, true or a backend torch.compile knows; compiled blocks are proven equal
-    to eager ones at tensor, context and expert parallel size 1 only, so other layouts are refused."""
+    """``precision.compile``: false, true or a backend torch.compile knows. Every layout compiles: the
+    tensor-parallel collectives are traced into the block's graph, the ring's point-to-point transfers and
+    the expert dispatch graph-break (they run eagerly between compiled regions)."""
     value = cfg.precision.compile
     if value is False:
         return
@@ -73,15 +74,3 @@ def check_compile(cfg: MegacannConfig, source: str) -> None:
             raise ConfigError(
                 f"{source}: precision.compile: {value!r} is not a torch.compile backend{hint}; known: {', '.join(backends)}"
             )
-    d = cfg.distributed
-    sizes = {
-        "tensor_parallel_size": d.tensor_parallel_size,
-        "context_parallel_size": d.context_parallel_size,
-        "expert_parallel_size": d.expert_parallel_size,
-    }
-    over = [f"distributed.{key} {size}" for key, size in sizes.items() if size > 1]
-    if over:
-        raise ConfigError(
-            f"{source}: precision.compile is supported at tensor, context and expert parallel size 1 (the "
-            f"collectives inside those layers are not traced); got {', '.join(over)}: set precision.compile: false"
-        )
