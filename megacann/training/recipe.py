@@ -38,6 +38,7 @@ def prepare_recipe(
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{source}: {err}") from None
     check_compile(cfg, source)
+    check_tp_comm_overlap(cfg, source)
     spec = prepare_model_config(cfg, spec, source)
     check_finetune_config(cfg, spec, source)
     check_hf_save_config(cfg, spec, source)
@@ -74,3 +75,15 @@ def check_compile(cfg: MegacannConfig, source: str) -> None:
             raise ConfigError(
                 f"{source}: precision.compile: {value!r} is not a torch.compile backend{hint}; known: {', '.join(backends)}"
             )
+
+
+def check_tp_comm_overlap(cfg: MegacannConfig, source: str) -> None:
+    """``distributed.tp_comm_overlap`` overlaps the sequence-parallel all-gather / reduce-scatter of the
+    column-parallel layers: without sequence parallelism over more than one rank there is none to overlap."""
+    d = cfg.distributed
+    if d.tp_comm_overlap and not d.sequence_parallel_active:
+        raise ConfigError(
+            f"{source}: distributed.tp_comm_overlap needs distributed.sequence_parallel: true and "
+            f"distributed.tensor_parallel_size > 1 (got sequence_parallel {d.sequence_parallel}, "
+            f"tensor_parallel_size {d.tensor_parallel_size}): it overlaps their all-gather and reduce-scatter"
+        )
