@@ -45,7 +45,7 @@ def main() -> None:
             )
             rows = [line for line in run.stdout.splitlines() if re.match(r"(fp32|bf16): ", line)]
             lines[name] += rows
-            print(f"[{name}] " + "\n[{name}] ".join(rows), flush=True)
+            print("\n".join(f"[{name}] {row}" for row in rows), flush=True)
     print("summary (megacann / transformers):")
     for name, rows in lines.items():
         ratios = [re.search(r"^(\w+):.*ratio ([\d.]+)x", row).groups() for row in rows]
