@@ -8,8 +8,10 @@ the three take turns in every round):
 
 - ``moe reference``: permute by expert, one ``F.linear`` per expert for each projection, unpermute and
   weight (every MoE op pinned to its PyTorch reference);
-- ``moe grouped``: the same with the device's grouped kernels: ``torch._grouped_mm`` on CPU (pinned: it
-  is not the CPU default) and CUDA, torch_npu's grouped matmul and permute kernels on NPU;
+- ``moe default``: the device's default implementations (``megacann.ops.selected``): on CPU the
+  ``gather`` ops (backward by gathers, grouped matmul into one output, :mod:`megacann.ops.moe_gather`),
+  ``torch._grouped_mm`` on CUDA, torch_npu's grouped matmul and permute kernels on NPU;
+- ``moe torch._grouped_mm`` (CPU only): the default ops with torch's CPU grouped matmul pinned;
 - ``dense``: a SwiGLU MLP of width ``top_k * ffn``, which does the same matmul FLOPs per token as
   ``top_k`` experts of width ``ffn``.
 
@@ -48,6 +50,7 @@ def _interleaved_medians(steps: dict, repeats: int, sync) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in steps}
     for round_ in range(repeats + 2):  # two warm-up rounds
         for name, (kernels, step) in steps.items():
+            _pin({op: None for op in MOE_OPS})
             _pin(kernels)
             sync()
             start = time.perf_counter()
@@ -95,12 +98,13 @@ def main() -> None:
         dense(x).backward(grad)
 
     reference = {op: "reference" for op in MOE_OPS}
-    grouped = {op: None for op in MOE_OPS}  # the device's choice ...
+    steps = {"moe reference": (reference, moe_step), "moe default": ({op: None for op in MOE_OPS}, moe_step)}
     if device.type == "cpu" and GROUPED_ON_CPU in ops.implementations("grouped_matmul"):
-        grouped["grouped_matmul"] = GROUPED_ON_CPU  # ... except on CPU, where it is not the default
-    steps = {"moe reference": (reference, moe_step), "moe grouped": (grouped, moe_step), "dense": ({}, dense_step)}
+        steps["moe grouped_mm"] = ({"grouped_matmul": GROUPED_ON_CPU}, moe_step)  # not the CPU default: pinned
+    steps["dense"] = ({}, dense_step)
     details = {}
     for name, (kernels, _) in steps.items():
+        _pin({op: None for op in MOE_OPS})
         _pin(kernels)
         details[name] = ", ".join(f"{op}={ops.selected(op, device.type)}" for op in MOE_OPS)
     details["dense"] = f"SwiGLU ffn {args.top_k * args.ffn}"

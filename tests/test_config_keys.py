@@ -129,6 +129,7 @@ READ_BY = {
     "distributed.zero_shard_group_size": "optimizer/zero/optimizer.py",
     "distributed.overlap_grad_reduce": "optimizer/optimizer.py",
     "distributed.overlap_param_gather": "optimizer/__init__.py",
+    "distributed.tp_comm_overlap": "layers/context.py",
     "distributed.bucket_size_mb": "optimizer/optimizer.py",
     "distributed.device": "training/runtime.py",
     "distributed.timeout_minutes": "training/runtime.py",

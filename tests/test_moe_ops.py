@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from megacann import ops
 from megacann.ops import registry
 from megacann.ops.moe import _grouped_matmul_reference, _grouped_matmul_torch, _grouped_mm_takes
+from megacann.ops.moe_gather import _grouped_matmul_gather
 
 
 def test_permute_groups_copies_by_expert_in_token_order():
@@ -59,7 +60,7 @@ def test_permute_and_unpermute_gradients_match_a_per_token_loop():
     torch.testing.assert_close(dp, dp2, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("impl", [_grouped_matmul_reference, _grouped_matmul_torch])
+@pytest.mark.parametrize("impl", [_grouped_matmul_reference, _grouped_matmul_torch, _grouped_matmul_gather])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_matmul_equals_per_group_linear(impl, dtype):
     sizes = [3, 0, 5, 8]  # an expert without tokens too
@@ -96,12 +97,13 @@ def test_moe_ops_are_registered_with_their_device_kernels():
     assert registry.implementations("grouped_matmul") == [
         "torch_npu",
         "torch_grouped_mm",
+        "gather",
         "reference",
         "torch_grouped_mm_cpu",
     ]
     assert registry.implementations("moe_permute") == ["torch_npu", "reference"]
     assert registry.implementations("moe_unpermute") == ["torch_npu", "reference"]
-    assert registry.selected("grouped_matmul", "cpu") == "reference"  # the grouped kernel only when pinned
+    assert registry.selected("grouped_matmul", "cpu") == "gather"  # torch's grouped kernel only when pinned
     assert registry.selected("moe_permute", "cpu") == "reference"
     try:
         ops.pin("grouped_matmul", "torch_grouped_mm_cpu")

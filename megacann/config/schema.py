@@ -167,6 +167,7 @@ class DistributedConfig:
     zero_shard_group_size: Optional[int] = None  # hybrid: shard within groups of this many dp ranks
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False  # sequence-parallel all-gather / reduce-scatter behind the linear layers' matmuls
     bucket_size_mb: float = 40.0
     device: Optional[str] = None  # npu | cuda | cpu; None: auto (MEGACANN_DEVICE wins)
     timeout_minutes: float = 30.0

@@ -57,7 +57,9 @@ class LayerContext:
     (None: not chosen; an error under context parallelism). ``init_method_std``: std of N(0, std²)
     weights; with ``num_layers`` the projections that feed the residual (``o_proj``, ``down_proj``) use
     Megatron's ``std / sqrt(2 · num_layers)``. ``recompute``: ``selective`` recomputes core attention in
-    backward, ``full`` a whole block (for blocks that read it).
+    backward, ``full`` a whole block (for blocks that read it). ``tp_comm_overlap``: sequence-parallel
+    column-parallel layers overlap their all-gather and reduce-scatter with their matmuls
+    (:mod:`megacann.layers.tp_overlap`).
 
     ``with context:`` makes it the current context for the enclosed code (contexts nest)."""
 
@@ -68,6 +70,7 @@ class LayerContext:
     init_method_std: float = 0.02
     num_layers: Optional[int] = None
     recompute: str = "none"
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.context_parallel_algo is not None:
@@ -102,8 +105,8 @@ def current_layer_context() -> LayerContext:
 def layer_context_from_config(cfg: MegacannConfig, device: Optional[Union[torch.device, str]] = None) -> LayerContext:
     """The context of a recipe on this process: ``distributed.sequence_parallel`` (off under tp 1, read from
     parallel_state), ``model.precision``, ``distributed.context_parallel_algo``, ``model.init_method_std``
-    and ``model.num_layers`` (scaled init), ``model.activation_checkpointing``; ``device`` as given (the
-    ``device`` a ``build_chunk`` receives)."""
+    and ``model.num_layers`` (scaled init), ``model.activation_checkpointing``,
+    ``distributed.tp_comm_overlap``; ``device`` as given (the ``device`` a ``build_chunk`` receives)."""
     model, parallel = cfg.model, cfg.distributed
     return LayerContext(
         sequence_parallel=parallel.sequence_parallel,
@@ -113,6 +116,7 @@ def layer_context_from_config(cfg: MegacannConfig, device: Optional[Union[torch.
         init_method_std=model.init_method_std,
         num_layers=model.num_layers,
         recompute=model.activation_checkpointing,
+        tp_comm_overlap=parallel.tp_comm_overlap,
     )
 
 

@@ -27,9 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megacann.layers import mappings
-from megacann.layers.context import resolve_sequence_parallel
+from megacann.layers.context import current_layer_context, resolve_sequence_parallel
 from megacann.layers.init import default_init_methods, init_zeros, make_parameter
 from megacann.layers.sharding import InitMethod, ParamSharding, unshard_tensors
+from megacann.layers.tp_overlap import overlapped_gather_linear
 
 LinearOutput = Union[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -110,6 +111,9 @@ class ColumnParallelLinear(torch.nn.Module):
                 (output_size,), init_zeros(), name=f"ColumnParallelLinear output_size {output_size}", **common
             )
         self.adapter: Optional[torch.nn.Module] = None
+        # distributed.tp_comm_overlap (the layer context's): the sequence all-gather overlaps this layer's
+        # matmul and the input gradient's reduce-scatter its weight gradient (megacann.layers.tp_overlap)
+        self.comm_overlap = current_layer_context().tp_comm_overlap and sequence_parallel and not replicated
 
     def extra_repr(self) -> str:
         return (
@@ -144,6 +148,10 @@ class ColumnParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> LinearOutput:
         """``x`` ``[..., input_size]`` (``[b, s/tp, input_size]`` under sequence parallelism) →
         ``[..., output_size/tp]`` (or ``[..., output_size]`` with ``gather_output``)."""
+        if self.comm_overlap and self.tp_size > 1 and self.adapter is None and not self.gather_output and x.dim() == 3:
+            bias = None if self.skip_bias_add else self.bias
+            y = overlapped_gather_linear(x, self.weight, bias, mappings.tp_group(self.group))
+            return (y, self.bias) if self.skip_bias_add else y
         return self.forward_prepared(self.prepare_input(x))
 
     def _blocks_in_order(self, y: torch.Tensor) -> torch.Tensor:

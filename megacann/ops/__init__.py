@@ -49,6 +49,7 @@ from megacann.ops import cpp as _cpp  # noqa: F401
 from megacann.ops import cuda as _cuda  # noqa: F401
 from megacann.ops import head_loss as _head_loss  # noqa: F401
 from megacann.ops import moe as _moe  # noqa: F401
+from megacann.ops import moe_gather as _moe_gather  # noqa: F401
 from megacann.ops import npu as _npu  # noqa: F401
 from megacann.ops import reference as _reference  # noqa: F401
 from megacann.ops import varlen as _varlen  # noqa: F401

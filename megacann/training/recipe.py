@@ -38,6 +38,7 @@ def prepare_recipe(
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{source}: {err}") from None
     check_compile(cfg, source)
+    check_tp_comm_overlap(cfg, source)
     spec = prepare_model_config(cfg, spec, source)
     check_finetune_config(cfg, spec, source)
     check_hf_save_config(cfg, spec, source)
@@ -56,8 +57,9 @@ def compile_backend(cfg: MegacannConfig) -> Optional[str]:
 
 
 def check_compile(cfg: MegacannConfig, source: str) -> None:
-    """``precision.compile``: false, true or a backend torch.compile knows; compiled blocks are proven equal
-    to eager ones at tensor, context and expert parallel size 1 only, so other layouts are refused."""
+    """``precision.compile``: false, true or a backend torch.compile knows. Every layout compiles: the
+    tensor-parallel collectives are traced into the block's graph, the ring's point-to-point transfers and
+    the expert dispatch graph-break (they run eagerly between compiled regions)."""
     value = cfg.precision.compile
     if value is False:
         return
@@ -73,15 +75,15 @@ def check_compile(cfg: MegacannConfig, source: str) -> None:
             raise ConfigError(
                 f"{source}: precision.compile: {value!r} is not a torch.compile backend{hint}; known: {', '.join(backends)}"
             )
+
+
+def check_tp_comm_overlap(cfg: MegacannConfig, source: str) -> None:
+    """``distributed.tp_comm_overlap`` overlaps the sequence-parallel all-gather / reduce-scatter of the
+    column-parallel layers: without sequence parallelism over more than one rank there is none to overlap."""
     d = cfg.distributed
-    sizes = {
-        "tensor_parallel_size": d.tensor_parallel_size,
-        "context_parallel_size": d.context_parallel_size,
-        "expert_parallel_size": d.expert_parallel_size,
-    }
-    over = [f"distributed.{key} {size}" for key, size in sizes.items() if size > 1]
-    if over:
+    if d.tp_comm_overlap and not d.sequence_parallel_active:
         raise ConfigError(
-            f"{source}: precision.compile is supported at tensor, context and expert parallel size 1 (the "
-            f"collectives inside those layers are not traced); got {', '.join(over)}: set precision.compile: false"
+            f"{source}: distributed.tp_comm_overlap needs distributed.sequence_parallel: true and "
+            f"distributed.tensor_parallel_size > 1 (got sequence_parallel {d.sequence_parallel}, "
+            f"tensor_parallel_size {d.tensor_parallel_size}): it overlaps their all-gather and reduce-scatter"
         )

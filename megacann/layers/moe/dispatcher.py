@@ -16,6 +16,16 @@ every token's expert outputs weighted by ``probs`` and summed. Steps:
 
 With ``ep == 1`` nothing is communicated. The exchange happens in the expert-parallel group; the
 all-to-alls are autograd functions whose backward is the opposite all-to-all.
+
+The token all-to-all of step 2 can overlap other work: :meth:`TokenDispatcher.start_dispatch` launches it
+asynchronously and :meth:`TokenDispatcher.finish_dispatch` waits for it, so what runs between the two
+(``MoELayer``: the shared experts) runs while the tokens travel. Backward overlaps alike: the gradients'
+all-to-all is launched when it is reached and waited for only when the tokens' gradient is needed, so
+autograd computes the nodes created in between (the shared experts' backward) meanwhile.
+
+The dispatcher's steps read counts on the host and produce data-dependent shapes, so under
+``torch.compile`` they run eagerly (``torch.compiler.disable``): the compiled graphs end before them and
+resume after.
 """
 
 from __future__ import annotations
@@ -50,6 +60,58 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
+class _Pending:
+    """An asynchronous all-to-all in flight: its work handle (forward), and backward's handle and output."""
+
+    work: Optional[dist.Work] = None
+    grad_work: Optional[dist.Work] = None
+    grad: Optional[torch.Tensor] = None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Launch ``all_to_all_single`` asynchronously; the output is filled once :class:`_AllToAllWait` has
+    run. Backward waits for the gradients' all-to-all that :class:`_AllToAllWait`'s backward launched and
+    returns what it brought."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group, pending):
+        ctx.pending = pending
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        pending.work = dist.all_to_all_single(
+            out, x.contiguous(), output_splits, input_splits, group=group, async_op=True
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, _grad):
+        pending = ctx.pending
+        pending.grad_work.wait()
+        grad, pending.grad_work, pending.grad = pending.grad, None, None
+        return grad, None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    """Wait for :class:`_AllToAllStart`'s all-to-all (identity on its output). Backward launches the
+    opposite all-to-all of the gradient asynchronously (for :class:`_AllToAllStart`'s backward to collect)."""
+
+    @staticmethod
+    def forward(ctx, out, output_splits, input_splits, group, pending):
+        ctx.splits, ctx.group, ctx.pending = (output_splits, input_splits), group, pending
+        pending.work.wait()
+        pending.work = None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        pending = ctx.pending
+        pending.grad = grad.new_empty((sum(input_splits),) + tuple(grad.shape[1:]))
+        pending.grad_work = dist.all_to_all_single(
+            pending.grad, grad.contiguous(), input_splits, output_splits, group=ctx.group, async_op=True
+        )
+        return grad, None, None, None, None
+
+
 def _reorder_chunks(x: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
     """Split ``x`` into consecutive chunks of ``sizes`` rows and concatenate them in ``order``."""
     chunks = x.split(sizes)
@@ -68,6 +130,17 @@ class DispatchState:
     recv_counts: Optional[list[list[int]]] = None  # [source rank][local expert]
 
 
+@dataclass
+class PendingDispatch:
+    """A dispatch started by :meth:`TokenDispatcher.start_dispatch`: ``tokens`` are the permuted rows (ep 1)
+    or the all-to-all's output, valid only after :meth:`TokenDispatcher.finish_dispatch`."""
+
+    tokens: torch.Tensor
+    tokens_per_expert: list[int]
+    state: DispatchState
+    pending: Optional[_Pending] = None
+
+
 class TokenDispatcher:
     """Moves token copies between this rank and the experts over ``group`` (default: the expert-parallel
     group of :mod:`megacann.parallel_state`); ``num_experts`` in all, ``num_experts / ep`` per rank."""
@@ -80,29 +153,47 @@ class TokenDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
 
-    def dispatch(
-        self, tokens: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, list[int], DispatchState]:
-        """``(expert_input [N, h], tokens_per_local_expert, state)``; ``expert_ids`` equal to
-        ``num_experts`` mark dropped assignments."""
+    @torch.compiler.disable
+    def start_dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor) -> PendingDispatch:
+        """Permute and (``ep > 1``) launch the tokens' all-to-all; :meth:`finish_dispatch` completes it.
+        ``expert_ids`` equal to ``num_experts`` mark dropped assignments."""
         permuted, row_id_map = ops.moe_permute(tokens, expert_ids)
         counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts + 1)
         num_kept = permuted.shape[0] - int(counts[self.num_experts])
         kept = permuted[:num_kept] if num_kept < permuted.shape[0] else permuted
         state = DispatchState(row_id_map, probs, num_kept)
         if self.ep_size == 1:
-            return kept, counts[: self.num_experts].tolist(), state
+            return PendingDispatch(kept, counts[: self.num_experts].tolist(), state)
         send = counts[: self.num_experts].view(self.ep_size, self.num_local_experts)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         state.send_splits, state.recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         state.recv_counts = recv.tolist()
-        received = _AllToAll.apply(kept, state.recv_splits, state.send_splits, self.group)
+        pending = _Pending()
+        in_flight = _AllToAllStart.apply(kept, state.recv_splits, state.send_splits, self.group, pending)
+        return PendingDispatch(in_flight, recv.sum(0).tolist(), state, pending)
+
+    @torch.compiler.disable
+    def finish_dispatch(self, started: PendingDispatch) -> tuple[torch.Tensor, list[int], DispatchState]:
+        """Wait for the tokens of :meth:`start_dispatch`: ``(expert_input [N, h], tokens_per_local_expert,
+        state)``, the rows grouped by local expert."""
+        received, state = started.tokens, started.state
+        if started.pending is None:
+            return received, started.tokens_per_expert, state
+        received = _AllToAllWait.apply(received, state.recv_splits, state.send_splits, self.group, started.pending)
         if self.num_local_experts > 1:  # (source, expert) -> (expert, source)
             order = [s * self.num_local_experts + e for e in range(self.num_local_experts) for s in range(self.ep_size)]
-            received = _reorder_chunks(received, recv.reshape(-1).tolist(), order)
-        return received, recv.sum(0).tolist(), state
+            sizes = [n for row in state.recv_counts for n in row]
+            received = _reorder_chunks(received, sizes, order)
+        return received, started.tokens_per_expert, state
 
+    def dispatch(
+        self, tokens: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int], DispatchState]:
+        """:meth:`start_dispatch` then :meth:`finish_dispatch`, with nothing in between."""
+        return self.finish_dispatch(self.start_dispatch(tokens, probs, expert_ids))
+
+    @torch.compiler.disable
     def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Return the expert outputs to their tokens' ranks and sum each token's, weighted: ``[T, h]``."""
         out = expert_output

@@ -171,6 +171,7 @@ class GroupedExperts(torch.nn.ModuleDict):
         """Global indices of the experts this rank holds."""
         return range(self.first_expert, self.first_expert + len(self))
 
+    @torch.compiler.disable  # group sizes are host integers that change every step: eager under torch.compile
     def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
         experts = list(self.values())
         projections = [e.gate_up_proj for e in experts]

@@ -57,6 +57,14 @@ class MoEStats:
         return sum(self.aux_losses.values())
 
 
+@torch.compiler.disable  # reads a count on the host: eager under torch.compile
+def _drop_over_capacity(scores: torch.Tensor, ids: torch.Tensor, c: MoEConfig) -> tuple[torch.Tensor, int]:
+    """``ids`` with the assignments over each expert's capacity set to ``num_experts``, and their number."""
+    capacity = expert_capacity(ids.shape[0], c.top_k, c.num_experts, c.capacity_factor)
+    keep = capacity_mask(scores, ids, c.num_experts, capacity)
+    return ids.masked_fill(~keep, c.num_experts), int((~keep).sum())
+
+
 def _with_context(config: MoEConfig) -> MoEConfig:
     """``config`` with the settings it leaves None taken from the current layer context."""
     return with_context_defaults(config)
@@ -147,18 +155,18 @@ class MoELayer(torch.nn.Module):
         tokens, probs, ids = x.reshape(-1, h), probs.reshape(-1, c.top_k), ids.reshape(-1, c.top_k)
         dropped = 0
         if c.capacity_factor is not None:
-            capacity = expert_capacity(tokens.shape[0], c.top_k, c.num_experts, c.capacity_factor)
-            keep = capacity_mask(scores.reshape(-1, c.top_k), ids, c.num_experts, capacity)
-            dropped = int((~keep).sum())
-            ids = ids.masked_fill(~keep, c.num_experts)
-        expert_input, tokens_per_expert, state = self.dispatcher.dispatch(tokens, probs, ids)
+            ids, dropped = _drop_over_capacity(scores.reshape(-1, c.top_k), ids, c)
+        started = self.dispatcher.start_dispatch(tokens, probs, ids)
+        # the shared experts run while the tokens' all-to-all (expert parallelism) is in flight
+        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
+        expert_input, tokens_per_expert, state = self.dispatcher.finish_dispatch(started)
         out = self.dispatcher.combine(self.experts(expert_input, tokens_per_expert), state).view(x.shape)
         if self.gather_tokens:
             out = mappings.reduce_scatter_to_sequence_parallel_region(out, self.group)
         if split_here:
             out = mappings.gather_from_sequence_parallel_region(out, self.group, tensor_parallel_output_grad=False)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
+        if shared is not None:
+            out = out + shared
         if not is_recomputing():
             self.last_stats = MoEStats(routing.aux_losses, routing.tokens_per_expert, dropped)
         return out

@@ -1,0 +1,79 @@
+"""A sequence-parallel column-parallel projection whose collectives overlap its own matmuls
+(``distributed.tp_comm_overlap``).
+
+Without it, ``ColumnParallelLinear`` under sequence parallelism all-gathers the sequence, waits, then
+multiplies; backward computes the input's and the weight's gradients and only then reduce-scatters the
+input's. Here, in one autograd function:
+
+- forward: the all-gather of the sequence shards is launched asynchronously, this rank's own rows are
+  multiplied while the other ranks' shards travel, then the rest;
+- backward: the input's gradient is computed first and its reduce-scatter launched asynchronously, the
+  weight's gradient is computed while it runs, then the reduce-scatter is waited for.
+
+The gathered input is kept rank-major (``[tp, b, s/tp, h]``: rank ``r``'s shard at ``[r]``), which is both
+what a flat all-gather produces and what a flat reduce-scatter consumes, so neither direction copies
+it; the output is reordered to ``[b, s, out]`` (a view when ``b == 1``). Results equal the plain path's
+(the same products, the weight gradient summed over the same rows). Collectives that a backend runs
+synchronously (a gloo without flat collectives) simply do not overlap.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann.collectives import all_gather_flat, reduce_scatter_flat
+
+
+class _OverlappedGatherLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        x = x.contiguous()
+        b, s_local, h = x.shape
+        gathered = x.new_empty((world, b, s_local, h))
+        work = all_gather_flat(gathered.view(-1), x.view(-1), group, async_op=True)
+        out_features = weight.shape[0]
+        y = x.new_empty((world, b * s_local, out_features))
+        torch.mm(x.view(-1, h), weight.t(), out=y[rank])  # this rank's rows while the others' travel
+        if work is not None:
+            work.wait()
+        for r in range(world):
+            if r != rank:
+                torch.mm(gathered[r].view(-1, h), weight.t(), out=y[r])
+        if bias is not None:
+            y += bias
+        ctx.save_for_backward(gathered, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        # [tp, b, s/tp, out] -> [b, tp, s/tp, out] -> [b, s, out]
+        return y.view(world, b, s_local, out_features).movedim(0, 1).reshape(b, world * s_local, out_features)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered, weight = ctx.saved_tensors
+        world, b, s_local, h = gathered.shape
+        out_features = weight.shape[0]
+        grad_rm = grad.reshape(b, world, s_local, out_features).movedim(1, 0).contiguous().view(-1, out_features)
+        grad_x = None
+        work = None
+        if ctx.needs_input_grad[0]:
+            staged = torch.mm(grad_rm, weight)  # [tp * b * s/tp, h]: rank-major, as reduce-scatter wants it
+            grad_x = staged.new_empty((b, s_local, h))
+            work = reduce_scatter_flat(grad_x.view(-1), staged.view(-1), ctx.group, async_op=True)
+        grad_w = grad_rm.t().mm(gathered.view(-1, h)) if ctx.needs_input_grad[1] else None  # while it runs
+        grad_b = grad_rm.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, grad_b, None
+
+
+@torch.compiler.disable  # waits on work handles: runs eagerly under torch.compile (a graph break)
+def overlapped_gather_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """``F.linear(all_gather_sequence(x), weight, bias)`` for ``x`` ``[b, s/tp, h]`` with the all-gather
+    overlapping this rank's rows' product, and in backward the input gradient's reduce-scatter
+    overlapping the weight gradient's matmul. Returns ``[b, s, out]``."""
+    return _OverlappedGatherLinear.apply(x, weight, bias, group)

@@ -1,0 +1,65 @@
+"""The experts' grouped matmul without concatenation (implementation ``gather``; the CPU and CUDA default
+below the vendors' grouped kernels): each group's ``torch.mm`` writes into its rows of one output
+(``out=``), forward and for the input's gradient, and each weight's gradient is one ``mm``.
+
+The reference runs one ``F.linear`` per group and ``torch.cat``-s their outputs, which copies every
+projection's output once forward and its gradient once backward (``cat`` took 4 % of the CPU time of
+``benchmarks/moe_dispatch.py`` in a profile; the matmuls 80 %). Results equal the reference's (the same
+products). Permuting and unpermuting stay the reference's: backward by gathers instead of
+``index_add_`` was measured slower on CPU (docs/moe.md, "Speed").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megacann.ops.registry import register
+
+_DEVICES = ("cpu", "cuda")
+_PRIORITY = 5  # above the reference (0), below the vendors' grouped kernels (10, 20)
+
+
+def _bounds(group_sizes: list[int]) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for size in group_sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group_sizes, *weights):
+        bounds = _bounds(group_sizes)
+        out = x.new_empty((x.shape[0], weights[0].shape[0]))
+        for (start, end), w in zip(bounds, weights):
+            if end > start:
+                torch.mm(x[start:end], w.t(), out=out[start:end])
+        ctx.save_for_backward(x, *weights)
+        ctx.bounds = bounds
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        grad_ws = []
+        for i, ((start, end), w) in enumerate(zip(ctx.bounds, weights)):
+            rows = grad[start:end]
+            if grad_x is not None and end > start:
+                torch.mm(rows, w, out=grad_x[start:end])
+            if ctx.needs_input_grad[2 + i]:
+                grad_ws.append(rows.t().mm(x[start:end]) if end > start else torch.zeros_like(w))
+            else:
+                grad_ws.append(None)
+        return (grad_x, None, *grad_ws)
+
+
+@register("grouped_matmul", "gather", priority=_PRIORITY, device_types=_DEVICES)
+def _grouped_matmul_gather(x: torch.Tensor, weights: list[torch.Tensor], group_sizes: list[int]) -> torch.Tensor:
+    if x.dim() != 2 or any(w.dim() != 2 or w.dtype != x.dtype for w in weights):
+        from megacann.ops.moe import _grouped_matmul_reference
+
+        return _grouped_matmul_reference(x, weights, group_sizes)
+    return _GroupedMatmul.apply(x.contiguous(), list(group_sizes), *weights)
