@@ -36,6 +36,9 @@ _forget_npu_checks = forget_npu_checks
 
 @pytest.fixture
 def fake_npu(monkeypatch):
+    # every op fused, none upcast to fp32: a trainer built in-process earlier (setup_runtime) may have left
+    # precision.fp32_ops configured, which would hand the kernel an fp32 copy of the input
+    registry.configure()
     npu = make_fake_torch_npu()
     monkeypatch.setitem(sys.modules, "torch_npu", npu)
     _forget_npu_checks()

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megacann.collectives import all_gather_flat, reduce_scatter_flat
+from megacann.layers.eager_regions import eager_under_compile
 
 
 class _OverlappedGatherLinear(torch.autograd.Function):
@@ -69,7 +70,7 @@ class _OverlappedGatherLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-@torch.compiler.disable  # waits on work handles: runs eagerly under torch.compile (a graph break)
+@eager_under_compile  # waits on work handles: runs eagerly under torch.compile (a graph break)
 def overlapped_gather_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup
 ) -> torch.Tensor:

@@ -31,6 +31,7 @@ from megacann.layers.context import (
     with_context_defaults,
 )
 from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_position_ids
+from megacann.layers.eager_regions import arm_eager_regions
 from megacann.layers.init import init_normal
 from megacann.layers.mlp import GeluMLP, SwiGLUMLP
 from megacann.layers.norm import LayerNorm, RMSNorm
@@ -221,6 +222,7 @@ class TransformerBlock(torch.nn.Module):
         SwiGLU and residual adds fused into generated kernels). The activation-checkpoint wrapper of
         ``recompute="full"`` stays outside the compiled region: backward recomputes the compiled forward.
         See :func:`megacann.layers.compile_blocks`."""
+        arm_eager_regions()  # the MoE dispatch and overlapped collectives stay eager (graph breaks)
         self._forward = torch.compile(type(self)._forward.__get__(self), **compile_kwargs)
 
     def _forward(

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megacann import ops
 from megacann import parallel_state as ps
+from megacann.layers.eager_regions import eager_under_compile
 
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
@@ -153,7 +154,7 @@ class TokenDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
 
-    @torch.compiler.disable
+    @eager_under_compile
     def start_dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor) -> PendingDispatch:
         """Permute and (``ep > 1``) launch the tokens' all-to-all; :meth:`finish_dispatch` completes it.
         ``expert_ids`` equal to ``num_experts`` mark dropped assignments."""
@@ -173,7 +174,7 @@ class TokenDispatcher:
         in_flight = _AllToAllStart.apply(kept, state.recv_splits, state.send_splits, self.group, pending)
         return PendingDispatch(in_flight, recv.sum(0).tolist(), state, pending)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def finish_dispatch(self, started: PendingDispatch) -> tuple[torch.Tensor, list[int], DispatchState]:
         """Wait for the tokens of :meth:`start_dispatch`: ``(expert_input [N, h], tokens_per_local_expert,
         state)``, the rows grouped by local expert."""
@@ -193,7 +194,7 @@ class TokenDispatcher:
         """:meth:`start_dispatch` then :meth:`finish_dispatch`, with nothing in between."""
         return self.finish_dispatch(self.start_dispatch(tokens, probs, expert_ids))
 
-    @torch.compiler.disable
+    @eager_under_compile
     def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Return the expert outputs to their tokens' ranks and sum each token's, weighted: ``[T, h]``."""
         out = expert_output

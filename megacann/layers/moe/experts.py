@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from megacann import ops
 from megacann.layers import mappings
+from megacann.layers.eager_regions import eager_under_compile
 from megacann.layers.init import make_parameter
 from megacann.layers.linear import add_adapter_output
 from megacann.layers.lora.adapter import AdapterLayout
@@ -171,7 +172,7 @@ class GroupedExperts(torch.nn.ModuleDict):
         """Global indices of the experts this rank holds."""
         return range(self.first_expert, self.first_expert + len(self))
 
-    @torch.compiler.disable  # group sizes are host integers that change every step: eager under torch.compile
+    @eager_under_compile  # group sizes are host integers that change every step: eager under torch.compile
     def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
         experts = list(self.values())
         projections = [e.gate_up_proj for e in experts]

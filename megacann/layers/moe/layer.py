@@ -27,6 +27,7 @@ from megacann import parallel_state as ps
 from megacann.collectives import all_reduce_if_parallel
 from megacann.layers import mappings
 from megacann.layers.context import with_context_defaults
+from megacann.layers.eager_regions import eager_under_compile
 from megacann.layers.init import init_normal
 from megacann.layers.mlp import SwiGLUMLP
 from megacann.layers.moe.config import MoEConfig
@@ -57,7 +58,7 @@ class MoEStats:
         return sum(self.aux_losses.values())
 
 
-@torch.compiler.disable  # reads a count on the host: eager under torch.compile
+@eager_under_compile  # reads a count on the host: eager under torch.compile
 def _drop_over_capacity(scores: torch.Tensor, ids: torch.Tensor, c: MoEConfig) -> tuple[torch.Tensor, int]:
     """``ids`` with the assignments over each expert's capacity set to ``num_experts``, and their number."""
     capacity = expert_capacity(ids.shape[0], c.top_k, c.num_experts, c.capacity_factor)
