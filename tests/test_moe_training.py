@@ -16,18 +16,12 @@ from __future__ import annotations
 import pytest
 from dist_harness import run_on_ranks
 from test_training_parity import assert_close_trace, assert_params_close
+from tiny_recipes import TINY_MOE
 
 STEPS, SAVE_AT = 4, 2
 MOE = [
-    "model.type=moe",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.ffn_hidden_size=64",
-    "model.num_experts=4",
-    "model.moe_top_k=2",
-    "model.moe_ffn_hidden_size=32",
+    *TINY_MOE,
     "model.moe_shared_experts=1",
-    "model.moe_aux_loss_coeff=1e-2",
     "model.moe_z_loss_coeff=1e-3",
     "model.moe_bias_update_rate=1e-2",
     "data.seq_length=16",

@@ -6,18 +6,12 @@ first chunk (embedding, no input) and a last chunk (head and loss, hidden states
 
 import pytest
 from dist_harness import run_on_ranks
+from tiny_recipes import TINY_MOE
 
 TP2 = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
 MOE = [
-    "model.type=moe",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.ffn_hidden_size=64",
-    "model.num_experts=4",
-    "model.moe_top_k=2",
-    "model.moe_ffn_hidden_size=32",
+    *TINY_MOE,
     "model.moe_shared_experts=1",
-    "model.moe_aux_loss_coeff=1e-2",
     "data.seq_length=16",
 ]
 VARIANTS = {

@@ -11,6 +11,7 @@ import pytest
 import torch
 from dist_harness import run_on_ranks
 from test_training_parity import assert_close_trace, assert_params_close
+from tiny_recipes import TINY_MOE
 
 STEPS = 4
 COMMON = ["optim.clip_grad=0.5", "optim.lr=1e-3"]
@@ -19,14 +20,7 @@ ZB = "distributed.pipeline_schedule=zb1p"
 M2, M4 = "optim.grad_accum_steps=2", "optim.grad_accum_steps=4"
 TIED = "model.tie_word_embeddings=true"
 MOE = [
-    "model.type=moe",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.ffn_hidden_size=64",
-    "model.num_experts=4",
-    "model.moe_top_k=2",
-    "model.moe_ffn_hidden_size=32",
-    "model.moe_aux_loss_coeff=1e-2",
+    *TINY_MOE,
     "data.seq_length=16",
 ]
 LORA = ["lora=true", "lora_rank=4", "lora_alpha=8.0", "lora_target_modules=all-linear"]

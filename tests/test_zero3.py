@@ -14,6 +14,7 @@ import pytest
 import torch
 from dist_harness import run_on_ranks
 from test_training_parity import assert_close_trace, assert_params_close
+from tiny_recipes import TINY_MOE
 from zero3_checks import (
     CP2,
     HYBRID2,
@@ -191,15 +192,8 @@ def test_checkpoints_stay_layout_free(world4):
 
 
 MOE = [
-    "model.type=moe",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.ffn_hidden_size=64",
-    "model.num_experts=4",
-    "model.moe_top_k=2",
-    "model.moe_ffn_hidden_size=32",
+    *TINY_MOE,
     "model.moe_shared_experts=1",
-    "model.moe_aux_loss_coeff=1e-2",
     "distributed.expert_parallel_size=2",
 ]
 RUNS_MOE = {"moe_ep2": MOE + accum(4), "moe_ep2_zero3": MOE + Z3 + PREFETCH + accum(4)}
