@@ -101,7 +101,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megacann-plan",
         description="Per-device memory and pipeline bubble of a recipe's layout, and the layouts that fit a "
-        "world size and a device memory (estimates; formulas in megacann/planning/formulas.py).",
+        "world size and a device memory (estimates; formulas in megacann/planning/formulas.py and activations.py).",
     )
     parser.add_argument("--config", required=True, help="path to the YAML recipe")
     parser.add_argument("--world_size", type=int, help="devices to plan for (default: the recipe's world size)")

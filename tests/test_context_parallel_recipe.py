@@ -12,8 +12,9 @@ from megacann.config.schema import CHOICES
 from megacann.dry_run import describe
 from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_batch, context_parallel_split
 from megacann.pipeline import activation_shape
+from megacann.planning.activations import layer_activation_bytes
 from megacann.planning.estimate import estimate_stages
-from megacann.planning.formulas import layer_activation_bytes, layout_of
+from megacann.planning.formulas import layout_of
 from megacann.planning.search import candidate_layouts, rank_layouts
 
 CP2 = "distributed.context_parallel_size=2"

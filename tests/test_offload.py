@@ -61,7 +61,7 @@ def _train(runs: dict[str, list[str]], ckpt_root: str) -> dict:
 
     from megacann.optimizer.memory import optimizer_memory
     from megacann.planning import estimate_stages, layout_of
-    from megacann.planning.formulas import layer_activation_bytes
+    from megacann.planning.activations import layer_activation_bytes
 
     warnings.simplefilter("ignore")
     out = {}

@@ -12,8 +12,8 @@ from dist_harness import run_on_ranks
 from megacann.config import load_config
 from megacann.pipeline.plan import build_plan
 from megacann.planning import estimate_stages, layout_of, rank_layouts, unsharded_bytes
+from megacann.planning.activations import layer_activation_bytes
 from megacann.planning.estimate import replay_in_flight
-from megacann.planning.formulas import layer_activation_bytes
 from megacann.training.recipe import prepare_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

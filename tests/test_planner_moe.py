@@ -119,3 +119,21 @@ def test_the_layout_search_keeps_expert_parallelism_valid():
     eps = {r.layout.ep for r in ranked}
     assert eps == {1, 2}  # 6 experts: ep 4 and 8 are left out
     assert all(r.layout.dp % r.layout.ep == 0 for r in ranked)
+
+
+def test_the_moe_structure_follows_changes_to_the_config():
+    """The planner keeps the last config's MoE structure: a changed field, also a list changed in place, must
+    be seen at the next call."""
+    from training_helpers import tiny_config
+
+    from megacann.planning.formulas import moe_structure
+
+    m = tiny_config([*MOE_MODEL]).model
+    assert moe_structure(m).moe_layers == (True, False, True, False)
+    assert moe_structure(m) is moe_structure(m)
+    m.moe_layer_freq = [0, 1, 1, 0]
+    assert moe_structure(m).moe_layers == (False, True, True, False)
+    m.moe_layer_freq[0] = 1
+    assert moe_structure(m).moe_layers == (True, True, True, False)
+    m.num_experts = 8
+    assert moe_structure(m).num_experts == 8

@@ -15,15 +15,13 @@ from megacann.models import get_model_spec
 from megacann.models.mtp import mtp_depths
 from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
 from megacann.pipeline.plan import Backward, Forward, build_plan
+from megacann.planning.activations import chunk_extra_terms, layer_activation_bytes, pipeline_buffer_bytes
 from megacann.planning.formulas import (
     Layout,
-    chunk_extra_terms,
     chunk_parameters_per_rank,
     is_moe_layer,
-    layer_activation_bytes,
     layer_parameters_per_rank,
     padded_vocab,
-    pipeline_buffer_bytes,
     query_width,
 )
 from megacann.planning.placement import placed_static_bytes

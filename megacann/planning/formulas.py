@@ -26,52 +26,12 @@ replicated, k/v projections replicated when there are fewer kv heads than TP ran
 router, shared and routed experts as :mod:`megacann.planning.moe` says; the first pipeline stage holds
 the embedding, the last the final norm and the output layer (a copy of the embedding when tied and pp > 1).
 
-**Activations** (bytes autograd saves for backward, per micro-batch of b sequences of s tokens; a = bytes
-of the weights' dtype; t = TP size; h hidden, f ffn, k = kv heads x head dim, n = attention heads):
-per transformer layer, per token (q = n x head_dim, = h when heads are h / n wide),
-
-- LLaMA: a * [4h + 2 + (2q + 2k + 4f)/t] + 4n/t: two RMSNorms save their normalised input and 1/rms
-  (h + 1 each), the q/k/v and gate/up projections save their input (h each), attention saves q, k, v
-  after rotary and its output (2q/t + 2k/t) plus a float32 log-sum-exp per head (4n/t), the SwiGLU saves
-  the gate|up output (2f/t) and silu(gate) (f/t), the down projection its input (f/t);
-- GPT: a * [4h + 4 + (2q + 2k + 2f)/t] + 4n/t: LayerNorms save their input, mean and 1/std, the GELU MLP
-  its input and output (2f/t);
-- an MoE layer: the norms and attention as above, its feed-forward block as :mod:`megacann.planning.moe`
-  says (router, routed token copies, shared experts) instead of the MLP's.
-
-Not counted: the tensors the per-head q/k norms (Qwen3) save. Latent attention (DeepSeek-V3) replaces the q, k, v
-terms by those of :mod:`megacann.planning.mla`.
-
-Sequence parallelism divides only the norms' part by t: the column-parallel projections save the input
-gathered over the sequence (the whole s). ``selective`` recompute drops the log-sum-exp (the attention
-core is recomputed; with flash-style attention it holds nothing else); ``full`` keeps only each layer's
-input (h, or h/t with sequence parallelism) and recomputes one layer at a time in backward (one layer's
-full activations at the peak). Also saved: token ids (8 per token on the first stage, 9 under TP: the
-shard's ids and a mask of the others), the rotary tables of each model chunk (2 x head_dim x a per token),
-the last stage's final norm and output-layer input and the vocabulary-parallel loss's float32
-exponentials (4 x padded vocab / t + 18 per token), or with the fused head loss (``precision.fused_ops``)
-only the targets and a log-sum-exp (12 per token).
-
-The layer terms are those of the PyTorch reference operators with ``precision.fp32_ops: []``. Other kernels
-save other tensors: on CPU (tiny LLaMA, 4 layers), megacann's C++ kernels saved 13% less than these formulas in fp32, and in bf16
-the default ``fp32_ops: [rms_norm]`` (fp32 copies for the norms) 14% more (tests/test_planner.py measures
-the reference exactly; the figures above come from the same measurement with the defaults).
-The pipeline executor keeps each in-flight micro-batch's received input and its output (h x a per token
-each, s/t tokens with sequence parallelism) until its backward.
-
-Context parallelism divides every per-token count by cp: a rank holds s/cp tokens of every sequence
-through the whole model, and ring / all-gather attention save the same q, k, v, output and log-sum-exp for
-the rank's own tokens; Ulysses also keeps the attention output from before its all-to-all back (h/t
-per token), replicated kv heads when there are fewer than cp, and two position indices. ZeRO shards over the
-data-parallel x context-parallel group (dp x cp ranks), the group gradients are summed over. Not counted:
-the attention's transient buffers under cp (fp32 block copies and a score tile; all-gather: the whole
-sequence's keys and values during the layer). Not counted either: attention masks of packed
-documents (``reset_attention_mask`` materialises s x s scores), dropout masks, temporary buffers of a
-single op, communication buffers, the allocator's fragmentation and the device runtime itself.
+Activations: :mod:`megacann.planning.activations`.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -85,7 +45,7 @@ from megacann.models import DecoderArch, get_model_spec
 from megacann.models.sizing import attention_head_dim
 from megacann.models.spec import MoEStructure
 from megacann.planning import mla
-from megacann.planning.moe import moe_activation_terms, moe_parameters_per_rank
+from megacann.planning.moe import moe_parameters_per_rank
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in PRECISION_DTYPES.items()}
 GRAD_BYTES = 4  # fp32 gradient buffers
@@ -176,18 +136,6 @@ def _local_kv(m: ModelConfig, tp: int) -> int:
     return kv // tp if m.kv_heads % tp == 0 else kv
 
 
-def _kv_read(m: ModelConfig, tp: int) -> int:
-    """Rows of k (and of v) one TP rank computes: its share, or with replicated k/v projections the kv heads
-    its query heads read."""
-    from megacann.layers.attention import kv_heads_for_rank
-
-    head_dim = attention_head_dim(m)
-    if m.kv_heads % tp == 0:
-        return m.kv_heads * head_dim // tp
-    first, end = kv_heads_for_rank(m.num_attention_heads, m.kv_heads, tp, 0)
-    return (end - first) * head_dim
-
-
 def architecture(m: ModelConfig) -> DecoderArch:
     """The decoder architecture of the recipe's model family (the formulas below are a decoder's)."""
     arch = get_model_spec(m.type).architecture
@@ -200,9 +148,22 @@ def architecture(m: ModelConfig) -> DecoderArch:
 
 
 def moe_structure(m: ModelConfig) -> Optional[MoEStructure]:
-    """The MoE layers of the recipe's family (its ``ModelSpec.moe_structure``), None for a dense family."""
+    """The MoE layers of the recipe's family (its ``ModelSpec.moe_structure``), None for a dense family.
+
+    The planner asks this once per layer of every stage of every layout it tries (about a million times
+    for a 64-rank search); the answer for the last config asked is kept while none of its fields changed."""
+    fields = vars(m)
+    last = _LAST_MOE_STRUCTURE.get("entry")
+    if last is not None and last[0] is m and last[1] == fields:
+        return last[2]
     describe = get_model_spec(m.type).moe_structure
-    return describe(m) if describe is not None else None
+    structure = describe(m) if describe is not None else None
+    snapshot = {k: copy.copy(v) if isinstance(v, (list, dict)) else v for k, v in fields.items()}
+    _LAST_MOE_STRUCTURE["entry"] = (m, snapshot, structure)
+    return structure
+
+
+_LAST_MOE_STRUCTURE: dict[str, tuple] = {}
 
 
 def is_moe_layer(m: ModelConfig, layer_id: int) -> bool:
@@ -256,7 +217,13 @@ def chunk_parameters_per_rank(
     chunk of the model) and the final norm and output layer (last chunk)."""
     m = cfg.model
     h, vocab = m.hidden_size, padded_vocab(cfg, tp) // tp
-    per_layer = [layer_parameters_per_rank(m, tp, i, ep) for i in layer_ids]
+    by_kind: dict[bool, tuple[int, int]] = {}  # a layer's count depends only on whether it is an MoE layer
+    per_layer = []
+    for i in layer_ids:
+        kind = is_moe_layer(m, i)
+        if kind not in by_kind:
+            by_kind[kind] = layer_parameters_per_rank(m, tp, i, ep)
+        per_layer.append(by_kind[kind])
     experts = sum(e for _, e in per_layer)
     total = sum(d for d, _ in per_layer) + experts
     arch = architecture(m)
@@ -306,113 +273,3 @@ def unsharded_bytes(cfg: MegacannConfig, params: int) -> dict[str, float]:
         "optimizer": optimizer_bytes_per_param(cfg) * params,
         "paper_total": PAPER_BYTES * params,
     }
-
-
-# -- activations --------------------------------------------------------------------------------------
-
-
-def tokens_per_rank(cfg: MegacannConfig, layout: Layout) -> float:
-    """Tokens of one micro-batch a rank's layers hold: b x s, divided by cp under context parallelism."""
-    return layout.micro_batch * cfg.data.seq_length / layout.cp
-
-
-def layer_activation_terms(cfg: MegacannConfig, layout: Layout, moe_layer: bool = False) -> dict[str, float]:
-    """Bytes one transformer layer (``moe_layer``: an MoE layer) saves for one micro-batch, by what saves
-    them (recompute: none)."""
-    m = cfg.model
-    a, t = DTYPE_BYTES[m.precision], layout.tp
-    h, f, kv, q = m.hidden_size, m.ffn_size, _kv_read(m, t), query_width(m)
-    tokens = tokens_per_rank(cfg, layout)
-    norm_share = t if layout.sequence_parallel else 1
-    arch = architecture(m)
-    stats = 2 if arch.normalization == "layernorm" else 1  # LayerNorm: mean and 1/std; RMSNorm: 1/rms
-    mlp = (4 if arch.mlp_matrices == 3 else 2) * f // t  # gate and up (and their product), or up
-    terms = {
-        "norms": tokens * a * 2 * (h + stats) / norm_share,
-        "projection inputs": tokens * a * 2 * h,
-        "attention q k v out": tokens * a * (2 * q // t + 2 * kv),
-        "attention log-sum-exp": tokens * 4 * (m.num_attention_heads // t),
-        "mlp": tokens * a * mlp,
-    }
-    if arch.latent_attention:
-        del terms["attention q k v out"]
-        terms.update(mla.latent_attention_activation_terms(m, tokens, a, t))
-    if moe_layer:  # the router reads the MLP's input: its own term counts it
-        terms["projection inputs"] = tokens * a * h
-        del terms["mlp"]
-        terms.update(moe_activation_terms(tokens, a, h, t, moe_structure(m)))
-    if layout.cp > 1 and cfg.distributed.context_parallel_algo == "ulysses":
-        terms[ULYSSES_TERM] = ulysses_extra_bytes(cfg, layout, tokens)
-    return terms
-
-
-ULYSSES_TERM = "attention: Ulysses' head-sharded copies"
-
-
-def ulysses_extra_bytes(cfg: MegacannConfig, layout: Layout, tokens: float) -> float:
-    """What Ulysses saves beyond ring attention: the attention output both before and after the all-to-all
-    back (h/t per token more), replicated kv heads when there are fewer than cp, and the two int64
-    position indices of the whole sequence that reorder the exchanged tokens."""
-    from megacann.layers.context_parallel import ulysses_kv_repeat
-
-    m, t = cfg.model, layout.tp
-    a, kv, head_dim = DTYPE_BYTES[m.precision], _kv_read(m, t), attention_head_dim(m)
-    repeat = ulysses_kv_repeat(m.num_attention_heads // t, kv // head_dim, layout.cp)
-    return tokens * a * (query_width(m) // t + 2 * kv * (repeat - 1)) + 2 * 8 * cfg.data.seq_length
-
-
-def layer_activation_bytes(
-    cfg: MegacannConfig, layout: Layout, recompute: str = "none", moe_layer: bool = False
-) -> float:
-    """Bytes one layer (``moe_layer``: an MoE layer) keeps between its forward and backward for one
-    micro-batch."""
-    terms = layer_activation_terms(cfg, layout, moe_layer)
-    if recompute == "full":
-        tokens = tokens_per_rank(cfg, layout)
-        return (
-            tokens
-            * DTYPE_BYTES[cfg.model.precision]
-            * cfg.model.hidden_size
-            / (layout.tp if layout.sequence_parallel else 1)
-        )
-    if recompute == "selective":  # the core attention (and Ulysses' exchanges) rerun in backward
-        terms = {k: v for k, v in terms.items() if k not in ("attention log-sum-exp", ULYSSES_TERM)}
-    return sum(terms.values())
-
-
-def chunk_extra_terms(
-    cfg: MegacannConfig, layout: Layout, first: bool, last: bool, has_layers: bool
-) -> dict[str, float]:
-    """Bytes a model chunk saves besides its layers, for one micro-batch."""
-    m = cfg.model
-    a, t = DTYPE_BYTES[m.precision], layout.tp
-    tokens = tokens_per_rank(cfg, layout)
-    s = cfg.data.seq_length / layout.cp
-    terms: dict[str, float] = {}
-    arch = architecture(m)
-    learned = arch.position_embedding == "learned"
-    if first:
-        # int64 ids (this shard's, under TP, with a bool mask of the ids outside it), + learned positions' ids
-        # (one row 0..s-1 shared by the batch; under cp the split copy of every sample's share)
-        positions = (s if layout.cp == 1 else tokens) * 8
-        terms["token ids"] = tokens * (8 + (t > 1)) + (positions if learned else 0)
-    if has_layers and arch.position_embedding == "rope":
-        width = m.qk_rope_head_dim if arch.latent_attention else attention_head_dim(m)
-        terms["rotary tables"] = tokens * 2 * width * a
-    if last:
-        stats = 2 if arch.normalization == "layernorm" else 1
-        norm = tokens * a * (m.hidden_size + stats) / (t if layout.sequence_parallel else 1)
-        terms["final norm + output input"] = norm + tokens * a * m.hidden_size
-        if fused_head_loss(cfg):  # chunked: the targets (int64) and a float32 log-sum-exp per token
-            terms["loss (targets, log-sum-exp)"] = tokens * 12
-        else:
-            terms["loss (fp32 exponentials)"] = tokens * (4 * padded_vocab(cfg, t) // t + 18)
-    return terms
-
-
-def pipeline_buffer_bytes(cfg: MegacannConfig, layout: Layout, first: bool, last: bool) -> float:
-    """What the pipeline executor holds per in-flight micro-batch of a chunk: the received input (not on
-    the model's first chunk) and the output to back-propagate (not on the last)."""
-    tokens = tokens_per_rank(cfg, layout) / (layout.tp if layout.sequence_parallel else 1)
-    per = tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.model.precision]
-    return per * ((not first) + (not last))

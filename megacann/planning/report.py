@@ -6,11 +6,11 @@ from typing import Optional
 
 from megacann.config import MegacannConfig
 from megacann.models import get_model_spec
+from megacann.planning.activations import layer_activation_bytes
 from megacann.planning.estimate import StageEstimate, bubble_fraction, estimate_stages
 from megacann.planning.formulas import (
     DTYPE_BYTES,
     Layout,
-    layer_activation_bytes,
     layout_of,
     moe_structure,
     optimizer_bytes_per_param,
