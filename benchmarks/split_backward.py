@@ -37,11 +37,11 @@ def _measure(args: argparse.Namespace) -> dict:
     import torch
 
     from megacann.config import config_from_dict
-    from megacann.config.loading import prepare_recipe
     from megacann.models import ChunkPlacement
     from megacann.models.spec import get_model_spec
     from megacann.models.step_loss import backward_objective
     from megacann.pipeline.split_backward import backward_input, backward_weight, trainable_parameters
+    from megacann.training.recipe import prepare_recipe
     from megacann.training.runtime import setup_runtime
 
     torch.set_num_threads(args.threads)
