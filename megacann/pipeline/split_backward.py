@@ -57,6 +57,9 @@ def backward_input(
     wanted = {id(t) for t in inputs}
     params = [t for t in graph_leaves(outputs) if id(t) not in wanted]
     store = WeightGradStore()
+    setattr(outputs[0], _PENDING, store)
+    if not inputs and not params:
+        return ()
     with collecting(store):
         grads = torch.autograd.grad(
             list(outputs), [*inputs, *params], grad_outputs=list(grad_outputs), allow_unused=True
@@ -68,7 +71,6 @@ def backward_input(
     for param, grad in zip(params, param_grads):
         if grad is not None:
             store.add_grad(param, grad)
-    setattr(outputs[0], _PENDING, store)
     return tuple(input_grads)
 
 
