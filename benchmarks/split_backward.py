@@ -14,8 +14,9 @@ deferrable (what ``distributed.pipeline_schedule`` zb1p builds) and plain. On th
 - ``old B`` / ``old B+W``: the split megacann had before (B = ``autograd.grad`` on the input with the
   graph kept, W = ``autograd.backward`` into the parameters, re-running the backward down to the weights).
 
-Forwards are not timed. Each variant runs ``--repeat`` times in turns; the medians are printed with their
-ratio to ``fused``. Also checked: B+W gives the fused gradients (max abs difference printed).
+Forwards are not timed. Times are this process's CPU time (``time.process_time``; ``--threads`` 1 by
+default), which a machine shared with other jobs distorts less than wall time. Each variant runs
+``--repeat`` times in turns; the medians are printed with their ratio to ``fused``. Also checked: B+W gives the fused gradients (max abs difference printed).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _measure(args: argparse.Namespace) -> dict:
     from megacann.models import ChunkPlacement
     from megacann.models.spec import get_model_spec
     from megacann.models.step_loss import backward_objective
+    from megacann.ops.weight_grad import weight_grad_stats
     from megacann.pipeline.split_backward import backward_input, backward_weight, trainable_parameters
     from megacann.training.recipe import prepare_recipe
     from megacann.training.runtime import setup_runtime
@@ -88,27 +90,27 @@ def _measure(args: argparse.Namespace) -> dict:
     for _ in range(args.repeat + 1):  # the first round warms up
         clear(plain)
         x, outputs, gs = forward(plain)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         torch.autograd.backward(outputs, gs)
-        t_fused = time.perf_counter() - t0
+        t_fused = time.process_time() - t0
         grads["fused"] = [p.grad.clone() for p in plain.parameters()]
 
         clear(deferring)
         x, outputs, gs = forward(deferring)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         backward_input(outputs, gs, [x])
-        t1 = time.perf_counter()
+        t1 = time.process_time()
         backward_weight(outputs, gs, trainable_parameters(deferring))
-        t2 = time.perf_counter()
+        t2 = time.process_time()
         grads["split"] = [p.grad.clone() for p in deferring.parameters()]
 
         clear(plain)
         x, outputs, gs = forward(plain)
-        t3 = time.perf_counter()
+        t3 = time.process_time()
         torch.autograd.grad(outputs, [x], grad_outputs=gs, retain_graph=True)
-        t4 = time.perf_counter()
+        t4 = time.process_time()
         torch.autograd.backward(outputs, grad_tensors=gs, inputs=trainable_parameters(plain))
-        t5 = time.perf_counter()
+        t5 = time.process_time()
         for key, value in (
             ("fused", t_fused),
             ("B", t1 - t0),
@@ -119,8 +121,9 @@ def _measure(args: argparse.Namespace) -> dict:
         ):
             times[key].append(value)
     medians = {k: statistics.median(v[1:]) for k, v in times.items()}
+    closures = weight_grad_stats()["run"] // (args.repeat + 1)
     diff = max((a - b).abs().max().item() for a, b in zip(grads["fused"], grads["split"]))
-    return {"medians": medians, "max_abs_diff": diff}
+    return {"medians": medians, "max_abs_diff": diff, "closures": closures}
 
 
 def main() -> None:
@@ -143,6 +146,7 @@ def main() -> None:
     for key in ("fused", "B", "W", "B+W", "old B", "old B+W"):
         print(f"  {key:8s} {med[key] * 1e3:9.1f} ms  {med[key] / med['fused']:5.2f}x fused")
     print(f"  B+W vs fused gradients: max abs difference {result['max_abs_diff']:.3g}")
+    print(f"  weight-gradient closures W ran per backward: {result['closures']}")
 
 
 if __name__ == "__main__":
