@@ -153,8 +153,9 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, deferrable: bool = False
 ) -> torch.Tensor:
     """``F.linear``; with ``deferrable`` its weight gradient waits for W when the backward is split (the
-    bias gradient, small, comes with B). Plain ``F.linear`` when not deferrable or inside torch.compile."""
-    if not deferrable or torch.compiler.is_compiling():
+    bias gradient, small, comes with B). Plain ``F.linear`` when not deferrable, without autograd or inside
+    torch.compile."""
+    if not deferrable or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     return _DeferrableLinear.apply(x, weight, bias)
 
@@ -179,6 +180,6 @@ class _DeferrableEmbedding(torch.autograd.Function):
 def embedding(ids: torch.Tensor, weight: torch.Tensor, deferrable: bool = False) -> torch.Tensor:
     """``F.embedding`` (no padding index); with ``deferrable`` its weight gradient waits for W when the
     backward is split."""
-    if not deferrable or torch.compiler.is_compiling() or not weight.requires_grad:
+    if not deferrable or not torch.is_grad_enabled() or torch.compiler.is_compiling() or not weight.requires_grad:
         return F.embedding(ids, weight)
     return _DeferrableEmbedding.apply(ids, weight)
