@@ -43,7 +43,7 @@ class WeightGradStore:
 
     def defer(self, weights: Sequence[torch.Tensor], compute: Compute) -> None:
         """Run ``compute()`` in W; it returns the gradients of ``weights`` (same order, None for none)."""
-        self._closures.append((tuple(weights), compute))
+        self._closures.append((tuple(weights), _counted(compute)))
         _STATS["deferred"] += 1
 
     def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -61,19 +61,16 @@ class WeightGradStore:
     def run(self) -> None:
         """W: compute the deferred gradients and accumulate them all into their parameters (one engine call:
         each closure's gradients reach their parameters as soon as it has run)."""
-        roots: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        with torch.enable_grad():
-            for weights, compute in self._closures:
-                out = _RunDeferred.apply(compute, *weights)
-                roots.append(out)
-                grads.append(torch.empty_like(out))
-        for param, grad in self._grads:
-            roots.append(param)
-            grads.append(grad)
+        pending = list(self._closures)
+        if self._grads:
+            held = [g for _, g in self._grads]
+            pending.append((tuple(p for p, _ in self._grads), lambda: held))
         self._closures, self._grads = [], []
-        if roots:
-            torch.autograd.backward(roots, grads)
+        if not pending:
+            return
+        with torch.enable_grad():
+            roots = [_RunDeferred.apply(compute, *weights) for weights, compute in pending]
+        torch.autograd.backward(roots)  # scalar roots: no gradient tensors to check
 
 
 class _RunDeferred(torch.autograd.Function):
@@ -82,12 +79,11 @@ class _RunDeferred(torch.autograd.Function):
     @staticmethod
     def forward(ctx, compute, *weights):
         ctx.compute = compute
-        return weights[0].new_empty(0)
+        return weights[0].new_zeros(())
 
     @staticmethod
     def backward(ctx, _):
         compute, ctx.compute = ctx.compute, None  # free the saved tensors once used
-        _STATS["run"] += 1
         return (None, *compute())
 
 
@@ -123,6 +119,14 @@ def defer_or_compute(weights: Sequence[torch.Tensor], compute: Compute) -> tuple
 
 
 # -- linear and embedding with a deferrable weight gradient ---------------------------------------------
+
+
+def _counted(compute: Compute) -> Compute:
+    def run() -> Sequence[Optional[torch.Tensor]]:
+        _STATS["run"] += 1
+        return compute()
+
+    return run
 
 
 def _linear_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor]:
