@@ -2,7 +2,9 @@
 gradients, for every layer type that has weights: column- and row-parallel linear, vocab-parallel embedding,
 the head, norms, the router and grouped experts, LoRA adapters. Checked bit for bit on two tensor-parallel
 ranks with sequence parallelism (collectives inside the backward) and full activation checkpointing, on a
-first chunk (embedding, no input) and a last chunk (head and loss, hidden states in)."""
+first chunk (embedding, no input) and a last chunk (head and loss, hidden states in). The layers are built
+as a zero-bubble schedule builds them, and the test checks which layer types B really left to W (their
+weight-gradient closures) and which it computed itself (norms, router, the fused head loss)."""
 
 import pytest
 from dist_harness import run_on_ranks
@@ -18,6 +20,25 @@ VARIANTS = {
     "moe_tp2_sp_recompute": [*MOE, *TP2, "model.activation_checkpointing=full"],
     "dense_lora_tp2": ["model.num_layers=2", *TP2, "lora=true", "lora_rank=4", "lora_alpha=8.0"]
     + ["lora_target_modules=all-linear"],
+    # the overlapped column-parallel projection, selective recompute, the unfused head (logits, then loss)
+    "dense_tp2_overlap_selective": ["model.num_layers=2", *TP2, "distributed.tp_comm_overlap=true"]
+    + ["model.activation_checkpointing=selective", "precision.fused_ops=false"],
+}
+# the layer types whose weight gradients B leaves to W (closures); the others' come with B
+DEFERRED = {
+    "moe_tp2_sp_recompute": {
+        "ColumnParallelLinear",
+        "RowParallelLinear",
+        "VocabParallelEmbedding",
+        "ExpertProjection",
+    },
+    "dense_lora_tp2": {"LoRAAdapter"},
+    "dense_tp2_overlap_selective": {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LMHead"},
+}
+COMPUTED_IN_B = {
+    "moe_tp2_sp_recompute": {"RMSNorm", "TopKRouter", "LMHead"},  # LMHead: the fused head loss
+    "dense_lora_tp2": set(),
+    "dense_tp2_overlap_selective": {"RMSNorm"},
 }
 LAYER_TYPES = {
     "moe_tp2_sp_recompute": {
@@ -30,6 +51,7 @@ LAYER_TYPES = {
         "ExpertProjection",  # the grouped experts' weights
     },
     "dense_lora_tp2": {"LoRAAdapter"},
+    "dense_tp2_overlap_selective": {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LMHead"},
 }
 
 
@@ -51,7 +73,7 @@ def _split_checks(variants: dict) -> dict:
     from megacann.models import ChunkPlacement
     from megacann.models.spec import get_model_spec
     from megacann.models.step_loss import backward_objective
-    from megacann.pipeline.split_backward import backward_input, backward_weight, trainable_parameters
+    from megacann.pipeline.split_backward import backward_input, backward_weight, graph_leaves, trainable_parameters
     from megacann.training import finetune
     from megacann.training.runtime import setup_runtime
 
@@ -60,6 +82,7 @@ def _split_checks(variants: dict) -> dict:
         ps.destroy_model_parallel()
         cfg = tiny_config(overrides, world_size=dist.get_world_size())
         setup_runtime(cfg)
+        cfg.distributed.pipeline_schedule = "zb1p"  # layers built as a split-backward schedule builds them
         spec = get_model_spec(cfg.model.type)
         chunks = [
             spec.build(cfg, ChunkPlacement((0,), pre_process=True, post_process=False)),
@@ -71,6 +94,7 @@ def _split_checks(variants: dict) -> dict:
         hidden = None
         per_type: dict = {}
         input_grad_equal = []
+        deferred_types, b_types = set(), set()
         for chunk in chunks:
             owners = _owners(chunk)
             params = trainable_parameters(chunk)
@@ -97,8 +121,16 @@ def _split_checks(variants: dict) -> dict:
                 p.grad = None
             x = None if hidden is None else hidden.clone().requires_grad_()
             _, outputs, grads = run(x)
-            dx = backward_input(outputs, grads, [x])[0] if x is not None else None
+            dx = backward_input(outputs, grads, [x] if x is not None else [])  # the first chunk: no input
+            dx = dx[0] if x is not None else None
             untouched = all(p.grad is None for p in params)  # B leaves the weights alone
+            store = outputs[0]._megacann_pending_weight_grads
+            by_id = {id(p): owners[n] for n, p in named.items()}
+            for weights, _ in store._closures:  # a parameter, or a view or product of one (LoRA's B laid out)
+                deferred_types.update(
+                    by_id[id(leaf)] for w in weights for leaf in ([w] if w.is_leaf else graph_leaves([w]))
+                )
+            b_types.update(by_id[id(p)] for p, _ in store._grads)
             backward_weight(outputs, grads, params)
             split = {n: p.grad.clone() for n, p in named.items() if p.grad is not None}
             if x is not None:
@@ -107,7 +139,12 @@ def _split_checks(variants: dict) -> dict:
             for n in fused:
                 per_type.setdefault(owners[n], []).append(untouched and torch.equal(fused[n], split[n]))
             hidden = out.hidden_states.detach() if out.hidden_states is not None else hidden
-        results[name] = {"per_type": {k: all(v) for k, v in per_type.items()}, "input_grad": input_grad_equal}
+        results[name] = {
+            "per_type": {k: all(v) for k, v in per_type.items()},
+            "input_grad": input_grad_equal,
+            "deferred": deferred_types,
+            "computed_in_b": b_types,
+        }
     ps.destroy_model_parallel()
     return results
 
@@ -124,3 +161,6 @@ def test_b_plus_w_equals_the_fused_backward_per_layer_type(split_results, varian
         assert LAYER_TYPES[variant] <= set(got["per_type"]), (rank, sorted(got["per_type"]))
         assert all(got["per_type"].values()), (rank, got["per_type"])
         assert got["input_grad"] == [True], rank  # the last chunk's input gradient, bit for bit
+        assert got["deferred"] == DEFERRED[variant], (rank, got["deferred"])
+        assert COMPUTED_IN_B[variant] <= got["computed_in_b"], (rank, got["computed_in_b"])
+        assert not DEFERRED[variant] & got["computed_in_b"], got["computed_in_b"]  # no bias in these models

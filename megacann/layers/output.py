@@ -15,15 +15,15 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megacann import ops
 from megacann.layers import mappings
-from megacann.layers.context import resolve_sequence_parallel
+from megacann.layers.context import current_layer_context, resolve_sequence_parallel
 from megacann.layers.embedding import VocabParallelEmbedding, pad_vocab_size
 from megacann.layers.init import default_init_methods, make_parameter
 from megacann.layers.loss import token_loss
 from megacann.layers.sharding import INIT_NAME_ATTR, InitMethod, mark_tied_across_stages
+from megacann.ops.weight_grad import linear as deferrable_linear
 
 HEAD_LOSS = "vocab_parallel_head_loss"  # the fused op, used when precision.fused_ops allows it
 
@@ -64,6 +64,9 @@ class LMHead(torch.nn.Module):
         self.vocab_size = vocab_size
         self.sequence_parallel = resolve_sequence_parallel(sequence_parallel) and mappings.tp_world_size(group) > 1
         self._shared: tuple[VocabParallelEmbedding, ...] = ()
+        # W after B (megacann.ops.weight_grad) for the logits' product; the fused head loss computes its
+        # weight gradient in B (deferring it would keep every chunk's logit gradients, what it exists to avoid)
+        self.defer_weight_grad = current_layer_context().defer_weight_grads
         if isinstance(tie_to, VocabParallelEmbedding):
             self._shared = (tie_to,)  # a tuple: not registered as a submodule, so named once, by its owner
             return
@@ -98,7 +101,7 @@ class LMHead(torch.nn.Module):
             hidden = mappings.gather_from_sequence_parallel_region(hidden, self.group)
         else:
             hidden = mappings.copy_to_tensor_model_parallel_region(hidden, self.group)
-        return F.linear(hidden, self.output_weight)
+        return deferrable_linear(hidden, self.output_weight, None, self.defer_weight_grad)
 
     def forward(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if labels is not None and ops.fused_enabled(HEAD_LOSS):  # chunks of tokens: no full fp32 logits

@@ -8,7 +8,8 @@ input's. Here, in one autograd function:
 - forward: the all-gather of the sequence shards is launched asynchronously, this rank's own rows are
   multiplied while the other ranks' shards travel, then the rest;
 - backward: the input's gradient is computed first and its reduce-scatter launched asynchronously, the
-  weight's gradient is computed while it runs, then the reduce-scatter is waited for.
+  weight's gradient is computed while it runs, then the reduce-scatter is waited for (in a split
+  backward's B the weight's gradient is left to W: :mod:`megacann.ops.weight_grad`).
 
 The gathered input is kept rank-major (``[tp, b, s/tp, h]``: rank ``r``'s shard at ``[r]``), which is both
 what a flat all-gather produces and what a flat reduce-scatter consumes, so neither direction copies
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from megacann.collectives import all_gather_flat, reduce_scatter_flat
 from megacann.layers.eager_regions import eager_under_compile
+from megacann.ops.weight_grad import defer_or_compute
 
 
 class _OverlappedGatherLinear(torch.autograd.Function):
@@ -47,7 +49,7 @@ class _OverlappedGatherLinear(torch.autograd.Function):
         if bias is not None:
             y += bias
         ctx.save_for_backward(gathered, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.weight = group, bias is not None, weight
         # [tp, b, s/tp, out] -> [b, tp, s/tp, out] -> [b, s, out]
         return y.view(world, b, s_local, out_features).movedim(0, 1).reshape(b, world * s_local, out_features)
 
@@ -63,7 +65,9 @@ class _OverlappedGatherLinear(torch.autograd.Function):
             staged = torch.mm(grad_rm, weight)  # [tp * b * s/tp, h]: rank-major, as reduce-scatter wants it
             grad_x = staged.new_empty((b, s_local, h))
             work = reduce_scatter_flat(grad_x.view(-1), staged.view(-1), ctx.group, async_op=True)
-        grad_w = grad_rm.t().mm(gathered.view(-1, h)) if ctx.needs_input_grad[1] else None  # while it runs
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # while it runs (or in W, after a split backward's B)
+            (grad_w,) = defer_or_compute((ctx.weight,), lambda: (grad_rm.t().mm(gathered.view(-1, h)),))
         grad_b = grad_rm.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if work is not None:
             work.wait()

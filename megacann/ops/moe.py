@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from megacann.accelerator import import_torch_npu
 from megacann.ops import npu_api
 from megacann.ops.registry import REFERENCE, register
+from megacann.ops.weight_grad import defer_or_compute
 
 # -- PyTorch reference ---------------------------------------------------------------------------------
 
@@ -127,7 +128,7 @@ class _NpuGroupedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_list, *weights):
         ctx.save_for_backward(x, *weights)
-        ctx.group_list = group_list
+        ctx.group_list, ctx.weights = group_list, weights
         gmm = _torch_npu().npu_grouped_matmul
         return gmm([x], [w.t() for w in weights], group_list=group_list, split_item=2, group_type=0, group_list_type=1)[
             0
@@ -140,9 +141,15 @@ class _NpuGroupedMatmul(torch.autograd.Function):
         grad = grad.contiguous()
         group_list = ctx.group_list
         grad_x = gmm([grad], list(weights), group_list=group_list, split_item=2, group_type=0, group_list_type=1)[0]
-        # [groups, in, out]: per group x_gᵀ · grad_g
-        grad_w = gmm([x.t()], [grad], group_list=group_list, split_item=3, group_type=2, group_list_type=1)[0]
-        return (grad_x, None, *(grad_w[i].t() for i in range(len(weights))))
+
+        def weight_grads() -> list:  # [groups, in, out]: per group x_gᵀ · grad_g
+            grad_w = gmm([x.t()], [grad], group_list=group_list, split_item=3, group_type=2, group_list_type=1)[0]
+            return [grad_w[i].t() for i in range(len(weights))]
+
+        if not any(ctx.needs_input_grad[2:]):
+            return (grad_x, None, *(None for _ in weights))
+        # in a split backward's B, left to W (megacann.ops.weight_grad)
+        return (grad_x, None, *defer_or_compute(ctx.weights, weight_grads))
 
 
 @register(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from megacann.ops.registry import register
+from megacann.ops.weight_grad import defer_or_compute
 
 _DEVICES = ("cpu", "cuda")
 _PRIORITY = 5  # above the reference (0), below the vendors' grouped kernels (10, 20)
@@ -36,7 +37,7 @@ class _GroupedMatmul(torch.autograd.Function):
             if end > start:
                 torch.mm(x[start:end], w.t(), out=out[start:end])
         ctx.save_for_backward(x, *weights)
-        ctx.bounds = bounds
+        ctx.bounds, ctx.weights = bounds, weights
         return out
 
     @staticmethod
@@ -44,15 +45,25 @@ class _GroupedMatmul(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
-        grad_ws = []
-        for i, ((start, end), w) in enumerate(zip(ctx.bounds, weights)):
-            rows = grad[start:end]
-            if grad_x is not None and end > start:
-                torch.mm(rows, w, out=grad_x[start:end])
-            if ctx.needs_input_grad[2 + i]:
-                grad_ws.append(rows.t().mm(x[start:end]) if end > start else torch.zeros_like(w))
-            else:
-                grad_ws.append(None)
+        if grad_x is not None:
+            for (start, end), w in zip(ctx.bounds, weights):
+                if end > start:
+                    torch.mm(grad[start:end], w, out=grad_x[start:end])
+        wanted = [i for i in range(len(weights)) if ctx.needs_input_grad[2 + i]]
+        bounds = ctx.bounds
+
+        def weight_grads() -> list:
+            return [
+                grad[bounds[i][0] : bounds[i][1]].t().mm(x[bounds[i][0] : bounds[i][1]])
+                if bounds[i][1] > bounds[i][0]
+                else torch.zeros_like(weights[i])
+                for i in wanted
+            ]
+
+        grad_ws: list = [None] * len(weights)  # in a split backward's B, left to W (megacann.ops.weight_grad)
+        if wanted:
+            for i, g in zip(wanted, defer_or_compute([ctx.weights[i] for i in wanted], weight_grads)):
+                grad_ws[i] = g
         return (grad_x, None, *grad_ws)
 
 

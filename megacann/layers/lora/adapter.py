@@ -43,6 +43,7 @@ from megacann.layers import mappings
 from megacann.layers.init import init_zeros, make_parameter
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.lora.targets import LoRATarget
+from megacann.ops.weight_grad import linear as deferrable_linear
 
 LORA_ATTR = "megacann_lora"  # marks adapter parameters
 
@@ -112,6 +113,7 @@ class AdapterLayout:
     dtype: Optional[torch.dtype] = None
     device: Optional[torch.device] = None
     what: str = "LoRA"
+    defer_weight_grads: bool = False  # the layer's: a split backward's W computes A's and B's gradients
 
 
 def linear_layout(base: ParallelLinear) -> AdapterLayout:
@@ -130,6 +132,7 @@ def linear_layout(base: ParallelLinear) -> AdapterLayout:
         dtype=base.weight.dtype,
         device=base.weight.device,
         what=f"LoRA on {type(base).__name__}({base.input_size}, {base.output_size})",
+        defer_weight_grads=getattr(base, "defer_weight_grad", False),
     )
 
 
@@ -168,6 +171,7 @@ class LoRAAdapter(torch.nn.Module):
         self.target = target
         self.tp_rank, self.tp_size, self.shard = layout.tp_rank, layout.tp_size, layout.shard
         self.merged = False
+        self.defer_weight_grad = layout.defer_weight_grads  # W after B (megacann.ops.weight_grad)
         self.disabled = False  # switched off for a while (adapters_disabled): the base layer alone
         blocks = layout.blocks
         if len(blocks) != len(target.parts):
@@ -241,7 +245,9 @@ class LoRAAdapter(torch.nn.Module):
         b = self.local_b()
         if rows is not None:
             b = b[rows[0] : rows[1]]
-        return F.linear(F.linear(self.dropout_input(x), self.lora_A) * self.scaling, b)
+        defer = self.defer_weight_grad
+        low_rank = deferrable_linear(self.dropout_input(x), self.lora_A, None, defer)
+        return deferrable_linear(low_rank * self.scaling, b, None, defer)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:

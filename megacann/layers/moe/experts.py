@@ -28,16 +28,17 @@ from collections.abc import Sequence
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from megacann import ops
 from megacann.layers import mappings
+from megacann.layers.context import current_layer_context
 from megacann.layers.eager_regions import eager_under_compile
 from megacann.layers.init import make_parameter
 from megacann.layers.linear import add_adapter_output
 from megacann.layers.lora.adapter import AdapterLayout
 from megacann.layers.lora.experts import add_grouped_lora, expert_lora_layout
 from megacann.layers.sharding import InitMethod
+from megacann.ops.weight_grad import linear as deferrable_linear
 
 
 def expert_seed(layer_seed: int, expert_index: int, name: str) -> int:
@@ -55,12 +56,14 @@ class ExpertProjection(torch.nn.Module):
         self.weight = weight
         self.column, self.tp_rank, self.tp_size = column, tp_rank, tp_size
         self.adapter: Optional[torch.nn.Module] = None
+        self.defer_weight_grad = current_layer_context().defer_weight_grads  # W after B (megacann.ops.weight_grad)
 
     def lora_layout(self) -> AdapterLayout:
         return expert_lora_layout(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_adapter_output(self.adapter, F.linear(x, self.weight), x, None)
+        y = deferrable_linear(x, self.weight, None, self.defer_weight_grad)
+        return add_adapter_output(self.adapter, y, x, None)
 
 
 class ExpertMLP(torch.nn.Module):

@@ -1,0 +1,147 @@
+"""Deferred weight gradients (megacann.ops.weight_grad) in one process: B computes the input gradient only and
+leaves closures, W runs them and accumulates as a fused backward does (into existing .grad, through views,
+post-accumulate hooks once per parameter), checkpointed layers recompute in B only (extended: the first
+non-reentrant checkpoint of a process imports torch._dynamo, seconds), and without a split nothing is
+deferred."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megacann.ops import weight_grad
+from megacann.pipeline.split_backward import backward_input, backward_weight
+
+
+def _model(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.nn.Parameter(torch.randn(12, 8, generator=g))
+    b1 = torch.nn.Parameter(torch.randn(12, generator=g))
+    w2 = torch.nn.Parameter(torch.randn(8, 6, generator=g))
+    norm = torch.nn.Parameter(torch.rand(8, generator=g) + 0.5)
+    table = torch.nn.Parameter(torch.randn(20, 8, generator=g))
+    return [w1, b1, w2, norm, table]
+
+
+def _forward(params, x, ids, deferrable: bool, counter=None, checkpointed: bool = False):
+    w1, b1, w2, norm, table = params
+
+    def block(h):
+        if counter is not None:
+            counter.append(1)
+        h = weight_grad.linear(h, w1, b1, deferrable)  # [.., 12]
+        h = torch.tanh(h[..., :6]) * h[..., 6:]
+        h = weight_grad.linear(h, w2, None, deferrable)  # w2 [8, 6]
+        h = weight_grad.linear(h[..., :6], w2[:4], None, deferrable)  # a view of the same weight, used twice
+        return h
+
+    h = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+    h = h * norm[:4] + weight_grad.embedding(ids, table, deferrable)[..., :4]
+    return (h.float() ** 2).sum()
+
+
+def _grads(params):
+    out = [p.grad.clone() if p.grad is not None else None for p in params]
+    for p in params:
+        p.grad = None
+    return out
+
+
+def _b_then_w(checkpointed: bool):
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(2, 5, 8, generator=g)
+    ids = torch.randint(0, 20, (2, 5), generator=g)
+    params = _model()
+
+    x = x0.clone().requires_grad_()
+    _forward(params, x, ids, deferrable=False, checkpointed=checkpointed).backward()
+    plain, plain_dx = _grads(params), x.grad
+
+    x = x0.clone().requires_grad_()
+    _forward(params, x, ids, deferrable=True, checkpointed=checkpointed).backward()
+    fused, fused_dx = _grads(params), x.grad
+
+    hooks = []
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: hooks.append(i))
+    before = weight_grad.weight_grad_stats()
+    calls: list = []
+    x = x0.clone().requires_grad_()
+    loss = _forward(params, x, ids, deferrable=True, counter=calls, checkpointed=checkpointed)
+    (dx,) = backward_input([loss], [None], [x])
+    assert all(p.grad is None for p in params) and not hooks and x.grad is None  # B leaves the weights alone
+    recomputes = 1 if checkpointed else 0
+    assert len(calls) == 1 + recomputes  # a checkpointed block ran forward, then recomputed once in B
+    mid = weight_grad.weight_grad_stats()
+    assert mid["deferred"] - before["deferred"] == 4 and mid["run"] == before["run"]  # 3 linears + embedding
+    backward_weight([loss], [None], params)
+    assert len(calls) == 1 + recomputes  # W recomputes nothing
+    assert weight_grad.weight_grad_stats()["run"] - mid["run"] == 4
+    assert sorted(hooks) == [0, 1, 2, 3, 4]  # every parameter once, w2 used twice included
+    split = _grads(params)
+
+    assert torch.equal(dx, fused_dx)
+    for f, s in zip(fused, split):
+        assert torch.equal(f, s)
+    # the deferrable products against plain F.linear / F.embedding (torch.allclose: assert_close imports sympy)
+    assert torch.allclose(fused_dx, plain_dx, rtol=1e-6, atol=1e-6)
+    for f, p in zip(fused, plain):
+        assert torch.allclose(f, p, rtol=1e-6, atol=1e-6)
+
+
+def test_b_then_w_equals_the_fused_backward_and_plain_autograd():
+    _b_then_w(checkpointed=False)
+
+
+@pytest.mark.extended
+def test_b_then_w_under_activation_checkpointing_recomputes_in_b_only():
+    _b_then_w(checkpointed=True)
+
+
+def test_w_accumulates_into_existing_gradients_and_defers_nothing_outside_b():
+    g = torch.Generator().manual_seed(2)
+    x0 = torch.randn(3, 8, generator=g)
+    ids = torch.randint(0, 20, (3,), generator=g)
+    params = _model(3)
+    x = x0.clone().requires_grad_()
+    before = weight_grad.weight_grad_stats()
+    _forward(params, x, ids, deferrable=True).backward()
+    assert weight_grad.weight_grad_stats() == before  # a fused backward defers nothing
+    x = x0.clone().requires_grad_()
+    _forward(params, x, ids, deferrable=True).backward()
+    twice = _grads(params)
+
+    x = x0.clone().requires_grad_()
+    _forward(params, x, ids, deferrable=True).backward()
+    x = x0.clone().requires_grad_()
+    loss = _forward(params, x, ids, deferrable=True)
+    backward_input([loss], [None], [x])
+    backward_weight([loss], [None], params)
+    for a, b in zip(twice, _grads(params)):
+        assert torch.equal(a, b)
+
+
+def test_plain_linear_without_deferral_or_under_a_frozen_weight():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(3, 8)  # frozen
+    y = weight_grad.linear(x, w, None, deferrable=True)
+    store = weight_grad.WeightGradStore()
+    with weight_grad.collecting(store):
+        (dx,) = torch.autograd.grad(y.sum(), [x])
+    assert len(store) == 0
+    assert torch.equal(dx, F.linear(torch.ones(4, 3), w.t()))
+    assert "Deferrable" not in type(weight_grad.linear(x, w).grad_fn).__name__  # not deferrable: plain F.linear
+
+
+def test_a_splitting_schedule_builds_deferrable_layers_and_others_plain_ones():
+    from megacann.config import MegacannConfig
+    from megacann.layers import ColumnParallelLinear, layer_context_from_config
+
+    for schedule, defer in (("zb1p", True), ("1f1b", False), (None, False)):
+        cfg = MegacannConfig()
+        cfg.model.precision, cfg.distributed.pipeline_schedule = "fp32", schedule
+        assert cfg.distributed.splits_backward == defer
+        with layer_context_from_config(cfg, "cpu"):
+            layer = ColumnParallelLinear(8, 4, bias=False)
+        assert layer.defer_weight_grad == defer
+        y = layer(torch.randn(2, 8, requires_grad=True))
+        assert ("Deferrable" in type(y.grad_fn).__name__) == defer
