@@ -88,8 +88,9 @@ def _is_last_stage() -> bool:
 
 
 class PreferenceTraining:
-    """What a DPO run adds to the trainer: the wrapped forward step, the reference policy, the pair count
-    that normalises the loss, the rewards' figures and held-out evaluation."""
+    """The objective of ``train_mode: dpo`` (the interface of :class:`~megacann.training.objective.TokenObjective`):
+    the wrapped forward step, the reference policy, the pair count that normalises the loss, the rewards'
+    figures and held-out evaluation."""
 
     def __init__(self, cfg: MegacannConfig, spec: ModelSpec, policy: list[torch.nn.Module], device):
         self.cfg, self.spec, self.policy, self.device = cfg, spec, policy, device
