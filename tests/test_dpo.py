@@ -88,14 +88,17 @@ def _plain_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return (logp * mask).sum(-1), mask.sum(-1).float()
 
 
-@pytest.mark.parametrize("loss_type, smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("simpo", 0.1)])
-def test_losses_and_rewards_equal_plain_pytorch_on_transformers_models(models_and_batch, loss_type, smoothing):
+@pytest.mark.parametrize(
+    "loss_type, smoothing, sft",
+    [("sigmoid", 0.0, 0.0), ("sigmoid", 0.2, 0.0), ("ipo", 0.0, 0.0), ("simpo", 0.1, 0.0), ("sigmoid", 0.0, 0.7)],
+)
+def test_losses_and_rewards_equal_plain_pytorch_on_transformers_models(models_and_batch, loss_type, smoothing, sft):
     from megacann.models.preference_loss import PreferenceLoss, preference_forward_step, reference_forward_step
     from megacann.models.spec import decoder_forward_step
 
     (policy, reference), (hf_policy, hf_reference), batch = models_and_batch
     beta, gamma = 0.3, 0.4
-    objective = PreferenceLoss(loss_type, beta, smoothing, gamma)
+    objective = PreferenceLoss(loss_type, beta, smoothing, gamma, sft_loss_weight=sft)
     batch = dict(batch)
     sink: list = []
     with torch.no_grad():
@@ -119,6 +122,7 @@ def test_losses_and_rewards_equal_plain_pytorch_on_transformers_models(models_an
         h = beta * (avg[0::2] - avg[1::2]) - gamma
         want = -(1 - smoothing) * F.logsigmoid(h) - smoothing * F.logsigmoid(-h)
         chosen, rejected = beta * avg[0::2], beta * avg[1::2]
+    want = want + sft * (-pi[0::2] / n[0::2])  # dpo.sft_loss_weight: the chosen answers' mean token NLL
     assert out.token_loss.shape == (2,)
     torch.testing.assert_close(out.token_loss, want, rtol=1e-5, atol=1e-6)
     pairs, chosen_sum, rejected_sum, correct = out.stats["preference"].tolist()
@@ -138,15 +142,15 @@ def test_lora_reference_is_the_frozen_base_bit_for_bit(tmp_path):
 
     path = write_pairs(str(tmp_path / "p.jsonl"))
     trainer = _trainer(dpo_overrides(path, str(tmp_path), *LORA, f"experiment.output_dir={tmp_path}/out"))
-    assert trainer.preference.kind == "adapters_off" and trainer.preference.reference is None  # no second copy
+    assert trainer.objective.kind == "adapters_off" and trainer.objective.reference is None  # no second copy
     for _ in range(2):
         trainer.train_step()
     adapters = [p for n, p in trainer.model_chunks[0].named_parameters() if "lora_B" in n]
     assert any(p.abs().sum() > 0 for p in adapters)  # the adapters moved: the policy is not the base
     batch = {k: v for k, v in next(trainer.data.train).items()}
     base = build_reference_copy(trainer.cfg, trainer.model_spec, trainer.device)  # the seed base, no adapters
-    got = trainer.preference.reference_logps([dict(batch)])[0]
-    want = trainer.preference.reference_logps([dict(batch)], base, adapters_disabled([]))[0]
+    got = trainer.objective.reference_logps([dict(batch)])[0]
+    want = trainer.objective.reference_logps([dict(batch)], base, adapters_disabled([]))[0]
     assert torch.equal(got, want)
     chunk = trainer.model_chunks[0].eval()
     with torch.no_grad(), adapters_disabled([chunk]):
@@ -209,23 +213,23 @@ def test_precomputed_reference_log_probs_equal_the_copy_and_are_cached(tmp_path)
     base = dpo_overrides(path, str(tmp_path), "optim.max_steps=3")
     copy, _ = _fit(str(tmp_path / "copy"), base)
     pre, trainer = _fit(str(tmp_path / "pre"), [*base, "dpo.reference=precomputed"])
-    assert trainer.preference.reference is None
+    assert trainer.objective.reference is None
     tables = list((tmp_path / "cache").rglob("dpo-ref-*.npy"))
     assert (
         len(tables) == 1
         and tables[0].parent == (tmp_path / "cache" / "index")
-        and "computed over 96 sequences" in trainer.preference.table_note
+        and "computed over 96 sequences" in trainer.objective.table_note
     )
     for a, b in zip(copy, pre):
         for key in FIGURES:
             assert abs(a[key] - b[key]) <= 1e-5 * max(abs(a[key]), 1e-3), (key, a, b)
     _, later = _fit(str(tmp_path / "pre2"), [*base, "dpo.reference=precomputed", "optim.max_steps=1"])
-    assert "from " in later.preference.table_note  # the second run reads the stored values
+    assert "from " in later.objective.table_note  # the second run reads the stored values
 
 
 def test_simpo_builds_no_reference(tmp_path):
     path = write_pairs(str(tmp_path / "p.jsonl"))
     trainer = _trainer(dpo_overrides(path, str(tmp_path), "dpo.loss_type=simpo"))
-    assert trainer.preference.kind == "none" and trainer.preference.reference is None
+    assert trainer.objective.kind == "none" and trainer.objective.reference is None
     result = trainer.train_step()
     assert result["loss"] > 0 and "reward_accuracy" in result

@@ -174,5 +174,7 @@ def test_a_dpo_recipe_is_checked(tmp_path):
         recipe(["train_mode=dpo", "dpo.loss_type=kto"])
     with pytest.raises(ConfigError, match=r"dpo.label_smoothing must be in \[0, 0.5\)"):
         recipe(["train_mode=dpo", "dpo.label_smoothing=0.5"])
+    with pytest.raises(ConfigError, match=r"dpo.sft_loss_weight must be a finite number >= 0 .* got -0.5"):
+        recipe(["train_mode=dpo", "dpo.sft_loss_weight=-0.5"])
     cfg = recipe(["train_mode=dpo"])
     assert (cfg.optim.lr, cfg.optim.warmup_ratio) == (1e-6, 0.1)  # the DPO defaults

@@ -61,15 +61,15 @@ def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
         steps = [trainer.train_step() for _ in range(STEPS)]
         results[name] = {
             "trace": {k: [s[k] for s in steps] for k in (*FIGURES, "reward_accuracy")},
-            "copy_sharded": trainer.preference.reference is not None
+            "copy_sharded": trainer.objective.reference is not None
             and all(
                 tuple(p.shape) == tuple(q.shape)
-                for chunk, ref in zip(trainer.model_chunks, trainer.preference.reference)
+                for chunk, ref in zip(trainer.model_chunks, trainer.objective.reference)
                 for (_, p), q in zip(
                     [(n, p) for n, p in chunk.named_parameters() if ".adapter." not in n], ref.parameters()
                 )
             ),
-            "kind": trainer.preference.kind,
+            "kind": trainer.objective.kind,
             "layout": (
                 ps.get_tensor_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_world_size(),

@@ -244,6 +244,8 @@ class DPOConfig:
     loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | simpo (reference-free, length-normalised)
     label_smoothing: float = 0.0  # sigmoid / simpo: assumed share of flipped preferences (conservative DPO)
     simpo_gamma: float = 0.5  # simpo: the target reward margin
+    # weight of an SFT term: the chosen answer's mean per-token NLL added to each pair's loss (RPO-style; 0: off)
+    sft_loss_weight: float = 0.0
     # the reference policy: auto (LoRA: adapters_off, else copy) | copy (a frozen copy of the starting weights,
     # sharded like the policy) | adapters_off (LoRA: the base with adapters disabled) | precomputed (log-probs of
     # the starting weights computed in one pass before training and cached beside the data)

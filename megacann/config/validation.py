@@ -7,6 +7,7 @@ What only a model family or the pipeline schedules know is checked by them
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Optional
 
 from megacann.config.offload_keys import check_offload_keys
@@ -318,6 +319,12 @@ def check_dpo_section(cfg: MegacannConfig, source: str) -> None:
         raise ConfigError(f"{source}: dpo.beta must be positive, got {p.beta!r}")
     if not 0.0 <= p.label_smoothing < 0.5:
         raise ConfigError(f"{source}: dpo.label_smoothing must be in [0, 0.5), got {p.label_smoothing!r}")
+    weight = p.sft_loss_weight
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight >= 0):
+        raise ConfigError(
+            f"{source}: dpo.sft_loss_weight must be a finite number >= 0 (0 turns the chosen answers' NLL term "
+            f"off), got {p.sft_loss_weight!r}"
+        )
     if p.label_smoothing and p.loss_type == "ipo":
         raise ConfigError(f"{source}: dpo.label_smoothing applies to loss_type sigmoid or simpo, not ipo")
     if p.reference == "adapters_off" and not cfg.lora:

@@ -19,19 +19,15 @@ with ``skip_bad_lines`` is skipped and counted.
 
 from __future__ import annotations
 
-import json
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from megacann.data.cache import cached_npy_dir
-from megacann.data.sft import arrays_to_samples, parse_record, samples_to_arrays, sft_cache_dir
+from megacann.data.jsonl_records import RecordStats, Sample, cached_samples, read_records, records_cache_dir, truncate
+from megacann.data.sft import parse_record
 from megacann.data.sft_templates import PromptTemplate
 from megacann.errors import MegacannError
-
-Sample = tuple[np.ndarray, np.ndarray]  # token ids, trained mask
 
 
 class PreferenceDataError(MegacannError, ValueError):
@@ -39,22 +35,14 @@ class PreferenceDataError(MegacannError, ValueError):
 
 
 @dataclass
-class PreferenceStats:
-    lines: int = 0
-    pairs: int = 0
-    bad_lines: int = 0
-    truncated: int = 0  # sequences (chosen or rejected) cut to seq_length
-    dropped_too_long: int = 0  # pairs whose response starts at or beyond seq_length
-    first_errors: list = field(default_factory=list)
+class PreferenceStats(RecordStats):
+    pairs: int = 0  # truncated counts sequences (chosen or rejected) cut to seq_length
 
     def summary(self) -> str:
         return (
             f"{self.pairs} preference pairs from {self.lines} lines; {self.bad_lines} bad lines skipped, "
             f"{self.truncated} sequences truncated, {self.dropped_too_long} pairs dropped (response beyond seq_length)"
         )
-
-
-_STAT_FIELDS = ("lines", "pairs", "bad_lines", "truncated", "dropped_too_long")
 
 
 def _response(value, key: str) -> str:
@@ -123,33 +111,17 @@ def load_preference_pairs(
     """Every usable pair of a JSONL file as a flat list ``[chosen_0, rejected_0, chosen_1, ...]``."""
     stats = PreferenceStats()
     samples: list[Sample] = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            stats.lines += 1
-            try:
-                prompt, chosen, rejected = parse_preference(json.loads(line))
-            except ValueError as err:  # json.JSONDecodeError is a ValueError
-                message = f"{path}:{line_no}: malformed preference record: {err}"
-                if not skip_bad_lines:
-                    raise PreferenceDataError(message + " (set data.skip_bad_lines: true to skip such lines)") from None
-                stats.bad_lines += 1
-                if len(stats.first_errors) < 5:
-                    stats.first_errors.append(message)
-                continue
-            pair = tokenize_pair(prompt, chosen, rejected, template, tokenizer)
-            cut = sum(len(ids) > seq_length for ids, _ in pair)
-            pair = [(ids[:seq_length], mask[:seq_length]) for ids, mask in pair]
-            if not all(mask[1:].any() for _, mask in pair):  # a side with no response token left to predict
-                stats.dropped_too_long += 1
-                continue
-            stats.truncated += cut
-            samples += pair
+    for _, (prompt, chosen, rejected) in read_records(
+        path, parse_preference, skip_bad_lines, stats, "preference", PreferenceDataError
+    ):
+        pair = [truncate(side, seq_length) for side in tokenize_pair(prompt, chosen, rejected, template, tokenizer)]
+        if any(side is None for side, _ in pair):  # a side with no response token left to predict
+            stats.dropped_too_long += 1
+            continue
+        stats.truncated += sum(cut for _, cut in pair)
+        samples += [side for side, _ in pair]
     stats.pairs = len(samples) // 2
-    if stats.bad_lines:
-        shown = "\n  ".join(stats.first_errors)
-        print(f"[megacann.data] skipped {stats.bad_lines} malformed preference lines, e.g.\n  {shown}", file=sys.stderr)
+    stats.report_skipped("preference")
     return samples, stats
 
 
@@ -163,15 +135,11 @@ def cached_preference_pairs(
 ) -> tuple[list[Sample], PreferenceStats, bool, str]:
     """:func:`load_preference_pairs`, tokenized once and cached like SFT samples (a lock, an atomic
     write, memory-mapped reads). Returns (samples, stats, whether this call tokenized, the cache directory)."""
-    built = [False]
-
-    def build() -> dict[str, np.ndarray]:
-        built[0] = True
-        samples, stats = load_preference_pairs(path, tokenizer, template, seq_length, skip_bad_lines)
-        stat_values = np.array([getattr(stats, f) for f in _STAT_FIELDS], dtype=np.int64)
-        return {**samples_to_arrays(samples, tokenizer.vocab_size), "stats": stat_values}
-
-    directory = sft_cache_dir(path, tokenizer, template, seq_length, skip_bad_lines, cache_dir, kind="dpo")
-    arrays = cached_npy_dir(directory, build)
-    stats = PreferenceStats(**{f: int(v) for f, v in zip(_STAT_FIELDS, arrays["stats"].tolist())})
-    return arrays_to_samples(arrays), stats, built[0], directory
+    directory = records_cache_dir(path, tokenizer, template, seq_length, skip_bad_lines, cache_dir, kind="dpo")
+    samples, stats, built = cached_samples(
+        directory,
+        lambda: load_preference_pairs(path, tokenizer, template, seq_length, skip_bad_lines),
+        PreferenceStats,
+        tokenizer.vocab_size,
+    )
+    return samples, stats, built, directory

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from megacann.constants import IGNORE_INDEX
-from megacann.data.random_order import permutation
-
-Sample = tuple[np.ndarray, np.ndarray]
+from megacann.data.epochs import EpochDataset
+from megacann.data.jsonl_records import Sample
 
 
 def preference_sequence(sample: Sample, seq_length: int, pad_id: int, sequence_index: int) -> dict[str, np.ndarray]:
@@ -38,7 +37,7 @@ def preference_sequence(sample: Sample, seq_length: int, pad_id: int, sequence_i
     }
 
 
-class PreferenceDataset:
+class PreferenceDataset(EpochDataset):
     """Sequences of ``seq_length`` tokens, chosen then rejected for each pair of ``samples``
     (``[chosen_0, rejected_0, chosen_1, ...]``; ``global_index[i]``: sample i's place in the whole data)."""
 
@@ -47,27 +46,12 @@ class PreferenceDataset:
     ):
         if not samples or len(samples) % 2 or len(global_index) != len(samples):
             raise ValueError(f"{name}: no preference pairs to train on")
-        self.samples, self.seq_length, self.seed, self.pad_id = samples, seq_length, seed, pad_id
-        self.global_index, self.name = global_index, name
+        super().__init__(len(samples), seed, name)
+        self.samples, self.seq_length, self.pad_id, self.global_index = samples, seq_length, pad_id, global_index
         self.num_pairs = len(samples) // 2
-        self.samples_per_epoch = len(samples)
-        self.num_samples = 0
-        self._epoch_orders: dict[int, np.ndarray] = {}
 
-    def prepare(self, num_samples: int) -> PreferenceDataset:
-        self.num_samples = max(self.num_samples, num_samples)
-        return self
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"{self.name}: sequence {i} out of range (prepared {self.num_samples})")
-        epoch, local = divmod(int(i), self.samples_per_epoch)
-        if epoch not in self._epoch_orders:
-            self._epoch_orders[epoch] = permutation(self.num_pairs, self.seed, epoch, 5)
-        pair = int(self._epoch_orders[epoch][local // 2])
+    def item(self, epoch: int, local: int) -> dict[str, np.ndarray]:
+        pair = int(self.epoch_order(epoch, self.num_pairs, 5)[local // 2])
         return self.sequence(2 * pair + local % 2)
 
     def sequence(self, index: int) -> dict[str, np.ndarray]:

@@ -16,18 +16,14 @@ skipped and counted.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from collections.abc import Iterator
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from megacann.data.cache import cached_npy_dir, digest
+from megacann.data.jsonl_records import RecordStats, Sample, cached_samples, read_records, records_cache_dir, truncate
 from megacann.data.sft_templates import PromptTemplate
-from megacann.data.tokenizer import tokenizer_fingerprint
 from megacann.errors import MegacannError
 
 ROLES = ("system", "user", "assistant")
@@ -38,13 +34,8 @@ class SFTDataError(MegacannError, ValueError):
 
 
 @dataclass
-class SFTStats:
-    lines: int = 0
+class SFTStats(RecordStats):
     samples: int = 0
-    bad_lines: int = 0
-    truncated: int = 0
-    dropped_too_long: int = 0
-    first_errors: list = field(default_factory=list)
 
     def summary(self) -> str:
         return (
@@ -93,22 +84,7 @@ def parse_record(record) -> list[dict]:
 
 def read_jsonl(path: str, skip_bad_lines: bool, stats: SFTStats) -> Iterator[tuple[int, list[dict]]]:
     """(line number, messages) for each usable line of ``path``; blank lines are ignored."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            stats.lines += 1
-            try:
-                messages = parse_record(json.loads(line))
-            except ValueError as err:  # json.JSONDecodeError is a ValueError
-                message = f"{path}:{line_no}: malformed SFT record: {err}"
-                if not skip_bad_lines:
-                    raise SFTDataError(message + " (set data.skip_bad_lines: true to skip such lines)") from None
-                stats.bad_lines += 1
-                if len(stats.first_errors) < 5:
-                    stats.first_errors.append(message)
-                continue
-            yield line_no, messages
+    return read_records(path, parse_record, skip_bad_lines, stats, "SFT", SFTDataError)
 
 
 def tokenize_conversation(messages: list[dict], template: PromptTemplate, tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -126,72 +102,21 @@ def tokenize_conversation(messages: list[dict], template: PromptTemplate, tokeni
 
 def load_sft_samples(
     paths: list[str], tokenizer, template: PromptTemplate, seq_length: int, skip_bad_lines: bool = False
-) -> tuple[list[tuple[np.ndarray, np.ndarray]], SFTStats]:
+) -> tuple[list[Sample], SFTStats]:
     """Every usable sample of the JSONL files, in file and line order, truncated to ``seq_length``."""
     stats = SFTStats()
     samples = []
     for path in paths:
         for _, messages in read_jsonl(path, skip_bad_lines, stats):
-            ids, mask = tokenize_conversation(messages, template, tokenizer)
-            if len(ids) > seq_length:
-                ids, mask = ids[:seq_length], mask[:seq_length]
-                if not mask[1:].any():  # no trained token left to predict
-                    stats.dropped_too_long += 1
-                    continue
-                stats.truncated += 1
-            samples.append((ids, mask))
+            sample, cut = truncate(tokenize_conversation(messages, template, tokenizer), seq_length)
+            if sample is None:  # no trained token left to predict
+                stats.dropped_too_long += 1
+                continue
+            stats.truncated += cut
+            samples.append(sample)
     stats.samples = len(samples)
-    if stats.bad_lines:
-        shown = "\n  ".join(stats.first_errors)
-        print(f"[megacann.data] skipped {stats.bad_lines} malformed SFT lines, e.g.\n  {shown}", file=sys.stderr)
+    stats.report_skipped("SFT")
     return samples, stats
-
-
-SFT_CACHE_VERSION = 1
-_STAT_FIELDS = ("lines", "samples", "bad_lines", "truncated", "dropped_too_long")
-
-
-def sft_cache_dir(
-    path: str, tokenizer, template: PromptTemplate, seq_length: int, skip_bad_lines: bool, cache_dir, kind: str = "sft"
-):
-    """Where the tokenized samples of JSONL file ``path`` are cached: beside the data (or in ``cache_dir``),
-    keyed by the file (path, size, modification time), the tokenizer, the template and the settings.
-    ``kind`` names the record format (``sft``; ``dpo`` for preference pairs)."""
-    from megacann.data.gpt_dataset import index_cache_dir
-
-    stat = os.stat(path)
-    key = digest(
-        *(() if kind == "sft" else (kind,)),
-        SFT_CACHE_VERSION,
-        os.path.realpath(path),
-        stat.st_size,
-        stat.st_mtime_ns,
-        tokenizer_fingerprint(tokenizer),
-        tokenizer.bos_id,
-        tokenizer.eos_id,
-        astuple(template),
-        seq_length,
-        skip_bad_lines,
-    )
-    name = os.path.splitext(os.path.basename(path))[0]
-    return os.path.join(index_cache_dir(path, cache_dir), f"{kind}-{name}-{key}")
-
-
-def samples_to_arrays(samples: list[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> dict[str, np.ndarray]:
-    """Samples (ids, trained mask) as three flat arrays for a cache: ids, mask and offsets."""
-    lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
-    dtype = np.int32 if vocab_size < 2**31 else np.int64
-    return {
-        "ids": np.concatenate([ids for ids, _ in samples]).astype(dtype) if samples else np.zeros(0, dtype),
-        "mask": np.concatenate([m for _, m in samples]) if samples else np.zeros(0, bool),
-        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-    }
-
-
-def arrays_to_samples(arrays: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The inverse of :func:`samples_to_arrays` (views into the, possibly memory-mapped, arrays)."""
-    ids, mask, offsets = arrays["ids"], arrays["mask"], arrays["offsets"].tolist()
-    return [(ids[a:b], mask[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
 
 
 def cached_sft_samples(
@@ -201,20 +126,13 @@ def cached_sft_samples(
     seq_length: int,
     skip_bad_lines: bool = False,
     cache_dir: Optional[str] = None,
-) -> tuple[list[tuple[np.ndarray, np.ndarray]], SFTStats, bool]:
-    """:func:`load_sft_samples` of one file, tokenized once and cached like pretraining indices: the first
-    process to take the cache's lock tokenizes and writes it (atomically), the others wait and read it,
-    memory-mapped. Returns (samples, stats, whether this call tokenized)."""
-    built = [False]
-
-    def build() -> dict[str, np.ndarray]:
-        built[0] = True
-        samples, stats = load_sft_samples([path], tokenizer, template, seq_length, skip_bad_lines)
-        stat_values = np.array([getattr(stats, f) for f in _STAT_FIELDS], dtype=np.int64)
-        return {**samples_to_arrays(samples, tokenizer.vocab_size), "stats": stat_values}
-
-    directory = sft_cache_dir(path, tokenizer, template, seq_length, skip_bad_lines, cache_dir)
-    arrays = cached_npy_dir(directory, build)
-    samples = arrays_to_samples(arrays)
-    stats = SFTStats(**{f: int(v) for f, v in zip(_STAT_FIELDS, arrays["stats"].tolist())})
-    return samples, stats, built[0]
+) -> tuple[list[Sample], SFTStats, bool]:
+    """:func:`load_sft_samples` of one file, tokenized once and cached like pretraining indices (see
+    :func:`megacann.data.jsonl_records.cached_samples`). Returns (samples, stats, whether this call tokenized)."""
+    directory = records_cache_dir(path, tokenizer, template, seq_length, skip_bad_lines, cache_dir)
+    return cached_samples(
+        directory,
+        lambda: load_sft_samples([path], tokenizer, template, seq_length, skip_bad_lines),
+        SFTStats,
+        tokenizer.vocab_size,
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from megacann.constants import IGNORE_INDEX
+from megacann.data.epochs import EpochDataset
 from megacann.data.random_order import permutation
 
 
@@ -31,7 +32,7 @@ def greedy_packs(lengths: list[int], order: np.ndarray, seq_length: int) -> list
     return packs
 
 
-class SFTDataset:
+class SFTDataset(EpochDataset):
     """Sequences of ``seq_length`` tokens from SFT samples; items are dicts of model inputs (NumPy)."""
 
     def __init__(
@@ -45,16 +46,13 @@ class SFTDataset:
     ):
         if not samples:
             raise ValueError(f"{name}: no SFT samples to train on")
-        self.samples, self.seq_length, self.seed, self.pad_id, self.pack = samples, seq_length, seed, pad_id, pack
-        self.name = name
+        self.samples, self.seq_length, self.pad_id, self.pack = samples, seq_length, pad_id, pack
         order = permutation(len(samples), seed, 0, 3)
         if pack:
             self.packs = greedy_packs([len(ids) for ids, _ in samples], order, seq_length)
         else:
             self.packs = [[int(i)] for i in order]
-        self.samples_per_epoch = len(self.packs)
-        self.num_samples = 0
-        self._epoch_orders: dict[int, np.ndarray] = {}
+        super().__init__(len(self.packs), seed, name)
 
     @property
     def fill_ratio(self) -> float:
@@ -62,20 +60,8 @@ class SFTDataset:
         used = sum(len(ids) for ids, _ in self.samples)
         return used / (self.samples_per_epoch * self.seq_length)
 
-    def prepare(self, num_samples: int) -> SFTDataset:
-        self.num_samples = max(self.num_samples, num_samples)
-        return self
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"{self.name}: sequence {i} out of range (prepared {self.num_samples})")
-        epoch, local = divmod(int(i), self.samples_per_epoch)
-        if epoch not in self._epoch_orders:
-            self._epoch_orders[epoch] = permutation(self.samples_per_epoch, self.seed, epoch, 4)
-        return self.sequence(self.packs[int(self._epoch_orders[epoch][local])])
+    def item(self, epoch: int, local: int) -> dict[str, np.ndarray]:
+        return self.sequence(self.packs[int(self.epoch_order(epoch, self.samples_per_epoch, 4)[local])])
 
     def sequence(self, members: list[int]) -> dict[str, np.ndarray]:
         """Model inputs for one pack of sample indices."""

@@ -24,6 +24,10 @@ response length in tokens:
   those means;
 - ``simpo`` (reference-free): ``-(1-e) logsig(b (pi_c/n_c - pi_r/n_r) - g) - e logsig(-...)``,
   ``g`` = ``simpo_gamma``; rewards ``b pi / n``.
+
+Any of them plus ``a * (-pi_c / n_c)`` with ``a`` = ``sft_loss_weight`` > 0: the chosen answer's mean
+per-token negative log-likelihood (an SFT term, as in RPO), which keeps the chosen answers' likelihood
+from falling while the margin grows.
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ STAT_NAMES = ("pairs", "chosen_reward_sum", "rejected_reward_sum", "correct_pair
 @dataclass(frozen=True)
 class PreferenceLoss:
     """A preference objective: ``loss_type`` one of :data:`LOSS_TYPES`, ``beta``, ``label_smoothing``
-    (sigmoid, simpo) and ``simpo_gamma``."""
+    (sigmoid, simpo), ``simpo_gamma`` and ``sft_loss_weight`` (the chosen answers' NLL term)."""
 
     loss_type: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    sft_loss_weight: float = 0.0
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -61,7 +66,7 @@ class PreferenceLoss:
     @classmethod
     def from_config(cls, dpo) -> PreferenceLoss:
         """From the recipe's ``dpo`` section."""
-        return cls(dpo.loss_type, dpo.beta, dpo.label_smoothing, dpo.simpo_gamma)
+        return cls(dpo.loss_type, dpo.beta, dpo.label_smoothing, dpo.simpo_gamma, dpo.sft_loss_weight)
 
     @property
     def needs_reference(self) -> bool:
@@ -72,6 +77,7 @@ class PreferenceLoss:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, chosen reward, rejected reward) per pair, from sequence log-probabilities ``[2n]`` (rows
         chosen, rejected, chosen, ...) of the policy and the reference, and response lengths ``[2n]``."""
+        chosen_nll = -policy[0::2] / lengths[0::2]  # the SFT term's: mean over the chosen answer's tokens
         if self.loss_type in ("ipo", "simpo"):
             policy = policy / lengths
             reference = reference / lengths if reference is not None else None
@@ -89,6 +95,8 @@ class PreferenceLoss:
         else:
             h = b * (chosen - rejected) - (self.simpo_gamma if self.loss_type == "simpo" else 0.0)
             loss = -(1.0 - e) * F.logsigmoid(h) - e * F.logsigmoid(-h)
+        if self.sft_loss_weight:
+            loss = loss + self.sft_loss_weight * chosen_nll
         return loss, (b * chosen).detach(), (b * rejected).detach()
 
 

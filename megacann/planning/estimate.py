@@ -4,6 +4,12 @@ Activations are counted per micro-batch in flight: the stage's own schedule plan
 runs, from ``megacann.pipeline.plan``) is replayed, adding a model chunk's activations at each forward and
 removing them at its backward, so 1F1B's ``pp - stage`` micro-batches on stage ``stage`` and interleaving's
 extra chunks come out of the real schedule, not an approximation of it.
+
+``train_mode: dpo`` with a reference copy (``dpo.reference`` copy, or auto without LoRA) holds the starting
+weights once more, built and sharded like the policy: its weights only (no gradients, no optimizer state,
+never ZeRO-sharded). Its forward pass runs under ``no_grad`` before the policy's forward-backward, so it
+saves no activations. ``adapters_off`` reuses the policy; ``precomputed`` holds 4 bytes per sequence of the
+data (not counted: the planner does not read the data).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from megacann.planning.formulas import (
     layer_parameters_per_rank,
     padded_vocab,
     query_width,
+    weight_bytes_per_param,
 )
 from megacann.planning.placement import placed_static_bytes
 
@@ -45,6 +52,7 @@ class StageEstimate:
     expert_params: int = 0  # of ``params``: routed experts' (ZeRO shards them over dp / ep x cp)
     host_optimizer: float = 0.0  # optim.offload_optimizer: masters, state and gradient staging in host memory
     host_activations: float = 0.0  # peak of the offloaded layers' saved activations in host memory
+    reference: float = 0.0  # DPO's frozen reference copy: its weights, sharded like the policy's
 
     @property
     def host(self) -> float:
@@ -56,7 +64,7 @@ class StageEstimate:
 
     @property
     def total(self) -> float:
-        return self.static + self.activations
+        return self.static + self.reference + self.activations
 
 
 def _describe_layers(ids: list[int]) -> str:
@@ -95,6 +103,16 @@ def mtp_terms(cfg: MegacannConfig, layout: Layout) -> tuple[int, int, float]:
     layer = layer_activation_bytes(cfg, layout, layout.recompute, is_moe_layer(m, last))
     head = sum(chunk_extra_terms(cfg, layout, False, True, False).values())
     return params, experts, depths * (layer + head)
+
+
+def reference_copy_bytes(cfg: MegacannConfig, params: int) -> float:
+    """Bytes of DPO's frozen reference copy on a device whose policy holds ``params`` parameters: the
+    weights in the model's dtype when the recipe builds a copy, else 0."""
+    if cfg.train_mode != "dpo":
+        return 0.0
+    from megacann.training.preference import reference_kind
+
+    return float(weight_bytes_per_param(cfg) * params) if reference_kind(cfg) == "copy" else 0.0
 
 
 def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEstimate:
@@ -149,6 +167,7 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         experts,
         static["host_optimizer"],
         host_peak,
+        reference_copy_bytes(cfg, params),
     )
 
 

@@ -27,19 +27,43 @@ def _gb(n: float) -> str:
 
 
 def stage_table(stages: list[StageEstimate]) -> list[str]:
-    """One row per stage; a ``host`` column (offloaded bytes, not in ``total``) when anything is offloaded."""
+    """One row per stage; a ``reference`` column (DPO's frozen copy, in ``total``) when the recipe builds one,
+    a ``host`` column (offloaded bytes, not in ``total``) when anything is offloaded."""
     host = any(s.host for s in stages)
-    header = (
-        f"{'stage':<6}{'params/device':>15}{'weights':>9}{'grads':>8}{'optimizer':>11}{'activations':>13}{'total':>8}"
-    )
+    reference = any(s.reference for s in stages)
+    header = f"{'stage':<6}{'params/device':>15}{'weights':>9}{'grads':>8}{'optimizer':>11}"
+    header += (f"{'reference':>11}" if reference else "") + f"{'activations':>13}{'total':>8}"
     lines = [header + (f"{'host':>8}" if host else "") + "  holds"]
     for s in stages:
         act = f"{_gb(s.activations)} ({s.in_flight})"
         lines.append(
-            f"{s.stage:<6}{s.params:>15,}{_gb(s.weights):>9}{_gb(s.grads):>8}{_gb(s.optimizer):>11}{act:>13}"
-            f"{_gb(s.total):>8}" + (f"{_gb(s.host):>8}" if host else "") + f"  {s.holds}"
+            f"{s.stage:<6}{s.params:>15,}{_gb(s.weights):>9}{_gb(s.grads):>8}{_gb(s.optimizer):>11}"
+            + (f"{_gb(s.reference):>11}" if reference else "")
+            + f"{act:>13}{_gb(s.total):>8}"
+            + (f"{_gb(s.host):>8}" if host else "")
+            + f"  {s.holds}"
         )
     return lines
+
+
+def reference_line(cfg: MegacannConfig, stages: list[StageEstimate]) -> Optional[str]:
+    """What DPO's reference policy costs the devices (None outside train_mode dpo)."""
+    if cfg.train_mode != "dpo":
+        return None
+    from megacann.training.preference import reference_kind
+
+    kind = reference_kind(cfg)
+    if kind == "copy":
+        largest = max(stages, key=lambda s: s.reference)
+        return (
+            f"DPO reference: a frozen copy of the starting weights, sharded like the policy: {_gb(largest.reference)} "
+            f"GB on stage {largest.stage}'s devices (weights only: no gradients or optimizer state; in the total)"
+        )
+    return {
+        "none": "DPO reference: none (simpo is reference-free)",
+        "adapters_off": "DPO reference: the policy's frozen base with the adapters off: no memory of its own",
+        "precomputed": "DPO reference: precomputed log-probabilities, 4 bytes per sequence of the data (not counted)",
+    }[kind]
 
 
 def unsharded_lines(cfg: MegacannConfig, params: int) -> list[str]:
@@ -90,6 +114,9 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
         f"weights + gradients + optimizer: {_gb(whole)} GB unsharded -> {_gb(largest.static)} GB on stage "
         f"{largest.stage}'s devices ({split}{zero})"
     )
+    reference = reference_line(cfg, stages)
+    if reference:
+        lines.append(reference)
     if layout.offload_optimizer:
         lines.append(
             f"optimizer offload: fp32 masters, state and gradient staging in host memory, "

@@ -88,21 +88,22 @@ def _is_last_stage() -> bool:
 
 
 class PreferenceTraining:
-    """What a DPO run adds to the trainer: the wrapped forward step, the reference policy, the pair count
-    that normalises the loss, the rewards' figures and held-out evaluation."""
+    """The objective of ``train_mode: dpo`` (the interface of :class:`~megacann.training.objective.TokenObjective`):
+    the wrapped forward step, the reference policy, the pair count that normalises the loss, the rewards'
+    figures and held-out evaluation."""
 
     def __init__(self, cfg: MegacannConfig, spec: ModelSpec, policy: list[torch.nn.Module], device):
         self.cfg, self.spec, self.policy, self.device = cfg, spec, policy, device
-        self.objective = PreferenceLoss.from_config(cfg.dpo)
+        self.loss = PreferenceLoss.from_config(cfg.dpo)
         self.kind = reference_kind(cfg)
-        self.forward_step = preference_forward_step(spec.forward_step, self.objective)
+        self.forward_step = preference_forward_step(spec.forward_step, self.loss)
         self.schedule = get_forward_backward_func(cfg, spec.forward_step)
         self.reference = build_reference_copy(cfg, spec, device) if self.kind == "copy" else None
         self.table: Optional[torch.Tensor] = None  # precomputed: log-prob of every sequence of the data
         self.table_note = ""
 
     def describe(self) -> str:
-        o = self.objective
+        o = self.loss
         what = {
             "none": "none (reference-free)",
             "copy": "a frozen copy of the starting weights, sharded like the policy",
@@ -111,6 +112,7 @@ class PreferenceTraining:
         }[self.kind]
         extra = f", label_smoothing {o.label_smoothing}" if o.label_smoothing else ""
         extra += f", gamma {o.simpo_gamma}" if o.loss_type == "simpo" else ""
+        extra += f", plus {o.sft_loss_weight} x the chosen answers' NLL" if o.sft_loss_weight else ""
         return f"preference optimisation: {o.loss_type} loss, beta {o.beta}{extra}; reference: {what}{self.table_note}"
 
     # -- the reference ---------------------------------------------------------------------------------

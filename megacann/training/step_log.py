@@ -39,7 +39,7 @@ def start_lines(trainer: Trainer) -> list[str]:
         f"device {runtime.accelerator.device_type}, precision {cfg.model.precision}",
         ops.selection_line(runtime.accelerator.device_type),
         finetune.describe_base(trainer.lora_base, cfg),
-        trainer.preference.describe() if getattr(trainer, "preference", None) is not None else None,
+        trainer.objective.describe(),  # DPO: the loss and the reference policy
         finetune.memory_line(trainer.model_chunks, trainer.optimizer),
     ]
     return [line for line in lines if line]

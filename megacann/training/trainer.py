@@ -8,7 +8,6 @@ One :class:`Trainer` runs one rank. It knows the model only through its family's
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from megacann.config.offload_keys import offloaded_layer_ids
 from megacann.layers.activation_offload import offload_layer_activations
 from megacann.layers.compile import compile_blocks
 from megacann.models import ModelSpec
-from megacann.models.step_loss import count_target_tokens
 from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
 from megacann.training import finetune
@@ -32,7 +30,7 @@ from megacann.training.guards import StepGuard
 from megacann.training.hf_save import HFSaves
 from megacann.training.host_values import step_values_on_host
 from megacann.training.metrics import MetricsLogger
-from megacann.training.preference import PreferenceTraining
+from megacann.training.objective import build_objective
 from megacann.training.preflight import (
     check_checkpoint_model,
     check_output_dir,
@@ -114,14 +112,9 @@ class Trainer:
         self.params = [p for _, p in self.named_params]
         self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)
         self.schedule = LRSchedule.from_config(cfg.optim)
-        # train_mode dpo: per-pair losses from the family's forward step, and a reference policy
-        self.preference = (
-            PreferenceTraining(cfg, self.model_spec, self.model_chunks, self.device)
-            if cfg.train_mode == "dpo"
-            else None
-        )
-        step_fn = self.preference.forward_step if self.preference is not None else self.model_spec.forward_step
-        self.forward_backward = get_forward_backward_func(cfg, step_fn)
+        # what a step optimises: the per-token loss, or (train_mode dpo) per-pair losses and a reference policy
+        self.objective = build_objective(cfg, self.model_spec, self.model_chunks, self.device)
+        self.forward_backward = get_forward_backward_func(cfg, self.objective.forward_step)
         # logging.timers: per-stage forward/backward/transfer-wait seconds of each step, in the metrics
         timed = cfg.logging.timers or cfg.logging.profile_breakdown
         self.timeline = Timeline(self.runtime.accelerator.synchronize) if timed else None
@@ -160,15 +153,6 @@ class Trainer:
     def _next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         return [_to_device(next(self.data.train), self.device) for _ in range(self.cfg.optim.grad_accum_steps)]
 
-    def _global_token_count(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Target tokens in the whole global batch (every data-parallel rank's micro-batches). The batches
-        hold whole sequences (the cp ranks of one data-parallel rank read the same samples; the schedule
-        hands each its share), so counting them over the data-parallel group counts every token once.
-        A preference step counts pairs instead."""
-        if self.preference is not None:
-            return self.preference.count(micro_batches)
-        return count_target_tokens(micro_batches, ps.get_data_parallel_group())
-
     def _stage_timers(self) -> dict[str, list[float]]:
         """The last step's timeline of every pipeline stage (stage 0 first), known on every rank."""
         assert self.timeline is not None
@@ -196,10 +180,9 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.train()
         micro_batches = self._next_micro_batches()
-        if self.preference is not None:  # the reference policy's log-probabilities, into each micro-batch
-            self.preference.prepare(micro_batches, self.data)
+        self.objective.prepare(micro_batches, self.data)  # DPO: the reference policy's log-probabilities
         self.profiling.lap("data_wait")
-        num_tokens = self._global_token_count(micro_batches)
+        num_tokens = self.objective.count(micro_batches)  # the loss's normaliser: target tokens (DPO: pairs)
         lr = self.schedule.lr_at(self.state.step)
         self.optimizer.zero_grad()
         self.optimizer.set_lr(lr)
@@ -217,9 +200,7 @@ class Trainer:
         self.profiling.lap("schedule")
         self.optimizer.finalize_grads()
         self.profiling.lap("grad_comm")
-        figures = {**totals.reduce(num_tokens), "num_tokens": num_tokens}  # device tensors so far
-        if self.preference is not None:  # rewards, margins, accuracy: means over the pairs
-            figures = self.preference.figures(figures)
+        figures = self.objective.figures({**totals.reduce(num_tokens), "num_tokens": num_tokens})  # on the device
         host: dict[str, Any] = {}
 
         def veto(grad_norm: torch.Tensor) -> bool:
@@ -250,30 +231,16 @@ class Trainer:
     @guarded
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:
-        """Loss and perplexity on the held-out split (eval_iters global batches), or None without one."""
+        """The objective's held-out figures over eval_iters global batches (loss and perplexity; DPO: pair
+        loss, reward accuracy and margin), or None without a held-out split."""
         make_iter = self.data.valid
         iterator = make_iter() if make_iter is not None else None
         if iterator is None:
             return None
         for chunk in self.model_chunks:
             chunk.eval()
-        if self.preference is not None:  # mean pair loss, reward accuracy and margin
-            batches = (_to_device(b, self.device) for b in iterator)
-            return self.preference.evaluate(batches, self.forward_backward, self.data)
-        total_loss, total_tokens = 0.0, 0.0
-        for _ in range(self.cfg.logging.eval_iters):
-            try:
-                batches = [_to_device(next(iterator), self.device) for _ in range(self.cfg.optim.grad_accum_steps)]
-            except StopIteration:
-                break
-            num_tokens = self._global_token_count(batches)
-            totals = self.forward_backward(self.model_chunks, batches, loss_normalizer=1.0, forward_only=True)
-            total_loss += float(totals.reduce(num_tokens)["loss"]) * num_tokens.item()
-            total_tokens += num_tokens.item()
-        if total_tokens == 0:
-            return None
-        loss = total_loss / total_tokens
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        batches = (_to_device(b, self.device) for b in iterator)
+        return self.objective.evaluate(batches, self.forward_backward, self.data)
 
     # -- the loop -----------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:

@@ -1,0 +1,73 @@
+"""What a training step optimises, chosen by ``train_mode``: the trainer's one hook for it.
+
+The trainer runs any objective the same way: :meth:`prepare` completes the step's micro-batches (DPO: the
+reference policy's log-probabilities), :meth:`count` is the global normaliser of the loss, the family's
+``forward_step`` (possibly wrapped) runs in the schedule, :meth:`figures` turns the reduced sums into the
+logged figures, and :meth:`evaluate` scores held-out batches. :class:`TokenObjective` is pretraining's
+and SFT's per-token loss; ``train_mode: dpo`` gets
+:class:`~megacann.training.preference.PreferenceTraining`, which has the same methods.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+
+from megacann import parallel_state as ps
+from megacann.config import MegacannConfig
+from megacann.models import ModelSpec
+from megacann.models.step_loss import count_target_tokens
+
+
+class TokenObjective:
+    """Pretraining and SFT: the mean of the family's per-token loss over the global batch's target tokens."""
+
+    def __init__(self, cfg: MegacannConfig, spec: ModelSpec, policy: list[torch.nn.Module]):
+        self.cfg, self.policy = cfg, policy
+        self.forward_step = spec.forward_step
+
+    def describe(self) -> Optional[str]:
+        return None  # nothing to add to the run's opening lines
+
+    def prepare(self, micro_batches: list[dict], data) -> None:
+        """Nothing to add: the batches hold what the forward step reads."""
+
+    def count(self, micro_batches: list[dict]) -> torch.Tensor:
+        """Target tokens in the whole global batch (every data-parallel rank's micro-batches). The batches
+        hold whole sequences (the cp ranks of one data-parallel rank read the same samples; the schedule
+        hands each its share), so counting them over the data-parallel group counts every token once."""
+        return count_target_tokens(micro_batches, ps.get_data_parallel_group())
+
+    def figures(self, figures: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return figures
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterator[dict], forward_backward, data) -> Optional[dict[str, float]]:
+        """Loss and perplexity over ``logging.eval_iters`` held-out global batches (``batches``: this rank's
+        held-out micro-batches, on the device), or None when there is no target token."""
+        total_loss, total_tokens = 0.0, 0.0
+        for _ in range(self.cfg.logging.eval_iters):
+            micro_batches = list(itertools.islice(batches, self.cfg.optim.grad_accum_steps))
+            if len(micro_batches) < self.cfg.optim.grad_accum_steps:
+                break
+            num_tokens = self.count(micro_batches)
+            totals = forward_backward(self.policy, micro_batches, loss_normalizer=1.0, forward_only=True)
+            total_loss += float(totals.reduce(num_tokens)["loss"]) * num_tokens.item()
+            total_tokens += num_tokens.item()
+        if total_tokens == 0:
+            return None
+        loss = total_loss / total_tokens
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+def build_objective(cfg: MegacannConfig, spec: ModelSpec, policy: list[torch.nn.Module], device):
+    """The objective of ``train_mode``: DPO's (with its reference policy) or the per-token one."""
+    if cfg.train_mode == "dpo":
+        from megacann.training.preference import PreferenceTraining
+
+        return PreferenceTraining(cfg, spec, policy, device)
+    return TokenObjective(cfg, spec, policy)
