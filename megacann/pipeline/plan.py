@@ -226,6 +226,10 @@ def build_plan(
         raise ValueError(f"a schedule needs at least one micro-batch, got {num_microbatches}")
     if stages == 1:
         return no_pipelining_plan(num_microbatches, forward_only)
+    if schedule in ("zbv", "dualpipev"):
+        from megacann.pipeline.v_schedules import v_plan  # builds on this module's actions
+
+        return v_plan(schedule, stages, stage, num_microbatches, forward_only)
     if schedule not in (None, "1f1b", "interleaved"):
         from megacann.pipeline.zero_bubble import zero_bubble_plan  # builds on this module's actions
 
