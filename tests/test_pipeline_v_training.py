@@ -16,7 +16,9 @@ ZBV, DUALPIPEV = "distributed.pipeline_schedule=zbv", "distributed.pipeline_sche
 M2, M4, M8 = zb.M2, zb.M4, "optim.grad_accum_steps=8"
 L6 = "model.num_layers=6"
 zb.REFERENCES.setdefault("m8", [M8])  # one-process references of the dp 2 runs below
-zb.REFERENCES.setdefault("moe_m8", [M8, *zb.MOE])
+MOE4 = [*zb.MOE, "model.num_layers=4"]  # four blocks for the V of pp 2
+zb.REFERENCES.setdefault("moe4_m4", [M4, *MOE4])
+zb.REFERENCES.setdefault("moe4_m8", [M8, *MOE4])
 zb.REFERENCES.setdefault("l8_m8", [M8, "model.num_layers=8"])
 
 WORLD2 = {  # (overrides, reference); layers [1,2,2,1] in model order: stage 0 holds layers 0 and 5
@@ -37,14 +39,14 @@ WORLD4 = {
         [PP2, ZBV, M4, "distributed.context_parallel_size=2", "model.activation_checkpointing=full"],
         "m4",
     ),
-    "pp2_zbv_moe_ep2": ([PP2, ZBV, M2, *zb.MOE, "distributed.expert_parallel_size=2"], "moe_m4"),
-    "pp2_dualpipev_moe_ep2": ([PP2, DUALPIPEV, M4, *zb.MOE, "distributed.expert_parallel_size=2"], "moe_m8"),
+    "pp2_zbv_moe_ep2": ([PP2, ZBV, M2, *MOE4, "distributed.expert_parallel_size=2"], "moe4_m4"),
+    "pp2_dualpipev_moe_ep2": ([PP2, DUALPIPEV, M4, *MOE4, "distributed.expert_parallel_size=2"], "moe4_m8"),
     "pp2_zbv_lora_tp2": ([PP2, ZBV, M4, *zb.LORA, "distributed.tensor_parallel_size=2"], "lora_m4"),
 }
 zb.REFERENCES.setdefault("l8_m4", [M4, "model.num_layers=8"])
 # saved and resumed through test_checkpoint_resume's matrix (with dropout: every RNG stream restored)
 RESUME_WORLD4 = {
-    "pp4_zbv": [PP4, ZBV, M4],
+    "pp4_zbv": [PP4, ZBV, M4, "model.num_layers=8"],
     "pp2_dualpipev_dp2_zero1": [PP2, DUALPIPEV, M4, "distributed.zero_optimization=1"],
 }
 
