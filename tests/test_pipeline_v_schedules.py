@@ -35,7 +35,9 @@ def test_v_plans_run_every_f_b_w_once_per_chunk():
                 plan = build_plan(p, stage, m, schedule=schedule)
                 for chunk in (0, 1):
                     forwards = [a.micro_batch for a in plan if isinstance(a, Forward) and a.chunk == chunk]
-                    backs = [a.micro_batch for a in plan if isinstance(a, (Backward, BackwardInput)) and a.chunk == chunk]
+                    backs = [
+                        a.micro_batch for a in plan if isinstance(a, (Backward, BackwardInput)) and a.chunk == chunk
+                    ]
                     weights = [a.micro_batch for a in plan if isinstance(a, BackwardWeight) and a.chunk == chunk]
                     assert forwards == backs == list(range(m)), (schedule, p, m, stage)
                     split = [a.micro_batch for a in plan if isinstance(a, BackwardInput) and a.chunk == chunk]
@@ -48,8 +50,10 @@ def test_v_transfers_go_both_ways_and_stay_on_the_last_stage():
     """Stage 0 sends chunk 0's activations down and receives chunk 1's from below; the last stage hands
     chunk 0's output to chunk 1 in place, so it sends no activation at all for chunk 0."""
     plans = [build_plan(2, s, 4, schedule="zbv") for s in range(2)]
-    sent = [{(t.peer, t.kind, t.chunk) for a in plan if isinstance(a, VExchange) for t in a.transfers if t.send}
-            for plan in plans]
+    sent = [
+        {(t.peer, t.kind, t.chunk) for a in plan if isinstance(a, VExchange) for t in a.transfers if t.send}
+        for plan in plans
+    ]
     assert sent[0] == {(1, "activation", 0), (1, "gradient", 1)}
     assert sent[1] == {(-1, "activation", 1), (-1, "gradient", 0)}
     with pytest.raises(PlanError, match="made no activation to send"):
@@ -63,21 +67,31 @@ def test_v_placement():
     assert stage_layer_ids(8, 2, 1, 2, 1, v_shape=True) == [4, 5]
     assert stage_layer_ids(6, 2, 0, 2, 1, [1, 2, 2, 1], v_shape=True) == [5]
     cfg = tiny_config(
-        [*PP2, "distributed.pipeline_schedule=zbv", "model.num_layers=6", "distributed.pipeline_layers=[1,2,2,1]",
-         "optim.grad_accum_steps=4"],
+        [
+            *PP2,
+            "distributed.pipeline_schedule=zbv",
+            "model.num_layers=6",
+            "distributed.pipeline_layers=[1,2,2,1]",
+            "optim.grad_accum_steps=4",
+        ],
         world_size=2,
     )
     first, last = chunk_placements(cfg, 0), chunk_placements(cfg, 1)
     assert [(c.layer_ids, c.pre_process, c.post_process) for c in first] == [((0,), True, False), ((5,), False, True)]
-    assert [(c.layer_ids, c.pre_process, c.post_process) for c in last] == [((1, 2), False, False), ((3, 4), False, False)]
+    assert [(c.layer_ids, c.pre_process, c.post_process) for c in last] == [
+        ((1, 2), False, False),
+        ((3, 4), False, False),
+    ]
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16)])
 def test_zbv_idles_less_than_zb1p_with_the_memory_of_1f1b(p, m):
     """A V chunk does half a stage's work: with F = B = W per stage, ZB-V finishes before ZB-H1 and 1F1B,
     and holds at most 2p chunk activations (p micro-batches of a stage's layers, 1F1B's stage 0)."""
-    zbv, zb1p, one_f_one_b = simulate_schedule(p, m, schedule="zbv"), simulate_schedule(p, m, schedule="zb1p"), (
-        simulate_schedule(p, m)
+    zbv, zb1p, one_f_one_b = (
+        simulate_schedule(p, m, schedule="zbv"),
+        simulate_schedule(p, m, schedule="zb1p"),
+        (simulate_schedule(p, m)),
     )
     assert zbv.makespan < zb1p.makespan < one_f_one_b.makespan
     assert max(zbv.peak_in_flight) <= 2 * p
@@ -98,42 +112,74 @@ def test_dualpipev_phases():
         assert all(isinstance(item[0], BackwardWeight) for item in order[-(r + 1) :])
         pairs = [item for item in order if len(item) == 2]
         assert len(pairs) == 2 * (m - 2 * p + r + 1) + (p - r - 1)
-        assert all(isinstance(f, Forward) and isinstance(b, Backward) and f.micro_batch != b.micro_batch or
-                   f.chunk != b.chunk for f, b in pairs)
+        assert all(
+            isinstance(f, Forward) and isinstance(b, Backward) and f.micro_batch != b.micro_batch or f.chunk != b.chunk
+            for f, b in pairs
+        )
 
 
 def test_v_schedules_are_validated():
     assert schedule_error("zbv", 2, None) is None and schedule_error("dualpipev", 4, 2) is None
     assert "virtual_pipeline_size is 3: unset it or set it to 2" in schedule_error("zbv", 4, 3)
     assert "'zbv' needs pipeline_parallel_size > 1, got 1" in schedule_error("zbv", 1, None)
-    with pytest.raises(ConfigError, match=r"'dualpipev' needs at least 2 x pipeline_parallel_size = 4 micro-batches "
-                       r"\(optim.grad_accum_steps\), got 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'dualpipev' needs at least 2 x pipeline_parallel_size = 4 micro-batches "
+        r"\(optim.grad_accum_steps\), got 2",
+    ):
         tiny_config([*PP2, "distributed.pipeline_schedule=dualpipev", "optim.grad_accum_steps=2"], world_size=2)
     with pytest.raises(ValueError, match="at least 2 x pipeline_parallel_size = 8"):
         build_plan(4, 0, 7, schedule="dualpipev")
-    with pytest.raises(ConfigError, match=r"distributed.pipeline_layers \[2, 2\] must list 4 stage sizes .*"
-                       "2 chunks per stage of pipeline_schedule zbv"):
+    with pytest.raises(
+        ConfigError,
+        match=r"distributed.pipeline_layers \[2, 2\] must list 4 stage sizes .*"
+        "2 chunks per stage of pipeline_schedule zbv",
+    ):
         tiny_config([*PP2, "distributed.pipeline_schedule=zbv", "distributed.pipeline_layers=[2,2]"], world_size=2)
     with pytest.raises(ConfigError, match="model.tie_word_embeddings true"):
         tiny_config([*PP2, "distributed.pipeline_schedule=zbv", "model.tie_word_embeddings=true"], world_size=2)
     with pytest.raises(ConfigError, match="virtual_pipeline_size is 4"):
-        tiny_config([*PP2, "distributed.pipeline_schedule=zbv", "distributed.virtual_pipeline_size=4",
-                     "model.num_layers=8"], world_size=2)
-    cfg = tiny_config([*PP2, "distributed.pipeline_schedule=zbv", "distributed.virtual_pipeline_size=2",
-                       "optim.grad_accum_steps=4"], world_size=2)
+        tiny_config(
+            [*PP2, "distributed.pipeline_schedule=zbv", "distributed.virtual_pipeline_size=4", "model.num_layers=8"],
+            world_size=2,
+        )
+    cfg = tiny_config(
+        [*PP2, "distributed.pipeline_schedule=zbv", "distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=4"],
+        world_size=2,
+    )
     assert [c.post_process for c in chunk_placements(cfg, 0)] == [False, True]
 
 
 def test_dry_run_prints_the_v_schedules():
     for schedule, m in (("zbv", 4), ("dualpipev", 8)):
         cfg = tiny_config(
-            ["distributed.pipeline_parallel_size=4", f"distributed.pipeline_schedule={schedule}",
-             f"optim.grad_accum_steps={m}", "model.num_layers=8"],
+            [
+                "distributed.pipeline_parallel_size=4",
+                f"distributed.pipeline_schedule={schedule}",
+                f"optim.grad_accum_steps={m}",
+                "model.num_layers=8",
+            ],
             world_size=4,
         )
         text = describe(cfg)
         bubble, peaks = schedule_summary(4, m, None, schedule)
         assert f"-- pipeline: 4 stages, {schedule} (" in text and f"bubble {bubble:.1%}" in text
-        assert re.search(r"stage 0 \(ranks 0\): chunk 0: embedding, layer 0 \| chunk 1: layer 7, final norm, "
-                         rf"lm_head, loss; at most {peaks[0]} micro-batch chunks in flight", text)
+        assert re.search(
+            r"stage 0 \(ranks 0\): chunk 0: embedding, layer 0 \| chunk 1: layer 7, final norm, "
+            rf"lm_head, loss; at most {peaks[0]} micro-batch chunks in flight",
+            text,
+        )
         assert re.search(r"stage 3 \(ranks 3\): chunk 0: layer 3 \| chunk 1: layer 4;", text)
+        assert f"pipeline: {schedule}, {m} micro-batches, bubble {bubble:.1%}" in text  # the memory estimate's
+    uneven = tiny_config(
+        [
+            *PP2,
+            "distributed.pipeline_schedule=zbv",
+            "model.num_layers=6",
+            "distributed.pipeline_layers=[1,2,2,1]",
+            "optim.grad_accum_steps=4",
+        ],
+        world_size=2,
+    )
+    text = describe(uneven)  # the memory estimate places the V's blocks too
+    assert re.search(r"\n0 .* embedding \+ layer 0 \| layer 5 \+ output layer\n1 .* layers 1-2 \| layers 3-4\n", text)
