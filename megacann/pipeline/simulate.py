@@ -7,6 +7,9 @@ completes when both ends have posted it; an Exchange completes when all of its t
 backward take fixed times and transfers none, which gives the schedule's ideal timeline and bubble; a
 backward split into B and W (zero-bubble schedules) takes half of the backward's time in each unless told.
 It also counts each stage's peak number of micro-batches in flight (forward run, backward or W not yet).
+The V-shaped schedules (:mod:`megacann.pipeline.v_schedules`: two chunks per stage in a V, transfers listed
+by their ``VExchange``) run with ``v_shape=True``: their tensors go to the chunk's neighbour in the V or stay
+on the last stage, and every send must carry what its chunk made, oldest first.
 
 :func:`simulate` raises :class:`PlanError` when the plans would deadlock, mismatch a transfer, feed a
 chunk the wrong micro-batch or leave work undone; tests run it over many pipeline shapes in milliseconds.

@@ -106,7 +106,7 @@ def _sends(stages: int, stage: int, action: Action) -> list[Transfer]:
     return []
 
 
-def _needs(stages: int, stage: int, action: Action) -> Optional[tuple[int, Action]]:
+def _needs(stages: int, stage: int, action: Action) -> Optional[tuple[int, object]]:
     """(stage, action) whose result ``action`` consumes, or None (a W needs only its own B)."""
     c, i = action.chunk, action.micro_batch
     if isinstance(action, Forward):
@@ -135,6 +135,17 @@ def _ready(stages: int, stage: int, action: Action, done: list[dict]) -> bool:
     return need is None or need[1] in done[need[0]]
 
 
+def _item_ready(stages: int, stage: int, item: Item, done: list[dict]) -> bool:
+    """Every action of ``item`` has what it needs: made in an earlier slot, or earlier in the same item."""
+    earlier = set()
+    for action in item:
+        need = _needs(stages, stage, action)
+        if need is not None and need[1] not in done[need[0]] and not (need[0] == stage and need[1] in earlier):
+            return False
+        earlier.add(_key(action))
+    return True
+
+
 def _in_order(stages: int, orders: list[list[Item]]) -> list[list[Optional[Item]]]:
     """Lay each stage's items on the slot clock: the next item runs in the first slot after what it needs."""
     p = stages
@@ -146,9 +157,7 @@ def _in_order(stages: int, orders: list[list[Item]]) -> list[list[Optional[Item]
         ran = []
         for s in range(p):
             item = orders[s][pc[s]] if pc[s] < len(orders[s]) else None
-            ok = item is not None and all(
-                _ready(p, s, a, done) or any(_key(b) == _needs(p, s, a)[1] for b in item[: item.index(a)]) for a in item
-            )
+            ok = item is not None and _item_ready(p, s, item, done)
             slots[s].append(item if ok else None)
             if ok:
                 ran.append((s, item))
