@@ -14,19 +14,20 @@ import test_pipeline_zero_bubble_training as zb
 PP2, PP4 = zb.PP2, zb.PP4
 ZBV, DUALPIPEV = "distributed.pipeline_schedule=zbv", "distributed.pipeline_schedule=dualpipev"
 M2, M4, M8 = zb.M2, zb.M4, "optim.grad_accum_steps=8"
-L6 = "model.num_layers=6"
+SMALL = ["model.num_layers=5", "model.hidden_size=32", "model.ffn_hidden_size=64", "data.seq_length=16"]
+zb.REFERENCES.setdefault("small_m4", [M4, *SMALL])
 zb.REFERENCES.setdefault("m8", [M8])  # one-process references of the dp 2 runs below
 MOE4 = [*zb.MOE, "model.num_layers=4"]  # four blocks for the V of pp 2
 zb.REFERENCES.setdefault("moe4_m4", [M4, *MOE4])
 zb.REFERENCES.setdefault("moe4_m8", [M8, *MOE4])
 zb.REFERENCES.setdefault("l8_m8", [M8, "model.num_layers=8"])
 
-WORLD2 = {  # (overrides, reference); layers [1,2,2,1] in model order: stage 0 holds layers 0 and 5
-    "pp2_zbv_uneven": ([PP2, ZBV, M4, L6, "distributed.pipeline_layers=[1,2,2,1]"], "l6_m4"),
-    "pp2_dualpipev_uneven": ([PP2, DUALPIPEV, M4, L6, "distributed.pipeline_layers=[2,1,2,1]"], "l6_m4"),
+WORLD2 = {  # (overrides, reference); blocks [1,2,1,1] in model order: stage 0 holds layers 0 and 4
+    "pp2_zbv_uneven": ([PP2, ZBV, M4, *SMALL, "distributed.pipeline_layers=[1,2,1,1]"], "small_m4"),
+    "pp2_dualpipev_uneven": ([PP2, DUALPIPEV, M4, *SMALL, "distributed.pipeline_layers=[2,1,1,1]"], "small_m4"),
 }
 # which layers each stage's two chunks hold (chunk 0: block s, chunk 1: block 2p - 1 - s)
-PLACED = {"pp2_zbv_uneven": [[0, 5], [1, 2, 3, 4]], "pp2_dualpipev_uneven": [[0, 1, 5], [2, 3, 4]]}
+PLACED = {"pp2_zbv_uneven": [[0, 4], [1, 2, 3]], "pp2_dualpipev_uneven": [[0, 1, 4], [2, 3]]}
 TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
 WORLD4 = {
     "pp4_zbv": ([PP4, ZBV, M4, "model.num_layers=8"], "l8_m4"),
@@ -70,15 +71,15 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference2(tmp_path_factory):
-    return {"l6_m4": zb._merge([zb._reference(["l6_m4"], str(tmp_path_factory.mktemp("vref2")))], "l6_m4")}
+    return {"small_m4": zb._merge([zb._reference(["small_m4"], str(tmp_path_factory.mktemp("vref2")))], "small_m4")}
 
 
 @pytest.mark.parametrize("layout", sorted(WORLD2))
 def test_pp2_v_schedule_uneven_matches_one_process_and_follows_its_plan(world2, reference2, layout):
     got = world2[layout]
     zb._check_layout_on(got, WORLD2[layout][0])
-    assert len(got["losses"]) == len(reference2["l6_m4"]["losses"]) == zb.STEPS
-    zb._check_parity(got, reference2["l6_m4"])
+    assert len(got["losses"]) == len(reference2["small_m4"]["losses"]) == zb.STEPS
+    zb._check_parity(got, reference2["small_m4"])
     zb._check_trace(got, split=True)  # both split backwards (dualpipev in its zero-bubble phases)
     _check_v_placement(got, PLACED[layout])
 
