@@ -16,7 +16,9 @@ A plan is a list of three kinds of action:
 Plans are pure functions of (stages, stage, virtual stages, micro-batches), so every rank can build any
 rank's plan, and :mod:`megacann.pipeline.simulate` can check that all plans of a pipeline pair up without
 deadlock, deliver every tensor where it belongs, and estimate the bubble. Model chunk ``c`` of stage ``s``
-is model segment ``c * stages + s`` (see :func:`megacann.pipeline.partition.stage_layer_ids`).
+is model segment ``c * stages + s`` (see :func:`megacann.pipeline.partition.stage_layer_ids`); the V-shaped
+schedules (:mod:`megacann.pipeline.v_schedules`) place chunk 1 of stage s at segment ``2 * stages - 1 - s``
+and list their transfers in a ``VExchange`` instead.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ step's gradients are finalised.
 All schedules run a plan (:mod:`megacann.pipeline.plan`) with one executor, :func:`run_plan`: no
 pipelining is a plan without transfers, 1F1B and interleaved 1F1B add the transfers of
 :mod:`megacann.pipeline.p2p`, the zero-bubble schedules (:mod:`megacann.pipeline.zero_bubble`) split
-backwards into B and W (:mod:`megacann.pipeline.split_backward`). ``forward_only=True`` runs forwards
+backwards into B and W (:mod:`megacann.pipeline.split_backward`), the V-shaped ones
+(:mod:`megacann.pipeline.v_schedules`, ``v_shape=True``) hold two chunks per stage in a V and list each
+step's transfers, both ways, in a ``VExchange``. ``forward_only=True`` runs forwards
 alone (evaluation). ``trace=[]`` records what the executor really ran, in order: each compute action and
 each point-to-point transfer by the name p2p posted it under (tests compare it with the plan).
 """
