@@ -10,6 +10,7 @@ from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.models.spec import ChunkPlacement, ModelSpec, get_model_spec
 from megacann.pipeline.rules import V_SHAPED
+from megacann.pipeline.v_schedules import v_chunk_segment
 
 
 def stage_layer_ids(
@@ -40,7 +41,7 @@ def stage_layer_ids(
     if v_shape:
         if vpp != 2:
             raise ValueError(f"the V placement holds two chunks per stage, got virtual_size {virtual_size}")
-        segment = pipeline_rank if virtual_rank == 0 else 2 * pipeline_size - 1 - pipeline_rank
+        segment = v_chunk_segment(pipeline_size, pipeline_rank, virtual_rank)
     start = sum(pipeline_layers[:segment])
     return list(range(start, start + pipeline_layers[segment]))
 
