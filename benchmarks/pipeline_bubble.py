@@ -3,13 +3,16 @@ prediction beside them, on CPU with gloo.
 
     python benchmarks/pipeline_bubble.py [--micro_batches 8] [--steps 2] [--layers 8] [--hidden 256]
 
-For pp 2 and 4, each with 1F1B, interleaved 1F1B (2 virtual stages) and zb1p (ZB-H1, backward split into
-B and W), one process per stage trains a small LLaMA with ``logging.timers: true``; after a warm-up step,
+For pp 2 and 4, each with 1F1B, interleaved 1F1B (2 virtual stages), zb1p (ZB-H1, backward split into
+B and W), zbv (ZB-V: two chunks per stage in a V, B and W split) and dualpipev (DualPipeV: the same V,
+forward and backward of two micro-batches paired back to back), one process per stage trains a small LLaMA with ``logging.timers: true``; after a warm-up step,
 every stage's forward, backward (B), weight-gradient (W) and transfer-wait seconds are summed over the
 measured steps. Idle = 1 - (forward + backward + W) / wall time of the schedule; step = the slowest
 stage's wall time per step. ``--repeat N`` runs the cases N times in turn and keeps each one's fastest run
-(the load of a shared machine drifts between cases). "sim" is the same plans simulated with this run's mean forward, backward, B
-and W times and free transfers (idle per stage, step time). zbv and dualpipev are listed as not built.
+(the load of a shared machine drifts between cases). "sim" is the same plans simulated with this run's mean
+forward, backward (a fused backward and a B taken as equally long: each runs the whole backward graph once)
+and W times per action, scaled to a stage's share of the layers, and free transfers (idle per stage, step
+time). dualpipev needs m >= 2 pp.
 
 Each process is single-threaded. With fewer cores than stages the stages share cores: the steady state,
 when all stages compute, runs slower than the warm-up and cool-down, so the measured bubble is then
@@ -28,7 +31,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CASES = [(p, v, s) for p in (2, 4) for v, s in ((None, "1f1b"), (2, "interleaved"), (None, "zb1p"))]
+SCHEDULES = ((None, "1f1b"), (2, "interleaved"), (None, "zb1p"), (None, "zbv"), (None, "dualpipev"))
+CASES = [(p, v, s) for p in (2, 4) for v, s in SCHEDULES]
 
 
 def _free_port() -> int:
@@ -149,7 +153,8 @@ def main() -> None:
             pp, schedule = case.split(":")
             cases.append((int(pp), 2 if schedule == "interleaved" else None, schedule))
 
-    from megacann.pipeline.rules import NOT_BUILT
+    from megacann.pipeline.plan import Backward, BackwardInput, BackwardWeight, Forward, build_plan
+    from megacann.pipeline.rules import V_SHAPED
     from megacann.pipeline.simulate import simulate_schedule
 
     m = args.micro_batches
@@ -168,17 +173,21 @@ def main() -> None:
     for case in cases:
         pp, virtual, schedule = case
         totals = best[case]
-        v = virtual or 1
-        actions = pp * m * v * args.steps  # forwards (and backwards) run by all stages together
-        forward, backward = sum(totals["forward_s"]) / actions, sum(totals["backward_s"]) / actions
-        weight = sum(totals["weight_s"]) / actions
+        plan = [a for stage in range(pp) for a in build_plan(pp, stage, m, virtual, schedule=schedule)]
+        counts = {kind: sum(isinstance(a, kind) for a in plan) * args.steps for kind in (Forward, BackwardWeight)}
+        counts[Backward] = sum(isinstance(a, (Backward, BackwardInput)) for a in plan) * args.steps
+        # per action, scaled to a stage's share of the layers (a V chunk holds half; the simulator halves it back)
+        scale = 2 if schedule in V_SHAPED else 1
+        forward = scale * sum(totals["forward_s"]) / counts[Forward]
+        backward = scale * sum(totals["backward_s"]) / counts[Backward]
+        weight = scale * sum(totals["weight_s"]) / counts[BackwardWeight] if counts[BackwardWeight] else 0.0
         sim = simulate_schedule(
             pp,
             m,
             virtual,
             schedule=schedule,
             forward_time=forward,
-            backward_time=backward + weight,
+            backward_time=backward,
             input_time=backward,
             weight_time=weight,
         )
@@ -192,8 +201,6 @@ def main() -> None:
                 f"{1 - busy / totals['wall_s'][stage]:>7.1%} {sim.idle_fraction(stage):>7.1%} "
                 f"{step:>7.3f} {sim.makespan:>7.3f}"
             )
-    for schedule, why in NOT_BUILT.items():
-        print(f"    {schedule}: not built ({why})")
 
 
 if __name__ == "__main__":

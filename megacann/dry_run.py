@@ -50,6 +50,13 @@ def _fmt_layers(ids: list[int]) -> str:
     return f"layer {ids[0]}" if len(ids) == 1 else f"layers {ids[0]}-{ids[-1]}"
 
 
+V_NAMES = {  # the V-shaped schedules: two chunks per stage, stage s holding segments s and 2p - 1 - s
+    "zbv": "zbv (V-shaped zero bubble, 2 chunks per stage in a V, backward split into input and weight gradients)",
+    "dualpipev": "dualpipev (DualPipeV, 2 chunks per stage in a V, forward and backward of two micro-batches "
+    "paired, run back to back)",
+}
+
+
 def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
     """Which layers (and embedding, final norm, head) each pipeline stage and virtual chunk holds."""
     d, m = cfg.distributed, cfg.model
@@ -61,6 +68,8 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
         name = f"interleaved 1F1B, {vpp} chunks per stage" if vpp > 1 else "1F1B"
         if d.pipeline_schedule == "zb1p":
             name = "zb1p (ZB-H1 zero bubble: backward split into input and weight gradients)"
+        elif d.pipeline_schedule in V_NAMES:
+            name = V_NAMES[d.pipeline_schedule]
         bubble, in_flight = schedule_summary(pp, micro, vpp, d.pipeline_schedule)
         if d.pipeline_schedule is None:
             bubble = pipeline_bubble_fraction(pp, micro, vpp)  # the simulator's figure, by the formula
@@ -87,7 +96,8 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
                 if depths:  # multi-token prediction: on the last stage, with the embedding it needs
                     copy = ", its embedding a copy of stage 0's" if pp > 1 and not tied else ""
                     parts.append(f"{depths} multi-token prediction depth{'s' if depths > 1 else ''}{copy}")
-            chunks.append((f"chunk {len(chunks)}: " if vpp > 1 else "") + ", ".join(parts))
+            several = vpp > 1 or d.pipeline_schedule in V_NAMES
+            chunks.append((f"chunk {len(chunks)}: " if several else "") + ", ".join(parts))
         peak = f"; at most {in_flight[stage]} micro-batch chunks in flight" if in_flight else ""
         lines.append(f"stage {stage} (ranks {_fmt_ranks(ranks)}): " + " | ".join(chunks) + peak)
     return lines

@@ -66,8 +66,9 @@ RESUME_WORLD4 = {"pp4_zb1p": [PP4, ZB, M4], "pp2_zb1p_dp2_zero1": [PP2, ZB, M2, 
 def expected_trace(plan: list, stage: int) -> list:
     """What an executor that follows ``plan`` runs: each compute action, and each Exchange's transfers in
     the order p2p posts them (even stages: send next, receive previous, send previous, receive next; odd
-    stages: receive previous, send next, receive next, send previous)."""
+    stages: receive previous, send next, receive next, send previous); a V exchange's transfers as listed."""
     from megacann.pipeline.plan import Exchange
+    from megacann.pipeline.v_schedules import VExchange
 
     order = (
         ("send_next", "recv_prev", "send_prev", "recv_next")
@@ -76,6 +77,9 @@ def expected_trace(plan: list, stage: int) -> list:
     )
     out = []
     for action in plan:
+        if isinstance(action, VExchange):
+            out += list(action.transfers)
+            continue
         if not isinstance(action, Exchange):
             out.append(action)
             continue

@@ -21,6 +21,7 @@ error naming both, never a silent mismatch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -128,3 +129,44 @@ def exchange(
                 for work in pending:
                     work.wait()
     return from_prev, from_next
+
+
+def exchange_in_order(
+    transfers: Sequence[tuple[object, int, Optional[torch.Tensor]]],
+    *,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    timeline: Optional[Timeline] = None,
+    posted: Optional[list] = None,
+) -> list[Optional[torch.Tensor]]:
+    """Transfers posted in exactly the order given, then all waited for: the V-shaped schedules' steps,
+    whose links carry tensors both ways (:mod:`megacann.pipeline.v_schedules` fixes an order both ends of a
+    link share). Each transfer is ``(name, peer, tensor)``: ``peer`` +1 for the next stage, -1 for the
+    previous (no wrap-around), ``tensor`` what to send, or None to receive one. ``posted`` receives each
+    name as its transfer is posted. Returns the received tensors in order (None for a send)."""
+    ranks = ps.get_pipeline_model_parallel_ranks()
+    stage = ps.get_pipeline_model_parallel_rank()
+    group = ps.get_pipeline_model_parallel_group()
+    received: list[Optional[torch.Tensor]] = []
+    receives, sends = [], []
+    for name, peer, tensor in transfers:
+        if not 0 <= stage + peer < len(ranks):
+            raise ValueError(f"pipeline stage {stage}: {name} goes to stage {stage + peer}, which does not exist")
+        rank = ranks[stage + peer]
+        if posted is not None:
+            posted.append(name)
+        if tensor is None:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            receives.append(dist.irecv(buffer, rank, group=group))
+            received.append(buffer)
+        else:
+            outgoing = _check(tensor, shape, dtype, f"{name}'s tensor")  # kept alive until sent
+            sends.append((dist.isend(outgoing, rank, group=group), outgoing))
+            received.append(None)
+    for kind, pending in (("recv_wait", receives), ("send_wait", [work for work, _ in sends])):
+        if pending:
+            with Timeline.span_of(timeline, kind):
+                for work in pending:
+                    work.wait()
+    return received

@@ -16,7 +16,9 @@ A plan is a list of three kinds of action:
 Plans are pure functions of (stages, stage, virtual stages, micro-batches), so every rank can build any
 rank's plan, and :mod:`megacann.pipeline.simulate` can check that all plans of a pipeline pair up without
 deadlock, deliver every tensor where it belongs, and estimate the bubble. Model chunk ``c`` of stage ``s``
-is model segment ``c * stages + s`` (see :func:`megacann.pipeline.partition.stage_layer_ids`).
+is model segment ``c * stages + s`` (see :func:`megacann.pipeline.partition.stage_layer_ids`); the V-shaped
+schedules (:mod:`megacann.pipeline.v_schedules`) place chunk 1 of stage s at segment ``2 * stages - 1 - s``
+and list their transfers in a ``VExchange`` instead.
 """
 
 from __future__ import annotations
@@ -226,6 +228,10 @@ def build_plan(
         raise ValueError(f"a schedule needs at least one micro-batch, got {num_microbatches}")
     if stages == 1:
         return no_pipelining_plan(num_microbatches, forward_only)
+    if schedule in ("zbv", "dualpipev"):
+        from megacann.pipeline.v_schedules import v_plan  # builds on this module's actions
+
+        return v_plan(schedule, stages, stage, num_microbatches, forward_only)
     if schedule not in (None, "1f1b", "interleaved"):
         from megacann.pipeline.zero_bubble import zero_bubble_plan  # builds on this module's actions
 

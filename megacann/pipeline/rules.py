@@ -10,12 +10,12 @@ from megacann.config import ConfigError, MegacannConfig
 BUBBLE_ADVICE = 0.25  # advise when a pipeline idles longer than this share of a step
 
 SCHEDULES = ("1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
-NOT_BUILT = {
-    "zbv": "the V-shaped zero-bubble schedule needs the V placement (stage s holding model segments s and "
-    "2p - 1 - s, the loss on stage 0) and transfers in both directions, which megacann does not build yet",
-    "dualpipev": "DualPipeV needs the V placement (stage s holding model segments s and 2p - 1 - s) and "
-    "transfers in both directions, which megacann does not build yet",
-}
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per stage in a V (megacann.pipeline.v_schedules)
+
+
+def chunks_per_stage(schedule: Optional[str], virtual_size: Optional[int]) -> int:
+    """Model chunks each pipeline stage holds: 2 for the V-shaped schedules, else virtual_pipeline_size."""
+    return 2 if schedule in V_SHAPED else virtual_size or 1
 
 
 def schedule_error(schedule: Optional[str], pipeline_size: int, virtual_size: Optional[int]) -> Optional[str]:
@@ -24,11 +24,14 @@ def schedule_error(schedule: Optional[str], pipeline_size: int, virtual_size: Op
         return None
     if schedule not in SCHEDULES:
         return f"distributed.pipeline_schedule must be one of {', '.join(SCHEDULES)} (or unset), got {schedule!r}"
-    if schedule in NOT_BUILT:
-        return f"distributed.pipeline_schedule {schedule!r} is not available: {NOT_BUILT[schedule]}; use zb1p"
     vpp = virtual_size or 1
     if pipeline_size < 2:
         return f"distributed.pipeline_schedule {schedule!r} needs pipeline_parallel_size > 1, got {pipeline_size}"
+    if schedule in V_SHAPED and vpp not in (1, 2):
+        return (
+            f"distributed.pipeline_schedule {schedule!r} runs two model chunks per stage placed as a V, but "
+            f"distributed.virtual_pipeline_size is {vpp}: unset it or set it to 2"
+        )
     if schedule == "interleaved" and vpp < 2:
         return (
             f"distributed.pipeline_schedule 'interleaved' needs distributed.virtual_pipeline_size >= 2, "
@@ -76,7 +79,7 @@ def _check_stage_sizes(cfg: MegacannConfig, source: str) -> None:
     pp = d.pipeline_parallel_size
     if d.virtual_pipeline_size is not None and d.virtual_pipeline_size < 1:
         raise ConfigError(f"{source}: distributed.virtual_pipeline_size must be >= 1, got {d.virtual_pipeline_size}")
-    vpp = d.virtual_pipeline_size or 1
+    vpp = chunks_per_stage(d.pipeline_schedule, d.virtual_pipeline_size)
     if vpp > 1 and pp < 2:
         raise ConfigError(
             f"{source}: distributed.virtual_pipeline_size {vpp} needs pipeline_parallel_size > 1, got {pp}"
@@ -89,13 +92,43 @@ def _check_stage_sizes(cfg: MegacannConfig, source: str) -> None:
         if len(d.pipeline_layers) != pp * vpp or sum(d.pipeline_layers) != layers:
             raise ConfigError(
                 f"{source}: distributed.pipeline_layers {d.pipeline_layers} must list {pp * vpp} stage sizes "
-                f"(pipeline_parallel_size {pp} x virtual_pipeline_size {vpp}) summing to model.num_layers {layers}"
+                f"(pipeline_parallel_size {pp} x {_chunks_name(d.pipeline_schedule, vpp)}) summing to "
+                f"model.num_layers {layers}"
             )
     elif layers % (pp * vpp):
         raise ConfigError(
             f"{source}: model.num_layers {layers} is not divisible by pipeline_parallel_size {pp} x "
-            f"virtual_pipeline_size {vpp} = {pp * vpp} (or give distributed.pipeline_layers)"
+            f"{_chunks_name(d.pipeline_schedule, vpp)} = {pp * vpp} (or give distributed.pipeline_layers)"
         )
+
+
+def _chunks_name(schedule: Optional[str], chunks: int) -> str:
+    if schedule in V_SHAPED:
+        return f"{chunks} chunks per stage of pipeline_schedule {schedule}, in model order"
+    return f"virtual_pipeline_size {chunks}"
+
+
+def _check_v_shaped(cfg: MegacannConfig, source: str) -> None:
+    """What the V placement does not build: the head's tied embedding and MTP's copy of it sit on stage 0
+    beside the embedding, in another chunk, and the embedding group sums their gradients between stage 0
+    and the last stage; preference training (dpo) reads its log-probabilities on the last stage."""
+    from megacann.models.mtp import mtp_depths  # the family's key, when it has one
+    from megacann.pipeline.v_schedules import v_schedule_error
+
+    d = cfg.distributed
+    name = f"distributed.pipeline_schedule {d.pipeline_schedule!r}"
+    error = v_schedule_error(d.pipeline_schedule, d.pipeline_parallel_size, cfg.optim.grad_accum_steps)
+    if error:
+        raise ConfigError(f"{source}: {error}")
+    if cfg.model.tie_word_embeddings:
+        raise ConfigError(
+            f"{source}: {name} puts the head on stage 0 beside the embedding, which tied embeddings "
+            "(model.tie_word_embeddings true) do not support yet: set it false or use zb1p"
+        )
+    if mtp_depths(cfg.model):
+        raise ConfigError(f"{source}: {name} does not support multi-token prediction (model.mtp_num_layers) yet")
+    if cfg.train_mode == "dpo":
+        raise ConfigError(f"{source}: {name} does not support train_mode dpo yet: use zb1p, 1f1b or interleaved")
 
 
 def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list[str]:
@@ -112,18 +145,21 @@ def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list
     )
     if pp < 2:
         return []
-    if vpp > 1:
+    if d.pipeline_schedule in V_SHAPED:
+        _check_v_shaped(cfg, source)
+    elif vpp > 1:
         error = interleaved_schedule_error(pp, vpp, m)
         if error:
             raise ConfigError(f"{source}: {error}")
-    if d.pipeline_schedule == "zb1p":
+    if d.pipeline_schedule in ("zb1p", *V_SHAPED):
         from megacann.pipeline.simulate import schedule_summary  # the simulator builds on these rules
 
-        bubble = schedule_summary(pp, m, vpp, "zb1p")[0]
+        bubble = schedule_summary(pp, m, vpp, d.pipeline_schedule)[0]
         if bubble <= BUBBLE_ADVICE:
             return []
         return [
-            f"{source}: pipeline bubble {bubble:.0%} > {BUBBLE_ADVICE:.0%}: zb1p with pipeline_parallel_size {pp} "
+            f"{source}: pipeline bubble {bubble:.0%} > {BUBBLE_ADVICE:.0%}: {d.pipeline_schedule} with "
+            f"pipeline_parallel_size {pp} "
             f"and optim.grad_accum_steps {m} micro-batches idles each stage that share of a step (simulated, "
             "forward, input gradient and weight gradient taking equal time); use more grad_accum_steps"
         ]

@@ -15,7 +15,9 @@ step's gradients are finalised.
 All schedules run a plan (:mod:`megacann.pipeline.plan`) with one executor, :func:`run_plan`: no
 pipelining is a plan without transfers, 1F1B and interleaved 1F1B add the transfers of
 :mod:`megacann.pipeline.p2p`, the zero-bubble schedules (:mod:`megacann.pipeline.zero_bubble`) split
-backwards into B and W (:mod:`megacann.pipeline.split_backward`). ``forward_only=True`` runs forwards
+backwards into B and W (:mod:`megacann.pipeline.split_backward`), the V-shaped ones
+(:mod:`megacann.pipeline.v_schedules`, ``v_shape=True``) hold two chunks per stage in a V and list each
+step's transfers, both ways, in a ``VExchange``. ``forward_only=True`` runs forwards
 alone (evaluation). ``trace=[]`` records what the executor really ran, in order: each compute action and
 each point-to-point transfer by the name p2p posted it under (tests compare it with the plan).
 """
@@ -36,8 +38,10 @@ from megacann.models.spec import decoder_forward_step
 from megacann.models.step_loss import LossTotals, aux_loss_weight, backward_objective
 from megacann.pipeline import p2p
 from megacann.pipeline.plan import Action, Backward, BackwardInput, BackwardWeight, Exchange, Forward, build_plan
+from megacann.pipeline.rules import V_SHAPED, chunks_per_stage
 from megacann.pipeline.split_backward import backward_input, backward_weight, trainable_parameters
 from megacann.pipeline.timeline import Timeline
+from megacann.pipeline.v_schedules import ACTIVATION, GRADIENT, VExchange, v_is_model_last, v_local_handoff
 
 ForwardBackward = Callable[..., LossTotals]
 ForwardStep = Callable[[torch.nn.Module, dict, Optional[torch.Tensor]], object]
@@ -55,6 +59,7 @@ class _Queues:
         self.weights: list[deque] = [deque() for _ in range(num_chunks)]  # B run, W not yet
         self.to_next: Optional[torch.Tensor] = None
         self.to_prev: Optional[torch.Tensor] = None
+        self.outbox: dict[tuple[str, int], deque] = {}  # V placement: (kind, chunk) -> made, not yet sent
 
     def take(self, queue: deque, what: str, chunk: int) -> torch.Tensor:
         if not queue:
@@ -62,7 +67,8 @@ class _Queues:
         return queue.popleft()
 
     def leftovers(self) -> int:
-        return sum(len(q) for q in self.inputs + self.grads + self.saved + self.weights)
+        queues = self.inputs + self.grads + self.saved + self.weights + list(self.outbox.values())
+        return sum(len(q) for q in queues)
 
 
 def run_plan(
@@ -78,6 +84,7 @@ def run_plan(
     timeline: Optional[Timeline] = None,
     grad_sync_context: Optional[GradSyncContext] = None,
     trace: Optional[list] = None,
+    v_shape: bool = False,
 ) -> LossTotals:
     """Execute one stage's plan; returns this rank's loss totals.
 
@@ -92,7 +99,12 @@ def run_plan(
     final there, so the optimizer's buffers may start reducing them (``optimizer.last_micro_batch_backward``).
 
     ``trace``, a list, receives every action as it runs: the compute actions themselves and, for an
-    Exchange, the names of its transfers (``send_next``, ``recv_prev``, ...) in the order they were posted.
+    Exchange, the names of its transfers (``send_next``, ``recv_prev``, ...) in the order they were posted
+    (for a V exchange, its :class:`~megacann.pipeline.v_schedules.Transfer` entries).
+
+    ``v_shape``: the two chunks of this stage sit in the V of :mod:`megacann.pipeline.v_schedules`
+    (``zbv``, ``dualpipev``): the loss is on stage 0's chunk 1, the last stage hands chunk 0's output to
+    its chunk 1 (and chunk 1's input gradient back to chunk 0) in place, detached as a transfer would.
     """
     stages, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     num_chunks = len(model_chunks)
@@ -114,7 +126,18 @@ def run_plan(
         return stage == 0 and chunk == 0
 
     def model_last(chunk: int) -> bool:
+        if v_shape:
+            return v_is_model_last(stage, chunk)
         return stage == stages - 1 and chunk == num_chunks - 1
+
+    def hand_over(kind: str, chunk: int, tensor: torch.Tensor) -> None:
+        """V placement: a chunk's output or input gradient, to its outbox or in place to the other chunk."""
+        if v_local_handoff(stages, stage, chunk, kind):
+            activation = kind == ACTIVATION
+            queue = queues.inputs[1] if activation else queues.grads[0]
+            queue.append(tensor.detach().requires_grad_(activation and not forward_only))
+        else:
+            queues.outbox.setdefault((kind, chunk), deque()).append(tensor)
 
     def forward(action: Forward) -> None:
         c = action.chunk
@@ -135,7 +158,9 @@ def run_plan(
                     out, normalizer=loss_normalizer, aux_weight=totals.aux_weight, loss_scale=loss_scale
                 )
             )
-        if not model_last(c):
+        if v_shape and not model_last(c):
+            hand_over(ACTIVATION, c, out.hidden_states)
+        elif not model_last(c):
             queues.to_next = out.hidden_states
         if not forward_only:
             queues.saved[c].append((x, None if model_last(c) else out.hidden_states, objective))
@@ -160,12 +185,18 @@ def run_plan(
         x, outputs, grads = backward_start(action.chunk)
         with Timeline.span_of(timeline, "backward"), sync_of(action):
             torch.autograd.backward(outputs, grad_tensors=grads)
-        queues.to_prev = x.grad if x is not None else None
+        give_gradient(action.chunk, x.grad if x is not None else None)
+
+    def give_gradient(chunk: int, gradient: Optional[torch.Tensor]) -> None:
+        if v_shape and gradient is not None:
+            hand_over(GRADIENT, chunk, gradient)
+        else:
+            queues.to_prev = gradient
 
     def backward_b(action: BackwardInput) -> None:
         x, outputs, grads = backward_start(action.chunk)
         with Timeline.span_of(timeline, "backward"):
-            queues.to_prev = backward_input(outputs, grads, [x])[0] if x is not None else None
+            give_gradient(action.chunk, backward_input(outputs, grads, [x])[0] if x is not None else None)
         queues.weights[action.chunk].append((outputs, grads))
 
     def backward_w(action: BackwardWeight) -> None:
@@ -201,12 +232,31 @@ def run_plan(
         if gradient is not None:
             queues.grads[action.recv_backward].append(gradient)
 
+    def v_transfer(action: VExchange) -> None:
+        if tensor_shape is None:
+            raise ValueError("a pipeline schedule needs tensor_shape (p2p.activation_shape) to transfer activations")
+        ops = []
+        for tr in action.transfers:
+            box = queues.outbox.setdefault((tr.kind, tr.chunk), deque())
+            ops.append((tr, tr.peer, queues.take(box, f"{tr.kind} to send", tr.chunk) if tr.send else None))
+        received = p2p.exchange_in_order(
+            ops, shape=tensor_shape, dtype=dtype, device=device, timeline=timeline, posted=trace
+        )
+        for tr, got in zip(action.transfers, received):
+            if got is not None and tr.kind == ACTIVATION:
+                queues.inputs[tr.chunk].append(got.requires_grad_(not forward_only))
+            elif got is not None:
+                queues.grads[tr.chunk].append(got)
+
     compute = {Forward: forward, Backward: backward, BackwardInput: backward_b, BackwardWeight: backward_w}
     try:
         with Timeline.run_of(timeline):
             for action in plan:
                 if isinstance(action, Exchange):
                     transfer(action)
+                    continue
+                if isinstance(action, VExchange):
+                    v_transfer(action)
                     continue
                 if virtual:
                     ps.set_virtual_pipeline_model_parallel_rank(action.chunk)
@@ -270,9 +320,10 @@ def forward_backward_pipelining(
     ``schedule`` named (``distributed.pipeline_schedule``)."""
     stages = ps.get_pipeline_model_parallel_world_size()
     virtual = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    if len(model_chunks) != virtual:
+    if len(model_chunks) != chunks_per_stage(schedule, virtual):
         raise ValueError(
-            f"this rank holds {len(model_chunks)} model chunks, virtual_pipeline_size is {virtual}: "
+            f"this rank holds {len(model_chunks)} model chunks, the schedule runs {chunks_per_stage(schedule, virtual)}"
+            f" (virtual_pipeline_size {virtual}, pipeline_schedule {schedule}): "
             "build them with megacann.pipeline.build_model_chunks"
         )
     plan = build_plan(
@@ -290,6 +341,7 @@ def forward_backward_pipelining(
         timeline=timeline,
         grad_sync_context=grad_sync_context,
         trace=trace,
+        v_shape=schedule in V_SHAPED,
     )
 
 

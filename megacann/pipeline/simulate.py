@@ -7,6 +7,9 @@ completes when both ends have posted it; an Exchange completes when all of its t
 backward take fixed times and transfers none, which gives the schedule's ideal timeline and bubble; a
 backward split into B and W (zero-bubble schedules) takes half of the backward's time in each unless told.
 It also counts each stage's peak number of micro-batches in flight (forward run, backward or W not yet).
+The V-shaped schedules (:mod:`megacann.pipeline.v_schedules`: two chunks per stage in a V, transfers listed
+by their ``VExchange``) run with ``v_shape=True``: their tensors go to the chunk's neighbour in the V or stay
+on the last stage, and every send must carry what its chunk made, oldest first.
 
 :func:`simulate` raises :class:`PlanError` when the plans would deadlock, mismatch a transfer, feed a
 chunk the wrong micro-batch or leave work undone; tests run it over many pipeline shapes in milliseconds.
@@ -21,6 +24,14 @@ from typing import Optional
 from megacann.errors import MegacannError
 from megacann.pipeline.p2p import EVEN_ORDER, ODD_ORDER
 from megacann.pipeline.plan import Action, Backward, BackwardWeight, Exchange, Forward, build_plan
+from megacann.pipeline.v_schedules import (
+    ACTIVATION,
+    V_SCHEDULES,
+    VExchange,
+    v_is_model_first,
+    v_is_model_last,
+    v_local_handoff,
+)
 
 
 class PlanError(MegacannError, RuntimeError):
@@ -48,9 +59,13 @@ class _Op:
     partner: Optional[_Op] = None
 
 
-def _producer(stage: int, chunk: int, stages: int, activation: bool) -> tuple[int, int]:
+def _producer(stage: int, chunk: int, stages: int, activation: bool, v_shape: bool = False) -> tuple[int, int]:
     """(stage, chunk) whose output feeds ``chunk`` of ``stage`` (activation) or whose input gradient it
-    receives (gradient)."""
+    receives (gradient); ``v_shape``: in the V placement of :mod:`megacann.pipeline.v_schedules`."""
+    if v_shape:
+        if activation:
+            return (stage - 1, 0) if chunk == 0 else ((stage, 0) if stage == stages - 1 else (stage + 1, 1))
+        return (stage - 1, 1) if chunk == 1 else ((stage, 1) if stage == stages - 1 else (stage + 1, 0))
     if activation:
         return (stage - 1, chunk) if stage > 0 else (stages - 1, chunk - 1)
     return (stage + 1, chunk) if stage < stages - 1 else (0, chunk + 1)
@@ -64,12 +79,15 @@ def simulate(
     forward_only: bool = False,
     input_time: Optional[float] = None,
     weight_time: Optional[float] = None,
+    v_shape: bool = False,
 ) -> SimulationResult:
     """Run ``plans`` (one per stage); raise PlanError on any inconsistency. A BackwardInput takes
-    ``input_time`` and a BackwardWeight ``weight_time`` (default: half of ``backward_time`` each)."""
+    ``input_time`` and a BackwardWeight ``weight_time`` (default: half of ``backward_time`` each).
+    ``v_shape``: the plans run two chunks per stage in the V placement (:mod:`megacann.pipeline.v_schedules`):
+    tensors go to their chunk's neighbour or stay on the last stage, transfers are VExchanges."""
     input_time = backward_time / 2 if input_time is None else input_time
     weight_time = backward_time / 2 if weight_time is None else weight_time
-    p, v = len(plans), virtual_stages
+    p, v = len(plans), 2 if v_shape else virtual_stages
     pc = [0] * p
     clock = [0.0] * p
     busy = [0.0] * p
@@ -85,6 +103,14 @@ def simulate(
     done_w = [set() for _ in range(p)]
     weights = [[deque() for _ in range(v)] for _ in range(p)]  # B run, W not yet
     in_flight, peak = [0] * p, [0] * p
+    outbox: dict[tuple[int, str, int], deque] = {}  # V: (stage, kind, chunk) -> labels made, not yet sent
+
+    def route(stage: int, kind: str, chunk: int, label: tuple[int, int, int]) -> None:
+        """V: what a chunk made goes to its outbox, or stays on the last stage for the other chunk."""
+        if v_local_handoff(p, stage, chunk, kind):
+            (inputs if kind == ACTIVATION else grads)[stage][1 - chunk].append(label)
+        else:
+            outbox.setdefault((stage, kind, chunk), deque()).append(label)
 
     def fail(stage: int, message: str) -> PlanError:
         return PlanError(f"stage {stage} of {p} (virtual {v}), action {pc[stage]}: {message}")
@@ -106,6 +132,8 @@ def simulate(
     def run_compute(stage: int, action: Action) -> None:
         c, i = action.chunk, action.micro_batch
         model_first, model_last = stage == 0 and c == 0, stage == p - 1 and c == v - 1
+        if v_shape:
+            model_first, model_last = v_is_model_first(stage, c), v_is_model_last(stage, c)
         if isinstance(action, Forward):
             if (c, i) in done_f[stage]:
                 raise fail(stage, f"forward of chunk {c}, micro-batch {i} runs twice")
@@ -113,7 +141,7 @@ def simulate(
                 if not inputs[stage][c]:
                     raise fail(stage, f"forward of chunk {c}, micro-batch {i} has no input received")
                 got = inputs[stage][c].popleft()
-                want = (*_producer(stage, c, p, True), i)
+                want = (*_producer(stage, c, p, True, v_shape), i)
                 if got != want:
                     raise fail(stage, f"forward of chunk {c}, micro-batch {i} got the output of {got}, needs {want}")
             done_f[stage].add((c, i))
@@ -122,6 +150,8 @@ def simulate(
                 in_flight[stage] += 1
                 peak[stage] = max(peak[stage], in_flight[stage])
             last_out[stage] = None if model_last else (stage, c, i)
+            if v_shape and not model_last:
+                route(stage, ACTIVATION, c, (stage, c, i))
             clock[stage] += forward_time
             busy[stage] += forward_time
         elif isinstance(action, BackwardWeight):
@@ -140,11 +170,13 @@ def simulate(
                 if not grads[stage][c]:
                     raise fail(stage, f"backward of chunk {c}, micro-batch {i} has no output gradient received")
                 got = grads[stage][c].popleft()
-                want = (*_producer(stage, c, p, False), i)
+                want = (*_producer(stage, c, p, False, v_shape), i)
                 if got != want:
                     raise fail(stage, f"backward of chunk {c}, micro-batch {i} got the gradient of {got}, needs {want}")
             done_b[stage].add((c, i))
             last_grad[stage] = None if model_first else (stage, c, i)
+            if v_shape and not model_first:
+                route(stage, "gradient", c, (stage, c, i))
             if isinstance(action, Backward):
                 in_flight[stage] -= 1
                 took = backward_time
@@ -154,7 +186,26 @@ def simulate(
             clock[stage] += took
             busy[stage] += took
 
+    def start_v_exchange(stage: int, ex: VExchange) -> None:
+        ops: list[_Op] = []
+        for tr in ex.transfers:
+            peer = stage + tr.peer
+            if not 0 <= peer < p:
+                raise fail(stage, f"{tr} goes to stage {peer}, which does not exist")
+            if tr.send:
+                box = outbox.get((stage, tr.kind, tr.chunk))
+                if not box:
+                    raise fail(stage, f"{tr}: chunk {tr.chunk} made no {tr.kind} to send")
+                op = _Op(True, tr.kind, box.popleft())
+            else:
+                op = _Op(False, tr.kind, None, tr.chunk)
+            post(stage, peer, op)
+            ops.append(op)
+        pending_ops[stage] = ops
+
     def start_exchange(stage: int, ex: Exchange) -> None:
+        if isinstance(ex, VExchange):
+            return start_v_exchange(stage, ex)
         prev, nxt = (stage - 1) % p, (stage + 1) % p
         ops: list[tuple[int, _Op, str]] = []
         if ex.send_forward:
@@ -197,7 +248,7 @@ def simulate(
         for stage in range(p):
             while pc[stage] < len(plans[stage]):
                 action = plans[stage][pc[stage]]
-                if isinstance(action, Exchange):
+                if isinstance(action, (Exchange, VExchange)):
                     if pending_ops[stage] is None:
                         start_exchange(stage, action)
                         progress = True
@@ -213,6 +264,7 @@ def simulate(
         raise PlanError(f"deadlock with {p} stages, virtual {v}: {where}")
     for stage in range(p):
         leftovers = [q for q in inputs[stage] + grads[stage] + saved[stage] + weights[stage] if q]
+        leftovers += [q for key, q in outbox.items() if q and key[0] == stage]
         if leftovers:
             raise fail(stage, f"tensors received or saved but never used: {leftovers}")
         expected = len(done_f[0]) if stage else None
@@ -239,9 +291,17 @@ def simulate_schedule(
     weight_time: Optional[float] = None,
 ) -> SimulationResult:
     """Build every stage's plan for this pipeline shape (``schedule`` as ``distributed.pipeline_schedule``)
-    and :func:`simulate` them."""
+    and :func:`simulate` them. The times are those of a stage's share of the layers (interleaved chunks
+    take them each, as before); a V-shaped schedule's chunk, half of a stage's layers, takes half."""
     plans = [build_plan(stages, s, num_microbatches, virtual_stages, forward_only, schedule) for s in range(stages)]
-    return simulate(plans, virtual_stages or 1, forward_time, backward_time, forward_only, input_time, weight_time)
+    v_shape = schedule in V_SCHEDULES
+    if v_shape:  # the times are a stage's; each of the V's two chunks holds half of its layers
+        forward_time, backward_time = forward_time / 2, backward_time / 2
+        input_time = None if input_time is None else input_time / 2
+        weight_time = None if weight_time is None else weight_time / 2
+    return simulate(
+        plans, virtual_stages or 1, forward_time, backward_time, forward_only, input_time, weight_time, v_shape
+    )
 
 
 def schedule_summary(

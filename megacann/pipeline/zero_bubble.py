@@ -11,8 +11,7 @@ the wait. Deferring W further (the paper's delays) gains nothing under that rule
 as the whole graph of a micro-batch stays alive until its W (:mod:`megacann.pipeline.split_backward`).
 
 Names accepted by ``distributed.pipeline_schedule`` live in :data:`megacann.pipeline.rules.SCHEDULES`;
-the V-shaped ones (``zbv``, ``dualpipev``) need a model placement this package does not build yet and are
-refused by :func:`megacann.pipeline.rules.schedule_error` with that reason.
+the V-shaped ones (``zbv``, ``dualpipev``) place two chunks per stage in a V: :mod:`megacann.pipeline.v_schedules`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from megacann.config import MegacannConfig
 from megacann.models import get_model_spec
 from megacann.models.mtp import mtp_depths
 from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
-from megacann.pipeline.plan import Backward, Forward, build_plan
+from megacann.pipeline.plan import Backward, BackwardWeight, Forward, build_plan
+from megacann.pipeline.rules import V_SHAPED, chunks_per_stage
 from megacann.planning.activations import chunk_extra_terms, layer_activation_bytes, pipeline_buffer_bytes
 from megacann.planning.formulas import (
     Layout,
@@ -82,7 +83,7 @@ def replay_in_flight(plan, chunk_bytes: list[float]) -> tuple[float, int]:
             live += chunk_bytes[action.chunk]
             count += 1
             peak, peak_count = max(peak, live), max(peak_count, count)
-        elif isinstance(action, Backward):
+        elif isinstance(action, (Backward, BackwardWeight)):  # a split backward frees them at its W
             live -= chunk_bytes[action.chunk]
             count -= 1
     return peak, peak_count
@@ -118,14 +119,16 @@ def reference_copy_bytes(cfg: MegacannConfig, params: int) -> float:
 def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEstimate:
     m, d = cfg.model, cfg.distributed
     pp, vpp = layout.pp, layout.vpp
-    pipeline_layers = (
-        d.pipeline_layers if (pp, vpp) == (d.pipeline_parallel_size, d.virtual_pipeline_size or 1) else None
-    )
+    v_shape = d.pipeline_schedule in V_SHAPED and pp == d.pipeline_parallel_size > 1  # the recipe's V placement
+    vpp = 2 if v_shape else vpp
+    recipe_chunks = chunks_per_stage(d.pipeline_schedule, d.virtual_pipeline_size)
+    pipeline_layers = d.pipeline_layers if (pp, vpp) == (d.pipeline_parallel_size, recipe_chunks) else None
     params, experts, saved, buffers, holds, transient = 0, 0, [], [], [], 0.0
     offloaded, host_saved, unit = set(layout.offload_layers), [], 0
     for chunk in range(vpp):
-        ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers)
-        first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == vpp - 1
+        ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers, v_shape)
+        first = stage == 0 and chunk == 0
+        last = (stage == 0 and chunk == 1) if v_shape else (stage == pp - 1 and chunk == vpp - 1)
         chunk_params, chunk_experts = chunk_parameters_per_rank(cfg, layout.tp, ids, first, last, pp, layout.ep)
         params, experts = params + chunk_params, experts + chunk_experts
         kinds = [is_moe_layer(m, i) for i in ids]
@@ -148,7 +151,8 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         parts = (["embedding"] if first else []) + [_describe_layers(ids)] + (["output layer"] if last else [])
         parts += [f"{mtp_depths(m)} MTP depths"] if last and mtp_depths(m) else []
         holds.append(" + ".join(parts))
-    plan = build_plan(pp, stage, layout.num_microbatches, vpp if vpp > 1 else None)
+    schedule = d.pipeline_schedule if v_shape else None
+    plan = build_plan(pp, stage, layout.num_microbatches, vpp if vpp > 1 and not v_shape else None, schedule=schedule)
     peak, in_flight = replay_in_flight(plan, [a + b for a, b in zip(saved, buffers)])
     host_peak, _ = replay_in_flight(plan, host_saved)
     static = placed_static_bytes(cfg, layout, params, experts, unit)

@@ -145,7 +145,13 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
     if layout.pp > 1:
         m, v = layout.num_microbatches, layout.vpp
         kind = f"interleaved 1F1B ({v} chunks per stage)" if v > 1 else "1F1B"
-        lines.append(f"pipeline: {kind}, {m} micro-batches, bubble {bubble_fraction(layout):.1%}")
+        bubble = bubble_fraction(layout)
+        schedule = cfg.distributed.pipeline_schedule if layout.pp == cfg.distributed.pipeline_parallel_size else None
+        if schedule in ("zb1p", "zbv", "dualpipev"):  # the recipe's schedule, its bubble simulated
+            from megacann.pipeline.simulate import schedule_summary
+
+            kind, bubble = schedule, schedule_summary(layout.pp, m, None, schedule)[0]
+        lines.append(f"pipeline: {kind}, {m} micro-batches, bubble {bubble:.1%}")
     else:
         lines.append("pipeline: none (no bubble)")
     return lines
