@@ -131,3 +131,16 @@ def run_on_ranks(
                 p.kill()
                 p.join(timeout=5)
     return [collected[r] for r in range(world_size)]
+
+
+class LazyRuns(dict):
+    """Results made on first use, ``make(key)`` once per key: a module-scoped fixture returning one spends
+    its runs only on the keys the selected tests ask for (the extended tier's keys stay out of `make test`)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        self[key] = value = self._make(key)
+        return value

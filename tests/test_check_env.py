@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from cli_helpers import ROOT, user_env
 from dist_harness import free_port, run_on_ranks
 
@@ -27,6 +28,7 @@ def _healthy_then_one_rank_silent(silent_rank: int, timeout: float):
     return healthy, silent
 
 
+@pytest.mark.extended
 def test_comm_check_on_four_ranks_names_the_rank_that_does_not_answer():
     results = run_on_ranks(_healthy_then_one_rank_silent, 4, args=(2, 3.0), timeout=120)
     healthy = [r[0] for r in results]

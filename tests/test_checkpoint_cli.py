@@ -3,6 +3,7 @@
 import json
 import sys
 
+import pytest
 from test_training_e2e import _cli
 
 TINY = [
@@ -17,6 +18,7 @@ TINY = [
 ]
 
 
+@pytest.mark.extended
 def test_second_launch_resumes_automatically(tmp_path):
     out = tmp_path / "run"
     first = _cli(

@@ -9,6 +9,8 @@ import time
 import pytest
 from dist_harness import run_on_ranks
 
+pytestmark = pytest.mark.extended  # a slow check: `make test-extended` runs it
+
 MAX_STEPS = 100  # the schedule of every run here; none goes that far
 SETTINGS = ["logging.ckpt_interval=2", "logging.keep_last=1"]
 

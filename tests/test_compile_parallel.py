@@ -99,6 +99,7 @@ def _check(results: dict, name: str) -> dict:
     return compiled
 
 
+@pytest.mark.extended
 def test_compiled_blocks_at_tp2_sp_train_like_eager():
     results = run_on_ranks(_train, 2, args=({"tp2_sp": (TP_SP, "aot_eager")},), timeout=600)
     for result in results:

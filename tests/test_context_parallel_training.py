@@ -228,6 +228,7 @@ def test_cp2_trains_like_one_process(world1, world2, layout):
     _assert_matches(world2[0][layout], world1[WORLD2[layout][1]])
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("layout", sorted(WORLD4))
 def test_cp2_with_dp_tp_sp_pp_trains_like_one_process(world1, world4, layout):
     _assert_matches(world4[0][layout], world1[WORLD4[layout][1]])
@@ -253,12 +254,8 @@ def _algo(overrides: list[str]) -> str:
     return chosen[-1] if chosen else "ring"
 
 
-def test_each_mode_was_really_on(world1, world2, world4):
-    for name in REFERENCES:  # one process: whole sequences, no context-parallel attention
-        assert world1[name]["layer_tokens"] == [S] and world1[name]["attention"] == []
-    runs = {**{n: o for n, (o, _) in WORLD2.items()}, **{n: o for n, (o, _) in WORLD4.items()}, **PACKED_RUNS}
+def _assert_modes_on(runs: dict, ranks: list) -> None:
     for name, overrides in runs.items():
-        ranks = world4 if name in WORLD4 else world2
         sp = "distributed.sequence_parallel=true" in overrides
         for rank, result in enumerate(ranks):
             got = result[name]
@@ -267,3 +264,14 @@ def test_each_mode_was_really_on(world1, world2, world4):
             # every attention call crossed the cp group with the recipe's algorithm, on s/cp tokens
             packed = name.startswith("packed")
             assert got["attention"] == [(_algo(overrides), S // 2, packed)], (name, rank, got["attention"])
+
+
+def test_each_mode_was_really_on(world1, world2):
+    for name in REFERENCES:  # one process: whole sequences, no context-parallel attention
+        assert world1[name]["layer_tokens"] == [S] and world1[name]["attention"] == []
+    _assert_modes_on({**{n: o for n, (o, _) in WORLD2.items()}, **PACKED_RUNS}, world2)
+
+
+@pytest.mark.extended
+def test_each_mode_was_really_on_at_world_4(world4):
+    _assert_modes_on({n: o for n, (o, _) in WORLD4.items()}, world4)

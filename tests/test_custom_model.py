@@ -185,6 +185,7 @@ def test_custom_model_resumes_bit_for_bit(tmp_path):
     assert out["resumed"] == out["straight"]  # losses and grad norms, exactly
 
 
+@pytest.mark.extended
 def test_custom_model_script_trains_and_writes_a_run(tmp_path):
     out = tmp_path / "run"
     overrides = [

@@ -3,6 +3,7 @@
 import os
 
 import numpy as np
+import pytest
 from data_fixtures import tiny_cfg
 
 from megacann.data import IndexedDataset, build_data_iterators, build_tokenizer
@@ -13,6 +14,7 @@ def _files(root: str) -> dict[str, float]:
     return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(root) for f in fs}
 
 
+@pytest.mark.extended
 def test_default_corpus_builds_once_then_loads_from_cache(tmp_path):
     cfg = tiny_cfg(tmp_path, seq_length=256, batch_size=8, max_steps=50)
     tokenizer = build_tokenizer(cfg)

@@ -72,6 +72,7 @@ def test_every_checkpoint_keeps_the_run_tokenizer(run_dir):
     assert (config["eos_token"], config["pad_token"], config["model_max_length"]) == ("<|endoftext|>", "<|pad|>", 256)
 
 
+@pytest.mark.extended
 def test_readme_snippet_loads_the_export_and_generates_what_megacann_generates(run_dir, tmp_path):
     from megacann.data.tokenizer import load_tokenizer
     from megacann.interop.full_state import load_full_state_dict_

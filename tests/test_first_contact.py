@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 from cli_helpers import ROOT, console_script, user_env
 
 from megacann.data.progress import ProgressBar
@@ -38,6 +39,7 @@ def test_quick_start_is_two_make_commands_and_ci_runs_the_same_test_command():
     )
 
 
+@pytest.mark.extended
 def test_the_test_command_ends_with_a_visible_summary():
     """pyproject's addopts already say -q: the README's command must not add another (-qq hides the count)."""
     command = shlex.split(_readme_block("## Set-up by hand")[-1])

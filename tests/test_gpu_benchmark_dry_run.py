@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.extended
 def test_dry_run_on_cpu_writes_the_table(tmp_path):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "benchmarks/gpu_train_step.py", "--device", "cpu", "--preset", "tiny"]

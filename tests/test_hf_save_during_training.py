@@ -14,6 +14,8 @@ from training_helpers import synthetic_data_factory, tiny_config
 
 from megacann.config import ConfigError
 
+pytestmark = pytest.mark.extended  # a slow check: `make test-extended` runs it
+
 TP2_PP2 = ["distributed.tensor_parallel_size=2", "distributed.pipeline_parallel_size=2"]
 RUNS = {
     "full": TP2_PP2,

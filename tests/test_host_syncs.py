@@ -108,7 +108,7 @@ def _steps(overrides: list[str]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["fp32", "bf16"])
+@pytest.fixture(scope="module", params=["fp32", pytest.param("bf16", marks=pytest.mark.extended)])
 def result(request):
     return run_on_ranks(_steps, 1, args=([f"model.precision={request.param}"],), timeout=300)[0]
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+import pytest
 from cli_helpers import ROOT, console_script, user_env
 
 import megacann
@@ -40,6 +41,7 @@ def test_megacann_here_is_the_installed_distribution():
     assert all(os.path.abspath(p or os.curdir) != ROOT for p in sys.path)  # not found through the source tree
 
 
+@pytest.mark.extended
 def test_console_scripts_start_from_any_directory(tmp_path):
     for name in SCRIPTS:
         proc = subprocess.run(

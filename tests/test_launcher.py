@@ -30,6 +30,7 @@ def _flag(cmd: list[str], name: str) -> str:
     return cmd[cmd.index(name) + 1]
 
 
+@pytest.mark.extended
 def test_print_only_detects_one_process_on_cpu_and_forwards_overrides():
     proc = _run(["bash", "scripts/run_pretrain.sh", "--config", TINY, "--print_only", "optim.lr=1e-3", "seed=7"])
     cmd = _command(proc)
@@ -38,6 +39,7 @@ def test_print_only_detects_one_process_on_cpu_and_forwards_overrides():
     assert cmd[cmd.index("-m", 3) :] == ["-m", "megacann.train", "--config", TINY, "optim.lr=1e-3", "seed=7"]
 
 
+@pytest.mark.extended
 def test_multi_node_flags_reach_torchrun():
     args = ["--config", TINY, "--print_only", "--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1"]
     cmd = _command(
@@ -124,6 +126,7 @@ def test_config_errors_are_one_message_before_any_rank_starts():
         assert not proc.stdout  # no rank was started (ranks print the training banner)
 
 
+@pytest.mark.extended
 def test_seed_recipe_prints_its_advice_once_as_a_plain_note():
     proc = _run(
         [
@@ -186,6 +189,7 @@ def _exports(proc) -> dict[str, str]:
     return dict(line.split("=", 1) for line in lines)
 
 
+@pytest.mark.extended
 def test_cluster_scripts_set_platform_defaults_that_users_can_override(tmp_path):
     ascend = _run(
         ["bash", "scripts/clusters/ascend_910b_8npu.sh", "--config", TINY, "--print_only"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
 from dist_harness import run_on_ranks
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "layers.md"
@@ -24,6 +25,7 @@ def _run_doc_example() -> list[float]:
     return namespace["main"]()
 
 
+@pytest.mark.extended
 def test_doc_example_same_loss_on_one_and_two_ranks():
     one = run_on_ranks(_run_doc_example, world_size=1, timeout=180)[0]
     two = run_on_ranks(_run_doc_example, world_size=2, timeout=180)

@@ -107,6 +107,7 @@ def _wandb_history(run_file: str) -> tuple[dict, list[dict]]:
     return run, rows
 
 
+@pytest.mark.extended
 def test_wandb_offline_tensorboard_and_metrics_file_across_restarts(tmp_path):
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")

@@ -203,6 +203,7 @@ def traces(tmp_path_factory):
     return one, run_on_ranks(_runs, 2, args=(LAYOUTS, root), timeout=600)[0]
 
 
+@pytest.mark.extended
 def test_init_from_a_hugging_face_mistral_gives_its_logits(traces):
     assert traces[0]["init_from_diff"] < 1e-4
 

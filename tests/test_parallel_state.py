@@ -94,6 +94,7 @@ def _world8_getters():
     return out
 
 
+@pytest.mark.extended
 def test_world8_getters_on_gloo_ranks():
     results = run_on_ranks(_world8_getters, world_size=8, timeout=240)
     for rank, r in enumerate(results):

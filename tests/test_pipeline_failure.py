@@ -81,6 +81,7 @@ def _blocked_behind_a_live_failed_rank() -> None:
             dist.recv(torch.empty(1), src=1)
 
 
+@pytest.mark.extended
 def test_monitor_ends_a_rank_blocked_behind_a_failed_one():
     # exit code 1 from the monitor (os._exit), no result: a gloo timeout (2 min, beyond the harness's 90 s)
     # would have raised inside the rank and been reported as its error instead

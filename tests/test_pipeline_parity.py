@@ -5,7 +5,7 @@ Probes on every rank's blocks show the layout's modes were on (virtual chunks, S
 
 import pytest
 import torch
-from dist_harness import run_on_ranks
+from dist_harness import LazyRuns, run_on_ranks
 from test_training_parity import COMMON, ModeProbes, assert_close_trace, assert_modes_on, assert_params_close
 
 STEPS = 4
@@ -138,18 +138,31 @@ def reference():
     return run_on_ranks(_train_runs, 1, args=(REFERENCE_RUNS,), timeout=300)[0]
 
 
+WORLD_OF = {name: world for world, runs in LAYOUTS.items() for name in runs}
+
+
+def _run_world(world: int) -> dict:
+    """Every layout of one world size in one spawn, merged over stages."""
+    runs = LAYOUTS[world]
+    per_rank = run_on_ranks(_train_runs, world, args=({n: o for n, (o, _) in runs.items()},), timeout=400)
+    return {name: _merge(per_rank, name) for name in runs}
+
+
 @pytest.fixture(scope="module")
 def layouts():
-    """Runs of every world size, merged over stages (one spawn per world size)."""
-    merged = {}
-    for world, runs in LAYOUTS.items():
-        per_rank = run_on_ranks(_train_runs, world, args=({n: o for n, (o, _) in runs.items()},), timeout=400)
-        merged.update({name: _merge(per_rank, name) for name in runs})
-    return merged
+    """Runs by layout name, made for the world sizes the selected tests ask for (the README's suite runs
+    world 2; worlds 4 and 8 are extended)."""
+    worlds = LazyRuns(_run_world)
+    return LazyRuns(lambda name: worlds[WORLD_OF[name]][name])
+
+
+def _by_world(names) -> list:
+    """``names`` as parameters, those of worlds above 2 marked extended."""
+    return [pytest.param(n, marks=[pytest.mark.extended] if WORLD_OF[n] > 2 else []) for n in names]
 
 
 ALL_LAYOUTS = {name: ref for runs in LAYOUTS.values() for name, (_, ref) in runs.items()}
-EXACT_LAYOUTS = sorted(name for runs in LAYOUTS.values() for name, (o, _) in runs.items() if BF16 not in o)
+EXACT_LAYOUTS = _by_world(sorted(name for runs in LAYOUTS.values() for name, (o, _) in runs.items() if BF16 not in o))
 
 
 @pytest.mark.parametrize("layout", EXACT_LAYOUTS)
@@ -170,11 +183,11 @@ def test_pipeline_layout_matches_one_process(reference, layouts, layout):
 ALL_OVERRIDES = {name: overrides for runs in LAYOUTS.values() for name, (overrides, _) in runs.items()}
 
 
-@pytest.mark.parametrize("layout", sorted(ALL_OVERRIDES))
+@pytest.mark.parametrize("layout", _by_world(sorted(ALL_OVERRIDES)))
 def test_pipeline_layout_ran_its_modes(layouts, layout):
     """Every rank: its virtual chunks each ran their share of the blocks in training and evaluation, with
     the sequence split under SP, every block replayed under full recompute, evaluation forward-only."""
-    world = next(world for world, runs in LAYOUTS.items() if layout in runs)
+    world = WORLD_OF[layout]
     assert len(layouts[layout]["probes"]) == world
     for probes in layouts[layout]["probes"]:
         assert_modes_on(probes, COMMON + ALL_OVERRIDES[layout], STEPS, eval_iters=EVAL_ITERS)
@@ -185,7 +198,7 @@ def test_references_ran_one_process_modes(reference):
         assert_modes_on(reference[name]["probes"], COMMON + overrides, STEPS, eval_iters=EVAL_ITERS)
 
 
-@pytest.mark.parametrize("layout", ["pp2_tied", "pp2_bf16_tied", "pp2_dp2_interleaved_tied_recompute"])
+@pytest.mark.parametrize("layout", _by_world(["pp2_tied", "pp2_bf16_tied", "pp2_dp2_interleaved_tied_recompute"]))
 def test_tied_embeddings_stay_identical_on_first_and_last_stage(layouts, layout):
     per_stage = layouts[layout]["tied"]  # per stage owner: one {name: tensor} per step
     first = next(steps for steps in per_stage if TIED[0] in steps[0])
@@ -195,7 +208,7 @@ def test_tied_embeddings_stay_identical_on_first_and_last_stage(layouts, layout)
         assert torch.equal(embedding[TIED[0]], head[TIED[1]]), f"tied weights differ after step {step}"
 
 
-@pytest.mark.parametrize("layout", ["pp2_1f1b", "pp2_interleaved", "pp4_interleaved", "tp2_pp2_dp2_sp"])
+@pytest.mark.parametrize("layout", _by_world(["pp2_1f1b", "pp2_interleaved", "pp4_interleaved", "tp2_pp2_dp2_sp"]))
 def test_forward_only_evaluation_matches_one_process(reference, layouts, layout):
     ref = reference[ALL_LAYOUTS[layout]]["eval"]
     got = layouts[layout]["eval"]

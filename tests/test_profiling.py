@@ -128,6 +128,7 @@ def _pipeline_breakdown(out: str) -> dict:
     return history[-1]["breakdown"]
 
 
+@pytest.mark.extended
 def test_breakdown_on_a_pipeline_with_data_parallel_reductions(tmp_path):
     """pp 2 x dp 2: transfers and gradient reductions appear in their own rows, every rank traces."""
     windows = run_on_ranks(_pipeline_breakdown, world_size=4, args=(str(tmp_path),), timeout=240)

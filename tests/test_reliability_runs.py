@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 
+import pytest
 from cli_helpers import ROOT
 from reliability_helpers import (
     console_script,
@@ -32,6 +33,7 @@ from reliability_helpers import (
 RUN = ["optim.max_steps=24", "logging.ckpt_interval=4"]
 
 
+@pytest.mark.extended
 def test_killed_rank_restarts_and_matches_the_uninterrupted_run(tmp_path):
     recipe = write_recipe(tmp_path, write_corpus(tmp_path))
     reference = run_command(torchrun_command(recipe, 2, *RUN, "experiment.output_dir=reference"), cwd=tmp_path)

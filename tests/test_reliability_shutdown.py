@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from cli_helpers import user_env
 from dist_harness import free_port
 
@@ -17,6 +18,7 @@ WORLD, CYCLES = 8, 10
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shutdown_cycles.py")
 
 
+@pytest.mark.extended
 def test_world_8_shutdown_many_times(tmp_path):
     ports = [str(free_port()) for _ in range(CYCLES)]
     procs = []

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from cli_helpers import ROOT, user_env
 from dist_harness import run_on_ranks
 
@@ -39,6 +40,7 @@ def _cli(args, env=None, cwd=None):
     return subprocess.run(args, capture_output=True, text=True, env=user_env(env), cwd=cwd or ROOT, timeout=600)
 
 
+@pytest.mark.extended
 def test_run_pretrain_script_on_two_ranks_writes_everything(tmp_path):
     """The launcher under torchrun (dp 2): metrics.jsonl, config.yaml, checkpoints, latest, loss plot."""
     out = tmp_path / "run"
