@@ -14,7 +14,9 @@ data (not counted: the planner does not read the data).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megacann.config import MegacannConfig
 from megacann.models import get_model_spec
@@ -76,16 +78,37 @@ def _describe_layers(ids: list[int]) -> str:
 
 def replay_in_flight(plan, chunk_bytes: list[float]) -> tuple[float, int]:
     """(peak bytes, peak count) of chunk activations alive while ``plan`` runs."""
-    live = peak = 0.0
-    count = peak_count = 0
+    return _replay(_activation_events(plan), chunk_bytes)
+
+
+def _activation_events(plan) -> tuple[tuple[int, int], ...]:
+    """(+1 or -1, chunk) for each action that makes or frees a micro-batch's activations."""
+    events = []
     for action in plan:
         if isinstance(action, Forward):
-            live += chunk_bytes[action.chunk]
-            count += 1
-            peak, peak_count = max(peak, live), max(peak_count, count)
+            events.append((1, action.chunk))
         elif isinstance(action, (Backward, BackwardWeight)):  # a split backward frees them at its W
-            live -= chunk_bytes[action.chunk]
-            count -= 1
+            events.append((-1, action.chunk))
+    return tuple(events)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_events(
+    pp: int, stage: int, num_microbatches: int, virtual: Optional[int], schedule: Optional[str]
+) -> tuple[tuple[int, int], ...]:
+    """A stage's plan as activation events, built once per shape: the layout search asks again for every
+    memory variant of the same pipeline."""
+    return _activation_events(build_plan(pp, stage, num_microbatches, virtual, schedule=schedule))
+
+
+def _replay(events: tuple[tuple[int, int], ...], chunk_bytes: list[float]) -> tuple[float, int]:
+    live = peak = 0.0
+    count = peak_count = 0
+    for sign, chunk in events:
+        live += sign * chunk_bytes[chunk]
+        count += sign
+        if sign > 0:
+            peak, peak_count = max(peak, live), max(peak_count, count)
     return peak, peak_count
 
 
@@ -152,9 +175,9 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         parts += [f"{mtp_depths(m)} MTP depths"] if last and mtp_depths(m) else []
         holds.append(" + ".join(parts))
     schedule = d.pipeline_schedule if v_shape else None
-    plan = build_plan(pp, stage, layout.num_microbatches, vpp if vpp > 1 and not v_shape else None, schedule=schedule)
-    peak, in_flight = replay_in_flight(plan, [a + b for a, b in zip(saved, buffers)])
-    host_peak, _ = replay_in_flight(plan, host_saved)
+    events = _stage_events(pp, stage, layout.num_microbatches, vpp if vpp > 1 and not v_shape else None, schedule)
+    peak, in_flight = _replay(events, [a + b for a, b in zip(saved, buffers)])
+    host_peak, _ = _replay(events, host_saved)
     static = placed_static_bytes(cfg, layout, params, experts, unit)
     return StageEstimate(
         stage,
