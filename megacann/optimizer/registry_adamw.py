@@ -49,6 +49,8 @@ class RegistryAdamW(torch.optim.AdamW):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if state["step"].device.type != "cpu":  # (a state dict saved by a fused torch AdamW)
+                    state["step"] = state["step"].cpu()
                 state["step"] += 1
                 ops.adamw_step_(
                     param,
