@@ -48,7 +48,7 @@ done
 
 echo "exact-match accuracy on $(wc -l < "$OUT/task/test.jsonl") held-out questions:"
 [ -f "$OUT/eval_base.json" ] || evaluate "$OUT/eval_base.json" "$OUT/base" > /dev/null
-echo "base: $(cat "$OUT/eval_base.json")"
+echo "base: $(tr -s "\n " " " < "$OUT/eval_base.json")"
 for mode in $MODES; do
     echo "$mode (seed $SEED): $(evaluate "$RUN/eval_$mode.json" "$RUN/sft_$mode")"
 done
