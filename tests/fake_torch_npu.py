@@ -17,7 +17,8 @@ attention probabilities, and keeps probability ``p`` where ``torch.rand`` of a `
 with ``seed + offset`` (drawn over all probabilities in the order of the output layout) is below
 ``keep_prob``, scaling kept ones by ``1 / keep_prob``. Replaying a forward with the generator state restored
 (megacann's recompute does so) therefore draws the same mask; ``npu_fusion_attention_grad`` rebuilds it
-from the ``seed`` / ``offset`` it is given.
+from the ``seed`` / ``offset`` it is given (the BNSD blocks of context parallelism included: megacann itself
+refuses attention dropout under context parallelism, so only the tests use them with dropout).
 """
 
 from __future__ import annotations
@@ -164,13 +165,13 @@ def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
         drop = _Dropout(keep_prob, seed, offset)
         npu.calls[-1].drawn = (seed, offset)
         numels = 0
-        if input_layout == "BNSD":
-            assert keep_prob == 1.0, "the fake's BNSD blocks (context parallelism) take no dropout"
+        if input_layout == "BNSD":  # one mask draw over [b, n, sq, skv]; the statistics are before dropout
             scores, v = _bnsd_scores(query, key, value, atten_mask, sparse_mode, scale)
             row_max = scores.amax(-1, keepdim=True)
             row_sum = (scores - row_max).exp().sum(-1, keepdim=True)
-            out = ((scores - row_max).exp() / row_sum) @ v
+            out = drop((scores - row_max).exp() / row_sum) @ v
             stats = [t.float().expand(*t.shape[:-1], 8) for t in (row_max, row_sum)]
+            numels = scores.numel() if keep_prob < 1.0 else 0
             return out.to(query.dtype), *stats, torch.empty(0), seed, offset, numels
         mask, mode = atten_mask, sparse_mode
         assert mask is None or mask.dtype == torch.bool, "atten_mask must be bool (True = masked)"
@@ -233,21 +234,26 @@ def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
         pre_tockens=MAX_INT, next_tockens=MAX_INT, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
         actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
     ):  # fmt: skip
-        """Flash backward from the given softmax statistics (lse = max + log sum) and forward output."""
+        """Flash backward from the given softmax statistics (lse = max + log sum) and forward output; with
+        dropout, the forward's mask is drawn again from ``seed + offset`` (same shape, same order)."""
         _check_attention(query, key, value, head_num, input_layout, keep_prob, sparse_mode)
-        assert input_layout == "BNSD" and keep_prob == 1.0, "the fake's backward models BNSD blocks, no dropout"
+        assert input_layout == "BNSD", "the fake's backward models BNSD blocks"
+        assert keep_prob == 1.0 or numels > 0, "dropout: pass the forward's seed, offset and numels"
         scores, v = _bnsd_scores(query, key, value, atten_mask, sparse_mode, scale_value)
+        assert keep_prob == 1.0 or numels == scores.numel(), f"numels {numels} but {scores.numel()} probabilities"
         lse = (softmax_max[..., :1] + softmax_sum[..., :1].log()).double()
         probs, dout = (scores - lse).exp(), dy.double()
+        kept = _Dropout(keep_prob, seed, offset)(torch.ones_like(probs))  # 0 or 1 / keep_prob per probability
+        # out = (probs * kept) @ v, so rowsum(dout * out) = rowsum(probs * dprobs) as without dropout
         delta = (dout * attention_in.double()).sum(-1, keepdim=True)
-        dscores = probs * (dout @ v.transpose(-1, -2) - delta) * scale_value
+        dscores = probs * ((dout @ v.transpose(-1, -2)) * kept - delta) * scale_value
         group = query.shape[1] // key.shape[1]
 
         def per_kv(t):
             return t.unflatten(1, (key.shape[1], group)).sum(2)
 
         dq = dscores @ key.double().repeat_interleave(group, 1)
-        dk, dv = per_kv(dscores.transpose(-1, -2) @ query.double()), per_kv(probs.transpose(-1, -2) @ dout)
+        dk, dv = per_kv(dscores.transpose(-1, -2) @ query.double()), per_kv((probs * kept).transpose(-1, -2) @ dout)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), torch.empty(0)
 
     def npu_cross_entropy_loss(

@@ -183,3 +183,42 @@ def test_the_api_check_reads_an_operator_schema_when_there_is_no_signature():
     assert npu_api.accepts(old, "rotary_mode") is False
     assert npu_api.accepts(_CompiledOp(None), "rotary_mode") is None  # unknown: the newest API is assumed
     assert npu_api.accepts(make_fake_torch_npu(old_api=True).npu_grouped_matmul, "group_type") is False
+
+
+def test_bnsd_dropout_backward_equals_autograd_of_the_reference_with_the_same_mask(fake_npu):
+    """The BNSD blocks (context parallelism's kernel calls) with dropout: the forward draws its mask once
+    over [b, n, sq, skv], the backward kernel draws it again from the returned seed; both equal the
+    reference attention written here (and its autograd) with that mask. megacann itself refuses attention
+    dropout under context parallelism (tests/test_context_parallel_attention.py, test_context_parallel_recipe.py)."""
+    b, hq, hkv, s, d, keep, scale = 2, 4, 2, 8, 16, 0.75, 0.25
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (hq, hkv, hkv))
+    dout = torch.randn(b, hq, s, d, generator=g)
+    mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1)  # the compressed causal mask of sparse_mode 2
+    torch.manual_seed(5)
+    out, row_max, row_sum, _, seed, offset, numels = fake_npu.npu_fusion_attention(
+        q, k, v, hq, "BNSD", atten_mask=mask, sparse_mode=2, scale=scale, keep_prob=keep
+    )
+    assert numels == b * hq * s * s and offset == 0
+
+    kept = torch.rand(b, hq, s, s, generator=torch.Generator().manual_seed(seed + offset), dtype=torch.float64) < keep
+    assert 0.5 < kept.double().mean() < 0.95
+    qr, kr, vr = (t.double().requires_grad_(True) for t in (q, k, v))
+    scores = qr @ kr.repeat_interleave(2, 1).transpose(-1, -2) * scale
+    probs = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    want = (probs * kept / keep) @ vr.repeat_interleave(2, 1)
+    want.backward(dout.double())
+    assert rel_err(out, want.detach()) < 1e-6  # fp32 results of fp64 arithmetic
+
+    grads = fake_npu.npu_fusion_attention_grad(
+        q, k, v, dout, hq, "BNSD", atten_mask=mask, sparse_mode=2, softmax_max=row_max, softmax_sum=row_sum,
+        attention_in=out, scale_value=scale, keep_prob=keep, seed=seed, offset=offset, numels=numels,
+    )[:3]  # fmt: skip
+    for got, ref in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        assert got.shape == ref.shape and rel_err(got, ref) < 1e-6
+    # another seed is another mask: the backward really uses the one it is given
+    other = fake_npu.npu_fusion_attention_grad(
+        q, k, v, dout, hq, "BNSD", atten_mask=mask, sparse_mode=2, softmax_max=row_max, softmax_sum=row_sum,
+        attention_in=out, scale_value=scale, keep_prob=keep, seed=seed + 1, offset=offset, numels=numels,
+    )[2]  # fmt: skip
+    assert rel_err(other, vr.grad) > 1e-2

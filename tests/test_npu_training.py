@@ -1,6 +1,8 @@
 """A tiny llama (2 layers, 3 steps) trains on the NPU route, every op resolved as on an NPU against the fake
 torch_npu (tests/fake_torch_npu.py), with the loss trace of the reference route within fp32 round-off; with
-attention dropout, selective recompute replays the dropout masks (the same trace as without recompute)."""
+attention dropout, selective recompute replays the dropout masks (the same trace as without recompute). The
+optimizer's AdamW step runs torch_npu's ApplyAdamW, and with the chunked head loss left out of
+precision.fused_ops the loss runs torch_npu's cross entropy."""
 
 import pytest
 from dist_harness import run_on_ranks
@@ -8,11 +10,14 @@ from dist_harness import run_on_ranks
 STEPS = 3
 BASE = ["model.num_layers=2", f"optim.max_steps={STEPS}", "optim.clip_grad=1.0"]
 DROPOUT = ["model.attention_dropout=0.2"]
+PER_OP = ["rms_norm", "apply_rotary", "swiglu", "scaled_dot_product_attention", "cross_entropy", "adamw_step_"]
 RUNS = {  # name -> (on the fake NPU route, overrides)
     "reference": (False, ["precision.fused_ops=false"]),
     "npu": (True, []),
     "npu_dropout": (True, DROPOUT),
     "npu_dropout_selective": (True, [*DROPOUT, "model.activation_checkpointing=selective"]),
+    # every fused op but the chunked head loss: the head's logits go to the registry's cross entropy
+    "npu_cross_entropy": (True, [f"precision.fused_ops=[{','.join(PER_OP)}]"]),
 }
 
 
@@ -40,7 +45,13 @@ def _train(runs: dict) -> dict:
         calls = {} if npu is None else {c.name: 0 for c in npu.calls}
         for c in npu.calls if npu is not None else ():
             calls[c.name] += 1
-        results[name] = {"losses": losses, "calls": calls, "selection": registry.selection("npu")}
+        params = [p for group in trainer.optimizer.optimizer.param_groups for p in group["params"]]
+        results[name] = {
+            "losses": losses,
+            "calls": calls,
+            "selection": registry.selection("npu"),
+            "params": len(params),
+        }
         ps.destroy_model_parallel()
     return results
 
@@ -74,3 +85,14 @@ def test_attention_dropout_replays_under_selective_recompute(runs):
     assert selective["calls"]["npu_fusion_attention"] == 2 * plain["calls"]["npu_fusion_attention"]
     _same(selective["losses"], plain["losses"], 1e-6)
     assert abs(plain["losses"][-1] - runs["npu"]["losses"][-1]) > 1e-4  # dropout is really on
+
+
+def test_the_optimizer_step_and_the_loss_run_the_npu_kernels(runs):
+    npu, ce = runs["npu"], runs["npu_cross_entropy"]
+    assert npu["params"] > 5
+    for run in (npu, ce):  # one ApplyAdamW per parameter tensor per step
+        assert run["calls"]["npu_apply_adam_w"] == run["params"] * STEPS, run["calls"]
+    assert "npu_cross_entropy_loss" not in npu["calls"]  # the default: the chunked head loss (no NPU kernel)
+    assert ce["calls"]["npu_cross_entropy_loss"] == STEPS  # one micro-batch per step
+    assert ce["calls"]["npu_fusion_attention"] == npu["calls"]["npu_fusion_attention"]
+    _same(ce["losses"], runs["reference"]["losses"], 1e-5)

@@ -173,6 +173,45 @@ def test_adamw_step_equals_torch_adamw():
     assert ops.selected("adamw_step_", "cpu") == "fused" and ops.selected("adamw_step_", "cuda") == "fused"
 
 
+def test_the_trainers_adamw_steps_through_the_registry_like_torch_adamw():
+    """megacann.optimizer.RegistryAdamW (what the trainer builds for optim.name adamw): one adamw_step_ per
+    tensor, bitwise torch.optim.AdamW(fused=True) on CPU, with torch's state dict (loads both ways)."""
+    from megacann.optimizer import RegistryAdamW
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(5, 7), (7,)]
+    ours = [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+
+    def groups(ps):
+        return [{"params": [ps[0]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}]
+
+    opt = RegistryAdamW(groups(ours), lr=2e-3, betas=(0.9, 0.95), eps=1e-8)
+    ref = torch.optim.AdamW(groups(theirs), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    calls = []
+    fused = registry._IMPLS["adamw_step_"]["fused"].fn
+    for _ in range(3):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        registry._CACHE[("adamw_step_", "cpu")] = (
+            registry._IMPLS["adamw_step_"]["fused"],
+            lambda *a, **k: calls.append(k["step"]) or fused(*a, **k),
+        )
+        opt.step()
+        registry._CACHE.clear()
+        ref.step()
+    assert calls == [1, 1, 2, 2, 3, 3]  # each tensor, each step, counted from 1
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    theirs_state = ref.state_dict()
+    assert opt.state_dict()["state"].keys() == theirs_state["state"].keys()
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opt.state_dict()["state"][0][key], theirs_state["state"][0][key])
+    resumed = RegistryAdamW(groups([p.detach().clone().requires_grad_() for p in ours]), lr=2e-3)
+    resumed.load_state_dict(theirs_state)
+    assert int(resumed.state_dict()["state"][1]["step"]) == 3
+
+
 def test_compiled_cuda_implementations_compile_and_match_on_cpu():
     """The torch.compile'd norm / RoPE / SwiGLU registered (opt-in) for CUDA, compiled here on CPU:
     fp32 equal to the reference within 1e-5, forward and backward."""

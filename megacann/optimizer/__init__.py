@@ -12,6 +12,7 @@ from megacann.optimizer.clip_grads import global_grad_norm
 from megacann.optimizer.grad_buffer import GradBuffers
 from megacann.optimizer.lr_schedule import LRSchedule
 from megacann.optimizer.optimizer import MixedPrecisionOptimizer, OptimizerBase, StateShard
+from megacann.optimizer.registry_adamw import RegistryAdamW
 from megacann.optimizer.zero import DistributedOptimizer
 
 
@@ -42,6 +43,7 @@ __all__ = [
     "LRSchedule",
     "MixedPrecisionOptimizer",
     "OptimizerBase",
+    "RegistryAdamW",
     "StateShard",
     "build_optimizer",
     "global_grad_norm",

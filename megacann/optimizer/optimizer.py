@@ -22,6 +22,7 @@ from megacann.optimizer.clip_grads import DUPLICATE_ATTR, clip_grads_, global_gr
 from megacann.optimizer.finalize import finalize_model_grads
 from megacann.optimizer.grad_buffer import GradBuffers
 from megacann.optimizer.loss_scaler import DynamicLossScaler, LossScaler, found_inf_across_ranks
+from megacann.optimizer.registry_adamw import RegistryAdamW
 
 _COPIED_ATTRS = (SHARDING_ATTR, DUPLICATE_ATTR)
 
@@ -34,7 +35,8 @@ def no_weight_decay(param: torch.Tensor) -> bool:
 def build_inner_optimizer(
     params: list[torch.nn.Parameter], cfg: MegacannConfig, decays: Optional[list[bool]] = None
 ) -> torch.optim.Optimizer:
-    """torch AdamW / Adam / SGD over ``params`` with decay and no-decay groups; fused kernels when available.
+    """AdamW (:class:`RegistryAdamW`: the ops registry's kernel) / torch Adam / SGD over ``params`` with decay
+    and no-decay groups; fused kernels when available.
     ``decays[i]`` says whether ``params[i]`` is decayed (default: not :func:`no_weight_decay`)."""
     o = cfg.optim
     if decays is None:
@@ -48,12 +50,13 @@ def build_inner_optimizer(
     ]
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=0.9)
-    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
     kwargs: dict[str, Any] = {"lr": o.lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps}
+    if o.name == "adamw":  # each tensor's update through the ops registry (torch_npu's kernel on an NPU)
+        return RegistryAdamW(groups, **kwargs)
     try:
-        return cls(groups, fused=True, **kwargs)
+        return torch.optim.Adam(groups, fused=True, **kwargs)
     except (RuntimeError, ValueError):  # fused kernel not available for this device
-        return cls(groups, foreach=True, **kwargs)
+        return torch.optim.Adam(groups, foreach=True, **kwargs)
 
 
 def build_loss_scaler(cfg: MegacannConfig) -> LossScaler:
