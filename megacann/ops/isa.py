@@ -72,6 +72,8 @@ def built_variants() -> tuple[str, ...]:
     """The variants the loaded library holds and this CPU runs (the library must be loaded)."""
     import torch
 
+    if not hasattr(torch.ops.megacann, "cpu_isa_available"):  # a library built before the variants existed
+        return ("baseline",)
     mask = int(torch.ops.megacann.cpu_isa_available())
     return tuple(name for code, name in enumerate(ISA_NAMES) if mask >> code & 1)
 
@@ -107,7 +109,9 @@ def select() -> str:
     and ``MEGACANN_CPU_ISA``); called once when the library loads."""
     import torch
 
-    name = choose_isa(cpu_flags(), built_variants(), torch.backends.cpu.get_cpu_capability(), os.environ.get(ISA_ENV))
-    set_isa(name)
+    built = built_variants()
+    name = choose_isa(cpu_flags(), built, torch.backends.cpu.get_cpu_capability(), os.environ.get(ISA_ENV))
+    if built != ("baseline",):  # a library without variants has nothing to switch (and may lack the op)
+        set_isa(name)
     logger.debug("megacann C++ kernels: %s variant", name)
     return name
