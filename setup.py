@@ -5,7 +5,8 @@ the build fails, the install goes on without them and megacann builds them on fi
 PyTorch reference ops). ``MEGACANN_BUILD_CPP=0`` skips the build. The sources are also installed as
 ``megacann/csrc`` so a wheel install can build them later. The build is portable (no ``-march``) unless
 ``MEGACANN_CPP_NATIVE=1`` or ``MEGACANN_CPU_ARCH`` asks for more (see megacann/ops/extension.py): a
-wheel may run on another CPU than the one that built it.
+wheel may run on another CPU than the one that built it. On x86-64 the kernel loops are compiled also for
+AVX2 and AVX-512 and linked into the same library, which picks the variant the CPU runs at import.
 
 pip builds in an isolated environment without torch; to compile against the torch that will load the
 kernels, this script looks for torch in the target environment's site-packages too.
@@ -72,6 +73,16 @@ def _extension_setup():
         return [], cmdclass
 
     class OptionalBuildExt(cpp_extension.BuildExtension):
+        def build_extensions(self):
+            # the x86-64 kernel variants (AVX2, AVX-512) of csrc/kernels_isa.cpp, linked into megacann._C
+            from pathlib import Path
+
+            variants = EXT.build_isa_objects(Path(CSRC), Path(self.build_temp) / "isa", compiler)
+            for ext in self.extensions:
+                ext.extra_objects = list(ext.extra_objects or []) + [str(obj) for obj in variants.values()]
+                ext.extra_compile_args = list(ext.extra_compile_args) + [EXT.isa_define(v) for v in variants]
+            super().build_extensions()
+
         def run(self):
             try:
                 super().run()

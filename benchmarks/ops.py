@@ -10,6 +10,11 @@ variant runs once in a fresh subprocess; the figure is the rise of the process's
     python benchmarks/ops.py                 # 4096 tokens, hidden 1024 and 4096, vocab 32000
     python benchmarks/ops.py --small         # 512 tokens, hidden 256/512, vocab 8000: seconds
     python benchmarks/ops.py --threads 2 --rounds 5
+    python benchmarks/ops.py --variants --only swiglu cross_entropy   # each ISA variant of the loops too
+
+``--variants`` adds, per case, the C++ kernel under every instruction-set variant this build holds and
+this CPU runs (``megacann.ops.isa``), in the same process; ``cpp`` is the variant chosen at load, and the
+bracketed factors are times relative to it.
 
 Goals: RMSNorm, SwiGLU and RoPE >= 2x; cross entropy >= 1.5x; the fused head loss at most half the peak
 memory of F.linear + vocab_parallel_cross_entropy.
@@ -31,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from megacann.layers import vocab_parallel_cross_entropy
-from megacann.ops import cpp, head_loss, reference
+from megacann.ops import cpp, head_loss, isa, reference
 
 GOALS = {"rms_norm": 2.0, "apply_rotary": 2.0, "swiglu": 2.0, "cross_entropy": 1.5}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -213,8 +218,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
     parser.add_argument("--memory-dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--only", nargs="+", default=None, help="ops to time (default: all, and the head loss)")
+    parser.add_argument("--variants", action="store_true", help="time every ISA variant of the C++ kernels too")
     parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def in_variant(step: Callable[[], None], variant: str) -> Callable[[], None]:
+    """``step`` run with the C++ kernels' ``variant`` of their loops."""
+
+    def run():
+        with isa.use(variant):
+            step()
+
+    return run
 
 
 def main(argv=None) -> dict:
@@ -228,11 +244,15 @@ def main(argv=None) -> dict:
     s = shapes(args.small)
     print(
         f"threads {args.threads}, {args.rounds} rounds of >= {args.min_seconds} s, median time per forward + backward"
+        f"; C++ kernel variant {isa.current()}, PyTorch capability {torch.backends.cpu.get_cpu_capability()}"
     )
     results = {}
     for op, desc, steps in kernel_cases(s, args.dtype):
         if args.only and op not in args.only:
             continue
+        if args.variants:
+            for variant in isa.built_variants():
+                steps[f"cpp {variant}"] = in_variant(steps["cpp"], variant)
         times = median_times(steps, args.rounds, args.min_seconds)
         kernel = times.pop("cpp")
         line = ", ".join(f"{name} {t * 1e3:.1f} ms ({t / kernel:.2f}x)" for name, t in times.items())

@@ -11,57 +11,6 @@
 namespace megacann {
 namespace {
 
-template <typename T>
-void stats_kernel(const T* logits, int64_t stride, const int64_t* target, int64_t rows, int64_t start, int64_t valid,
-                  int64_t ignore_index, acc_t<T>* lse, acc_t<T>* target_logit) {
-  using A = acc_t<T>;
-  parallel_rows(rows, valid, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* x = logits + r * stride;
-      A m = -INFINITY;
-#pragma omp simd reduction(max : m)
-      for (int64_t i = 0; i < valid; ++i) m = std::max(m, A(load(x, i)));
-      A sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < valid; ++i) sum += exp_fast(A(load(x, i)) - m);
-      lse[r] = valid > 0 ? m + std::log(sum) : A(-INFINITY);
-      const int64_t t = target[r] - start;
-      const bool hit = target[r] != ignore_index && t >= 0 && t < valid;
-      target_logit[r] = hit ? A(load(x, t)) : A(0);
-    }
-  });
-}
-
-// out may be x itself (the in-place form): each element is read before it is written, and the target's
-// logit is read before the row is overwritten, so the target column is still rounded only once.
-template <typename T>
-void grad_kernel(const T* x_base, int64_t x_stride, T* out_base, int64_t out_stride, const int64_t* target,
-                 const acc_t<T>* lse, const acc_t<T>* grad_loss, int64_t rows, int64_t cols, int64_t start,
-                 int64_t valid, int64_t ignore_index) {
-  using A = acc_t<T>;
-  parallel_rows(rows, cols, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* x = x_base + r * x_stride;
-      T* out = out_base + r * out_stride;
-      const A g = target[r] == ignore_index ? A(0) : grad_loss[r];
-      const A shift = lse[r];
-      const int64_t t = target[r] - start;
-      const bool hit = g != A(0) && t >= 0 && t < valid;
-      const A target_logit = hit ? A(load(x, t)) : A(0);
-      if (g == A(0)) {
-#pragma omp simd
-        for (int64_t i = 0; i < cols; ++i) store(out, i, A(0));
-        continue;
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < valid; ++i) store(out, i, exp_fast(A(load(x, i)) - shift) * g);
-#pragma omp simd
-      for (int64_t i = valid; i < cols; ++i) store(out, i, A(0));
-      if (hit) store(out, t, exp_fast(target_logit - shift) * g - g);
-    }
-  });
-}
-
 at::Tensor logit_rows(const at::Tensor& logits) {
   at::Tensor rows = logits.reshape({-1, logits.size(-1)});
   return rows.stride(1) == 1 ? rows : rows.contiguous();
@@ -92,8 +41,15 @@ std::tuple<at::Tensor, at::Tensor> vocab_shard_stats(const at::Tensor& logits, c
   at::Tensor target_logit = at::empty(target.sizes(), stat_options);
   MEGACANN_DISPATCH_FLOATS(logits.scalar_type(), "megacann::vocab_shard_stats", [&] {
     using A = acc_t<scalar_t>;
-    stats_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), x.stride(0), t.const_data_ptr<int64_t>(), x.size(0), start,
-                           valid, ignore_index, lse.mutable_data_ptr<A>(), target_logit.mutable_data_ptr<A>());
+    const auto& k = kernels_for<scalar_t>();
+    const auto* xp = kptr(x.const_data_ptr<scalar_t>());
+    const int64_t* tp = t.const_data_ptr<int64_t>();
+    A* lp = lse.mutable_data_ptr<A>();
+    A* tl = target_logit.mutable_data_ptr<A>();
+    const int64_t stride = x.stride(0);
+    parallel_rows(x.size(0), valid, [&](int64_t begin, int64_t end) {
+      k.ce_stats(xp, stride, tp, begin, end, start, valid, ignore_index, lp, tl);
+    });
   });
   return {lse, target_logit};
 }
@@ -112,9 +68,16 @@ void shard_grad_into(const at::Tensor& logits, const at::Tensor& target, const a
   at::Tensor g = grad_loss.to(acc).contiguous();
   MEGACANN_DISPATCH_FLOATS(logits.scalar_type(), "megacann::vocab_shard_grad", [&] {
     using A = acc_t<scalar_t>;
-    grad_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), x.stride(0), o.mutable_data_ptr<scalar_t>(), o.stride(0),
-                          t.const_data_ptr<int64_t>(), l.const_data_ptr<A>(), g.const_data_ptr<A>(), x.size(0),
-                          x.size(1), start, valid, ignore_index);
+    const auto& k = kernels_for<scalar_t>();
+    const auto* xp = kptr(x.const_data_ptr<scalar_t>());
+    auto* op = kptr(o.mutable_data_ptr<scalar_t>());
+    const int64_t* tp = t.const_data_ptr<int64_t>();
+    const A* lp = l.const_data_ptr<A>();
+    const A* gp = g.const_data_ptr<A>();
+    const int64_t xs = x.stride(0), os = o.stride(0), cols = x.size(1);
+    parallel_rows(x.size(0), cols, [&](int64_t begin, int64_t end) {
+      k.ce_grad(xp, xs, op, os, tp, lp, gp, begin, end, cols, start, valid, ignore_index);
+    });
   });
 }
 

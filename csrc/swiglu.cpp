@@ -6,67 +6,10 @@
 namespace megacann {
 namespace {
 
-template <typename T>
-struct Rows {  // a [rows, f] matrix with unit stride along f
-  T* data;
-  int64_t stride;
-  T* row(int64_t r) const { return data + r * stride; }
-};
-
-template <typename T>
-inline acc_t<T> sigmoid(acc_t<T> v) {
-  return acc_t<T>(1) / (acc_t<T>(1) + exp_fast(-v));
-}
-
-template <typename T>
-void swiglu_forward_kernel(Rows<const T> gate, Rows<const T> up, T* y, int64_t rows, int64_t f) {
-  using A = acc_t<T>;
-  parallel_rows(rows, f, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gate.row(r);
-      const T* u = up.row(r);
-      T* yr = y + r * f;
-#pragma omp simd
-      for (int64_t i = 0; i < f; ++i) {
-        A gv = load(g, i);
-        store(yr, i, gv * sigmoid<T>(gv) * A(load(u, i)));
-      }
-    }
-  });
-}
-
-// d gate = grad * up * sig * (1 + gate * (1 - sig)),  d up = grad * gate * sig
-template <typename T>
-void swiglu_backward_kernel(const T* grad, Rows<const T> gate, Rows<const T> up, Rows<T> dgate, Rows<T> dup,
-                            int64_t rows, int64_t f) {
-  using A = acc_t<T>;
-  parallel_rows(rows, f, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gr = grad + r * f;
-      const T* g = gate.row(r);
-      const T* u = up.row(r);
-      T* dg = dgate.row(r);
-      T* du = dup.row(r);
-#pragma omp simd
-      for (int64_t i = 0; i < f; ++i) {
-        A go = load(gr, i), gv = load(g, i), uv = load(u, i);
-        A sig = sigmoid<T>(gv);
-        store(dg, i, go * uv * sig * (A(1) + gv * (A(1) - sig)));
-        store(du, i, go * gv * sig);
-      }
-    }
-  });
-}
-
 // [rows, f] view of t's last dim (t may be a strided half of a fused tensor)
 at::Tensor as_rows(const at::Tensor& t) {
   at::Tensor rows = t.reshape({-1, t.size(-1)});
   return rows.stride(1) == 1 ? rows : rows.contiguous();
-}
-
-template <typename T>
-Rows<const T> const_rows(const at::Tensor& t) {
-  return {t.const_data_ptr<T>(), t.stride(0)};
 }
 
 void check_pair(const at::Tensor& gate, const at::Tensor& up) {
@@ -79,8 +22,12 @@ at::Tensor forward_impl(const at::Tensor& gate, const at::Tensor& up, at::IntArr
   at::Tensor g = as_rows(gate), u = as_rows(up);
   at::Tensor y = at::empty(out_shape, gate.options().memory_format(at::MemoryFormat::Contiguous));
   MEGACANN_DISPATCH_FLOATS(gate.scalar_type(), "megacann::swiglu", [&] {
-    swiglu_forward_kernel<scalar_t>(const_rows<scalar_t>(g), const_rows<scalar_t>(u), y.mutable_data_ptr<scalar_t>(),
-                                    g.size(0), g.size(1));
+    const auto& k = kernels_for<scalar_t>();
+    const auto* gp = kptr(g.const_data_ptr<scalar_t>());
+    const auto* up = kptr(u.const_data_ptr<scalar_t>());
+    auto* yp = kptr(y.mutable_data_ptr<scalar_t>());
+    const int64_t f = g.size(1), gs = g.stride(0), us = u.stride(0);
+    parallel_rows(g.size(0), f, [&](int64_t begin, int64_t end) { k.swiglu_forward(gp, gs, up, us, yp, begin, end, f); });
   });
   return y;
 }
@@ -90,9 +37,16 @@ void backward_impl(const at::Tensor& grad, const at::Tensor& gate, const at::Ten
   at::Tensor g = as_rows(gate), u = as_rows(up);
   at::Tensor go = grad.to(gate.scalar_type()).contiguous();
   MEGACANN_DISPATCH_FLOATS(gate.scalar_type(), "megacann::swiglu_backward", [&] {
-    swiglu_backward_kernel<scalar_t>(go.const_data_ptr<scalar_t>(), const_rows<scalar_t>(g), const_rows<scalar_t>(u),
-                                     {dgate.mutable_data_ptr<scalar_t>(), dgate.stride(0)},
-                                     {dup.mutable_data_ptr<scalar_t>(), dup.stride(0)}, g.size(0), g.size(1));
+    const auto& k = kernels_for<scalar_t>();
+    const auto* grad_p = kptr(go.const_data_ptr<scalar_t>());
+    const auto* gp = kptr(g.const_data_ptr<scalar_t>());
+    const auto* up = kptr(u.const_data_ptr<scalar_t>());
+    auto* dgp = kptr(dgate.mutable_data_ptr<scalar_t>());
+    auto* dup_p = kptr(dup.mutable_data_ptr<scalar_t>());
+    const int64_t f = g.size(1), gs = g.stride(0), us = u.stride(0), dgs = dgate.stride(0), dus = dup.stride(0);
+    parallel_rows(g.size(0), f, [&](int64_t begin, int64_t end) {
+      k.swiglu_backward(grad_p, gp, gs, up, us, dgp, dgs, dup_p, dus, begin, end, f);
+    });
   });
 }
 

@@ -40,7 +40,7 @@ SITE=$("$PY" -c "import megacann, os; print(os.path.dirname(megacann.__file__))"
 case "$SITE" in "$REPO"*) echo "check_wheel: megacann was imported from the checkout ($SITE)" >&2; exit 1 ;; esac
 
 step "kernel tests against $SITE"
-MEGACANN_STRICT_SKIPS=1 "$PY" -m pytest -q -p no:cacheprovider "$REPO/tests/test_ops_kernels.py"
+MEGACANN_STRICT_SKIPS=1 "$PY" -m pytest -q -p no:cacheprovider "$REPO/tests/test_ops_kernels.py" "$REPO/tests/test_ops_isa.py"
 
 step "build on first use from the packaged sources"
 rm -f "$SITE"/_C*.so
@@ -48,7 +48,8 @@ MEGACANN_CPP=jit TORCH_EXTENSIONS_DIR="$WORK/jit" "$PY" -c "
 from megacann.ops import extension
 assert extension.source_dir() is not None and str(extension.source_dir()).startswith('$SITE'), extension.source_dir()
 assert extension.load(), 'the C++ kernels were not built from the packaged sources'
-print('check_wheel: built from', extension.source_dir())
+from megacann.ops import isa
+print('check_wheel: built from', extension.source_dir(), 'with kernel variants', isa.built_variants())
 "
 
 step "the tiny recipe, a few steps, with the installed megacann-train"

@@ -3,8 +3,9 @@
 The kernels are torch.library operators (``torch.ops.megacann.*``, schemas in ``csrc/ops.cpp``). This
 module adds what makes them first-class PyTorch ops: fake (meta) implementations, so ``torch.compile`` can
 trace them, and autograd formulas (``torch.library.register_autograd``) whose backward is again a C++
-kernel. The registry's availability check loads the library (:func:`megacann.ops.extension.load`); if
-that fails, the reference ops run.
+kernel. The registry's availability check loads the library (:func:`megacann.ops.extension.load`) and
+picks the variant of its loops this CPU runs (:mod:`megacann.ops.isa`); if loading fails, the reference
+ops run.
 
 Inputs the kernels do not take (fp16, a weight whose dtype differs from the input, rotary tables that
 need a gradient) go to the reference implementation.
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from megacann.constants import IGNORE_INDEX
-from megacann.ops import extension, head_loss, reference
+from megacann.ops import extension, head_loss, isa, reference
 from megacann.ops.registry import register
 
 CPP = "cpp"
@@ -153,6 +154,7 @@ def available() -> bool:
 def _ready() -> bool:
     if not extension.load():
         return False
+    isa.select()
     _register_fakes()
     _register_autograd()
     return True

@@ -8,8 +8,12 @@ only load the library). When neither works, the PyTorch reference ops run and on
 
 Both builds are portable by default: no ``-march``, so the library runs on any CPU of the architecture
 (a binary tuned for one CPU dies with SIGILL on an older one, which is no ImportError and so nothing
-falls back). ``MEGACANN_CPP_NATIVE=1`` tunes for the building CPU (``-march=native``, 512-bit vectors
-where it has them); ``MEGACANN_CPU_ARCH`` names a target instead (e.g. ``x86-64-v3``).
+falls back). On x86-64 the loops of ``csrc/kernels_isa.cpp`` are compiled twice more, for x86-64-v3
+(AVX2 + FMA) and x86-64-v4 (AVX-512), into objects linked into the same library; the best variant this
+CPU runs is chosen at load (:mod:`megacann.ops.isa`). That file includes no torch, so the extra builds
+take seconds. ``MEGACANN_CPP_NATIVE=1`` tunes the whole build for the building CPU (``-march=native``,
+512-bit vectors where it has them) and ``MEGACANN_CPU_ARCH`` names a target instead (e.g.
+``x86-64-v3``); both build no variants.
 
 ``MEGACANN_CPP``: ``auto`` (default, the order above), ``jit`` (skip the installed build), ``off`` (never
 load: reference ops only).
@@ -29,8 +33,14 @@ from typing import Optional
 
 logger = logging.getLogger("megacann.ops")
 
-SOURCES = ("ops.cpp", "rms_norm.cpp", "rotary.cpp", "swiglu.cpp", "cross_entropy.cpp")
-HEADERS = ("common.h",)
+SOURCES = ("ops.cpp", "isa.cpp", "kernels_isa.cpp", "rms_norm.cpp", "rotary.cpp", "swiglu.cpp", "cross_entropy.cpp")
+HEADERS = ("common.h", "kernels.h")
+ISA_SOURCE = "kernels_isa.cpp"
+# the kernel variants beyond the baseline, by the name megacann.ops.isa knows them by: their -march flags
+ISA_VARIANT_FLAGS = {
+    "avx2": ["-march=x86-64-v3"],
+    "avx512": ["-march=x86-64-v4", "-mprefer-vector-width=512"],
+}
 JIT_NAME = "megacann_C"
 MODES = ("auto", "jit", "off")
 
@@ -57,6 +67,59 @@ def compile_flags() -> list[str]:
     return flags
 
 
+def isa_variants() -> dict[str, list[str]]:
+    """The kernel variants to build beside the baseline: on x86-64 AVX2 and AVX-512 unless
+    ``MEGACANN_CPU_ARCH`` / ``MEGACANN_CPP_NATIVE`` tune the whole build (then none); ``MEGACANN_CPP_ISA_BUILD=0``
+    builds none."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or target_arch() is not None:
+        return {}
+    if os.environ.get("MEGACANN_CPP_ISA_BUILD", "1").strip() == "0":
+        return {}
+    return dict(ISA_VARIANT_FLAGS)
+
+
+def isa_define(variant: str) -> str:
+    """The macro telling csrc/isa.cpp that ``variant`` is linked in."""
+    return f"-DMEGACANN_HAVE_ISA_{variant.upper()}"
+
+
+def isa_compile_command(compiler: str, source: str, obj: str, variant: str) -> list[str]:
+    """The command compiling ``kernels_isa.cpp`` for one variant into a position-independent object."""
+    base = [flag for flag in compile_flags() if flag != "-fopenmp"]  # loops only: no OpenMP runtime
+    return [compiler, "-std=c++17", "-c", "-fPIC", *base, *ISA_VARIANT_FLAGS[variant],
+            f"-DMEGACANN_ISA={variant}", source, "-o", obj]  # fmt: skip
+
+
+def build_isa_objects(sources: Path, out_dir: Path, compiler: Optional[str] = None) -> dict[str, Path]:
+    """Compile the variants of :func:`isa_variants` into ``out_dir`` (concurrently; an object newer than its
+    sources is kept); returns those that built. A variant the compiler refuses is left out with one log line:
+    the library then runs the baseline loops there."""
+    import subprocess
+
+    compiler = compiler or os.environ.get("CXX", "c++")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    inputs = [sources / ISA_SOURCE, sources / "kernels.h"]
+    newest = max(p.stat().st_mtime for p in inputs)
+    jobs = {}
+    for variant in isa_variants():
+        obj = out_dir / f"kernels_{variant}.o"
+        if obj.is_file() and obj.stat().st_mtime >= newest:
+            jobs[variant] = (obj, None)
+            continue
+        command = isa_compile_command(compiler, str(sources / ISA_SOURCE), str(obj), variant)
+        jobs[variant] = (obj, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    built = {}
+    for variant, (obj, proc) in jobs.items():
+        if proc is not None:
+            output, _ = proc.communicate()
+            if proc.returncode != 0:
+                first = output.strip().splitlines()[0] if output.strip() else f"exit {proc.returncode}"
+                logger.warning("megacann: %s kernel variant not built (%s)", variant, first)
+                continue
+        built[variant] = obj
+    return built
+
+
 def cpu_identity(cpuinfo: Optional[str] = None) -> str:
     """The machine architecture, CPU model and feature flags (from ``/proc/cpuinfo`` where it exists):
     what decides whether a compiled library runs here."""
@@ -81,7 +144,7 @@ def jit_name(cpuinfo: Optional[str] = None) -> str:
     (:func:`cpu_identity`), the torch version and the compile flags."""
     import torch
 
-    key = "\n".join([cpu_identity(cpuinfo), torch.__version__, " ".join(compile_flags())])
+    key = "\n".join([cpu_identity(cpuinfo), torch.__version__, " ".join(compile_flags()), *isa_variants()])
     return f"{JIT_NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -116,14 +179,18 @@ def _build_jit() -> None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler found (CXX={compiler})")
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     logger.info("building megacann C++ kernels from %s (first use; cached afterwards)", sources)
+    name = jit_name()
+    build_dir = Path(get_default_build_root()) / name
+    variants = build_isa_objects(sources, build_dir / "isa", compiler)
     load(
-        name=jit_name(),
-        sources=[str(sources / name) for name in SOURCES],
-        extra_cflags=compile_flags(),
-        extra_ldflags=LINK_FLAGS,
+        name=name,
+        sources=[str(sources / source) for source in SOURCES],
+        extra_cflags=compile_flags() + [isa_define(v) for v in variants],
+        extra_ldflags=LINK_FLAGS + [str(obj) for obj in variants.values()],
+        build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,
     )
