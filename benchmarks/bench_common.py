@@ -24,6 +24,12 @@ class RandomTokens:
         return None
 
 
+def add_llama_size_args(parser, hidden: int, layers: int, ffn: int, vocab: int, seq: int) -> None:
+    """``--hidden --layers --ffn --vocab --seq``: the size of a benchmark's LLaMA (:func:`llama_model`)."""
+    for name, default in (("hidden", hidden), ("layers", layers), ("ffn", ffn), ("vocab", vocab), ("seq", seq)):
+        parser.add_argument(f"--{name}", type=int, default=default, help=f"model {name} (default {default})")
+
+
 def llama_model(precision: str, hidden: int, layers: int, ffn: int, vocab: int, seq: int) -> dict[str, Any]:
     """The ``model`` section of a benchmark's LLaMA recipe (8 attention heads, no GQA)."""
     return {

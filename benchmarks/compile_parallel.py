@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_common import add_llama_size_args  # noqa: E402
 from comm_overlap import _trainer  # noqa: E402  (a Trainer on random tokens, built for the given overrides)
 from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher; comm_overlap put tests/ on sys.path)
 
@@ -78,11 +79,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--backend", default="inductor", help="precision.compile's backend")
     parser.add_argument("--compile-steps", type=int, default=2, help="compiled steps counted as compiling")
     parser.add_argument("--reference-ops", action="store_true", help="precision.fused_ops: false")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--ffn", type=int, default=688)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=256)
+    add_llama_size_args(parser, hidden=256, layers=4, ffn=688, vocab=8192, seq=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--bucket_mb", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=3)

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import torch  # noqa: E402
-from bench_common import RandomTokens, llama_model  # noqa: E402
+from bench_common import RandomTokens, add_llama_size_args, llama_model  # noqa: E402
 from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher: N spawned ranks, hard timeout)
 from zero3_checks import GatherProbe  # noqa: E402  (ZeRO-3: weights gathered before each block runs)
 
@@ -126,11 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--ffn", type=int, default=1408)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=128)
+    add_llama_size_args(parser, hidden=512, layers=6, ffn=1408, vocab=32000, seq=128)
     parser.add_argument("--bucket_mb", type=float, default=16.0)
     args = parser.parse_args(argv)
     header = (
