@@ -127,6 +127,9 @@ def set_optimizer_step_count(optimizer: torch.optim.Optimizer, step: int) -> Non
     for state in optimizer.state.values():
         if "step" in state:
             state["step"].fill_(step)
+    forget = getattr(optimizer, "forget_host_steps", None)  # an optimizer that keeps the counts on the host
+    if forget is not None:
+        forget()
 
 
 class OptimizerBase:

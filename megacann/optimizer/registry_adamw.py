@@ -30,6 +30,17 @@ class RegistryAdamW(torch.optim.AdamW):
         weight_decay: float = 1e-2,
     ) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        # each tensor's step count as a Python int, so a step reads no tensor (the ``step`` tensors stay the
+        # state dict's); read once after the state is made or written from outside (forget_host_steps)
+        self._host_steps: dict[torch.Tensor, int] = {}
+
+    def forget_host_steps(self) -> None:
+        """Read the ``step`` tensors again at the next step: call after writing them in place."""
+        self._host_steps.clear()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.forget_host_steps()
+        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -51,7 +62,10 @@ class RegistryAdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 if state["step"].device.type != "cpu":  # (a state dict saved by a fused torch AdamW)
                     state["step"] = state["step"].cpu()
-                state["step"] += 1
+                step = self._host_steps.get(param)
+                step = (int(state["step"]) if step is None else step) + 1
+                self._host_steps[param] = step
+                state["step"].fill_(step)
                 ops.adamw_step_(
                     param,
                     param.grad,
@@ -62,6 +76,6 @@ class RegistryAdamW(torch.optim.AdamW):
                     beta2=beta2,
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
-                    step=int(state["step"]),
+                    step=step,
                 )
         return loss
