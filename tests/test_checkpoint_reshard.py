@@ -10,6 +10,8 @@ import pytest
 import torch
 from dist_harness import run_on_ranks
 
+pytestmark = pytest.mark.extended  # a slow check: `make test-extended` runs it
+
 STOP, MORE = 3, 2
 REL = 1e-6
 # no dropout (masks differ between layouts); tied embeddings; the global batch stays 8 in every layout

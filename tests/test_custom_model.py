@@ -98,6 +98,7 @@ def world2():
     return run_on_ranks(_train, 2, args=(LAYOUTS,), timeout=600)[0]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_custom_model_layouts_train_like_one_process(reference, world2, layout):
     ref, got = reference[MATCHING[layout]], world2[layout]
@@ -108,6 +109,7 @@ def test_custom_model_layouts_train_like_one_process(reference, world2, layout):
     assert ref["losses"][-1] < ref["losses"][0]
 
 
+@pytest.mark.extended
 def test_each_mode_was_really_on(reference, world2):
     b, s, h = 2, 32, 64  # tiny_config's micro-batch, sequence and width
     assert reference["base"]["block_output_shape"] == (b, s, h)

@@ -136,6 +136,7 @@ def _rank_batches(prefix, path, steps):
     return dp_rank, [rows(b) for b in data.train]
 
 
+@pytest.mark.extended
 def test_ranks_of_a_tp2_dp2_grid(tmp_path):
     from dist_harness import run_on_ranks
 

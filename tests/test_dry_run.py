@@ -3,6 +3,7 @@
 import os
 import subprocess
 
+import pytest
 from cli_helpers import ROOT, console_script, user_env
 
 SEED = os.path.join(ROOT, "examples", "configs", "llama", "llama_7b.yaml")
@@ -38,6 +39,7 @@ def test_dry_run_with_override_and_bad_key():
     assert proc.returncode == 2 and "did you mean 'optim.lr'" in proc.stderr
 
 
+@pytest.mark.extended
 def test_lora_recipe_dry_run_counts_the_adapters_as_peft_does():
     recipe = os.path.join(ROOT, "examples", "configs", "llama", "llama_7b_sft_lora.yaml")
     proc = run_cli("--config", recipe, "--dry_run")

@@ -17,6 +17,8 @@ from dist_harness import run_on_ranks
 from finetune_helpers import COMMON, IDS, LORA
 from test_training_parity import assert_close_trace, assert_params_close
 
+pytestmark = pytest.mark.extended  # a slow check: `make test-extended` runs it
+
 STEPS = 3
 TP2 = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
 Z1_DP2 = ["distributed.zero_optimization=1", "optim.grad_accum_steps=1"]  # global batch 4, as one process

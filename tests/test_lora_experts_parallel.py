@@ -259,6 +259,7 @@ def test_expert_parallel_peft_export_and_load_equal_one_process(world2, peft_one
         assert rel_err(run["logits"], logits) < TOL and rel_err(run["loaded_logits"], logits) < TOL
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("run", ["ep2_trainer", "tp2_trainer"])
 def test_expert_parallel_lora_trains_like_one_process(world1, world2, run):
     from test_training_parity import assert_close_trace, assert_params_close

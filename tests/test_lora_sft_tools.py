@@ -108,6 +108,7 @@ def _transformers_answers(base: str, adapter: str | None) -> list[list[int]]:
     return answers
 
 
+@pytest.mark.extended
 def test_evaluate_generates_like_transformers_and_counts_exact_matches(tmp_path):
     base, adapter = _tiny_byte_llama(tmp_path)
     references = {adapted: _transformers_answers(base, adapted) for adapted in (None, adapter)}

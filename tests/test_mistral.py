@@ -208,6 +208,7 @@ def test_init_from_a_hugging_face_mistral_gives_its_logits(traces):
     assert traces[0]["init_from_diff"] < 1e-4
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_mistral_layouts_train_like_one_process(traces, layout):
     from test_training_parity import assert_close_trace, assert_params_close

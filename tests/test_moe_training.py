@@ -18,6 +18,8 @@ from dist_harness import run_on_ranks
 from test_training_parity import assert_close_trace, assert_params_close
 from tiny_recipes import TINY_MOE
 
+pytestmark = pytest.mark.extended  # a slow check: `make test-extended` runs it
+
 STEPS, SAVE_AT = 4, 2
 MOE = [
     *TINY_MOE,

@@ -258,6 +258,7 @@ def test_estimates_match_memory_measured_on_one_rank():
     _compare(RUNS_1, results, 1)
 
 
+@pytest.mark.extended
 def test_estimates_match_memory_measured_on_four_ranks():
     results = run_on_ranks(_measure, 4, args=(RUNS_4,), timeout=600)
     _compare(RUNS_4, results, 4)

@@ -43,6 +43,7 @@ RUNS = {
 ACTIVATION_TOLERANCE = 0.10
 
 
+@pytest.mark.extended
 def test_moe_estimates_match_the_tensors_of_four_ranks():
     from training_helpers import tiny_config
 

@@ -17,6 +17,8 @@ from dist_harness import run_on_ranks
 from qwen_helpers import FAMILY_SETTINGS, tiny_hf_qwen
 from test_training_parity import assert_close_trace
 
+pytestmark = pytest.mark.extended  # a slow check: `make test-extended` runs it
+
 STEPS = 3
 SEQ = 16
 COMMON = ["optim.clip_grad=0.5", "optim.lr=1e-3", f"data.seq_length={SEQ}", "data.batch_size=2", "data.tokenizer=byte"]

@@ -54,6 +54,7 @@ def test_killed_rank_restarts_and_matches_the_uninterrupted_run(tmp_path):
     assert losses(out) == expected  # bit for bit, every step
 
 
+@pytest.mark.extended
 def test_ctrl_c_saves_says_one_line_and_the_run_resumes_on_one_rank(tmp_path):
     # a data-loader worker per rank: Ctrl-C reaches it too, and it must not die mid-step
     recipe = write_recipe(tmp_path, write_corpus(tmp_path), logging={"ckpt_interval": 0}, data={"num_workers": 1})

@@ -227,6 +227,7 @@ def _all_stages(world: list[dict], run: str) -> dict:
     return {**world[0][run], "params": params}
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("run,ref", PAIRS_WORLD4)
 def test_zero_matches_plain_data_parallel_dp4_tp2_dp2_pp2_dp2(world4, run, ref):
     got, expected = _all_stages(world4, run), _all_stages(world4, ref)
@@ -241,6 +242,7 @@ def test_zero_matches_plain_data_parallel_dp4_tp2_dp2_pp2_dp2(world4, run, ref):
             )
 
 
+@pytest.mark.extended
 def test_overlap_is_used_and_changes_nothing(world2, world4):
     """Buckets were reduced from backward hooks, with exactly the numbers of the run without overlap."""
     on, off = world2[0]["zero2_small_overlap"], world2[0]["zero2_small"]
@@ -285,6 +287,7 @@ def _check_memory(rank: dict, stage: int) -> None:
     assert mem["grads"] == (4 * numel if stage == 1 else 4 * numel // n)  # after the step: ZeRO-2 keeps its shard
 
 
+@pytest.mark.extended
 def test_state_bytes_are_12_psi_over_dp_plus_padding(world2, world4):
     for rank in world2:
         plain = rank["plain_bf16"]
@@ -306,6 +309,7 @@ def test_zero2_frees_full_gradients_during_backward_without_accumulation(world2)
     assert min(accum["peak_grad_numel"]) == accum["numel"]
 
 
+@pytest.mark.extended
 def test_expert_parameters_use_the_expert_data_parallel_group(world4):
     for rank in world4:
         got = rank["expert"]
@@ -321,6 +325,7 @@ def test_expert_parameters_use_the_expert_data_parallel_group(world4):
     assert torch.equal(other_expert[0]["params"]["zero"]["dense.weight"], first["dense.weight"])
 
 
+@pytest.mark.extended
 def test_state_shards_reshard_to_other_layouts(world4):
     """The StateShard views plus reload_model_params are all a checkpoint needs: dp4 ZeRO-1 state resumes
     under tp2 x dp2 ZeRO-2 (other buckets) and under plain dp4 as if training had not stopped."""
