@@ -24,10 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megacann import ops
 from megacann.constants import IGNORE_INDEX
 from megacann.layers import mappings
-from megacann.ops.registry import REFERENCE
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -137,23 +135,10 @@ def token_loss(
     vocab_size: Optional[int] = None,
     group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """Per-token fp32 cross entropy ``[b, s]`` of vocabulary-parallel logits; 0 where ``labels`` is ignored.
-
-    Under TP, and where the registry's ``cross_entropy`` op would run its reference, the vocabulary-parallel
-    loss above; on one TP rank with a kernel for the op (torch_npu's, the C++ one on CPU) that kernel, over
-    the real vocabulary's columns."""
-    group = mappings.tp_group(group)
-    tp = dist.get_world_size(group) if group is not None else 1
-    if tp > 1 or ops.selected("cross_entropy", logits_shard.device.type) == REFERENCE:
-        return vocab_parallel_cross_entropy(
-            logits_shard, labels, ignore_index=IGNORE_INDEX, vocab_size=vocab_size, group=group
-        )
-    columns = logits_shard.shape[-1]
-    if vocab_size is not None and vocab_size > columns:
-        raise ValueError(f"vocab_size {vocab_size} exceeds the {columns} logit columns")
-    if vocab_size is not None and vocab_size < columns:  # padding columns are no classes
-        logits_shard = logits_shard[..., :vocab_size].contiguous()
-    return ops.cross_entropy(logits_shard, labels, IGNORE_INDEX)
+    """Per-token fp32 cross entropy ``[b, s]`` of vocabulary-parallel logits; 0 where ``labels`` is ignored."""
+    return vocab_parallel_cross_entropy(
+        logits_shard, labels, ignore_index=IGNORE_INDEX, vocab_size=vocab_size, group=group
+    )
 
 
 @dataclass

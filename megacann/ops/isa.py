@@ -27,6 +27,11 @@ REQUIRED_FLAGS = {
 }
 # torch.backends.cpu.get_cpu_capability() -> the highest variant it allows
 _TORCH_CAPS = {"DEFAULT": "baseline", "NO AVX": "baseline", "AVX2": "avx2", "AVX512": "avx512"}
+# The highest variant chosen without MEGACANN_CPU_ISA: the AVX-512 loops' 16-lane reductions round differently
+# enough that a MoE + multi-token-prediction run at tp 2 + SP drifted 1.07e-5 (relative) from one process after
+# a few steps, above megacann's 1e-5 parity bound (the AVX2 and baseline loops stay within it); opt in with
+# MEGACANN_CPU_ISA=avx512 (the kernels are ~5% of a CPU step).
+AUTO_MAX = "avx2"
 
 
 def cpu_flags(cpuinfo: Optional[str] = None) -> frozenset[str]:
@@ -51,7 +56,7 @@ def choose_isa(
 ) -> str:
     """The variant to run: ``forced`` (the ``MEGACANN_CPU_ISA`` value; ``""``/``auto`` = choose) if the build has
     it and the CPU's ``flags`` cover it, else the highest of ``built`` the flags cover and PyTorch's capability
-    (``torch.backends.cpu.get_cpu_capability()``; unknown values cap nothing) allows."""
+    (``torch.backends.cpu.get_cpu_capability()``; unknown values cap nothing) allows, at most :data:`AUTO_MAX`."""
     flags, built = frozenset(flags), tuple(built)
     want = (forced or "").strip().lower()
     if want not in ("", "auto"):
@@ -64,6 +69,7 @@ def choose_isa(
             raise ValueError(f"{ISA_ENV}={want}: this CPU lacks {', '.join(missing)}")
         return want
     cap = ISA_NAMES.index(_TORCH_CAPS.get((torch_capability or "").upper(), ISA_NAMES[-1]))
+    cap = min(cap, ISA_NAMES.index(AUTO_MAX))
     usable = [n for n in ISA_NAMES[: cap + 1] if n in built and REQUIRED_FLAGS[n] <= flags]
     return usable[-1] if usable else "baseline"
 
