@@ -5,7 +5,9 @@ prediction beside them, on CPU with gloo.
 
 For pp 2 and 4, each with 1F1B, interleaved 1F1B (2 virtual stages), zb1p (ZB-H1, backward split into
 B and W), zbv (ZB-V: two chunks per stage in a V, B and W split) and dualpipev (DualPipeV: the same V,
-forward and backward of two micro-batches paired back to back), one process per stage trains a small LLaMA with ``logging.timers: true``; after a warm-up step,
+forward and backward of two micro-batches paired and run at once on two threads, as
+``distributed.dualpipev_overlap`` auto does; their spans then overlap, so its busy time can exceed the wall
+time), one process per stage trains a small LLaMA with ``logging.timers: true``; after a warm-up step,
 every stage's forward, backward (B), weight-gradient (W) and transfer-wait seconds are summed over the
 measured steps. Idle = 1 - (forward + backward + W) / wall time of the schedule; step = the slowest
 stage's wall time per step. ``--repeat N`` runs the cases N times in turn and keeps each one's fastest run

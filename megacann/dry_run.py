@@ -11,6 +11,7 @@ from megacann.models import padded_vocab_size, prepare_model_config
 from megacann.models.mtp import mtp_depths
 from megacann.parallel_state import RankLayout, rank_layout
 from megacann.pipeline import chunk_placements, pipeline_bubble_fraction
+from megacann.pipeline.overlap import overlap_wanted
 from megacann.pipeline.simulate import schedule_summary
 
 GROUP_TITLES = (
@@ -53,7 +54,7 @@ def _fmt_layers(ids: list[int]) -> str:
 V_NAMES = {  # the V-shaped schedules: two chunks per stage, stage s holding segments s and 2p - 1 - s
     "zbv": "zbv (V-shaped zero bubble, 2 chunks per stage in a V, backward split into input and weight gradients)",
     "dualpipev": "dualpipev (DualPipeV, 2 chunks per stage in a V, forward and backward of two micro-batches "
-    "paired, run back to back)",
+    "paired, run {})",
 }
 
 
@@ -69,7 +70,8 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
         if d.pipeline_schedule == "zb1p":
             name = "zb1p (ZB-H1 zero bubble: backward split into input and weight gradients)"
         elif d.pipeline_schedule in V_NAMES:
-            name = V_NAMES[d.pipeline_schedule]
+            how = "at once on two threads" if overlap_wanted(cfg) else "back to back"  # dualpipev_overlap
+            name = V_NAMES[d.pipeline_schedule].format(how)
         bubble, in_flight = schedule_summary(pp, micro, vpp, d.pipeline_schedule)
         if d.pipeline_schedule is None:
             bubble = pipeline_bubble_fraction(pp, micro, vpp)  # the simulator's figure, by the formula

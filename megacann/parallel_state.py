@@ -11,10 +11,13 @@ answers as for a single process, so ``megacann.layers`` works in a plain script.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.distributed as dist
@@ -127,9 +130,14 @@ class _State:
     groups: dict[str, Optional[dist.ProcessGroup]]
     virtual_pipeline_size: Optional[int] = None
     virtual_pipeline_rank: Optional[int] = None
+    lanes: list[dict[str, Optional[dist.ProcessGroup]]] = field(default_factory=list)  # lanes 1.. (0: groups)
 
 
 _STATE: Optional[_State] = None
+# Communication lanes: duplicates of the groups a model chunk's layers talk over, so that two threads (a
+# DualPipeV pair's forward and backward, megacann.pipeline.overlap) never issue collectives on one group.
+LANE_KINDS = ("tp", "cp", "ep", "dp", "dp_cp", "expert_dp", "expert_dp_cp")
+_LANE = threading.local()  # .index: the lane this thread's getters answer for (0 or unset: the groups)
 
 
 def _attempt_store(world: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
@@ -182,10 +190,12 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     timeout_minutes: Optional[float] = None,
+    communication_lanes: int = 1,
 ) -> RankLayout:
     """Create every process group of the ``tp-cp-ep-dp-pp`` grid (all ranks must call this).
     ``timeout_minutes``: the groups' collective timeout (None: torch's default for the backend, which is
-    not the world group's)."""
+    not the world group's). ``communication_lanes`` > 1: also that many - 1 duplicates of the groups in
+    ``LANE_KINDS`` (see :func:`communication_lane`)."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call initialize_distributed() first")
@@ -215,9 +225,46 @@ def initialize_model_parallel(
                 created[key] = dist.new_group(ranks, timeout=timeout) if world > 1 else dist.group.WORLD
             if rank in ranks:
                 mine[kind] = created[key]
+    if communication_lanes < 1:
+        raise ValueError(f"communication_lanes must be >= 1, got {communication_lanes}")
+    lanes = []
+    for _ in range(communication_lanes - 1):
+        lane: dict[str, Optional[dist.ProcessGroup]] = {}
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for kind in LANE_KINDS:
+            for ranks in layout.groups[kind]:  # every rank creates every duplicate, in the same order
+                key = tuple(ranks)
+                if key not in made:
+                    made[key] = dist.new_group(ranks, timeout=timeout) if world > 1 else dist.group.WORLD
+                if rank in ranks:
+                    lane[kind] = made[key]
+        lanes.append(lane)
     vpp_rank = 0 if virtual_pipeline_model_parallel_size else None
-    _STATE = _State(layout, rank, mine, virtual_pipeline_model_parallel_size, vpp_rank)
+    _STATE = _State(layout, rank, mine, virtual_pipeline_model_parallel_size, vpp_rank, lanes)
     return layout
+
+
+def communication_lanes() -> int:
+    """How many communication lanes exist (1: the groups alone)."""
+    return 1 if _STATE is None else 1 + len(_STATE.lanes)
+
+
+def current_communication_lane() -> int:
+    return getattr(_LANE, "index", 0)
+
+
+@contextlib.contextmanager
+def communication_lane(index: int) -> Iterator[None]:
+    """Within the block, this thread's getters of the ``LANE_KINDS`` groups answer with lane ``index``'s
+    duplicates (lane 0: the groups themselves; an index past the lanes created also gets the groups).
+    The same ranks in the same order: only the communicator differs, so work on two lanes may run at once
+    from two threads, each lane issuing its collectives in one order on every rank."""
+    previous = current_communication_lane()
+    _LANE.index = index
+    try:
+        yield
+    finally:
+        _LANE.index = previous
 
 
 def model_parallel_is_initialized() -> bool:
@@ -235,7 +282,12 @@ def get_rank_layout() -> Optional[RankLayout]:
 
 
 def _group(kind: str) -> Optional[dist.ProcessGroup]:
-    return None if _STATE is None else _STATE.groups.get(kind)
+    if _STATE is None:
+        return None
+    lane = getattr(_LANE, "index", 0)
+    if lane and lane <= len(_STATE.lanes) and kind in _STATE.lanes[lane - 1]:
+        return _STATE.lanes[lane - 1][kind]
+    return _STATE.groups.get(kind)
 
 
 def _ranks(kind: str) -> list[int]:

@@ -164,6 +164,9 @@ class DistributedConfig:
     virtual_pipeline_size: Optional[int] = None
     # 1f1b | interleaved | zb1p | zbv | dualpipev; None: 1F1B, interleaved when virtual_pipeline_size > 1
     pipeline_schedule: Optional[str] = None
+    # dualpipev: a pair's forward and backward run at once (one's collectives behind the other's compute);
+    # auto: where safe (else back to back), true: required (refused where unsafe), false: back to back
+    dualpipev_overlap: Union[bool, str] = "auto"
     sequence_parallel: bool = False
     pipeline_layers: Optional[list] = None  # layers per (virtual) stage; None: even split
     zero_optimization: Union[bool, int] = False  # false | true (=1) | 1 | 2 | 3 (weights sharded too)

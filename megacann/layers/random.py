@@ -17,6 +17,7 @@ RNG states (default generator and tracker) it saw in forward, so dropout masks m
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
@@ -146,13 +147,14 @@ def dropout(x: torch.Tensor, p: float, training: bool, tensor_parallel: bool) ->
     return F.dropout(x, p, True)
 
 
-_RECOMPUTING = [0]  # depth of recomputations running now
+_RECOMPUTING = threading.local()  # .depth: recomputations running now in this thread
 
 
 def is_recomputing() -> bool:
     """True while :func:`checkpoint` recomputes a forward pass in backward (layers that count or record
-    something per forward, such as an MoE router's token counts, skip it then)."""
-    return _RECOMPUTING[0] > 0
+    something per forward, such as an MoE router's token counts, skip it then). Per thread: a backward's
+    recompute on another thread (DualPipeV's overlapped pairs) leaves this thread's forward counting."""
+    return getattr(_RECOMPUTING, "depth", 0) > 0
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -170,11 +172,11 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             return function(*a, **kw)
         live = _TRACKER.get_states()  # a recompute, during backward
         _TRACKER.set_states(start_states)
-        _RECOMPUTING[0] += 1
+        _RECOMPUTING.depth = getattr(_RECOMPUTING, "depth", 0) + 1
         try:
             return function(*a, **kw)
         finally:
-            _RECOMPUTING[0] -= 1
+            _RECOMPUTING.depth -= 1
             _TRACKER.set_states(live)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

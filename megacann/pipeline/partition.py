@@ -9,6 +9,7 @@ import torch
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.models.spec import ChunkPlacement, ModelSpec, get_model_spec
+from megacann.pipeline.overlap import LANE_ATTR
 from megacann.pipeline.rules import V_SHAPED
 from megacann.pipeline.v_schedules import v_chunk_segment
 
@@ -70,4 +71,11 @@ def build_model_chunks(
 ) -> list[torch.nn.Module]:
     """This rank's model chunks, built by the model family's spec (default: the recipe's ``model.type``)."""
     spec = spec or get_model_spec(cfg.model.type)
-    return [spec.build(cfg, placement, device) for placement in chunk_placements(cfg)]
+    chunks = []
+    for chunk, placement in enumerate(chunk_placements(cfg)):
+        # chunk c's layers keep lane c's groups (megacann.pipeline.overlap); without lanes, the groups
+        lane = chunk if ps.communication_lanes() > 1 else 0
+        with ps.communication_lane(lane):
+            chunks.append(spec.build(cfg, placement, device))
+        setattr(chunks[-1], LANE_ATTR, lane)
+    return chunks

@@ -143,8 +143,11 @@ def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list
         cfg.distributed.virtual_pipeline_size or 1,
         cfg.optim.grad_accum_steps,
     )
+    from megacann.pipeline.overlap import check_overlap_config  # dualpipev's overlap key
+
+    notes = check_overlap_config(cfg, source)
     if pp < 2:
-        return []
+        return notes
     if d.pipeline_schedule in V_SHAPED:
         _check_v_shaped(cfg, source)
     elif vpp > 1:
@@ -156,8 +159,8 @@ def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list
 
         bubble = schedule_summary(pp, m, vpp, d.pipeline_schedule)[0]
         if bubble <= BUBBLE_ADVICE:
-            return []
-        return [
+            return notes
+        return notes + [
             f"{source}: pipeline bubble {bubble:.0%} > {BUBBLE_ADVICE:.0%}: {d.pipeline_schedule} with "
             f"pipeline_parallel_size {pp} "
             f"and optim.grad_accum_steps {m} micro-batches idles each stage that share of a step (simulated, "

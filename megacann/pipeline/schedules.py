@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -37,11 +37,19 @@ from megacann.layers.context_parallel import context_parallel_batch
 from megacann.models.spec import decoder_forward_step
 from megacann.models.step_loss import LossTotals, aux_loss_weight, backward_objective
 from megacann.pipeline import p2p
+from megacann.pipeline.overlap import overlap_wanted, resolve_overlap, run_pair
 from megacann.pipeline.plan import Action, Backward, BackwardInput, BackwardWeight, Exchange, Forward, build_plan
 from megacann.pipeline.rules import V_SHAPED, chunks_per_stage
 from megacann.pipeline.split_backward import backward_input, backward_weight, trainable_parameters
 from megacann.pipeline.timeline import Timeline
-from megacann.pipeline.v_schedules import ACTIVATION, GRADIENT, VExchange, v_is_model_last, v_local_handoff
+from megacann.pipeline.v_schedules import (
+    ACTIVATION,
+    GRADIENT,
+    VExchange,
+    dualpipev_pairs,
+    v_is_model_last,
+    v_local_handoff,
+)
 
 ForwardBackward = Callable[..., LossTotals]
 ForwardStep = Callable[[torch.nn.Module, dict, Optional[torch.Tensor]], object]
@@ -85,6 +93,8 @@ def run_plan(
     grad_sync_context: Optional[GradSyncContext] = None,
     trace: Optional[list] = None,
     v_shape: bool = False,
+    overlap_pairs: Optional[dict] = None,
+    probe: Optional[list] = None,
 ) -> LossTotals:
     """Execute one stage's plan; returns this rank's loss totals.
 
@@ -104,7 +114,14 @@ def run_plan(
 
     ``v_shape``: the two chunks of this stage sit in the V of :mod:`megacann.pipeline.v_schedules`
     (``zbv``, ``dualpipev``): the loss is on stage 0's chunk 1, the last stage hands chunk 0's output to
-    its chunk 1 (and chunk 1's input gradient back to chunk 0) in place, detached as a transfer would.
+    its chunk 1 (and chunk 1's input gradient back to chunk 0) in place, detached as a transfer would;
+    each chunk's actions run on its communication lane (:func:`megacann.parallel_state.communication_lane`).
+
+    ``overlap_pairs`` (forward -> backward, :func:`~megacann.pipeline.v_schedules.dualpipev_pairs`): where the
+    plan lists such a forward followed by its backward, the two run at once, the backward on a second thread
+    (:func:`~megacann.pipeline.overlap.run_pair`; the trace lists them in plan order), except a backward
+    that runs inside ``grad_sync_context``. ``probe``, a list, receives (action, thread id, start, end) of
+    every action of a pair that ran at once.
     """
     stages, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     num_chunks = len(model_chunks)
@@ -121,6 +138,7 @@ def run_plan(
     chunk_params = [trainable_parameters(chunk) for chunk in model_chunks]
     saved_virtual_rank = ps.get_virtual_pipeline_model_parallel_rank()
     last_backward = {a.chunk: a for a in plan if isinstance(a, (Backward, BackwardWeight))}  # grads final there
+    pairs = {f: b for f, b in (overlap_pairs or {}).items() if isinstance(b, Backward) and f.chunk != b.chunk}
 
     def model_first(chunk: int) -> bool:
         return stage == 0 and chunk == 0
@@ -177,9 +195,26 @@ def run_plan(
             grads.append(None)
         return x, outputs, grads
 
+    def in_sync(action: Action) -> bool:
+        return grad_sync_context is not None and action == last_backward[action.chunk]
+
     def sync_of(action: Action) -> AbstractContextManager:
-        last = grad_sync_context is not None and action == last_backward[action.chunk]
-        return grad_sync_context() if last else nullcontext()
+        return grad_sync_context() if in_sync(action) else nullcontext()
+
+    def overlapped(f: Forward, b: Backward) -> None:
+        """A pair at once: ``b``'s autograd pass on a worker thread, ``f`` here, each on its chunk's lane."""
+        x, outputs, grads = backward_start(b.chunk)
+
+        def back() -> None:
+            with ps.communication_lane(b.chunk), Timeline.span_of(timeline, "backward"):
+                torch.autograd.backward(outputs, grad_tensors=grads)
+
+        def fwd() -> None:
+            with ps.communication_lane(f.chunk):
+                forward(f)
+
+        run_pair(fwd, back, (f, b), probe)
+        give_gradient(b.chunk, x.grad if x is not None else None)
 
     def backward(action: Backward) -> None:
         x, outputs, grads = backward_start(action.chunk)
@@ -251,7 +286,9 @@ def run_plan(
     compute = {Forward: forward, Backward: backward, BackwardInput: backward_b, BackwardWeight: backward_w}
     try:
         with Timeline.run_of(timeline):
-            for action in plan:
+            index = 0
+            while index < len(plan):
+                action, index = plan[index], index + 1
                 if isinstance(action, Exchange):
                     transfer(action)
                     continue
@@ -260,7 +297,15 @@ def run_plan(
                     continue
                 if virtual:
                     ps.set_virtual_pipeline_model_parallel_rank(action.chunk)
-                compute[type(action)](action)
+                partner = pairs.get(action)
+                if partner is not None and index < len(plan) and plan[index] == partner and not in_sync(partner):
+                    overlapped(action, partner)
+                    index += 1
+                    if trace is not None:
+                        trace += [action, partner]
+                    continue
+                with ps.communication_lane(action.chunk if v_shape else 0):
+                    compute[type(action)](action)
                 if trace is not None:
                     trace.append(action)
     finally:
@@ -314,10 +359,14 @@ def forward_backward_pipelining(
     grad_sync_context: Optional[GradSyncContext] = None,
     schedule: Optional[str] = None,
     trace: Optional[list] = None,
+    overlap: Union[bool, str] = False,
+    probe: Optional[list] = None,
 ) -> LossTotals:
     """1F1B over this rank's pipeline, interleaved when the rank holds several model chunks (one per
     virtual stage; then the number of micro-batches must be a multiple of the pipeline size), or the
-    ``schedule`` named (``distributed.pipeline_schedule``)."""
+    ``schedule`` named (``distributed.pipeline_schedule``). ``overlap`` (``distributed.dualpipev_overlap``
+    where the recipe allows it, else False): dualpipev runs its pairs at once (auto: where this run can,
+    see :func:`~megacann.pipeline.overlap.resolve_overlap`)."""
     stages = ps.get_pipeline_model_parallel_world_size()
     virtual = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     if len(model_chunks) != chunks_per_stage(schedule, virtual):
@@ -329,6 +378,10 @@ def forward_backward_pipelining(
     plan = build_plan(
         stages, ps.get_pipeline_model_parallel_rank(), len(micro_batches), virtual, forward_only, schedule
     )
+    pairs = None
+    overlapping = schedule == "dualpipev" and not forward_only and overlap is not False
+    if overlapping and resolve_overlap(overlap, ps.communication_lanes(), model_chunks):
+        pairs = dualpipev_pairs(stages, ps.get_pipeline_model_parallel_rank(), len(micro_batches))
     return run_plan(
         plan,
         model_chunks,
@@ -342,6 +395,8 @@ def forward_backward_pipelining(
         grad_sync_context=grad_sync_context,
         trace=trace,
         v_shape=schedule in V_SHAPED,
+        overlap_pairs=pairs,
+        probe=probe,
     )
 
 
@@ -360,5 +415,9 @@ def get_forward_backward_func(cfg: MegacannConfig, forward_step: ForwardStep = d
         d.context_parallel_size,
     )
     return functools.partial(
-        forward_backward_pipelining, tensor_shape=shape, forward_step=forward_step, schedule=d.pipeline_schedule
+        forward_backward_pipelining,
+        tensor_shape=shape,
+        forward_step=forward_step,
+        schedule=d.pipeline_schedule,
+        overlap=d.dualpipev_overlap if overlap_wanted(cfg) else False,
     )

@@ -17,6 +17,7 @@ mark or lap to its kind. A timeline made with other ``kinds`` serves such phases
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -35,6 +36,7 @@ class Timeline:
         self.synchronize = synchronize
         self.keep_events = keep_events
         self.kinds = kinds
+        self._lock = threading.Lock()  # spans may end on two threads (dualpipev's overlapped pairs)
         self.reset()
 
     def reset(self) -> None:
@@ -61,9 +63,10 @@ class Timeline:
             self._book(kind, start, self._now())
 
     def _book(self, kind: str, start: float, end: float) -> None:
-        self.totals[kind] += end - start
-        if self.keep_events:
-            self.events.append((kind, start, end))
+        with self._lock:
+            self.totals[kind] += end - start
+            if self.keep_events:
+                self.events.append((kind, start, end))
 
     def mark(self) -> None:
         """Start the lap clock: the next :meth:`lap` counts from here."""

@@ -19,9 +19,9 @@ Schedules (each stage's compute, then :func:`v_plans` places the transfers):
   chunks, B1 W1 F1 with zero bubble, the main phase where a forward of one micro-batch pairs with the
   backward of another (F0+B1, F1+B0), backwards of both chunks with the second half split into B and W,
   and the deferred Ws last. Needs at least 2p micro-batches. DualPipe overlaps a pair's forward and
-  backward (and one's MoE all-to-all with the other's compute) on two streams; here a pair runs back to
-  back in one slot (CPU runs one thing at a time), which keeps the order and the memory of DualPipeV,
-  not the overlap.
+  backward (and one's MoE all-to-all with the other's compute) on two streams; here the executor runs
+  a pair's backward on a second thread while its forward runs, each chunk on its own communication
+  lane (:mod:`megacann.pipeline.overlap`; ``distributed.dualpipev_overlap``), or back to back.
 
 Transfers (:func:`v_plans`): the compute is laid out on a common clock of slots (each stage's next item
 as soon as what it needs was made in an earlier slot); a tensor made in slot t is sent at the end of slot
@@ -267,6 +267,13 @@ def dualpipev_orders(stages: int, num_microbatches: int) -> list[list[Item]]:
     if error:
         raise ValueError(error)
     return [_dualpipev_order(stages, r, num_microbatches) for r in range(stages)]
+
+
+def dualpipev_pairs(stages: int, stage: int, num_microbatches: int) -> dict[Action, Action]:
+    """DualPipeV's pairs on ``stage``: each paired forward and the fused backward of the other chunk that
+    shares its slot (run at once by :mod:`megacann.pipeline.overlap`; the plan lists the forward first)."""
+    items = dualpipev_orders(stages, num_microbatches)[stage]
+    return {item[0]: item[1] for item in items if len(item) == 2}
 
 
 def _forward_only_orders(stages: int, num_microbatches: int) -> list[list[Item]]:

@@ -13,6 +13,7 @@ from megacann import ops
 from megacann import parallel_state as ps
 from megacann.accelerator import Accelerator, get_accelerator
 from megacann.config import MegacannConfig, validate
+from megacann.pipeline.overlap import overlap_wanted
 from megacann.training.failure import start_failure_monitor, stop_failure_monitor
 
 
@@ -54,6 +55,7 @@ def setup_runtime(cfg: MegacannConfig) -> Runtime:
             context_parallel_size=d.context_parallel_size,
             expert_model_parallel_size=d.expert_parallel_size,
             timeout_minutes=d.timeout_minutes,
+            communication_lanes=2 if overlap_wanted(cfg) else 1,  # dualpipev's pairs at once, a lane per chunk
         )
     seed_everything(cfg.seed)
     ops.configure(cfg.precision.fused_ops, cfg.precision.fp32_ops)
