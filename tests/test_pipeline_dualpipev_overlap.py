@@ -3,8 +3,12 @@ once (on two threads, their recorded intervals overlapping), each chunk on its o
 and the run still equals one process (loss and gradient-norm traces 1e-5, equal lengths), the same run
 with ``distributed.dualpipev_overlap: false``, and its plan (the executed F/B/W/transfer order).
 
-pp 2 is the default tier; pp 2 x ep 2 MoE and pp 2 x tp 2 + SP are ``extended``. The key's validation
-and the lanes' groups are checked without processes."""
+The default tier checks the key, the pair runner and when a run may overlap, without processes; the pairs
+of its pp 2 dualpipev training run are checked by test_pipeline_v_training (``check_pairs_ran_at_once``).
+``extended``: pp 2, pp 2 x ep 2 MoE and pp 2 x tp 2 + SP, each overlapped against one process and the
+back-to-back run, with the lanes."""
+
+from typing import Optional
 
 import pytest
 import test_pipeline_zero_bubble_training as zb
@@ -85,6 +89,20 @@ def _train(runs: dict, root: str) -> dict:
     return results
 
 
+def check_pairs_ran_at_once(probe: list, pairs: int) -> None:
+    """``pairs`` pairs ran at once: each pair's forward on the calling thread and its backward (of the other
+    chunk) on another, their (start, end) intervals overlapping. ``probe``: (action, on the calling thread,
+    start, end), a pair's two records in the order they finished."""
+    assert pairs > 0 and len(probe) == 2 * pairs, (pairs, len(probe))
+    for first, second in zip(probe[::2], probe[1::2]):
+        (f, f_here, f_start, f_end), (b, b_here, b_start, b_end) = sorted(
+            (first, second), key=lambda r: type(r[0]).__name__ != "Forward"
+        )
+        assert type(f).__name__ == "Forward" and type(b).__name__ == "Backward" and f.chunk != b.chunk, (f, b)
+        assert f_here and not b_here, (f, b)
+        assert max(f_start, b_start) < min(f_end, b_end), (f, b)
+
+
 def _lane_facts() -> tuple:
     """Lane 1's getters answer with other groups of the same ranks, only in the thread that entered it; the
     pipeline group has no lanes."""
@@ -132,34 +150,27 @@ def _reference(names: list, root: str) -> dict:
     return {name: result[f"{name}_on"] for name in names}
 
 
-def _check(per_rank: list, ref: dict, name: str, groups_captured: bool) -> None:
-    on, off = per_rank[0][f"{name}_on"], per_rank[0][f"{name}_off"]
-    assert len(on["losses"]) == len(off["losses"]) == STEPS
-    if ref is not None:
-        assert len(ref["losses"]) == STEPS
-        assert_close_trace(on["losses"], ref["losses"], 1e-5)
-        assert_close_trace(on["norms"], ref["norms"], 1e-5)
-    assert_close_trace(on["losses"], off["losses"], 1e-5)
-    assert_close_trace(on["norms"], off["norms"], 1e-5)
+def _check(per_rank: list, ref: Optional[dict], name: str, groups_captured: bool) -> None:
+    """The overlapped run against one process (``ref``) and the back-to-back run (when it ran); on every
+    rank the executed order, the lanes, and each pair's threads and intervals."""
+    on, off = per_rank[0][f"{name}_on"], per_rank[0].get(f"{name}_off")
+    assert len(on["losses"]) == len(on["norms"]) == STEPS
+    for other in (ref, off):
+        if other is not None:
+            assert len(other["losses"]) == len(other["norms"]) == STEPS
+            assert_close_trace(on["losses"], other["losses"], 1e-5)
+            assert_close_trace(on["norms"], other["norms"], 1e-5)
     for rank, result in enumerate(per_rank):
-        run, plain = result[f"{name}_on"], result[f"{name}_off"]
+        run, plain = result[f"{name}_on"], result.get(f"{name}_off")
         assert run["losses"] == on["losses"], rank  # every rank logs the step's loss
-        assert run["trace"] == run["expected"] and plain["trace"] == plain["expected"], rank
-        assert run["lanes"] == 2 and plain["lanes"] == 1, rank
-        assert run["lane_facts"] == (True,) * 5, rank
-        # every pair ran at once: the forward here, the backward on another thread, their intervals overlapping
-        assert run["pairs"] > 0 and len(run["probe"]) == 2 * run["pairs"], rank
-        assert not plain["probe"], rank
-        for first, second in zip(run["probe"][::2], run["probe"][1::2]):  # a pair's records, in finishing order
-            (f, f_here, f_start, f_end), (b, b_here, b_start, b_end) = sorted(
-                (first, second), key=lambda r: type(r[0]).__name__ != "Forward"
-            )
-            assert type(f).__name__ == "Forward" and type(b).__name__ == "Backward" and f.chunk != b.chunk
-            assert f_here and not b_here, (rank, f, b)
-            assert max(f_start, b_start) < min(f_end, b_end), (rank, f, b)
+        assert run["trace"] == run["expected"], rank
+        assert run["lanes"] == 2 and run["lane_facts"] == (True,) * 5, rank
+        if plain is not None:
+            assert plain["trace"] == plain["expected"] and plain["lanes"] == 1 and not plain["probe"], rank
+        check_pairs_ran_at_once(run["probe"], run["pairs"])  # recorded in the first step
         if groups_captured:  # layers that keep a group hold their chunk's lane: no group shared by the chunks
             assert min(run["chunk_groups"]) > 0 and not run["chunks_share_a_group"], rank
-            assert plain["chunks_share_a_group"], rank
+            assert plain["chunks_share_a_group"], rank  # (without lanes they share)
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +178,10 @@ def reference(tmp_path_factory):
     return _reference(sorted(set(REFERENCE_OF.values())), str(tmp_path_factory.mktemp("ovref")))
 
 
-def test_pp2_dualpipev_pairs_overlap_and_match_the_back_to_back_run(tmp_path):
-    """Against one process: test_pipeline_v_training (pp 2 dualpipev, overlapped by default) and the extended
-    cases below."""
+@pytest.mark.extended
+def test_extended_pp2_dualpipev_overlap_matches_one_process_and_the_back_to_back_run(tmp_path):
     per_rank = run_on_ranks(_train, 2, args=(WORLD2, str(tmp_path)), timeout=300)
-    _check(per_rank, None, "pp2", groups_captured=False)
+    _check(per_rank, _reference(["small_m4"], str(tmp_path / "ref"))["small_m4"], "pp2", groups_captured=False)
 
 
 @pytest.mark.extended

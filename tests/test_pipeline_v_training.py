@@ -10,6 +10,7 @@ import re
 
 import pytest
 import test_pipeline_zero_bubble_training as zb
+from test_pipeline_dualpipev_overlap import check_pairs_ran_at_once
 
 PP2, PP4 = zb.PP2, zb.PP4
 ZBV, DUALPIPEV = "distributed.pipeline_schedule=zbv", "distributed.pipeline_schedule=dualpipev"
@@ -82,6 +83,11 @@ def test_pp2_v_schedule_uneven_matches_one_process_and_follows_its_plan(world2, 
     zb._check_parity(got, reference2["small_m4"])
     zb._check_trace(got, split=True)  # both split backwards (dualpipev in its zero-bubble phases)
     _check_v_placement(got, PLACED[layout])
+    if "dualpipev" in layout:  # its pairs ran at once (distributed.dualpipev_overlap auto)
+        from megacann.pipeline.v_schedules import dualpipev_pairs
+
+        for stage, run in enumerate(got["runs"]):
+            check_pairs_ran_at_once(run["probe"], len(dualpipev_pairs(2, stage, 4)))
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,7 @@ def expected_trace(plan: list, stage: int) -> list:
 def _train(runs: dict, resume: dict, root: str) -> dict:
     """Every rank trains each run, recording what its executor ran in the first step; the RESUMED runs
     also save after SAVE_AT steps and a new trainer resumes there; then the ``resume`` matrix."""
+    import threading
     import warnings
 
     import torch
@@ -124,9 +125,10 @@ def _train(runs: dict, resume: dict, root: str) -> dict:
     results = {}
     for name, overrides in runs.items():
         trainer = trainer_for(name, overrides)
-        trace: list = []
+        trace, probe = [], []  # probe: dualpipev's pairs that ran at once (megacann.pipeline.overlap)
         schedule = trainer.forward_backward
-        trainer.forward_backward = functools.partial(schedule, trace=trace)
+        pipelined = trainer.cfg.distributed.pipeline_parallel_size > 1
+        trainer.forward_backward = functools.partial(schedule, trace=trace, **({"probe": probe} if pipelined else {}))
         losses, norms = [], []
         for step in range(TRACE_ONLY.get(name, STEPS)):
             metrics = trainer.train_step()
@@ -154,6 +156,7 @@ def _train(runs: dict, resume: dict, root: str) -> dict:
             "trace": trace,
             "expected": expected_trace(plan, stage),
             "weights_run": sum(isinstance(a, BackwardWeight) for a in trace),
+            "probe": [(a, t == threading.get_ident(), start, end) for a, t, start, end in probe],
             "params": params if owner else None,
             "sizes": {
                 "pipeline_parallel_size": ps.get_pipeline_model_parallel_world_size(),
