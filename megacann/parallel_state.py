@@ -249,17 +249,13 @@ def communication_lanes() -> int:
     return 1 if _STATE is None else 1 + len(_STATE.lanes)
 
 
-def current_communication_lane() -> int:
-    return getattr(_LANE, "index", 0)
-
-
 @contextlib.contextmanager
 def communication_lane(index: int) -> Iterator[None]:
     """Within the block, this thread's getters of the ``LANE_KINDS`` groups answer with lane ``index``'s
     duplicates (lane 0: the groups themselves; an index past the lanes created also gets the groups).
     The same ranks in the same order: only the communicator differs, so work on two lanes may run at once
     from two threads, each lane issuing its collectives in one order on every rank."""
-    previous = current_communication_lane()
+    previous = getattr(_LANE, "index", 0)
     _LANE.index = index
     try:
         yield

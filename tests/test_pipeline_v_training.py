@@ -109,6 +109,13 @@ def test_extended_v_layouts_match_one_process_and_follow_their_plans(world4, ref
     zb._check_layout_on(got, WORLD4[layout][0])
     zb._check_parity(got, reference4[WORLD4[layout][1]])
     zb._check_trace(got, split=True)
+    if "dualpipev" in layout:  # its pairs ran at once (distributed.dualpipev_overlap auto), on every rank
+        from megacann.pipeline.v_schedules import dualpipev_pairs
+
+        m = int(dict(o.split("=", 1) for o in WORLD4[layout][0])["optim.grad_accum_steps"])
+        pp = got["runs"][0]["sizes"]["pipeline_parallel_size"]
+        for rank, run in enumerate(got["runs"]):
+            check_pairs_ran_at_once(run["probe"], len(dualpipev_pairs(pp, rank // (4 // pp), m)))
 
 
 @pytest.mark.extended
