@@ -125,6 +125,7 @@ READ_BY = {
     "distributed.sequence_parallel": "layers/context.py",
     "distributed.pipeline_layers": "pipeline/partition.py",
     "distributed.pipeline_schedule": "pipeline/schedules.py",
+    "distributed.dualpipev_overlap": "pipeline/schedules.py",
     "distributed.zero_optimization": "config/schema.py",  # zero_stage, read by optimizer/__init__.py
     "distributed.zero_shard_group_size": "optimizer/zero/optimizer.py",
     "distributed.overlap_grad_reduce": "optimizer/optimizer.py",
