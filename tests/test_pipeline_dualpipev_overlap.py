@@ -203,7 +203,7 @@ def _cfg(overrides):
 
 def test_dualpipev_overlap_key_does_what_it_says():
     from megacann.config import ConfigError
-    from megacann.pipeline.overlap import overlap_hazards, overlap_wanted
+    from megacann.pipeline.overlap import check_overlap_config, overlap_hazards, overlap_wanted
 
     assert overlap_wanted(_cfg([])) and not overlap_wanted(_cfg([OFF]))
     assert overlap_wanted(_cfg(["distributed.dualpipev_overlap=true"]))
@@ -216,6 +216,8 @@ def test_dualpipev_overlap_key_does_what_it_says():
         _cfg([*unsafe, "distributed.dualpipev_overlap=true"])
     auto = _cfg(unsafe)  # auto: back to back, with the reason
     assert not overlap_wanted(auto) and len(overlap_hazards(auto)) == 1
+    (note,) = check_overlap_config(auto, "r.yaml")
+    assert note.startswith("r.yaml: dualpipev runs each pair's forward and backward back to back")
     assert overlap_wanted(_cfg(["model.hidden_dropout=0.1"]))  # dropout without recompute draws on one thread
     from megacann.dry_run import describe
 
