@@ -131,26 +131,32 @@ def _check_v_shaped(cfg: MegacannConfig, source: str) -> None:
         raise ConfigError(f"{source}: {name} does not support train_mode dpo yet: use zb1p, 1f1b or interleaved")
 
 
-def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list[str]:
-    """Raise ConfigError for a layout the schedules cannot run; return advice (a large bubble) as text."""
+def validate_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> None:
+    """Raise ConfigError for a layout the schedules cannot run (the checks of :func:`check_pipeline_config`
+    without its advice, which simulates the schedule: the layout search validates many)."""
     _check_stage_sizes(cfg, source)
     d = cfg.distributed
     error = schedule_error(d.pipeline_schedule, d.pipeline_parallel_size, d.virtual_pipeline_size)
     if error:
         raise ConfigError(f"{source}: {error}")
-    pp, vpp, m = (
-        cfg.distributed.pipeline_parallel_size,
-        cfg.distributed.virtual_pipeline_size or 1,
-        cfg.optim.grad_accum_steps,
-    )
+    pp, vpp, m = d.pipeline_parallel_size, d.virtual_pipeline_size or 1, cfg.optim.grad_accum_steps
     if pp < 2:
-        return []
+        return
     if d.pipeline_schedule in V_SHAPED:
         _check_v_shaped(cfg, source)
     elif vpp > 1:
         error = interleaved_schedule_error(pp, vpp, m)
         if error:
             raise ConfigError(f"{source}: {error}")
+
+
+def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list[str]:
+    """Raise ConfigError for a layout the schedules cannot run; return advice (a large bubble) as text."""
+    validate_pipeline_config(cfg, source)
+    d = cfg.distributed
+    pp, vpp, m = d.pipeline_parallel_size, d.virtual_pipeline_size or 1, cfg.optim.grad_accum_steps
+    if pp < 2:
+        return []
     if d.pipeline_schedule in ("zb1p", *V_SHAPED):
         from megacann.pipeline.simulate import schedule_summary  # the simulator builds on these rules
 
