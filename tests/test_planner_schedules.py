@@ -16,6 +16,7 @@ from megacann.planning.estimate import bubble_fraction
 from megacann.planning.report import stage_table
 from megacann.planning.search import (
     SPLIT_BACKWARD_COST,
+    _bubble_bound,
     fastest_schedule,
     layout_config,
     schedule_config,
@@ -122,3 +123,21 @@ def test_the_search_estimate_is_the_dry_run_s():
     bubble = schedule_summary(4, 4, None, "zbv")[0]
     assert f"pipeline: zbv, 4 micro-batches, bubble {bubble:.1%}" in text
     assert f"bubble {bubble:.1%}" in text.split("-- memory per device")[0]  # the pipeline section's figure
+
+
+def test_the_bubble_bound_never_exceeds_the_simulated_bubble():
+    """The search times a split schedule by this bound until it simulates it: it must not overshoot."""
+    for p in (2, 3, 4):
+        for m in range(1, 2 * p + 2):
+            for schedule in ("zb1p", "zbv", "dualpipev"):
+                if schedule == "dualpipev" and m < 2 * p:
+                    continue
+                layout = dataclasses.replace(_layout(p, m), schedule=schedule)
+                assert _bubble_bound(layout) <= schedule_summary(p, m, None, schedule)[0] + 1e-12
+    assert _bubble_bound(dataclasses.replace(_layout(4, 8), schedule="zbv")) == pytest.approx(1.5 / 25.5)
+
+
+def _layout(p: int, m: int):
+    from megacann.planning.formulas import Layout
+
+    return Layout(pp=p, num_microbatches=m)
