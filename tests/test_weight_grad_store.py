@@ -182,6 +182,11 @@ def test_fused_head_loss_defers_its_weight_gradient(dtype):
 
     _split_equals_fused(loss_fn, [weight], [hidden], closures=1)
 
+    def loss_in_b(params, inputs):  # where the weight is not kept until W (ZeRO-3): its gradient comes with B
+        return head_loss(inputs[0] * 1.0, params[0], target, vocab_size=21, chunk_size=5, defer_weight_grad=False).sum()
+
+    _split_equals_fused(loss_in_b, [weight], [hidden], closures=0)
+
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm not in this torch")
 def test_grouped_mm_experts_defer_their_weight_gradients():

@@ -98,7 +98,7 @@ def _chunks(n: int, size: int):
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, vocab_size, ignore_index, group, chunk_size, kernels):
+    def forward(ctx, hidden, weight, target, vocab_size, ignore_index, group, chunk_size, kernels, defer):
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         local_vocab = weight.shape[0]
@@ -120,7 +120,7 @@ class _HeadLoss(torch.autograd.Function):
         ignored = target == ignore_index
         ctx.save_for_backward(hidden, weight, target, lse)
         ctx.shard = (start, valid, ignore_index, chunk_size, kernels)
-        ctx.weight = weight  # the tensor a deferred weight gradient differentiates into
+        ctx.weight, ctx.defer = weight, defer  # the tensor a deferred weight gradient differentiates into
         return (lse - target_logit).masked_fill_(ignored, 0.0)
 
     @staticmethod
@@ -129,14 +129,14 @@ class _HeadLoss(torch.autograd.Function):
         shard, weight_input, ctx.weight = ctx.shard, ctx.weight, None
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        defer = need_weight and active_store() is not None  # B of a split backward: W recomputes the logits
+        defer = ctx.defer and need_weight and active_store() is not None  # B of a split: W recomputes the logits
         grad_weight = _chunked_grads(
             hidden, weight, target, lse, grad_loss, shard, grad_hidden, need_weight and not defer
         )
         if defer:
             args = (hidden, weight, target, lse, grad_loss, shard, None, True)
             (grad_weight,) = defer_or_compute((weight_input,), lambda: (_chunked_grads(*args),))
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def _chunked_grads(hidden, weight, target, lse, grad_loss, shard, grad_hidden, need_weight):
@@ -171,11 +171,13 @@ def head_loss(
     group: Optional[dist.ProcessGroup] = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     kernels: ShardKernels = TORCH_KERNELS,
+    defer_weight_grad: bool = True,
 ) -> torch.Tensor:
     """Per-token fp32 loss of ``F.linear(hidden, weight)`` against ``target`` (shape of ``target``, 0 where
     ignored); see the module docstring. ``hidden`` ``[..., h]``, ``weight`` ``[V_padded/tp, h]`` (this
     rank's vocabulary shard), ``target`` ``[...]``; ``group`` None means the tensor-parallel group of
-    :mod:`megacann.parallel_state` (none when it is not initialised)."""
+    :mod:`megacann.parallel_state` (none when it is not initialised); ``defer_weight_grad`` false: the
+    weight's gradient comes with B even in a split backward (W would read the weight again)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     if hidden.shape[:-1] != target.shape or hidden.shape[-1] != weight.shape[-1]:
@@ -194,7 +196,9 @@ def head_loss(
         )
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_target = target.reshape(-1).long()
-    loss = _HeadLoss.apply(flat_hidden, weight, flat_target, vocab_size, ignore_index, group, chunk_size, kernels)
+    loss = _HeadLoss.apply(
+        flat_hidden, weight, flat_target, vocab_size, ignore_index, group, chunk_size, kernels, defer_weight_grad
+    )
     return loss.view(target.shape)
 
 
