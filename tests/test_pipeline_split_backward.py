@@ -24,10 +24,10 @@ VARIANTS = {
     # the overlapped column-parallel projection, selective recompute, the unfused head (logits, then loss)
     "dense_tp2_overlap_selective": ["model.num_layers=2", *TP2, "distributed.tp_comm_overlap=true"]
     + ["model.activation_checkpointing=selective", "precision.fused_ops=false"],
-    # multi-token prediction on the last chunk: its depth's projections, its embedding copy and the shared
-    # head's fused loss (the head's weight used twice, both deferred)
-    "mtp_tp2": ["model.num_layers=2", *TP2, "model.mtp_num_layers=1"],
 }
+# extended: multi-token prediction on the last chunk: its depth's projections, its embedding copy and the
+# shared head's fused loss (the head's weight used twice, both deferred)
+MTP_VARIANTS = {"mtp_tp2": ["model.num_layers=2", *TP2, "model.mtp_num_layers=1"]}
 # the layer types whose weight gradients B leaves to W (closures); the others' come with B
 DEFERRED = {
     "moe_tp2_sp_recompute": {
@@ -162,8 +162,22 @@ def split_results():
     return run_on_ranks(_split_checks, 2, args=(VARIANTS,), timeout=300)
 
 
+@pytest.fixture(scope="module")
+def mtp_split_results():
+    return run_on_ranks(_split_checks, 2, args=(MTP_VARIANTS,), timeout=300)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_b_plus_w_equals_the_fused_backward_per_layer_type(split_results, variant):
+    _check_variant(split_results, variant)
+
+
+@pytest.mark.extended
+def test_b_plus_w_equals_the_fused_backward_with_multi_token_prediction(mtp_split_results):
+    _check_variant(mtp_split_results, "mtp_tp2")
+
+
+def _check_variant(split_results: list, variant: str) -> None:
     for rank, result in enumerate(split_results):
         got = result[variant]
         assert LAYER_TYPES[variant] <= set(got["per_type"]), (rank, sorted(got["per_type"]))
