@@ -145,6 +145,17 @@ def test_a_splitting_schedule_builds_deferrable_layers_and_others_plain_ones():
         assert layer.defer_weight_grad == defer
         y = layer(torch.randn(2, 8, requires_grad=True))
         assert ("Deferrable" in type(y.grad_fn).__name__) == defer
+    # ZeRO-3 frees a unit's weights after its backward: the fused head loss, whose W reads its weight again,
+    # keeps its weight gradient in B there; the logits' product (W reads no weight) still defers
+    from megacann.layers.output import LMHead
+
+    for zero, kept in ((1, True), (3, False)):
+        cfg = MegacannConfig()
+        cfg.model.precision, cfg.distributed.pipeline_schedule = "fp32", "zb1p"
+        cfg.distributed.zero_optimization = zero
+        with layer_context_from_config(cfg, "cpu"):
+            head = LMHead(8, 16)
+        assert head.defer_weight_grad and head.defer_loss_weight_grad == kept
 
 
 def _split_equals_fused(loss_fn, params, inputs, closures: int) -> None:
