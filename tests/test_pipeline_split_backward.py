@@ -4,7 +4,8 @@ the head, norms, the router and grouped experts, LoRA adapters. Checked bit for 
 ranks with sequence parallelism (collectives inside the backward) and full activation checkpointing, on a
 first chunk (embedding, no input) and a last chunk (head and loss, hidden states in). The layers are built
 as a zero-bubble schedule builds them, and the test checks which layer types B really left to W (their
-weight-gradient closures) and which it computed itself (norms, router, the fused head loss)."""
+weight-gradient closures; the fused head loss's recomputes its logits in W) and which it computed itself
+(norms, router)."""
 
 import pytest
 from dist_harness import run_on_ranks
@@ -24,6 +25,9 @@ VARIANTS = {
     "dense_tp2_overlap_selective": ["model.num_layers=2", *TP2, "distributed.tp_comm_overlap=true"]
     + ["model.activation_checkpointing=selective", "precision.fused_ops=false"],
 }
+# extended: multi-token prediction on the last chunk: its depth's projections, its embedding copy and the
+# shared head's fused loss (the head's weight used twice, both deferred)
+MTP_VARIANTS = {"mtp_tp2": ["model.num_layers=2", *TP2, "model.mtp_num_layers=1"]}
 # the layer types whose weight gradients B leaves to W (closures); the others' come with B
 DEFERRED = {
     "moe_tp2_sp_recompute": {
@@ -31,14 +35,17 @@ DEFERRED = {
         "RowParallelLinear",
         "VocabParallelEmbedding",
         "ExpertProjection",
+        "LMHead",  # the fused head loss: W recomputes the logits chunk by chunk
     },
     "dense_lora_tp2": {"LoRAAdapter"},
     "dense_tp2_overlap_selective": {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LMHead"},
+    "mtp_tp2": {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LMHead"},
 }
 COMPUTED_IN_B = {
-    "moe_tp2_sp_recompute": {"RMSNorm", "TopKRouter", "LMHead"},  # LMHead: the fused head loss
+    "moe_tp2_sp_recompute": {"RMSNorm", "TopKRouter"},
     "dense_lora_tp2": set(),
     "dense_tp2_overlap_selective": {"RMSNorm"},
+    "mtp_tp2": {"RMSNorm"},
 }
 LAYER_TYPES = {
     "moe_tp2_sp_recompute": {
@@ -52,6 +59,7 @@ LAYER_TYPES = {
     },
     "dense_lora_tp2": {"LoRAAdapter"},
     "dense_tp2_overlap_selective": {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LMHead"},
+    "mtp_tp2": {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LMHead", "RMSNorm"},
 }
 
 
@@ -154,8 +162,22 @@ def split_results():
     return run_on_ranks(_split_checks, 2, args=(VARIANTS,), timeout=300)
 
 
+@pytest.fixture(scope="module")
+def mtp_split_results():
+    return run_on_ranks(_split_checks, 2, args=(MTP_VARIANTS,), timeout=300)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_b_plus_w_equals_the_fused_backward_per_layer_type(split_results, variant):
+    _check_variant(split_results, variant)
+
+
+@pytest.mark.extended
+def test_b_plus_w_equals_the_fused_backward_with_multi_token_prediction(mtp_split_results):
+    _check_variant(mtp_split_results, "mtp_tp2")
+
+
+def _check_variant(split_results: list, variant: str) -> None:
     for rank, result in enumerate(split_results):
         got = result[variant]
         assert LAYER_TYPES[variant] <= set(got["per_type"]), (rank, sorted(got["per_type"]))

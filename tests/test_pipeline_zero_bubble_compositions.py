@@ -1,5 +1,6 @@
-"""zb1p composed with data parallelism + ZeRO-2 (gradient reduction overlapped with the W passes), selective
-recompute and precision.compile trains the same loss trace as one process, and the split was really on:
+"""zb1p composed with data parallelism + ZeRO-2 (gradient reduction overlapped with the W passes) or ZeRO-3
+(zbv too: weights sharded, gathered again for B), selective recompute and precision.compile trains the same
+loss trace as one process, and the split was really on:
 the last stage's B left weight-gradient closures (or, for the compiled blocks, computed gradients) that its
 W passes ran and accumulated. The first stage's chunk has no input, so its W is the fused backward.
 All extended (several trainers on 2 and 4 ranks)."""
@@ -17,7 +18,13 @@ WORLD2 = {  # name: (overrides, reference)
     "pp2_zb1p_selective": ([PP2, ZB, M4, SELECTIVE], "m4"),
     "pp2_zb1p_compile": ([PP2, ZB, M4, *COMPILE], "m4_compile"),
 }
-WORLD4 = {"pp2_zb1p_dp2_zero2": ([PP2, ZB, M2, *ZERO2], "m4")}
+ZERO3 = "distributed.zero_optimization=3"
+ZBV = "distributed.pipeline_schedule=zbv"
+WORLD4 = {
+    "pp2_zb1p_dp2_zero2": ([PP2, ZB, M2, *ZERO2], "m4"),
+    "pp2_zb1p_dp2_zero3": ([PP2, ZB, M2, ZERO3], "m4"),
+    "pp2_zbv_dp2_zero3": ([PP2, ZBV, M2, ZERO3], "m4"),
+}
 REFERENCES = {"m4": [M4], "m4_compile": [M4, *COMPILE]}
 
 
@@ -27,6 +34,7 @@ def _train(runs: dict, root: str) -> dict:
     import torch
     import torch.distributed as dist
     from training_helpers import synthetic_data_factory, tiny_config
+    from zero3_checks import storages
 
     from megacann import parallel_state as ps
     from megacann.interop.full_state import full_state_dict
@@ -64,6 +72,7 @@ def _train(runs: dict, root: str) -> dict:
             "recompute": cfg.model.activation_checkpointing,
             "compiled": [hasattr(b._forward, "_torchdynamo_orig_callable") for b in blocks],
             "overlapped_buckets": sum(b.overlapped_buckets for b in buffers.buffers) if buffers else None,
+            "weight_shards": [(s.shard.numel(), s.layout.numel) for s in storages(trainer.optimizer)],
         }
         ps.destroy_model_parallel()
         if cfg.precision.compile:
@@ -92,12 +101,15 @@ def world4(tmp_path_factory):
     return {name: _merge(per_rank, name) for name in WORLD4}
 
 
-def _check_split_on(got: dict, closures: bool) -> None:
+def _check_split_on(got: dict, closures: bool, v_shape: bool = False) -> None:
     """The last stage's W passes ran what its B passes left (closures, else held gradients); the first
     stage's chunk has no input, so it defers nothing."""
     for run in got["runs"]:
         stats = run["stats"]
-        assert len(run["losses"]) == STEPS
+        assert len(run["losses"]) == len(run["norms"]) == STEPS
+        if v_shape:  # every stage holds a chunk with an input (stage 0's second), so both split
+            assert stats["run"] == stats["deferred"] > 0 and stats["held"] > 0, stats
+            continue
         if not run["last_stage"]:
             assert stats["deferred"] == stats["run"] == stats["held"] == 0, stats
             continue
@@ -113,6 +125,17 @@ def test_zb1p_dp2_zero2_with_overlapped_reduction_matches_one_process(world4, re
     for run in got["runs"]:
         assert run["dp"] == 2 and run["zero_stage"] == 2
         assert run["overlapped_buckets"] > 0  # reductions started from the gradient hooks W fired
+
+
+@pytest.mark.parametrize("schedule", ["zb1p", "zbv"])
+def test_split_schedules_with_dp2_zero3_match_one_process(world4, references, schedule):
+    got = world4[f"pp2_{schedule}_dp2_zero3"]
+    _check_parity(got, references["m4"])
+    _check_split_on(got, closures=True, v_shape=schedule == "zbv")
+    for run in got["runs"]:
+        assert run["dp"] == 2 and run["zero_stage"] == 3
+        # ZeRO-3 on: the weights live as this rank's half of each buffer, gathered only while computed
+        assert run["weight_shards"] and all(2 * shard == whole for shard, whole in run["weight_shards"])
 
 
 def test_zb1p_with_selective_recompute_matches_one_process(world2, references):

@@ -145,3 +145,77 @@ def test_a_splitting_schedule_builds_deferrable_layers_and_others_plain_ones():
         assert layer.defer_weight_grad == defer
         y = layer(torch.randn(2, 8, requires_grad=True))
         assert ("Deferrable" in type(y.grad_fn).__name__) == defer
+    # ZeRO-3 frees a unit's weights after its backward: the fused head loss, whose W reads its weight again,
+    # keeps its weight gradient in B there; the logits' product (W reads no weight) still defers
+    from megacann.layers.output import LMHead
+
+    for zero, kept in ((1, True), (3, False)):
+        cfg = MegacannConfig()
+        cfg.model.precision, cfg.distributed.pipeline_schedule = "fp32", "zb1p"
+        cfg.distributed.zero_optimization = zero
+        with layer_context_from_config(cfg, "cpu"):
+            head = LMHead(8, 16)
+        assert head.defer_weight_grad and head.defer_loss_weight_grad == kept
+
+
+def _split_equals_fused(loss_fn, params, inputs, closures: int) -> None:
+    """B (to ``inputs``) then W gives every gradient the fused backward gives, bit for bit; B computed none of
+    the weights' and deferred ``closures`` closures."""
+    loss_fn(params, inputs).backward()
+    fused, fused_inputs = _grads(params), [x.grad.clone() for x in inputs]
+    for x in inputs:
+        x.grad = None
+    before = weight_grad.weight_grad_stats()
+    out = loss_fn(params, inputs)
+    (grad_inputs,) = [backward_input([out], [None], inputs)]
+    assert all(p.grad is None for p in params)  # B left the weights alone
+    backward_weight([out], [None], params)
+    after = weight_grad.weight_grad_stats()
+    assert after["deferred"] - before["deferred"] == after["run"] - before["run"] == closures
+    assert all(torch.equal(a, b) for a, b in zip(_grads(params), fused))
+    assert all(torch.equal(a, b) for a, b in zip(grad_inputs, fused_inputs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_loss_defers_its_weight_gradient(dtype):
+    """The fused head loss in B computes the hidden states' gradient only; W recomputes the logits chunk by
+    chunk for the weight's (vocabulary padding, ignored targets and several chunks included)."""
+    from megacann.ops.head_loss import head_loss
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.nn.Parameter(torch.randn(24, 16, generator=g).to(dtype))  # 24 padded rows, 21 real
+    hidden = torch.randn(2, 7, 16, generator=g).to(dtype).requires_grad_()
+    target = torch.randint(0, 21, (2, 7), generator=g)
+    target[0, 2] = -100
+
+    def loss_fn(params, inputs):
+        return head_loss(inputs[0] * 1.0, params[0], target, vocab_size=21, chunk_size=5).sum()
+
+    _split_equals_fused(loss_fn, [weight], [hidden], closures=1)
+
+    def loss_in_b(params, inputs):  # where the weight is not kept until W (ZeRO-3): its gradient comes with B
+        return head_loss(inputs[0] * 1.0, params[0], target, vocab_size=21, chunk_size=5, defer_weight_grad=False).sum()
+
+    _split_equals_fused(loss_in_b, [weight], [hidden], closures=0)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm not in this torch")
+def test_grouped_mm_experts_defer_their_weight_gradients():
+    """torch._grouped_mm's experts (CUDA's grouped matmul; on CPU when pinned): B the tokens' gradient, W
+    the experts', equal to the fused backward and to autograd's own _grouped_mm backward, bit for bit."""
+    from megacann.ops.moe import _grouped_matmul_torch
+
+    g = torch.Generator().manual_seed(4)
+    experts = [torch.nn.Parameter(torch.randn(8, 16, generator=g)) for _ in range(3)]
+    x = torch.randn(10, 16, generator=g).requires_grad_()
+    sizes = [4, 0, 6]  # an expert with no tokens too
+
+    def loss_fn(params, inputs):
+        return (_grouped_matmul_torch(inputs[0] * 1.0, list(params), sizes) ** 2).sum()
+
+    _split_equals_fused(loss_fn, experts, [x], closures=1)
+    offsets = torch.tensor([4, 4, 10], dtype=torch.int32)
+    y = torch._grouped_mm(x, torch.stack(experts).transpose(1, 2), offs=offsets)
+    autograd = torch.autograd.grad((y**2).sum(), [x, *experts])
+    (loss_fn(experts, [x])).backward()
+    assert torch.equal(x.grad, autograd[0]) and all(torch.equal(e.grad, a) for e, a in zip(experts, autograd[1:]))

@@ -61,7 +61,8 @@ class LayerContext:
     column-parallel layers overlap their all-gather and reduce-scatter with their matmuls
     (:mod:`megacann.layers.tp_overlap`). ``defer_weight_grads``: layers with weights build their products
     so that a split backward's B can leave their weight gradients to W (:mod:`megacann.ops.weight_grad`);
-    on for pipeline schedules that split the backward.
+    on for pipeline schedules that split the backward. ``weights_kept_for_w``: the weights stay readable
+    between B and W (not under ZeRO-3), which a W that reads its weight again needs (the fused head loss).
 
     ``with context:`` makes it the current context for the enclosed code (contexts nest)."""
 
@@ -74,6 +75,7 @@ class LayerContext:
     recompute: str = "none"
     tp_comm_overlap: bool = False
     defer_weight_grads: bool = False
+    weights_kept_for_w: bool = True  # false under ZeRO-3, which frees a unit's weights after its backward
 
     def __post_init__(self) -> None:
         if self.context_parallel_algo is not None:
@@ -122,6 +124,7 @@ def layer_context_from_config(cfg: MegacannConfig, device: Optional[Union[torch.
         recompute=model.activation_checkpointing,
         tp_comm_overlap=parallel.tp_comm_overlap,
         defer_weight_grads=parallel.splits_backward,
+        weights_kept_for_w=parallel.zero_stage < 3,
     )
 
 

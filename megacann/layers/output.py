@@ -64,9 +64,12 @@ class LMHead(torch.nn.Module):
         self.vocab_size = vocab_size
         self.sequence_parallel = resolve_sequence_parallel(sequence_parallel) and mappings.tp_world_size(group) > 1
         self._shared: tuple[VocabParallelEmbedding, ...] = ()
-        # W after B (megacann.ops.weight_grad) for the logits' product; the fused head loss computes its
-        # weight gradient in B (deferring it would keep every chunk's logit gradients, what it exists to avoid)
-        self.defer_weight_grad = current_layer_context().defer_weight_grads
+        # W after B (megacann.ops.weight_grad) for the logits' product; the fused head loss defers its weight
+        # gradient by itself (W recomputes each chunk's logits rather than keep their gradients), so only where
+        # the weight stays readable until W (not under ZeRO-3)
+        context = current_layer_context()
+        self.defer_weight_grad = context.defer_weight_grads
+        self.defer_loss_weight_grad = context.defer_weight_grads and context.weights_kept_for_w
         if isinstance(tie_to, VocabParallelEmbedding):
             self._shared = (tie_to,)  # a tuple: not registered as a submodule, so named once, by its owner
             return
@@ -110,7 +113,12 @@ class LMHead(torch.nn.Module):
             else:
                 hidden = mappings.copy_to_tensor_model_parallel_region(hidden, self.group)
             return ops.vocab_parallel_head_loss(
-                hidden, self.output_weight, labels, vocab_size=self.vocab_size, group=mappings.tp_group(self.group)
+                hidden,
+                self.output_weight,
+                labels,
+                vocab_size=self.vocab_size,
+                group=mappings.tp_group(self.group),
+                defer_weight_grad=self.defer_loss_weight_grad,
             )
         logits = self.logits_shard(hidden)
         if labels is None:

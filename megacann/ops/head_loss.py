@@ -8,6 +8,10 @@ of ``exp(lse_r - max)`` together with the target logits). Only the per-token log
 Backward: each chunk's logits are recomputed (one more matmul of the chunk), overwritten in place by
 ``(softmax - onehot) * grad`` and multiplied back into the gradients of ``hidden`` and ``weight``.
 
+In a split backward's B (zero-bubble schedules, :mod:`megacann.ops.weight_grad`) only ``hidden``'s gradient
+is computed; W recomputes each chunk's logits and their gradient once more for the weight's (one more
+logits product per chunk, never the whole micro-batch's logit gradients held), bit for bit the fused result.
+
 Peak memory is one chunk's logits (besides the gradients themselves) instead of the whole micro-batch's
 logits in the model dtype, their fp32 working copy and their gradient. The result equals ``F.linear`` followed by
 :func:`megacann.layers.vocab_parallel_cross_entropy` (same ignore_index and vocabulary-padding rules), and
@@ -32,6 +36,7 @@ from megacann import parallel_state as ps
 from megacann.constants import IGNORE_INDEX
 from megacann.ops.registry import REFERENCE, register
 from megacann.ops.signatures import DEFAULT_CHUNK_SIZE
+from megacann.ops.weight_grad import active_store, defer_or_compute
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ def _chunks(n: int, size: int):
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, vocab_size, ignore_index, group, chunk_size, kernels):
+    def forward(ctx, hidden, weight, target, vocab_size, ignore_index, group, chunk_size, kernels, defer):
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         local_vocab = weight.shape[0]
@@ -115,32 +120,45 @@ class _HeadLoss(torch.autograd.Function):
         ignored = target == ignore_index
         ctx.save_for_backward(hidden, weight, target, lse)
         ctx.shard = (start, valid, ignore_index, chunk_size, kernels)
+        ctx.weight, ctx.defer = weight, defer  # the tensor a deferred weight gradient differentiates into
         return (lse - target_logit).masked_fill_(ignored, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, target, lse = ctx.saved_tensors
-        start, valid, ignore_index, chunk_size, kernels = ctx.shard
+        shard, weight_input, ctx.weight = ctx.shard, ctx.weight, None
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = None
-        if need_weight:  # accumulated over chunks in fp32, cast once
-            grad_weight = torch.zeros(weight.shape, dtype=acc_dtype(weight.dtype), device=weight.device)
-        for rows in _chunks(target.shape[0], chunk_size):
-            h = hidden[rows]
-            grad_logits = F.linear(h, weight)  # the chunk's logits, overwritten by their gradient
-            kernels.grad_(grad_logits, target[rows], lse[rows], grad_loss[rows], start, valid, ignore_index)
-            if need_hidden:
-                torch.mm(grad_logits, weight, out=grad_hidden[rows])
-            if need_weight:
-                if grad_weight.dtype == grad_logits.dtype:
-                    grad_weight.addmm_(grad_logits.t(), h)
-                else:
-                    grad_weight += grad_logits.t().mm(h)
-            del grad_logits  # before the next chunk's logits exist
+        defer = ctx.defer and need_weight and active_store() is not None  # B of a split: W recomputes the logits
+        grad_weight = _chunked_grads(
+            hidden, weight, target, lse, grad_loss, shard, grad_hidden, need_weight and not defer
+        )
+        if defer:
+            args = (hidden, weight, target, lse, grad_loss, shard, None, True)
+            (grad_weight,) = defer_or_compute((weight_input,), lambda: (_chunked_grads(*args),))
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _chunked_grads(hidden, weight, target, lse, grad_loss, shard, grad_hidden, need_weight):
+    """Chunk by chunk: the logits recomputed and overwritten by their gradient, multiplied into
+    ``grad_hidden`` (when given) and into the weight's gradient (returned when ``need_weight``, else None)."""
+    start, valid, ignore_index, chunk_size, kernels = shard
+    grad_weight = None
+    if need_weight:  # accumulated over chunks in fp32, cast once
+        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype(weight.dtype), device=weight.device)
+    for rows in _chunks(target.shape[0], chunk_size):
+        h = hidden[rows]
+        grad_logits = F.linear(h, weight)  # the chunk's logits, overwritten by their gradient
+        kernels.grad_(grad_logits, target[rows], lse[rows], grad_loss[rows], start, valid, ignore_index)
+        if grad_hidden is not None:
+            torch.mm(grad_logits, weight, out=grad_hidden[rows])
         if need_weight:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+            if grad_weight.dtype == grad_logits.dtype:
+                grad_weight.addmm_(grad_logits.t(), h)
+            else:
+                grad_weight += grad_logits.t().mm(h)
+        del grad_logits  # before the next chunk's logits exist
+    return grad_weight.to(weight.dtype) if need_weight else None
 
 
 def head_loss(
@@ -153,11 +171,13 @@ def head_loss(
     group: Optional[dist.ProcessGroup] = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     kernels: ShardKernels = TORCH_KERNELS,
+    defer_weight_grad: bool = True,
 ) -> torch.Tensor:
     """Per-token fp32 loss of ``F.linear(hidden, weight)`` against ``target`` (shape of ``target``, 0 where
     ignored); see the module docstring. ``hidden`` ``[..., h]``, ``weight`` ``[V_padded/tp, h]`` (this
     rank's vocabulary shard), ``target`` ``[...]``; ``group`` None means the tensor-parallel group of
-    :mod:`megacann.parallel_state` (none when it is not initialised)."""
+    :mod:`megacann.parallel_state` (none when it is not initialised); ``defer_weight_grad`` false: the
+    weight's gradient comes with B even in a split backward (W would read the weight again)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     if hidden.shape[:-1] != target.shape or hidden.shape[-1] != weight.shape[-1]:
@@ -176,7 +196,9 @@ def head_loss(
         )
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_target = target.reshape(-1).long()
-    loss = _HeadLoss.apply(flat_hidden, weight, flat_target, vocab_size, ignore_index, group, chunk_size, kernels)
+    loss = _HeadLoss.apply(
+        flat_hidden, weight, flat_target, vocab_size, ignore_index, group, chunk_size, kernels, defer_weight_grad
+    )
     return loss.view(target.shape)
 
 

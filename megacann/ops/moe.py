@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from megacann.accelerator import import_torch_npu
 from megacann.ops import npu_api
 from megacann.ops.registry import REFERENCE, register
-from megacann.ops.weight_grad import defer_or_compute
+from megacann.ops.weight_grad import active_store, defer_or_compute
 
 # -- PyTorch reference ---------------------------------------------------------------------------------
 
@@ -62,19 +62,6 @@ def _grouped_matmul_reference(x: torch.Tensor, weights: list[torch.Tensor], grou
 # -- torch._grouped_mm (CUDA bf16; CPU when pinned) ----------------------------------------------------------------
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient (``_grouped_mm``'s backward rejects the
-    stride-0 gradient of e.g. ``.sum()``)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
 _CPU_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -93,13 +80,50 @@ def _has_grouped_mm() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm(x, stack(weights)ᵀ)`` whose weights' gradient a split backward's B leaves to W
+    (:mod:`megacann.ops.weight_grad`). The forward keeps its own small autograd graph of ``_grouped_mm``,
+    and both gradients come from that graph's own backward (B asks it for the tokens' gradient, W for the
+    weights'), so they equal autograd's bit for bit on every device; outside a split, one call asks for both."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, *weights):
+        stacked = torch.stack(weights).transpose(1, 2)  # [groups, in, out]; a copy of the weights per call
+        with torch.enable_grad():
+            x_in = x.detach().requires_grad_(ctx.needs_input_grad[0])
+            w_in = stacked.requires_grad_()
+            out = torch._grouped_mm(x_in, w_in, offs=offsets)
+        ctx.inner, ctx.weights = (out, x_in, w_in), weights
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out, x_in, w_in), weights = ctx.inner, ctx.weights
+        ctx.inner = ctx.weights = None  # the graph is freed by its last use
+        grad = grad.contiguous()  # (the stride-0 gradient of e.g. ``.sum()`` is not taken)
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[2:])
+        if need_w and active_store() is None:  # not split: both gradients in one call, as autograd runs it
+            grads = torch.autograd.grad(out, [x_in, w_in] if need_x else [w_in], grad)
+            return (grads[0] if need_x else None, None, *(grads[-1][i].t() for i in range(len(weights))))
+        grad_x = torch.autograd.grad(out, [x_in], grad, retain_graph=need_w)[0] if need_x else None
+        if not need_w:
+            return (grad_x, None, *(None for _ in weights))
+
+        def weight_grads() -> list:
+            grad_w = torch.autograd.grad(out, [w_in], grad)[0]  # [groups, in, out]
+            return [grad_w[i].t() for i in range(len(weights))]
+
+        return (grad_x, None, *defer_or_compute(weights, weight_grads))
+
+
 @register("grouped_matmul", "torch_grouped_mm", priority=10, device_types=("cuda",), available=_has_grouped_mm)
 def _grouped_matmul_torch(x: torch.Tensor, weights: list[torch.Tensor], group_sizes: list[int]) -> torch.Tensor:
     if not _grouped_mm_takes(x, weights):
         return _grouped_matmul_reference(x, weights, group_sizes)
-    stacked = torch.stack(weights).transpose(1, 2)  # [groups, in, out]; a copy of the weights per call
     offsets = torch.tensor(list(itertools.accumulate(group_sizes)), dtype=torch.int32, device=x.device)
-    return _ContiguousGrad.apply(torch._grouped_mm(x, stacked, offs=offsets))
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+    return _GroupedMM.apply(x, offsets, *weights)
 
 
 # On CPU torch's grouped matmul was not faster than the per-group loop here (benchmarks/moe_dispatch.py),

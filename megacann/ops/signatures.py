@@ -116,10 +116,13 @@ def vocab_parallel_head_loss(
     ignore_index: int = IGNORE_INDEX,
     group: Optional[dist.ProcessGroup] = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    defer_weight_grad: bool = True,
 ) -> torch.Tensor:
     """Per-token fp32 loss of the output head ``hidden @ weight.T`` (``weight``: this TP rank's vocabulary
     shard) computed in chunks of ``chunk_size`` tokens, never holding the whole batch's logits. Equal to
-    ``F.linear`` + :func:`megacann.layers.vocab_parallel_cross_entropy`; see :mod:`megacann.ops.head_loss`."""
+    ``F.linear`` + :func:`megacann.layers.vocab_parallel_cross_entropy`; see :mod:`megacann.ops.head_loss`.
+    ``defer_weight_grad``: in a split backward's B, leave the weight's gradient to W (which reads the weight
+    again: false where the weight is not kept between B and W, as under ZeRO-3)."""
 
 
 @declare

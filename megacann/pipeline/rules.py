@@ -131,29 +131,35 @@ def _check_v_shaped(cfg: MegacannConfig, source: str) -> None:
         raise ConfigError(f"{source}: {name} does not support train_mode dpo yet: use zb1p, 1f1b or interleaved")
 
 
-def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list[str]:
-    """Raise ConfigError for a layout the schedules cannot run; return advice (a large bubble) as text."""
+def validate_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> None:
+    """Raise ConfigError for a layout the schedules cannot run (the checks of :func:`check_pipeline_config`
+    without its advice, which simulates the schedule: the layout search validates many)."""
     _check_stage_sizes(cfg, source)
     d = cfg.distributed
     error = schedule_error(d.pipeline_schedule, d.pipeline_parallel_size, d.virtual_pipeline_size)
     if error:
         raise ConfigError(f"{source}: {error}")
-    pp, vpp, m = (
-        cfg.distributed.pipeline_parallel_size,
-        cfg.distributed.virtual_pipeline_size or 1,
-        cfg.optim.grad_accum_steps,
-    )
-    from megacann.pipeline.overlap import check_overlap_config  # dualpipev's overlap key
-
-    notes = check_overlap_config(cfg, source)
+    pp, vpp, m = d.pipeline_parallel_size, d.virtual_pipeline_size or 1, cfg.optim.grad_accum_steps
     if pp < 2:
-        return notes
+        return
     if d.pipeline_schedule in V_SHAPED:
         _check_v_shaped(cfg, source)
     elif vpp > 1:
         error = interleaved_schedule_error(pp, vpp, m)
         if error:
             raise ConfigError(f"{source}: {error}")
+
+
+def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list[str]:
+    """Raise ConfigError for a layout the schedules cannot run; return advice (a large bubble) as text."""
+    validate_pipeline_config(cfg, source)
+    from megacann.pipeline.overlap import check_overlap_config  # dualpipev's overlap key
+
+    notes = check_overlap_config(cfg, source)
+    d = cfg.distributed
+    pp, vpp, m = d.pipeline_parallel_size, d.virtual_pipeline_size or 1, cfg.optim.grad_accum_steps
+    if pp < 2:
+        return notes
     if d.pipeline_schedule in ("zb1p", *V_SHAPED):
         from megacann.pipeline.simulate import schedule_summary  # the simulator builds on these rules
 
@@ -168,14 +174,14 @@ def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list
         ]
     bubble = pipeline_bubble_fraction(pp, m, vpp)
     if bubble <= BUBBLE_ADVICE:
-        return []
+        return notes
     if vpp == 1:
         formula = f"(p - 1)/(m + p - 1) = {pp - 1}/{m + pp - 1}"
         remedy = "or set distributed.virtual_pipeline_size (interleaved 1F1B)"
     else:
         formula = f"((p - 1)/v)/(m + (p - 1)/v) with v {vpp} = {(pp - 1) / vpp:g}/{m + (pp - 1) / vpp:g}"
         remedy = "or a larger distributed.virtual_pipeline_size"
-    return [
+    return notes + [
         f"{source}: pipeline bubble {bubble:.0%} > {BUBBLE_ADVICE:.0%}: pipeline_parallel_size p {pp} with "
         f"optim.grad_accum_steps m {m} micro-batches idles each stage {formula} of a step; use "
         f"grad_accum_steps {microbatches_for_bubble(pp, vpp)} or more {remedy}"

@@ -17,6 +17,7 @@ chunk the wrong micro-batch or leave work undone; tests run it over many pipelin
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -309,6 +310,14 @@ def schedule_summary(
 ) -> tuple[float, list[int]]:
     """(bubble, peak micro-batches in flight per stage) of a schedule, simulated with a forward taking one
     unit and a backward two (one each for B and W when split): the bubble is the largest idle share of any
-    stage, what the dry run prints."""
+    stage, what the dry run prints. Cached: the layout search asks for each schedule of every layout."""
+    bubble, peaks = _summary(stages, num_microbatches, virtual_stages, schedule)
+    return bubble, list(peaks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _summary(
+    stages: int, num_microbatches: int, virtual_stages: Optional[int], schedule: Optional[str]
+) -> tuple[float, tuple[int, ...]]:
     result = simulate_schedule(stages, num_microbatches, virtual_stages, schedule=schedule)
-    return max(result.idle_fraction(s) for s in range(stages)), result.peak_in_flight
+    return max(result.idle_fraction(s) for s in range(stages)), tuple(result.peak_in_flight)

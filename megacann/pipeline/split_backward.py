@@ -4,9 +4,9 @@ Zero-bubble schedules send B to the previous stage at once and run W later. B ba
 outputs once, through every layer's own backward (tensor-, sequence- and context-parallel collectives,
 MoE all-to-all, activation checkpointing's recompute), and frees the graph as it goes. While it runs, a
 :class:`~megacann.ops.weight_grad.WeightGradStore` collects: the layers with large weights (linear,
-embedding, grouped experts, LoRA adapters; :mod:`megacann.ops.weight_grad`) compute their input's
-gradient only and leave a closure over the tensors their weight gradient needs. The other parameters
-(norms, the router, biases, the fused head loss's weight, anything inside ``torch.compile``) get their
+embedding, grouped experts, LoRA adapters, the fused head loss; :mod:`megacann.ops.weight_grad`) compute
+their input's gradient only and leave a closure over the tensors their weight gradient needs. The other
+parameters (norms, the router, biases, anything inside ``torch.compile``) get their
 gradients computed in B, held without being accumulated. W runs the closures and accumulates every
 gradient into its parameter in one autograd call, so ``.grad``, gradient buffers and the optimizer's
 hooks see what a fused backward gives them, and only then. B + W costs what the fused backward does.

@@ -3,7 +3,10 @@
 Activations are counted per micro-batch in flight: the stage's own schedule plan (the one the trainer
 runs, from ``megacann.pipeline.plan``) is replayed, adding a model chunk's activations at each forward and
 removing them at its backward, so 1F1B's ``pp - stage`` micro-batches on stage ``stage`` and interleaving's
-extra chunks come out of the real schedule, not an approximation of it.
+extra chunks come out of the real schedule, not an approximation of it. The schedule is the layout's
+(``Layout.schedule``, ``distributed.pipeline_schedule``): the zero-bubble ones free a micro-batch's
+activations at its W, and the V-shaped ones (zbv, dualpipev) place chunk 1 of stage s at segment 2p - 1 - s,
+the head on stage 0 beside the embedding.
 
 ``train_mode: dpo`` with a reference copy (``dpo.reference`` copy, or auto without LoRA) holds the starting
 weights once more, built and sharded like the policy: its weights only (no gradients, no optimizer state,
@@ -19,11 +22,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megacann.config import MegacannConfig
+from megacann.config.schema import SPLIT_BACKWARD_SCHEDULES
 from megacann.models import get_model_spec
 from megacann.models.mtp import mtp_depths
 from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
 from megacann.pipeline.plan import Backward, BackwardWeight, Forward, build_plan
 from megacann.pipeline.rules import V_SHAPED, chunks_per_stage
+from megacann.pipeline.simulate import schedule_summary
 from megacann.planning.activations import chunk_extra_terms, layer_activation_bytes, pipeline_buffer_bytes
 from megacann.planning.formulas import (
     Layout,
@@ -78,7 +83,7 @@ def _describe_layers(ids: list[int]) -> str:
 
 def replay_in_flight(plan, chunk_bytes: list[float]) -> tuple[float, int]:
     """(peak bytes, peak count) of chunk activations alive while ``plan`` runs."""
-    return _replay(_activation_events(plan), chunk_bytes)
+    return _peak(_in_flight_profile(_activation_events(plan)), chunk_bytes)
 
 
 def _activation_events(plan) -> tuple[tuple[int, int], ...]:
@@ -92,24 +97,36 @@ def _activation_events(plan) -> tuple[tuple[int, int], ...]:
     return tuple(events)
 
 
+Profile = tuple[tuple[tuple[int, ...], ...], int]
+
+
 @functools.lru_cache(maxsize=1024)
-def _stage_events(
+def _stage_profile(
     pp: int, stage: int, num_microbatches: int, virtual: Optional[int], schedule: Optional[str]
-) -> tuple[tuple[int, int], ...]:
-    """A stage's plan as activation events, built once per shape: the layout search asks again for every
-    memory variant of the same pipeline."""
-    return _activation_events(build_plan(pp, stage, num_microbatches, virtual, schedule=schedule))
+) -> Profile:
+    """A stage's plan as its in-flight profile, built once per shape: the layout search asks again for
+    every memory variant of the same pipeline."""
+    return _in_flight_profile(_activation_events(build_plan(pp, stage, num_microbatches, virtual, schedule=schedule)))
 
 
-def _replay(events: tuple[tuple[int, int], ...], chunk_bytes: list[float]) -> tuple[float, int]:
-    live = peak = 0.0
-    count = peak_count = 0
+def _in_flight_profile(events: tuple[tuple[int, int], ...]) -> Profile:
+    """(the counts of micro-batches alive per chunk at each moment one could peak, none below another in
+    every chunk; the peak total count). The peak bytes for any bytes per chunk is the largest of these
+    counts weighted by them, so replaying a plan is done once per shape, not once per layout."""
+    chunks = 1 + max((chunk for _, chunk in events), default=0)
+    alive, moments, peak_count = [0] * chunks, set(), 0
     for sign, chunk in events:
-        live += sign * chunk_bytes[chunk]
-        count += sign
+        alive[chunk] += sign
         if sign > 0:
-            peak, peak_count = max(peak, live), max(peak_count, count)
-    return peak, peak_count
+            moments.add(tuple(alive))
+            peak_count = max(peak_count, sum(alive))
+    kept = tuple(n for n in moments if not any(o != n and all(a >= b for a, b in zip(o, n)) for o in moments))
+    return kept, peak_count
+
+
+def _peak(profile: Profile, chunk_bytes: list[float]) -> tuple[float, int]:
+    moments, peak_count = profile
+    return max((sum(n * b for n, b in zip(counts, chunk_bytes)) for counts in moments), default=0.0), peak_count
 
 
 def mtp_terms(cfg: MegacannConfig, layout: Layout) -> tuple[int, int, float]:
@@ -141,11 +158,12 @@ def reference_copy_bytes(cfg: MegacannConfig, params: int) -> float:
 
 def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEstimate:
     m, d = cfg.model, cfg.distributed
-    pp, vpp = layout.pp, layout.vpp
-    v_shape = d.pipeline_schedule in V_SHAPED and pp == d.pipeline_parallel_size > 1  # the recipe's V placement
-    vpp = 2 if v_shape else vpp
+    pp, schedule = layout.pp, layout.schedule
+    v_shape = schedule in V_SHAPED and pp > 1  # the V placement: the head on stage 0
+    vpp = 2 if v_shape else layout.vpp
     recipe_chunks = chunks_per_stage(d.pipeline_schedule, d.virtual_pipeline_size)
-    pipeline_layers = d.pipeline_layers if (pp, vpp) == (d.pipeline_parallel_size, recipe_chunks) else None
+    same_cut = (pp, vpp, v_shape) == (d.pipeline_parallel_size, recipe_chunks, d.pipeline_schedule in V_SHAPED)
+    pipeline_layers = d.pipeline_layers if same_cut else None
     params, experts, saved, buffers, holds, transient = 0, 0, [], [], [], 0.0
     offloaded, host_saved, unit = set(layout.offload_layers), [], 0
     for chunk in range(vpp):
@@ -164,7 +182,9 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         host_saved.append(sum(layers[moe] for moe in moved))
         if moved:  # an offloaded layer's activations are on the device during its forward and its backward
             transient = max(transient, *(layers[moe] for moe in moved))
-        unit = max([unit] + [sum(layer_parameters_per_rank(m, layout.tp, i, layout.ep)) for i in ids])
+        if layout.zero >= 3:  # ZeRO-3 gathers the largest layer whole (one per kind of layer to count)
+            firsts = {is_moe_layer(m, i): i for i in reversed(ids)}.values()
+            unit = max([unit] + [sum(layer_parameters_per_rank(m, layout.tp, i, layout.ep)) for i in firsts])
         buffers.append(pipeline_buffer_bytes(cfg, layout, first, last))
         if layout.recompute == "full" and ids:  # backward re-runs one layer at a time
             transient = max(transient, *(layer_activation_bytes(cfg, layout, "none", moe) for moe in set(kinds)))
@@ -174,10 +194,9 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         parts = (["embedding"] if first else []) + [_describe_layers(ids)] + (["output layer"] if last else [])
         parts += [f"{mtp_depths(m)} MTP depths"] if last and mtp_depths(m) else []
         holds.append(" + ".join(parts))
-    schedule = d.pipeline_schedule if v_shape else None
-    events = _stage_events(pp, stage, layout.num_microbatches, vpp if vpp > 1 and not v_shape else None, schedule)
-    peak, in_flight = _replay(events, [a + b for a, b in zip(saved, buffers)])
-    host_peak, _ = _replay(events, host_saved)
+    profile = _stage_profile(pp, stage, layout.num_microbatches, vpp if vpp > 1 and not v_shape else None, schedule)
+    peak, in_flight = _peak(profile, [a + b for a, b in zip(saved, buffers)])
+    host_peak = _peak(profile, host_saved)[0]
     static = placed_static_bytes(cfg, layout, params, experts, unit)
     return StageEstimate(
         stage,
@@ -204,8 +223,12 @@ def estimate_stages(cfg: MegacannConfig, layout: Layout) -> list[StageEstimate]:
 
 
 def bubble_fraction(layout: Layout) -> float:
+    """The idle share of a step the dry run prints for this layout's schedule: the closed form for 1F1B and
+    interleaved 1F1B, the simulator's for the split-backward schedules (zb1p, zbv, dualpipev)."""
     if layout.pp == 1:
         return 0.0
+    if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+        return schedule_summary(layout.pp, layout.num_microbatches, None, layout.schedule)[0]
     return pipeline_bubble_fraction(layout.pp, layout.num_microbatches, layout.vpp)
 
 

@@ -74,6 +74,7 @@ class Layout:
     offload_optimizer: bool = False  # fp32 masters and optimizer state in host memory (planning.placement)
     offload_layers: tuple[int, ...] = ()  # global ids of the layers whose activations go to host memory
     zero_group: int = 0  # hybrid sharding: ZeRO shards within groups of this many ranks; 0: the whole group
+    schedule: Optional[str] = None  # distributed.pipeline_schedule; None: 1F1B, or interleaved when vpp > 1
 
     @property
     def world_size(self) -> int:
@@ -92,7 +93,9 @@ class Layout:
 
     def describe(self) -> str:
         dp = f"dp {self.dp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
-        parts = [f"tp {self.tp}", f"pp {self.pp}" + (f" (vpp {self.vpp})" if self.vpp > 1 else ""), dp]
+        pipeline = [f"vpp {self.vpp}"] if self.vpp > 1 else []
+        pipeline += [self.schedule] if self.schedule and self.pp > 1 else []
+        parts = [f"tp {self.tp}", f"pp {self.pp}" + (f" ({', '.join(pipeline)})" if pipeline else ""), dp]
         if self.cp > 1:
             parts.append(f"cp {self.cp}")
         extra = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", f"recompute {self.recompute}"]
@@ -124,6 +127,7 @@ def layout_of(cfg: MegacannConfig) -> Layout:
         offload_optimizer=cfg.optim.offload_optimizer,
         offload_layers=tuple(offloaded_layer_ids(cfg)),
         zero_group=getattr(d, "zero_shard_group_size", None) or 0,  # hybrid sharding, where the recipe has it
+        schedule=d.pipeline_schedule,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megacann.config import MegacannConfig
+from megacann.config.schema import SPLIT_BACKWARD_SCHEDULES
 from megacann.models import get_model_spec
 from megacann.planning.activations import layer_activation_bytes
 from megacann.planning.estimate import StageEstimate, bubble_fraction, estimate_stages
@@ -145,13 +146,9 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
     if layout.pp > 1:
         m, v = layout.num_microbatches, layout.vpp
         kind = f"interleaved 1F1B ({v} chunks per stage)" if v > 1 else "1F1B"
-        bubble = bubble_fraction(layout)
-        schedule = cfg.distributed.pipeline_schedule if layout.pp == cfg.distributed.pipeline_parallel_size else None
-        if schedule in ("zb1p", "zbv", "dualpipev"):  # the recipe's schedule, its bubble simulated
-            from megacann.pipeline.simulate import schedule_summary
-
-            kind, bubble = schedule, schedule_summary(layout.pp, m, None, schedule)[0]
-        lines.append(f"pipeline: {kind}, {m} micro-batches, bubble {bubble:.1%}")
+        if layout.schedule in SPLIT_BACKWARD_SCHEDULES:  # its bubble simulated, as the dry run prints it
+            kind = layout.schedule
+        lines.append(f"pipeline: {kind}, {m} micro-batches, bubble {bubble_fraction(layout):.1%}")
     else:
         lines.append("pipeline: none (no bubble)")
     return lines
