@@ -15,6 +15,9 @@ so do the gradients: ``hidden``'s gradient is this rank's partial sum, as ``F.li
 caller reduces it over the tensor-parallel group (``copy_to_tensor_model_parallel_region``) exactly as
 ``ColumnParallelLinear`` does.
 
+On CPUs without native bf16 GEMM, bf16 products run as fp32 GEMMs (:mod:`megacann.ops.bf16_matmul`): the
+logits are then fp32 (not rounded to bf16) and the weight's fp32 copy lives while the op runs.
+
 The per-chunk arithmetic comes from a :class:`ShardKernels` pair: plain PyTorch here (any device), the C++
 kernels of ``csrc/`` on CPU (:mod:`megacann.ops.cpp`).
 """
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 
 from megacann import parallel_state as ps
 from megacann.constants import IGNORE_INDEX
+from megacann.ops.bf16_matmul import gemm_dtype
 from megacann.ops.registry import REFERENCE, register
 from megacann.ops.signatures import DEFAULT_CHUNK_SIZE
 
@@ -101,8 +105,10 @@ class _HeadLoss(torch.autograd.Function):
         valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
         lse = torch.empty(target.shape, dtype=acc_dtype(hidden.dtype), device=hidden.device)
         target_logit = torch.empty_like(lse)
+        mm = gemm_dtype(hidden, weight)  # fp32 on CPUs without bf16 GEMM: fp32 logits (the copies transient)
+        weight_mm = weight.to(mm)
         for rows in _chunks(target.shape[0], chunk_size):
-            logits = F.linear(hidden[rows], weight)
+            logits = F.linear(hidden[rows].to(mm), weight_mm)
             lse[rows], target_logit[rows] = kernels.stats(logits, target[rows], start, valid, ignore_index)
             del logits
         if world > 1:  # combine the shards: lse = max + log(sum_r exp(lse_r - max))
@@ -126,12 +132,16 @@ class _HeadLoss(torch.autograd.Function):
         grad_weight = None
         if need_weight:  # accumulated over chunks in fp32, cast once
             grad_weight = torch.zeros(weight.shape, dtype=acc_dtype(weight.dtype), device=weight.device)
+        mm = gemm_dtype(hidden, weight)
+        weight_mm = weight.to(mm)
         for rows in _chunks(target.shape[0], chunk_size):
-            h = hidden[rows]
-            grad_logits = F.linear(h, weight)  # the chunk's logits, overwritten by their gradient
+            h = hidden[rows].to(mm)
+            grad_logits = F.linear(h, weight_mm)  # the chunk's logits, overwritten by their gradient
             kernels.grad_(grad_logits, target[rows], lse[rows], grad_loss[rows], start, valid, ignore_index)
-            if need_hidden:
-                torch.mm(grad_logits, weight, out=grad_hidden[rows])
+            if need_hidden and mm == hidden.dtype:
+                torch.mm(grad_logits, weight_mm, out=grad_hidden[rows])
+            elif need_hidden:
+                grad_hidden[rows] = torch.mm(grad_logits, weight_mm)  # rounded to hidden's dtype
             if need_weight:
                 if grad_weight.dtype == grad_logits.dtype:
                     grad_weight.addmm_(grad_logits.t(), h)
