@@ -14,7 +14,9 @@ Each setting runs ``cpu_train_step.py`` (the other arguments passed on) in a pro
   fp32 GEMM), ``MEGACANN_CPU_ISA=avx2``;
 - ``avx2-baseline``: the same with megacann's portable baseline loops (``MEGACANN_CPU_ISA=baseline``: what
   a portable build ran before the variants existed);
-- ``default-baseline``: the machine's default with the baseline loops.
+- ``default-baseline``: the machine's default with the baseline loops;
+- ``avx2-bf16-native``: ``avx2`` with bf16 matmuls left to PyTorch (``MEGACANN_CPU_BF16_MATMUL=bf16``), where
+  ``avx2`` runs them as fp32 GEMMs (:mod:`megacann.ops.bf16_matmul`: oneDNN held to AVX2 has no bf16 GEMM).
 
 The settings alternate ``--repeat`` times; the summary gives each ratio's median and range.
 """
@@ -35,6 +37,7 @@ SETTINGS = {
     "avx2": {**AVX2, "MEGACANN_CPU_ISA": "avx2"},
     "avx2-baseline": {**AVX2, "MEGACANN_CPU_ISA": "baseline"},
     "default-baseline": {"MEGACANN_CPU_ISA": "baseline"},
+    "avx2-bf16-native": {**AVX2, "MEGACANN_CPU_ISA": "avx2", "MEGACANN_CPU_BF16_MATMUL": "bf16"},
 }
 
 

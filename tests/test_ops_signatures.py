@@ -18,6 +18,7 @@ DECLARED = (
     "attention_block_backward",
     "cross_entropy",
     "grouped_matmul",
+    "linear",
     "moe_permute",
     "moe_unpermute",
     "rms_norm",

@@ -25,12 +25,12 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from megacann import ops
 from megacann.layers import mappings
 from megacann.layers.context import current_layer_context, resolve_sequence_parallel
 from megacann.layers.init import default_init_methods, init_zeros, make_parameter
 from megacann.layers.sharding import InitMethod, ParamSharding, unshard_tensors
 from megacann.layers.tp_overlap import overlapped_gather_linear
-from megacann.ops.weight_grad import linear as deferrable_linear
 
 LinearOutput = Union[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -138,7 +138,7 @@ class ColumnParallelLinear(torch.nn.Module):
         if rows is not None:
             weight = weight[rows[0] : rows[1]]
             bias = bias[rows[0] : rows[1]] if bias is not None else None
-        y = deferrable_linear(x, weight, None if self.skip_bias_add else bias, self.defer_weight_grad)
+        y = ops.linear(x, weight, None if self.skip_bias_add else bias, deferrable=self.defer_weight_grad)
         y = add_adapter_output(self.adapter, y, x, rows)
         if self.gather_output and self.tp_size > 1:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.group)
@@ -237,12 +237,12 @@ class RowParallelLinear(torch.nn.Module):
         ``[..., output_size]`` (``[b, s/tp, output_size]`` under sequence parallelism)."""
         add_bias = self.bias is not None and not self.skip_bias_add
         if self.tp_size == 1:
-            y = deferrable_linear(x, self.weight, self.bias if add_bias else None, self.defer_weight_grad)
+            y = ops.linear(x, self.weight, self.bias if add_bias else None, deferrable=self.defer_weight_grad)
             y = add_adapter_output(self.adapter, y, x, None)
         else:
             if not self.input_is_parallel:
                 x = mappings.scatter_to_tensor_model_parallel_region(x, self.group)
-            y = deferrable_linear(x, self.weight, None, self.defer_weight_grad)
+            y = ops.linear(x, self.weight, None, deferrable=self.defer_weight_grad)
             y = add_adapter_output(self.adapter, y, x, None)  # partial sums, reduced with the base layer's
             if self.sequence_parallel:
                 y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.group)

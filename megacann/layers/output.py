@@ -23,7 +23,6 @@ from megacann.layers.embedding import VocabParallelEmbedding, pad_vocab_size
 from megacann.layers.init import default_init_methods, make_parameter
 from megacann.layers.loss import token_loss
 from megacann.layers.sharding import INIT_NAME_ATTR, InitMethod, mark_tied_across_stages
-from megacann.ops.weight_grad import linear as deferrable_linear
 
 HEAD_LOSS = "vocab_parallel_head_loss"  # the fused op, used when precision.fused_ops allows it
 
@@ -104,7 +103,7 @@ class LMHead(torch.nn.Module):
             hidden = mappings.gather_from_sequence_parallel_region(hidden, self.group)
         else:
             hidden = mappings.copy_to_tensor_model_parallel_region(hidden, self.group)
-        return deferrable_linear(hidden, self.output_weight, None, self.defer_weight_grad)
+        return ops.linear(hidden, self.output_weight, None, deferrable=self.defer_weight_grad)
 
     def forward(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if labels is not None and ops.fused_enabled(HEAD_LOSS):  # chunks of tokens: no full fp32 logits

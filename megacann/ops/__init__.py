@@ -14,6 +14,7 @@ varlen        packed / windowed attention per document, no mask (``ops.varlen``)
 flash         block attention and its lse by PyTorch's CPU flash kernel                  cpu
 cuda_flash    block attention and its lse by PyTorch's CUDA flash kernel                 cuda
 fused         the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)      cpu, cuda
+fp32_gemm     bf16 ``linear`` / ``grouped_matmul`` as fp32 GEMMs (CPU without bf16)      cpu
 compiled      ``torch.compile`` of norm, RoPE, SwiGLU, head loss; opt-in (``ops.cuda``)  cuda
 apex          apex's fused RMSNorm, opt-in, if installed                                 cuda
 reference     PyTorch (:mod:`megacann.ops.reference`), always there                      any
@@ -34,6 +35,7 @@ from megacann.ops.signatures import (
     attention_block_backward,
     cross_entropy,
     grouped_matmul,
+    linear,
     moe_permute,
     moe_unpermute,
     rms_norm,
@@ -45,6 +47,7 @@ from megacann.ops.signatures import (
 # isort: split
 from megacann.ops import adamw as _adamw  # noqa: F401  (each module registers its implementations)
 from megacann.ops import attention_blocks as _attention_blocks  # noqa: F401
+from megacann.ops import bf16_matmul as _bf16_matmul  # noqa: F401
 from megacann.ops import cpp as _cpp  # noqa: F401
 from megacann.ops import cuda as _cuda  # noqa: F401
 from megacann.ops import head_loss as _head_loss  # noqa: F401
@@ -87,6 +90,7 @@ __all__ = [
     "fused_enabled",
     "grouped_matmul",
     "implementations",
+    "linear",
     "log_selection",
     "moe_permute",
     "moe_unpermute",

@@ -19,6 +19,9 @@ so do the gradients: ``hidden``'s gradient is this rank's partial sum, as ``F.li
 caller reduces it over the tensor-parallel group (``copy_to_tensor_model_parallel_region``) exactly as
 ``ColumnParallelLinear`` does.
 
+On CPUs without native bf16 GEMM, bf16 products run as fp32 GEMMs (:mod:`megacann.ops.bf16_matmul`): the
+logits are then fp32 (not rounded to bf16) and the weight's fp32 copy lives while the op runs.
+
 The per-chunk arithmetic comes from a :class:`ShardKernels` pair: plain PyTorch here (any device), the C++
 kernels of ``csrc/`` on CPU (:mod:`megacann.ops.cpp`).
 """
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from megacann import parallel_state as ps
 from megacann.constants import IGNORE_INDEX
+from megacann.ops.bf16_matmul import gemm_dtype
 from megacann.ops.registry import REFERENCE, register
 from megacann.ops.signatures import DEFAULT_CHUNK_SIZE
 from megacann.ops.weight_grad import active_store, defer_or_compute
@@ -96,9 +100,57 @@ def _chunks(n: int, size: int):
         yield slice(start, min(n, start + size))
 
 
+_EARLY_MISSED = [False]  # a backward the early gradients could not serve has run in this process
+
+
+class _EarlyGrads:
+    """The gradients of a one-shard head loss for a unit gradient of every counted token, summed in the
+    forward while each chunk's logits exist, so the backward need not recompute them: ``hidden``'s
+    (``[T, h]``, fp32) and the weight's (fp32). They serve a backward whose ``grad_loss`` is the same for
+    every counted token (a mean over tokens: the usual case), scaled by it; any other ``grad_loss`` takes
+    the recomputing path, and after one such backward this process stops summing them early (a preference
+    loss weighs its tokens by sequence). Decided on the host, so only for CPU tensors (reading a CPU tensor
+    waits for no device)."""
+
+    def __init__(self, hidden, weight, target, ignore_index: int, need_hidden: bool, need_weight: bool):
+        acc = acc_dtype(hidden.dtype)
+        self.counted = target != ignore_index
+        self.unit = torch.ones(target.shape, dtype=acc, device=target.device)
+        self.need_hidden, self.need_weight = need_hidden, need_weight
+        self.hidden_dtype, self.weight_dtype = hidden.dtype, weight.dtype
+        self.grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if self.need_hidden else None
+        self.grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if self.need_weight else None
+
+    def add(self, rows: slice, grad_logits: torch.Tensor, h: torch.Tensor, weight_mm: torch.Tensor) -> None:
+        """One chunk's share, from its logits' gradient for unit ``grad_loss``."""
+        if self.need_hidden:
+            self.grad_hidden[rows] = grad_logits.mm(weight_mm)
+        if self.need_weight:
+            if self.grad_weight.dtype == grad_logits.dtype:
+                self.grad_weight.addmm_(grad_logits.t(), h)
+            else:
+                self.grad_weight += grad_logits.t().mm(h)
+
+    def serves(self, grad_loss: torch.Tensor) -> bool:
+        """Whether ``grad_loss`` is one value over the counted tokens (host read: CPU only)."""
+        counted = grad_loss[self.counted]
+        return counted.numel() == 0 or torch.equal(counted, counted[:1].expand_as(counted))
+
+    def grads(self, grad_loss: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The gradients for ``grad_loss`` (which :meth:`serves`), in the inputs' dtypes."""
+        counted = grad_loss[self.counted]
+        scale = counted[:1].to(self.unit.dtype) if counted.numel() else self.unit.new_zeros(1)
+        grad_hidden = grad_weight = None
+        if self.need_hidden:
+            grad_hidden = self.grad_hidden.mul_(scale).to(self.hidden_dtype)
+        if self.need_weight:
+            grad_weight = self.grad_weight.mul_(scale).to(self.weight_dtype)
+        return grad_hidden, grad_weight
+
+
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, vocab_size, ignore_index, group, chunk_size, kernels, defer):
+    def forward(ctx, hidden, weight, target, vocab_size, ignore_index, group, chunk_size, kernels, defer, early):
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         local_vocab = weight.shape[0]
@@ -106,9 +158,17 @@ class _HeadLoss(torch.autograd.Function):
         valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
         lse = torch.empty(target.shape, dtype=acc_dtype(hidden.dtype), device=hidden.device)
         target_logit = torch.empty_like(lse)
+        mm = gemm_dtype(hidden, weight)  # fp32 on CPUs without bf16 GEMM: fp32 logits (the copies transient)
+        weight_mm = weight.to(mm)
+        needs = ctx.needs_input_grad[:2]
+        early = _EarlyGrads(hidden, weight, target, ignore_index, *needs) if early and world == 1 else None
         for rows in _chunks(target.shape[0], chunk_size):
-            logits = F.linear(hidden[rows], weight)
+            h = hidden[rows].to(mm)
+            logits = F.linear(h, weight_mm)
             lse[rows], target_logit[rows] = kernels.stats(logits, target[rows], start, valid, ignore_index)
+            if early is not None:
+                kernels.grad_(logits, target[rows], lse[rows], early.unit[rows], start, valid, ignore_index)
+                early.add(rows, logits, h, weight_mm)
             del logits
         if world > 1:  # combine the shards: lse = max + log(sum_r exp(lse_r - max))
             top = lse.clone()
@@ -121,12 +181,18 @@ class _HeadLoss(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, target, lse)
         ctx.shard = (start, valid, ignore_index, chunk_size, kernels)
         ctx.weight, ctx.defer = weight, defer  # the tensor a deferred weight gradient differentiates into
+        ctx.early = early
         return (lse - target_logit).masked_fill_(ignored, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, target, lse = ctx.saved_tensors
         shard, weight_input, ctx.weight = ctx.shard, ctx.weight, None
+        early, ctx.early = ctx.early, None
+        if early is not None:
+            if early.serves(grad_loss):  # computed in the forward: nothing left to defer
+                return (*early.grads(grad_loss), None, None, None, None, None, None, None, None)
+            _EARLY_MISSED[0] = True  # grad_loss varies over tokens here: recompute from now on
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         defer = ctx.defer and need_weight and active_store() is not None  # B of a split: W recomputes the logits
@@ -136,22 +202,27 @@ class _HeadLoss(torch.autograd.Function):
         if defer:
             args = (hidden, weight, target, lse, grad_loss, shard, None, True)
             (grad_weight,) = defer_or_compute((weight_input,), lambda: (_chunked_grads(*args),))
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def _chunked_grads(hidden, weight, target, lse, grad_loss, shard, grad_hidden, need_weight):
     """Chunk by chunk: the logits recomputed and overwritten by their gradient, multiplied into
-    ``grad_hidden`` (when given) and into the weight's gradient (returned when ``need_weight``, else None)."""
+    ``grad_hidden`` (when given) and into the weight's gradient (returned when ``need_weight``, else None).
+    bf16 products run as fp32 GEMMs where the CPU has no bf16 GEMM (``gemm_dtype``)."""
     start, valid, ignore_index, chunk_size, kernels = shard
     grad_weight = None
     if need_weight:  # accumulated over chunks in fp32, cast once
         grad_weight = torch.zeros(weight.shape, dtype=acc_dtype(weight.dtype), device=weight.device)
+    mm = gemm_dtype(hidden, weight)
+    weight_mm = weight.to(mm)
     for rows in _chunks(target.shape[0], chunk_size):
-        h = hidden[rows]
-        grad_logits = F.linear(h, weight)  # the chunk's logits, overwritten by their gradient
+        h = hidden[rows].to(mm)
+        grad_logits = F.linear(h, weight_mm)  # the chunk's logits, overwritten by their gradient
         kernels.grad_(grad_logits, target[rows], lse[rows], grad_loss[rows], start, valid, ignore_index)
-        if grad_hidden is not None:
-            torch.mm(grad_logits, weight, out=grad_hidden[rows])
+        if grad_hidden is not None and mm == hidden.dtype:
+            torch.mm(grad_logits, weight_mm, out=grad_hidden[rows])
+        elif grad_hidden is not None:
+            grad_hidden[rows] = torch.mm(grad_logits, weight_mm)  # rounded to hidden's dtype
         if need_weight:
             if grad_weight.dtype == grad_logits.dtype:
                 grad_weight.addmm_(grad_logits.t(), h)
@@ -196,8 +267,16 @@ def head_loss(
         )
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_target = target.reshape(-1).long()
+    # one shard on CPU under autograd: the gradients are summed in the forward (_EarlyGrads), no logits recomputed
+    early = (
+        world == 1
+        and not _EARLY_MISSED[0]
+        and hidden.device.type == "cpu"
+        and torch.is_grad_enabled()
+        and (hidden.requires_grad or weight.requires_grad)
+    )
     loss = _HeadLoss.apply(
-        flat_hidden, weight, flat_target, vocab_size, ignore_index, group, chunk_size, kernels, defer_weight_grad
+        flat_hidden, weight, flat_target, vocab_size, ignore_index, group, chunk_size, kernels, defer_weight_grad, early
     )
     return loss.view(target.shape)
 

@@ -35,7 +35,8 @@ AUTO_MAX = "avx2"
 
 
 def cpu_flags(cpuinfo: Optional[str] = None) -> frozenset[str]:
-    """The first core's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    """The first core's feature flags from ``/proc/cpuinfo`` (x86 ``flags``, ARM ``Features``; empty where
+    there is none)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
@@ -43,7 +44,7 @@ def cpu_flags(cpuinfo: Optional[str] = None) -> frozenset[str]:
             return frozenset()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip().lower() == "flags":
+        if key.strip().lower() in ("flags", "features"):
             return frozenset(value.split())
     return frozenset()
 

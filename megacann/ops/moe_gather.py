@@ -5,7 +5,8 @@ below the vendors' grouped kernels): each group's ``torch.mm`` writes into its r
 The reference runs one ``F.linear`` per group and ``torch.cat``-s their outputs, which copies every
 projection's output once forward and its gradient once backward (``cat`` took 4 % of the CPU time of
 ``benchmarks/moe_dispatch.py`` in a profile; the matmuls 80 %). Results equal the reference's (the same
-products). Permuting and unpermuting stay the reference's: backward by gathers instead of
+products). On CPUs without native bf16 GEMM the bf16 products run as fp32 GEMMs, rounded to bf16
+(:mod:`megacann.ops.bf16_matmul`). Permuting and unpermuting stay the reference's: backward by gathers instead of
 ``index_add_`` was measured slower on CPU (docs/moe.md, "Speed").
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from megacann.ops.bf16_matmul import gemm_dtype
 from megacann.ops.registry import register
 from megacann.ops.weight_grad import defer_or_compute
 
@@ -32,29 +34,34 @@ class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_sizes, *weights):
         bounds = _bounds(group_sizes)
-        out = x.new_empty((x.shape[0], weights[0].shape[0]))
+        mm = gemm_dtype(x, weights[0])  # fp32 on CPUs without bf16 GEMM (the copies transient)
+        x_mm = x.to(mm)
+        out = x.new_empty((x.shape[0], weights[0].shape[0]), dtype=mm)
         for (start, end), w in zip(bounds, weights):
             if end > start:
-                torch.mm(x[start:end], w.t(), out=out[start:end])
+                torch.mm(x_mm[start:end], w.to(mm).t(), out=out[start:end])
         ctx.save_for_backward(x, *weights)
         ctx.bounds, ctx.weights = bounds, weights
-        return out
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, *weights = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        mm = gemm_dtype(x, weights[0])
+        grad = grad.contiguous().to(mm)
+        grad_x = x.new_empty(x.shape, dtype=mm) if ctx.needs_input_grad[0] else None
         if grad_x is not None:
             for (start, end), w in zip(ctx.bounds, weights):
                 if end > start:
-                    torch.mm(grad[start:end], w, out=grad_x[start:end])
+                    torch.mm(grad[start:end], w.to(mm), out=grad_x[start:end])
+            grad_x = grad_x.to(x.dtype)
         wanted = [i for i in range(len(weights)) if ctx.needs_input_grad[2 + i]]
         bounds = ctx.bounds
 
         def weight_grads() -> list:
+            x_mm = x.to(mm)
             return [
-                grad[bounds[i][0] : bounds[i][1]].t().mm(x[bounds[i][0] : bounds[i][1]])
+                grad[bounds[i][0] : bounds[i][1]].t().mm(x_mm[bounds[i][0] : bounds[i][1]]).to(weights[i].dtype)
                 if bounds[i][1] > bounds[i][0]
                 else torch.zeros_like(weights[i])
                 for i in wanted

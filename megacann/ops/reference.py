@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megacann.constants import IGNORE_INDEX
 from megacann.ops.registry import REFERENCE, register
+from megacann.ops.weight_grad import linear as deferrable_linear
 
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
@@ -132,6 +133,13 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = (grad * y).reshape(-1, y.shape[-1]).sum(0)
         return grad_x, grad_w, None
+
+
+@register("linear", REFERENCE)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, deferrable: bool = False
+) -> torch.Tensor:
+    return deferrable_linear(x, weight, bias, deferrable)
 
 
 @register("rms_norm", REFERENCE)

@@ -179,6 +179,13 @@ def selected(op: str, device_type: str) -> str:
     return _CACHE[(op, device_type)][0].name
 
 
+def refresh() -> None:
+    """Forget every cached choice and availability check, so the next call of each op chooses again (for
+    switches an availability check reads, like :func:`megacann.ops.bf16_matmul.forced`)."""
+    _CACHE.clear()
+    _AVAILABLE.clear()
+
+
 def pin(op: Optional[str], name: Optional[str]) -> None:
     """Force implementation ``name`` for ``op`` (``op=None``: for every op that has it; ``name=None``
     undoes the pin). ``pin(None, "reference")`` turns every fused kernel off."""

@@ -82,6 +82,15 @@ def attention_block_backward(
 
 
 @declare
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, deferrable: bool = False
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``weight`` ``[out, in]``). ``deferrable``: its weight gradient waits for
+    the W pass when the backward is split (:mod:`megacann.ops.weight_grad`). On CPUs without native bf16
+    GEMM, bf16 products run as fp32 GEMMs (:mod:`megacann.ops.bf16_matmul`)."""
+
+
+@declare
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation over the last dim, scaled by ``weight``: ``weight * x / sqrt(mean(x²) + eps)``."""
 
