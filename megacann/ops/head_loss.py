@@ -190,8 +190,12 @@ class _HeadLoss(torch.autograd.Function):
         shard, weight_input, ctx.weight = ctx.shard, ctx.weight, None
         early, ctx.early = ctx.early, None
         if early is not None:
-            if early.serves(grad_loss):  # computed in the forward: nothing left to defer
-                return (*early.grads(grad_loss), None, None, None, None, None, None, None, None)
+            if early.serves(grad_loss):
+                grad_hidden, grad_weight = early.grads(grad_loss)
+                if ctx.defer and grad_weight is not None:  # B of a split: W hands over the sum made in the forward
+                    summed = grad_weight
+                    (grad_weight,) = defer_or_compute((weight_input,), lambda: (summed,))
+                return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
             _EARLY_MISSED[0] = True  # grad_loss varies over tokens here: recompute from now on
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
