@@ -2,8 +2,8 @@
 
 PyTorch runs a bf16 matmul on CPU through oneDNN, which is fast only where the CPU has AVX512_BF16 or AMX
 (or, on ARM, the BF16 extension); elsewhere (an AVX2-only CPU, or oneDNN held below AVX512_CORE_BF16 by
-``ONEDNN_MAX_CPU_ISA``) it falls back to code that was measured 4-10x slower than the fp32 GEMM of the
-same shape (``benchmarks/NOTES.md``). There, megacann's bf16 linear layers (``ops.linear``: the column- and
+``ONEDNN_MAX_CPU_ISA``) it falls back to code measured 2.6-19x slower than megacann's fp32 route for the
+same shapes (``benchmarks/NOTES.md``). There, megacann's bf16 linear layers (``ops.linear``: the column- and
 row-parallel projections, implementation ``fp32_gemm``), the fused head loss's logits products
 (:mod:`megacann.ops.head_loss`) and the experts' grouped matmuls (:mod:`megacann.ops.moe_gather`) upcast
 their bf16 operands, multiply with the fp32 GEMM and round the result to bf16, in the forward and in both
