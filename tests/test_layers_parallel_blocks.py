@@ -37,6 +37,18 @@ def _positions():
     return torch.tensor(rows)
 
 
+def _forward_backward(module, x_full, gout, sp: bool, *args):
+    """``module(x, *args)`` on the whole input, or on this rank's share of the sequence under sequence parallelism, then
+    backward of ``gout``; the output and the input's gradient as whole tensors."""
+    x = (split_dim(x_full, 1) if sp else x_full).clone().requires_grad_()
+    out = module(x, *args)
+    if not sp:
+        out.backward(gout)
+        return out, x.grad
+    out.backward(split_dim(gout, 1))
+    return gather_dim(out, 1), gather_dim(x.grad, 1)
+
+
 ATTENTION_CASES = {
     "gqa_kv2": dict(hidden=32, heads=8, kv=2, sp=False, fused=False, bias=False),
     "gqa_kv2_sp": dict(hidden=32, heads=8, kv=2, sp=True, fused=False, bias=False),
@@ -70,48 +82,24 @@ def _check_attention(errs, inits):
         ref = dense_attention(xd, w, c["heads"], c["kv"], head_dim, cos, sin, seg)
         gout = randn(*ref.shape, seed=10)
         ref.backward(gout)
-        x = (split_dim(x_full, 1) if c["sp"] else x_full).clone().requires_grad_()
-        out = layer(x, (cos, sin), seg)
-        if c["sp"]:
-            out.backward(split_dim(gout, 1))
-            out, dx = gather_dim(out, 1), gather_dim(x.grad, 1)
-        else:
-            out.backward(gout)
-            dx = x.grad
+        out, dx = _forward_backward(layer, x_full, gout, c["sp"], (cos, sin), seg)
         record(errs, name, out, ref, dx, xd.grad, layer, w)
 
 
+LLAMA = dict(hidden_size=32, num_attention_heads=8, num_key_value_heads=2, ffn_hidden_size=48)
+GPT = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    normalization="layernorm",
+    add_bias_linear=True,
+    position_embedding="none",
+)
 BLOCK_CASES = {
-    "llama": dict(hidden_size=32, num_attention_heads=8, num_key_value_heads=2, ffn_hidden_size=48),
-    "llama_sp": dict(
-        hidden_size=32,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        ffn_hidden_size=48,
-        sequence_parallel=True,
-        fused_gate_up=False,
-    ),
-    "gpt": dict(
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=64,
-        normalization="layernorm",
-        norm_eps=1e-5,
-        activation="gelu_tanh",
-        add_bias_linear=True,
-        position_embedding="none",
-        fused_qkv=True,
-    ),
-    "gpt_sp": dict(
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=64,
-        normalization="layernorm",
-        activation="gelu",
-        add_bias_linear=True,
-        position_embedding="none",
-        sequence_parallel=True,
-    ),
+    "llama": LLAMA,
+    "llama_sp": {**LLAMA, "sequence_parallel": True, "fused_gate_up": False},
+    "gpt": {**GPT, "norm_eps": 1e-5, "activation": "gelu_tanh", "fused_qkv": True},
+    "gpt_sp": {**GPT, "activation": "gelu", "sequence_parallel": True},
 }
 
 
@@ -135,14 +123,7 @@ def _check_block(errs, inits):
         ref = dense_block(xd, w, cfg, cos, sin, seg)
         gout = randn(*ref.shape, seed=17)
         ref.backward(gout)
-        x = (split_dim(x_full, 1) if cfg.sequence_parallel else x_full).clone().requires_grad_()
-        out = block(x, rotary, seg)
-        if cfg.sequence_parallel:
-            out.backward(split_dim(gout, 1))
-            out, dx = gather_dim(out, 1), gather_dim(x.grad, 1)
-        else:
-            out.backward(gout)
-            dx = x.grad
+        out, dx = _forward_backward(block, x_full, gout, cfg.sequence_parallel, rotary, seg)
         record(errs, name, out, ref, dx, xd.grad, block, w)
         # partial-grad marks: norms (and row biases) under SP, replicated kv projections when kv < tp
         for pname, p in block.named_parameters():
