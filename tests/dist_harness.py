@@ -54,10 +54,28 @@ def _context():
     return _CONTEXT
 
 
-def _rank_main(fn, rank, world_size, port, args, kwargs, results, env, init_groups, parent_env):
-    # the caller's environment now (a forked rank would otherwise see the server's, from when it started)
+class _CallerStreams:
+    """The caller's stdout and stderr as they are when a rank starts (pytest's capture of the running test
+    included), handed to the rank: a forked rank would otherwise write where the server's streams went."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd  # pickled while the rank is started: the fds travel with it
+
+        return (_received_fds, (DupFd(1), DupFd(2)))
+
+
+def _received_fds(*fds) -> tuple[int, ...]:
+    return tuple(fd.detach() for fd in fds)
+
+
+def _rank_main(fn, rank, world_size, port, args, kwargs, results, env, init_groups, parent_env, streams):
+    # the caller's environment and output streams now, as a spawned process would have them
     os.environ.clear()
     os.environ.update(parent_env)
+    for fd, target in zip(streams, (1, 2)):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -113,7 +131,19 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, args, kwargs or {}, results, env, init_process_group, dict(os.environ)),
+            args=(
+                fn,
+                rank,
+                world_size,
+                port,
+                args,
+                kwargs or {},
+                results,
+                env,
+                init_process_group,
+                dict(os.environ),
+                _CallerStreams(),
+            ),
             daemon=True,
         )
         for rank in range(world_size)
