@@ -1,10 +1,19 @@
-"""Pieces the benchmarks share: random-token data for the Trainer and the model section of their recipes."""
+"""Pieces the benchmarks share: random-token data for the Trainer, the model section of their recipes, their
+integer options and the first line of a two-rank table. Importing it puts the checkout and tests/ (the tests'
+gloo launcher, dist_harness) on ``sys.path``, so a benchmark runs from a checkout without an install."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _path in (os.path.join(ROOT, "tests"), ROOT):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 class RandomTokens:
@@ -24,10 +33,23 @@ class RandomTokens:
         return None
 
 
+def add_int_args(parser, **defaults: int) -> None:
+    """One integer option per keyword, ``kv_heads=2`` giving ``--kv-heads`` (default 2)."""
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"(default {default})")
+
+
 def add_llama_size_args(parser, hidden: int, layers: int, ffn: int, vocab: int, seq: int) -> None:
     """``--hidden --layers --ffn --vocab --seq``: the size of a benchmark's LLaMA (:func:`llama_model`)."""
-    for name, default in (("hidden", hidden), ("layers", layers), ("ffn", ffn), ("vocab", vocab), ("seq", seq)):
-        parser.add_argument(f"--{name}", type=int, default=default, help=f"model {name} (default {default})")
+    add_int_args(parser, hidden=hidden, layers=layers, ffn=ffn, vocab=vocab, seq=seq)
+
+
+def two_rank_header(args, what: str) -> str:
+    """The first line of a table measured on two gloo ranks: the LLaMA's size (``args``) and ``what``."""
+    return (
+        f"2 gloo ranks x 1 thread: llama d{args.hidden} x {args.layers} layers, ffn {args.ffn}, seq {args.seq}, "
+        f"micro-batch {args.batch}, {what}"
+    )
 
 
 def llama_model(precision: str, hidden: int, layers: int, ffn: int, vocab: int, seq: int) -> dict[str, Any]:

@@ -23,30 +23,11 @@ import math
 import os
 import shutil
 import socket
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-
-class RandomTokens:
-    """Micro-batches of random tokens (the content does not matter here)."""
-
-    def __init__(self, batch: int, seq: int, vocab: int):
-        self.train = iter(self._batches(batch, seq, vocab))
-
-    @staticmethod
-    def _batches(batch: int, seq: int, vocab: int):
-        g = torch.Generator().manual_seed(0)
-        while True:
-            rows = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-            yield {"tokens": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
-
-    def valid(self):
-        return None
+import torch
+import torch.distributed as dist
+from bench_common import RandomTokens, add_int_args  # first: puts the checkout on sys.path
 
 
 def _dir_mb(path: str) -> float:
@@ -93,7 +74,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     cfg = config_from_dict(raw)
     validate(cfg, world_size=args.world)
     runtime = setup_runtime(cfg)
-    trainer = Trainer(cfg, runtime, data=RandomTokens(1, 64, args.vocab))
+    trainer = Trainer(cfg, runtime, data=RandomTokens(args.vocab, 64, 1, seed=0))
     trainer.metrics.print = lambda *a, **k: None  # keep the table readable
     trainer.train_step()
     rows: dict[str, list[float]] = {}
@@ -144,13 +125,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_int_args(parser, world=2, tp=2, hidden=512, layers=8, vocab=32000, repeat=2)
     parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
-    parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--dir", default="/tmp/megacann-ckpt-bench")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)

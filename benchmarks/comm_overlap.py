@@ -27,16 +27,11 @@ cores, so hidden communication can still slow the compute: read the step ratio b
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspath(__file__))]
-
-from bench_common import RandomTokens, llama_model  # noqa: E402
-from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher: N spawned ranks, hard timeout)
+from bench_common import RandomTokens, add_int_args, add_llama_size_args, llama_model, two_rank_header  # first
+from dist_harness import run_on_ranks  # the tests' gloo launcher: N ranks, hard timeout
 
 LAYOUTS = {
     "dp": {
@@ -181,24 +176,15 @@ def _measure(args, layouts: list[str]) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--ffn", type=int, default=688)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
+    add_llama_size_args(parser, hidden=256, layers=4, ffn=688, vocab=8192, seq=256)
+    add_int_args(parser, batch=4, steps=3, rounds=2)
     parser.add_argument("--bucket_mb", type=float, default=1.0, help="gradient bucket size (several per model)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", choices=sorted(LAYOUTS), default=None)
     args = parser.parse_args(argv)
     layouts = [args.only] if args.only else list(LAYOUTS)
     per_rank = run_on_ranks(_measure, 2, args=(args, layouts), timeout=3000)
-    print(
-        f"2 gloo ranks x 1 thread: llama d{args.hidden} x {args.layers} layers, ffn {args.ffn}, seq {args.seq}, "
-        f"micro-batch {args.batch}, fp32; median of {args.rounds} rounds x {args.steps} steps; "
-        "exposed = blocked in collectives (the slower rank)"
-    )
+    what = f"fp32; median of {args.rounds} rounds x {args.steps} steps; exposed = blocked in collectives"
+    print(two_rank_header(args, what + " (the slower rank)"))
     for layout in layouts:
         rows = {name: max((r[layout][name] for r in per_rank), key=lambda m: m["blocked"]) for name in LAYOUTS[layout]}
         base = rows["none"]

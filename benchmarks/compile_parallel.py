@@ -18,16 +18,12 @@ runs) instead of the CPU default, megacann's C++ kernels, which are opaque calls
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_common import add_llama_size_args  # noqa: E402
-from comm_overlap import _trainer  # noqa: E402  (a Trainer on random tokens, built for the given overrides)
-from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher; comm_overlap put tests/ on sys.path)
+from bench_common import add_int_args, add_llama_size_args, two_rank_header  # first: puts tests/ on sys.path
+from comm_overlap import _trainer  # a Trainer on random tokens, built for the given overrides
+from dist_harness import run_on_ranks  # the tests' gloo launcher
 
 LAYOUTS = {
     "tp": ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"],
@@ -80,18 +76,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--compile-steps", type=int, default=2, help="compiled steps counted as compiling")
     parser.add_argument("--reference-ops", action="store_true", help="precision.fused_ops: false")
     add_llama_size_args(parser, hidden=256, layers=4, ffn=688, vocab=8192, seq=256)
-    parser.add_argument("--batch", type=int, default=4)
+    add_int_args(parser, batch=4, steps=3, rounds=2)
     parser.add_argument("--bucket_mb", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     per_rank = run_on_ranks(_measure, 2, args=(args,), timeout=3600)
     ops = "reference ops" if args.reference_ops else "C++ kernels"
-    print(
-        f"2 gloo ranks x 1 thread: llama d{args.hidden} x {args.layers} layers, ffn {args.ffn}, seq {args.seq}, "
-        f"micro-batch {args.batch}, fp32, {ops}, backend {args.backend}; steady state = median of {args.rounds} "
-        f"rounds x {args.steps} steps; the slower rank"
-    )
+    what = f"fp32, {ops}, backend {args.backend}; steady state = median of {args.rounds} rounds x {args.steps} steps"
+    print(two_rank_header(args, what + "; the slower rank"))
     for layout in args.layouts:
         row = max((r[layout] for r in per_rank), key=lambda m: m["compiled"])
         print(

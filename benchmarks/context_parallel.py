@@ -26,19 +26,15 @@ layout computes the same one. cp 1 runs plain attention (the algorithm does not 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 import weakref
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-
-import torch  # noqa: E402
-from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher: N spawned ranks, hard timeout)
-from test_planner import SavedTensorTracker  # noqa: E402  (bytes autograd saves, as the planner's test counts them)
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
+import torch
+from bench_common import add_int_args  # first: puts tests/ on sys.path
+from dist_harness import run_on_ranks  # the tests' gloo launcher: N ranks, hard timeout
+from test_planner import SavedTensorTracker  # bytes autograd saves, as the planner's test counts them
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 MIB = 2**20
 
@@ -132,12 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--algo", nargs="+", default=["ring", "allgather", "ulysses"])
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--ffn", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=1024)
+    add_int_args(parser, hidden=128, heads=4, kv_heads=2, ffn=256, layers=2, vocab=1024)
     parser.add_argument("--timeout", type=float, default=7200)
     args = parser.parse_args(argv)
 

@@ -15,16 +15,12 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-
-from bench_common import RandomTokens, llama_model  # noqa: E402
-from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher: N spawned ranks, hard timeout)
+from bench_common import RandomTokens, add_int_args, add_llama_size_args, llama_model  # first: tests/ on sys.path
+from dist_harness import run_on_ranks  # the tests' gloo launcher: N ranks, hard timeout
 
 MB = 2**20
 VARIANTS = [
@@ -112,12 +108,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--ffn", type=int, default=1408)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=2)
+    add_llama_size_args(parser, hidden=512, layers=6, ffn=1408, vocab=32000, seq=256)
+    add_int_args(parser, batch=2)
     parser.add_argument("--precision", choices=("bf16", "fp32", "fp16"), default="bf16")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up)")
     args = parser.parse_args(argv)

@@ -22,16 +22,11 @@ default), which a machine shared with other jobs distorts less than wall time. E
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspath(__file__))]
-
-from bench_common import llama_model  # noqa: E402
-from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher)
+from bench_common import add_int_args, add_llama_size_args, llama_model  # first: puts tests/ on sys.path
+from dist_harness import run_on_ranks  # the tests' gloo launcher
 
 
 def _measure(args: argparse.Namespace) -> dict:
@@ -128,14 +123,8 @@ def _measure(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--ffn", type=int, default=688)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    add_llama_size_args(parser, hidden=256, layers=4, ffn=688, vocab=2048, seq=256)
+    add_int_args(parser, batch=4, repeat=5, threads=1)
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     parser.add_argument("--head", action="store_true", help="the last stage: the head and loss too")
     args = parser.parse_args()

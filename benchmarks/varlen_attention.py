@@ -19,18 +19,14 @@ rank's best time. Outputs agree to fp32 round-off (printed).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspath(__file__))]
+import torch
+from bench_common import add_int_args  # first: puts the checkout and tests/ on sys.path
+from context_parallel import LiveBytes  # bytes alive of every tensor an operator creates
+from dist_harness import run_on_ranks
 
-import torch  # noqa: E402
-from context_parallel import LiveBytes  # noqa: E402  (bytes alive of every tensor an operator creates)
-from dist_harness import run_on_ranks  # noqa: E402
-
-from megacann import ops  # noqa: E402
+from megacann import ops
 
 MIB = 2**20
 
@@ -124,14 +120,9 @@ def ring(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--docs", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
+    add_int_args(parser, seq=8192, docs=8, heads=8, kv_heads=2, head_dim=64)
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--cp-seq", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=2)
+    add_int_args(parser, cp_seq=4096, rounds=2)
     parser.add_argument("--skip-packed", action="store_true")
     parser.add_argument("--skip-ring", action="store_true")
     parser.add_argument("--timeout", type=float, default=3600)

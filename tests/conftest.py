@@ -19,6 +19,9 @@ os.environ.setdefault("MEGACANN_DEVICE", "cpu")
 if "MEGACANN_CACHE" not in os.environ:
     os.environ["MEGACANN_CACHE"] = tempfile.mkdtemp(prefix="megacann-test-cache-")
     atexit.register(shutil.rmtree, os.environ["MEGACANN_CACHE"], ignore_errors=True)
+# torch.compile's kernels as well: inductor's shared cache (/tmp/torchinductor_$USER) does not key on
+# ATEN_CPU_CAPABILITY, and kernels an earlier run compiled under another instruction set gave NaN losses
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["MEGACANN_CACHE"], "torchinductor"))
 
 # MEGACANN_STRICT_SKIPS=1 (set by .ci/run): a skip is a failure unless it is one of these, so a missing dev
 # extra or C++ kernels that failed to build cannot thin the suite out silently.

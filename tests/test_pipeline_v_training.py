@@ -72,16 +72,14 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference2(tmp_path_factory):
-    return {"small_m4": zb._merge([zb._reference(["small_m4"], str(tmp_path_factory.mktemp("vref2")))], "small_m4")}
+    return zb._references(["small_m4"], str(tmp_path_factory.mktemp("vref2")))
 
 
 @pytest.mark.parametrize("layout", sorted(WORLD2))
 def test_pp2_v_schedule_uneven_matches_one_process_and_follows_its_plan(world2, reference2, layout):
     got = world2[layout]
-    zb._check_layout_on(got, WORLD2[layout][0])
     assert len(got["losses"]) == len(reference2["small_m4"]["losses"]) == zb.STEPS
-    zb._check_parity(got, reference2["small_m4"])
-    zb._check_trace(got, split=True)  # both split backwards (dualpipev in its zero-bubble phases)
+    zb._check_run(got, WORLD2[layout], reference2, split=True)  # both split backwards (dualpipev: zero-bubble phases)
     _check_v_placement(got, PLACED[layout])
     if "dualpipev" in layout:  # its pairs ran at once (distributed.dualpipev_overlap auto)
         from megacann.pipeline.v_schedules import dualpipev_pairs
@@ -97,18 +95,14 @@ def world4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference4(tmp_path_factory):
-    names = sorted({ref for _, ref in WORLD4.values()})
-    result = zb._reference(names, str(tmp_path_factory.mktemp("vref4")))
-    return {name: zb._merge([result], name) for name in names}
+    return zb._references({ref for _, ref in WORLD4.values()}, str(tmp_path_factory.mktemp("vref4")))
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("layout", sorted(WORLD4))
 def test_extended_v_layouts_match_one_process_and_follow_their_plans(world4, reference4, layout):
     got = world4[0][layout]
-    zb._check_layout_on(got, WORLD4[layout][0])
-    zb._check_parity(got, reference4[WORLD4[layout][1]])
-    zb._check_trace(got, split=True)
+    zb._check_run(got, WORLD4[layout], reference4, split=True)
     if "dualpipev" in layout:  # its pairs ran at once (distributed.dualpipev_overlap auto), on every rank
         from megacann.pipeline.v_schedules import dualpipev_pairs
 

@@ -197,6 +197,12 @@ def _reference(names, root: str) -> dict:
     return run_on_ranks(_train, 1, args=(runs, {}, root), timeout=300)[0]
 
 
+def _references(names, root: str) -> dict:
+    """The named one-process references, run in one process and merged."""
+    result = _reference(sorted(names), root)
+    return {name: _merge([result], name) for name in names}
+
+
 def _layouts(world: int, layouts: dict, resume: dict, root: str) -> tuple[dict, dict]:
     per_rank = run_on_ranks(_train, world, args=({n: o for n, (o, _) in layouts.items()}, resume, root), timeout=600)
     return {name: _merge(per_rank, name) for name in layouts}, per_rank[0]["resume"]
@@ -235,6 +241,16 @@ def _check_trace(got: dict, split: bool) -> None:
         assert (run["weights_run"] > 0) == split, rank  # zb1p really ran W apart
 
 
+def _check_run(got: dict, entry: tuple, references: dict, split: bool) -> None:
+    """A layout's run (``entry``: its overrides and its reference's name, or None for a trace-only run): the
+    asked sizes were in effect, it trained as its one-process reference, every rank followed its plan."""
+    overrides, ref = entry
+    _check_layout_on(got, overrides)
+    if ref is not None:
+        _check_parity(got, references[ref])
+    _check_trace(got, split=split)
+
+
 def _check_resume(resumed: dict, name: str) -> None:
     result = resumed[name]
     assert len(result["got"]) == len(result["expected"]) > 0
@@ -249,14 +265,12 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference2(tmp_path_factory):
-    return {"m4": _merge([_reference(["m4"], str(tmp_path_factory.mktemp("ref2")))], "m4")}
+    return _references(["m4"], str(tmp_path_factory.mktemp("ref2")))
 
 
 def test_pp2_zb1p_uneven_matches_one_process_and_resumes_bit_for_bit(world2, reference2):
     got = world2["pp2_zb1p_uneven"]
-    _check_layout_on(got, WORLD2["pp2_zb1p_uneven"][0])
-    _check_parity(got, reference2["m4"])
-    _check_trace(got, split=True)
+    _check_run(got, WORLD2["pp2_zb1p_uneven"], reference2, split=True)
     for rank, run in enumerate(got["runs"]):
         resumed = run["resumed"]
         assert resumed["path"].endswith(f"checkpoint_{SAVE_AT}"), rank
@@ -275,19 +289,13 @@ def world4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference4(tmp_path_factory):
-    names = sorted({ref for _, ref in WORLD4.values() if ref})
-    result = _reference(names, str(tmp_path_factory.mktemp("ref4")))
-    return {name: _merge([result], name) for name in names}
+    return _references({ref for _, ref in WORLD4.values() if ref}, str(tmp_path_factory.mktemp("ref4")))
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("layout", sorted(WORLD4))
 def test_extended_layouts_match_one_process_and_follow_their_plans(world4, reference4, layout):
-    got, ref = world4[0][layout], WORLD4[layout][1]
-    _check_layout_on(got, WORLD4[layout][0])
-    if ref is not None:
-        _check_parity(got, reference4[ref])
-    _check_trace(got, split="zb1p" in layout)
+    _check_run(world4[0][layout], WORLD4[layout], reference4, split="zb1p" in layout)
 
 
 @pytest.mark.extended
