@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The fine-tuning demonstration of docs/finetuning.md, end to end on one CPU process:
 #   1. pretrain the tiny LLaMA on the default corpus with the byte tokenizer (the base; once per OUT_DIR);
-#   2. write a string-reversal task with held-out test questions (once per OUT_DIR);
+#   2. write a string-reversal task with held-out test questions (once per OUT_DIR; words of 3 to
+#      TASK_MAX_LENGTH letters);
 #   3. fine-tune the base on it twice: full SFT and LoRA (rank 16 on every projection, base frozen), both at
 #      lr 1e-3 (LORA_LR sets LoRA's);
 #   4. report exact-match accuracy on the held-out questions: base, full SFT, LoRA, and the LoRA run
@@ -12,7 +13,9 @@
 # SEED is the fine-tunings' `seed` key (adapter initialisation, data order, dropout); each seed's runs and
 # results go to OUT_DIR/seed<SEED>/, beside the base and the task they share (the base is pretrained with
 # tiny.yaml's own seed). Environment: LORA_LR (1e-3) sets LoRA's learning rate; MODES ("full lora") which
-# fine-tunings to run. docs/finetuning.md gives the results, what depends on the machine, and a seed sweep.
+# fine-tunings to run; TASK_MAX_LENGTH (6) the task's longest word (the task is written once per OUT_DIR,
+# so each value needs its own OUT_DIR; another value on an existing task is refused). docs/finetuning.md
+# gives the results, what depends on the machine, and a seed sweep.
 # Run from the repository root with megacann installed (make test fills .venv).
 set -euo pipefail
 
@@ -21,6 +24,7 @@ STEPS=${2:-1500}
 SEED=${3:-1234}
 LORA_LR=${LORA_LR:-1e-3}
 MODES=${MODES:-full lora}
+TASK_MAX_LENGTH=${TASK_MAX_LENGTH:-6}
 PYTHON=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 RECIPE="$ROOT/examples/configs/llama/sft_tiny.yaml"
@@ -36,8 +40,14 @@ evaluate() {  # evaluate OUTPUT MODEL [extra evaluate.py args]: prints the summa
 
 [ -d "$OUT/base" ] || megacann-train --config "$ROOT/examples/configs/llama/tiny.yaml" data.tokenizer=byte \
     experiment.output_dir="$OUT/base"
-[ -f "$OUT/task/task.json" ] ||
-    "$PYTHON" "$ROOT/examples/sft/make_task.py" --task reverse --min_length 3 --max_length 6 --output "$OUT/task"
+if [ -f "$OUT/task/task.json" ]; then
+    "$PYTHON" -c 'import json, sys; n = json.load(open(sys.argv[1]))["settings"]["max_length"]; sys.exit(
+        None if n == int(sys.argv[2]) else f"demo.sh: {sys.argv[1]} has words of up to {n} letters, "
+        f"TASK_MAX_LENGTH is {sys.argv[2]}: give another OUT_DIR")' "$OUT/task/task.json" "$TASK_MAX_LENGTH"
+else
+    "$PYTHON" "$ROOT/examples/sft/make_task.py" --task reverse --min_length 3 --max_length "$TASK_MAX_LENGTH" \
+        --output "$OUT/task"
+fi
 
 for mode in $MODES; do
     extra=(lora=false)
