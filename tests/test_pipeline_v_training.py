@@ -3,7 +3,7 @@ exactly (the forwards, B, W, fused backwards and V transfers recorded by ``run_p
 placement is really on: stage 0 holds the embedding, the first and the last layer block and the head.
 
 pp 2 with uneven layer blocks is the default tier; pp 4 and the combinations with TP + SP, dp + ZeRO-1,
-context parallelism with recompute, MoE with expert parallelism, LoRA, and bit-for-bit resume are
+context parallelism (zbv with recompute; dualpipev with its pairs at once), MoE with expert parallelism, LoRA, and bit-for-bit resume are
 ``extended``. Machinery shared with the zero-bubble tests (test_pipeline_zero_bubble_training)."""
 
 import re
@@ -41,6 +41,7 @@ WORLD4 = {
         [PP2, ZBV, M4, "distributed.context_parallel_size=2", "model.activation_checkpointing=full"],
         "m4",
     ),
+    "pp2_dualpipev_cp2": ([PP2, DUALPIPEV, M4, "distributed.context_parallel_size=2"], "m4"),  # pairs at once
     "pp2_zbv_moe_ep2": ([PP2, ZBV, M2, *MOE4, "distributed.expert_parallel_size=2"], "moe4_m4"),
     "pp2_dualpipev_moe_ep2": ([PP2, DUALPIPEV, M4, *MOE4, "distributed.expert_parallel_size=2"], "moe4_m8"),
     "pp2_zbv_lora_tp2": ([PP2, ZBV, M4, *zb.LORA, "distributed.tensor_parallel_size=2"], "lora_m4"),
