@@ -91,8 +91,9 @@ def _train(runs: dict, root: str) -> dict:
 
 def check_pairs_ran_at_once(probe: list, pairs: int) -> None:
     """``pairs`` pairs ran at once: each pair's forward on the calling thread and its backward (of the other
-    chunk) on another, their (start, end) intervals overlapping. ``probe``: (action, on the calling thread,
-    start, end), a pair's two records in the order they finished."""
+    chunk) on another, both past the probe's barrier, which two works run one after the other cannot pass
+    (so no assertion on measured times, which a loaded machine's scheduling could reorder). ``probe``:
+    (action, on the calling thread, start, end), a pair's two records in the order they finished."""
     assert pairs > 0 and len(probe) == 2 * pairs, (pairs, len(probe))
     for first, second in zip(probe[::2], probe[1::2]):
         (f, f_here, f_start, f_end), (b, b_here, b_start, b_end) = sorted(
@@ -100,7 +101,7 @@ def check_pairs_ran_at_once(probe: list, pairs: int) -> None:
         )
         assert type(f).__name__ == "Forward" and type(b).__name__ == "Backward" and f.chunk != b.chunk, (f, b)
         assert f_here and not b_here, (f, b)
-        assert max(f_start, b_start) < min(f_end, b_end), (f, b)
+        assert f_start <= f_end and b_start <= b_end, (f, b)
 
 
 def _lane_facts() -> tuple:
@@ -233,7 +234,8 @@ def test_run_pair_runs_the_second_on_another_thread_and_raises_its_error():
     both = threading.Barrier(2, timeout=10)  # each half waits for the other: only concurrency passes
     probe = []
     run_pair(both.wait, both.wait, ("f", "b"), probe)
-    assert [p[0] for p in probe] == ["f", "b"] and probe[0][1] == threading.get_ident() != probe[1][1]
+    threads = {action: thread for action, thread, _, _ in probe}  # recorded in the order they finished
+    assert len(probe) == 2 and threads["f"] == threading.get_ident() != threads["b"]
 
     def fail():
         raise ValueError("backward failed")

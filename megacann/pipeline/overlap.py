@@ -34,6 +34,7 @@ OVERLAP_VALUES = ("auto", True, False)
 KEY = "distributed.dualpipev_overlap"
 LANE_ATTR = "_megacann_communication_lane"  # set by build_model_chunks on each chunk: the lane it was built in
 Probe = list  # receives (action, thread id, start, end) for each action of a pair that ran at once
+MEET_TIMEOUT_S = 300.0  # how long a probed pair's sides wait for each other (a loaded machine is slow)
 
 
 def overlap_hazards(cfg: MegacannConfig) -> list[str]:
@@ -105,10 +106,16 @@ def run_pair(
     probe: Optional[Probe] = None,
 ) -> None:
     """Run ``second`` on a worker thread while this thread runs ``first``; return when both are done
-    (the worker's exception, if any, is raised here). ``probe`` receives (action, thread id, start, end)."""
+    (the worker's exception, if any, is raised here). ``probe`` receives (action, thread id, start, end);
+    with a probe the two sides first meet at a barrier, which only two works in flight at once can pass
+    (run one after the other, they would time out there): the proof, independent of timing, that a pair
+    really runs concurrently."""
     error: list[BaseException] = []
+    meet = threading.Barrier(2) if probe is not None else None
 
     def timed(work: Callable[[], None], action: object) -> None:
+        if meet is not None:
+            meet.wait(timeout=MEET_TIMEOUT_S)
         start = time.perf_counter()
         work()
         if probe is not None:
