@@ -16,6 +16,10 @@ what a flat all-gather produces and what a flat reduce-scatter consumes, so neit
 it; the output is reordered to ``[b, s, out]`` (a view when ``b == 1``). Results equal the plain path's
 (the same products, the weight gradient summed over the same rows). Collectives that a backend runs
 synchronously (a gloo without flat collectives) simply do not overlap.
+
+On CPUs without native bf16 / fp16 GEMM every product (each chunk of the forward, the input and weight
+gradients) runs as an fp32 GEMM rounded once, like ``ops.linear`` there (:mod:`megacann.ops.bf16_matmul`):
+the collectives still move the model dtype, and the graph saves the low-precision tensors.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.distributed as dist
 
 from megacann.collectives import all_gather_flat, reduce_scatter_flat
 from megacann.layers.eager_regions import eager_under_compile
+from megacann.ops.bf16_matmul import gemm_dtype
 from megacann.ops.weight_grad import defer_or_compute
 
 
@@ -39,15 +44,18 @@ class _OverlappedGatherLinear(torch.autograd.Function):
         gathered = x.new_empty((world, b, s_local, h))
         work = all_gather_flat(gathered.view(-1), x.view(-1), group, async_op=True)
         out_features = weight.shape[0]
-        y = x.new_empty((world, b * s_local, out_features))
-        torch.mm(x.view(-1, h), weight.t(), out=y[rank])  # this rank's rows while the others' travel
+        mm = gemm_dtype(x, weight)  # fp32 on CPUs without native bf16 / fp16 GEMM (the copies transient)
+        weight_mm = weight.to(mm).t()
+        y = x.new_empty((world, b * s_local, out_features), dtype=mm)
+        torch.mm(x.view(-1, h).to(mm), weight_mm, out=y[rank])  # this rank's rows while the others' travel
         if work is not None:
             work.wait()
         for r in range(world):
             if r != rank:
-                torch.mm(gathered[r].view(-1, h), weight.t(), out=y[r])
+                torch.mm(gathered[r].view(-1, h).to(mm), weight_mm, out=y[r])
         if bias is not None:
-            y += bias
+            y += bias.to(mm)
+        y = y.to(x.dtype)  # rounded once on the fp32 route
         ctx.save_for_backward(gathered, weight)
         ctx.group, ctx.has_bias, ctx.weight = group, bias is not None, weight
         # [tp, b, s/tp, out] -> [b, tp, s/tp, out] -> [b, s, out]
@@ -59,16 +67,22 @@ class _OverlappedGatherLinear(torch.autograd.Function):
         world, b, s_local, h = gathered.shape
         out_features = weight.shape[0]
         grad_rm = grad.reshape(b, world, s_local, out_features).movedim(1, 0).contiguous().view(-1, out_features)
+        mm = gemm_dtype(gathered, weight)
+        grad_mm = grad_rm.to(mm)
         grad_x = None
         work = None
         if ctx.needs_input_grad[0]:
-            staged = torch.mm(grad_rm, weight)  # [tp * b * s/tp, h]: rank-major, as reduce-scatter wants it
+            staged = torch.mm(grad_mm, weight.to(mm)).to(gathered.dtype)  # [tp * b * s/tp, h]: rank-major
             grad_x = staged.new_empty((b, s_local, h))
             work = reduce_scatter_flat(grad_x.view(-1), staged.view(-1), ctx.group, async_op=True)
         grad_w = None
         if ctx.needs_input_grad[1]:  # while it runs (or in W, after a split backward's B)
-            (grad_w,) = defer_or_compute((ctx.weight,), lambda: (grad_rm.t().mm(gathered.view(-1, h)),))
-        grad_b = grad_rm.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+
+            def weight_grad() -> tuple[torch.Tensor]:  # upcasts here: a deferred closure holds the model dtype
+                return (grad_rm.to(mm).t().mm(gathered.view(-1, h).to(mm)).to(weight.dtype),)
+
+            (grad_w,) = defer_or_compute((ctx.weight,), weight_grad)
+        grad_b = grad_mm.sum(0).to(grad.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if work is not None:
             work.wait()
         return grad_x, grad_w, grad_b, None

@@ -14,7 +14,7 @@ varlen        packed / windowed attention per document, no mask (``ops.varlen``)
 flash         block attention and its lse by PyTorch's CPU flash kernel                  cpu
 cuda_flash    block attention and its lse by PyTorch's CUDA flash kernel                 cuda
 fused         the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)      cpu, cuda
-fp32_gemm     bf16 ``linear`` / ``grouped_matmul`` as fp32 GEMMs (CPU without bf16)      cpu
+fp32_gemm     bf16/fp16 ``linear``, ``grouped_matmul`` as fp32 GEMMs (no native GEMM)   cpu
 compiled      ``torch.compile`` of norm, RoPE, SwiGLU, head loss; opt-in (``ops.cuda``)  cuda
 apex          apex's fused RMSNorm, opt-in, if installed                                 cuda
 reference     PyTorch (:mod:`megacann.ops.reference`), always there                      any

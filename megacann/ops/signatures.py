@@ -87,7 +87,7 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (``weight`` ``[out, in]``). ``deferrable``: its weight gradient waits for
     the W pass when the backward is split (:mod:`megacann.ops.weight_grad`). On CPUs without native bf16
-    GEMM, bf16 products run as fp32 GEMMs (:mod:`megacann.ops.bf16_matmul`)."""
+    (fp16) GEMM, bf16 (fp16) products run as fp32 GEMMs (:mod:`megacann.ops.bf16_matmul`)."""
 
 
 @declare

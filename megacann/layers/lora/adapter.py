@@ -39,11 +39,12 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from megacann import ops
 from megacann.layers import mappings
 from megacann.layers.init import init_zeros, make_parameter
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.lora.targets import LoRATarget
-from megacann.ops.weight_grad import linear as deferrable_linear
+from megacann.ops.bf16_matmul import gemm_dtype
 
 LORA_ATTR = "megacann_lora"  # marks adapter parameters
 
@@ -226,7 +227,7 @@ class LoRAAdapter(torch.nn.Module):
     def full_delta(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``scaling * B A`` over the whole layer from whole ``A`` and ``B`` (e.g. read from a checkpoint):
         what merging adds to the layer's whole weight."""
-        return (expand_b(b, self.target, self.blocks, self.chosen, self.rank) * self.scaling) @ a
+        return _scaled_product(expand_b(b, self.target, self.blocks, self.chosen, self.rank), a, self.scaling)
 
     def dropout_input(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout_p == 0.0:
@@ -246,10 +247,18 @@ class LoRAAdapter(torch.nn.Module):
         if rows is not None:
             b = b[rows[0] : rows[1]]
         defer = self.defer_weight_grad
-        low_rank = deferrable_linear(self.dropout_input(x), self.lora_A, None, defer)
-        return deferrable_linear(low_rank * self.scaling, b, None, defer)
+        # ops.linear: fp32 GEMMs rounded once on CPUs without native bf16 / fp16 GEMM (megacann.ops.bf16_matmul)
+        low_rank = ops.linear(self.dropout_input(x), self.lora_A, deferrable=defer)
+        return ops.linear(low_rank * self.scaling, b, deferrable=defer)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """``scaling * B A`` for this rank's slice of the base weight."""
-        return (self.local_b() * self.scaling) @ self.lora_A
+        return _scaled_product(self.local_b(), self.lora_A, self.scaling)
+
+
+def _scaled_product(b: torch.Tensor, a: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling * b @ a`` in the operands' dtype; as fp32 GEMM rounded once where bf16 / fp16 products take
+    that route (:func:`megacann.ops.bf16_matmul.gemm_dtype`)."""
+    mm = gemm_dtype(b, a)
+    return ((b.to(mm) * scaling) @ a.to(mm)).to(b.dtype)

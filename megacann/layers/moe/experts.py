@@ -38,7 +38,6 @@ from megacann.layers.linear import add_adapter_output
 from megacann.layers.lora.adapter import AdapterLayout
 from megacann.layers.lora.experts import add_grouped_lora, expert_lora_layout
 from megacann.layers.sharding import InitMethod
-from megacann.ops.weight_grad import linear as deferrable_linear
 
 
 def expert_seed(layer_seed: int, expert_index: int, name: str) -> int:
@@ -62,7 +61,7 @@ class ExpertProjection(torch.nn.Module):
         return expert_lora_layout(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = deferrable_linear(x, self.weight, None, self.defer_weight_grad)
+        y = ops.linear(x, self.weight, deferrable=self.defer_weight_grad)  # fp32 GEMMs on CPUs without bf16 GEMM
         return add_adapter_output(self.adapter, y, x, None)
 
 
