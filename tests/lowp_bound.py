@@ -1,5 +1,6 @@
-"""The error bound of one bf16 or fp16 product against the float64 product of the same inputs (shared by the
-tests of megacann.ops.bf16_matmul's fp32 GEMM route and of the layers that take it).
+"""For the tests of megacann.ops.bf16_matmul's fp32 GEMM route and of the layers that take it: the matmuls
+a block runs, by dtype (:class:`Products`), and the error bound of a bf16 or fp16 product against the float64
+product of the same inputs.
 
 A product of two bf16 (or two fp16) values is exact in fp32 and float64, so a GEMM that accumulates in fp32
 and rounds once differs from the float64 product only by fp32 accumulation (at most k * 2^-24 * sum|a||b|
@@ -12,7 +13,9 @@ margin of 4 for the rounding of partial sums in blocked GEMMs. The native bf16 /
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm"}
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
@@ -37,3 +40,21 @@ def assert_chain_within(got: torch.Tensor, ref: torch.Tensor, absprod: torch.Ten
     limit = u * ref.abs() + 4 * u * absprod + (2.0**-25 if got.dtype == torch.float16 else 0.0)
     err = (got.double().reshape(ref.shape) - ref).abs()
     assert bool((err <= limit).all()), (name, float((err / limit).max()))
+
+
+class Products(TorchDispatchMode):
+    """Counts the matmuls run inside it by the dtype of their first operand (``dtypes``) and keeps the
+    shapes of the low-precision ones (``low``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: dict[str, int] = {}
+        self.low: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in MATMULS:
+            key = str(args[0].dtype)
+            self.dtypes[key] = self.dtypes.get(key, 0) + 1
+            if args[0].dtype in (torch.bfloat16, torch.float16):
+                self.low.append((func.overloadpacket.__name__, *(tuple(a.shape) for a in args[:2])))
+        return func(*args, **(kwargs or {}))

@@ -11,16 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import run_on_ranks
-from lowp_bound import UNIT_ROUNDOFF, assert_chain_within, assert_within
+from lowp_bound import UNIT_ROUNDOFF, Products, assert_chain_within, assert_within
 from tiny_recipes import TINY_MOE
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megacann import ops
 from megacann.ops import bf16_matmul, registry
 
 LOW = [torch.bfloat16, torch.float16]
 LOW_IDS = ["bf16", "fp16"]
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm"}
 AVX2 = "fpu sse2 avx avx2 fma bmi1 bmi2 f16c movbe abm xsave"
 ZEN4 = AVX2 + " avx512f avx512bw avx512cd avx512dq avx512vl avx512_bf16"
 
@@ -84,24 +82,6 @@ def _check_linear(r: dict, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("on", [True, False], ids=["fp32_gemm", "native"])
 def test_linear_outputs_and_gradients_within_the_bound(on, dtype):
     _check_linear(_linear_case(on, dtype), dtype)
-
-
-class Products(TorchDispatchMode):
-    """Counts the matmuls run inside it by the dtype of their first operand (``dtypes``) and keeps the
-    shapes of the low-precision ones (``low``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.dtypes: dict[str, int] = {}
-        self.low: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in MATMULS:
-            key = str(args[0].dtype)
-            self.dtypes[key] = self.dtypes.get(key, 0) + 1
-            if args[0].dtype in (torch.bfloat16, torch.float16):
-                self.low.append((func.overloadpacket.__name__, *(tuple(a.shape) for a in args[:2])))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)

@@ -59,3 +59,66 @@ def test_tp_comm_overlap_is_refused_without_sequence_parallelism():
 
     with pytest.raises(ConfigError, match="distributed.tp_comm_overlap needs distributed.sequence_parallel: true"):
         tiny_config(["distributed.tp_comm_overlap=true", "distributed.tensor_parallel_size=2"], world_size=2)
+
+
+def _low_precision() -> dict:
+    """The overlapped projection in bf16 and fp16 on the fp32 GEMM route: its results, the matmuls' dtypes,
+    and B leaving the weight's gradient to W (equal to the fused backward's)."""
+    import torch
+    from lowp_bound import Products
+
+    from megacann import parallel_state as ps
+    from megacann.layers.tp_overlap import overlapped_gather_linear
+    from megacann.ops import bf16_matmul
+    from megacann.ops.weight_grad import WeightGradStore, collecting
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        g = torch.Generator().manual_seed(0)
+        x_all = torch.randn(2, 8, 32, generator=g).to(dtype)
+        weight = (torch.randn(24, 32, generator=g) / 4).to(dtype)
+        bias = torch.randn(24, generator=g).to(dtype)
+        grad = torch.randn(2, 8, 24, generator=g).to(dtype)
+        x, w, b = (t.clone().requires_grad_() for t in (x_all[:, 4 * rank : 4 * rank + 4], weight, bias))
+        with bf16_matmul.forced(True), Products() as products:
+            y = overlapped_gather_linear(x, w, b, group)
+            y.backward(grad)
+        x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        store = WeightGradStore()
+        with bf16_matmul.forced(True):
+            y2 = overlapped_gather_linear(x2, w2, None, group)
+            with collecting(store):
+                y2.backward(grad)
+            deferred = w2.grad is None and store.num_closures == 1
+            store.run()
+        out[str(dtype)] = {
+            "inputs": (x_all, weight, bias, grad),
+            "results": (y.detach(), x.grad, w.grad, b.grad),
+            "products": (products.dtypes, products.low),
+            "w_deferred_equal": deferred and torch.equal(w2.grad, w.grad) and torch.equal(x2.grad, x.grad),
+        }
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_overlapped_projection_in_bf16_and_fp16_runs_fp32_gemms_within_the_bound():
+    from lowp_bound import assert_within
+
+    for rank, out in enumerate(run_on_ranks(_low_precision, 2, timeout=300)):
+        for dtype, got in out.items():
+            (x, w, b, dy), (y, dx, dw, db) = got["inputs"], got["results"]
+            dtypes, low = got["products"]
+            # forward: 2 chunks; backward: input and weight gradients
+            assert low == [] and dtypes == {"torch.float32": 4}, (dtype, dtypes)
+            assert got["w_deferred_equal"], dtype
+            x, w, b, dy = (t.double() for t in (x, w, b, dy))
+            xs, dys = x.reshape(-1, 32), dy.reshape(-1, 24)
+            assert_within(y, x @ w.t() + b, x.abs() @ w.abs().t() + b.abs(), 32, f"{dtype} y")
+            # both ranks hold the same weight and output gradient: the reduce-scatter sums two equal values
+            shard = slice(4 * rank, 4 * rank + 4)
+            ref, absprod = 2 * (dy @ w)[:, shard], 2 * (dy.abs() @ w.abs())[:, shard]
+            assert_within(dx, ref, absprod, 24, f"{dtype} dx")
+            assert_within(dw, dys.t() @ xs, dys.abs().t() @ xs.abs(), 16, f"{dtype} dw")
+            assert_within(db, dys.sum(0), dys.abs().sum(0), 16, f"{dtype} db")
