@@ -61,7 +61,7 @@ class ExpertProjection(torch.nn.Module):
         return expert_lora_layout(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.linear(x, self.weight, deferrable=self.defer_weight_grad)  # fp32 GEMMs on CPUs without bf16 GEMM
+        y = ops.linear(x, self.weight, deferrable=self.defer_weight_grad)  # fp32 GEMMs where bf16 / fp16 GEMM is slow
         return add_adapter_output(self.adapter, y, x, None)
 
 
