@@ -213,7 +213,8 @@ STEPS = {
     "dense": (1, ["model.num_layers=2"]),
     "moe_tp2_overlap_lora": (
         2,
-        [*TINY_MOE, "model.moe_shared_experts=1", "data.seq_length=16", "distributed.tensor_parallel_size=2"]
+        [*TINY_MOE, "model.num_layers=1", "model.moe_shared_experts=1", "data.seq_length=16"]
+        + ["distributed.tensor_parallel_size=2"]
         + ["distributed.sequence_parallel=true", "distributed.tp_comm_overlap=true", "lora=true", "lora_rank=4"]
         + ["lora_alpha=8.0", "lora_target_modules=[o_proj,down_proj]"],
     ),
@@ -260,16 +261,17 @@ def test_a_bf16_training_step_runs_its_matmuls_in_fp32_when_forced(case):
             assert "torch.bfloat16" not in got["fp32_gemm"] and got["fp32_gemm"]["torch.float32"] >= 24, got
             assert got["native"].get("torch.bfloat16", 0) >= 24, got  # the control: the same step's products in bf16
             continue
-        # 2 MoE layers: q, k, v and the shared expert's gate|up overlapped; adapters on o_proj and the shared
+        # 1 MoE layer: q, k, v and the shared expert's gate|up overlapped; adapters on o_proj and the shared
         # and 4 experts' down_proj
-        want = [f"layers.{i}.{p}" for i in range(2) for p in ("mlp.shared_experts.gate_up_proj", *QKV)]
+        want = [f"layers.0.{p}" for p in ("mlp.shared_experts.gate_up_proj", *QKV)]
         assert got["overlapped"] == sorted(want), got["overlapped"]
-        want = [f"layers.{i}.{p}.adapter" for i in range(2) for p in ("self_attn.o_proj", *DOWN)]
+        want = [f"layers.0.{p}.adapter" for p in ("self_attn.o_proj", *DOWN)]
         assert got["adapters"] == sorted(want), got["adapters"]
         # on the route the only bf16 products left are the unpermute's top-k (2) weighted sums over the hidden
         # size (32), [T, 1, k] x [T, k, h], and their two gradients (k-term products, not routed: docs/ops.md)
         forms = (((1, 2), (2, 32)), ((2, 1), (1, 32)), ((1, 32), (32, 2)))
         unpermute = {("bmm", (t, *a), (t, *b)) for t in range(1, 64) for a, b in forms}
         assert got["fp32_gemm_low"] and set(got["fp32_gemm_low"]) <= unpermute, got["fp32_gemm_low"]
-        assert got["fp32_gemm"]["torch.float32"] >= 60, got
-        assert len(got["native_low"]) >= 60 + len(got["fp32_gemm_low"]), got  # the control
+        # projections (overlapped in 2 chunks), adapters, experts' groups, the head: 65 products when written
+        assert got["fp32_gemm"]["torch.float32"] >= 50, got["fp32_gemm"]
+        assert len(got["native_low"]) >= 50 + len(got["fp32_gemm_low"]), got  # the control: those in bf16

@@ -40,10 +40,20 @@ def _compare() -> dict:
     return {"results": results, "layer_overlaps": layer.comm_overlap}
 
 
-def test_overlapped_gather_linear_equals_the_plain_path():
+def _both() -> dict:
+    return {"fp32": _compare(), "low": _low_precision()}
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    """Both checks on one pair of ranks (one start)."""
+    return run_on_ranks(_both, 2, timeout=300)
+
+
+def test_overlapped_gather_linear_equals_the_plain_path(tp2):
     import torch
 
-    for rank, out in enumerate(run_on_ranks(_compare, 2, timeout=300)):
+    for rank, out in enumerate(r["fp32"] for r in tp2):
         plain, overlapped = out["results"]
         assert len(plain) == len(overlapped) == 4
         for want, got in zip(plain, overlapped):
@@ -103,10 +113,10 @@ def _low_precision() -> dict:
     return out
 
 
-def test_overlapped_projection_in_bf16_and_fp16_runs_fp32_gemms_within_the_bound():
+def test_overlapped_projection_in_bf16_and_fp16_runs_fp32_gemms_within_the_bound(tp2):
     from lowp_bound import assert_within
 
-    for rank, out in enumerate(run_on_ranks(_low_precision, 2, timeout=300)):
+    for rank, out in enumerate(r["low"] for r in tp2):
         for dtype, got in out.items():
             (x, w, b, dy), (y, dx, dw, db) = got["inputs"], got["results"]
             dtypes, low = got["products"]
