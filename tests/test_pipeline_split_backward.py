@@ -5,7 +5,7 @@ ranks with sequence parallelism (collectives inside the backward) and full activ
 first chunk (embedding, no input) and a last chunk (head and loss, hidden states in). The layers are built
 as a zero-bubble schedule builds them, and the test checks which layer types B really left to W (their
 weight-gradient closures; the fused head loss's recomputes its logits in W) and which it computed itself
-(norms, router)."""
+(norms, router). Extended: the same in bf16 with the fp32 GEMM route forced (megacann.ops.bf16_matmul)."""
 
 import pytest
 from dist_harness import run_on_ranks
@@ -165,6 +165,23 @@ def split_results():
 @pytest.fixture(scope="module")
 def mtp_split_results():
     return run_on_ranks(_split_checks, 2, args=(MTP_VARIANTS,), timeout=300)
+
+
+def _split_checks_bf16_routed(variants: dict) -> dict:
+    """:func:`_split_checks` in bf16 with the fp32 GEMM route forced (MEGACANN_CPU_BF16_MATMUL=fp32): the
+    routed products (projections, the overlapped one, LoRA, experts, head loss) defer exactly as before."""
+    from megacann.ops import bf16_matmul
+
+    bf16 = {name: [*overrides, "model.precision=bf16"] for name, overrides in variants.items()}
+    return {"routed": bf16_matmul.enabled(), **_split_checks(bf16)}
+
+
+@pytest.mark.extended
+def test_b_plus_w_equals_the_fused_backward_in_bf16_on_the_fp32_gemm_route():
+    results = run_on_ranks(_split_checks_bf16_routed, 2, args=(VARIANTS,), env={"MEGACANN_CPU_BF16_MATMUL": "fp32"})
+    assert all(r.pop("routed") for r in results)
+    for variant in sorted(VARIANTS):
+        _check_variant(results, variant)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
