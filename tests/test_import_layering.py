@@ -133,7 +133,7 @@ from ..models import spec
 
 def lazy():
     if True:
-        from megacann.pipeline.schedules import run_plan
+        from megacann.pipeline.executor import run_plan
 
 class Holder:
     def method(self):
@@ -146,7 +146,7 @@ class Holder:
         (4, "megacann.parallel_state"),
         (5, "megacann.optimizer.zero"),
         (6, "megacann.optimizer.models"),
-        (10, "megacann.pipeline.schedules"),
+        (10, "megacann.pipeline.executor"),
         (14, "megacann.training"),
     ]
     package = sorted(megacann_imports("from . import x\nfrom .y import z\n", "megacann.data", is_package=True))
