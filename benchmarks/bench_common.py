@@ -1,11 +1,15 @@
-"""Pieces the benchmarks share: random-token data for the Trainer, the model section of their recipes, their
-integer options and the first line of a two-rank table. Importing it puts the checkout and tests/ (the tests'
-gloo launcher, dist_harness) on ``sys.path``, so a benchmark runs from a checkout without an install."""
+"""Pieces the benchmarks share: random-token data for the Trainer (and the Trainer on it), steps timed on
+the slowest rank, the model section of their recipes, their integer options and the first line of a
+two-rank table. Importing it puts the checkout and tests/ (the tests' gloo launcher, dist_harness) on
+``sys.path``, so a benchmark runs from a checkout without an install."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,3 +69,40 @@ def llama_model(precision: str, hidden: int, layers: int, ffn: int, vocab: int, 
         "vocab_size": vocab,
         "max_position_embeddings": seq,
     }
+
+
+@contextlib.contextmanager
+def random_token_trainer(recipe: dict[str, Any], seed: int = 0) -> Iterator[Any]:
+    """The real Trainer for ``recipe`` on random tokens (:class:`RandomTokens`, the recipe's vocabulary,
+    sequence length and micro-batch size), validated for this rank's world (``WORLD_SIZE``, 1 without one);
+    on leaving, its loggers closed and the model-parallel groups forgotten, so the next one can start."""
+    from megacann import parallel_state as ps
+    from megacann.config import config_from_dict, validate
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    cfg = config_from_dict(recipe)
+    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    data = RandomTokens(cfg.model.vocab_size, cfg.data.seq_length, cfg.data.batch_size, seed)
+    trainer = Trainer(cfg, setup_runtime(cfg), data=data)
+    try:
+        yield trainer
+    finally:
+        trainer.metrics.close()
+        ps.destroy_model_parallel()
+
+
+def timed_steps(trainer: Any, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` training steps, each started together (a barrier) and timed on its
+    slowest rank: a step ends when its slowest rank does."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step()
+        slowest = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times.append(float(slowest.item()))
+    return times

@@ -20,39 +20,12 @@ is the time a rank waits for its expert-parallel peer.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue
-import socket
-import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Data:
-    def __init__(self, cfg):
-        import torch
-
-        g = torch.Generator().manual_seed(0)
-        b, s, vocab = cfg.data.batch_size, cfg.data.seq_length, cfg.model.vocab_size
-
-        def batches():
-            while True:
-                rows = torch.randint(0, vocab, (b, s + 1), generator=g)
-                yield {"tokens": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
-
-        self.train = batches()
-
-    def valid(self):
-        return None
+from bench_common import random_token_trainer  # first: puts the checkout and tests/ on sys.path
+from dist_harness import run_on_ranks
 
 
 class _TimedWork:
@@ -117,92 +90,59 @@ def exposed(comm: list, busy: list) -> float:
     return sum(e - s for _, s, e in comm) - hidden
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, overlap: bool, results) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    os.environ["MEGACANN_DEVICE"] = "cpu"
+def _rank(args: argparse.Namespace, overlap: bool) -> dict:
     import functools
     import warnings
 
-    import torch
-
-    from megacann.config import config_from_dict, validate
-    from megacann.training.runtime import setup_runtime
-    from megacann.training.trainer import Trainer
-
-    torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    cfg = config_from_dict(
-        {
-            "experiment": {"name": "dualpipev_overlap", "output_dir": "/tmp/megacann-dualpipev-overlap"},
-            "model": {
-                "type": "moe",
-                "precision": "fp32",
-                "hidden_size": args.hidden,
-                "num_layers": 4,
-                "num_attention_heads": 4,
-                "ffn_hidden_size": 2 * args.hidden,
-                "num_experts": 4,
-                "moe_top_k": 2,
-                "moe_ffn_hidden_size": args.hidden,
-                "vocab_size": 512,
-                "max_position_embeddings": args.seq_length,
-            },
-            "data": {"seq_length": args.seq_length, "batch_size": args.micro_batch},
-            "optim": {"grad_accum_steps": args.micro_batches, "max_steps": args.steps + 1},
-            "distributed": {
-                "pipeline_parallel_size": 2,
-                "expert_parallel_size": 2,
-                "pipeline_schedule": "dualpipev",
-                "dualpipev_overlap": overlap,
-            },
-            "logging": {"ckpt_interval": 0},
-        }
-    )
-    validate(cfg, world_size=world)
-    trainer = Trainer(cfg, setup_runtime(cfg), data=_Data(cfg))
-    trainer.train_step()  # warm-up
-    comm: list = []
-    _time_all_to_all(comm)
-    schedule = trainer.forward_backward
-    steps, exposed_s, comm_s, pairs = [], [], [], []
-    for _ in range(args.steps):
-        comm.clear()
-        probe: list = []
-        trainer.forward_backward = functools.partial(schedule, probe=probe)
-        start = time.perf_counter()
-        trainer.train_step()
-        steps.append(time.perf_counter() - start)
-        busy = [(t, s, e) for _, t, s, e in probe]
-        exposed_s.append(exposed(comm, busy))
-        comm_s.append(sum(e - s for _, s, e in comm))
-        pairs.append(len(probe) // 2)
-    results.put((rank, {"step": steps, "exposed": exposed_s, "comm": comm_s, "pairs": pairs}))
-    torch.distributed.destroy_process_group()
+    recipe = {
+        "experiment": {"name": "dualpipev_overlap", "output_dir": "/tmp/megacann-dualpipev-overlap"},
+        "model": {
+            "type": "moe",
+            "precision": "fp32",
+            "hidden_size": args.hidden,
+            "num_layers": 4,
+            "num_attention_heads": 4,
+            "ffn_hidden_size": 2 * args.hidden,
+            "num_experts": 4,
+            "moe_top_k": 2,
+            "moe_ffn_hidden_size": args.hidden,
+            "vocab_size": 512,
+            "max_position_embeddings": args.seq_length,
+        },
+        "data": {"seq_length": args.seq_length, "batch_size": args.micro_batch},
+        "optim": {"grad_accum_steps": args.micro_batches, "max_steps": args.steps + 1},
+        "distributed": {
+            "pipeline_parallel_size": 2,
+            "expert_parallel_size": 2,
+            "pipeline_schedule": "dualpipev",
+            "dualpipev_overlap": overlap,
+        },
+        "logging": {"ckpt_interval": 0},
+    }
+    with random_token_trainer(recipe) as trainer:
+        trainer.train_step()  # warm-up
+        comm: list = []
+        _time_all_to_all(comm)
+        schedule = trainer.forward_backward
+        steps, exposed_s, comm_s, pairs = [], [], [], []
+        for _ in range(args.steps):
+            comm.clear()
+            probe: list = []
+            trainer.forward_backward = functools.partial(schedule, probe=probe)
+            start = time.perf_counter()
+            trainer.train_step()
+            steps.append(time.perf_counter() - start)
+            busy = [(t, s, e) for _, t, s, e in probe]
+            exposed_s.append(exposed(comm, busy))
+            comm_s.append(sum(e - s for _, s, e in comm))
+            pairs.append(len(probe) // 2)
+    return {"step": steps, "exposed": exposed_s, "comm": comm_s, "pairs": pairs}
 
 
 def measure(overlap: bool, args: argparse.Namespace) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port, world = _free_port(), 4
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, overlap, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict = {}
-    while len(got) < world:
-        try:
-            rank, value = results.get(timeout=1.0)
-            got[rank] = value
-        except queue.Empty:
-            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if failed:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"overlap {overlap}: rank(s) {failed} failed (see above)") from None
-    for p in procs:
-        p.join(timeout=60)
-    return [got[r] for r in range(world)]
+    """Each of the four ranks' figures (pp 2 x ep 2), in rank order."""
+    return run_on_ranks(_rank, 4, args=(args, overlap), timeout=3600, init_process_group=False)
 
 
 def summary(per_rank: list[dict], steps: int) -> dict:

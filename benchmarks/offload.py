@@ -19,13 +19,11 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import torch  # noqa: E402
-from bench_common import RandomTokens, add_llama_size_args, llama_model  # noqa: E402
+from bench_common import add_llama_size_args, llama_model, random_token_trainer, timed_steps  # noqa: E402
 from dist_harness import run_on_ranks  # noqa: E402
 
 MB = 2**20
@@ -37,63 +35,45 @@ VARIANTS = [
 ]
 
 
-def _config(args: argparse.Namespace, dp: int, optimizer: bool, activations: bool, out: str):
-    from megacann.config import config_from_dict, validate
-
-    cfg = config_from_dict(
-        {
-            "experiment": {"name": "offload", "output_dir": out},
-            "model": llama_model("bf16", args.hidden, args.layers, args.ffn, args.vocab, args.seq),
-            "data": {"seq_length": args.seq, "batch_size": 1},
-            "optim": {"lr": 1e-4, "max_steps": 100, "warmup_steps": 1, "offload_optimizer": optimizer},
-            "distributed": {"zero_optimization": 1 if dp > 1 else 0},
-            "training": {"activation_offload_layers": args.layers if activations else 0},
-            "logging": {"log_interval": 1000, "ckpt_interval": 0},
-        }
-    )
-    validate(cfg, world_size=dp)
-    return cfg
+def _recipe(args: argparse.Namespace, dp: int, optimizer: bool, activations: bool, out: str) -> dict:
+    return {
+        "experiment": {"name": "offload", "output_dir": out},
+        "model": llama_model("bf16", args.hidden, args.layers, args.ffn, args.vocab, args.seq),
+        "data": {"seq_length": args.seq, "batch_size": 1},
+        "optim": {"lr": 1e-4, "max_steps": 100, "warmup_steps": 1, "offload_optimizer": optimizer},
+        "distributed": {"zero_optimization": 1 if dp > 1 else 0},
+        "training": {"activation_offload_layers": args.layers if activations else 0},
+        "logging": {"log_interval": 1000, "ckpt_interval": 0},
+    }
 
 
 def _measure(args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
-    from megacann import parallel_state as ps
     from megacann.optimizer.memory import optimizer_memory
-    from megacann.training.runtime import setup_runtime
-    from megacann.training.trainer import Trainer
 
     dp = dist.get_world_size()
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for label, optimizer, activations in [VARIANTS[0], *VARIANTS]:  # the first pass warms the process up
-            cfg = _config(args, dp, optimizer, activations, out)
-            trainer = Trainer(cfg, setup_runtime(cfg), data=RandomTokens(args.vocab, args.seq, 1, seed=dist.get_rank()))
-            trainer.train_step()
-            times = []
-            for _ in range(args.steps):
-                dist.barrier()
-                start = time.perf_counter()
+            recipe = _recipe(args, dp, optimizer, activations, out)
+            with random_token_trainer(recipe, seed=dist.get_rank()) as trainer:
                 trainer.train_step()
-                slowest = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                times.append(float(slowest.item()))
-            memory = optimizer_memory(trainer.optimizer)
-            acts = trainer.activation_offload
-            rows.append(
-                {
-                    "variant": label,
-                    "dp": dp,
-                    "psi": sum(p.numel() for p in trainer.optimizer.model_params),
-                    **memory,
-                    "host_activations": acts.host_peak,
-                    "moved_activations": acts.moved_to_host,
-                    "step_time": min(times),
-                }
-            )
-            trainer.metrics.close()
+                times = timed_steps(trainer, args.steps)
+                memory = optimizer_memory(trainer.optimizer)
+                acts = trainer.activation_offload
+                rows.append(
+                    {
+                        "variant": label,
+                        "dp": dp,
+                        "psi": sum(p.numel() for p in trainer.optimizer.model_params),
+                        **memory,
+                        "host_activations": acts.host_peak,
+                        "moved_activations": acts.moved_to_host,
+                        "step_time": min(times),
+                    }
+                )
             del trainer
-            ps.destroy_model_parallel()
     return rows[1:]
 
 

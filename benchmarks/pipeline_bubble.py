@@ -25,112 +25,54 @@ cluster.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue
-import socket
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_common import random_token_trainer  # first: puts the checkout and tests/ on sys.path
+from dist_harness import run_on_ranks
 
 SCHEDULES = ((None, "1f1b"), (2, "interleaved"), (None, "zb1p"), (None, "zbv"), (None, "dualpipev"))
 CASES = [(p, v, s) for p in (2, 4) for v, s in SCHEDULES]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _synthetic_batches(cfg, seed: int):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    b, s, vocab = cfg.data.batch_size, cfg.data.seq_length, cfg.model.vocab_size
-    while True:
-        rows = torch.randint(0, vocab, (b, s + 1), generator=g)
-        yield {"tokens": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
-
-
-class _Data:
-    def __init__(self, cfg):
-        self.train = _synthetic_batches(cfg, 0)
-
-    def valid(self):
-        return None
-
-
-def _stage(rank: int, world: int, port: int, args: argparse.Namespace, virtual, schedule, results) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    os.environ["MEGACANN_DEVICE"] = "cpu"
+def _stage(args: argparse.Namespace, virtual, schedule) -> dict[str, list[float]]:
+    """One stage's process: a warm-up step, then every stage's timers summed over the measured steps."""
     import warnings
 
-    import torch
-
-    from megacann.config import config_from_dict, validate
-    from megacann.training.runtime import setup_runtime
-    from megacann.training.trainer import Trainer
-
-    torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    cfg = config_from_dict(
-        {
-            "experiment": {"name": "pipeline_bubble", "output_dir": "/tmp/megacann-pipeline-bubble"},
-            "model": {
-                "type": "llama",
-                "precision": "fp32",
-                "hidden_size": args.hidden,
-                "num_layers": args.layers,
-                "num_attention_heads": 4,
-                "ffn_hidden_size": 2 * args.hidden,
-                "vocab_size": 512,
-                "max_position_embeddings": args.seq_length,
-            },
-            "data": {"seq_length": args.seq_length, "batch_size": args.micro_batch},
-            "optim": {"grad_accum_steps": args.micro_batches, "max_steps": args.steps + 1},
-            "distributed": {
-                "pipeline_parallel_size": world,
-                "virtual_pipeline_size": virtual,
-                "pipeline_schedule": schedule,
-            },
-            "logging": {"timers": True, "ckpt_interval": 0},
-        }
-    )
-    validate(cfg, world_size=world)
-    trainer = Trainer(cfg, setup_runtime(cfg), data=_Data(cfg))
-    trainer.train_step()  # warm-up
+    world = int(os.environ["WORLD_SIZE"])
+    recipe = {
+        "model": {
+            "type": "llama",
+            "precision": "fp32",
+            "hidden_size": args.hidden,
+            "num_layers": args.layers,
+            "num_attention_heads": 4,
+            "ffn_hidden_size": 2 * args.hidden,
+            "vocab_size": 512,
+            "max_position_embeddings": args.seq_length,
+        },
+        "data": {"seq_length": args.seq_length, "batch_size": args.micro_batch},
+        "optim": {"grad_accum_steps": args.micro_batches, "max_steps": args.steps + 1},
+        "distributed": {
+            "pipeline_parallel_size": world,
+            "virtual_pipeline_size": virtual,
+            "pipeline_schedule": schedule,
+        },
+        "logging": {"timers": True, "ckpt_interval": 0},
+        "experiment": {"name": "pipeline_bubble", "output_dir": "/tmp/megacann-pipeline-bubble"},
+    }
     totals: dict[str, list[float]] = {}
-    for _ in range(args.steps):
-        for key, per_stage in trainer.train_step()["stage_timers"].items():
-            totals[key] = [a + b for a, b in zip(totals.get(key, [0.0] * world), per_stage)]
-    if rank == 0:
-        results.put(totals)
-    torch.distributed.destroy_process_group()
+    with random_token_trainer(recipe) as trainer:
+        trainer.train_step()  # warm-up
+        for _ in range(args.steps):
+            for key, per_stage in trainer.train_step()["stage_timers"].items():
+                totals[key] = [a + b for a, b in zip(totals.get(key, [0.0] * world), per_stage)]
+    return totals
 
 
 def measure(pp: int, virtual, schedule: str, args: argparse.Namespace) -> dict[str, list[float]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_stage, args=(r, pp, port, args, virtual, schedule, results)) for r in range(pp)]
-    for p in procs:
-        p.start()
-    while True:  # a stage that fails ends the case at once instead of leaving the others waiting
-        try:
-            totals = results.get(timeout=1.0)
-            break
-        except queue.Empty:
-            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if failed:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"pp {pp} {schedule}: stage(s) {failed} failed (see above)") from None
-    for p in procs:
-        p.join(timeout=60)
-    return totals
+    """Every stage's timers as rank 0 gathered them; a stage that fails ends the case at once."""
+    return run_on_ranks(_stage, pp, args=(args, virtual, schedule), timeout=3600, init_process_group=False)[0]
 
 
 def main() -> None:

@@ -25,13 +25,11 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import torch  # noqa: E402
-from bench_common import RandomTokens, add_llama_size_args, llama_model  # noqa: E402
+from bench_common import add_llama_size_args, llama_model, random_token_trainer, timed_steps  # noqa: E402
 from dist_harness import run_on_ranks  # noqa: E402  (the tests' gloo launcher: N spawned ranks, hard timeout)
 from zero3_checks import GatherProbe  # noqa: E402  (ZeRO-3: weights gathered before each block runs)
 
@@ -39,75 +37,55 @@ MB = 2**20
 VARIANTS = [("ZeRO-0", 0, 1), ("ZeRO-1", 1, 1), ("ZeRO-2", 2, 1), ("ZeRO-2 accum 2", 2, 2), ("ZeRO-3", 3, 1)]
 
 
-def _config(args: argparse.Namespace, dp: int, stage: int, accum: int, out: str):
-    from megacann.config import config_from_dict, validate
-
-    cfg = config_from_dict(
-        {
-            "experiment": {"name": "zero_memory", "output_dir": out},
-            "model": llama_model("bf16", args.hidden, args.layers, args.ffn, args.vocab, args.seq),
-            "data": {"seq_length": args.seq, "batch_size": 1},
-            "optim": {"lr": 1e-4, "max_steps": 100, "warmup_steps": 1, "grad_accum_steps": accum},
-            "distributed": {
-                "zero_optimization": stage,
-                "overlap_grad_reduce": True,
-                "overlap_param_gather": stage > 0,
-                "bucket_size_mb": args.bucket_mb,
-            },
-            "logging": {"log_interval": 1000, "ckpt_interval": 0},
-        }
-    )
-    validate(cfg, world_size=dp)
-    return cfg
+def _recipe(args: argparse.Namespace, stage: int, accum: int, out: str) -> dict:
+    return {
+        "experiment": {"name": "zero_memory", "output_dir": out},
+        "model": llama_model("bf16", args.hidden, args.layers, args.ffn, args.vocab, args.seq),
+        "data": {"seq_length": args.seq, "batch_size": 1},
+        "optim": {"lr": 1e-4, "max_steps": 100, "warmup_steps": 1, "grad_accum_steps": accum},
+        "distributed": {
+            "zero_optimization": stage,
+            "overlap_grad_reduce": True,
+            "overlap_param_gather": stage > 0,
+            "bucket_size_mb": args.bucket_mb,
+        },
+        "logging": {"log_interval": 1000, "ckpt_interval": 0},
+    }
 
 
 def _measure(args: argparse.Namespace) -> list[dict]:
     """On every rank: each variant in turn, a warm-up step, timed steps, then the bytes from the tensors."""
     import torch.distributed as dist
 
-    from megacann import parallel_state as ps
     from megacann.optimizer.memory import optimizer_memory
-    from megacann.training.runtime import setup_runtime
-    from megacann.training.trainer import Trainer
 
     dp = dist.get_world_size()
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for label, stage, accum in VARIANTS:
-            cfg = _config(args, dp, stage, accum, out)
-            runtime = setup_runtime(cfg)
-            trainer = Trainer(cfg, runtime, data=RandomTokens(args.vocab, args.seq, 1, seed=dist.get_rank()))
-            probe = GatherProbe(trainer) if stage == 3 else None
-            trainer.train_step()
-            times = []
-            for _ in range(args.steps):
-                dist.barrier()
-                start = time.perf_counter()
+            with random_token_trainer(_recipe(args, stage, accum, out), seed=dist.get_rank()) as trainer:
+                probe = GatherProbe(trainer) if stage == 3 else None
                 trainer.train_step()
-                slowest = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-                times.append(float(slowest.item()))
-            buffers = trainer.optimizer.grad_buffers.buffers
-            memory = optimizer_memory(trainer.optimizer)
-            item = 2  # bf16 weights
-            weights_peak = memory["params"] + (item * probe.peak if probe else 0)
-            shard_grads = sum(4 * b.shard.numel() for b in buffers if getattr(b, "shard", None) is not None)
-            rows.append(
-                {
-                    "variant": label,
-                    "stage": stage,
-                    "dp": dp,
-                    "psi": sum(p.numel() for p in trainer.optimizer.model_params),
-                    "padded": sum(b.numel for b in buffers),
-                    **memory,
-                    "grads_peak": shard_grads + 4 * sum(b.peak_allocated_numel for b in buffers),
-                    "step_time": min(times),
-                    "weights_peak": weights_peak,
-                }
-            )
-            trainer.metrics.close()
-            del trainer
-            ps.destroy_model_parallel()
+                times = timed_steps(trainer, args.steps)
+                buffers = trainer.optimizer.grad_buffers.buffers
+                memory = optimizer_memory(trainer.optimizer)
+                item = 2  # bf16 weights
+                weights_peak = memory["params"] + (item * probe.peak if probe else 0)
+                shard_grads = sum(4 * b.shard.numel() for b in buffers if getattr(b, "shard", None) is not None)
+                rows.append(
+                    {
+                        "variant": label,
+                        "stage": stage,
+                        "dp": dp,
+                        "psi": sum(p.numel() for p in trainer.optimizer.model_params),
+                        "padded": sum(b.numel for b in buffers),
+                        **memory,
+                        "grads_peak": shard_grads + 4 * sum(b.peak_allocated_numel for b in buffers),
+                        "step_time": min(times),
+                        "weights_peak": weights_peak,
+                    }
+                )
+            del trainer, probe
     return rows
 
 

@@ -11,16 +11,16 @@ answers as for a single process, so ``megacann.layers`` works in a plain script.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import os
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.distributed as dist
+
+from megacann.communication_lanes import LANE_KINDS, active_lane, check_lane_count
+from megacann.communication_lanes import communication_lane as communication_lane  # ps.communication_lane(c)
 
 ORDER = ("tp", "cp", "ep", "dp", "pp")
 
@@ -130,14 +130,10 @@ class _State:
     groups: dict[str, Optional[dist.ProcessGroup]]
     virtual_pipeline_size: Optional[int] = None
     virtual_pipeline_rank: Optional[int] = None
-    lanes: list[dict[str, Optional[dist.ProcessGroup]]] = field(default_factory=list)  # lanes 1.. (0: groups)
+    lanes: list[dict[str, dist.ProcessGroup]] = field(default_factory=list)  # megacann.communication_lanes
 
 
 _STATE: Optional[_State] = None
-# Communication lanes: duplicates of the groups a model chunk's layers talk over, so that two threads (a
-# DualPipeV pair's forward and backward, megacann.pipeline.overlap) never issue collectives on one group.
-LANE_KINDS = ("tp", "cp", "ep", "dp", "dp_cp", "expert_dp", "expert_dp_cp")
-_LANE = threading.local()  # .index: the lane this thread's getters answer for (0 or unset: the groups)
 
 
 def _attempt_store(world: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
@@ -215,52 +211,37 @@ def initialize_model_parallel(
             f"virtual_pipeline_model_parallel_size {vpp} needs "
             f"pipeline_model_parallel_size > 1, got {pipeline_model_parallel_size}"
         )
-    mine: dict[str, Optional[dist.ProcessGroup]] = {}
-    created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    check_lane_count(communication_lanes)
     timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes is not None else None
-    for kind, groups in layout.groups.items():
-        for ranks in groups:  # every rank creates every group, in the same order
-            key = tuple(ranks)
-            if key not in created:
-                created[key] = dist.new_group(ranks, timeout=timeout) if world > 1 else dist.group.WORLD
-            if rank in ranks:
-                mine[kind] = created[key]
-    if communication_lanes < 1:
-        raise ValueError(f"communication_lanes must be >= 1, got {communication_lanes}")
-    lanes = []
-    for _ in range(communication_lanes - 1):
-        lane: dict[str, Optional[dist.ProcessGroup]] = {}
-        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for kind in LANE_KINDS:
-            for ranks in layout.groups[kind]:  # every rank creates every duplicate, in the same order
-                key = tuple(ranks)
-                if key not in made:
-                    made[key] = dist.new_group(ranks, timeout=timeout) if world > 1 else dist.group.WORLD
-                if rank in ranks:
-                    lane[kind] = made[key]
-        lanes.append(lane)
+    mine = _create_groups(layout.groups, rank, timeout)
+    lane_groups = {kind: layout.groups[kind] for kind in LANE_KINDS}
+    lanes = [_create_groups(lane_groups, rank, timeout) for _ in range(communication_lanes - 1)]
     vpp_rank = 0 if virtual_pipeline_model_parallel_size else None
     _STATE = _State(layout, rank, mine, virtual_pipeline_model_parallel_size, vpp_rank, lanes)
     return layout
 
 
+def _create_groups(
+    groups: dict[str, list[list[int]]], rank: int, timeout: Optional[datetime.timedelta]
+) -> dict[str, dist.ProcessGroup]:
+    """Create a new communicator for every distinct rank list in ``groups`` (every rank creates every
+    group, in the same order); return, by kind, the ones this rank belongs to."""
+    world = dist.get_world_size()
+    mine: dict[str, dist.ProcessGroup] = {}
+    created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for kind, kind_groups in groups.items():
+        for ranks in kind_groups:
+            key = tuple(ranks)
+            if key not in created:
+                created[key] = dist.new_group(ranks, timeout=timeout) if world > 1 else dist.group.WORLD
+            if rank in ranks:
+                mine[kind] = created[key]
+    return mine
+
+
 def communication_lanes() -> int:
-    """How many communication lanes exist (1: the groups alone)."""
+    """How many communication lanes exist (1: the groups alone; see megacann.communication_lanes)."""
     return 1 if _STATE is None else 1 + len(_STATE.lanes)
-
-
-@contextlib.contextmanager
-def communication_lane(index: int) -> Iterator[None]:
-    """Within the block, this thread's getters of the ``LANE_KINDS`` groups answer with lane ``index``'s
-    duplicates (lane 0: the groups themselves; an index past the lanes created also gets the groups).
-    The same ranks in the same order: only the communicator differs, so work on two lanes may run at once
-    from two threads, each lane issuing its collectives in one order on every rank."""
-    previous = getattr(_LANE, "index", 0)
-    _LANE.index = index
-    try:
-        yield
-    finally:
-        _LANE.index = previous
 
 
 def model_parallel_is_initialized() -> bool:
@@ -280,10 +261,8 @@ def get_rank_layout() -> Optional[RankLayout]:
 def _group(kind: str) -> Optional[dist.ProcessGroup]:
     if _STATE is None:
         return None
-    lane = getattr(_LANE, "index", 0)
-    if lane and lane <= len(_STATE.lanes) and kind in _STATE.lanes[lane - 1]:
-        return _STATE.lanes[lane - 1][kind]
-    return _STATE.groups.get(kind)
+    lane = active_lane(_STATE.lanes)
+    return lane[kind] if kind in lane else _STATE.groups.get(kind)
 
 
 def _ranks(kind: str) -> list[int]:

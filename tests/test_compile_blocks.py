@@ -21,6 +21,31 @@ RUNS = {
 }
 
 
+def record_training(trainer, steps: int) -> dict:
+    """Train ``steps`` steps; return what the compile tests compare (loss and grad-norm traces, the first
+    step's gradients and the weights after the steps, of the first chunk) and how its blocks compiled
+    (which run compiled, dynamo's graphs and graph breaks since its counters were last cleared)."""
+    from torch._dynamo.utils import counters
+
+    blocks = [m for chunk in trainer.model_chunks for m in chunk.modules() if type(m).__name__ == "TransformerBlock"]
+    losses, norms, grads = [], [], None
+    for _ in range(steps):
+        metrics = trainer.train_step()
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+        if grads is None:
+            grads = {n: p.main_grad.clone() for n, p in trainer.model_chunks[0].named_parameters()}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "params": {n: p.detach().clone() for n, p in trainer.model_chunks[0].named_parameters()},
+        "compiled": [hasattr(b._forward, "_torchdynamo_orig_callable") for b in blocks],
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+
+
 def _train(runs: dict[str, list[str]]) -> dict:
     import torch
     from torch._dynamo.utils import counters
@@ -35,25 +60,7 @@ def _train(runs: dict[str, list[str]]) -> dict:
         counters.clear()
         cfg = tiny_config(["optim.clip_grad=0.5", "model.num_layers=3", "precision.fused_ops=false", *overrides])
         trainer = Trainer(cfg, setup_runtime(cfg), data=SyntheticData(cfg, 0, 1))
-        blocks = [
-            m for chunk in trainer.model_chunks for m in chunk.modules() if type(m).__name__ == "TransformerBlock"
-        ]
-        losses, norms, grads = [], [], None
-        for _ in range(STEPS):
-            metrics = trainer.train_step()
-            losses.append(metrics["loss"])
-            norms.append(metrics["grad_norm"])
-            if grads is None:
-                grads = {n: p.main_grad.clone() for n, p in trainer.model_chunks[0].named_parameters()}
-        results[name] = {
-            "losses": losses,
-            "norms": norms,
-            "grads": grads,
-            "params": {n: p.detach().clone() for n, p in trainer.model_chunks[0].named_parameters()},
-            "compiled": [hasattr(b._forward, "_torchdynamo_orig_callable") for b in blocks],
-            "graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values()),
-        }
+        results[name] = record_training(trainer, STEPS)
         ps.destroy_model_parallel()
         torch._dynamo.reset()
     return results

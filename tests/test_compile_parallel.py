@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_on_ranks
-from test_compile_blocks import assert_close
+from test_compile_blocks import assert_close, record_training
 
 STEPS = 2
 TINY = ["model.num_layers=2", "precision.fused_ops=false", "optim.grad_accum_steps=1", "optim.clip_grad=0.5"]
@@ -68,24 +68,7 @@ def _train(layouts: dict[str, tuple[list[str], str]]) -> dict:
             extra = [f"precision.compile={backend}"] if mode == "compiled" else []
             cfg = tiny_config([*TINY, *overrides, *extra], world_size=dist.get_world_size())
             trainer = Trainer(cfg, setup_runtime(cfg), data_factory=synthetic_data_factory(cfg))
-            blocks = [m for m in trainer.model_chunks[0].modules() if type(m).__name__ == "TransformerBlock"]
-            losses, norms, grads = [], [], None
-            for _ in range(STEPS):
-                metrics = trainer.train_step()
-                losses.append(metrics["loss"])
-                norms.append(metrics["grad_norm"])
-                if grads is None:
-                    grads = {n: p.main_grad.clone() for n, p in trainer.model_chunks[0].named_parameters()}
-            results[f"{name}/{mode}"] = {
-                "losses": losses,
-                "norms": norms,
-                "grads": grads,
-                "params": {n: p.detach().clone() for n, p in trainer.model_chunks[0].named_parameters()},
-                "compiled": [hasattr(b._forward, "_torchdynamo_orig_callable") for b in blocks],
-                "graphs": counters["stats"]["unique_graphs"],
-                "graph_breaks": sum(counters["graph_break"].values()),
-                "facts": _facts(trainer),
-            }
+            results[f"{name}/{mode}"] = {**record_training(trainer, STEPS), "facts": _facts(trainer)}
             ps.destroy_model_parallel()
             torch._dynamo.reset()
     return results

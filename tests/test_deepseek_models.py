@@ -6,21 +6,18 @@ the real-size recipes against transformers' models of the published configs."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from deepseek_helpers import SHAPE, VARIANTS, hf_logits, tiny_deepseek_with_mtp, tiny_hf_deepseek
+from published_config_checks import check_recipe_matches_published
 from training_helpers import tiny_config
 
-from megacann.config import ConfigError, load_config
-from megacann.config.families import shape_keys
-from megacann.models import from_pretrained_hf, prepare_model_config
+from megacann.config import ConfigError
+from megacann.models import from_pretrained_hf
 
 transformers = pytest.importorskip("transformers")
-RECIPES = Path(__file__).resolve().parents[1] / "examples" / "configs"
 IDS = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
 
 
@@ -243,22 +240,9 @@ def _hf_counts(config: dict) -> tuple[int, int]:
 
 @pytest.mark.parametrize("recipe", sorted(PUBLISHED))
 def test_real_size_recipes_count_what_transformers_counts(tmp_path, recipe):
-    from megacann.dry_run import describe
-
-    published = PUBLISHED[recipe]
-    total, active = _hf_counts(published)
+    total, active = _hf_counts(PUBLISHED[recipe])
     assert (total, active) == EXPECTED[recipe]
-    cfg = load_config(str(RECIPES / recipe))
-    spec = prepare_model_config(cfg)
-    assert (spec.total_parameters(cfg.model), spec.parameters_per_token(cfg.model)) == (total, active)
-    text = describe(cfg, recipe)
-    assert f"deepseek_v3: {total:,} parameters" in text and f"active per token: {active:,} parameters" in text
-    # and the recipe's shapes are those the published config.json gives
-    (tmp_path / "config.json").write_text(json.dumps({**published, "model_type": "deepseek_v3"}))
-    from_hf = spec.hf.config_from_hf(str(tmp_path / "config.json"))
-    prepare_model_config(dataclasses.replace(cfg, model=from_hf), spec)
-    keys = [k for k in shape_keys(cfg.model) if k != "make_vocab_size_divisible_by"]
-    assert {k: getattr(from_hf, k) for k in keys} == {k: getattr(cfg.model, k) for k in keys}
+    cfg, from_hf = check_recipe_matches_published(tmp_path, recipe, PUBLISHED[recipe], total, active)
     assert from_hf.norm_eps == cfg.model.norm_eps and from_hf.rope_theta == cfg.model.rope_theta
     scaling = [{k: v for k, v in (s or {}).items() if k not in ("type", "rope_type", "rope_theta")} for s in
                (from_hf.rope_scaling, cfg.model.rope_scaling)]  # fmt: skip

@@ -2,9 +2,9 @@
 
 Every module under megacann/ is parsed (nothing is imported), and every ``import`` in it counts, at any
 nesting: a lazy import inside a function ties the packages together just the same. The layering
-(README, "Layout"): the floor (errors, accelerator, parallel_state, collectives, constants), then config,
-ops, layers, models (the contract and the families), data, pipeline, optimizer, checkpoint (training state
-only), interop (weights in and out), training, and the tools on top.
+(README, "Layout"): the floor (errors, accelerator, parallel_state, communication_lanes, collectives,
+constants), then config, ops, layers, models (the contract and the families), data, pipeline, optimizer,
+checkpoint (training state only), interop (weights in and out), training, and the tools on top.
 """
 
 from __future__ import annotations
@@ -20,7 +20,15 @@ import megacann
 
 PACKAGE = Path(megacann.__file__).resolve().parent
 
-FLOOR = {"errors", "accelerator", "parallel_state", "collectives", "constants", "lazy_exports"}
+FLOOR = {
+    "errors",
+    "accelerator",
+    "parallel_state",
+    "communication_lanes",
+    "collectives",
+    "constants",
+    "lazy_exports",
+}
 TOOLS = {"planning", "dry_run", "launch", "cli", "convert", "train", "comm_check", "env_report"}
 ABOVE_DATA = {"pipeline", "optimizer", "checkpoint", "interop", "training"}
 
@@ -125,7 +133,7 @@ from ..models import spec
 
 def lazy():
     if True:
-        from megacann.pipeline.schedules import run_plan
+        from megacann.pipeline.executor import run_plan
 
 class Holder:
     def method(self):
@@ -138,7 +146,7 @@ class Holder:
         (4, "megacann.parallel_state"),
         (5, "megacann.optimizer.zero"),
         (6, "megacann.optimizer.models"),
-        (10, "megacann.pipeline.schedules"),
+        (10, "megacann.pipeline.executor"),
         (14, "megacann.training"),
     ]
     package = sorted(megacann_imports("from . import x\nfrom .y import z\n", "megacann.data", is_package=True))

@@ -5,24 +5,21 @@ the real-size recipes against transformers' models of the published configs."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from published_config_checks import check_recipe_matches_published
 from qwen_helpers import FAMILY_SETTINGS, SHAPE, hf_classes, hf_logits, tiny_hf_qwen
 from training_helpers import tiny_config
 
-from megacann.config import ConfigError, MegacannConfig, load_config
-from megacann.config.families import shape_keys
+from megacann.config import ConfigError, MegacannConfig
 from megacann.layers.sharding import get_sharding
 from megacann.models import ChunkPlacement, from_pretrained_hf, get_model_spec, prepare_model_config
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = sorted(FAMILY_SETTINGS)
-RECIPES = Path(__file__).resolve().parents[1] / "examples" / "configs"
 IDS = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
 
 
@@ -211,21 +208,7 @@ def _hf_counts(config: dict) -> tuple[int, int]:
 
 @pytest.mark.parametrize("recipe", sorted(PUBLISHED))
 def test_real_size_recipes_count_what_transformers_counts(tmp_path, recipe):
-    from megacann.dry_run import describe
-
-    published = PUBLISHED[recipe]
-    total, active = _hf_counts(published)
+    total, active = _hf_counts(PUBLISHED[recipe])
     assert (total, active) == EXPECTED[recipe]
-    cfg = load_config(str(RECIPES / recipe))
-    spec = prepare_model_config(cfg)
-    assert (spec.total_parameters(cfg.model), spec.parameters_per_token(cfg.model)) == (total, active)
-    text = describe(cfg, recipe)
-    assert f"{cfg.model.type}: {total:,} parameters" in text
-    assert (f"active per token: {active:,} parameters" in text) == (active != total)
-    # and the recipe's shapes are those the published config.json gives
-    (tmp_path / "config.json").write_text(json.dumps(published))
-    from_hf = spec.hf.config_from_hf(str(tmp_path / "config.json"))
-    prepare_model_config(dataclasses.replace(cfg, model=from_hf), spec)
-    keys = [k for k in shape_keys(cfg.model) if k != "make_vocab_size_divisible_by"]
-    assert {k: getattr(from_hf, k) for k in keys} == {k: getattr(cfg.model, k) for k in keys}
+    cfg, from_hf = check_recipe_matches_published(tmp_path, recipe, PUBLISHED[recipe], total, active)
     assert math.isclose(from_hf.rope_theta, cfg.model.rope_theta) and from_hf.norm_eps == cfg.model.norm_eps

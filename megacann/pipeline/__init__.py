@@ -1,6 +1,7 @@
 """Pipeline parallelism: stage partitioning and this rank's model chunks, the layout rules, point-to-point
 transfers, plans and the schedules that run them."""
 
+from megacann.pipeline.executor import run_plan
 from megacann.pipeline.p2p import activation_shape
 from megacann.pipeline.partition import build_model_chunks, chunk_placements, stage_layer_ids
 from megacann.pipeline.plan import build_plan
@@ -9,7 +10,6 @@ from megacann.pipeline.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining,
     get_forward_backward_func,
-    run_plan,
 )
 from megacann.pipeline.simulate import PlanError, simulate_schedule
 from megacann.pipeline.timeline import Timeline

@@ -87,10 +87,13 @@ def no_pipelining_plan(num_microbatches: int, forward_only: bool = False) -> lis
     return plan
 
 
-def one_f_one_b_plan(stages: int, stage: int, num_microbatches: int, forward_only: bool = False) -> list[Action]:
+def one_f_one_b_plan(
+    stages: int, stage: int, num_microbatches: int, forward_only: bool = False, split_backward: bool = False
+) -> list[Action]:
     """1F1B (PipeDream-Flush): stage s runs ``stages - s - 1`` warm-up forwards, then alternates one forward
     and one backward, then drains the remaining backwards. Works for any number of micro-batches (with
-    fewer micro-batches than stages the warm-up is shorter and the bubble larger)."""
+    fewer micro-batches than stages the warm-up is shorter and the bubble larger). ``split_backward``: each
+    backward as B, and its W right after B's gradient is sent (ZB-H1, :mod:`megacann.pipeline.zero_bubble`)."""
     first, last = stage == 0, stage == stages - 1
     m = num_microbatches
     recv_input = None if first else 0
@@ -101,6 +104,14 @@ def one_f_one_b_plan(stages: int, stage: int, num_microbatches: int, forward_onl
             plan.append(Forward(0, i))
             plan += _exchange(send_forward=not last)
         return plan
+
+    def backward(j: int, then: list[Action]) -> None:
+        """Micro-batch j's backward (or its B), the exchange ``then`` that sends its gradient, then its W."""
+        plan.append(BackwardInput(0, j) if split_backward else Backward(0, j))
+        plan.extend(then)
+        if split_backward:
+            plan.append(BackwardWeight(0, j))
+
     warmup = min(stages - stage - 1, m)
     steady = m - warmup
     for i in range(warmup):
@@ -112,13 +123,11 @@ def one_f_one_b_plan(stages: int, stage: int, num_microbatches: int, forward_onl
     for j in range(steady):
         plan.append(Forward(0, warmup + j))
         plan += _exchange(send_forward=not last, recv_backward=None if last else 0)
-        plan.append(Backward(0, j))
         more_forwards = j < steady - 1
-        plan += _exchange(send_backward=not first, recv_forward=recv_input if more_forwards else None)
+        backward(j, _exchange(send_backward=not first, recv_forward=recv_input if more_forwards else None))
     for j in range(steady, m):
         plan += _exchange(recv_backward=None if last else 0)
-        plan.append(Backward(0, j))
-        plan += _exchange(send_backward=not first)
+        backward(j, _exchange(send_backward=not first))
     return plan
 
 

@@ -16,7 +16,7 @@ the V-shaped ones (``zbv``, ``dualpipev``) place two chunks per stage in a V: :m
 
 from __future__ import annotations
 
-from megacann.pipeline.plan import Action, BackwardInput, BackwardWeight, Forward, _exchange, one_f_one_b_plan
+from megacann.pipeline.plan import Action, one_f_one_b_plan
 from megacann.pipeline.rules import schedule_error
 
 
@@ -24,34 +24,7 @@ def zb1p_plan(stages: int, stage: int, num_microbatches: int, forward_only: bool
     """ZB-H1 on one stage: the forwards and input gradients (B) in 1F1B order, so at most p - s
     micro-batches are alive on stage s as in 1F1B; each W runs right after its B's gradient is sent, so it
     never delays the previous stage, and in the cool-down it fills the wait for the next gradient."""
-    if forward_only:
-        return one_f_one_b_plan(stages, stage, num_microbatches, forward_only=True)
-    first, last = stage == 0, stage == stages - 1
-    m = num_microbatches
-    recv_input = None if first else 0
-    recv_grad = None if last else 0
-    warmup = min(stages - stage - 1, m)
-    steady = m - warmup
-    plan: list[Action] = []
-    for i in range(warmup):
-        plan += _exchange(recv_forward=recv_input)
-        plan.append(Forward(0, i))
-        plan += _exchange(send_forward=not last)
-    if steady:
-        plan += _exchange(recv_forward=recv_input)
-    for j in range(steady):
-        plan.append(Forward(0, warmup + j))
-        plan += _exchange(send_forward=not last, recv_backward=recv_grad)
-        plan.append(BackwardInput(0, j))
-        more_forwards = j < steady - 1
-        plan += _exchange(send_backward=not first, recv_forward=recv_input if more_forwards else None)
-        plan.append(BackwardWeight(0, j))
-    for j in range(steady, m):
-        plan += _exchange(recv_backward=recv_grad)
-        plan.append(BackwardInput(0, j))
-        plan += _exchange(send_backward=not first)
-        plan.append(BackwardWeight(0, j))
-    return plan
+    return one_f_one_b_plan(stages, stage, num_microbatches, forward_only, split_backward=True)
 
 
 def zero_bubble_plan(
