@@ -89,6 +89,26 @@ def test_gradients_equal_plain_autograd_and_unused_slots_are_zeros(kind, dtype):
     buffers.remove_hooks()
 
 
+def test_update_grads_without_finish_reads_unwritten_slots_as_zeros():
+    """One rank, a loop that steps without finish_grad_sync: the buffer it updates with is still exact."""
+    model = _model(torch.float32)
+    buffers = _buffers(model, "plain")
+    for step, skip_last in ((1, False), (2, True)):
+        buffers.zero()
+        _loss(model, step, 0, skip_last).backward()
+        buffers.update_grads()
+        for p, ref in zip(model.parameters(), _reference_one(model, step, skip_last)):
+            assert torch.equal(p.main_grad, ref) and p.grad.data_ptr() == p.main_grad.data_ptr()
+    assert not model[-1].weight.main_grad.any()  # step 1's gradient was there
+    buffers.remove_hooks()
+
+
+def _reference_one(model, step: int, skip_last: bool) -> list[torch.Tensor]:
+    params = list(model.parameters())
+    grads = torch.autograd.grad(_loss(model, step, 0, skip_last), params, allow_unused=True)
+    return [torch.zeros(p.shape) if g is None else g for p, g in zip(params, grads)]
+
+
 class _BufferWrites(TorchDispatchMode):
     """Every fill/zero/copy/add op writing into ``storage``, with the elements it wrote."""
 

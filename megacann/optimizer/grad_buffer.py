@@ -279,8 +279,14 @@ class GradBuffer:
         return param.main_grad
 
     def update_grads(self) -> list[torch.Tensor]:
-        """The reduced gradients this rank updates parameters with (to unscale, check and clip)."""
-        return [self.data] if self.data is not None else []
+        """The reduced gradients this rank updates parameters with (to unscale, check and clip); slots still
+        unwritten (a step read without :meth:`finish_grad_sync`, one rank) are zeroed first."""
+        if self.data is None:
+            return []
+        if self.unwritten:
+            for bucket in self.buckets:
+                self._zero_unwritten(bucket)
+        return [self.data]
 
 
 def reduction_group(expert: bool) -> tuple[Optional[dist.ProcessGroup], int]:
