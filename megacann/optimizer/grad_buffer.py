@@ -1,10 +1,14 @@
 """Contiguous fp32 gradient buffers, split in buckets, reduced over the data-parallel group.
 
 Every trainable parameter gets ``param.main_grad``, a view into one flat fp32 buffer, where its gradient
-accumulates over micro-batches whatever the parameter's own dtype (fp32 parameters use the view as their
-``.grad`` directly; others add into it from a post-accumulate-grad hook). Buckets are contiguous ranges
-of that buffer reduced with one collective each, in bucket order on every rank. Parameters are laid out
-in reverse order, so the buckets whose gradients backward produces first come first.
+accumulates over micro-batches whatever the parameter's own dtype. The buffer is not zeroed between steps:
+a parameter's first gradient of a step is copied into its slot (a post-accumulate-grad hook; autograd hands
+the fresh tensor over as ``.grad``, which :meth:`GradBuffer.zero` left None), later ones are added (fp32
+parameters then use the view as their ``.grad``, so autograd adds in place; others add from the hook), and
+only the slots that received nothing are zeroed, when their bucket's reduction starts. ``0 + g == g``, so
+the sums are bitwise those of zeroing first. Buckets are contiguous ranges of that buffer reduced with one
+collective each, in bucket order on every rank. Parameters are laid out in reverse order, so the buckets
+whose gradients backward produces first come first.
 
 With ``overlap`` a bucket's reduction starts from the backward hooks as soon as every gradient in it is
 final, i.e. during the backward of the last micro-batch: the schedule runs that backward inside
@@ -66,10 +70,12 @@ class GradBuffer:
     its own (ZeRO: tied embeddings, so the first and last pipeline stage shard them alike);
     ``persistent=False`` allocates a bucket's storage at its first gradient and frees it once reduced;
     ``unit_of(param)`` (ZeRO-3: the module that gathers it) starts a new bucket wherever it changes, so a
-    bucket never spans two units.
+    bucket never spans two units. fp32 parameters of a persistent buffer use their slot as ``.grad``
+    (:attr:`aliased`) once it holds this step's first gradient.
     """
 
     MAX_IN_FLIGHT = 2  # buckets reducing at once inside backward when storage is freed after reduction
+    _zero_then_add = False  # private switch for tests and benchmarks: the old step (zero it all, then add)
 
     def __init__(
         self,
@@ -112,6 +118,9 @@ class GradBuffer:
             close_bucket()
         self.numel = offset
         self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        # fp32 parameters whose .grad is their slot once written (autograd then accumulates in place)
+        self.aliased = {id(p) for p in self.params if p.dtype == torch.float32} if persistent else set()
+        self.unwritten: set[int] = set()  # params whose slot holds no gradient of this step yet
         self.data = torch.zeros(self.numel, dtype=torch.float32, device=self.device) if persistent else None
         for bucket in self.buckets:
             if persistent:
@@ -130,9 +139,15 @@ class GradBuffer:
             p.main_grad = data[start - bucket.start : end - bucket.start].view(p.shape)
 
     def storage(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's gradient storage, allocated (zeroed) on first use when not persistent."""
+        """The bucket's gradient storage, allocated on first use when not persistent (only its padding
+        zeroed: every slot is written by its first gradient or zeroed at the launch)."""
         if bucket.data is None:
-            self._bind(bucket, torch.zeros(bucket.numel, dtype=torch.float32, device=self.device))
+            if self._zero_then_add:
+                data = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+            else:
+                data = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+                data[self.ranges[id(bucket.params[-1])][1] - bucket.start :].zero_()
+            self._bind(bucket, data)
             self.allocated_numel += bucket.numel
             self.peak_allocated_numel = max(self.peak_allocated_numel, self.allocated_numel)
         return bucket.data
@@ -147,15 +162,26 @@ class GradBuffer:
             del p.main_grad
 
     def zero(self) -> None:
-        """Start a step: zero the gradients and forget last step's reductions."""
+        """Start a step: forget last step's gradients (every slot unwritten; an fp32 parameter's ``.grad``
+        None, so autograd hands its first gradient over) and reductions. Nothing is filled."""
         for bucket in self.buckets:
             if bucket.handle is not None:
                 raise RuntimeError(f"bucket {bucket.index} is still being reduced; finish_grad_sync() first")
             self.release(bucket)
             bucket.pending = {id(p) for p in bucket.params}
             bucket.launched = bucket.reduced = False
-        if self.data is not None:
-            self.data.zero_()
+        if self._zero_then_add:
+            self.unwritten = set()
+            if self.data is not None:
+                self.data.zero_()
+            for p in self.params:
+                if id(p) in self.aliased:
+                    p.grad = p.main_grad
+        else:
+            self.unwritten = {id(p) for p in self.params}
+            for p in self.params:
+                if id(p) in self.aliased:
+                    p.grad = None
         self.peak_allocated_numel = self.allocated_numel
         self.overlapped_buckets = 0
         self._next_launch = 0
@@ -172,10 +198,27 @@ class GradBuffer:
         return bucket
 
     def accumulate(self, param: torch.nn.Parameter) -> None:
-        """Add ``param.grad`` into its slot of the buffer and drop it."""
-        self.storage(self._bucket_for_new_grad(param))
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        """Take the gradient autograd just accumulated in ``param.grad`` into its slot: copy the step's first
+        (then alias the slot as ``.grad``, fp32, or drop it), add later ones (an aliased slot already has)."""
+        key = id(param)
+        if key in self.unwritten:
+            self.storage(self._bucket_for_new_grad(param))
+            self.unwritten.discard(key)
+            param.main_grad.copy_(param.grad)
+            param.grad = param.main_grad if key in self.aliased else None
+        elif key not in self.aliased:
+            self.storage(self._bucket_for_new_grad(param))
+            param.main_grad.add_(param.grad)
+            param.grad = None
+
+    def _zero_unwritten(self, bucket: Bucket) -> None:
+        """Zero the slots of ``bucket`` that received no gradient this step (before it is reduced or read)."""
+        for p in bucket.params:
+            if id(p) in self.unwritten:
+                self.unwritten.discard(id(p))
+                p.main_grad.zero_()
+                if id(p) in self.aliased:
+                    p.grad = p.main_grad
 
     def grad_ready(self, param: torch.nn.Parameter) -> None:
         """``param``'s gradient is final: start every bucket, in order, whose gradients all are."""
@@ -198,6 +241,7 @@ class GradBuffer:
 
     def _launch(self, bucket: Bucket) -> None:
         self.storage(bucket)  # a bucket nobody wrote to still takes part, as zeros
+        self._zero_unwritten(bucket)
         bucket.launched = True
         bucket.handle = self._start_reduction(bucket)
         self._next_launch = bucket.index + 1
@@ -235,8 +279,14 @@ class GradBuffer:
         return param.main_grad
 
     def update_grads(self) -> list[torch.Tensor]:
-        """The reduced gradients this rank updates parameters with (to unscale, check and clip)."""
-        return [self.data] if self.data is not None else []
+        """The reduced gradients this rank updates parameters with (to unscale, check and clip); slots still
+        unwritten (a step read without :meth:`finish_grad_sync`, one rank) are zeroed first."""
+        if self.data is None:
+            return []
+        if self.unwritten:
+            for bucket in self.buckets:
+                self._zero_unwritten(bucket)
+        return [self.data]
 
 
 def reduction_group(expert: bool) -> tuple[Optional[dist.ProcessGroup], int]:
@@ -291,19 +341,11 @@ class GradBuffers:
         self.buffer_of = {id(p): buffer for buffer in self.buffers for p in buffer.params}
         self.overlap = overlap
         self.in_last_backward = False  # inside the last micro-batch's backward: gradients are final
-        self._aliased: set[int] = set()  # fp32 params whose .grad is their main_grad view
-        self._hooks = []
-        for p in trainable:
-            if p.dtype == torch.float32 and self.buffer_of[id(p)].persistent:
-                p.grad = p.main_grad  # autograd accumulates in place into the buffer view
-                self._aliased.add(id(p))
-            if id(p) not in self._aliased or overlap:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         buffer = self.buffer_of[id(param)]
-        if id(param) not in self._aliased:
-            buffer.accumulate(param)
+        buffer.accumulate(param)
         if self.overlap and self.in_last_backward:
             buffer.grad_ready(param)
 

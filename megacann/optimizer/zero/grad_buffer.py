@@ -65,8 +65,8 @@ class ShardedGradBuffer(GradBuffer):
         self.release(bucket)
 
     def zero(self) -> None:
-        super().zero()
-        if getattr(self, "shard", None) is not None:
+        super().zero()  # the shard needs no zeroing: each bucket's reduction writes its whole slice of it
+        if self._zero_then_add and getattr(self, "shard", None) is not None:
             self.shard.zero_()
 
     def reduced_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
