@@ -9,10 +9,10 @@ from typing import Optional, TextIO
 from megacann.config import MegacannConfig
 from megacann.models import padded_vocab_size, prepare_model_config
 from megacann.models.mtp import mtp_depths
-from megacann.parallel_state import RankLayout, rank_layout
 from megacann.pipeline import chunk_placements, pipeline_bubble_fraction
 from megacann.pipeline.overlap import overlap_wanted
 from megacann.pipeline.simulate import schedule_summary
+from megacann.rank_layout import RankLayout, rank_layout
 
 GROUP_TITLES = (
     ("tp", "tensor-parallel"),

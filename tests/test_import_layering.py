@@ -2,8 +2,8 @@
 
 Every module under megacann/ is parsed (nothing is imported), and every ``import`` in it counts, at any
 nesting: a lazy import inside a function ties the packages together just the same. The layering
-(README, "Layout"): the floor (errors, accelerator, parallel_state, communication_lanes, collectives,
-constants), then config, ops, layers, models (the contract and the families), data, pipeline, optimizer,
+(README, "Layout"): the floor (errors, accelerator, parallel_state, rank_layout, communication_lanes,
+collectives, constants), then config, ops, layers, models (the contract and the families), data, pipeline, optimizer,
 checkpoint (training state only), interop (weights in and out), training, and the tools on top.
 """
 
@@ -24,6 +24,7 @@ FLOOR = {
     "errors",
     "accelerator",
     "parallel_state",
+    "rank_layout",
     "communication_lanes",
     "collectives",
     "constants",
