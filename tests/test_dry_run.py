@@ -1,10 +1,14 @@
-"""megacann-train --dry_run on the seed recipe: layout, batch and size, no devices, no collectives."""
+"""megacann-train --dry_run on the seed recipe: layout, batch and size, no devices, no collectives. The
+first test runs the installed command in a process of its own; the others call its entry point in-process
+(the same ``train_main``), which spares a fresh interpreter's import of torch and megacann."""
 
 import os
 import subprocess
 
 import pytest
 from cli_helpers import ROOT, console_script, user_env
+
+from megacann.cli import train_main
 
 SEED = os.path.join(ROOT, "examples", "configs", "llama", "llama_7b.yaml")
 
@@ -29,14 +33,15 @@ def test_seed_recipe_dry_run():
     assert "tensor_parallel_size: 4" in out  # the resolved recipe is printed
 
 
-def test_dry_run_with_override_and_bad_key():
-    proc = run_cli(
-        "--config", SEED, "--dry_run", "distributed.tensor_parallel_size=8", "distributed.data_parallel_size=1"
+def test_dry_run_with_override_and_bad_key(capsys):
+    code = train_main(
+        ["--config", SEED, "--dry_run", "distributed.tensor_parallel_size=8", "distributed.data_parallel_size=1"]
     )
-    assert proc.returncode == 0, proc.stderr
-    assert "world 32 = tp 8 x pp 4 x dp 1" in proc.stdout and "global batch 64" in proc.stdout
-    proc = run_cli("--config", SEED, "--dry_run", "optim.learning_rate=1")
-    assert proc.returncode == 2 and "did you mean 'optim.lr'" in proc.stderr
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "world 32 = tp 8 x pp 4 x dp 1" in out and "global batch 64" in out
+    code = train_main(["--config", SEED, "--dry_run", "optim.learning_rate=1"])
+    assert code == 2 and "did you mean 'optim.lr'" in capsys.readouterr().err
 
 
 @pytest.mark.extended

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import ROOT, console_script, user_env
+from dist_harness import run_on_ranks
 
 from megacann.convert import main as convert
 
@@ -36,11 +37,21 @@ def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return proc
 
 
+def _train_main_in(cwd: str, argv: list[str]) -> int:
+    """``megacann-train``'s entry point in a process of its own, forked from the test harness's server
+    (torch and megacann already imported: no fresh interpreter to start)."""
+    os.chdir(cwd)
+    from megacann.cli import train_main
+
+    return train_main(argv)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A tiny run trained through ``megacann-train``; its output directory."""
+    """A tiny run trained through ``megacann-train``'s entry point (one rank); its output directory."""
     out = tmp_path_factory.mktemp("tokenizer_export") / "run"
-    _run([console_script("megacann-train"), *TRAIN, f"experiment.output_dir={out}"])
+    argv = [*TRAIN, f"experiment.output_dir={out}"]
+    assert run_on_ranks(_train_main_in, 1, args=(ROOT, argv), timeout=600, init_process_group=False) == [0]
     return out
 
 

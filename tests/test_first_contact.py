@@ -12,6 +12,7 @@ import sys
 import pytest
 from cli_helpers import ROOT, console_script, user_env
 
+from megacann.cli import train_main
 from megacann.data.progress import ProgressBar
 
 
@@ -57,19 +58,14 @@ def test_the_test_command_ends_with_a_visible_summary():
     assert re.fullmatch(r"1 passed in [\d.]+s", proc.stdout.strip().splitlines()[-1]), proc.stdout
 
 
-def test_a_typo_of_a_synonym_leads_to_the_real_key():
-    train = console_script("megacann-train")
+def test_a_typo_of_a_synonym_leads_to_the_real_key(capsys, monkeypatch):
+    """megacann-train's entry point in-process (tests/test_dry_run.py runs the installed command)."""
+    monkeypatch.chdir(ROOT)
     for override in ("optim.learnig_rate=1e-3", "optim.learning_rate=1e-3"):
-        proc = subprocess.run(
-            [train, "--config", "examples/configs/llama/tiny.yaml", override],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            env=user_env(),
-            timeout=120,
-        )
-        assert proc.returncode == 2
-        assert proc.stderr.strip().endswith("did you mean 'optim.lr'?"), proc.stderr
+        code = train_main(["--config", "examples/configs/llama/tiny.yaml", override])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert err.strip().endswith("did you mean 'optim.lr'?"), err
 
 
 def test_readme_preprocessing_example_runs_as_written(tmp_path):

@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from cli_helpers import ROOT, console_script, user_env
+from cli_helpers import ROOT, TORCHRUN_VARS, console_script, user_env
 
 import megacann.launch as launch
+from megacann.cli import train_main
 
 TINY = "examples/configs/llama/tiny.yaml"
 SEED_7B = "examples/configs/llama/llama_7b.yaml"
@@ -103,8 +104,10 @@ def test_loopback_master_is_refused_by_the_script_with_exit_code_2():
     assert proc.stderr.startswith("run_pretrain.sh: error: --master_addr 127.0.0.1 is this machine's loopback address")
 
 
-def test_config_errors_are_one_message_before_any_rank_starts():
-    """A typo (near a synonym) and an impossible layout: one line, exit 2, torchrun never started."""
+def test_config_errors_are_one_message_before_any_rank_starts(monkeypatch, capsys):
+    """A typo (near a synonym) and an impossible layout: one line, exit 2, torchrun never started. The
+    script runs as a user starts it; megacann-train's entry point runs in-process (the same ``train_main``
+    its console script calls: test_launcher_options_under_torchrun_are_refused starts the command)."""
     typo = _run(
         ["bash", "scripts/run_pretrain.sh", "--config", TINY, "--nproc_per_node", "2", "optim.learnig_rate=1e-3"]
     )
@@ -113,17 +116,22 @@ def test_config_errors_are_one_message_before_any_rank_starts():
         "run_pretrain.sh: error: command line override 'optim.learnig_rate=1e-3': unknown key "
         "'optim.learnig_rate'; did you mean 'optim.lr'?"
     ]
-    layout = _run([MEGACANN_TRAIN, "--config", TINY, "--nproc_per_node", "2", "distributed.tensor_parallel_size=3"])
-    assert layout.returncode == 2
-    assert len(layout.stderr.splitlines()) == 1 and "tensor_parallel_size" in layout.stderr
-    seed = _run([MEGACANN_TRAIN, "--config", SEED_7B, "--nproc_per_node", "8", "--print_only"])
-    assert seed.returncode == 2
-    assert seed.stderr.splitlines()[-1] == (
+    monkeypatch.chdir(ROOT)
+    for key in TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+    layout_code = train_main(["--config", TINY, "--nproc_per_node", "2", "distributed.tensor_parallel_size=3"])
+    layout_out, layout_err = capsys.readouterr()
+    assert layout_code == 2
+    assert len(layout_err.splitlines()) == 1 and "tensor_parallel_size" in layout_err
+    seed_code = train_main(["--config", SEED_7B, "--nproc_per_node", "8", "--print_only"])
+    seed_out, seed_err = capsys.readouterr()
+    assert seed_code == 2
+    assert seed_err.splitlines()[-1] == (
         f"megacann-train: error: {SEED_7B}: distributed.world_size is 32 but 8 processes were started"
     )
-    for proc in (typo, layout, seed):
-        assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
-        assert not proc.stdout  # no rank was started (ranks print the training banner)
+    for out, err in ((typo.stdout, typo.stderr), (layout_out, layout_err), (seed_out, seed_err)):
+        assert "Traceback" not in err and "ChildFailedError" not in err
+        assert not out  # no rank was started (ranks print the training banner)
 
 
 @pytest.mark.extended

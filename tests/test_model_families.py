@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import yaml
 from cli_helpers import ROOT, console_script, user_env
+from dist_harness import run_on_ranks
 
 from megacann.config import ConfigError, load_config, shape_keys
 
@@ -128,6 +129,16 @@ def test_an_unknown_family_says_how_to_make_it_known(tmp_path):
         load_config(str(path))
 
 
+def _family_read_afresh(whole: str) -> str:
+    """In a process that never imported the script (forked from the test harness's server): the family
+    of a consolidated directory, which its model_config.json makes known."""
+    from megacann.interop.reading import read_consolidated
+    from megacann.models import registered_models
+
+    assert "parallel_lm" not in registered_models()
+    return read_consolidated(whole)[1].type
+
+
 def test_a_script_family_reaches_every_rank_and_the_converter(tmp_path):
     """examples/custom_model.py at tp 2 through the launcher, from a recipe that does not name the script:
     the launcher hands the ranks its module; the checkpoint records it, so megacann-convert knows the
@@ -159,11 +170,7 @@ def test_a_script_family_reaches_every_rank_and_the_converter(tmp_path):
     )  # fmt: skip
     assert conv.returncode == 0, conv.stdout[-2000:] + conv.stderr[-3000:]
     assert json.loads((out / "model_config.json").read_text())["imports"] == [os.path.abspath(script)]
-    code = "from megacann.interop.reading import read_consolidated; print(read_consolidated('whole')[1].type)"
-    back = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=user_env(), cwd=str(tmp_path)
-    )
-    assert back.returncode == 0 and back.stdout.split() == ["parallel_lm"], back.stderr[-3000:]
+    assert run_on_ranks(_family_read_afresh, 1, args=(str(out),), init_process_group=False) == ["parallel_lm"]
     from safetensors.torch import load_file
 
     tensors = load_file(str(out / "model.safetensors"))

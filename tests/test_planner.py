@@ -9,6 +9,7 @@ import sys
 import pytest
 from dist_harness import run_on_ranks
 
+from megacann.cli import plan_main
 from megacann.config import load_config
 from megacann.pipeline.plan import build_plan
 from megacann.planning import estimate_stages, layout_of, rank_layouts, unsharded_bytes
@@ -66,13 +67,16 @@ def test_megacann_plan_command_shows_the_seed_recipe_and_ranked_layouts():
     assert "largest: stage 0," in out and "pipeline: 1F1B, 4 micro-batches, bubble 42.9%" in out
     ranked = [line for line in out.splitlines() if line[:3] in (" 1.", " 2.", " 3.")]
     assert len(ranked) == 3 and all("of 57.6 GB" in line and "est. time x" in line for line in ranked)
-    bad = subprocess.run(
-        [cli, "--config", SEED_7B, "optim.learnig_rate=1"], capture_output=True, text=True, timeout=120
-    )
-    assert bad.returncode == 2 and "did you mean 'optim.lr'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_megacann_plan_entry_point_refuses_a_typo_and_plans_wide_heads(capsys):
+    """The command's entry point in-process (the test above starts the installed command)."""
+    assert plan_main(["--config", SEED_7B, "optim.learnig_rate=1"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'optim.lr'" in err and "Traceback" not in err
     mistral = os.path.join(os.path.dirname(SEED_7B), "..", "mistral", "tiny.yaml")
-    wide = subprocess.run([cli, "--config", mistral, "--world_size", "2"], capture_output=True, text=True, timeout=120)
-    assert wide.returncode == 0 and "model: mistral" in wide.stdout  # heads of head_dim 48 = 1.5 x hidden / heads
+    assert plan_main(["--config", mistral, "--world_size", "2"]) == 0
+    assert "model: mistral" in capsys.readouterr().out  # heads of head_dim 48 = 1.5 x hidden / heads
 
 
 def test_ranked_layouts_fit_and_respect_the_recipe():

@@ -5,11 +5,11 @@ optimizer in host memory, the dry run's memory section, and the offload keys' er
 
 import dataclasses
 import os
-import subprocess
 
 import pytest
-from cli_helpers import ROOT, console_script, user_env
+from cli_helpers import ROOT
 
+from megacann.cli import train_main
 from megacann.config import ConfigError, apply_overrides, load_config
 from megacann.planning import estimate_stages, layout_of, rank_layouts
 from megacann.planning.formulas import layer_parameters_per_rank
@@ -89,23 +89,18 @@ def test_ranked_layouts_use_offload_only_where_nothing_else_fits():
             assert "optimizer in host memory" in r.reason(0.9 * 40e9)
 
 
-def test_dry_run_shows_per_device_memory_with_offload():
-    proc = subprocess.run(
-        [
-            console_script("megacann-train"),
-            "--config",
-            SEED_7B,
-            "--dry_run",
-            "optim.offload_optimizer=true",
-            "training.activation_offload_layers=[0,1]",
-        ],
-        capture_output=True,
-        text=True,
-        env=user_env(None),
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+def test_dry_run_shows_per_device_memory_with_offload(capsys):
+    """megacann-train's entry point in-process (tests/test_dry_run.py starts the installed command)."""
+    argv = [
+        "--config",
+        SEED_7B,
+        "--dry_run",
+        "optim.offload_optimizer=true",
+        "training.activation_offload_layers=[0,1]",
+    ]
+    code = train_main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
     assert "-- memory per device" in out and "host  holds" in out
     assert "optimizer offload: fp32 masters, state and gradient staging in host memory" in out
     assert "activation offload: layers [0, 1] keep their saved activations in host memory" in out

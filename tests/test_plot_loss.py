@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 
@@ -81,7 +82,12 @@ def test_script_writes_one_png_from_two_runs(tmp_path):
     assert proc.stdout.strip() == str(out)
     image = matplotlib.image.imread(out)
     assert image.shape[:2] == (800, 1500)  # 15 x 8 inches at 100 dpi
-    bad = subprocess.run(
-        [sys.executable, script, str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120
-    )
-    assert bad.returncode == 2 and "no metrics.jsonl here" in bad.stderr
+
+
+def test_script_names_a_folder_without_metrics(tmp_path, monkeypatch, capsys):
+    """The script's error path, run in-process as ``__main__`` (the test above starts it as a user does)."""
+    script = os.path.join(ROOT, "scripts", "plot_loss.py")
+    monkeypatch.setattr(sys, "argv", [script, str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(script, run_name="__main__")
+    assert exit_.value.code == 2 and "no metrics.jsonl here" in capsys.readouterr().err

@@ -119,38 +119,64 @@ def _apply(raw: dict, key: str, value) -> dict:
 FUZZ = settings(
     max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
+# the README suite's share of the recipe and override sweeps; the extended tier runs 300 more of each (a
+# derandomized sweep's examples follow from the test's name, so the extended tests draw other ones)
+FUZZ_SHORT = settings(FUZZ, max_examples=60)
+FUZZ_LONG = settings(FUZZ, max_examples=300)
 
 
 CHANGES = st.sampled_from(KEYS).flatmap(lambda key: st.tuples(st.just(key), plausible(key) | values))
+RECIPES = (st.lists(CHANGES, min_size=1, max_size=4), st.sampled_from([None, 4, 8, 6]))
+OVERRIDES = st.lists(
+    st.one_of(
+        st.tuples(st.sampled_from(KEYS), st.text(max_size=8)).map("=".join),
+        st.tuples(st.sampled_from(KEYS), values.map(repr)).map("=".join),
+        st.text(max_size=12),
+    ),
+    max_size=4,
+)
 
 
-@FUZZ
-@given(st.lists(CHANGES, min_size=1, max_size=4), st.sampled_from([None, 4, 8, 6]))
-def test_random_recipes_fail_only_with_megacann_errors(changes, world_size):
+def _random_recipe(changes, world_size) -> None:
     raw = BASE
     for key, value in changes:
         raw = _apply(raw, key, value)
     _check(lambda: prepare(config_from_dict(raw, source="fuzz.yaml"), world_size))
 
 
-@FUZZ
-@given(
-    st.lists(
-        st.one_of(
-            st.tuples(st.sampled_from(KEYS), st.text(max_size=8)).map("=".join),
-            st.tuples(st.sampled_from(KEYS), values.map(repr)).map("=".join),
-            st.text(max_size=12),
-        ),
-        max_size=4,
-    )
-)
-def test_random_overrides_fail_only_with_megacann_errors(overrides):
+def _random_overrides(overrides) -> None:
     def action():
         cfg = config_from_dict(copy.deepcopy(BASE), source="fuzz.yaml")
         apply_overrides(cfg, overrides)
         prepare(cfg, 4)
 
     _check(action)
+
+
+@FUZZ_SHORT
+@given(*RECIPES)
+def test_random_recipes_fail_only_with_megacann_errors(changes, world_size):
+    _random_recipe(changes, world_size)
+
+
+@pytest.mark.extended
+@FUZZ_LONG
+@given(*RECIPES)
+def test_more_random_recipes_fail_only_with_megacann_errors(changes, world_size):
+    _random_recipe(changes, world_size)
+
+
+@FUZZ_SHORT
+@given(OVERRIDES)
+def test_random_overrides_fail_only_with_megacann_errors(overrides):
+    _random_overrides(overrides)
+
+
+@pytest.mark.extended
+@FUZZ_LONG
+@given(OVERRIDES)
+def test_more_random_overrides_fail_only_with_megacann_errors(overrides):
+    _random_overrides(overrides)
 
 
 @FUZZ

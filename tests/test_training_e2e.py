@@ -1,6 +1,7 @@
 """End to end: overfitting a few samples, and the command line writing metrics, checkpoints, plot, config."""
 
 import json
+import runpy
 import subprocess
 import sys
 
@@ -79,9 +80,14 @@ def test_run_pretrain_script_on_two_ranks_writes_everything(tmp_path):
     assert "first loss" in proc.stdout and "last loss" in proc.stdout
 
 
-def test_bad_override_fails_before_training(tmp_path):
-    proc = _cli(
-        [sys.executable, "-m", "megacann.train", "--config", "examples/configs/llama/tiny.yaml", "optim.lr=fast"]
+def test_bad_override_fails_before_training(monkeypatch, capsys):
+    """``python -m megacann.train`` run in-process as ``__main__`` (a fresh interpreter would only add
+    torch's import; the extended run_pretrain test starts real processes)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(
+        sys, "argv", ["megacann.train", "--config", "examples/configs/llama/tiny.yaml", "optim.lr=fast"]
     )
-    assert proc.returncode == 2
-    assert "optim.lr: expected float (or null), got 'fast'" in proc.stderr
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("megacann.train", run_name="__main__", alter_sys=True)
+    assert exit_.value.code == 2
+    assert "optim.lr: expected float (or null), got 'fast'" in capsys.readouterr().err
