@@ -79,3 +79,14 @@ def test_partition_and_activation_shape():
     assert activation_shape(2, 32, 64, sequence_parallel=True, tp_size=4) == (2, 8, 64)
     with pytest.raises(ValueError, match="seq_length 30 over tensor_parallel_size 4"):
         activation_shape(2, 30, 64, sequence_parallel=True, tp_size=4)
+
+
+def test_no_pipelining_refuses_the_pipeline_only_keywords():
+    """run_plan takes tensor_shape, v_shape, ... of its own: the one-stage schedule must not pass them on."""
+    import torch
+
+    from megacann.pipeline.schedules import forward_backward_no_pipelining
+
+    for keyword, value in (("tensor_shape", (1, 2, 3)), ("v_shape", True), ("overlap_pairs", {})):
+        with pytest.raises(TypeError, match=rf"unexpected keyword arguments \['{keyword}'\]; besides its own"):
+            forward_backward_no_pipelining([torch.nn.Linear(1, 1)], [], loss_normalizer=1.0, **{keyword: value})

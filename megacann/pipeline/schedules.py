@@ -48,6 +48,12 @@ def forward_backward_no_pipelining(
 ) -> LossTotals:
     """Plain gradient accumulation over micro-batches on one stage. ``options``: :class:`StepOptions`
     (``loss_scale``, ``forward_step``, ``timeline``, ``grad_sync_context``, ``trace``), as :func:`run_plan`."""
+    unknown = sorted(set(options) - set(StepOptions.__annotations__))
+    if unknown:  # run_plan would take its own pipeline keywords (tensor_shape, v_shape, ...) silently
+        raise TypeError(
+            f"forward_backward_no_pipelining() got unexpected keyword arguments {unknown}; "
+            f"besides its own it takes {sorted(StepOptions.__annotations__)}"
+        )
     if len(model_chunks) != 1:
         raise ValueError(f"no pipelining runs one model chunk, got {len(model_chunks)}")
     plan = build_plan(1, 0, len(micro_batches), forward_only=forward_only)
