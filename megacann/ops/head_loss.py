@@ -119,17 +119,23 @@ class _EarlyGrads:
         self.need_hidden, self.need_weight = need_hidden, need_weight
         self.hidden_dtype, self.weight_dtype = hidden.dtype, weight.dtype
         self.grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if self.need_hidden else None
-        self.grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if self.need_weight else None
+        # written whole by the first chunk (beta 0 ignores what the empty tensor holds), then summed into
+        self.grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device) if self.need_weight else None
+        self.weight_written = False
 
     def add(self, rows: slice, grad_logits: torch.Tensor, h: torch.Tensor, weight_mm: torch.Tensor) -> None:
         """One chunk's share, from its logits' gradient for unit ``grad_loss``."""
         if self.need_hidden:
             self.grad_hidden[rows] = grad_logits.mm(weight_mm)
         if self.need_weight:
+            first = not self.weight_written
             if self.grad_weight.dtype == grad_logits.dtype:
-                self.grad_weight.addmm_(grad_logits.t(), h)
+                self.grad_weight.addmm_(grad_logits.t(), h, beta=0 if first else 1)
+            elif first:
+                self.grad_weight.copy_(grad_logits.t().mm(h))
             else:
                 self.grad_weight += grad_logits.t().mm(h)
+            self.weight_written = True
 
     def serves(self, grad_loss: torch.Tensor) -> bool:
         """Whether ``grad_loss`` is one value over the counted tokens (host read: CPU only)."""
@@ -144,6 +150,8 @@ class _EarlyGrads:
         if self.need_hidden:
             grad_hidden = self.grad_hidden.mul_(scale).to(self.hidden_dtype)
         if self.need_weight:
+            if not self.weight_written:  # no rows: nothing was summed
+                self.grad_weight.zero_()
             grad_weight = self.grad_weight.mul_(scale).to(self.weight_dtype)
         return grad_hidden, grad_weight
 
