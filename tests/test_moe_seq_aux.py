@@ -4,8 +4,9 @@ Against a reference written here (float64, a loop over the sequences and experts
 formula: ``f_i = E / (K T) · count_i``, ``P_i`` the mean normalised score, ``alpha · Σ f_i P_i`` averaged
 over sequences) for softmax and sigmoid scores, value and router-weight gradient; equal to the micro-batch
 loss with one sequence; through the MoE layer (which passes its batch size); the refusals; DeepSeek's
-config.json keys ``aux_loss_alpha`` / ``seq_aux`` read and written; and tp 2 + SP (with full recompute) and
-cp 2 (ring) runs whose loss, gradient-norm and auxiliary-loss traces equal one process's.
+config.json keys ``aux_loss_alpha`` / ``seq_aux`` read and written; and cp 2 (ring) and, in the extended
+tier, tp 2 + SP (both with full recompute) and tp 2 + SP + cp 2 runs whose loss, gradient-norm and
+auxiliary-loss traces equal one process's.
 """
 
 from __future__ import annotations
@@ -189,27 +190,50 @@ def test_deepseek_config_json_balancing_keys_are_read_and_written(tmp_path):
 SEQ_AUX = ["model.moe_aux_loss_coeff=1e-2", "model.moe_router_load_balancing_type=seq_aux_loss", "model.num_layers=2"]
 
 
-def test_tp2_sp_and_cp2_train_like_one_process():
-    """World 2, micro-batches of 2 sequences: tp 2 + SP with full recompute (the reference does not
-    recompute: nothing is counted twice) and cp 2 by ring with sigmoid scores."""
-    from dist_harness import run_on_ranks
-    from layout_fuzz import MOE, Layout, check_layout, run_layouts
+FULL = "model.activation_checkpointing=full"  # the layout's only: the reference does not recompute
 
-    full = "model.activation_checkpointing=full"
-    tp2 = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true", full]
-    cp2 = ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=ring"]
-    sigmoid = [*MOE, *SEQ_AUX, "model.moe_router=sigmoid"]
-    layouts = [
-        Layout(0, 2, [*MOE, *SEQ_AUX], tp2, steps=2, label="tp2_sp_recompute"),
-        Layout(0, 2, sigmoid, cp2, steps=2, label="cp2_ring"),
-    ]
-    got = run_on_ranks(run_layouts, 2, args=(layouts, False), timeout=900)[0]
+
+def _assert_like_one_process(layouts) -> None:
+    """Each layout's loss, gradient-norm and auxiliary-loss traces equal its one-process run (1e-5), its
+    probes show the modes on, and the sequence-wise loss is the one logged, non-zero, every step."""
+    from dist_harness import run_on_ranks
+    from layout_fuzz import check_layout, run_layouts
+
+    (world,) = {layout.world for layout in layouts}
+    got = run_on_ranks(run_layouts, world, args=(layouts, False), timeout=900)[0]
     ref = run_on_ranks(run_layouts, 1, args=(layouts, True), timeout=900)[0]
     for layout in layouts:
         problems = check_layout(layout, got[layout.name], ref[layout.name])
         assert not problems, (layout.name, problems)
         aux = ref[layout.name]["aux"]
-        assert len(ref[layout.name]["losses"]) == len(aux) == 2 and all(
-            set(step) == {"moe_seq_load_balancing", "moe_z_loss"} for step in aux
-        )
+        assert len(ref[layout.name]["losses"]) == len(aux) == layout.steps
+        assert all(set(step) == {"moe_seq_load_balancing", "moe_z_loss"} for step in aux)
         assert all(step["moe_seq_load_balancing"] > 0 for step in aux)
+
+
+def test_cp2_ring_with_full_recompute_trains_like_one_process():
+    """World 2, micro-batches of 2 sequences, sigmoid scores: each cp rank holds half of every sequence;
+    the recomputed forwards count nothing twice."""
+    from layout_fuzz import MOE, Layout
+
+    cp2 = ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=ring", FULL]
+    _assert_like_one_process([Layout(0, 2, [*MOE, *SEQ_AUX, "model.moe_router=sigmoid"], cp2, steps=2, label="cp2")])
+
+
+@pytest.mark.extended
+def test_tp2_sp_trains_like_one_process():
+    """World 2, micro-batches of 2 sequences: each TP rank routes its sequence shard of every sequence."""
+    from layout_fuzz import MOE, Layout
+
+    tp2 = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true", FULL]
+    _assert_like_one_process([Layout(0, 2, [*MOE, *SEQ_AUX], tp2, steps=2, label="tp2_sp")])
+
+
+@pytest.mark.extended
+def test_tp2_sp_cp2_trains_like_one_process():
+    """World 4: every sequence split over both groups at once (the counts summed over TP, then CP)."""
+    from layout_fuzz import MOE, Layout
+
+    layout = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
+    layout += ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=ring"]
+    _assert_like_one_process([Layout(0, 4, [*MOE, *SEQ_AUX], layout, steps=2, label="tp2_sp_cp2")])
