@@ -26,8 +26,9 @@ class MoEConfig:
 
     Balancing: ``aux_loss_coeff`` weights the switch-transformer load-balancing loss, taken over the
     micro-batch (``load_balancing_type="aux_loss"``) or over each sequence and averaged (``"seq_aux_loss"``,
-    DeepSeek-V2/V3's sequence-wise loss), ``z_loss_coeff`` the router z-loss; ``bias_update_rate > 0`` turns on auxiliary-loss-free balancing (a per-expert bias added
-    to the scores for choosing only, moved by this rate after each optimizer step).
+    DeepSeek-V2/V3's sequence-wise loss), ``z_loss_coeff`` the router z-loss; ``bias_update_rate > 0``
+    turns on auxiliary-loss-free balancing (a per-expert bias added to the scores for choosing only, moved
+    by this rate after each optimizer step).
 
     Group-limited routing (DeepSeek-V3): with ``num_groups > 1`` the experts form that many equal groups
     and each token chooses among the experts of its ``top_k_groups`` best groups only (a group rated by
