@@ -28,7 +28,7 @@ MOE = [
     "model.moe_z_loss_coeff=1e-3",
 ]
 EOS = 5  # the token id that ends a document in packed samples
-AUX_METRICS = ("moe_load_balancing", "moe_z_loss")  # logged auxiliary losses, compared like the loss
+AUX_METRICS = ("moe_load_balancing", "moe_seq_load_balancing", "moe_z_loss")  # logged, compared like the loss
 
 
 @dataclass

@@ -55,6 +55,7 @@ READ_BY = {
     "model.moe_router": "models/moe.py",
     "model.moe_capacity_factor": "models/moe.py",
     "model.moe_aux_loss_coeff": "models/moe.py",
+    "model.moe_router_load_balancing_type": "models/moe.py",
     "model.moe_z_loss_coeff": "models/moe.py",
     "model.moe_bias_update_rate": "models/moe.py",
     "model.moe_layer_freq": "models/moe.py",

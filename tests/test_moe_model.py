@@ -79,6 +79,7 @@ NON_DEFAULT = {
     "moe_router": "sigmoid",
     "moe_capacity_factor": "1.25",
     "moe_aux_loss_coeff": "0.01",
+    "moe_router_load_balancing_type": "seq_aux_loss",
     "moe_z_loss_coeff": "0.001",
     "moe_bias_update_rate": "0.001",
     "moe_layer_freq": "2",

@@ -1,5 +1,6 @@
 """Hugging Face style config.json: read, its family recognised by ``model_type``, its keys mapped onto the
-fields of a family's configuration class (``HF_KEYS``; ``HF_INERT_KEYS`` only at their inert value)."""
+fields of a family's configuration class (``HF_KEYS``; ``HF_INERT_KEYS`` only at their inert value;
+``HF_VALUE_KEYS`` translated value by value)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ def load_hf_model_config(path: str, model_cls: Optional[type[ModelConfig]] = Non
                 raise ConfigError(f"{path}: {key} {value!r} is not supported (only {model_cls.HF_INERT_KEYS[key]!r})")
         elif key in model_cls.HF_KEYS:
             mapped[model_cls.HF_KEYS[key]] = value
+        elif key in model_cls.HF_VALUE_KEYS:
+            name, values = model_cls.HF_VALUE_KEYS[key]
+            mapped[name] = _translated(key, value, values, path)
         elif key in names and key != "type":
             mapped[key] = value
         elif key not in HF_IGNORED_KEYS:
@@ -89,6 +93,15 @@ def load_hf_model_config(path: str, model_cls: Optional[type[ModelConfig]] = Non
     if act is not None and act not in ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"{path}: hidden_act {act!r} is not supported (expected silu or gelu)")
     return mapped
+
+
+def _translated(key: str, value: Any, values: dict, path: str) -> Any:
+    """The field value config.json's ``value`` of ``key`` stands for (of the same type: ``1`` is not ``true``)."""
+    for known, meant in values.items():
+        if type(known) is type(value) and known == value:
+            return meant
+    expected = ", ".join(json.dumps(known) for known in values)
+    raise ConfigError(f"{path}: {key} {json.dumps(value)} is not supported (expected one of: {expected})")
 
 
 def _check_implied_head_dim(raw: dict[str, Any], names: set[str], path: str) -> None:

@@ -33,8 +33,9 @@ class ModelConfig:
     ``architecture`` (fixed by the weights a run starts from) or give its ``choices`` (checked by validate).
 
     ``HF_KEYS`` maps Hugging Face config.json names onto fields (also accepted inline in a recipe);
-    ``HF_INERT_KEYS`` are config.json keys read only at the value that changes nothing (others refused).
-    A family extends both for its own keys.
+    ``HF_INERT_KEYS`` are config.json keys read only at the value that changes nothing (others refused);
+    ``HF_VALUE_KEYS`` config.json keys whose values stand for values of a field, ``key -> (field,
+    {config.json value: field value})`` (others refused). A family extends them for its own keys.
     """
 
     HF_KEYS: ClassVar[dict[str, str]] = {
@@ -56,6 +57,7 @@ class ModelConfig:
         "attention_bias": "add_bias_linear",
     }
     HF_INERT_KEYS: ClassVar[dict[str, object]] = {"sliding_window": None}
+    HF_VALUE_KEYS: ClassVar[dict[str, tuple[str, dict]]] = {}
 
     type: str = "llama"  # a registered family: llama, gpt, moe, mistral, qwen2, qwen3, qwen3_moe, or one imported
     config_path: Optional[str] = None

@@ -21,7 +21,9 @@ class DeepseekV3ModelConfig(MoEModelConfig):
     ``num_nextn_predict_layers`` is ``mtp_num_layers`` (multi-token prediction depths, each with a layer
     of the last layer's kind: :mod:`megacann.models.mtp`). ``head_dim`` and
     ``qk_head_dim``, which transformers' config.json carries, must be ``qk_rope_head_dim`` and
-    ``qk_nope_head_dim + qk_rope_head_dim`` when set."""
+    ``qk_nope_head_dim + qk_rope_head_dim`` when set. DeepSeek's own config.json (``trust_remote_code``)
+    carries the balancing loss as ``aux_loss_alpha`` (``moe_aux_loss_coeff``) and ``seq_aux`` (true:
+    ``moe_router_load_balancing_type: seq_aux_loss``, false: ``aux_loss``)."""
 
     HF_KEYS: ClassVar[dict[str, str]] = {
         **MoEModelConfig.HF_KEYS,
@@ -31,6 +33,12 @@ class DeepseekV3ModelConfig(MoEModelConfig):
         "rope_interleave": "rotary_interleaved",
         "num_nextn_predict_layers": "mtp_num_layers",  # multi-token prediction depths (megacann.models.mtp)
         "num_mtp_layers": "mtp_num_layers",  # transformers' other name of it
+        "aux_loss_alpha": "moe_aux_loss_coeff",  # DeepSeek's own config.json: the balancing loss weight
+    }
+    # DeepSeek's own config.json: seq_aux says whether that loss is taken per sequence
+    HF_VALUE_KEYS: ClassVar[dict[str, tuple[str, dict]]] = {
+        **MoEModelConfig.HF_VALUE_KEYS,
+        "seq_aux": ("moe_router_load_balancing_type", {True: "seq_aux_loss", False: "aux_loss"}),
     }
     # DeepSeek's own config.json (trust_remote_code) names its routing; only DeepSeek-V3's is read
     HF_INERT_KEYS: ClassVar[dict[str, object]] = {

@@ -163,7 +163,19 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         first_k_dense_replace=cfg.first_k_dense_replace,
         num_nextn_predict_layers=mtp_depths(cfg),
     )
+    config.update(balancing_keys(cfg))
     return config
+
+
+def balancing_keys(cfg: ModelConfig) -> dict[str, Any]:
+    """DeepSeek's own config.json keys of the balancing loss, where the recipe has one (or a non-default
+    kind): ``aux_loss_alpha`` and always ``seq_aux`` beside it (DeepSeek's code takes a missing one as true)."""
+    if cfg.moe_aux_loss_coeff == 0 and cfg.moe_router_load_balancing_type == "aux_loss":
+        return {}
+    return {
+        "aux_loss_alpha": cfg.moe_aux_loss_coeff,
+        "seq_aux": cfg.moe_router_load_balancing_type == "seq_aux_loss",
+    }
 
 
 def config_from_hf(config_file: str) -> ModelConfig:

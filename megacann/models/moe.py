@@ -7,7 +7,8 @@ flag per layer (DeepSeek keeps its first layers dense). An MoE layer (:class:`me
 has ``model.num_experts`` SwiGLU experts of width ``model.moe_ffn_hidden_size``, sends each token to
 ``model.moe_top_k`` of them (``model.moe_router``: softmax or sigmoid scores), optionally drops tokens
 over ``model.moe_capacity_factor``, and adds ``model.moe_shared_experts`` shared experts. Balancing:
-``moe_aux_loss_coeff`` (load-balancing loss), ``moe_z_loss_coeff`` (router z-loss) and
+``moe_aux_loss_coeff`` (load-balancing loss, over the micro-batch or, with
+``moe_router_load_balancing_type: seq_aux_loss``, per sequence), ``moe_z_loss_coeff`` (router z-loss) and
 ``moe_bias_update_rate`` (DeepSeek-V3's auxiliary-loss-free bias, moved after every optimizer step).
 With ``distributed.expert_parallel_size`` > 1 each rank holds ``num_experts / ep`` experts.
 
@@ -70,6 +71,7 @@ def moe_layer_config(cfg: ModelConfig, block: Any) -> MoEConfig:
         top_k=cfg.moe_top_k,
         score_function=cfg.moe_router,
         aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        load_balancing_type=cfg.moe_router_load_balancing_type,
         z_loss_coeff=cfg.moe_z_loss_coeff,
         bias_update_rate=cfg.moe_bias_update_rate,
         capacity_factor=cfg.moe_capacity_factor,
@@ -207,9 +209,9 @@ def moe_flops_per_token(m: ModelConfig, seq_length: int) -> float:
 
 def moe_forward_step(chunk: torch.nn.Module, batch: Batch, hidden_states: Optional[torch.Tensor]) -> ChunkOutput:
     """The decoder's forward step, plus the chunk's MoE figures of this micro-batch: ``aux_losses``
-    ``moe_load_balancing`` / ``moe_z_loss`` (weighted, summed over the chunk's layers) and ``stats``
-    ``moe_tokens_per_expert/layer_<i>`` (choices per expert, before dropping) and, with a capacity,
-    ``moe_dropped_tokens``."""
+    ``moe_load_balancing`` (or ``moe_seq_load_balancing``) / ``moe_z_loss`` (weighted, summed over the
+    chunk's layers) and ``stats`` ``moe_tokens_per_expert/layer_<i>`` (choices per expert, before dropping)
+    and, with a capacity, ``moe_dropped_tokens``."""
     out = decoder_forward_step(chunk, batch, hidden_states)
     dropped: list[int] = []
     blocks = list(chunk.layers.items())

@@ -9,6 +9,7 @@ from megacann.config import ModelConfig
 from megacann.models.mtp import MTPKeys
 
 ROUTER_SCORES = ("softmax", "sigmoid")
+BALANCING_LOSSES = ("aux_loss", "seq_aux_loss")  # Megatron-Core's names (megacann.layers.moe.LOAD_BALANCING_TYPES)
 
 
 @dataclass
@@ -31,6 +32,8 @@ class MoEModelConfig(MTPKeys, ModelConfig):
     moe_router: str = field(default="softmax", metadata={"architecture": True, "choices": ROUTER_SCORES})
     moe_capacity_factor: Optional[float] = None  # None: dropless; else tokens per expert capped
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight
+    # what that loss balances: aux_loss (the micro-batch's tokens) | seq_aux_loss (each sequence, DeepSeek-V2/V3)
+    moe_router_load_balancing_type: str = field(default="aux_loss", metadata={"choices": BALANCING_LOSSES})
     moe_z_loss_coeff: float = 0.0  # router z-loss weight
     moe_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing step (0: off)
     # every N-th layer is MoE (from layer 0), or a 0/1 flag per layer

@@ -6,15 +6,18 @@ from megacann.layers.moe.dispatcher import DispatchState, TokenDispatcher
 from megacann.layers.moe.experts import ExpertMLP, GroupedExperts, expert_seed
 from megacann.layers.moe.layer import MoELayer, MoEStats, moe_aux_loss, moe_layers, update_expert_biases
 from megacann.layers.moe.router import (
+    LOAD_BALANCING_TYPES,
     Routing,
     TopKRouter,
     capacity_mask,
     expert_capacity,
     load_balancing_loss,
+    sequence_load_balancing_loss,
     z_loss,
 )
 
 __all__ = [
+    "LOAD_BALANCING_TYPES",
     "SCORE_FUNCTIONS",
     "DispatchState",
     "ExpertMLP",
@@ -31,6 +34,7 @@ __all__ = [
     "load_balancing_loss",
     "moe_aux_loss",
     "moe_layers",
+    "sequence_load_balancing_loss",
     "update_expert_biases",
     "z_loss",
 ]

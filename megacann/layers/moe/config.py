@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from megacann.layers.moe.router import LOAD_BALANCING_TYPES
+
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -22,9 +24,11 @@ class MoEConfig:
     weight 1 and leave the router without gradient), times ``routed_scaling_factor``, weight the experts'
     outputs.
 
-    Balancing: ``aux_loss_coeff`` weights the switch-transformer load-balancing loss, ``z_loss_coeff`` the
-    router z-loss; ``bias_update_rate > 0`` turns on auxiliary-loss-free balancing (a per-expert bias added
-    to the scores for choosing only, moved by this rate after each optimizer step).
+    Balancing: ``aux_loss_coeff`` weights the switch-transformer load-balancing loss, taken over the
+    micro-batch (``load_balancing_type="aux_loss"``) or over each sequence and averaged (``"seq_aux_loss"``,
+    DeepSeek-V2/V3's sequence-wise loss), ``z_loss_coeff`` the router z-loss; ``bias_update_rate > 0``
+    turns on auxiliary-loss-free balancing (a per-expert bias added to the scores for choosing only, moved
+    by this rate after each optimizer step).
 
     Group-limited routing (DeepSeek-V3): with ``num_groups > 1`` the experts form that many equal groups
     and each token chooses among the experts of its ``top_k_groups`` best groups only (a group rated by
@@ -57,6 +61,7 @@ class MoEConfig:
     normalize_top_k: bool = True
     routed_scaling_factor: float = 1.0
     aux_loss_coeff: float = 0.0
+    load_balancing_type: str = "aux_loss"
     z_loss_coeff: float = 0.0
     bias_update_rate: float = 0.0
     num_groups: int = 1
@@ -81,6 +86,12 @@ class MoEConfig:
             close = difflib.get_close_matches(str(self.score_function), SCORE_FUNCTIONS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"MoEConfig.score_function={self.score_function!r} is not one of {SCORE_FUNCTIONS}{hint}")
+        if self.load_balancing_type not in LOAD_BALANCING_TYPES:
+            close = difflib.get_close_matches(str(self.load_balancing_type), LOAD_BALANCING_TYPES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"MoEConfig.load_balancing_type={self.load_balancing_type!r} is not one of {LOAD_BALANCING_TYPES}{hint}"
+            )
         for key in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
             if getattr(self, key) < 0:
                 raise ValueError(f"MoEConfig.{key} must be >= 0, got {getattr(self, key)}")

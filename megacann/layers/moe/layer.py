@@ -41,8 +41,9 @@ from megacann.layers.random import is_recomputing
 class MoEStats:
     """One forward of one MoE layer.
 
-    ``aux_losses``: weighted auxiliary losses by name (``load_balancing``, ``z_loss``; those with a
-    non-zero coefficient), scalars with grad. ``tokens_per_expert`` ``[E]``: how many tokens chose each
+    ``aux_losses``: weighted auxiliary losses by name (``load_balancing`` or, with
+    ``load_balancing_type="seq_aux_loss"``, ``seq_load_balancing``, and ``z_loss``; those with a non-zero
+    coefficient), scalars with grad. ``tokens_per_expert`` ``[E]``: how many tokens chose each
     expert (before capacity dropping), over the TP group's tokens of this forward. ``dropped_tokens``:
     assignments dropped by capacity (0 when dropless)."""
 
@@ -103,6 +104,7 @@ class MoELayer(torch.nn.Module):
             num_groups=c.num_groups,
             top_k_groups=c.top_k_groups,
             expert_bias=c.expert_bias,
+            load_balancing_type=c.load_balancing_type,
             init_method=init,
             group=group,
             dtype=c.params_dtype,
@@ -146,7 +148,7 @@ class MoELayer(torch.nn.Module):
         split_here = self.tp_size > 1 and not c.sequence_parallel
         x = mappings.scatter_to_sequence_parallel_region(hidden, self.group) if split_here else hidden
         b, s, h = x.shape
-        routing = self.router(x.reshape(-1, h))
+        routing = self.router(x.reshape(-1, h), num_sequences=b)  # the rows: sequence after sequence
         probs, ids, scores = (t.view(b, s, c.top_k) for t in (routing.probs, routing.expert_ids, routing.scores))
         if self.gather_tokens:  # the TP group's tokens, in sequence order, on every TP rank
             x = mappings.gather_from_sequence_parallel_region(x, self.group)

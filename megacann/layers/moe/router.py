@@ -15,6 +15,11 @@ group (every TP rank routes its own share of them):
 - load balancing (Switch Transformer): ``coeff · E · Σ_e f_e · P_e`` with ``f_e`` the fraction of the
   ``N · top_k`` assignments that went to expert ``e`` and ``P_e`` the mean over tokens of the scores
   normalised to sum to one per token. Perfect balance gives ``coeff``;
+- sequence-wise load balancing (DeepSeek-V2/V3; ``load_balancing_type="seq_aux_loss"``, in place of the
+  one above): the same loss taken over each sequence of the micro-batch alone (``f_e`` and ``P_e`` over
+  its ``T`` tokens) and averaged over the ``b`` sequences. The tokens come flattened from ``[b, s]``
+  (sequence-major), so ``forward(x, num_sequences=b)`` says how to split them; with one sequence it is
+  the loss above;
 - z-loss (ST-MoE): ``coeff · mean_t logsumexp(logits_t)²``.
 
 Under tensor parallelism each rank computes its tokens' share of a loss and the shares are summed in
@@ -23,7 +28,8 @@ weight's gradient is then partial per rank (marked ``tp_partial_grad``). Under c
 losses are taken over the whole sequence too, as in one process: the token counts are summed over the
 context-parallel group and so are the loss shares, in forward and in backward (every cp rank's objective
 holds the whole value and gradients are summed over the cp ranks, so each share's gradient is the sum of
-theirs).
+theirs). The sequence-wise loss does the same per sequence: every rank holds a share of each of the ``b``
+sequences, and the ``[b, E]`` counts are summed over both groups.
 
 Bias-based balancing (DeepSeek-V3): in training the router adds up how many tokens each expert was
 chosen for; :meth:`TopKRouter.update_expert_bias` (after the optimizer step) moves each bias by
@@ -46,6 +52,8 @@ from megacann.layers import mappings
 from megacann.layers.init import default_init_methods, init_zeros, make_parameter, resolve_device
 from megacann.layers.random import is_recomputing
 from megacann.layers.sharding import InitMethod
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss")  # Megatron-Core's moe_router_load_balancing_type names
 
 
 @dataclass
@@ -74,6 +82,18 @@ def load_balancing_loss(
     fraction = tokens_per_expert.to(scores.dtype) / (num_tokens * top_k)
     mean_score = scores.sum(0) / num_tokens
     return coeff * num_experts * (fraction * mean_score).sum()
+
+
+def sequence_load_balancing_loss(
+    scores: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int, top_k: int, coeff: float
+) -> torch.Tensor:
+    """DeepSeek's sequence-wise loss: :func:`load_balancing_loss` of each sequence, averaged over them.
+    ``scores`` ``[b, T, E]`` normalised scores (``T`` may be a share of each sequence), ``tokens_per_expert``
+    ``[b, E]`` and ``num_tokens`` counted over each whole sequence."""
+    num_experts = scores.shape[-1]
+    fraction = tokens_per_expert.to(scores.dtype) / (num_tokens * top_k)
+    mean_score = scores.sum(1) / num_tokens
+    return coeff * num_experts * (fraction * mean_score).sum(-1).mean()
 
 
 def z_loss(logits: torch.Tensor, num_tokens: int, coeff: float) -> torch.Tensor:
@@ -111,7 +131,9 @@ class TopKRouter(torch.nn.Module):
     routes its share); the token counts and auxiliary losses are summed over it. ``context_group`` (default:
     the context-parallel group of :mod:`megacann.parallel_state`) holds the other parts of each sequence:
     the auxiliary losses are taken over the whole sequence across it. ``Routing.tokens_per_expert`` stays
-    the count of this tensor-parallel group's tokens."""
+    the count of this tensor-parallel group's tokens. ``load_balancing_type`` (one of
+    ``LOAD_BALANCING_TYPES``) says which balancing loss ``aux_loss_coeff`` weights: the micro-batch's
+    (``aux_loss``) or each sequence's (``seq_aux_loss``)."""
 
     def __init__(
         self,
@@ -132,8 +154,14 @@ class TopKRouter(torch.nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
         context_group: Optional[dist.ProcessGroup] = None,
+        load_balancing_type: str = "aux_loss",
     ):
         super().__init__()
+        if load_balancing_type not in LOAD_BALANCING_TYPES:
+            raise ValueError(
+                f"TopKRouter: load_balancing_type {load_balancing_type!r} is not one of {LOAD_BALANCING_TYPES}"
+            )
+        self.load_balancing_type = load_balancing_type
         if context_group is None and ps.model_parallel_is_initialized():
             context_group = ps.get_context_parallel_group()
         self.context_group = context_group
@@ -191,7 +219,8 @@ class TopKRouter(torch.nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, score_function={self.score_function}, "
-            f"normalize_top_k={self.normalize_top_k}, bias_update_rate={self.bias_update_rate}, "
+            f"normalize_top_k={self.normalize_top_k}, load_balancing_type={self.load_balancing_type}, "
+            f"bias_update_rate={self.bias_update_rate}, "
             f"num_groups={self.num_groups}, top_k_groups={self.top_k_groups}"
         )
 
@@ -205,7 +234,11 @@ class TopKRouter(torch.nn.Module):
         keep = torch.zeros_like(rating, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, self.num_experts)
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, num_sequences: int = 1) -> Routing:
+        """Route the tokens ``x`` ``[T, h]``: ``num_sequences`` sequences of ``T / num_sequences`` tokens
+        each, one after the other (what the sequence-wise loss balances)."""
+        if num_sequences < 1 or x.shape[0] % num_sequences:
+            raise ValueError(f"TopKRouter: {x.shape[0]} tokens do not split into num_sequences={num_sequences}")
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
         logits = F.linear(x.to(dtype), self.weight.to(dtype))
         if self.score_function == "softmax":
@@ -221,24 +254,44 @@ class TopKRouter(torch.nn.Module):
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
         if self.routed_scaling_factor != 1.0:
             probs = probs * self.routed_scaling_factor
-        tokens_per_expert = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts)
-        if self.tp_size > 1:
-            dist.all_reduce(tokens_per_expert, group=mappings.tp_group(self.group))
+        per_sequence = self.aux_loss_coeff > 0 and self.load_balancing_type == "seq_aux_loss"
+        # [b, E] per sequence for the sequence-wise loss (one all-reduce over TP either way), else [E]
+        counts = self._count_choices(expert_ids, num_sequences if per_sequence else None)
+        tokens_per_expert = counts.sum(0) if per_sequence else counts
         if self.expert_bias is not None and self.training and not is_recomputing():
             self.load_since_update += tokens_per_expert
         routing = Routing(probs, expert_ids, scores.detach().gather(1, expert_ids), tokens_per_expert)
-        num_tokens = x.shape[0] * self.tp_size * self.cp_size  # the whole sequence's
-        sequence_counts = tokens_per_expert
-        if self.cp_size > 1 and self.aux_loss_coeff > 0:
-            sequence_counts = tokens_per_expert.clone()
-            dist.all_reduce(sequence_counts, group=self.context_group)
+        num_tokens = x.shape[0] * self.tp_size * self.cp_size  # the whole micro-batch's
         if self.aux_loss_coeff > 0:
+            if self.cp_size > 1:  # counted over the other parts of the sequences too
+                counts = counts.clone()
+                dist.all_reduce(counts, group=self.context_group)
             normalised = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
-            loss = load_balancing_loss(normalised, sequence_counts, num_tokens, self.top_k, self.aux_loss_coeff)
-            routing.aux_losses["load_balancing"] = self._sum_over_sequence(loss)
+            if per_sequence:
+                by_sequence = normalised.view(num_sequences, -1, self.num_experts)
+                loss = sequence_load_balancing_loss(
+                    by_sequence, counts, num_tokens // num_sequences, self.top_k, self.aux_loss_coeff
+                )
+                routing.aux_losses["seq_load_balancing"] = self._sum_over_sequence(loss)
+            else:
+                loss = load_balancing_loss(normalised, counts, num_tokens, self.top_k, self.aux_loss_coeff)
+                routing.aux_losses["load_balancing"] = self._sum_over_sequence(loss)
         if self.z_loss_coeff > 0:
             routing.aux_losses["z_loss"] = self._sum_over_sequence(z_loss(logits, num_tokens, self.z_loss_coeff))
         return routing
+
+    def _count_choices(self, expert_ids: torch.Tensor, num_sequences: Optional[int]) -> torch.Tensor:
+        """Assignments per expert over the TP group's tokens: ``[E]``, or ``[num_sequences, E]`` per sequence
+        (the rows of ``expert_ids`` sequence after sequence)."""
+        if num_sequences is None:
+            counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts)
+        else:
+            ids = expert_ids.reshape(num_sequences, -1)
+            counts = torch.zeros(num_sequences, self.num_experts, dtype=torch.int64, device=ids.device)
+            counts.scatter_add_(1, ids, torch.ones_like(ids))
+        if self.tp_size > 1:
+            dist.all_reduce(counts, group=mappings.tp_group(self.group))
+        return counts
 
     def _sum_over_sequence(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' shares of a loss: over the TP group in forward only (backward passes the gradient
