@@ -21,8 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megacann.config import ConfigError, MegacannConfig
+from megacann.config import ConfigError, MegacannConfig, config_from_dict
 from megacann.interop.hf import hf_family, hf_weights_reader, save_pretrained_hf
+from megacann.interop.model_source import apply_model_source
 from megacann.interop.reading import load_source_weights
 from megacann.interop.sources import HUGGINGFACE, WeightSource
 from megacann.models import ChunkPlacement, from_pretrained_hf, get_model_spec, prepare_model_config
@@ -150,7 +151,15 @@ def test_import_dequantises_each_weight_exactly_and_gives_the_same_logits(ckpt):
     with torch.no_grad():
         assert torch.equal(ours(input_ids=IDS), reference(input_ids=IDS))
 
-    # model.init_from's loader (each rank's shards, tensor by tensor) into a model of other weights
+    # model.init_from: the recipe's architecture from the fp8 directory, then its loader (each rank's shards,
+    # tensor by tensor) into a model of other weights
+    recipe = config_from_dict({"model": {"init_from": ckpt["fp8"]}})  # no model.type: the source's
+    apply_model_source(recipe)
+    assert (
+        recipe.model.type == "deepseek_v3"
+        and recipe.model.kv_lora_rank == SHAPE["kv_lora_rank"]
+        and recipe.model.rotary_interleaved
+    )
     with torch.no_grad():
         for param in ours.parameters():
             param.zero_()
