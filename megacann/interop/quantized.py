@@ -109,10 +109,16 @@ def stored_dtype(raw: Mapping[str, Any]) -> torch.dtype:
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``weight`` (fp8, [out, in]) times the scale of its block, in fp32: element (i, j) is multiplied by
-    ``scale_inv[i // block[0], j // block[1]]`` (memory: twice the weight in fp32, for one weight at a time)."""
-    rows = torch.arange(weight.shape[0]) // block[0]
-    cols = torch.arange(weight.shape[1]) // block[1]
-    return weight.to(torch.float32).mul_(scale_inv.to(torch.float32)[rows][:, cols])
+    ``scale_inv[i // block[0], j // block[1]]``, in place on the fp32 copy (no weight-sized scale tensor)."""
+    rows, cols = weight.shape
+    out = weight.to(torch.float32)
+    scale = scale_inv.to(torch.float32).repeat_interleave(block[0], dim=0)[:rows]  # [rows, column blocks]
+    whole = cols // block[1]  # column blocks of full width; a last partial one is multiplied on its own
+    if whole:
+        out[:, : whole * block[1]].unflatten(1, (whole, block[1])).mul_(scale[:, :whole, None])
+    if whole * block[1] < cols:
+        out[:, whole * block[1] :].mul_(scale[:, whole:])
+    return out
 
 
 def _is_fp8(tensor: torch.Tensor) -> bool:
