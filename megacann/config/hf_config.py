@@ -33,6 +33,7 @@ HF_IGNORED_KEYS = {
     "output_hidden_states",
     "auto_map",
     "output_router_logits",
+    "quantization_config",  # how the weights are stored: read (or refused) where they are, megacann.interop
 }
 
 

@@ -8,7 +8,8 @@ the weights, and the one answer to "what kind of weights directory is this".
 - :mod:`~megacann.interop.model_source`: ``model.init_from``'s architecture into a recipe
   (:func:`apply_model_source`);
 - :mod:`~megacann.interop.hf`: Hugging Face directories of any family with an adapter
-  (:func:`from_pretrained_hf`, :func:`save_pretrained_hf`);
+  (:func:`from_pretrained_hf`, :func:`save_pretrained_hf`); :mod:`~megacann.interop.quantized`: their
+  block-scaled fp8 weights dequantised as they are read, other quantisations refused;
 - :mod:`~megacann.interop.export` and :mod:`~megacann.interop.lora_export`: what ``megacann-convert`` does
   (consolidate, to-hf, from-hf, merge-lora, to-peft); :mod:`~megacann.interop.peft`: PEFT's LoRA format;
 - :mod:`~megacann.interop.snapshot`: a Hugging Face directory of a live model at any layout, written during

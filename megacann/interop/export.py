@@ -33,6 +33,12 @@ from megacann.models import family_import
 Log = Callable[[str], None]
 
 
+def _fp8_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
+    """What a Hugging Face source's fp8 weights are dequantised into: ``--dtype`` when given (no second
+    rounding), else the dtype its config.json names."""
+    return PRECISION_DTYPES[dtype] if dtype is not None else None
+
+
 def cast_weights(tensors: dict[str, torch.Tensor], dtype: Optional[str]) -> dict[str, torch.Tensor]:
     """``tensors`` in the precision ``dtype`` names (fp32 / bf16 / fp16), or as they are for None."""
     if dtype is None:
@@ -55,7 +61,7 @@ def write_consolidated(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: 
 
 def consolidate(source: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:
     """Checkpoint (any layout) -> consolidated directory (with the run's tokenizer in ``tokenizer/``)."""
-    tensors, cfg = read_weights(source)
+    tensors, cfg = read_weights(source, _fp8_dtype(dtype))
     write_consolidated_export(cast_weights(tensors, dtype), cfg, out, source_tokenizer(source, cfg, log))
     return out
 
@@ -69,8 +75,9 @@ def write_consolidated_export(tensors: dict[str, torch.Tensor], cfg: ModelConfig
 
 def export_hf(source: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:
     """Checkpoint or consolidated directory -> Hugging Face directory (the family's adapter names the
-    weights), with the run's tokenizer and a generation config naming its special tokens."""
-    tensors, cfg = read_weights(source)
+    weights), with the run's tokenizer and a generation config naming its special tokens. Weights are
+    written unquantised and config.json has no ``quantization_config``: an fp8 source's are dequantised."""
+    tensors, cfg = read_weights(source, _fp8_dtype(dtype))
     write_hf_export(cast_weights(tensors, dtype), cfg, out, source_tokenizer(source, cfg, log))
     return out
 
@@ -88,8 +95,9 @@ def write_hf_export(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str
 
 def import_hf(hf_dir: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:
     """Hugging Face directory -> consolidated directory (megacann names, e.g. fused qkv / gate-up), with the
-    directory's tokenizer (if it has one) in ``tokenizer/``."""
-    tensors, cfg = read_hf_weights(hf_dir)
+    directory's tokenizer (if it has one) in ``tokenizer/``. Block-scaled fp8 weights (DeepSeek-V3's) are
+    dequantised (:mod:`megacann.interop.quantized`)."""
+    tensors, cfg = read_hf_weights(hf_dir, _fp8_dtype(dtype))
     write_consolidated(cast_weights(tensors, dtype), cfg, out)
     try:
         tokenizer = load_tokenizer(hf_dir)

@@ -16,23 +16,24 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
+from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.config.hf_config import read_hf_config
 from megacann.interop.full_state import full_state_dict, load_full_state_dict_
 from megacann.interop.names import HF_CONFIG, SAFETENSORS_INDEX, WEIGHTS_FILE
+from megacann.interop.quantized import DequantizingReader, quantization_of, stored_dtype
 from megacann.models.spec import ChunkPlacement, ModelSpec, find_hf_family, get_model_spec, prepare_model_config
 
 
 def hf_family(path: str) -> tuple[ModelSpec, ModelConfig]:
-    """The megacann family and model config of a Hugging Face directory (its config.json)."""
+    """The megacann family and model config of a Hugging Face directory (its config.json). A
+    ``quantization_config`` megacann cannot read (:mod:`megacann.interop.quantized`) is refused here."""
     config_file = os.path.join(path, HF_CONFIG)
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{path}: no {HF_CONFIG} (expected a Hugging Face model directory)")
-    with open(config_file) as f:
-        try:
-            model_type = json.load(f).get("model_type", "llama")
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{config_file}: not valid JSON: {err}") from None
-    spec = find_hf_family(model_type)
+    raw = read_hf_config(config_file)
+    spec = find_hf_family(raw.get("model_type", "llama"))
+    quantization_of(raw, config_file)
     return spec, spec.hf.config_from_hf(config_file)
 
 
@@ -68,6 +69,17 @@ class SafetensorsReader:
         return self._handles[file].get_tensor(name)
 
 
+def hf_weights_reader(path: str, fp8_dtype: Optional[torch.dtype] = None) -> DequantizingReader:
+    """Tensors of the Hugging Face directory ``path`` by name, as stored, except block-scaled fp8 weights
+    (config.json's ``quantization_config``), which come dequantised into ``fp8_dtype`` (default: the dtype
+    config.json names for the checkpoint, fp32 when none)."""
+    tensors = SafetensorsReader(path)
+    config_file = os.path.join(path, HF_CONFIG)
+    raw = read_hf_config(config_file) if os.path.isfile(config_file) else {}
+    quant = quantization_of(raw, config_file)
+    return DequantizingReader(tensors, tensors.weight_map, path, quant, fp8_dtype or stored_dtype(raw))
+
+
 def from_pretrained_hf(
     path: str,
     precision: str = "fp32",
@@ -86,7 +98,8 @@ def from_pretrained_hf(
     prepare_model_config(cfg, spec, source=path)
     model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
     names = [name for name, _ in model.named_parameters()]
-    load_full_state_dict_([model], spec.hf.from_hf(names, SafetensorsReader(path), model_cfg), source=path)
+    reader = hf_weights_reader(path, PRECISION_DTYPES[precision])
+    load_full_state_dict_([model], spec.hf.from_hf(names, reader, model_cfg), source=path)
     return model
 
 

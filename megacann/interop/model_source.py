@@ -68,7 +68,9 @@ def apply_model_source(cfg: MegacannConfig, source: str = "<recipe>") -> None:
         return
     settings, file = source_model_settings(m.init_from)
     family = settings.get("type")
+    carried = None  # the defaults of the class the recipe was read into, when the source's family replaces it
     if family and family != m.type and m.type == type(m)().type:  # the source's family, read into its class
+        carried = type(m)()
         cfg.model = m = switch_family(m, family, f"{source}: model.init_from {m.init_from!r} ({file})")
     defaults = type(m)()
     conflicts = []
@@ -78,7 +80,9 @@ def apply_model_source(cfg: MegacannConfig, source: str = "<recipe>") -> None:
         value, mine = settings[key], getattr(m, key)
         if mine == value:
             continue
-        if mine is None or mine == getattr(defaults, key):
+        # unset: None, the family's default, or a default of the recipe's class carried over by the switch
+        # (e.g. rotary_interleaved false, which deepseek_v3 defaults to true)
+        if mine is None or mine == getattr(defaults, key) or mine == getattr(carried, key, object()):
             setattr(m, key, value)
         else:
             conflicts.append(f"model.{key} is {mine!r} in the recipe but {value!r} there")

@@ -14,6 +14,7 @@ import json
 import os
 import warnings
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,7 +34,7 @@ from megacann.checkpoint.state import MODEL_PREFIX, CheckpointParts, model_entri
 from megacann.config import ModelConfig
 from megacann.config.families import model_config_from_dict
 from megacann.interop.full_state import load_full_tensor_, model_parameter_names
-from megacann.interop.hf import SafetensorsReader, hf_family
+from megacann.interop.hf import SafetensorsReader, hf_family, hf_weights_reader
 from megacann.interop.names import CONSOLIDATED_CONFIG, WEIGHTS_FILE
 from megacann.interop.sources import (
     CHECKPOINT,
@@ -85,22 +86,24 @@ def read_consolidated(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     return load_file(weights), model_config_from_dict(values, config, values.get("imports", ()))
 
 
-def read_hf_weights(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """The weights (megacann names, e.g. fused qkv / gate-up) and model config of a Hugging Face directory."""
+def read_hf_weights(path: str, fp8_dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """The weights (megacann names, e.g. fused qkv / gate-up) and model config of a Hugging Face directory;
+    block-scaled fp8 weights dequantised into ``fp8_dtype`` (default: the dtype config.json names)."""
     spec, cfg = hf_family(path)
-    return spec.hf.from_hf(model_parameter_names(spec, cfg), SafetensorsReader(path), cfg), cfg
+    return spec.hf.from_hf(model_parameter_names(spec, cfg), hf_weights_reader(path, fp8_dtype), cfg), cfg
 
 
-def read_weights(source: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+def read_weights(source: str, fp8_dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """Whole weights and model config from a checkpoint, an output directory (its latest checkpoint), a
-    consolidated directory or a Hugging Face directory. A checkpoint of LoRA adapters is refused."""
+    consolidated directory or a Hugging Face directory (fp8 weights dequantised into ``fp8_dtype``, see
+    :func:`read_hf_weights`). A checkpoint of LoRA adapters is refused."""
     found = resolve_weight_source(source, "source")
     refuse_adapter_checkpoint(found, "source")
     if found.kind == CHECKPOINT:
         return read_checkpoint_weights(found.path)
     if found.kind == CONSOLIDATED:
         return read_consolidated(found.path)
-    return read_hf_weights(found.path)
+    return read_hf_weights(found.path, fp8_dtype)
 
 
 def _check_family(source: WeightSource, model_cfg: ModelConfig) -> ModelSpec:
@@ -126,8 +129,9 @@ def load_source_weights(chunks: Sequence[torch.nn.Module], source: WeightSource,
         raise_if_problems(problems, f"cannot load {what}")
         _dcp_load(entries, source.path)
         return
-    reader = SafetensorsReader(source.path)
     spec = _check_family(source, model_cfg) if source.kind == HUGGINGFACE else None
+    # fp8 weights dequantised in fp32, cast once to the chunks' dtype as every tensor is
+    reader = hf_weights_reader(source.path, torch.float32) if spec is not None else SafetensorsReader(source.path)
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             stored = storage_name(name, param)  # a pipeline stage's tied copy is stored as what it copies

@@ -47,8 +47,9 @@ class DeepseekV3ModelConfig(MoEModelConfig):
         "topk_method": "noaux_tc",
         "moe_layer_freq": 1,
         "ep_size": 1,
-        "quantization_config": None,  # DeepSeek-V3's published fp8 weights (block scales) are not read
     }
+    # config.json's quantization_config (DeepSeek-V3's published fp8 weights with block scales) is no model
+    # setting: the weight import dequantises such weights as it reads them (megacann.interop.quantized)
 
     type: str = "deepseek_v3"
     moe_router: str = field(default="sigmoid", metadata={"architecture": True, "choices": ("sigmoid",)})
