@@ -87,16 +87,21 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
                 parts.append("embedding")
             parts.append(_fmt_layers(list(placement.layer_ids)))
             if placement.post_process:
+                # the V holds the embedding in chunk 0 of this stage: its copies' gradients are summed here
+                v_shape = pp > 1 and d.pipeline_schedule in V_NAMES
+                original = "chunk 0's" if v_shape else "stage 0's"
                 if not tied:
                     head = "lm_head"
                 elif pp == 1:
                     head = "lm_head = embedding (tied)"
+                elif v_shape:
+                    head = "lm_head (copy of chunk 0's tied embedding, gradients summed with it on this stage)"
                 else:
                     head = "lm_head (copy of stage 0's tied embedding, gradients summed over the embedding group)"
                 parts += ["final norm", head, "loss"]
                 depths = mtp_depths(m)
                 if depths:  # multi-token prediction: on the last stage, with the embedding it needs
-                    copy = ", its embedding a copy of stage 0's" if pp > 1 and not tied else ""
+                    copy = f", its embedding a copy of {original}" if pp > 1 and not tied else ""
                     parts.append(f"{depths} multi-token prediction depth{'s' if depths > 1 else ''}{copy}")
             several = vpp > 1 or d.pipeline_schedule in V_NAMES
             chunks.append((f"chunk {len(chunks)}: " if several else "") + ", ".join(parts))

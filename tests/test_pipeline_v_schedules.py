@@ -1,6 +1,7 @@
 """V-shaped schedules as plans, without processes: zbv and dualpipev pair up and deliver under the
 simulator for pp 2 to 4 and many micro-batch counts; the V placement (stage s: blocks s and 2p - 1 - s,
-stage 0 with embedding and head); DualPipeV's phases; the recipe key's refusals; the dry run."""
+stage 0 with embedding and head); DualPipeV's phases; the recipe key's refusals (tied embeddings and
+multi-token prediction accepted); the dry run."""
 
 import re
 
@@ -136,8 +137,14 @@ def test_v_schedules_are_validated():
         "2 chunks per stage of pipeline_schedule zbv",
     ):
         tiny_config([*PP2, "distributed.pipeline_schedule=zbv", "distributed.pipeline_layers=[2,2]"], world_size=2)
-    with pytest.raises(ConfigError, match="model.tie_word_embeddings true"):
-        tiny_config([*PP2, "distributed.pipeline_schedule=zbv", "model.tie_word_embeddings=true"], world_size=2)
+    for accepted in ("model.tie_word_embeddings=true", "model.mtp_num_layers=1"):  # stage 0 sums its copies' grads
+        cfg = tiny_config([*PP2, "distributed.pipeline_schedule=zbv", accepted], world_size=2)
+        assert [c.post_process for c in chunk_placements(cfg, 0)] == [False, True]
+    dpo = ["train_mode=dpo", "data.path=unused.jsonl", "optim.grad_accum_steps=4"]
+    with pytest.raises(
+        ConfigError, match="'dualpipev' does not support train_mode dpo yet: use zb1p, 1f1b or interleaved"
+    ):
+        tiny_config([*PP2, "distributed.pipeline_schedule=dualpipev", *dpo], world_size=2)
     with pytest.raises(ConfigError, match="virtual_pipeline_size is 4"):
         tiny_config(
             [*PP2, "distributed.pipeline_schedule=zbv", "distributed.virtual_pipeline_size=4", "model.num_layers=8"],
@@ -183,3 +190,15 @@ def test_dry_run_prints_the_v_schedules():
     )
     text = describe(uneven)  # the memory estimate places the V's blocks too
     assert re.search(r"\n0 .* embedding \+ layer 0 \| layer 5 \+ output layer\n1 .* layers 1-2 \| layers 3-4\n", text)
+
+
+def test_dry_run_places_the_tied_head_and_mtp_beside_the_embedding():
+    zbv = [*PP2, "distributed.pipeline_schedule=zbv", "optim.grad_accum_steps=4"]
+    tied = describe(tiny_config([*zbv, "model.tie_word_embeddings=true"], world_size=2))
+    assert re.search(
+        r"stage 0 \(ranks 0\): chunk 0: embedding, layer 0 \| chunk 1: layer 3, final norm, lm_head \(copy of "
+        r"chunk 0's tied embedding, gradients summed with it on this stage\), loss;",
+        tied,
+    )
+    mtp = describe(tiny_config([*zbv, "model.mtp_num_layers=1"], world_size=2))
+    assert "lm_head, loss, 1 multi-token prediction depth, its embedding a copy of chunk 0's;" in mtp

@@ -2,7 +2,9 @@
 exactly (the forwards, B, W, fused backwards and V transfers recorded by ``run_plan(trace=...)``); the V
 placement is really on: stage 0 holds the embedding, the first and the last layer block and the head.
 
-pp 2 with uneven layer blocks is the default tier; pp 4 and the combinations with TP + SP, dp + ZeRO-1,
+pp 2 with uneven layer blocks is the default tier, both with tied embeddings and one multi-token prediction
+depth (the tied head's copy of the embedding and MTP sit in stage 0's chunk 1, the embedding in its chunk 0;
+one reference for both); pp 4 and the combinations with TP + SP, dp + ZeRO-1,
 context parallelism (zbv with recompute; dualpipev with its pairs at once), MoE with expert parallelism, LoRA, and bit-for-bit resume are
 ``extended``. Machinery shared with the zero-bubble tests (test_pipeline_zero_bubble_training)."""
 
@@ -16,7 +18,8 @@ PP2, PP4 = zb.PP2, zb.PP4
 ZBV, DUALPIPEV = "distributed.pipeline_schedule=zbv", "distributed.pipeline_schedule=dualpipev"
 M2, M4, M8 = zb.M2, zb.M4, "optim.grad_accum_steps=8"
 SMALL = ["model.num_layers=5", "model.hidden_size=32", "model.ffn_hidden_size=64", "data.seq_length=16"]
-zb.REFERENCES.setdefault("small_m4", [M4, *SMALL])
+TIED_MTP = [zb.TIED, "model.mtp_num_layers=1"]
+zb.REFERENCES.setdefault("small_tied_mtp_m4", [M4, *SMALL, *TIED_MTP])
 zb.REFERENCES.setdefault("m8", [M8])  # one-process references of the dp 2 runs below
 MOE4 = [*zb.MOE, "model.num_layers=4"]  # four blocks for the V of pp 2
 zb.REFERENCES.setdefault("moe4_m4", [M4, *MOE4])
@@ -24,11 +27,17 @@ zb.REFERENCES.setdefault("moe4_m8", [M8, *MOE4])
 zb.REFERENCES.setdefault("l8_m8", [M8, "model.num_layers=8"])
 
 WORLD2 = {  # (overrides, reference); blocks [1,2,1,1] in model order: stage 0 holds layers 0 and 4
-    "pp2_zbv_uneven": ([PP2, ZBV, M4, *SMALL, "distributed.pipeline_layers=[1,2,1,1]"], "small_m4"),
-    "pp2_dualpipev_uneven": ([PP2, DUALPIPEV, M4, *SMALL, "distributed.pipeline_layers=[2,1,1,1]"], "small_m4"),
+    "pp2_zbv_uneven_tied_mtp": (
+        [PP2, ZBV, M4, *SMALL, *TIED_MTP, "distributed.pipeline_layers=[1,2,1,1]"],
+        "small_tied_mtp_m4",
+    ),
+    "pp2_dualpipev_uneven_tied_mtp": (
+        [PP2, DUALPIPEV, M4, *SMALL, *TIED_MTP, "distributed.pipeline_layers=[2,1,1,1]"],
+        "small_tied_mtp_m4",
+    ),
 }
 # which layers each stage's two chunks hold (chunk 0: block s, chunk 1: block 2p - 1 - s)
-PLACED = {"pp2_zbv_uneven": [[0, 4], [1, 2, 3]], "pp2_dualpipev_uneven": [[0, 1, 4], [2, 3]]}
+PLACED = {"pp2_zbv_uneven_tied_mtp": [[0, 4], [1, 2, 3]], "pp2_dualpipev_uneven_tied_mtp": [[0, 1, 4], [2, 3]]}
 TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
 WORLD4 = {
     "pp4_zbv": ([PP4, ZBV, M4, "model.num_layers=8"], "l8_m4"),
@@ -54,14 +63,16 @@ RESUME_WORLD4 = {
 }
 
 
-def _check_v_placement(got: dict, layers: list[list[int]]) -> None:
-    """Each stage holds exactly its V blocks: stage 0 the embedding and the head as well."""
+def _check_v_placement(got: dict, layers: list[list[int]], mtp: bool = False) -> None:
+    """Each stage holds exactly its V blocks: stage 0 the embedding and the head as well (and the MTP
+    depths with ``mtp``; a tied head there is a copy of its own, checked equal by the parity check)."""
     for stage, run in enumerate(got["runs"]):
         names = run["params"]  # every rank of a pp 2 world owns its weights
         held = sorted({int(m.group(1)) for n in names if (m := re.match(r"layers\.(\d+)\.", n))})
         assert held == layers[stage], (stage, held)
         assert ("embed_tokens.weight" in names) == (stage == 0)
         assert ("lm_head.weight" in names) == (stage == 0)
+        assert any(n.startswith("mtp.layers.0.") for n in names) == (mtp and stage == 0), stage
         chunks_run = {a.chunk for a in run["trace"] if type(a).__name__ == "Forward"}
         assert chunks_run == {0, 1}, stage
 
@@ -73,15 +84,15 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference2(tmp_path_factory):
-    return zb._references(["small_m4"], str(tmp_path_factory.mktemp("vref2")))
+    return zb._references(["small_tied_mtp_m4"], str(tmp_path_factory.mktemp("vref2")))
 
 
 @pytest.mark.parametrize("layout", sorted(WORLD2))
 def test_pp2_v_schedule_uneven_matches_one_process_and_follows_its_plan(world2, reference2, layout):
     got = world2[layout]
-    assert len(got["losses"]) == len(reference2["small_m4"]["losses"]) == zb.STEPS
+    assert len(got["losses"]) == len(got["norms"]) == len(reference2[WORLD2[layout][1]]["losses"]) == zb.STEPS
     zb._check_run(got, WORLD2[layout], reference2, split=True)  # both split backwards (dualpipev: zero-bubble phases)
-    _check_v_placement(got, PLACED[layout])
+    _check_v_placement(got, PLACED[layout], mtp="mtp" in layout)
     if "dualpipev" in layout:  # its pairs ran at once (distributed.dualpipev_overlap auto)
         from megacann.pipeline.v_schedules import dualpipev_pairs
 

@@ -97,8 +97,10 @@ def _fits(cfg, base):
 
 
 def test_the_trainer_s_refusals_hold_in_the_search():
-    cfg, base = _base(4, "model.tie_word_embeddings=true")
-    with pytest.raises(ConfigError, match="tie_word_embeddings"):
+    cfg, base = _base(4, "model.tie_word_embeddings=true", "model.mtp_num_layers=1")  # the V builds both
+    assert fastest_schedule(cfg, base, 1e12)[0].schedule == "zbv"
+    cfg, base = _base(4, "train_mode=dpo", "data.path=unused.jsonl")
+    with pytest.raises(ConfigError, match="'zbv' does not support train_mode dpo"):
         schedule_config(cfg, _variant_layout(base, "zbv"))
     layout, _, _ = fastest_schedule(cfg, base, 1e12)
     assert layout.schedule == "interleaved"  # zbv and dualpipev refused; interleaved's 27.3% beats zb1p's 33.3%

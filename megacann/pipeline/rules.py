@@ -109,26 +109,21 @@ def _chunks_name(schedule: Optional[str], chunks: int) -> str:
 
 
 def _check_v_shaped(cfg: MegacannConfig, source: str) -> None:
-    """What the V placement does not build: the head's tied embedding and MTP's copy of it sit on stage 0
-    beside the embedding, in another chunk, and the embedding group sums their gradients between stage 0
-    and the last stage; preference training (dpo) reads its log-probabilities on the last stage."""
-    from megacann.models.mtp import mtp_depths  # the family's key, when it has one
+    """What the V placement does not build: preference training (dpo) reads its log-probabilities on the
+    last stage, where the V has no head. Tied embeddings and multi-token prediction run: their copies of the
+    embedding sit on stage 0 beside it, in chunk 1, and that rank sums the gradients itself
+    (:func:`megacann.optimizer.finalize.reduce_shared_embedding_grads`)."""
     from megacann.pipeline.v_schedules import v_schedule_error
 
     d = cfg.distributed
-    name = f"distributed.pipeline_schedule {d.pipeline_schedule!r}"
     error = v_schedule_error(d.pipeline_schedule, d.pipeline_parallel_size, cfg.optim.grad_accum_steps)
     if error:
         raise ConfigError(f"{source}: {error}")
-    if cfg.model.tie_word_embeddings:
-        raise ConfigError(
-            f"{source}: {name} puts the head on stage 0 beside the embedding, which tied embeddings "
-            "(model.tie_word_embeddings true) do not support yet: set it false or use zb1p"
-        )
-    if mtp_depths(cfg.model):
-        raise ConfigError(f"{source}: {name} does not support multi-token prediction (model.mtp_num_layers) yet")
     if cfg.train_mode == "dpo":
-        raise ConfigError(f"{source}: {name} does not support train_mode dpo yet: use zb1p, 1f1b or interleaved")
+        raise ConfigError(
+            f"{source}: distributed.pipeline_schedule {d.pipeline_schedule!r} does not support train_mode dpo yet: "
+            "use zb1p, 1f1b or interleaved"
+        )
 
 
 def validate_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> None:
