@@ -35,6 +35,7 @@ from dist_harness import run_on_ranks  # the tests' gloo launcher: N ranks, hard
 from test_planner import SavedTensorTracker  # bytes autograd saves, as the planner's test counts them
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from train_vs_transformers import llama_model_section  # the recipe's model section from the size options
 
 MIB = 2**20
 
@@ -70,17 +71,7 @@ def _config(args: argparse.Namespace, seq: int, cp: int, algo: str, out: str):
     return config_from_dict(
         {
             "experiment": {"name": "context_parallel", "output_dir": out},
-            "model": {
-                "type": "llama",
-                "precision": "fp32",
-                "hidden_size": args.hidden,
-                "num_layers": args.layers,
-                "num_attention_heads": args.heads,
-                "num_key_value_heads": args.kv_heads,
-                "ffn_hidden_size": args.ffn,
-                "vocab_size": args.vocab,
-                "max_position_embeddings": max(args.seq),
-            },
+            "model": llama_model_section(args, "fp32", max(args.seq)),
             "data": {"seq_length": seq, "batch_size": 1},
             "optim": {"grad_accum_steps": 1, "max_steps": 1},
             "distributed": {"context_parallel_size": cp, "context_parallel_algo": algo},

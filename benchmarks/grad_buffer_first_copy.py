@@ -1,7 +1,7 @@
 """What the gradient buffer costs a step beyond autograd handing its gradients over: the old step (zero the
-whole fp32 buffer, then add every gradient into it) against the first-gradient copy, with torch's own
-``zero_grad(set_to_none=True)`` (the fresh gradient becomes ``.grad``, no copy: what transformers' step does)
-as the floor, in one process, alternating rounds.
+whole fp32 buffer, then add every gradient into it; ``ZeroThenAdd`` below, the library keeps no copy of it)
+against the first-gradient copy, with torch's own ``zero_grad(set_to_none=True)`` (the fresh gradient
+becomes ``.grad``, no copy: what transformers' step does) as the floor, in one process, alternating rounds.
 
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 MEGACANN_CPU_ISA=avx2 \\
         python benchmarks/grad_buffer_first_copy.py [--micro_batches 1 2 --rounds 5]
@@ -37,6 +37,20 @@ def llama_shapes(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, 
     return [(vocab, hidden)] + block * layers + [(hidden,), (vocab, hidden)]
 
 
+class ZeroThenAdd(GradBuffer):
+    """The step the library used before the first-gradient copy, kept here to measure against: ``zero()``
+    fills the whole (persistent) buffer and makes every fp32 slot its parameter's ``.grad``, so autograd
+    adds every gradient, the first included, into zeros."""
+
+    def zero(self) -> None:
+        super().zero()
+        self.unwritten = set()  # every slot holds zeros: nothing is copied, nothing zeroed at the launch
+        self.data.zero_()
+        for p in self.params:
+            if id(p) in self.aliased:
+                p.grad = p.main_grad
+
+
 class _Fresh(torch.autograd.Function):
     """A node whose backward gives its parameter a fresh gradient nothing else holds (as a weight-gradient
     product does), so autograd's AccumulateGrad may take it over."""
@@ -67,18 +81,13 @@ def system(mode: str, shapes: list[tuple], micro_batches: int):
                 backward(params)
 
         return step
-    GradBuffer._zero_then_add = mode == "old"
-    buffers = GradBuffers(params, bucket_size=40_000_000)
-    GradBuffer._zero_then_add = False
-    old = mode == "old"
+    buffers = GradBuffers(params, bucket_size=40_000_000, buffer_cls=ZeroThenAdd if mode == "old" else GradBuffer)
 
     def step() -> None:
-        GradBuffer._zero_then_add = old  # read by zero() and storage()
         buffers.zero()
         for _ in range(micro_batches):
             backward(params)
         buffers.finish_grad_sync()
-        GradBuffer._zero_then_add = False
 
     return step
 

@@ -22,6 +22,22 @@ import torch
 from megacann.config import config_from_dict, validate
 
 
+def llama_model_section(args, precision: str, max_positions: int) -> dict:
+    """The ``model`` section of a megacann LLaMA recipe of the size in ``args`` (``hidden``, ``layers``,
+    ``heads``, ``kv_heads``, ``ffn``, ``vocab``)."""
+    return {
+        "type": "llama",
+        "precision": precision,
+        "hidden_size": args.hidden,
+        "num_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "ffn_hidden_size": args.ffn,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": max_positions,
+    }
+
+
 def megacann_trainer(args, precision: str, compile_backend=None):
     """megacann's Trainer for the shape in ``args`` on synthetic data (one fixed batch); ``compile_backend``
     sets precision.compile (torch.compile per transformer block)."""
@@ -29,17 +45,7 @@ def megacann_trainer(args, precision: str, compile_backend=None):
     from megacann.training.trainer import Trainer
 
     raw = {
-        "model": {
-            "type": "llama",
-            "precision": precision,
-            "hidden_size": args.hidden,
-            "num_layers": args.layers,
-            "num_attention_heads": args.heads,
-            "num_key_value_heads": args.kv_heads,
-            "ffn_hidden_size": args.ffn,
-            "vocab_size": args.vocab,
-            "max_position_embeddings": args.seq,
-        },
+        "model": llama_model_section(args, precision, args.seq),
         "data": {"seq_length": args.seq, "batch_size": args.micro_batch},
         "optim": {"lr": 1e-4, "max_steps": 10_000, "clip_grad": 1.0, "weight_decay": 0.1},
         "distributed": {"device": args.device},

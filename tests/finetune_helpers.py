@@ -9,10 +9,9 @@ import random
 import string
 
 import torch
-from training_helpers import TINY_MODEL
+from training_helpers import TINY_MODEL, prepared_recipe
 
-from megacann.config import MegacannConfig, ModelConfig, apply_overrides, config_from_dict
-from megacann.training.recipe import prepare_recipe
+from megacann.config import MegacannConfig, ModelConfig
 
 VOCAB = 260  # the byte tokenizer's 259 ids fit
 LORA = ["lora=true", "lora_rank=4", "lora_alpha=8.0", "lora_target_modules=all-linear"]
@@ -31,25 +30,30 @@ def recipe(overrides=(), model: dict | None = None, world_size: int = 1, **secti
         "logging": {"log_interval": 1, "ckpt_interval": 0},
         "seed": 7,
     }
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    cfg = config_from_dict(raw)
-    apply_overrides(cfg, list(overrides))
-    prepare_recipe(cfg, world_size=world_size)
-    return cfg
+    return prepared_recipe(raw, overrides, world_size, **sections)
+
+
+def random_words(rng: random.Random, count: int) -> list[str]:
+    """``count`` distinct lower-case words of 3-5 letters drawn from ``rng``, sorted."""
+    words: set[str] = set()
+    while len(words) < count:
+        words.add("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 5))))
+    return sorted(words)
+
+
+def write_jsonl(path: str, records: list[dict]) -> str:
+    """``records`` as JSON lines at ``path`` (its directory made); returns ``path``."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    return path
 
 
 def write_reverse_task(path: str, count: int = 64, seed: int = 0) -> str:
     """``{"instruction": "Reverse: abc", "output": "cba"}`` lines (distinct words of 3-5 letters)."""
-    rng = random.Random(seed)
-    words: set[str] = set()
-    while len(words) < count:
-        words.add("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 5))))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        for word in sorted(words):
-            f.write(json.dumps({"instruction": f"Reverse: {word}", "output": word[::-1]}) + "\n")
-    return path
+    words = random_words(random.Random(seed), count)
+    return write_jsonl(path, [{"instruction": f"Reverse: {word}", "output": word[::-1]} for word in words])
 
 
 def sft_overrides(jsonl: str, cache_dir: str) -> list[str]:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import string
 
 import pytest
 import torch
 import torch.nn.functional as F
-from finetune_helpers import COMMON, LORA, recipe
+from finetune_helpers import COMMON, LORA, random_words, recipe, write_jsonl
 
 from megacann.constants import IGNORE_INDEX
 
@@ -21,15 +20,11 @@ from megacann.constants import IGNORE_INDEX
 def write_pairs(path: str, count: int = 48, seed: int = 0) -> str:
     """Reversal questions with the right answer chosen and a near miss rejected."""
     rng = random.Random(seed)
-    words: set[str] = set()
-    while len(words) < count:
-        words.add("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 5))))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        for word in sorted(words):
-            wrong = word if rng.random() < 0.5 else word[::-1][1:] + word[-1]
-            f.write(json.dumps({"prompt": f"Reverse: {word}", "chosen": word[::-1], "rejected": wrong}) + "\n")
-    return path
+    pairs = []
+    for word in random_words(rng, count):
+        wrong = word if rng.random() < 0.5 else word[::-1][1:] + word[-1]
+        pairs.append({"prompt": f"Reverse: {word}", "chosen": word[::-1], "rejected": wrong})
+    return write_jsonl(path, pairs)
 
 
 def dpo_overrides(path: str, tmp: str, *extra: str) -> list[str]:

@@ -1,31 +1,21 @@
 """The gradient buffer copies a parameter's first gradient of a step into its slot instead of zeroing the
 whole buffer and adding (0 + g == g): its gradients equal plain autograd's bit for bit, slots that received
-nothing reduce as zeros, no fill runs over the buffer, and training equals the old zero-then-add step
-(``GradBuffer._zero_then_add``, a private switch) bit for bit in every mode the buffer serves."""
+nothing reduce as zeros, no fill runs over the buffer (only the slots nothing wrote are zeroed), and every
+mode the buffer serves trains as one process does (which test_training_reference.py checks against plain
+PyTorch)."""
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import pytest
 import torch
 from dist_harness import run_on_ranks
+from test_training_parity import assert_close_trace, assert_params_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megacann.optimizer.grad_buffer import GradBuffer, GradBuffers
+from megacann.optimizer.grad_buffer import GradBuffers
 from megacann.optimizer.zero.grad_buffer import ShardedGradBuffer
 
 MICRO_BATCHES = 3
-
-
-@contextmanager
-def zero_then_add(active: bool = True):
-    """Run the old step: the whole buffer zeroed at zero(), every gradient added."""
-    previous, GradBuffer._zero_then_add = GradBuffer._zero_then_add, active
-    try:
-        yield
-    finally:
-        GradBuffer._zero_then_add = previous
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Sequential:
@@ -124,93 +114,105 @@ class _BufferWrites(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("old", [False, True])
-def test_no_fill_over_the_buffer(old):
-    """The new step writes the buffer with one copy per parameter (first micro-batch) and in-place adds; the
-    old one fills all of it first (which proves the probe sees it)."""
-    with zero_then_add(old):
-        model = _model(torch.float32)
-        buffers = _buffers(model, "plain")
-        (buffer,) = buffers.buffers
-        _step(model, buffers, 0, False)
-        probe = _BufferWrites(buffer.data)
-        with probe:
-            _step(model, buffers, 1, False)
-        buffers.remove_hooks()
+@pytest.mark.parametrize("skip_last", [False, True])
+def test_no_fill_over_the_buffer(skip_last):
+    """A step writes the buffer with one copy per parameter that got a gradient (its first micro-batch) and
+    in-place adds; it zeroes only the slots nothing wrote (the skipped last layer's, which also proves the
+    probe sees a zeroing)."""
+    model = _model(torch.float32)
+    buffers = _buffers(model, "plain")
+    (buffer,) = buffers.buffers
+    _step(model, buffers, 0, False)
+    probe = _BufferWrites(buffer.data)
+    with probe:
+        _step(model, buffers, 1, skip_last)
+    buffers.remove_hooks()
+    unused = list(model[-1].parameters()) if skip_last else []
+    used = [p for p in model.parameters() if all(p is not q for q in unused)]
     fills = [n for op, n in probe.ops if op in ("fill_", "zero_")]
     copies = [n for op, n in probe.ops if op == "copy_"]
     adds = [op for op, _ in probe.ops if op == "add_"]
-    n_params = len(list(model.parameters()))
-    if old:
-        assert fills == [buffer.numel] and not copies and len(adds) == MICRO_BATCHES * n_params
-    else:
-        assert not fills and sorted(copies) == sorted(p.numel() for p in model.parameters())
-        assert len(adds) == (MICRO_BATCHES - 1) * n_params
+    assert sorted(fills) == sorted(p.numel() for p in unused)
+    assert sorted(copies) == sorted(p.numel() for p in used)
+    assert len(adds) == (MICRO_BATCHES - 1) * len(used)
 
 
-# -- training: the new step equals the old one bit for bit ----------------------------------------------
+# -- training: every mode the buffer serves trains as one process does --------------------------------
 
 COMMON = ["optim.clip_grad=0.5", "optim.grad_accum_steps=3", "data.batch_size=1", "data.seq_length=16"]
 SMALL = ["distributed.bucket_size_mb=0.02"]
 OVERLAP = ["distributed.overlap_grad_reduce=true"]
 Z2 = ["distributed.zero_optimization=2"]
+STEPS = 3
 
 
-def _train(overrides: list[str], old: bool, steps: int = 3) -> dict:
+def _train(overrides: list[str]) -> dict:
     import torch.distributed as dist
     from training_helpers import SyntheticData, tiny_config
 
     from megacann import parallel_state as ps
+    from megacann.interop.full_state import full_state_dict
     from megacann.ops.weight_grad import weight_grad_stats
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
     w_runs = weight_grad_stats()["run"]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    with zero_then_add(old):
-        cfg = tiny_config(COMMON + overrides, world_size=world)
-        runtime = setup_runtime(cfg)
-        data = SyntheticData(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-        trainer = Trainer(cfg, runtime, data=data)
-        metrics = [trainer.train_step() for _ in range(steps)]
-        trainer.optimizer.finish_param_sync()
-        record = {
-            "losses": [m["loss"] for m in metrics],
-            "norms": [m["grad_norm"] for m in metrics],
-            "params": {n: p.detach().clone() for c in trainer.model_chunks for n, p in c.named_parameters()},
-            "overlapped": sum(b.overlapped_buckets for b in trainer.optimizer.grad_buffers.buffers),
-            "buckets": sum(len(b.buckets) for b in trainer.optimizer.grad_buffers.buffers),
-            "w_runs": weight_grad_stats()["run"] - w_runs,  # deferred weight gradients computed in W
-        }
+    cfg = tiny_config(COMMON + overrides, world_size=world)
+    runtime = setup_runtime(cfg)
+    data = SyntheticData(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    trainer = Trainer(cfg, runtime, data=data)
+    metrics = [trainer.train_step() for _ in range(STEPS)]
+    trainer.optimizer.finish_param_sync()
+    params = full_state_dict(trainer.model_chunks)  # on every rank: tensor-parallel shards are gathered
+    owner = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0  # one per stage
+    record = {
+        "losses": [m["loss"] for m in metrics],
+        "norms": [m["grad_norm"] for m in metrics],
+        "params": params if owner else {},
+        "dp": ps.get_data_parallel_world_size(),
+        "overlapped": sum(b.overlapped_buckets for b in trainer.optimizer.grad_buffers.buffers),
+        "buckets": sum(len(b.buckets) for b in trainer.optimizer.grad_buffers.buffers),
+        "w_runs": weight_grad_stats()["run"] - w_runs,  # deferred weight gradients computed in W
+    }
     ps.destroy_model_parallel()
     return record
 
 
-def _pairs(runs: dict[str, list[str]]) -> dict:
-    return {name: (_train(o, old=False), _train(o, old=True)) for name, o in runs.items()}
+def _runs(runs: dict[str, list[str]]) -> dict:
+    return {name: _train(overrides) for name, overrides in runs.items()}
 
 
-def assert_bitwise(new: dict, old: dict, name: str) -> None:
-    assert new["losses"] == old["losses"] and new["norms"] == old["norms"], name
-    assert new["params"].keys() == old["params"].keys() and len(new["losses"]) == 3
-    for key, value in new["params"].items():
-        assert torch.equal(value, old["params"][key]), (name, key)
+def _one_process(overrides: list[str], dp: int) -> dict:
+    """The run of ``overrides`` in this process: its model and optimizer keys, none of its parallel layout,
+    and the same global batch (``dp`` times the micro-batches of one sample each)."""
+    own = tuple(o for o in overrides if not o.startswith("distributed.")) + (f"optim.grad_accum_steps={3 * dp}",)
+    if own not in _ONE_PROCESS:  # runs that differ only in layout share it
+        _ONE_PROCESS[own] = _train(list(own))
+    return _ONE_PROCESS[own]
 
 
-def test_one_process_trains_bitwise_as_before():
-    new, old = _train([], old=False), _train([], old=True)
-    assert_bitwise(new, old, "dp1")
+_ONE_PROCESS: dict[tuple[str, ...], dict] = {}
 
 
-def test_dp2_overlap_and_zero2_train_bitwise_as_before():
-    runs = {"dp2_overlap": SMALL + OVERLAP, "zero2_overlap": Z2 + SMALL + OVERLAP}
-    for rank in run_on_ranks(_pairs, 2, args=(runs,)):
-        for name, (new, old) in rank.items():
-            assert new["overlapped"] == new["buckets"] > 2, name  # reductions really started in backward
-            assert_bitwise(new, old, name)
+def assert_as_one_process(ranks: list[dict], name: str, rel: float, param_rel: float) -> dict:
+    """Rank 0's losses and norms, and every stage's weights, against the run in one process; returns it."""
+    got = ranks[0][name]
+    ref = _one_process(OVERRIDES[name], got["dp"])
+    params = {k: v for rank in ranks for k, v in rank[name]["params"].items()}
+    assert len(got["losses"]) == len(ref["losses"]) == STEPS, name
+    assert [n is None for n in got["norms"]] == [n is None for n in ref["norms"]], (name, got["norms"])
+    assert_close_trace(got["losses"], ref["losses"], rel)
+    assert_close_trace([n for n in got["norms"] if n is not None], [n for n in ref["norms"] if n is not None], rel)
+    if "lm_head.weight" in params.keys() - ref["params"].keys():  # tied: the last stage's copy of the embedding
+        assert torch.equal(params.pop("lm_head.weight"), params["embed_tokens.weight"]), name
+    assert_params_close(params, ref["params"], param_rel)
+    return ref
 
 
-EXTENDED_WORLD4 = {
+OVERRIDES = {
+    "dp2_overlap": SMALL + OVERLAP,
+    "zero2_overlap": Z2 + SMALL + OVERLAP,
     "zero1_bf16": ["distributed.zero_optimization=1", "model.precision=bf16"] + SMALL,
     "zero3_prefetch": ["distributed.zero_optimization=3", "distributed.overlap_param_gather=true"] + SMALL + OVERLAP,
     "pp2_tied_zb1p_zero2": [
@@ -224,13 +226,33 @@ EXTENDED_WORLD4 = {
     "tp2_lora_zero2": ["distributed.tensor_parallel_size=2", "lora=true", "lora_rank=4", "lora_alpha=8.0"] + Z2,
     "offload_fp16": ["optim.offload_optimizer=true", "model.precision=fp16", "optim.initial_loss_scale=1e6"],
 }
+WORLD2 = ("dp2_overlap", "zero2_overlap")
+EXTENDED_WORLD4 = ("zero1_bf16", "zero3_prefetch", "pp2_tied_zb1p_zero2", "tp2_lora_zero2", "offload_fp16")
+# (losses and norms, weights norm-wise) against one process, by precision. fp32: the reductions sum in
+# another order than one process's accumulation (measured: norms <= 5e-6, weights <= 1.3e-5 after 3 Adam
+# steps). bf16 / fp16 weights: a master weight an fp32 ulp away rounds to the other side now and then, one
+# ulp of the low precision (measured: bf16 norms 1e-3, weights 1.6e-3; fp16 weights 1.4e-5).
+TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2**-8, 2**-8), "fp16": (1e-5, 2**-11)}
+
+
+def _tolerance(name: str) -> tuple[float, float]:
+    precision = next((o.split("=")[1] for o in OVERRIDES[name] if o.startswith("model.precision=")), "fp32")
+    return TOLERANCES[precision]
+
+
+def test_dp2_overlap_and_zero2_train_as_one_process():
+    ranks = run_on_ranks(_runs, 2, args=({name: OVERRIDES[name] for name in WORLD2},))
+    for name in WORLD2:
+        for rank in ranks:
+            assert rank[name]["overlapped"] == rank[name]["buckets"] > 2, name  # reductions started in backward
+        assert_as_one_process(ranks, name, *_tolerance(name))
 
 
 @pytest.mark.extended
-def test_world4_modes_train_bitwise_as_before():
-    ranks = run_on_ranks(_pairs, 4, args=(EXTENDED_WORLD4,), timeout=600)
-    for rank in ranks:
-        for name, (new, old) in rank.items():
-            assert_bitwise(new, old, name)
-        assert None in rank["offload_fp16"][0]["norms"]  # fp16 overflowed and skipped a step
-    assert sum(rank["pp2_tied_zb1p_zero2"][0]["w_runs"] for rank in ranks) > 0  # the last stage split its backward
+def test_world4_modes_train_as_one_process():
+    ranks = run_on_ranks(_runs, 4, args=({name: OVERRIDES[name] for name in EXTENDED_WORLD4},), timeout=600)
+    for name in EXTENDED_WORLD4:
+        ref = assert_as_one_process(ranks, name, *_tolerance(name))
+        if name == "offload_fp16":  # fp16 overflowed and skipped a step, as in one process
+            assert None in ref["norms"]
+    assert sum(rank["pp2_tied_zb1p_zero2"]["w_runs"] for rank in ranks) > 0  # the last stage split its backward

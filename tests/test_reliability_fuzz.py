@@ -9,6 +9,7 @@ import typing
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from training_helpers import TINY_MODEL
 
 from megacann.config import (
     CHOICES,
@@ -24,19 +25,10 @@ from megacann.errors import MegacannError
 from megacann.training.preflight import preflight
 from megacann.training.recipe import prepare_recipe
 
+# a valid recipe the fuzz changes: the training tests' tiny LLaMA (with the default vocabulary padding)
 BASE = {
     "experiment": {"name": "fuzz", "output_dir": "/nonexistent-megacann-fuzz/run"},
-    "model": {
-        "type": "llama",
-        "precision": "fp32",
-        "hidden_size": 64,
-        "num_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "ffn_hidden_size": 128,
-        "vocab_size": 300,
-        "max_position_embeddings": 64,
-    },
+    "model": {**{k: v for k, v in TINY_MODEL.items() if k != "make_vocab_size_divisible_by"}, "vocab_size": 300},
     "data": {"seq_length": 32, "batch_size": 2, "tokenizer": "byte"},
     "optim": {"max_steps": 10},
     "distributed": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},

@@ -21,6 +21,17 @@ TINY_MODEL = {
 }
 
 
+def prepared_recipe(raw: dict, overrides: list[str] = (), world_size: int = 1, **sections) -> MegacannConfig:
+    """The recipe ``raw`` with each of ``sections`` merged into its section, then ``overrides`` applied,
+    prepared for ``world_size`` ranks."""
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    cfg = config_from_dict(raw)
+    apply_overrides(cfg, list(overrides))
+    prepare_recipe(cfg, world_size=world_size)
+    return cfg
+
+
 def tiny_config(overrides: list[str] = (), world_size: int = 1, **sections) -> MegacannConfig:
     raw = {
         "experiment": {"name": "test", "output_dir": "/tmp/megacann-test-unused"},
@@ -30,12 +41,7 @@ def tiny_config(overrides: list[str] = (), world_size: int = 1, **sections) -> M
         "logging": {"log_interval": 1, "ckpt_interval": 0},
         "seed": 7,
     }
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    cfg = config_from_dict(raw)
-    apply_overrides(cfg, list(overrides))
-    prepare_recipe(cfg, world_size=world_size)
-    return cfg
+    return prepared_recipe(raw, overrides, world_size, **sections)
 
 
 def synthetic_sample(index: int, seq_length: int, vocab_size: int) -> torch.Tensor:

@@ -33,7 +33,21 @@ def _norm_parameter(hidden_size: int, ones: bool, sequence_parallel: bool, dtype
     return mark_partial_grad(param) if sequence_parallel else param
 
 
-class RMSNorm(torch.nn.Module):
+class _HiddenNorm(torch.nn.Module):
+    """What both norms hold: ``eps``, whether the sequence is split (``sequence_parallel``) and a weight of
+    ones over the hidden dim."""
+
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: Optional[bool], dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.sequence_parallel = sequence_parallel = resolve_sequence_parallel(sequence_parallel)
+        self.weight = _norm_parameter(hidden_size, True, sequence_parallel, dtype, device)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class RMSNorm(_HiddenNorm):
     """``weight * x / sqrt(mean(x²) + eps)`` (LLaMA), through ``megacann.ops.rms_norm``."""
 
     def __init__(
@@ -44,19 +58,13 @@ class RMSNorm(torch.nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
     ):
-        super().__init__()
-        self.eps = eps
-        self.sequence_parallel = sequence_parallel = resolve_sequence_parallel(sequence_parallel)
-        self.weight = _norm_parameter(hidden_size, True, sequence_parallel, dtype, device)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+        super().__init__(hidden_size, eps, sequence_parallel, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-class LayerNorm(torch.nn.Module):
+class LayerNorm(_HiddenNorm):
     """``(x - mean) / sqrt(var + eps) * weight + bias`` (GPT)."""
 
     def __init__(
@@ -68,14 +76,8 @@ class LayerNorm(torch.nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
     ):
-        super().__init__()
-        self.eps = eps
-        self.sequence_parallel = sequence_parallel = resolve_sequence_parallel(sequence_parallel)
-        self.weight = _norm_parameter(hidden_size, True, sequence_parallel, dtype, device)
-        self.bias = _norm_parameter(hidden_size, False, sequence_parallel, dtype, device) if bias else None
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+        super().__init__(hidden_size, eps, sequence_parallel, dtype, device)
+        self.bias = _norm_parameter(hidden_size, False, self.sequence_parallel, dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

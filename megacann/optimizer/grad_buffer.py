@@ -75,7 +75,6 @@ class GradBuffer:
     """
 
     MAX_IN_FLIGHT = 2  # buckets reducing at once inside backward when storage is freed after reduction
-    _zero_then_add = False  # private switch for tests and benchmarks: the old step (zero it all, then add)
 
     def __init__(
         self,
@@ -142,11 +141,8 @@ class GradBuffer:
         """The bucket's gradient storage, allocated on first use when not persistent (only its padding
         zeroed: every slot is written by its first gradient or zeroed at the launch)."""
         if bucket.data is None:
-            if self._zero_then_add:
-                data = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
-            else:
-                data = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
-                data[self.ranges[id(bucket.params[-1])][1] - bucket.start :].zero_()
+            data = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+            data[self.ranges[id(bucket.params[-1])][1] - bucket.start :].zero_()
             self._bind(bucket, data)
             self.allocated_numel += bucket.numel
             self.peak_allocated_numel = max(self.peak_allocated_numel, self.allocated_numel)
@@ -170,18 +166,10 @@ class GradBuffer:
             self.release(bucket)
             bucket.pending = {id(p) for p in bucket.params}
             bucket.launched = bucket.reduced = False
-        if self._zero_then_add:
-            self.unwritten = set()
-            if self.data is not None:
-                self.data.zero_()
-            for p in self.params:
-                if id(p) in self.aliased:
-                    p.grad = p.main_grad
-        else:
-            self.unwritten = {id(p) for p in self.params}
-            for p in self.params:
-                if id(p) in self.aliased:
-                    p.grad = None
+        self.unwritten = {id(p) for p in self.params}
+        for p in self.params:
+            if id(p) in self.aliased:
+                p.grad = None
         self.peak_allocated_numel = self.allocated_numel
         self.overlapped_buckets = 0
         self._next_launch = 0

@@ -42,6 +42,7 @@ class ShardedGradBuffer(GradBuffer):
         self.rank = dist.get_rank(group) if self.group_size > 1 else 0
         self.shard_numel = self.numel // self.group_size
         # ZeRO-2: the reduced gradients of this rank's ranges, the only gradient storage kept between steps
+        # (never zeroed: each bucket's reduction writes its whole slice of it)
         self.shard = None if keep_full else torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
@@ -63,11 +64,6 @@ class ShardedGradBuffer(GradBuffer):
         if self.replica_group is not None:
             dist.all_reduce(self.owned_grad(bucket), group=self.replica_group)
         self.release(bucket)
-
-    def zero(self) -> None:
-        super().zero()  # the shard needs no zeroing: each bucket's reduction writes its whole slice of it
-        if self._zero_then_add and getattr(self, "shard", None) is not None:
-            self.shard.zero_()
 
     def reduced_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The part of ``param``'s summed gradient this rank owns, flattened (empty when it owns none)."""
