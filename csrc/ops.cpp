@@ -24,6 +24,9 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logit
                                                          int64_t ignore_index);
 at::Tensor cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
                                   const at::Tensor& lse, int64_t ignore_index);
+at::Tensor moe_unpermute(const at::Tensor& permuted, const at::Tensor& row_id_map, const at::Tensor& probs);
+std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& grad, const at::Tensor& permuted,
+                                                          const at::Tensor& row_id_map, const at::Tensor& probs);
 }  // namespace megacann
 
 TORCH_LIBRARY(megacann, m) {
@@ -40,6 +43,8 @@ TORCH_LIBRARY(megacann, m) {
   m.def(
       "vocab_shard_grad_(Tensor(a!) logits, Tensor target, Tensor lse, Tensor grad_loss, int start, int valid, "
       "int ignore_index) -> ()");
+  m.def("moe_unpermute(Tensor permuted, Tensor row_id_map, Tensor probs) -> Tensor");
+  m.def("moe_unpermute_backward(Tensor grad, Tensor permuted, Tensor row_id_map, Tensor probs) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megacann, CPU, m) {
@@ -54,6 +59,8 @@ TORCH_LIBRARY_IMPL(megacann, CPU, m) {
   m.impl("cross_entropy_backward", &megacann::cross_entropy_backward);
   m.impl("vocab_shard_stats", &megacann::vocab_shard_stats);
   m.impl("vocab_shard_grad_", &megacann::vocab_shard_grad_);
+  m.impl("moe_unpermute", &megacann::moe_unpermute);
+  m.impl("moe_unpermute_backward", &megacann::moe_unpermute_backward);
 }
 
 // An importable, empty Python module (`import megacann._C` loads the library and runs the registrations

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megacann import ops
-from megacann.ops import registry
+from megacann.ops import cpp, registry
 from megacann.ops.moe import _grouped_matmul_reference, _grouped_matmul_torch, _grouped_mm_takes
 from megacann.ops.moe_gather import _grouped_matmul_gather
 
@@ -102,9 +102,10 @@ def test_moe_ops_are_registered_with_their_device_kernels():
         "torch_grouped_mm_cpu",
     ]
     assert registry.implementations("moe_permute") == ["torch_npu", "reference"]
-    assert registry.implementations("moe_unpermute") == ["torch_npu", "reference"]
+    assert registry.implementations("moe_unpermute") == ["torch_npu", "cpp", "reference"]
     assert registry.selected("grouped_matmul", "cpu") == "gather"  # torch's grouped kernel only when pinned
     assert registry.selected("moe_permute", "cpu") == "reference"
+    assert registry.selected("moe_unpermute", "cpu") == ("cpp" if cpp.available() else "reference")
     try:
         ops.pin("grouped_matmul", "torch_grouped_mm_cpu")
         assert registry.selected("grouped_matmul", "cpu") == "torch_grouped_mm_cpu"

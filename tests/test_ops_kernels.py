@@ -16,6 +16,7 @@ from layers_reference import rel_err
 
 from megacann import ops
 from megacann.ops import cpp, reference
+from megacann.ops.moe import _unpermute_reference
 
 pytestmark = pytest.mark.skipif(not cpp.available(), reason="megacann C++ kernels unavailable (no compiler?)")
 
@@ -70,11 +71,21 @@ def ce_inputs(noncontiguous: bool):
     return [logits], view, [target, -100]
 
 
+def unpermute_inputs(noncontiguous: bool):
+    tokens, top_k, hidden = 11, 3, 9
+    row_id_map = torch.randperm(tokens * top_k, generator=GEN).to(torch.int32)
+    probs = torch.rand(tokens, top_k, generator=GEN, dtype=torch.float64)
+    if noncontiguous:  # every other column of a wider expert output
+        return [randn(tokens * top_k, 2 * hidden), probs], lambda t: [t[0][:, ::2], row_id_map, t[1]], []
+    return [randn(tokens * top_k, hidden), probs], lambda t: [t[0], row_id_map, t[1]], []
+
+
 CASES = {
     "rms_norm": (cpp.rms_norm, reference.rms_norm, rms_inputs),
     "apply_rotary": (cpp.apply_rotary, reference.apply_rotary, rotary_inputs),
     "swiglu": (cpp.swiglu, reference.swiglu, swiglu_inputs),
     "cross_entropy": (cpp.cross_entropy, reference.cross_entropy, ce_inputs),
+    "moe_unpermute": (cpp.moe_unpermute, _unpermute_reference, unpermute_inputs),
 }
 VARIANTS = [
     ("rms_norm", dict(noncontiguous=False)),
@@ -89,6 +100,8 @@ VARIANTS = [
     ("swiglu", dict(noncontiguous=False, split=True)),
     ("cross_entropy", dict(noncontiguous=False)),
     ("cross_entropy", dict(noncontiguous=True)),
+    ("moe_unpermute", dict(noncontiguous=False)),
+    ("moe_unpermute", dict(noncontiguous=True)),
 ]
 IDS = [f"{op}-" + "-".join(k for k, v in kw.items() if v) for op, kw in VARIANTS]
 
@@ -136,7 +149,7 @@ def test_kernel_gradcheck_float64(op, kwargs):
 
 
 def test_registry_selects_the_kernels_on_cpu_only():
-    for op in ("rms_norm", "apply_rotary", "swiglu", "cross_entropy", "vocab_parallel_head_loss"):
+    for op in ("rms_norm", "apply_rotary", "swiglu", "cross_entropy", "vocab_parallel_head_loss", "moe_unpermute"):
         assert ops.selected(op, "cpu") == "cpp"
         assert ops.selected(op, "xpu") == "reference"
     x, w = torch.randn(4, 8), torch.rand(8) + 0.5
@@ -152,6 +165,11 @@ def test_unsupported_inputs_fall_back_to_the_reference():
     assert torch.equal(cpp.rms_norm(xf, w.float().double(), 1e-6), reference.rms_norm(xf, w.double(), 1e-6))
     with pytest.raises(RuntimeError, match="head_dim must be even"):
         torch.ops.megacann.rotary(torch.randn(1, 2, 1, 5), torch.ones(1, 2, 5), torch.ones(1, 2, 5), False, False)
+    with pytest.raises(RuntimeError, match=r"permuted rows \(5\) must equal tokens x top_k \(6\)"):
+        torch.ops.megacann.moe_unpermute(torch.randn(5, 4), torch.arange(6).int(), torch.rand(3, 2))
+    rows = torch.randn(7, 4)  # more rows than assignments: the reference serves
+    probs, row_id_map = torch.rand(3, 2), torch.randperm(6).int()
+    assert torch.equal(cpp.moe_unpermute(rows, row_id_map, probs), _unpermute_reference(rows, row_id_map, probs))
     with pytest.raises(RuntimeError, match="target must be int64"):
         torch.ops.megacann.cross_entropy_forward(torch.randn(3, 4), torch.zeros(3, dtype=torch.int32), -100)
 
@@ -173,6 +191,7 @@ def test_custom_ops_pass_opcheck():
         (m.cross_entropy_forward, (logits, target, -100)),
         (m.vocab_shard_stats, (logits.detach(), target, 4, 5, -100)),
         (m.vocab_shard_grad_, (logits.detach().clone(), target, torch.randn(6), torch.rand(6), 4, 5, -100)),
+        (m.moe_unpermute, (torch.randn(6, 7, requires_grad=True), torch.randperm(6).int(), torch.rand(3, 2))),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -20,6 +20,7 @@ import torch
 
 from megacann.constants import IGNORE_INDEX
 from megacann.ops import extension, head_loss, isa, reference
+from megacann.ops.moe import _unpermute_reference
 from megacann.ops.registry import register
 
 CPP = "cpp"
@@ -86,6 +87,14 @@ def _register_fakes() -> None:
     def _(logits, target, lse, grad_loss, start, valid, ignore_index):
         return None
 
+    @fake(lib + "moe_unpermute")
+    def _(permuted, row_id_map, probs):
+        return permuted.new_empty((probs.shape[0], permuted.shape[1]))
+
+    @fake(lib + "moe_unpermute_backward")
+    def _(grad, permuted, row_id_map, probs):
+        return torch.empty_like(permuted, memory_format=torch.contiguous_format), torch.empty_like(probs)
+
 
 def _register_autograd() -> None:
     ops = torch.ops.megacann
@@ -143,6 +152,16 @@ def _register_autograd() -> None:
         return ops.cross_entropy_backward(grad_loss, logits, target, lse, ctx.ignore_index), None, None
 
     torch.library.register_autograd("megacann::cross_entropy_forward", ce_backward, setup_context=ce_setup)
+
+    def unpermute_setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def unpermute_backward(ctx, grad):
+        permuted, row_id_map, probs = ctx.saved_tensors
+        grad_permuted, grad_probs = ops.moe_unpermute_backward(grad, permuted, row_id_map, probs)
+        return grad_permuted, None, grad_probs
+
+    torch.library.register_autograd("megacann::moe_unpermute", unpermute_backward, setup_context=unpermute_setup)
 
 
 def available() -> bool:
@@ -217,3 +236,13 @@ def vocab_parallel_head_loss(
 ) -> torch.Tensor:
     kernels = CPP_KERNELS if _kernel_dtype(hidden, weight) else head_loss.TORCH_KERNELS
     return head_loss.head_loss(hidden, weight, target, kernels=kernels, **kwargs)
+
+
+@register("moe_unpermute", CPP, priority=PRIORITY, device_types=("cpu",), available=available)
+def moe_unpermute(permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """One pass each way instead of a gather, a batched matmul and ``index_add_`` into zeros (equal results:
+    the same products summed in the same order, in fp32 for bf16 tokens)."""
+    takes = permuted.dim() == 2 and probs.dim() == 2 and row_id_map.dim() == 1
+    if not takes or permuted.dtype not in KERNEL_DTYPES or permuted.shape[0] != probs.numel():
+        return _unpermute_reference(permuted, row_id_map, probs)
+    return torch.ops.megacann.moe_unpermute(permuted, row_id_map, probs)

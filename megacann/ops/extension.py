@@ -33,7 +33,16 @@ from typing import Optional
 
 logger = logging.getLogger("megacann.ops")
 
-SOURCES = ("ops.cpp", "isa.cpp", "kernels_isa.cpp", "rms_norm.cpp", "rotary.cpp", "swiglu.cpp", "cross_entropy.cpp")
+SOURCES = (
+    "ops.cpp",
+    "isa.cpp",
+    "kernels_isa.cpp",
+    "rms_norm.cpp",
+    "rotary.cpp",
+    "swiglu.cpp",
+    "cross_entropy.cpp",
+    "moe.cpp",
+)
 HEADERS = ("common.h", "kernels.h")
 ISA_SOURCE = "kernels_isa.cpp"
 # the kernel variants beyond the baseline, by the name megacann.ops.isa knows them by: their -march flags

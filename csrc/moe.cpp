@@ -1,0 +1,103 @@
+// Mixture-of-experts unpermute in one pass over memory each way: forward, each token's expert outputs
+// gathered, weighted by its routing probabilities and summed; backward, each output row's gradient scattered
+// to its distinct permuted rows, and the probabilities' gradients as row dot products. PyTorch's way (a
+// gather, a batched matmul, and index_add_ into a zero-filled buffer backward) moves about twice the bytes.
+// row_id_map[t * k + j] is the permuted row of token t's j-th expert; it is a permutation of the rows.
+#include <vector>
+
+#include "common.h"
+
+namespace megacann {
+namespace {
+
+// the map as int64 indices, checked against the shapes
+at::Tensor checked_map(const at::Tensor& row_id_map, int64_t assignments, int64_t rows, const char* op) {
+  TORCH_CHECK(row_id_map.dim() == 1 && row_id_map.numel() == assignments, op, ": row_id_map must hold ",
+              assignments, " entries (tokens x top_k), got ", row_id_map.sizes());
+  TORCH_CHECK(rows == assignments, op, ": the permuted rows (", rows, ") must equal tokens x top_k (",
+              assignments, ")");
+  return row_id_map.to(at::kLong).contiguous();
+}
+
+// the probabilities in the tokens' dtype (as the reference rounds them), then in the accumulation type
+template <typename scalar_t>
+at::Tensor probs_as_acc(const at::Tensor& probs, const at::Tensor& like) {
+  return probs.to(like.scalar_type()).to(c10::CppTypeToScalarType<acc_t<scalar_t>>::value).contiguous();
+}
+
+int64_t token_grain(int64_t hidden, int64_t top_k) { return row_grain(hidden * top_k); }
+
+}  // namespace
+
+at::Tensor moe_unpermute(const at::Tensor& permuted, const at::Tensor& row_id_map, const at::Tensor& probs) {
+  TORCH_CHECK(permuted.dim() == 2 && probs.dim() == 2, "megacann::moe_unpermute: permuted [rows, h] and probs "
+              "[tokens, k] expected, got ", permuted.sizes(), " and ", probs.sizes());
+  const int64_t tokens = probs.size(0), top_k = probs.size(1), hidden = permuted.size(1);
+  at::Tensor map = checked_map(row_id_map, tokens * top_k, permuted.size(0), "megacann::moe_unpermute");
+  at::Tensor src = permuted.contiguous();
+  at::Tensor out = at::empty({tokens, hidden}, permuted.options().memory_format(at::MemoryFormat::Contiguous));
+  MEGACANN_DISPATCH_FLOATS(permuted.scalar_type(), "megacann::moe_unpermute", [&] {
+    using acc = acc_t<scalar_t>;
+    at::Tensor weights = probs_as_acc<scalar_t>(probs, permuted);
+    const acc* w = weights.const_data_ptr<acc>();
+    const int64_t* rows = map.const_data_ptr<int64_t>();
+    const scalar_t* x = src.const_data_ptr<scalar_t>();
+    scalar_t* y = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, token_grain(hidden, top_k), [&](int64_t begin, int64_t end) {
+      std::vector<acc> sum(hidden);
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(sum.begin(), sum.end(), acc(0));
+        for (int64_t j = 0; j < top_k; ++j) {
+          const acc p = w[t * top_k + j];
+          const scalar_t* row = x + rows[t * top_k + j] * hidden;
+          for (int64_t c = 0; c < hidden; ++c) sum[c] += p * static_cast<acc>(row[c]);
+        }
+        scalar_t* dst = y + t * hidden;
+        for (int64_t c = 0; c < hidden; ++c) dst[c] = static_cast<scalar_t>(sum[c]);
+      }
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& grad, const at::Tensor& permuted,
+                                                          const at::Tensor& row_id_map, const at::Tensor& probs) {
+  const int64_t tokens = probs.size(0), top_k = probs.size(1), hidden = permuted.size(1);
+  at::Tensor map = checked_map(row_id_map, tokens * top_k, permuted.size(0), "megacann::moe_unpermute_backward");
+  at::Tensor go = grad.to(permuted.scalar_type()).contiguous(), src = permuted.contiguous();
+  at::Tensor grad_permuted = at::empty(src.sizes(), src.options());
+  at::Tensor grad_probs;
+  MEGACANN_DISPATCH_FLOATS(permuted.scalar_type(), "megacann::moe_unpermute_backward", [&] {
+    using acc = acc_t<scalar_t>;
+    at::Tensor weights = probs_as_acc<scalar_t>(probs, permuted);
+    at::Tensor dots = at::empty(weights.sizes(), weights.options());
+    const acc* w = weights.const_data_ptr<acc>();
+    acc* dp = dots.mutable_data_ptr<acc>();
+    const int64_t* rows = map.const_data_ptr<int64_t>();
+    const scalar_t* g = go.const_data_ptr<scalar_t>();
+    const scalar_t* x = src.const_data_ptr<scalar_t>();
+    scalar_t* gx = grad_permuted.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, token_grain(hidden, top_k), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* gt = g + t * hidden;
+        for (int64_t j = 0; j < top_k; ++j) {
+          const acc p = w[t * top_k + j];
+          const int64_t r = rows[t * top_k + j];
+          const scalar_t* row = x + r * hidden;
+          scalar_t* grow = gx + r * hidden;
+          acc dot = 0;
+          for (int64_t c = 0; c < hidden; ++c) {
+            const acc gc = static_cast<acc>(gt[c]);
+            dot += gc * static_cast<acc>(row[c]);
+            grow[c] = static_cast<scalar_t>(p * gc);
+          }
+          dp[t * top_k + j] = dot;
+        }
+      }
+    });
+    grad_probs = dots.to(probs.scalar_type());
+  });
+  return {grad_permuted, grad_probs};
+}
+
+}  // namespace megacann
