@@ -16,7 +16,13 @@ at::Tensor checked_map(const at::Tensor& row_id_map, int64_t assignments, int64_
               assignments, " entries (tokens x top_k), got ", row_id_map.sizes());
   TORCH_CHECK(rows == assignments, op, ": the permuted rows (", rows, ") must equal tokens x top_k (",
               assignments, ")");
-  return row_id_map.to(at::kLong).contiguous();
+  at::Tensor map = row_id_map.to(at::kLong).contiguous();
+  if (assignments > 0) {  // the kernels index rows with it unchecked
+    auto [low, high] = at::aminmax(map);
+    TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() < rows, op, ": row_id_map entries must lie in [0, ",
+                rows, "), got [", low.item<int64_t>(), ", ", high.item<int64_t>(), "]");
+  }
+  return map;
 }
 
 // the probabilities in the tokens' dtype (as the reference rounds them), then in the accumulation type

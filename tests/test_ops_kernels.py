@@ -167,6 +167,8 @@ def test_unsupported_inputs_fall_back_to_the_reference():
         torch.ops.megacann.rotary(torch.randn(1, 2, 1, 5), torch.ones(1, 2, 5), torch.ones(1, 2, 5), False, False)
     with pytest.raises(RuntimeError, match=r"permuted rows \(5\) must equal tokens x top_k \(6\)"):
         torch.ops.megacann.moe_unpermute(torch.randn(5, 4), torch.arange(6).int(), torch.rand(3, 2))
+    with pytest.raises(RuntimeError, match=r"row_id_map entries must lie in \[0, 6\), got \[0, 6\]"):
+        torch.ops.megacann.moe_unpermute(torch.randn(6, 4), torch.tensor([0, 1, 2, 3, 4, 6]).int(), torch.rand(3, 2))
     rows = torch.randn(7, 4)  # more rows than assignments: the reference serves
     probs, row_id_map = torch.rand(3, 2), torch.randperm(6).int()
     assert torch.equal(cpp.moe_unpermute(rows, row_id_map, probs), _unpermute_reference(rows, row_id_map, probs))
