@@ -235,7 +235,7 @@ def _bf16_steps(overrides: list) -> dict:
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
-    result = {"selected": registry.selected("linear", "cpu")}
+    result = {"selected": registry.selected("linear", "cpu"), "unpermute": registry.selected("moe_unpermute", "cpu")}
     cfg = tiny_config(
         ["model.precision=bf16", *overrides], world_size=dist.get_world_size(), optim={"grad_accum_steps": 1}
     )
@@ -267,11 +267,15 @@ def test_a_bf16_training_step_runs_its_matmuls_in_fp32_when_forced(case):
         assert got["overlapped"] == sorted(want), got["overlapped"]
         want = [f"layers.0.{p}.adapter" for p in ("self_attn.o_proj", *DOWN)]
         assert got["adapters"] == sorted(want), got["adapters"]
-        # on the route the only bf16 products left are the unpermute's top-k (2) weighted sums over the hidden
-        # size (32), [T, 1, k] x [T, k, h], and their two gradients (k-term products, not routed: docs/ops.md)
-        forms = (((1, 2), (2, 32)), ((2, 1), (1, 32)), ((1, 32), (32, 2)))
-        unpermute = {("bmm", (t, *a), (t, *b)) for t in range(1, 64) for a, b in forms}
-        assert got["fp32_gemm_low"] and set(got["fp32_gemm_low"]) <= unpermute, got["fp32_gemm_low"]
+        # on the route no bf16 product is left with the C++ unpermute (its top-k sums are no matmul); with the
+        # reference unpermute only its top-k (2) weighted sums over the hidden size (32), [T, 1, k] x [T, k, h],
+        # and their two gradients (k-term products, not routed: docs/ops.md)
+        if got["unpermute"] == "cpp":
+            assert got["fp32_gemm_low"] == [], got["fp32_gemm_low"]
+        else:
+            forms = (((1, 2), (2, 32)), ((2, 1), (1, 32)), ((1, 32), (32, 2)))
+            unpermute = {("bmm", (t, *a), (t, *b)) for t in range(1, 64) for a, b in forms}
+            assert got["fp32_gemm_low"] and set(got["fp32_gemm_low"]) <= unpermute, got["fp32_gemm_low"]
         # projections (overlapped in 2 chunks), adapters, experts' groups, the head: 65 products when written
         assert got["fp32_gemm"]["torch.float32"] >= 50, got["fp32_gemm"]
         assert len(got["native_low"]) >= 50 + len(got["fp32_gemm_low"]), got  # the control: those in bf16
