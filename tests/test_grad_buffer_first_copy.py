@@ -208,7 +208,9 @@ def assert_as_one_process(ranks: list[dict], name: str, rel: float, param_rel: f
         assert_close_trace(norms[:1], ref_norms[:1], param_rel)
         return ref
     assert_close_trace(got["losses"], ref["losses"], rel)
-    assert_close_trace(norms, ref_norms, rel)
+    # the third step's gradient norm grows ~2.4x under clipping and carries the reduction order's round-off
+    # with it (ZeRO-3 with prefetch: 5e-6 in one run, 8.4e-5 in a fresh-clone CI run): norms within 1e-4
+    assert_close_trace(norms, ref_norms, max(rel, NORM_REL))
     if "lm_head.weight" in params.keys() - ref["params"].keys():  # tied: the last stage's copy of the embedding
         assert torch.equal(params.pop("lm_head.weight"), params["embed_tokens.weight"]), name
     assert_params_close(params, ref["params"], param_rel)
@@ -242,6 +244,7 @@ TOLERANCES = {"fp32": (1e-5, 1e-4), "fp16": (1e-5, 2**-11)}  # bf16: (every loss
 # and Adam carries that on (a fresh-clone CI run measured norms 1.4 % and 10 % apart at steps 2 and 3 while
 # the losses stayed within 2^-8): every loss within 2u, the first step's norm (equal weights) within 4u
 BF16_UNIT_ROUNDOFF = 2.0**-8
+NORM_REL = 1e-4  # fp32 / fp16 gradient norms (see assert_as_one_process)
 TOLERANCES["bf16"] = (2 * BF16_UNIT_ROUNDOFF, 4 * BF16_UNIT_ROUNDOFF)
 
 
