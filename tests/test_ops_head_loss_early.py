@@ -17,19 +17,22 @@ VOCAB, PADDED, HIDDEN, CHUNK = 37, 40, 16, 4
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts of the head's logits products (``F.linear`` in head_loss) and of early chunk sums; early sums on."""
+    """Counts of the head's logits products (``_chunk_logits`` in head_loss), of early chunk sums and, per
+    product, whether it had to allocate its chunk buffer (``fresh``); early sums on."""
     calls = {"logits": 0, "early": 0}
-    linear, add = F.linear, head_loss._EarlyGrads.add
+    fresh = calls["fresh"] = []
+    chunk_logits, add = head_loss._chunk_logits, head_loss._EarlyGrads.add
 
-    def counting_linear(*args):
+    def counting_logits(h, weight, buffer):
         calls["logits"] += 1
-        return linear(*args)
+        fresh.append(buffer is None)
+        return chunk_logits(h, weight, buffer)
 
     def counting_add(self, *args):
         calls["early"] += 1
         return add(self, *args)
 
-    monkeypatch.setattr(head_loss.F, "linear", counting_linear)
+    monkeypatch.setattr(head_loss, "_chunk_logits", counting_logits)
     monkeypatch.setattr(head_loss._EarlyGrads, "add", counting_add)
     monkeypatch.setattr(head_loss, "_EARLY_MISSED", [False])
     return calls
@@ -69,7 +72,9 @@ def test_a_mean_over_tokens_takes_the_early_gradients(counted):
     grad_loss[0, 0] = 5.0  # an ignored token's gradient changes nothing
     _run(grad_loss)
     chunks = -(-target.numel() // CHUNK)
+    fresh = counted.pop("fresh")
     assert counted == {"logits": chunks, "early": chunks}  # the backward recomputed no logits
+    assert fresh == [True] + [False] * (chunks - 1)  # every chunk's logits written into the first one's buffer
     assert head_loss._EARLY_MISSED == [False]
 
 
@@ -77,6 +82,9 @@ def test_a_varying_grad_loss_recomputes_and_turns_the_early_sums_off(counted):
     grad_loss = torch.rand(2, 9, generator=torch.Generator().manual_seed(4))
     _run(grad_loss)
     chunks = -(-18 // CHUNK)
+    fresh = counted.pop("fresh")
     assert counted == {"logits": 2 * chunks, "early": chunks} and head_loss._EARLY_MISSED == [True]
+    # one buffer per pass (forward, recomputing backward), reused by all of that pass's chunks
+    assert fresh == 2 * ([True] + [False] * (chunks - 1))
     _run(grad_loss)  # from now on no early sums
     assert counted == {"logits": 4 * chunks, "early": chunks}
