@@ -14,6 +14,7 @@ transformers' AdamW uses the fused kernel too; on CPU it uses torch's default.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -106,13 +107,21 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(step, n: int, device: str) -> float:
+def timed(step, n: int, device: str, kernel: list) -> float:
+    """Seconds per step over ``n`` steps; appends to ``kernel`` this process's minor page faults (MiB of
+    fresh pages the OS mapped and zero-filled) and system CPU seconds per step: on CPU a step's large
+    temporaries are fresh mappings, whose cost varies more between machines than the products do."""
     synchronize(device)
+    before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     for _ in range(n):
         step()
     synchronize(device)
-    return (time.perf_counter() - start) / n
+    seconds = (time.perf_counter() - start) / n
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    page_mib = resource.getpagesize() / 2**20
+    kernel.append(((after.ru_minflt - before.ru_minflt) * page_mib / n, (after.ru_stime - before.ru_stime) / n))
+    return seconds
 
 
 PRESETS = {
@@ -188,9 +197,10 @@ def main(argv=None) -> dict:
         for step in systems.values():  # warm-up
             step()
         times: dict[str, list[float]] = {name: [] for name in systems}
+        kernel: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
         for _ in range(args.rounds):
             for name, step in systems.items():
-                times[name].append(timed(step, args.steps, args.device))
+                times[name].append(timed(step, args.steps, args.device, kernel[name]))
         row = {name: tokens / statistics.median(t) for name, t in times.items()}
         results[precision] = row
         ratio = row[other] / row[baseline]
@@ -198,6 +208,12 @@ def main(argv=None) -> dict:
         print(
             f"{precision}: {baseline} {row[baseline]:,.0f} tok/s ({tflops[baseline]:.3g} TFLOP/s) | "
             f"{other} {row[other]:,.0f} tok/s ({tflops[other]:.3g} TFLOP/s) | ratio {ratio:.2f}x",
+            flush=True,
+        )
+        faults = {name: [statistics.median(column) for column in zip(*k)] for name, k in kernel.items()}
+        print(
+            f"{precision} per step, fresh pages and system CPU time: "
+            + " | ".join(f"{name} {mib:,.0f} MiB, {sys_s:.2f} s" for name, (mib, sys_s) in faults.items()),
             flush=True,
         )
         del systems, trainers
