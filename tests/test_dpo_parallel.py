@@ -38,11 +38,15 @@ FIGURES = ("loss", "chosen_reward", "rejected_reward", "reward_margin")
 
 
 def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
+    import functools
+    import threading
+
     import torch.distributed as dist
     from finetune_helpers import recipe
     from test_dpo import dpo_overrides, write_pairs
 
     from megacann import parallel_state as ps
+    from megacann.pipeline.plan import BackwardWeight
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -58,9 +62,14 @@ def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
             world_size=dist.get_world_size(),
         )
         trainer = Trainer(cfg, setup_runtime(cfg))
+        actions, probe = [], []  # what the policy's schedule ran; dualpipev's pairs that ran at once
+        pipelined = {"probe": probe} if cfg.distributed.pipeline_parallel_size > 1 else {}
+        trainer.forward_backward = functools.partial(trainer.forward_backward, trace=actions, **pipelined)
         steps = [trainer.train_step() for _ in range(STEPS)]
         results[name] = {
-            "trace": {k: [s[k] for s in steps] for k in (*FIGURES, "reward_accuracy")},
+            "trace": {k: [s[k] for s in steps] for k in (*FIGURES, "reward_accuracy", "grad_norm")},
+            "weights_run": sum(isinstance(a, BackwardWeight) for a in actions),  # W of a split backward
+            "probe": [(a, t == threading.get_ident(), start, end) for a, t, start, end in probe],
             "copy_sharded": trainer.objective.reference is not None
             and all(
                 tuple(p.shape) == tuple(q.shape)
