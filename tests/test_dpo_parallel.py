@@ -1,7 +1,8 @@
 """DPO across ranks (gloo, CPU, fp32): tensor parallel 2 with sequence parallelism, pipeline parallel 2
 (a pair's chosen and rejected sequences in one micro-batch), data parallel 2 with ZeRO-1, context
 parallel 2 and (an MoE model) expert parallel 2 train the one-process loss and reward trace, with the reference a frozen copy sharded like the
-policy, or (LoRA) the base with adapters disabled. One spawn per world size."""
+policy, or (LoRA) the base with adapters disabled. One spawn per world size; and the precomputed reference
+table of data parallel 2 equals one process's where the last rank's micro-batches run past the data."""
 
 from __future__ import annotations
 
@@ -127,3 +128,35 @@ def test_dpo_trains_like_one_process(world1, world2, run):
         assert got["trace"]["reward_accuracy"] == ref["trace"]["reward_accuracy"]
     assert ref["trace"]["reward_margin"][0] == 0.0  # step 1: the policy is its reference
     assert all(abs(m) > 1e-4 for m in ref["trace"]["reward_margin"][1:])  # then it moves away
+
+
+def _table(tmp: str, overrides: list[str]) -> list[float]:
+    """``dpo.reference: precomputed``'s table over 49 pairs (98 sequences), computed at the first step."""
+    import torch.distributed as dist
+    from finetune_helpers import recipe
+    from test_dpo import dpo_overrides, write_pairs
+
+    from megacann import parallel_state as ps
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    path = os.path.join(tmp, "p.jsonl")
+    if dist.get_rank() == 0:
+        write_pairs(path, count=49)
+    dist.barrier()
+    extra = [f"experiment.output_dir={tmp}/out", "dpo.reference=precomputed", *overrides]
+    cfg = recipe(dpo_overrides(path, tmp, *extra), world_size=dist.get_world_size())
+    trainer = Trainer(cfg, setup_runtime(cfg))
+    trainer.train_step()
+    ps.destroy_model_parallel()
+    return trainer.objective.table.tolist()
+
+
+def test_precomputed_reference_under_data_parallel_writes_each_sequence_once(tmp_path):
+    """98 sequences in micro-batches of 4 dealt to 2 ranks: rank 1's last one lies past the end and reads the
+    last sequence again; the ranks' tables are summed, so that value must come from one rank only."""
+    one = run_on_ranks(_table, 1, args=(str(tmp_path / "w1"), []), timeout=300)[0]
+    two = run_on_ranks(_table, 2, args=(str(tmp_path / "w2"), Z1_DP2), timeout=300)
+    assert len(one) == 98 and all(v < 0 for v in one)
+    for rank in two:
+        assert_close_trace(rank, one, 1e-5)

@@ -217,12 +217,15 @@ class PreferenceTraining:
             and ps.get_context_parallel_rank() == 0
         )
         for first in range(0, per_rank, group):
-            indices = [[min(((k * dp + rank) * b + j), n - 1) for j in range(b)] for k in range(first, first + group)]
-            batches = [collate([catalog.sequence(i) for i in idx]) for idx in indices]
+            rows = [[(k * dp + rank) * b + j for j in range(b)] for k in range(first, first + group)]
+            # rows past the data's end read its last sequence (full micro-batches) and are not written: the
+            # ranks' tables are summed, so each sequence is written by one rank
+            batches = [collate([catalog.sequence(min(i, n - 1)) for i in idx]) for idx in rows]
             batches = [{k: v.to(self.device) for k, v in mb.items()} for mb in batches]
-            for idx, logps in zip(indices, self.reference_logps(batches, chunks, context)):
+            for idx, logps in zip(rows, self.reference_logps(batches, chunks, context)):
+                index = torch.tensor(idx, device=self.device)
                 if writes:
-                    table[torch.tensor(idx, device=self.device)] = logps  # duplicates (padding) write equal values
+                    table[index[index < n]] = logps[index < n]
         if dist.is_initialized():
             dist.all_reduce(table)
         return table
