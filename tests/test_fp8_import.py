@@ -173,14 +173,18 @@ def test_import_dequantises_each_weight_exactly_and_gives_the_same_logits(ckpt):
     assert reader("model.norm.weight").dtype == torch.float32  # unquantised tensors come as stored
 
 
-def test_each_import_parses_config_json_once_for_family_and_weights(ckpt, monkeypatch):
-    """hf_family's parsed config.json is what the weights reader takes (from_pretrained_hf, read_weights,
-    ``model.init_from``'s loader): megacann.interop.hf reads the file once per import."""
-    import megacann.interop.hf as hf
+def test_each_import_parses_config_json_once(ckpt, monkeypatch):
+    """hf_family's parsed config.json is what the family's adapter (here DeepSeek-V3's, which also reads
+    the defaults transformers assumes) and the weights reader take: from_pretrained_hf, read_weights and
+    ``model.init_from``'s loader each read the file once."""
+    import megacann.config.hf_config
+    import megacann.interop.hf
+    import megacann.models.hf_deepseek
     from megacann.interop.reading import read_weights
 
     reads = []
-    monkeypatch.setattr(hf, "read_hf_config", lambda file: reads.append(file) or read_hf_config(file))
+    for module in (megacann.config.hf_config, megacann.interop.hf, megacann.models.hf_deepseek):
+        monkeypatch.setattr(module, "read_hf_config", lambda file: reads.append(file) or read_hf_config(file))
     config_file = os.path.join(ckpt["fp8"], "config.json")
     model = from_pretrained_hf(ckpt["fp8"])
     assert reads == [config_file]

@@ -35,7 +35,7 @@ def hf_family(path: str) -> tuple[ModelSpec, ModelConfig, dict[str, Any]]:
     raw = read_hf_config(config_file)
     spec = find_hf_family(raw.get("model_type", "llama"))
     quantization_of(raw, config_file)
-    return spec, spec.hf.config_from_hf(config_file), raw
+    return spec, spec.hf.config_from_hf(config_file, raw=raw), raw
 
 
 class SafetensorsReader:
