@@ -38,7 +38,8 @@ RUNS_WORLD2 = {
 FIGURES = ("loss", "chosen_reward", "rejected_reward", "reward_margin")
 
 
-def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
+def _runs(runs: dict[str, list[str]], tmp: str, evaluate: bool = False) -> dict:
+    """Each run's trace of STEPS steps (and with ``evaluate`` its held-out figures after them)."""
     import functools
     import threading
 
@@ -80,6 +81,7 @@ def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
                 )
             ),
             "kind": trainer.objective.kind,
+            "eval": trainer.evaluate() if evaluate else None,
             "layout": (
                 ps.get_tensor_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_world_size(),
