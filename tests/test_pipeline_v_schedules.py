@@ -144,12 +144,7 @@ def test_v_schedules_are_validated():
             cfg = tiny_config(overrides, world_size=2)
             assert [c.post_process for c in chunk_placements(cfg, 0)] == [False, True]
             assert loss_stage(schedule, 2) == 0
-    assert (loss_stage("zb1p", 4), loss_stage("interleaved", 4), loss_stage(None, 4), loss_stage(None, 1)) == (
-        3,
-        3,
-        3,
-        0,
-    )
+    assert [loss_stage(s, 4) for s in ("1f1b", "interleaved", "zb1p", None)] == [3] * 4 and loss_stage(None, 1) == 0
     with pytest.raises(ConfigError, match="virtual_pipeline_size is 4"):
         tiny_config(
             [*PP2, "distributed.pipeline_schedule=zbv", "distributed.virtual_pipeline_size=4", "model.num_layers=8"],
