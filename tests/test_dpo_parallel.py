@@ -1,7 +1,8 @@
 """DPO across ranks (gloo, CPU, fp32): tensor parallel 2 with sequence parallelism, pipeline parallel 2
 (a pair's chosen and rejected sequences in one micro-batch), data parallel 2 with ZeRO-1, context
 parallel 2 and (an MoE model) expert parallel 2 train the one-process loss and reward trace, with the reference a frozen copy sharded like the
-policy, or (LoRA) the base with adapters disabled. One spawn per world size."""
+policy, or (LoRA) the base with adapters disabled. One spawn per world size; and the precomputed reference
+table of data parallel 2 equals one process's where the last rank's micro-batches run past the data."""
 
 from __future__ import annotations
 
@@ -37,12 +38,17 @@ RUNS_WORLD2 = {
 FIGURES = ("loss", "chosen_reward", "rejected_reward", "reward_margin")
 
 
-def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
+def _runs(runs: dict[str, list[str]], tmp: str, evaluate: bool = False) -> dict:
+    """Each run's trace of STEPS steps (and with ``evaluate`` its held-out figures after them)."""
+    import functools
+    import threading
+
     import torch.distributed as dist
     from finetune_helpers import recipe
     from test_dpo import dpo_overrides, write_pairs
 
     from megacann import parallel_state as ps
+    from megacann.pipeline.plan import BackwardWeight
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -58,9 +64,14 @@ def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
             world_size=dist.get_world_size(),
         )
         trainer = Trainer(cfg, setup_runtime(cfg))
+        actions, probe = [], []  # what the policy's schedule ran; dualpipev's pairs that ran at once
+        pipelined = {"probe": probe} if cfg.distributed.pipeline_parallel_size > 1 else {}
+        trainer.forward_backward = functools.partial(trainer.forward_backward, trace=actions, **pipelined)
         steps = [trainer.train_step() for _ in range(STEPS)]
         results[name] = {
-            "trace": {k: [s[k] for s in steps] for k in (*FIGURES, "reward_accuracy")},
+            "trace": {k: [s[k] for s in steps] for k in (*FIGURES, "reward_accuracy", "grad_norm")},
+            "weights_run": sum(isinstance(a, BackwardWeight) for a in actions),  # W of a split backward
+            "probe": [(a, t == threading.get_ident(), start, end) for a, t, start, end in probe],
             "copy_sharded": trainer.objective.reference is not None
             and all(
                 tuple(p.shape) == tuple(q.shape)
@@ -70,6 +81,7 @@ def _runs(runs: dict[str, list[str]], tmp: str) -> dict:
                 )
             ),
             "kind": trainer.objective.kind,
+            "eval": trainer.evaluate() if evaluate else None,
             "layout": (
                 ps.get_tensor_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_world_size(),
@@ -118,3 +130,35 @@ def test_dpo_trains_like_one_process(world1, world2, run):
         assert got["trace"]["reward_accuracy"] == ref["trace"]["reward_accuracy"]
     assert ref["trace"]["reward_margin"][0] == 0.0  # step 1: the policy is its reference
     assert all(abs(m) > 1e-4 for m in ref["trace"]["reward_margin"][1:])  # then it moves away
+
+
+def _table(tmp: str, overrides: list[str]) -> list[float]:
+    """``dpo.reference: precomputed``'s table over 49 pairs (98 sequences), computed at the first step."""
+    import torch.distributed as dist
+    from finetune_helpers import recipe
+    from test_dpo import dpo_overrides, write_pairs
+
+    from megacann import parallel_state as ps
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    path = os.path.join(tmp, "p.jsonl")
+    if dist.get_rank() == 0:
+        write_pairs(path, count=49)
+    dist.barrier()
+    extra = [f"experiment.output_dir={tmp}/out", "dpo.reference=precomputed", *overrides]
+    cfg = recipe(dpo_overrides(path, tmp, *extra), world_size=dist.get_world_size())
+    trainer = Trainer(cfg, setup_runtime(cfg))
+    trainer.train_step()
+    ps.destroy_model_parallel()
+    return trainer.objective.table.tolist()
+
+
+def test_precomputed_reference_under_data_parallel_writes_each_sequence_once(tmp_path):
+    """98 sequences in micro-batches of 4 dealt to 2 ranks: rank 1's last one lies past the end and reads the
+    last sequence again; the ranks' tables are summed, so that value must come from one rank only."""
+    one = run_on_ranks(_table, 1, args=(str(tmp_path / "w1"), []), timeout=300)[0]
+    two = run_on_ranks(_table, 2, args=(str(tmp_path / "w2"), Z1_DP2), timeout=300)
+    assert len(one) == 98 and all(v < 0 for v in one)
+    for rank in two:
+        assert_close_trace(rank, one, 1e-5)

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megacann.config import ConfigError, MegacannConfig, config_from_dict
+from megacann.config.hf_config import read_hf_config
 from megacann.interop.hf import hf_family, hf_weights_reader, save_pretrained_hf
 from megacann.interop.model_source import apply_model_source
 from megacann.interop.reading import load_source_weights
@@ -170,6 +171,27 @@ def test_import_dequantises_each_weight_exactly_and_gives_the_same_logits(ckpt):
     reader = hf_weights_reader(ckpt["fp8"], torch.bfloat16)
     assert torch.equal(reader(kv_b), deq[kv_b].to(torch.bfloat16))
     assert reader("model.norm.weight").dtype == torch.float32  # unquantised tensors come as stored
+
+
+def test_each_import_parses_config_json_once(ckpt, monkeypatch):
+    """hf_family's parsed config.json is what the family's adapter (here DeepSeek-V3's, which also reads
+    the defaults transformers assumes) and the weights reader take: from_pretrained_hf, read_weights and
+    ``model.init_from``'s loader each read the file once."""
+    import megacann.config.hf_config
+    import megacann.interop.hf
+    import megacann.models.hf_deepseek
+    from megacann.interop.reading import read_weights
+
+    reads = []
+    for module in (megacann.config.hf_config, megacann.interop.hf, megacann.models.hf_deepseek):
+        monkeypatch.setattr(module, "read_hf_config", lambda file: reads.append(file) or read_hf_config(file))
+    config_file = os.path.join(ckpt["fp8"], "config.json")
+    model = from_pretrained_hf(ckpt["fp8"])
+    assert reads == [config_file]
+    _, cfg = read_weights(ckpt["fp8"])
+    assert reads == [config_file] * 2
+    load_source_weights([model], WeightSource(HUGGINGFACE, ckpt["fp8"]), cfg)
+    assert reads == [config_file] * 3
 
 
 def test_convert_round_trip_writes_the_dequantised_weights_unquantised(ckpt, capsys):

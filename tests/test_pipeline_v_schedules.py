@@ -12,7 +12,7 @@ from megacann.config import ConfigError
 from megacann.dry_run import describe
 from megacann.pipeline import chunk_placements, stage_layer_ids
 from megacann.pipeline.plan import Backward, BackwardInput, BackwardWeight, Forward, build_plan
-from megacann.pipeline.rules import schedule_error
+from megacann.pipeline.rules import loss_stage, schedule_error
 from megacann.pipeline.simulate import PlanError, schedule_summary, simulate, simulate_schedule
 from megacann.pipeline.v_schedules import Transfer, VExchange, dualpipev_orders
 
@@ -137,14 +137,14 @@ def test_v_schedules_are_validated():
         "2 chunks per stage of pipeline_schedule zbv",
     ):
         tiny_config([*PP2, "distributed.pipeline_schedule=zbv", "distributed.pipeline_layers=[2,2]"], world_size=2)
-    for accepted in ("model.tie_word_embeddings=true", "model.mtp_num_layers=1"):  # stage 0 sums its copies' grads
-        cfg = tiny_config([*PP2, "distributed.pipeline_schedule=zbv", accepted], world_size=2)
-        assert [c.post_process for c in chunk_placements(cfg, 0)] == [False, True]
-    dpo = ["train_mode=dpo", "data.path=unused.jsonl", "optim.grad_accum_steps=4"]
-    with pytest.raises(
-        ConfigError, match="'dualpipev' does not support train_mode dpo yet: use zb1p, 1f1b or interleaved"
-    ):
-        tiny_config([*PP2, "distributed.pipeline_schedule=dualpipev", *dpo], world_size=2)
+    dpo = ["train_mode=dpo", "data.path=unused.jsonl"]  # its log-probabilities read where the loss is
+    for accepted in (["model.tie_word_embeddings=true"], ["model.mtp_num_layers=1"], dpo):  # stage 0 sums its copies
+        for schedule in ("zbv", "dualpipev"):
+            overrides = [*PP2, f"distributed.pipeline_schedule={schedule}", "optim.grad_accum_steps=4", *accepted]
+            cfg = tiny_config(overrides, world_size=2)
+            assert [c.post_process for c in chunk_placements(cfg, 0)] == [False, True]
+            assert loss_stage(schedule, 2) == 0
+    assert [loss_stage(s, 4) for s in ("1f1b", "interleaved", "zb1p", None)] == [3] * 4 and loss_stage(None, 1) == 0
     with pytest.raises(ConfigError, match="virtual_pipeline_size is 4"):
         tiny_config(
             [*PP2, "distributed.pipeline_schedule=zbv", "distributed.virtual_pipeline_size=4", "model.num_layers=8"],

@@ -66,11 +66,14 @@ def hf_config_family(raw: dict[str, Any]) -> Optional[str]:
     return family
 
 
-def load_hf_model_config(path: str, model_cls: Optional[type[ModelConfig]] = None) -> dict[str, Any]:
+def load_hf_model_config(
+    path: str, model_cls: Optional[type[ModelConfig]] = None, raw: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
     """Map a Hugging Face style config.json onto the field names of a family's configuration
     (``model_cls``; None: the family its ``model_type`` names, else the shared keys alone). The family is
-    returned as ``type`` when config.json names one."""
-    raw = read_hf_config(path)
+    returned as ``type`` when config.json names one. ``raw``: the file as :func:`read_hf_config` parsed
+    it (None: read here); errors name ``path``."""
+    raw = read_hf_config(path) if raw is None else raw
     family = hf_config_family(raw)
     if model_cls is None:
         model_cls = model_config_class(family, path) if family else ModelConfig

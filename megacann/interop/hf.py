@@ -25,16 +25,17 @@ from megacann.interop.quantized import DequantizingReader, quantization_of, stor
 from megacann.models.spec import ChunkPlacement, ModelSpec, find_hf_family, get_model_spec, prepare_model_config
 
 
-def hf_family(path: str) -> tuple[ModelSpec, ModelConfig]:
-    """The megacann family and model config of a Hugging Face directory (its config.json). A
-    ``quantization_config`` megacann cannot read (:mod:`megacann.interop.quantized`) is refused here."""
+def hf_family(path: str) -> tuple[ModelSpec, ModelConfig, dict[str, Any]]:
+    """The megacann family, model config and parsed config.json of a Hugging Face directory (the dict is
+    for :func:`hf_weights_reader`, so an import reads config.json once). A ``quantization_config`` megacann
+    cannot read (:mod:`megacann.interop.quantized`) is refused here."""
     config_file = os.path.join(path, HF_CONFIG)
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{path}: no {HF_CONFIG} (expected a Hugging Face model directory)")
     raw = read_hf_config(config_file)
     spec = find_hf_family(raw.get("model_type", "llama"))
     quantization_of(raw, config_file)
-    return spec, spec.hf.config_from_hf(config_file)
+    return spec, spec.hf.config_from_hf(config_file, raw=raw), raw
 
 
 class SafetensorsReader:
@@ -69,13 +70,17 @@ class SafetensorsReader:
         return self._handles[file].get_tensor(name)
 
 
-def hf_weights_reader(path: str, fp8_dtype: Optional[torch.dtype] = None) -> DequantizingReader:
+def hf_weights_reader(
+    path: str, fp8_dtype: Optional[torch.dtype] = None, raw: Optional[dict[str, Any]] = None
+) -> DequantizingReader:
     """Tensors of the Hugging Face directory ``path`` by name, as stored, except block-scaled fp8 weights
     (config.json's ``quantization_config``), which come dequantised into ``fp8_dtype`` (default: the dtype
-    config.json names for the checkpoint, fp32 when none)."""
+    config.json names for the checkpoint, fp32 when none). ``raw``: config.json as :func:`hf_family`
+    parsed it (None: read here)."""
     tensors = SafetensorsReader(path)
     config_file = os.path.join(path, HF_CONFIG)
-    raw = read_hf_config(config_file) if os.path.isfile(config_file) else {}
+    if raw is None:
+        raw = read_hf_config(config_file) if os.path.isfile(config_file) else {}
     quant = quantization_of(raw, config_file)
     return DequantizingReader(tensors, tensors.weight_map, path, quant, fp8_dtype or stored_dtype(raw))
 
@@ -88,7 +93,7 @@ def from_pretrained_hf(
     **overrides: Any,
 ) -> torch.nn.Module:
     """The whole model of a local HF directory (this rank's tensor-parallel slice), with its weights."""
-    spec, model_cfg = hf_family(path)
+    spec, model_cfg, raw = hf_family(path)
     for key, value in overrides.items():
         setattr(model_cfg, key, value)
     model_cfg.precision = precision
@@ -98,7 +103,7 @@ def from_pretrained_hf(
     prepare_model_config(cfg, spec, source=path)
     model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
     names = [name for name, _ in model.named_parameters()]
-    reader = hf_weights_reader(path, PRECISION_DTYPES[precision])
+    reader = hf_weights_reader(path, PRECISION_DTYPES[precision], raw)
     load_full_state_dict_([model], spec.hf.from_hf(names, reader, model_cfg), source=path)
     return model
 

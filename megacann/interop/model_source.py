@@ -57,7 +57,7 @@ def source_model_settings(path: str) -> tuple[dict[str, Any], str]:
     if found.kind == CONSOLIDATED:
         file = os.path.join(found.path, CONSOLIDATED_CONFIG)
         return _read_json(file), file
-    _, model_cfg = hf_family(found.path)  # the family's adapter reads its names (e.g. Mixtral's experts)
+    _, model_cfg, _ = hf_family(found.path)  # the family's adapter reads its names (e.g. Mixtral's experts)
     return dataclasses.asdict(model_cfg), os.path.join(found.path, HF_CONFIG)
 
 

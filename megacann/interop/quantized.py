@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megacann.accelerator import PRECISION_DTYPES
 from megacann.checkpoint.metadata import CheckpointError
 from megacann.config import ConfigError
 
@@ -45,9 +46,16 @@ _FIXED = {
 }
 # settings that change nothing on reading: which modules were left unquantised (their tensors are not fp8
 # and carry no scale, which is checked tensor by tensor) and what transformers does at load time
-_INERT = {"quant_method", "weight_block_size", "modules_to_not_convert", "ignored_layers", "modules_to_convert"}
-_INERT |= {"dequantize"}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_INERT = {
+    "quant_method",
+    "weight_block_size",
+    "modules_to_not_convert",
+    "ignored_layers",
+    "modules_to_convert",
+    "dequantize",
+}
+# config.json's names (torch's, e.g. "bfloat16") of the dtypes megacann trains in
+_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in PRECISION_DTYPES.values()}
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -36,6 +36,7 @@ from megacann.config.families import model_config_from_dict
 from megacann.interop.full_state import load_full_tensor_, model_parameter_names
 from megacann.interop.hf import SafetensorsReader, hf_family, hf_weights_reader
 from megacann.interop.names import CONSOLIDATED_CONFIG, WEIGHTS_FILE
+from megacann.interop.quantized import DequantizingReader
 from megacann.interop.sources import (
     CHECKPOINT,
     CONSOLIDATED,
@@ -89,8 +90,8 @@ def read_consolidated(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig]:
 def read_hf_weights(path: str, fp8_dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """The weights (megacann names, e.g. fused qkv / gate-up) and model config of a Hugging Face directory;
     block-scaled fp8 weights dequantised into ``fp8_dtype`` (default: the dtype config.json names)."""
-    spec, cfg = hf_family(path)
-    return spec.hf.from_hf(model_parameter_names(spec, cfg), hf_weights_reader(path, fp8_dtype), cfg), cfg
+    spec, cfg, raw = hf_family(path)
+    return spec.hf.from_hf(model_parameter_names(spec, cfg), hf_weights_reader(path, fp8_dtype, raw), cfg), cfg
 
 
 def read_weights(source: str, fp8_dtype: Optional[torch.dtype] = None) -> tuple[dict[str, torch.Tensor], ModelConfig]:
@@ -106,14 +107,16 @@ def read_weights(source: str, fp8_dtype: Optional[torch.dtype] = None) -> tuple[
     return read_hf_weights(found.path, fp8_dtype)
 
 
-def _check_family(source: WeightSource, model_cfg: ModelConfig) -> ModelSpec:
-    spec, _ = hf_family(source.path)
+def _hf_source(source: WeightSource, model_cfg: ModelConfig) -> tuple[ModelSpec, DequantizingReader]:
+    """The family of a Hugging Face ``source`` (refused unless it is ``model.type``) and its tensors, fp8
+    weights dequantised in fp32 (cast once to the chunks' dtype as every tensor is)."""
+    spec, _, raw = hf_family(source.path)
     if spec.name != model_cfg.type:
         raise CheckpointError(
             f"model.init_from: {source.path} is a Hugging Face model of family {spec.name!r}, but model.type is "
             f"{model_cfg.type!r}"
         )
-    return spec
+    return spec, hf_weights_reader(source.path, torch.float32, raw)
 
 
 @torch.no_grad()
@@ -129,9 +132,9 @@ def load_source_weights(chunks: Sequence[torch.nn.Module], source: WeightSource,
         raise_if_problems(problems, f"cannot load {what}")
         _dcp_load(entries, source.path)
         return
-    spec = _check_family(source, model_cfg) if source.kind == HUGGINGFACE else None
-    # fp8 weights dequantised in fp32, cast once to the chunks' dtype as every tensor is
-    reader = hf_weights_reader(source.path, torch.float32) if spec is not None else SafetensorsReader(source.path)
+    spec, reader = (
+        _hf_source(source, model_cfg) if source.kind == HUGGINGFACE else (None, SafetensorsReader(source.path))
+    )
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             stored = storage_name(name, param)  # a pipeline stage's tied copy is stored as what it copies

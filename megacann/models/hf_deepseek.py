@@ -178,13 +178,14 @@ def balancing_keys(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def config_from_hf(config_file: str) -> ModelConfig:
-    """A deepseek_v3 ModelConfig from config.json (its MoE layers derived from ``first_k_dense_replace``).
-    Multi-token prediction depths whose weights the checkpoint beside it lacks are left out, with a note."""
-    cfg = hf_llama.model_config_from_hf(config_file, family="deepseek_v3")
+def config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = None) -> ModelConfig:
+    """A deepseek_v3 ModelConfig from config.json (``raw``: the file already parsed, else read here; its
+    MoE layers derived from ``first_k_dense_replace``). Multi-token prediction depths whose weights the
+    checkpoint beside it lacks are left out, with a note."""
+    raw = read_hf_config(config_file) if raw is None else raw
+    cfg = hf_llama.model_config_from_hf(config_file, family="deepseek_v3", raw=raw)
     if cfg.num_experts is None or cfg.moe_ffn_hidden_size is None:
         raise ConfigError(f"{config_file}: n_routed_experts and moe_intermediate_size are needed for DeepSeek-V3")
-    raw = read_hf_config(config_file)
     for key, (field, value) in HF_DEFAULTS.items():  # what transformers assumes where config.json is silent
         if key not in raw:
             setattr(cfg, field, value)

@@ -86,11 +86,12 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def model_config_from_hf(config_file: str, family: str = "llama") -> ModelConfig:
+def model_config_from_hf(config_file: str, family: str = "llama", raw: Optional[dict[str, Any]] = None) -> ModelConfig:
     """The configuration of ``family`` (LLaMA's, or one built on it) from a Hugging Face config.json (fp32
-    unless the caller says otherwise); the family's configuration class maps its own keys."""
+    unless the caller says otherwise; ``raw``: the file already parsed, else read here); the family's
+    configuration class maps its own keys."""
     config_class = model_config_class(family, config_file)
-    values = load_hf_model_config(config_file, config_class)
+    values = load_hf_model_config(config_file, config_class, raw)
     values.update(type=family, precision=values.get("precision", "fp32"))
     values.setdefault("add_bias_linear", False)
     return config_class(**values)

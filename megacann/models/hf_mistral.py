@@ -8,7 +8,7 @@ written as Mistral and is refused.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -44,10 +44,10 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     return config
 
 
-def model_config_from_hf(config_file: str) -> ModelConfig:
+def model_config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = None) -> ModelConfig:
     """A Mistral-family configuration from a Mistral config.json (``head_dim`` and ``sliding_window``
     included; ``null`` for either: the default)."""
-    return hf_llama.model_config_from_hf(config_file, family=FAMILY)
+    return hf_llama.model_config_from_hf(config_file, family=FAMILY, raw=raw)
 
 
 MISTRAL_HF = HFAdapter(

@@ -166,9 +166,9 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     return config
 
 
-def model_config_from_hf(config_file: str) -> ModelConfig:
+def model_config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = None) -> ModelConfig:
     """An MoE-family ModelConfig from a Mixtral config.json (experts as wide as ``intermediate_size``)."""
-    cfg = hf_llama.model_config_from_hf(config_file, family="moe")
+    cfg = hf_llama.model_config_from_hf(config_file, family="moe", raw=raw)
     cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
     if cfg.num_experts is None:
         raise ConfigError(f"{config_file}: num_local_experts is missing (a Mixtral config names its experts)")

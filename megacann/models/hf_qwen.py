@@ -93,16 +93,16 @@ def qwen3_moe_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any
     return config
 
 
-def _reader(family: str) -> Callable[[str], ModelConfig]:
-    def read(config_file: str) -> ModelConfig:
-        return hf_llama.model_config_from_hf(config_file, family=family)
+def _reader(family: str) -> Callable[..., ModelConfig]:
+    def read(config_file: str, raw: Optional[dict[str, Any]] = None) -> ModelConfig:
+        return hf_llama.model_config_from_hf(config_file, family=family, raw=raw)
 
     return read
 
 
-def qwen3_moe_config_from_hf(config_file: str) -> ModelConfig:
+def qwen3_moe_config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = None) -> ModelConfig:
     """A qwen3_moe ModelConfig from config.json, its MoE layers (``moe_layer_freq``) derived."""
-    cfg = hf_llama.model_config_from_hf(config_file, family="qwen3_moe")
+    cfg = hf_llama.model_config_from_hf(config_file, family="qwen3_moe", raw=raw)
     if cfg.num_experts is None or cfg.moe_ffn_hidden_size is None:
         raise ConfigError(f"{config_file}: num_experts and moe_intermediate_size are needed for a Qwen3-MoE model")
     if cfg.decoder_sparse_step >= 1 and cfg.num_layers:

@@ -13,7 +13,8 @@ all-reduced over the cp group (backward: identity, so each rank's tokens get the
 cp gradient sum is the whole one), every cp rank computes the same pair losses, and the value it reports
 is divided by the cp size (its gradient kept whole) so that sums over the dp x cp group count each pair
 once. Tensor parallelism is inside the vocabulary-parallel cross entropy; pipeline parallelism keeps a
-pair in one micro-batch, so the last stage has both sides.
+pair in one micro-batch, so the stage with the loss (the last; stage 0's chunk 1 in the V of ``zbv`` and
+``dualpipev``) has both sides.
 
 Losses, with ``pi = log pi(y|x)``, ``ref = log pi_ref(y|x)``, ``c`` / ``r`` chosen / rejected, ``n`` the
 response length in tokens:

@@ -86,16 +86,17 @@ def decoder_forward_step(chunk: torch.nn.Module, batch: Batch, hidden_states: Op
 class HFAdapter:
     """Conversion between a family's whole tensors (megacann names) and a Hugging Face checkpoint.
 
-    ``model_types``: the ``model_type`` values of config.json this adapter reads. ``config_from_hf`` maps a
-    config.json dict onto a :class:`ModelConfig`; ``config_to_hf`` writes one. ``to_hf`` renames (and splits
-    fused) tensors; ``from_hf(names, read, cfg)`` returns the whole tensors of megacann ``names`` using
+    ``model_types``: the ``model_type`` values of config.json this adapter reads.
+    ``config_from_hf(config_file, raw=None)`` maps a config.json onto a :class:`ModelConfig` (keyword
+    ``raw``: the file as already parsed, else read; errors name ``config_file``); ``config_to_hf`` writes one. ``to_hf``
+    renames (and splits fused) tensors; ``from_hf(names, read, cfg)`` returns the whole tensors of megacann ``names`` using
     ``read(hf_name)``. ``linear_parts(name, cfg)`` (optional) gives the Hugging Face names of a megacann
     linear weight with the output rows of each, in order (a fused weight is several, split by rows; rows
     None: the whole weight): what PEFT adapter names need (:mod:`megacann.interop.peft`).
     """
 
     model_types: tuple[str, ...]
-    config_from_hf: Callable[[dict[str, Any]], ModelConfig]
+    config_from_hf: Callable[..., ModelConfig]
     config_to_hf: Callable[[ModelConfig, torch.dtype], dict[str, Any]]
     to_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     from_hf: Callable[[Sequence[str], Callable[[str], torch.Tensor], ModelConfig], dict[str, torch.Tensor]]

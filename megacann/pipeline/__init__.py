@@ -5,7 +5,12 @@ from megacann.pipeline.executor import run_plan
 from megacann.pipeline.p2p import activation_shape
 from megacann.pipeline.partition import build_model_chunks, chunk_placements, stage_layer_ids
 from megacann.pipeline.plan import build_plan
-from megacann.pipeline.rules import check_pipeline_config, interleaved_schedule_error, pipeline_bubble_fraction
+from megacann.pipeline.rules import (
+    check_pipeline_config,
+    interleaved_schedule_error,
+    loss_stage,
+    pipeline_bubble_fraction,
+)
 from megacann.pipeline.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining,
@@ -26,6 +31,7 @@ __all__ = [
     "forward_backward_pipelining",
     "get_forward_backward_func",
     "interleaved_schedule_error",
+    "loss_stage",
     "pipeline_bubble_fraction",
     "run_plan",
     "simulate_schedule",

@@ -18,6 +18,12 @@ def chunks_per_stage(schedule: Optional[str], virtual_size: Optional[int]) -> in
     return 2 if schedule in V_SHAPED else virtual_size or 1
 
 
+def loss_stage(schedule: Optional[str], pipeline_size: int) -> int:
+    """The pipeline stage that computes the loss (its last model chunk holds the head): stage 0 in the V
+    placement (its chunk 1, :mod:`megacann.pipeline.v_schedules`), else the last stage."""
+    return 0 if schedule in V_SHAPED and pipeline_size > 1 else pipeline_size - 1
+
+
 def schedule_error(schedule: Optional[str], pipeline_size: int, virtual_size: Optional[int]) -> Optional[str]:
     """Why ``distributed.pipeline_schedule`` cannot run with this layout, or None when it can."""
     if schedule is None:
@@ -109,21 +115,17 @@ def _chunks_name(schedule: Optional[str], chunks: int) -> str:
 
 
 def _check_v_shaped(cfg: MegacannConfig, source: str) -> None:
-    """What the V placement does not build: preference training (dpo) reads its log-probabilities on the
-    last stage, where the V has no head. Tied embeddings and multi-token prediction run: their copies of the
-    embedding sit on stage 0 beside it, in chunk 1, and that rank sums the gradients itself
-    (:func:`megacann.optimizer.finalize.reduce_shared_embedding_grads`)."""
+    """The V's own rules (:func:`megacann.pipeline.v_schedules.v_schedule_error`). Everything the last
+    stage's head serves elsewhere runs on stage 0's chunk 1 (:func:`loss_stage`): tied embeddings and
+    multi-token prediction (their copies of the embedding sit beside it and that rank sums the gradients
+    itself, :func:`megacann.optimizer.finalize.reduce_shared_embedding_grads`) and preference training
+    (``train_mode: dpo``: its sequence log-probabilities are read there)."""
     from megacann.pipeline.v_schedules import v_schedule_error
 
     d = cfg.distributed
     error = v_schedule_error(d.pipeline_schedule, d.pipeline_parallel_size, cfg.optim.grad_accum_steps)
     if error:
         raise ConfigError(f"{source}: {error}")
-    if cfg.train_mode == "dpo":
-        raise ConfigError(
-            f"{source}: distributed.pipeline_schedule {d.pipeline_schedule!r} does not support train_mode dpo yet: "
-            "use zb1p, 1f1b or interleaved"
-        )
 
 
 def validate_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> None:

@@ -44,7 +44,7 @@ from megacann.models.preference_loss import (
     preference_forward_step,
     reference_forward_step,
 )
-from megacann.pipeline import build_model_chunks, get_forward_backward_func
+from megacann.pipeline import build_model_chunks, get_forward_backward_func, loss_stage
 from megacann.training import finetune
 
 
@@ -83,8 +83,10 @@ def _eval_mode(chunks: list[torch.nn.Module]):
             chunk.train(mode)
 
 
-def _is_last_stage() -> bool:
-    return ps.get_pipeline_model_parallel_rank() == ps.get_pipeline_model_parallel_world_size() - 1
+def _computes_loss(cfg: MegacannConfig) -> bool:
+    """Whether this rank's pipeline stage computes the loss, hence a reference pass's log-probabilities."""
+    stages = ps.get_pipeline_model_parallel_world_size()
+    return ps.get_pipeline_model_parallel_rank() == loss_stage(cfg.distributed.pipeline_schedule, stages)
 
 
 class PreferenceTraining:
@@ -124,7 +126,7 @@ class PreferenceTraining:
     @torch.no_grad()
     def reference_logps(self, micro_batches: list[dict], chunks=None, context=None) -> list[torch.Tensor]:
         """Sequence log-probabilities ``[b]`` of each micro-batch under the reference (one forward-only pass
-        of the step's schedule; zeros off the last pipeline stage)."""
+        of the step's schedule; zeros off the pipeline stage that computes the loss)."""
         if chunks is None:
             chunks, context = self._reference_chunks()
         sink: list[torch.Tensor] = []
@@ -136,7 +138,7 @@ class PreferenceTraining:
                 forward_only=True,
                 forward_step=reference_forward_step(self.spec.forward_step, sink),
             )
-        if not sink:  # not the last stage: the loss is computed there
+        if not sink:  # not the stage that computes the loss
             sink = [torch.zeros(mb["labels"].shape[0], device=mb["labels"].device) for mb in micro_batches]
         if len(sink) != len(micro_batches):
             raise RuntimeError(f"reference pass: {len(sink)} results for {len(micro_batches)} micro-batches")
@@ -209,14 +211,21 @@ class PreferenceTraining:
         per_rank = math.ceil(math.ceil(n / b) / dp)
         per_rank = math.ceil(per_rank / group) * group  # every rank runs the same number of micro-batches
         table = torch.zeros(n, dtype=torch.float32, device=self.device)
-        writes = _is_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        writes = (
+            _computes_loss(self.cfg)
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+        )
         for first in range(0, per_rank, group):
-            indices = [[min(((k * dp + rank) * b + j), n - 1) for j in range(b)] for k in range(first, first + group)]
-            batches = [collate([catalog.sequence(i) for i in idx]) for idx in indices]
+            rows = [[(k * dp + rank) * b + j for j in range(b)] for k in range(first, first + group)]
+            # rows past the data's end read its last sequence (full micro-batches) and are not written: the
+            # ranks' tables are summed, so each sequence is written by one rank
+            batches = [collate([catalog.sequence(min(i, n - 1)) for i in idx]) for idx in rows]
             batches = [{k: v.to(self.device) for k, v in mb.items()} for mb in batches]
-            for idx, logps in zip(indices, self.reference_logps(batches, chunks, context)):
+            for idx, logps in zip(rows, self.reference_logps(batches, chunks, context)):
+                index = torch.tensor(idx, device=self.device)
                 if writes:
-                    table[torch.tensor(idx, device=self.device)] = logps  # duplicates (padding) write equal values
+                    table[index[index < n]] = logps[index < n]
         if dist.is_initialized():
             dist.all_reduce(table)
         return table
