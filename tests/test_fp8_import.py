@@ -94,22 +94,24 @@ def write_hf(path, tensors, config):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """``fp8``: the quantised checkpoint; ``deq``: the same dequantised by the test (plain fp32); ``tensors``:
-    deq's tensors; ``quantised``: the names the test quantised (every ``*_proj.weight``)."""
-    root = tmp_path_factory.mktemp("fp8")
+def fp8_checkpoint(root, shape: dict = SHAPE) -> dict:
+    """A tiny deepseek_v3 of ``shape`` drawn by megacann (norms and routing biases randomised), written under
+    ``root``: ``fp8``: the quantised checkpoint; ``deq``: the same dequantised by the test (plain fp32);
+    ``tensors``: deq's tensors; ``original``: the weights before quantisation; ``quantised``: the names the
+    test quantised (every ``*_proj.weight``)."""
     with open(root / "config.json", "w") as f:
-        json.dump(SHAPE, f)
+        json.dump(shape, f)
     spec = get_model_spec("deepseek_v3")
     cfg = MegacannConfig(model=spec.hf.config_from_hf(str(root / "config.json")))
     prepare_model_config(cfg, spec)
     torch.manual_seed(0)
-    model = spec.build(cfg, ChunkPlacement((0, 1)))
+    model = spec.build(cfg, ChunkPlacement(tuple(range(shape["num_hidden_layers"]))))
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("expert_bias"):  # not the ones and zeros they start at
+        for name, param in model.named_parameters():  # not the ones and zeros they start at
+            if "norm" in name:
                 param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(param.numel()))
+            elif name.endswith("expert_bias"):  # small beside the scores: each token routed by its own
+                param.uniform_(-0.05, 0.05, generator=torch.Generator().manual_seed(param.numel()))
     save_pretrained_hf([model], str(root / "orig"), model.config)
     original = load_file(str(root / "orig" / "model.safetensors"))
     with open(root / "orig" / "config.json") as f:
@@ -131,6 +133,11 @@ def ckpt(tmp_path_factory):
         "quantised": quantised,
         "root": root,
     }
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return fp8_checkpoint(tmp_path_factory.mktemp("fp8"))
 
 
 def test_import_dequantises_each_weight_exactly_and_gives_the_same_logits(ckpt):
