@@ -81,6 +81,7 @@ def _runs(runs: dict[str, list[str]], tmp: str, evaluate: bool = False) -> dict:
                 )
             ),
             "kind": trainer.objective.kind,
+            "stage": ps.get_pipeline_model_parallel_rank(),
             "eval": trainer.evaluate() if evaluate else None,
             "layout": (
                 ps.get_tensor_model_parallel_world_size(),
