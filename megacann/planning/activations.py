@@ -170,9 +170,14 @@ def chunk_extra_terms(
     return terms
 
 
+def boundary_tensor_bytes(cfg: MegacannConfig, layout: Layout) -> float:
+    """One micro-batch's tensor between pipeline stages (an activation or its gradient): h x a per token,
+    s/t tokens with sequence parallelism."""
+    tokens = tokens_per_rank(cfg, layout) / (layout.tp if layout.sequence_parallel else 1)
+    return tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.model.precision]
+
+
 def pipeline_buffer_bytes(cfg: MegacannConfig, layout: Layout, first: bool, last: bool) -> float:
     """What the pipeline executor holds per in-flight micro-batch of a chunk: the received input (not on
     the model's first chunk) and the output to back-propagate (not on the last)."""
-    tokens = tokens_per_rank(cfg, layout) / (layout.tp if layout.sequence_parallel else 1)
-    per = tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.model.precision]
-    return per * ((not first) + (not last))
+    return boundary_tensor_bytes(cfg, layout) * ((not first) + (not last))

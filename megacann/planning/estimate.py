@@ -5,7 +5,8 @@ runs, from ``megacann.pipeline.plan``) is replayed, adding a model chunk's activ
 removing them at its backward, so 1F1B's ``pp - stage`` micro-batches on stage ``stage`` and interleaving's
 extra chunks come out of the real schedule, not an approximation of it. The schedule is the layout's
 (``Layout.schedule``, ``distributed.pipeline_schedule``): the zero-bubble ones free a micro-batch's
-activations at its W, and the V-shaped ones (zbv, dualpipev) place chunk 1 of stage s at segment 2p - 1 - s,
+activations at its W and hold from its B to its W what B leaves for W (the deferred weight gradients' output
+gradients, :mod:`megacann.planning.deferred`), and the V-shaped ones (zbv, dualpipev) place chunk 1 of stage s at segment 2p - 1 - s,
 the head on stage 0 beside the embedding.
 
 ``train_mode: dpo`` with a reference copy (``dpo.reference`` copy, or auto without LoRA) holds the starting
@@ -26,10 +27,11 @@ from megacann.config.schema import SPLIT_BACKWARD_SCHEDULES
 from megacann.models import get_model_spec
 from megacann.models.mtp import mtp_depths
 from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
-from megacann.pipeline.plan import Backward, BackwardWeight, Forward, build_plan
+from megacann.pipeline.plan import Backward, BackwardInput, BackwardWeight, Forward, build_plan
 from megacann.pipeline.rules import V_SHAPED, chunks_per_stage
 from megacann.pipeline.simulate import schedule_summary
 from megacann.planning.activations import chunk_extra_terms, layer_activation_bytes, pipeline_buffer_bytes
+from megacann.planning.deferred import chunk_held_bytes
 from megacann.planning.formulas import (
     Layout,
     chunk_parameters_per_rank,
@@ -61,6 +63,7 @@ class StageEstimate:
     host_optimizer: float = 0.0  # optim.offload_optimizer: masters, state and gradient staging in host memory
     host_activations: float = 0.0  # peak of the offloaded layers' saved activations in host memory
     reference: float = 0.0  # DPO's frozen reference copy: its weights, sharded like the policy's
+    chunk_held: list[float] = field(default_factory=list)  # per chunk: a split backward's B leaves for W (0: none)
 
     @property
     def host(self) -> float:
@@ -81,19 +84,29 @@ def _describe_layers(ids: list[int]) -> str:
     return f"layer {ids[0]}" if len(ids) == 1 else f"layers {ids[0]}-{ids[-1]}"
 
 
-def replay_in_flight(plan, chunk_bytes: list[float]) -> tuple[float, int]:
-    """(peak bytes, peak count) of chunk activations alive while ``plan`` runs."""
-    return _peak(_in_flight_profile(_activation_events(plan)), chunk_bytes)
+def replay_in_flight(plan, chunk_bytes: list[float], chunk_held: Optional[list[float]] = None) -> tuple[float, int]:
+    """(peak bytes, peak count) of chunk activations alive while ``plan`` runs, with ``chunk_held`` (per
+    chunk: what a split backward's B leaves for its W, :mod:`megacann.planning.deferred`) from each B to its W."""
+    held = [0.0] * len(chunk_bytes) if chunk_held is None else chunk_held
+    return _peak(_in_flight_profile(_activation_events(plan)), [*chunk_bytes, *held])
 
 
-def _activation_events(plan) -> tuple[tuple[int, int], ...]:
-    """(+1 or -1, chunk) for each action that makes or frees a micro-batch's activations."""
+SAVED, HELD = 0, 1  # what an event makes or frees: a chunk's activations (F to B, or to W), B's leftovers (B to W)
+
+
+def _activation_events(plan) -> tuple[tuple[int, int, int], ...]:
+    """(+1 or -1, chunk, SAVED or HELD) for each action that makes or frees a micro-batch's activations or
+    what its B leaves for W."""
     events = []
     for action in plan:
         if isinstance(action, Forward):
-            events.append((1, action.chunk))
-        elif isinstance(action, (Backward, BackwardWeight)):  # a split backward frees them at its W
-            events.append((-1, action.chunk))
+            events.append((1, action.chunk, SAVED))
+        elif isinstance(action, BackwardInput):
+            events.append((1, action.chunk, HELD))
+        elif isinstance(action, Backward):
+            events.append((-1, action.chunk, SAVED))
+        elif isinstance(action, BackwardWeight):  # a split backward frees the activations at its W
+            events += [(-1, action.chunk, SAVED), (-1, action.chunk, HELD)]
     return tuple(events)
 
 
@@ -109,17 +122,18 @@ def _stage_profile(
     return _in_flight_profile(_activation_events(build_plan(pp, stage, num_microbatches, virtual, schedule=schedule)))
 
 
-def _in_flight_profile(events: tuple[tuple[int, int], ...]) -> Profile:
-    """(the counts of micro-batches alive per chunk at each moment one could peak, none below another in
-    every chunk; the peak total count). The peak bytes for any bytes per chunk is the largest of these
-    counts weighted by them, so replaying a plan is done once per shape, not once per layout."""
-    chunks = 1 + max((chunk for _, chunk in events), default=0)
-    alive, moments, peak_count = [0] * chunks, set(), 0
-    for sign, chunk in events:
-        alive[chunk] += sign
+def _in_flight_profile(events: tuple[tuple[int, int, int], ...]) -> Profile:
+    """(the counts of micro-batches alive per chunk at each moment one could peak: activations of chunks
+    0..chunks-1, then B's leftovers of each chunk; none below another in every count; the peak total count
+    of activations). The peak bytes for any bytes per chunk is the largest of these counts weighted by
+    them, so replaying a plan is done once per shape, not once per layout."""
+    chunks = 1 + max((chunk for _, chunk, _ in events), default=0)
+    alive, moments, peak_count = [0] * (2 * chunks), set(), 0
+    for sign, chunk, kind in events:
+        alive[kind * chunks + chunk] += sign
         if sign > 0:
             moments.add(tuple(alive))
-            peak_count = max(peak_count, sum(alive))
+            peak_count = max(peak_count, sum(alive[:chunks]))
     kept = tuple(n for n in moments if not any(o != n and all(a >= b for a, b in zip(o, n)) for o in moments))
     return kept, peak_count
 
@@ -166,6 +180,7 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
     pipeline_layers = d.pipeline_layers if same_cut else None
     params, experts, saved, buffers, holds, transient = 0, 0, [], [], [], 0.0
     offloaded, host_saved, unit = set(layout.offload_layers), [], 0
+    split, held, held_per_kind = schedule in SPLIT_BACKWARD_SCHEDULES, [], {}
     for chunk in range(vpp):
         ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers, v_shape)
         first = stage == 0 and chunk == 0
@@ -186,6 +201,7 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
             firsts = {is_moe_layer(m, i): i for i in reversed(ids)}.values()
             unit = max([unit] + [sum(layer_parameters_per_rank(m, layout.tp, i, layout.ep)) for i in firsts])
         buffers.append(pipeline_buffer_bytes(cfg, layout, first, last))
+        held.append(chunk_held_bytes(cfg, layout, ids, first, last, held_per_kind) if split else 0.0)
         if layout.recompute == "full" and ids:  # backward re-runs one layer at a time
             transient = max(transient, *(layer_activation_bytes(cfg, layout, "none", moe) for moe in set(kinds)))
         if last and mtp_depths(m):
@@ -195,7 +211,7 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         parts += [f"{mtp_depths(m)} MTP depths"] if last and mtp_depths(m) else []
         holds.append(" + ".join(parts))
     profile = _stage_profile(pp, stage, layout.num_microbatches, vpp if vpp > 1 and not v_shape else None, schedule)
-    peak, in_flight = _peak(profile, [a + b for a, b in zip(saved, buffers)])
+    peak, in_flight = _peak(profile, [*(a + b for a, b in zip(saved, buffers)), *held])
     host_peak = _peak(profile, host_saved)[0]
     static = placed_static_bytes(cfg, layout, params, experts, unit)
     return StageEstimate(
@@ -214,6 +230,7 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         static["host_optimizer"],
         host_peak,
         reference_copy_bytes(cfg, params),
+        held,
     )
 
 

@@ -1,0 +1,152 @@
+"""What a split backward's B leaves for its W (zb1p, zbv, dualpipev), per model chunk and micro-batch.
+
+Between a micro-batch's B and its W (:mod:`megacann.pipeline.split_backward`) the weight-gradient closures
+of the :class:`~megacann.ops.weight_grad.WeightGradStore` hold, besides the saved inputs of the products
+(activations, counted by :mod:`megacann.planning.activations` until W), each deferred product's OUTPUT
+GRADIENT, and the store holds the gradients B computed for the other parameters. Per transformer layer and
+token (a = bytes of the weights' dtype, t = TP size, q = heads x head_dim, kv = the k (and v) rows a rank
+computes, h hidden, f ffn; tokens as the activations count them, s/cp of every sequence):
+
+- attention: the q, k, v and output projections' outputs: a (q/t + 2kv + h) (the row-parallel output whole,
+  also under sequence parallelism, whose reduce-scatter's backward gathers it); latent attention: its q/kv
+  down- and up-projections' outputs and o_proj's (:mod:`megacann.planning.mla` widths);
+- dense MLP: gate|up and down: a (2f/t + h), or up and down without a gate: a (f/t + h);
+- MoE (:mod:`megacann.planning.moe`): per routed row the experts compute a (2 f_e/t + h) (the grouped
+  matmul's fused implementations; the reference one, ``precision.fused_ops`` without ``grouped_matmul``,
+  computes the experts' weight gradients in B instead), the shared experts as a dense SwiGLU MLP of
+  width f_s;
+- B's parameter gradients (per layer, not per token): norms, biases and the router, a bytes per parameter.
+
+Per chunk: the received output gradient (not on the last chunk; h a per token, s/t tokens under sequence
+parallelism), which the executor keeps for W; the chunk's last layer's down projection reads it as its own
+output gradient (the residual add passes it on) unless a reduce-scatter gathers it (sequence parallelism
+with t > 1), so it is counted once. The last chunk: the final norm's gradient, and the head's: with the
+fused head loss the loss gradient, one float32 broadcast over the tokens (W recomputes the logits), or under ZeRO-3 (which
+does not defer it) the head weight's gradient (V/t x h x a); the unfused loss: the logits' gradient
+(a V/t per token), written over the saved float32 exponentials in fp32 training (nothing more).
+The model's first chunk holds only the received gradient: its B has no input to differentiate, so its
+W runs the fused backward.
+
+The estimate (:mod:`megacann.planning.estimate`) adds these bytes at B and removes them at W, while the
+chunk's activations stay counted until W: an upper bound, since B frees the saved tensors the closures do
+not capture (norms', attention's). Not counted: the projection inputs that full recompute rebuilds in B
+and that the offloaded layers bring back for W (the closures keep them to W), the multi-token prediction
+depths' deferred gradients, LoRA adapters' output gradients, the CPU head loss's weight gradient summed in
+the forward, and the grouped experts' stacked weight copy on CUDA. tests/test_planner_deferred.py measures
+the terms against the tensors a store holds after B.
+"""
+
+from __future__ import annotations
+
+from megacann.config import MegacannConfig
+from megacann.planning import mla
+from megacann.planning.activations import boundary_tensor_bytes, kv_read_width, tokens_per_rank
+from megacann.planning.formulas import (
+    DTYPE_BYTES,
+    Layout,
+    architecture,
+    fused_head_loss,
+    fused_op,
+    is_moe_layer,
+    layer_parameters_per_rank,
+    local_kv_rows,
+    moe_structure,
+    padded_vocab,
+    query_width,
+)
+from megacann.planning.moe import moe_parameters_per_rank, routed_rows
+
+
+def _deferred_matrix_parameters(cfg: MegacannConfig, layout: Layout, layer_id: int) -> int:
+    """Parameters of one layer's deferred products on one rank: the projections, shared and routed experts
+    (not the router's)."""
+    m, t = cfg.model, layout.tp
+    arch = architecture(m)
+    h, q = m.hidden_size, query_width(m) // t
+    if arch.latent_attention:  # less the latent norms
+        attention = mla.latent_attention_parameters_per_rank(m, t) - (m.q_lora_rank or 0) - m.kv_lora_rank
+    else:
+        attention = 2 * h * q + 2 * h * local_kv_rows(m, t)
+    moe = moe_structure(m)
+    if moe is not None and moe.moe_layers[layer_id]:
+        router_shared, experts = moe_parameters_per_rank(h, t, layout.ep, moe)
+        grouped = experts if fused_op(cfg, "grouped_matmul") else 0  # the reference's F.linear: in B
+        return attention + router_shared - moe.num_experts * h + grouped
+    return attention + arch.mlp_matrices * h * m.ffn_size // t
+
+
+def layer_held_terms(cfg: MegacannConfig, layout: Layout, layer_id: int) -> dict[str, float]:
+    """Bytes layer ``layer_id`` keeps from B to W for one micro-batch, by what holds them."""
+    m = cfg.model
+    a, t = DTYPE_BYTES[m.precision], layout.tp
+    h, tokens, arch = m.hidden_size, tokens_per_rank(cfg, layout), architecture(m)
+    if arch.latent_attention:
+        heads = m.num_attention_heads // t
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        widths = (m.q_lora_rank or 0) + heads * qk + m.kv_lora_rank + m.qk_rope_head_dim
+        attention = widths + heads * (m.qk_nope_head_dim + m.v_head_dim) + h
+    else:
+        attention = query_width(m) // t + 2 * kv_read_width(m, t) + h
+    terms = {"attention output gradients": tokens * a * attention}
+    moe = moe_structure(m)
+    if moe is not None and moe.moe_layers[layer_id]:
+        if fused_op(cfg, "grouped_matmul"):
+            rows = routed_rows(tokens, moe)
+            terms["routed experts' output gradients"] = rows * a * (2 * moe.expert_ffn_hidden_size // t + h)
+        if moe.shared_ffn_hidden_size:
+            terms["shared experts' output gradients"] = tokens * a * (2 * moe.shared_ffn_hidden_size // t + h)
+    else:
+        terms["mlp output gradients"] = tokens * a * ((arch.mlp_matrices - 1) * m.ffn_size // t + h)
+    dense, experts = layer_parameters_per_rank(m, t, layer_id, layout.ep)
+    terms["parameter gradients computed in B"] = a * (
+        dense + experts - _deferred_matrix_parameters(cfg, layout, layer_id)
+    )
+    return terms
+
+
+def _reads_the_received_gradient(cfg: MegacannConfig, layout: Layout, last_layer: int) -> bool:
+    """Whether the chunk's last layer's final product takes the received gradient as its output gradient:
+    its output is the layer's (a dense MLP's down projection, or an MoE layer's shared experts') and no
+    reduce-scatter gathers the gradient in between."""
+    if layout.sequence_parallel and layout.tp > 1:
+        return False
+    moe = moe_structure(cfg.model)
+    return moe is None or not moe.moe_layers[last_layer] or moe.shared_ffn_hidden_size > 0
+
+
+def chunk_held_bytes(
+    cfg: MegacannConfig, layout: Layout, layer_ids: list[int], first: bool, last: bool, per_kind: dict
+) -> float:
+    """Bytes a model chunk keeps from a micro-batch's B to its W (``per_kind``: a cache of the layer
+    totals by kind of layer, shared by a stage's chunks)."""
+    received = 0.0 if last else boundary_tensor_bytes(cfg, layout)
+    if first:  # no B: W is the fused backward
+        return received
+    m = cfg.model
+    total = 0.0
+    for i in layer_ids:
+        kind = is_moe_layer(m, i)
+        if kind not in per_kind:
+            per_kind[kind] = sum(layer_held_terms(cfg, layout, i).values())
+        total += per_kind[kind]
+    if layer_ids and received and _reads_the_received_gradient(cfg, layout, layer_ids[-1]):
+        received = 0.0  # one tensor, counted with the layer
+    if last:
+        total += sum(head_held_terms(cfg, layout).values())
+    return total + received
+
+
+def head_held_terms(cfg: MegacannConfig, layout: Layout) -> dict[str, float]:
+    """Bytes the last chunk's final norm and head keep from B to W for one micro-batch."""
+    m = cfg.model
+    a, t = DTYPE_BYTES[m.precision], layout.tp
+    tokens = tokens_per_rank(cfg, layout)
+    terms = {"final norm's gradient": a * architecture(m).norm_parameters_per_width * m.hidden_size}
+    vocab = padded_vocab(cfg, t) // t
+    if not fused_head_loss(cfg):  # fp32: the gradient overwrites the saved exponentials
+        terms["logits' gradient"] = tokens * a * vocab if a != 4 else 0.0
+    elif layout.zero >= 3:  # ZeRO-3 frees the weight after B: its gradient comes with B
+        terms["head weight's gradient"] = a * vocab * m.hidden_size
+    else:
+        terms["loss gradient (float32)"] = 4.0  # the mean's: one value broadcast over the tokens
+    return terms
