@@ -6,15 +6,20 @@ to the byte. Then the replay: zb1p and zbv hold them from each B to its W, 1F1B 
 what they were."""
 
 import contextlib
+import dataclasses
 import functools
 
+import pytest
 import torch
 from dist_harness import run_on_ranks
 from test_planner import COMMON
 from test_planner_moe import MOE_MODEL
 
-from megacann.planning import layout_of
-from megacann.planning.deferred import chunk_held_bytes
+from megacann.pipeline.plan import Backward, BackwardInput, BackwardWeight, Forward, build_plan
+from megacann.planning import estimate_stages, layout_of
+from megacann.planning.activations import boundary_tensor_bytes
+from megacann.planning.deferred import chunk_held_bytes, head_held_terms, layer_held_terms
+from megacann.planning.estimate import replay_in_flight
 
 # two chunks of two layers each: layers 0-1 in the middle of the model, 2-3 with the final norm and head
 GROUPED = "precision.fused_ops=[vocab_parallel_head_loss,grouped_matmul]"
@@ -129,3 +134,90 @@ def test_what_b_leaves_for_w_on_one_rank_to_the_byte():
 
 def test_what_b_leaves_for_w_on_two_tensor_parallel_ranks_to_the_byte():
     _compare(RUNS_2, run_on_ranks(_held_after_b, 2, args=(RUNS_2,), timeout=300), 2)
+
+
+# -- the replay -----------------------------------------------------------------------------------------
+
+PIPELINE = ["model.num_layers=8", "optim.grad_accum_steps=4"]
+
+
+def _stages(pp: int, schedule: str, *overrides: str):
+    cfg = tiny_config_of([*PIPELINE, f"distributed.pipeline_parallel_size={pp}", *overrides], pp)
+    layout = dataclasses.replace(layout_of(cfg), schedule=schedule)
+    return cfg, layout, estimate_stages(cfg, layout)
+
+
+def tiny_config_of(overrides: list, world: int):
+    from training_helpers import tiny_config
+
+    return tiny_config(overrides, world_size=world)
+
+
+def _walk(plan, saved: list, held: list) -> tuple[float, int]:
+    """(peak bytes, micro-batches B left for W at that moment), action by action: a chunk's activations
+    from its F to its B (fused) or W, what its B leaves from B to W."""
+    alive, waiting, peak, at_peak = [0] * len(saved), [0] * len(saved), 0.0, 0
+    for action in plan:
+        c = getattr(action, "chunk", None)
+        if isinstance(action, Forward):
+            alive[c] += 1
+        elif isinstance(action, BackwardInput):
+            waiting[c] += 1
+        elif isinstance(action, Backward):
+            alive[c] -= 1
+        elif isinstance(action, BackwardWeight):
+            alive[c], waiting[c] = alive[c] - 1, waiting[c] - 1
+        now = sum(n * s + w * h for n, w, s, h in zip(alive, waiting, saved, held))
+        if now > peak:
+            peak, at_peak = now, sum(waiting)
+    return peak, at_peak
+
+
+@pytest.mark.parametrize("pp, schedule", [(2, "zb1p"), (4, "zb1p"), (2, "zbv"), (4, "zbv")])
+def test_split_schedules_hold_b_s_leftovers_from_b_to_w(pp, schedule):
+    cfg, layout, stages = _stages(pp, schedule)
+    first = boundary_tensor_bytes(cfg, layout)
+    for index, stage in enumerate(stages):
+        plan = build_plan(pp, index, layout.num_microbatches, None, schedule=schedule)
+        per_chunk = [a + b for a, b in zip(stage.chunk_saved, stage.chunk_buffers)]
+        peak, waiting = _walk(plan, per_chunk, stage.chunk_held)
+        assert stage.activations == peak and all(held > 0 for held in stage.chunk_held), (index, stage)
+        assert replay_in_flight(plan, per_chunk, stage.chunk_held)[0] == peak
+        before = replay_in_flight(plan, per_chunk)[0]  # the estimate without B's leftovers
+        if index == 0 and schedule == "zb1p":  # the model's first chunk: its B has no input, only the gradient waits
+            assert stage.chunk_held == [first] and waiting >= 1
+            assert stage.activations == before + waiting * first
+    # the first stage's peak grows by what B left at that moment, at pp 2 and 4 alike
+    assert (
+        stages[0].activations
+        > replay_in_flight(
+            build_plan(pp, 0, layout.num_microbatches, None, schedule=schedule),
+            [a + b for a, b in zip(stages[0].chunk_saved, stages[0].chunk_buffers)],
+        )[0]
+    )
+
+
+def test_a_middle_chunk_holds_its_layers_and_the_last_its_head():
+    cfg, layout, stages = _stages(4, "zb1p")
+    layer = sum(layer_held_terms(cfg, layout, 0).values())
+    assert stages[1].chunk_held == [2 * layer]  # the received gradient is the last down_proj's own
+    assert stages[3].chunk_held == [2 * layer + sum(head_held_terms(cfg, layout).values())]
+
+
+# stage activations of main before this change (1F1B and interleaved 1F1B hold nothing from B to W)
+MAIN_1F1B = {
+    ("1f1b", 4, ()): [2078720.0, 1606656.0, 1071104.0, 552960.0],
+    ("interleaved", 4, ("optim.grad_accum_steps=8", "distributed.virtual_pipeline_size=2")): [
+        3059712.0,
+        2594304.0,
+        2017792.0,
+        1458688.0,
+    ],
+}
+
+
+@pytest.mark.parametrize("schedule, pp, overrides", list(MAIN_1F1B))
+def test_1f1b_and_interleaved_estimates_are_unchanged(schedule, pp, overrides):
+    _, _, stages = _stages(pp, schedule, *overrides)
+    assert [s.activations for s in stages] == MAIN_1F1B[(schedule, pp, overrides)]
+    assert all(held == 0.0 for s in stages for held in s.chunk_held)
