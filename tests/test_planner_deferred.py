@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist_harness import run_on_ranks
 from test_planner import COMMON
+from test_planner_mla import MLA
 from test_planner_moe import MOE_MODEL
 
 from megacann.pipeline.plan import Backward, BackwardInput, BackwardWeight, Forward, build_plan
@@ -22,6 +23,7 @@ from megacann.planning.deferred import chunk_held_bytes, head_held_terms, layer_
 from megacann.planning.estimate import replay_in_flight
 
 # two chunks of two layers each: layers 0-1 in the middle of the model, 2-3 with the final norm and head
+TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
 GROUPED = "precision.fused_ops=[vocab_parallel_head_loss,grouped_matmul]"
 CHUNKS = (((0, 1), False), ((2, 3), True))
 RUNS_1 = {
@@ -31,10 +33,19 @@ RUNS_1 = {
     "moe fp32": [*COMMON, *MOE_MODEL],  # layers 0 and 2 MoE with a shared expert, 1 and 3 dense
     "moe unshared fp32": [*COMMON, *MOE_MODEL, "model.moe_shared_experts=0"],
     "moe grouped fp32": [*COMMON, *MOE_MODEL, GROUPED],  # the routed experts' weight gradients deferred
+    # B rebuilds the layers' activations: W's closures keep the products' inputs
+    "llama full recompute": [*COMMON, "model.activation_checkpointing=full"],
+    "moe grouped full recompute": [*COMMON, *MOE_MODEL, GROUPED, "model.activation_checkpointing=full"],
+    "llama offloaded layer 2": [*COMMON, "training.activation_offload_layers=[2]"],
+    # latent attention (layers 0-1 dense, 2-3 MoE)
+    "mla fp32": [*COMMON, *MLA, GROUPED],
+    "mla full recompute": [*COMMON, *MLA, GROUPED, "model.activation_checkpointing=full"],
 }
 RUNS_2 = {
-    "tp2 sp": [*COMMON, "distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"],
+    "tp2 sp": [*COMMON, *TP2_SP],
     "tp2": [*COMMON, "distributed.tensor_parallel_size=2"],  # the received gradient is the last down_proj's
+    "tp2 sp full recompute": [*COMMON, *TP2_SP, "model.activation_checkpointing=full"],
+    "mla tp2 sp full recompute": [*COMMON, *MLA, GROUPED, *TP2_SP, "model.activation_checkpointing=full"],
     "moe tp2 sp": [
         *COMMON,
         *MOE_MODEL,
@@ -75,6 +86,8 @@ def _held_after_b(runs: dict) -> dict:
     from training_helpers import SyntheticData, tiny_config
 
     from megacann import parallel_state as ps
+    from megacann.config.offload_keys import offloaded_layer_ids
+    from megacann.layers.activation_offload import offload_layer_activations
     from megacann.models import ChunkPlacement
     from megacann.models.spec import get_model_spec
     from megacann.models.step_loss import backward_objective
@@ -93,6 +106,7 @@ def _held_after_b(runs: dict) -> dict:
         batch = next(iter(SyntheticData(cfg, 0, 1).train))
         for layers, last in CHUNKS:
             chunk = spec.build(cfg, ChunkPlacement(layers, pre_process=False, post_process=last))
+            offload_layer_activations([chunk], offloaded_layer_ids(cfg))  # as the trainer does
             params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
             b, s = batch["tokens"].shape
             s_local = s // ps.get_tensor_model_parallel_world_size() if cfg.distributed.sequence_parallel else s

@@ -15,25 +15,29 @@ computes, h hidden, f ffn; tokens as the activations count them, s/cp of every s
   matmul's fused implementations; the reference one, ``precision.fused_ops`` without ``grouped_matmul``,
   computes the experts' weight gradients in B instead), the shared experts as a dense SwiGLU MLP of
   width f_s;
-- B's parameter gradients (per layer, not per token): norms, biases and the router, a bytes per parameter.
+- B's parameter gradients (per layer, not per token): norms, biases and the router, a bytes per parameter;
+- where B rebuilds a layer's activations (``full`` recompute, or an offloaded layer's brought back from the
+  host), the products' inputs the closures keep: a (h + q/t) for attention (latent attention: h, the
+  latents and o_proj's n d_v/t), a (h + f/t) for the MLP, the experts' per row a (h + f_e/t) and the shared
+  experts' a (h + f_s/t) per token; otherwise these inputs are saved activations, counted until W.
 
 Per chunk: the received output gradient (not on the last chunk; h a per token, s/t tokens under sequence
 parallelism), which the executor keeps for W; the chunk's last layer's down projection reads it as its own
 output gradient (the residual add passes it on) unless a reduce-scatter gathers it (sequence parallelism
 with t > 1), so it is counted once. The last chunk: the final norm's gradient, and the head's: with the
-fused head loss the loss gradient, one float32 broadcast over the tokens (W recomputes the logits), or under ZeRO-3 (which
-does not defer it) the head weight's gradient (V/t x h x a); the unfused loss: the logits' gradient
-(a V/t per token), written over the saved float32 exponentials in fp32 training (nothing more).
+fused head loss the loss gradient, one float32 broadcast over the tokens (W recomputes the logits), or
+under ZeRO-3 (which does not defer it) the head weight's gradient (V/t x h x a); the unfused loss: the
+logits' gradient (a V/t per token), written over the saved float32 exponentials in fp32 training.
 The model's first chunk holds only the received gradient: its B has no input to differentiate, so its
 W runs the fused backward.
 
 The estimate (:mod:`megacann.planning.estimate`) adds these bytes at B and removes them at W, while the
 chunk's activations stay counted until W: an upper bound, since B frees the saved tensors the closures do
-not capture (norms', attention's). Not counted: the projection inputs that full recompute rebuilds in B
-and that the offloaded layers bring back for W (the closures keep them to W), the multi-token prediction
-depths' deferred gradients, LoRA adapters' output gradients, the CPU head loss's weight gradient summed in
-the forward, and the grouped experts' stacked weight copy on CUDA. tests/test_planner_deferred.py measures
-the terms against the tensors a store holds after B.
+not capture (norms', attention's). Not counted: the multi-token prediction depths' deferred gradients,
+LoRA adapters' output gradients, the CPU head loss's weight gradient summed in the forward, and the CUDA
+grouped matmul's stacked weight copy its W closure keeps. tests/test_planner_deferred.py measures the terms
+(LLaMA, GPT, MoE, latent attention; tp 1 and 2, sequence parallelism, full recompute, activation offload)
+against the tensors a store holds after B, to the byte; the ZeRO-3 head term is not measured.
 """
 
 from __future__ import annotations
@@ -104,6 +108,29 @@ def layer_held_terms(cfg: MegacannConfig, layout: Layout, layer_id: int) -> dict
     return terms
 
 
+def layer_rebuilt_input_terms(cfg: MegacannConfig, layout: Layout, layer_id: int) -> dict[str, float]:
+    """Bytes of the deferred products' inputs of one layer whose B rebuilds its activations (full recompute,
+    or an offloaded layer's brought back): W's closures keep them, for one micro-batch."""
+    m = cfg.model
+    a, t = DTYPE_BYTES[m.precision], layout.tp
+    h, tokens, arch = m.hidden_size, tokens_per_rank(cfg, layout), architecture(m)
+    if arch.latent_attention:  # q_a / kv_a (or q_proj) read the layer's normed input, then the latents, o_proj
+        attention = h + (m.q_lora_rank or 0) + m.kv_lora_rank + m.num_attention_heads // t * m.v_head_dim
+    else:  # q, k and v read one input, o_proj the attention's output
+        attention = h + query_width(m) // t
+    terms = {"attention inputs": tokens * a * attention}
+    moe = moe_structure(m)
+    if moe is not None and moe.moe_layers[layer_id]:
+        if fused_op(cfg, "grouped_matmul"):
+            rows = routed_rows(tokens, moe)
+            terms["routed experts' inputs"] = rows * a * (h + moe.expert_ffn_hidden_size // t)
+        if moe.shared_ffn_hidden_size:
+            terms["shared experts' inputs"] = tokens * a * (h + moe.shared_ffn_hidden_size // t)
+    else:  # gate|up (or up) and down
+        terms["mlp inputs"] = tokens * a * (h + m.ffn_size // t)
+    return terms
+
+
 def _reads_the_received_gradient(cfg: MegacannConfig, layout: Layout, last_layer: int) -> bool:
     """Whether the chunk's last layer's final product takes the received gradient as its output gradient:
     its output is the layer's (a dense MLP's down projection, or an MoE layer's shared experts') and no
@@ -125,9 +152,12 @@ def chunk_held_bytes(
     m = cfg.model
     total = 0.0
     for i in layer_ids:
-        kind = is_moe_layer(m, i)
+        kind = (is_moe_layer(m, i), layout.recompute == "full" or i in layout.offload_layers)
         if kind not in per_kind:
-            per_kind[kind] = sum(layer_held_terms(cfg, layout, i).values())
+            terms = layer_held_terms(cfg, layout, i)
+            if kind[1]:
+                terms.update(layer_rebuilt_input_terms(cfg, layout, i))
+            per_kind[kind] = sum(terms.values())
         total += per_kind[kind]
     if layer_ids and received and _reads_the_received_gradient(cfg, layout, layer_ids[-1]):
         received = 0.0  # one tensor, counted with the layer
