@@ -21,6 +21,7 @@ from megacann.planning import estimate_stages, layout_of
 from megacann.planning.activations import boundary_tensor_bytes
 from megacann.planning.deferred import chunk_held_bytes, head_held_terms, layer_held_terms
 from megacann.planning.estimate import replay_in_flight
+from megacann.planning.report import layout_lines
 
 # two chunks of two layers each: layers 0-1 in the middle of the model, 2-3 with the final norm and head
 TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
@@ -235,3 +236,13 @@ def test_1f1b_and_interleaved_estimates_are_unchanged(schedule, pp, overrides):
     _, _, stages = _stages(pp, schedule, *overrides)
     assert [s.activations for s in stages] == MAIN_1F1B[(schedule, pp, overrides)]
     assert all(held == 0.0 for s in stages for held in s.chunk_held)
+
+
+def test_the_report_names_what_b_leaves_for_w():
+    cfg, layout, stages = _stages(4, "zbv")
+    largest = max(stages, key=lambda s: s.total)
+    text = "\n".join(layout_lines(cfg, layout, 0))
+    held = ", ".join(f"chunk {c} {b / 2**20:,.1f} MiB" for c, b in enumerate(largest.chunk_held))
+    assert f"split backward: B leaves for W per micro-batch on stage {largest.stage}: {held} (" in text
+    cfg, layout, _ = _stages(4, "1f1b")
+    assert "split backward" not in "\n".join(layout_lines(cfg, layout, 0))
