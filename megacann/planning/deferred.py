@@ -42,6 +42,8 @@ against the tensors a store holds after B, to the byte; the ZeRO-3 head term is 
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megacann.config import MegacannConfig
 from megacann.planning import mla
 from megacann.planning.activations import boundary_tensor_bytes, kv_read_width, tokens_per_rank
@@ -131,35 +133,36 @@ def layer_rebuilt_input_terms(cfg: MegacannConfig, layout: Layout, layer_id: int
     return terms
 
 
-def _reads_the_received_gradient(cfg: MegacannConfig, layout: Layout, last_layer: int) -> bool:
-    """Whether the chunk's last layer's final product takes the received gradient as its output gradient:
-    its output is the layer's (a dense MLP's down projection, or an MoE layer's shared experts') and no
-    reduce-scatter gathers the gradient in between."""
-    if layout.sequence_parallel and layout.tp > 1:
-        return False
-    moe = moe_structure(cfg.model)
-    return moe is None or not moe.moe_layers[last_layer] or moe.shared_ffn_hidden_size > 0
-
-
 def chunk_held_bytes(
-    cfg: MegacannConfig, layout: Layout, layer_ids: list[int], first: bool, last: bool, per_kind: dict
+    cfg: MegacannConfig,
+    layout: Layout,
+    layer_ids: list[int],
+    first: bool,
+    last: bool,
+    per_kind: dict,
+    kinds: Optional[list[bool]] = None,
 ) -> float:
     """Bytes a model chunk keeps from a micro-batch's B to its W (``per_kind``: a cache of the layer
-    totals by kind of layer, shared by a stage's chunks)."""
+    totals by kind of layer, shared by a stage's chunks; ``kinds``: whether each layer is an MoE layer,
+    when the caller knows)."""
     received = 0.0 if last else boundary_tensor_bytes(cfg, layout)
     if first:  # no B: W is the fused backward
         return received
-    m = cfg.model
+    m, full, offloaded = cfg.model, layout.recompute == "full", layout.offload_layers
+    kinds = [is_moe_layer(m, i) for i in layer_ids] if kinds is None else kinds
     total = 0.0
-    for i in layer_ids:
-        kind = (is_moe_layer(m, i), layout.recompute == "full" or i in layout.offload_layers)
+    for i, moe in zip(layer_ids, kinds):
+        kind = (moe, full or i in offloaded)
         if kind not in per_kind:
             terms = layer_held_terms(cfg, layout, i)
             if kind[1]:
                 terms.update(layer_rebuilt_input_terms(cfg, layout, i))
             per_kind[kind] = sum(terms.values())
         total += per_kind[kind]
-    if layer_ids and received and _reads_the_received_gradient(cfg, layout, layer_ids[-1]):
+    # the chunk's last layer's final product takes the received gradient as its own output gradient (a dense
+    # MLP's down projection, an MoE layer's shared experts') unless a reduce-scatter gathers it in between
+    gathered = layout.sequence_parallel and layout.tp > 1
+    if layer_ids and not gathered and (not kinds[-1] or moe_structure(m).shared_ffn_hidden_size):
         received = 0.0  # one tensor, counted with the layer
     if last:
         total += sum(head_held_terms(cfg, layout).values())

@@ -170,7 +170,11 @@ def reference_copy_bytes(cfg: MegacannConfig, params: int) -> float:
     return float(weight_bytes_per_param(cfg) * params) if reference_kind(cfg) == "copy" else 0.0
 
 
-def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEstimate:
+def estimate_stage(
+    cfg: MegacannConfig, layout: Layout, stage: int, held_per_kind: Optional[dict] = None
+) -> StageEstimate:
+    """One stage's estimate (``held_per_kind``: what B leaves for W per kind of layer, shared by the stages
+    of one layout)."""
     m, d = cfg.model, cfg.distributed
     pp, schedule = layout.pp, layout.schedule
     v_shape = schedule in V_SHAPED and pp > 1  # the V placement: the head on stage 0
@@ -180,7 +184,8 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
     pipeline_layers = d.pipeline_layers if same_cut else None
     params, experts, saved, buffers, holds, transient = 0, 0, [], [], [], 0.0
     offloaded, host_saved, unit = set(layout.offload_layers), [], 0
-    split, held, held_per_kind = schedule in SPLIT_BACKWARD_SCHEDULES, [], {}
+    split, held = schedule in SPLIT_BACKWARD_SCHEDULES, []
+    held_per_kind = {} if held_per_kind is None else held_per_kind
     for chunk in range(vpp):
         ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers, v_shape)
         first = stage == 0 and chunk == 0
@@ -201,7 +206,7 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
             firsts = {is_moe_layer(m, i): i for i in reversed(ids)}.values()
             unit = max([unit] + [sum(layer_parameters_per_rank(m, layout.tp, i, layout.ep)) for i in firsts])
         buffers.append(pipeline_buffer_bytes(cfg, layout, first, last))
-        held.append(chunk_held_bytes(cfg, layout, ids, first, last, held_per_kind) if split else 0.0)
+        held.append(chunk_held_bytes(cfg, layout, ids, first, last, held_per_kind, kinds) if split else 0.0)
         if layout.recompute == "full" and ids:  # backward re-runs one layer at a time
             transient = max(transient, *(layer_activation_bytes(cfg, layout, "none", moe) for moe in set(kinds)))
         if last and mtp_depths(m):
@@ -236,7 +241,8 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
 
 def estimate_stages(cfg: MegacannConfig, layout: Layout) -> list[StageEstimate]:
     """Every pipeline stage's estimate (stage 0 first)."""
-    return [estimate_stage(cfg, layout, stage) for stage in range(layout.pp)]
+    held_per_kind: dict = {}
+    return [estimate_stage(cfg, layout, stage, held_per_kind) for stage in range(layout.pp)]
 
 
 def bubble_fraction(layout: Layout) -> float:
