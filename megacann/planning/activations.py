@@ -29,10 +29,10 @@ save other tensors: on CPU (tiny LLaMA, 4 layers), megacann's C++ kernels saved 
 the default ``fp32_ops: [rms_norm]`` (fp32 copies for the norms) 14% more (tests/test_planner.py measures
 the reference exactly; the figures above come from the same measurement with the defaults).
 The pipeline executor keeps each in-flight micro-batch's received input and its output (h x a per token
-each, s/t tokens with sequence parallelism) until its backward. The split-backward schedules (zb1p, zbv,
-dualpipev) keep these activations until W, and B leaves more for W (the deferred weight gradients' output
-gradients, B's parameter gradients, the received gradient; rebuilt inputs under full recompute or
-activation offload): counted by :mod:`megacann.planning.deferred`, not here.
+each, s/t tokens with sequence parallelism) until its backward. Under the split-backward schedules (zb1p,
+zbv, dualpipev) that is B, which frees all but what W needs (the deferred products' inputs and output
+gradients, B's parameter gradients, the received gradient and the output): counted from B to W by
+:mod:`megacann.planning.deferred`, not here.
 
 Context parallelism divides every per-token count by cp: a rank holds s/cp tokens of every sequence
 through the whole model, and ring / all-gather attention save the same q, k, v, output and log-sum-exp for

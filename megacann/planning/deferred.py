@@ -1,43 +1,44 @@
 """What a split backward's B leaves for its W (zb1p, zbv, dualpipev), per model chunk and micro-batch.
 
-Between a micro-batch's B and its W (:mod:`megacann.pipeline.split_backward`) the weight-gradient closures
-of the :class:`~megacann.ops.weight_grad.WeightGradStore` hold, besides the saved inputs of the products
-(activations, counted by :mod:`megacann.planning.activations` until W), each deferred product's OUTPUT
-GRADIENT, and the store holds the gradients B computed for the other parameters. Per transformer layer and
-token (a = bytes of the weights' dtype, t = TP size, q = heads x head_dim, kv = the k (and v) rows a rank
+B (:mod:`megacann.pipeline.split_backward`) back-propagates through the chunk's autograd graph and frees
+it as it goes: of the saved activations only what the weight-gradient closures of the
+:class:`~megacann.ops.weight_grad.WeightGradStore` capture survives until W, that is each deferred
+product's INPUT and its OUTPUT GRADIENT; the store also holds the gradients B computed for the other
+parameters, and the executor the received gradient and the chunk's output. Per transformer layer and token
+(a = bytes of the weights' dtype, t = TP size, q = heads x head_dim, kv = the k (and v) rows a rank
 computes, h hidden, f ffn; tokens as the activations count them, s/cp of every sequence):
 
-- attention: the q, k, v and output projections' outputs: a (q/t + 2kv + h) (the row-parallel output whole,
-  also under sequence parallelism, whose reduce-scatter's backward gathers it); latent attention: its q/kv
-  down- and up-projections' outputs and o_proj's (:mod:`megacann.planning.mla` widths);
-- dense MLP: gate|up and down: a (2f/t + h), or up and down without a gate: a (f/t + h);
-- MoE (:mod:`megacann.planning.moe`): per routed row the experts compute a (2 f_e/t + h) (the grouped
-  matmul's fused implementations; the reference one, ``precision.fused_ops`` without ``grouped_matmul``,
-  computes the experts' weight gradients in B instead), the shared experts as a dense SwiGLU MLP of
-  width f_s;
-- B's parameter gradients (per layer, not per token): norms, biases and the router, a bytes per parameter;
-- where B rebuilds a layer's activations (``full`` recompute, or an offloaded layer's brought back from the
-  host), the products' inputs the closures keep: a (h + q/t) for attention (latent attention: h, the
-  latents and o_proj's n d_v/t), a (h + f/t) for the MLP, the experts' per row a (h + f_e/t) and the shared
-  experts' a (h + f_s/t) per token; otherwise these inputs are saved activations, counted until W.
+- output gradients: attention's q, k, v and output projections a (q/t + 2kv + h) (the row-parallel output
+  whole, also under sequence parallelism, whose reduce-scatter's backward gathers it; latent attention:
+  its q/kv down- and up-projections' and o_proj's, :mod:`megacann.planning.mla` widths); the dense MLP's
+  gate|up and down a (2f/t + h), or up and down without a gate a (f/t + h); MoE
+  (:mod:`megacann.planning.moe`): per routed row a (2 f_e/t + h), the shared experts as a dense SwiGLU MLP
+  of width f_s;
+- inputs: attention a (h + q/t) (q, k and v read one input; latent attention: h, the latents and o_proj's
+  n d_v/t), the MLP a (h + f/t), per routed row a (h + f_e/t), the shared experts a (h + f_s/t); the
+  same with ``full`` recompute or activation offload, where B rebuilds or brings them back;
+- B's parameter gradients (per layer, not per token): norms, biases and the router, a bytes per parameter.
 
-Per chunk: the received output gradient (not on the last chunk; h a per token, s/t tokens under sequence
-parallelism), which the executor keeps for W; the chunk's last layer's down projection reads it as its own
-output gradient (the residual add passes it on) unless a reduce-scatter gathers it (sequence parallelism
-with t > 1), so it is counted once. The last chunk: the final norm's gradient, and the head's: with the
-fused head loss the loss gradient, one float32 broadcast over the tokens (W recomputes the logits), or
-under ZeRO-3 (which does not defer it) the head weight's gradient (V/t x h x a); the unfused loss: the
-logits' gradient (a V/t per token), written over the saved float32 exponentials in fp32 training.
-The model's first chunk holds only the received gradient: its B has no input to differentiate, so its
-W runs the fused backward.
+The routed experts' products defer with the grouped matmul's fused implementations; the reference one
+(``precision.fused_ops`` without ``grouped_matmul``) computes their weight gradients in B instead (their
+parameters' bytes, no rows). Per chunk: the received output gradient (not on the last chunk; h a per
+token, s/t tokens under sequence parallelism); the chunk's last layer's down projection reads it as its
+own output gradient (the residual add passes it on) unless a reduce-scatter gathers it (sequence
+parallelism with t > 1), so it is counted once. The last chunk: the final norm's gradient and the head's
+input (a h per token, gathered over the sequence), with the fused head loss the targets, the float32
+log-sum-exp and the loss gradient (12 per token and one float32: W recomputes the logits), with the unfused
+loss the logits' gradient (a V/t per token; in fp32 written over the saved exponentials); under ZeRO-3,
+which does not defer the fused head's weight gradient, only that gradient (V/t x h x a). The model's first
+chunk runs no B (no input to differentiate; its W is the fused backward): its activations stay until W.
 
-The estimate (:mod:`megacann.planning.estimate`) adds these bytes at B and removes them at W, while the
-chunk's activations stay counted until W: an upper bound, since B frees the saved tensors the closures do
-not capture (norms', attention's). Not counted: the multi-token prediction depths' deferred gradients,
-LoRA adapters' output gradients, the CPU head loss's weight gradient summed in the forward, and the CUDA
-grouped matmul's stacked weight copy its W closure keeps. tests/test_planner_deferred.py measures the terms
-(LLaMA, GPT, MoE, latent attention; tp 1 and 2, sequence parallelism, full recompute, activation offload)
-against the tensors a store holds after B, to the byte; the ZeRO-3 head term is not measured.
+The estimate (:mod:`megacann.planning.estimate`) replays this: a chunk's activations from F to B, these
+bytes and the chunk's output from B to W. Not counted: the multi-token prediction depths' (their
+activations are dropped at B like the rest of the last chunk's, their deferred gradients not added), LoRA
+adapters' products, the CPU head loss's weight gradient summed in the forward, and the CUDA grouped
+matmul's stacked weight copy its W closure keeps. tests/test_planner_deferred.py measures the terms (LLaMA,
+GPT, MoE, latent attention; tp 1 and 2, sequence parallelism, full recompute, activation offload) against
+the tensors a store holds after B, to the byte, and that no other saved activation outlives B; the ZeRO-3
+head term is not measured.
 """
 
 from __future__ import annotations
@@ -142,23 +143,21 @@ def chunk_held_bytes(
     per_kind: dict,
     kinds: Optional[list[bool]] = None,
 ) -> float:
-    """Bytes a model chunk keeps from a micro-batch's B to its W (``per_kind``: a cache of the layer
-    totals by kind of layer, shared by a stage's chunks; ``kinds``: whether each layer is an MoE layer,
-    when the caller knows)."""
+    """Bytes a model chunk's B leaves for its W, one micro-batch: what W's closures keep (the products'
+    inputs and output gradients), B's parameter gradients and the received gradient (``per_kind``: a cache
+    of the layer totals by kind of layer, shared by a stage's chunks; ``kinds``: whether each layer is an
+    MoE layer, when the caller knows). The model's first chunk: the received gradient only."""
     received = 0.0 if last else boundary_tensor_bytes(cfg, layout)
     if first:  # no B: W is the fused backward
         return received
-    m, full, offloaded = cfg.model, layout.recompute == "full", layout.offload_layers
+    m = cfg.model
     kinds = [is_moe_layer(m, i) for i in layer_ids] if kinds is None else kinds
     total = 0.0
     for i, moe in zip(layer_ids, kinds):
-        kind = (moe, full or i in offloaded)
-        if kind not in per_kind:
-            terms = layer_held_terms(cfg, layout, i)
-            if kind[1]:
-                terms.update(layer_rebuilt_input_terms(cfg, layout, i))
-            per_kind[kind] = sum(terms.values())
-        total += per_kind[kind]
+        if moe not in per_kind:
+            terms = {**layer_held_terms(cfg, layout, i), **layer_rebuilt_input_terms(cfg, layout, i)}
+            per_kind[moe] = sum(terms.values())
+        total += per_kind[moe]
     # the chunk's last layer's final product takes the received gradient as its own output gradient (a dense
     # MLP's down projection, an MoE layer's shared experts') unless a reduce-scatter gathers it in between
     gathered = layout.sequence_parallel and layout.tp > 1
@@ -170,16 +169,18 @@ def chunk_held_bytes(
 
 
 def head_held_terms(cfg: MegacannConfig, layout: Layout) -> dict[str, float]:
-    """Bytes the last chunk's final norm and head keep from B to W for one micro-batch."""
+    """Bytes the last chunk's final norm and head leave from B to W for one micro-batch."""
     m = cfg.model
     a, t = DTYPE_BYTES[m.precision], layout.tp
     tokens = tokens_per_rank(cfg, layout)
     terms = {"final norm's gradient": a * architecture(m).norm_parameters_per_width * m.hidden_size}
     vocab = padded_vocab(cfg, t) // t
-    if not fused_head_loss(cfg):  # fp32: the gradient overwrites the saved exponentials
-        terms["logits' gradient"] = tokens * a * vocab if a != 4 else 0.0
-    elif layout.zero >= 3:  # ZeRO-3 frees the weight after B: its gradient comes with B
+    if layout.zero >= 3 and fused_head_loss(cfg):  # ZeRO-3 frees the weight after B: its gradient comes with B
         terms["head weight's gradient"] = a * vocab * m.hidden_size
-    else:
-        terms["loss gradient (float32)"] = 4.0  # the mean's: one value broadcast over the tokens
+        return terms
+    terms["head input"] = tokens * a * m.hidden_size  # gathered over the sequence under sequence parallelism
+    if fused_head_loss(cfg):  # W recomputes the logits from the input, the targets and the log-sum-exp
+        terms["targets, log-sum-exp, loss gradient"] = tokens * 12 + 4.0  # the mean's gradient: one value
+    else:  # in fp32 written over the saved float32 exponentials
+        terms["logits' gradient"] = tokens * a * vocab
     return terms

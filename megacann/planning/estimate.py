@@ -5,8 +5,8 @@ runs, from ``megacann.pipeline.plan``) is replayed, adding a model chunk's activ
 removing them at its backward, so 1F1B's ``pp - stage`` micro-batches on stage ``stage`` and interleaving's
 extra chunks come out of the real schedule, not an approximation of it. The schedule is the layout's
 (``Layout.schedule``, ``distributed.pipeline_schedule``): the zero-bubble ones free a micro-batch's
-activations at its W and hold from its B to its W what B leaves for W (the deferred weight gradients' output
-gradients, :mod:`megacann.planning.deferred`), and the V-shaped ones (zbv, dualpipev) place chunk 1 of stage s at segment 2p - 1 - s,
+activations at its B and hold from its B to its W what B leaves for W (the deferred products' inputs and
+output gradients, :mod:`megacann.planning.deferred`), and the V-shaped ones (zbv, dualpipev) place chunk 1 of stage s at segment 2p - 1 - s,
 the head on stage 0 beside the embedding.
 
 ``train_mode: dpo`` with a reference copy (``dpo.reference`` copy, or auto without LoRA) holds the starting
@@ -30,7 +30,12 @@ from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
 from megacann.pipeline.plan import Backward, BackwardInput, BackwardWeight, Forward, build_plan
 from megacann.pipeline.rules import V_SHAPED, chunks_per_stage
 from megacann.pipeline.simulate import schedule_summary
-from megacann.planning.activations import chunk_extra_terms, layer_activation_bytes, pipeline_buffer_bytes
+from megacann.planning.activations import (
+    boundary_tensor_bytes,
+    chunk_extra_terms,
+    layer_activation_bytes,
+    pipeline_buffer_bytes,
+)
 from megacann.planning.deferred import chunk_held_bytes
 from megacann.planning.formulas import (
     Layout,
@@ -84,29 +89,40 @@ def _describe_layers(ids: list[int]) -> str:
     return f"layer {ids[0]}" if len(ids) == 1 else f"layers {ids[0]}-{ids[-1]}"
 
 
-def replay_in_flight(plan, chunk_bytes: list[float], chunk_held: Optional[list[float]] = None) -> tuple[float, int]:
-    """(peak bytes, peak count) of chunk activations alive while ``plan`` runs, with ``chunk_held`` (per
-    chunk: what a split backward's B leaves for its W, :mod:`megacann.planning.deferred`) from each B to its W."""
-    held = [0.0] * len(chunk_bytes) if chunk_held is None else chunk_held
-    return _peak(_in_flight_profile(_activation_events(plan)), [*chunk_bytes, *held])
+def replay_in_flight(plan, chunk_bytes: list[float], after_b: Optional[list[float]] = None) -> tuple[float, int]:
+    """(peak bytes, peak count) of the micro-batches' chunks alive while ``plan`` runs: ``chunk_bytes`` per
+    chunk from its forward to its backward (or B), ``after_b`` (:func:`after_b_bytes`; default: the same
+    bytes) from a split backward's B to its W."""
+    after = chunk_bytes if after_b is None else after_b
+    return _peak(_in_flight_profile(_activation_events(plan)), [*chunk_bytes, *after])
 
 
-SAVED, HELD = 0, 1  # what an event makes or frees: a chunk's activations (F to B, or to W), B's leftovers (B to W)
+def after_b_bytes(saved: float, buffers: float, held: float, first: bool, last: bool, boundary: float) -> float:
+    """What one micro-batch of a chunk holds from its B to its W: B frees the autograd graph, so what W's
+    closures keep, B's gradients and the received one (``held``, :mod:`megacann.planning.deferred`) and the
+    output the executor keeps for W (``boundary``, not on the last chunk); the model's first chunk runs no B
+    (its W is the fused backward): its activations and buffers stay, with the received gradient."""
+    if first:
+        return saved + buffers + held
+    return held + (0.0 if last else boundary)
+
+
+F_TO_B, B_TO_W = 0, 1  # what an event makes or frees: a chunk's activations (F to B), what B leaves for W
 
 
 def _activation_events(plan) -> tuple[tuple[int, int, int], ...]:
-    """(+1 or -1, chunk, SAVED or HELD) for each action that makes or frees a micro-batch's activations or
-    what its B leaves for W."""
+    """(+1 or -1, chunk, F_TO_B or B_TO_W) for each action that makes or frees a micro-batch's activations
+    or what its B leaves for W."""
     events = []
     for action in plan:
         if isinstance(action, Forward):
-            events.append((1, action.chunk, SAVED))
+            events.append((1, action.chunk, F_TO_B))
         elif isinstance(action, BackwardInput):
-            events.append((1, action.chunk, HELD))
+            events += [(-1, action.chunk, F_TO_B), (1, action.chunk, B_TO_W)]
         elif isinstance(action, Backward):
-            events.append((-1, action.chunk, SAVED))
-        elif isinstance(action, BackwardWeight):  # a split backward frees the activations at its W
-            events += [(-1, action.chunk, SAVED), (-1, action.chunk, HELD)]
+            events.append((-1, action.chunk, F_TO_B))
+        elif isinstance(action, BackwardWeight):
+            events.append((-1, action.chunk, B_TO_W))
     return tuple(events)
 
 
@@ -123,9 +139,9 @@ def _stage_profile(
 
 
 def _in_flight_profile(events: tuple[tuple[int, int, int], ...]) -> Profile:
-    """(the counts of micro-batches alive per chunk at each moment one could peak: activations of chunks
-    0..chunks-1, then B's leftovers of each chunk; none below another in every count; the peak total count
-    of activations). The peak bytes for any bytes per chunk is the largest of these counts weighted by
+    """(the counts of micro-batches alive per chunk at each moment one could peak: between F and B for chunks
+    0..chunks-1, then between B and W for each; none below another in every count; the peak total count of
+    chunks whose W has not run). The peak bytes for any bytes per chunk is the largest of these counts weighted by
     them, so replaying a plan is done once per shape, not once per layout."""
     chunks = 1 + max((chunk for _, chunk, _ in events), default=0)
     alive, moments, peak_count = [0] * (2 * chunks), set(), 0
@@ -133,7 +149,7 @@ def _in_flight_profile(events: tuple[tuple[int, int, int], ...]) -> Profile:
         alive[kind * chunks + chunk] += sign
         if sign > 0:
             moments.add(tuple(alive))
-            peak_count = max(peak_count, sum(alive[:chunks]))
+            peak_count = max(peak_count, sum(alive))
     kept = tuple(n for n in moments if not any(o != n and all(a >= b for a, b in zip(o, n)) for o in moments))
     return kept, peak_count
 
@@ -184,7 +200,7 @@ def estimate_stage(
     pipeline_layers = d.pipeline_layers if same_cut else None
     params, experts, saved, buffers, holds, transient = 0, 0, [], [], [], 0.0
     offloaded, host_saved, unit = set(layout.offload_layers), [], 0
-    split, held = schedule in SPLIT_BACKWARD_SCHEDULES, []
+    split, held, after, boundary = schedule in SPLIT_BACKWARD_SCHEDULES, [], [], boundary_tensor_bytes(cfg, layout)
     held_per_kind = {} if held_per_kind is None else held_per_kind
     for chunk in range(vpp):
         ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers, v_shape)
@@ -212,11 +228,12 @@ def estimate_stage(
         if last and mtp_depths(m):
             mtp_params, mtp_experts, mtp_saved = mtp_terms(cfg, layout)
             params, experts, saved[-1] = params + mtp_params, experts + mtp_experts, saved[-1] + mtp_saved
+        after.append(after_b_bytes(saved[-1], buffers[-1], held[-1], first, last, boundary))
         parts = (["embedding"] if first else []) + [_describe_layers(ids)] + (["output layer"] if last else [])
         parts += [f"{mtp_depths(m)} MTP depths"] if last and mtp_depths(m) else []
         holds.append(" + ".join(parts))
     profile = _stage_profile(pp, stage, layout.num_microbatches, vpp if vpp > 1 and not v_shape else None, schedule)
-    peak, in_flight = _peak(profile, [*(a + b for a, b in zip(saved, buffers)), *held])
+    peak, in_flight = _peak(profile, [*(a + b for a, b in zip(saved, buffers)), *after])
     host_peak = _peak(profile, host_saved)[0]
     static = placed_static_bytes(cfg, layout, params, experts, unit)
     return StageEstimate(
