@@ -208,12 +208,12 @@ def _after_b(cfg, layout, stage, index: int, pp: int, schedule: str) -> list:
     boundary = boundary_tensor_bytes(cfg, layout)
     out = []
     for c, (saved, buffers, held) in enumerate(zip(stage.chunk_saved, stage.chunk_buffers, stage.chunk_held)):
-        last = (index == 0 and c == 1) if schedule == "zbv" else index == pp - 1
+        last = (index == 0 and c == 1) if schedule in ("zbv", "dualpipev") else index == pp - 1
         out.append(saved + buffers + held if index == 0 and c == 0 else held + (0 if last else boundary))
     return out
 
 
-@pytest.mark.parametrize("pp, schedule", [(2, "zb1p"), (4, "zb1p"), (2, "zbv"), (4, "zbv")])
+@pytest.mark.parametrize("pp, schedule", [(2, "zb1p"), (4, "zb1p"), (2, "zbv"), (4, "zbv"), (2, "dualpipev")])
 def test_split_schedules_hold_what_b_leaves_from_b_to_w(pp, schedule):
     cfg, layout, stages = _stages(pp, schedule)
     first = boundary_tensor_bytes(cfg, layout)

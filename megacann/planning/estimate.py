@@ -59,8 +59,9 @@ class StageEstimate:
     weights: float
     grads: float
     optimizer: float
-    activations: float  # peak: saved tensors and pipeline buffers of the micro-batches in flight, + recompute
-    in_flight: int  # most chunk-forwards waiting for their backward at once
+    activations: float  # peak: saved tensors and pipeline buffers of the micro-batches in flight (a split
+    # backward's: from B what W keeps, chunk_held), + recompute
+    in_flight: int  # most chunk-forwards waiting for their backward (or W) at once
     chunk_saved: list[float] = field(default_factory=list)  # per chunk: bytes autograd saves for one micro-batch
     chunk_buffers: list[float] = field(default_factory=list)  # per chunk: pipeline executor's tensors per micro-batch
     recompute_transient: float = 0.0  # full recompute: one layer's activations rebuilt during backward
