@@ -6,8 +6,8 @@ removing them at its backward, so 1F1B's ``pp - stage`` micro-batches on stage `
 extra chunks come out of the real schedule, not an approximation of it. The schedule is the layout's
 (``Layout.schedule``, ``distributed.pipeline_schedule``): the zero-bubble ones free a micro-batch's
 activations at its B and hold from its B to its W what B leaves for W (the deferred products' inputs and
-output gradients, :mod:`megacann.planning.deferred`), and the V-shaped ones (zbv, dualpipev) place chunk 1 of stage s at segment 2p - 1 - s,
-the head on stage 0 beside the embedding.
+output gradients, :mod:`megacann.planning.deferred`), and the V-shaped ones (zbv, dualpipev) place chunk 1
+of stage s at segment 2p - 1 - s, the head on stage 0 beside the embedding.
 
 ``train_mode: dpo`` with a reference copy (``dpo.reference`` copy, or auto without LoRA) holds the starting
 weights once more, built and sharded like the policy: its weights only (no gradients, no optimizer state,
@@ -140,10 +140,10 @@ def _stage_profile(
 
 
 def _in_flight_profile(events: tuple[tuple[int, int, int], ...]) -> Profile:
-    """(the counts of micro-batches alive per chunk at each moment one could peak: between F and B for chunks
-    0..chunks-1, then between B and W for each; none below another in every count; the peak total count of
-    chunks whose W has not run). The peak bytes for any bytes per chunk is the largest of these counts weighted by
-    them, so replaying a plan is done once per shape, not once per layout."""
+    """(the counts of micro-batches alive per chunk at each moment one could peak: between F and B for
+    chunks 0..chunks-1, then between B and W for each; none below another in every count; the peak total
+    count of chunks whose W has not run). The peak bytes for any bytes per chunk is the largest of these
+    counts weighted by them, so replaying a plan is done once per shape, not once per layout."""
     chunks = 1 + max((chunk for _, chunk, _ in events), default=0)
     alive, moments, peak_count = [0] * (2 * chunks), set(), 0
     for sign, chunk, kind in events:
