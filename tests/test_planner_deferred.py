@@ -3,8 +3,8 @@ tiny LLaMA, GPT, MoE and latent-attention chunks (a middle chunk and the last, w
 recompute, activation offload, tp 2 with and without sequence parallelism) run forward and B on 1 and 2
 gloo ranks: the bytes of the distinct storages the WeightGradStore's closures capture, the gradients it
 holds and the received output gradient (parameters and the executor's buffers left out) equal the
-formula's to the byte, and no other saved activation outlives B. Then the replay: zb1p and zbv hold that
-from each B to its W instead of the activations, 1F1B and interleaved 1F1B are what they were."""
+formula's to the byte, and no other saved activation outlives B. Then the replay: zb1p, zbv and dualpipev
+hold that from each B to its W instead of the activations, 1F1B and interleaved 1F1B are what they were."""
 
 import contextlib
 import dataclasses
@@ -30,17 +30,19 @@ from megacann.planning.deferred import (
 from megacann.planning.estimate import replay_in_flight
 from megacann.planning.report import layout_lines
 
-# two chunks of two layers each: layers 0-1 in the middle of the model, 2-3 with the final norm and head
 TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
-GROUPED = "precision.fused_ops=[vocab_parallel_head_loss,grouped_matmul]"
+GROUPED = "precision.fused_ops=[vocab_parallel_head_loss,grouped_matmul]"  # the routed experts' products defer
+# two chunks of two layers each: layers 0-1 in the middle of the model, 2-3 with the final norm and head
 CHUNKS = (((0, 1), False), ((2, 3), True))
 RUNS_1 = {
     "llama fp32": [*COMMON],
     "llama unfused bf16": [*COMMON, "precision.fused_ops=false", "model.precision=bf16"],
     "gpt fp32": [*COMMON, "model.type=gpt"],  # biases, LayerNorm's two parameters per width
-    "moe fp32": [*COMMON, *MOE_MODEL],  # layers 0 and 2 MoE with a shared expert, 1 and 3 dense
+    # layers 0 and 2 MoE with a shared expert, 1 and 3 dense; the reference grouped matmul's weight gradients
+    # come with B
+    "moe fp32": [*COMMON, *MOE_MODEL],
     "moe unshared fp32": [*COMMON, *MOE_MODEL, "model.moe_shared_experts=0"],
-    "moe grouped fp32": [*COMMON, *MOE_MODEL, GROUPED],  # the routed experts' weight gradients deferred
+    "moe grouped fp32": [*COMMON, *MOE_MODEL, GROUPED],
     # B rebuilds the layers' activations: W's closures keep the products' inputs
     "llama full recompute": [*COMMON, "model.activation_checkpointing=full"],
     "moe grouped full recompute": [*COMMON, *MOE_MODEL, GROUPED, "model.activation_checkpointing=full"],
@@ -54,13 +56,7 @@ RUNS_2 = {
     "tp2": [*COMMON, "distributed.tensor_parallel_size=2"],  # the received gradient is the last down_proj's
     "tp2 sp full recompute": [*COMMON, *TP2_SP, "model.activation_checkpointing=full"],
     "mla tp2 sp full recompute": [*COMMON, *MLA, GROUPED, *TP2_SP, "model.activation_checkpointing=full"],
-    "moe tp2 sp": [
-        *COMMON,
-        *MOE_MODEL,
-        GROUPED,
-        "distributed.tensor_parallel_size=2",
-        "distributed.sequence_parallel=true",
-    ],
+    "moe tp2 sp": [*COMMON, *MOE_MODEL, GROUPED, *TP2_SP],
 }
 
 
