@@ -50,6 +50,8 @@ RUNS_1 = {
     # latent attention (layers 0-1 dense, 2-3 MoE)
     "mla fp32": [*COMMON, *MLA, GROUPED],
     "mla full recompute": [*COMMON, *MLA, GROUPED, "model.activation_checkpointing=full"],
+    "mtp 2 depths": [*COMMON, "model.mtp_num_layers=2"],
+    "mtp unfused": [*COMMON, "model.mtp_num_layers=1", "precision.fused_ops=false"],
 }
 RUNS_2 = {
     "tp2 sp": [*COMMON, *TP2_SP],
@@ -57,6 +59,8 @@ RUNS_2 = {
     "tp2 sp full recompute": [*COMMON, *TP2_SP, "model.activation_checkpointing=full"],
     "mla tp2 sp full recompute": [*COMMON, *MLA, GROUPED, *TP2_SP, "model.activation_checkpointing=full"],
     "moe tp2 sp": [*COMMON, *MOE_MODEL, GROUPED, *TP2_SP],
+    "mtp tp2 sp": [*COMMON, *TP2_SP, "model.mtp_num_layers=1"],
+    "mtp tp2": [*COMMON, "distributed.tensor_parallel_size=2", "model.mtp_num_layers=1"],
 }
 
 

@@ -28,17 +28,18 @@ parallelism with t > 1), so it is counted once. The last chunk: the final norm's
 input (a h per token, gathered over the sequence), with the fused head loss the targets, the float32
 log-sum-exp and the loss gradient (12 per token and one float32: W recomputes the logits), with the unfused
 loss the logits' gradient (a V/t per token; in fp32 written over the saved exponentials); under ZeRO-3,
-which does not defer the fused head's weight gradient, only that gradient (V/t x h x a). The model's first
-chunk runs no B (no input to differentiate; its W is the fused backward): its activations stay until W.
+which does not defer the fused head's weight gradient, only that gradient (V/t x h x a). Each
+multi-token prediction depth on the last chunk: a layer of the last layer's kind, a head's, and its own
+embedding output gradient and int64 ids, eh_proj's input (2h) and output gradient (h/t) and two norms'
+gradients. The model's first chunk runs no B (no input to differentiate; its W is the fused backward): its
+activations stay until W.
 
 The estimate (:mod:`megacann.planning.estimate`) replays this: a chunk's activations from F to B, these
-bytes and the chunk's output from B to W. Not counted: the multi-token prediction depths' (their
-activations are dropped at B like the rest of the last chunk's, their deferred gradients not added), LoRA
-adapters' products, the CPU head loss's weight gradient summed in the forward, and the CUDA grouped
-matmul's stacked weight copy its W closure keeps. tests/test_planner_deferred.py measures the terms (LLaMA,
-GPT, MoE, latent attention; tp 1 and 2, sequence parallelism, full recompute, activation offload) against
-the tensors a store holds after B, to the byte, and that no other saved activation outlives B; the ZeRO-3
-head term is not measured.
+bytes and the chunk's output from B to W. Not counted: LoRA adapters' products, the CPU head loss's weight
+gradient summed in the forward, and the CUDA grouped matmul's stacked weight copy its W closure keeps.
+tests/test_planner_deferred.py measures the terms (LLaMA, GPT, MoE, latent attention, MTP; tp 1 and 2,
+sequence parallelism, full recompute, activation offload) against the tensors a store holds after B, to the
+byte, and that no other saved activation outlives B; the ZeRO-3 head term is not measured.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megacann.config import MegacannConfig
+from megacann.models.mtp import mtp_depths
 from megacann.planning import mla
 from megacann.planning.activations import boundary_tensor_bytes, kv_read_width, tokens_per_rank
 from megacann.planning.formulas import (
@@ -164,8 +166,26 @@ def chunk_held_bytes(
     if layer_ids and not gathered and (not kinds[-1] or moe_structure(m).shared_ffn_hidden_size):
         received = 0.0  # one tensor, counted with the layer
     if last:
-        total += sum(head_held_terms(cfg, layout).values())
+        total += sum(head_held_terms(cfg, layout).values()) + _mtp_held_bytes(cfg, layout, per_kind)
     return total + received
+
+
+def _mtp_held_bytes(cfg: MegacannConfig, layout: Layout, per_kind: dict) -> float:
+    """What the multi-token prediction depths on the last chunk leave from B to W: per depth a layer of the
+    last layer's kind, a head's, the embedding's output gradient and ids, eh_proj's input (the two normed
+    halves, 2h) and output gradient (h/t), and the gradients of its two norms."""
+    m = cfg.model
+    depths = mtp_depths(m)
+    if not depths:
+        return 0.0
+    a, t, h, last = DTYPE_BYTES[m.precision], layout.tp, m.hidden_size, m.num_layers - 1
+    moe = is_moe_layer(m, last)
+    if moe not in per_kind:
+        per_kind[moe] = sum(
+            {**layer_held_terms(cfg, layout, last), **layer_rebuilt_input_terms(cfg, layout, last)}.values()
+        )
+    own = tokens_per_rank(cfg, layout) * (a * (3 * h + h // t) + 8) + 2 * h * a
+    return depths * (per_kind[moe] + sum(head_held_terms(cfg, layout).values()) + own)
 
 
 def head_held_terms(cfg: MegacannConfig, layout: Layout) -> dict[str, float]:
