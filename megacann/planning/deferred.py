@@ -37,10 +37,10 @@ activations stay until W.
 The estimate (:mod:`megacann.planning.estimate`) replays this: a chunk's activations from F to B, these
 bytes and the chunk's output from B to W. Not counted: LoRA (the planner counts the base weights as
 trained; frozen, they defer nothing, their adapters keep their own inputs and gradients), the CPU head
-loss's weight gradient summed in the forward, and the CUDA grouped matmul's stacked weight copy its W closure keeps.
-tests/test_planner_deferred.py measures the terms (LLaMA, GPT, MoE, latent attention, MTP; tp 1 and 2,
-sequence parallelism, full recompute, activation offload) against the tensors a store holds after B, to the
-byte, and that no other saved activation outlives B; the ZeRO-3 head term is not measured.
+loss's weight gradient summed in the forward, and the CUDA grouped matmul's stacked weight copy its W
+closure keeps. tests/test_planner_deferred.py measures the terms (LLaMA, GPT, MoE, latent attention, MTP;
+tp 1 and 2, sequence parallelism, full recompute, activation offload) against the tensors a store holds
+after B, to the byte, and that no other saved activation outlives B; the ZeRO-3 head term is not measured.
 """
 
 from __future__ import annotations
