@@ -29,7 +29,10 @@ save other tensors: on CPU (tiny LLaMA, 4 layers), megacann's C++ kernels saved 
 the default ``fp32_ops: [rms_norm]`` (fp32 copies for the norms) 14% more (tests/test_planner.py measures
 the reference exactly; the figures above come from the same measurement with the defaults).
 The pipeline executor keeps each in-flight micro-batch's received input and its output (h x a per token
-each, s/t tokens with sequence parallelism) until its backward.
+each, s/t tokens with sequence parallelism) until its backward. Under the split-backward schedules (zb1p,
+zbv, dualpipev) that is B, which frees all but what W needs (the deferred products' inputs and output
+gradients, B's parameter gradients, the received gradient and the output): counted from B to W by
+:mod:`megacann.planning.deferred`, not here.
 
 Context parallelism divides every per-token count by cp: a rank holds s/cp tokens of every sequence
 through the whole model, and ring / all-gather attention save the same q, k, v, output and log-sum-exp for
@@ -170,9 +173,14 @@ def chunk_extra_terms(
     return terms
 
 
+def boundary_tensor_bytes(cfg: MegacannConfig, layout: Layout) -> float:
+    """One micro-batch's tensor between pipeline stages (an activation or its gradient): h x a per token,
+    s/t tokens with sequence parallelism."""
+    tokens = tokens_per_rank(cfg, layout) / (layout.tp if layout.sequence_parallel else 1)
+    return tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.model.precision]
+
+
 def pipeline_buffer_bytes(cfg: MegacannConfig, layout: Layout, first: bool, last: bool) -> float:
     """What the pipeline executor holds per in-flight micro-batch of a chunk: the received input (not on
     the model's first chunk) and the output to back-propagate (not on the last)."""
-    tokens = tokens_per_rank(cfg, layout) / (layout.tp if layout.sequence_parallel else 1)
-    per = tokens * cfg.model.hidden_size * DTYPE_BYTES[cfg.model.precision]
-    return per * ((not first) + (not last))
+    return boundary_tensor_bytes(cfg, layout) * ((not first) + (not last))

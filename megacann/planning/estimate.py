@@ -5,8 +5,9 @@ runs, from ``megacann.pipeline.plan``) is replayed, adding a model chunk's activ
 removing them at its backward, so 1F1B's ``pp - stage`` micro-batches on stage ``stage`` and interleaving's
 extra chunks come out of the real schedule, not an approximation of it. The schedule is the layout's
 (``Layout.schedule``, ``distributed.pipeline_schedule``): the zero-bubble ones free a micro-batch's
-activations at its W, and the V-shaped ones (zbv, dualpipev) place chunk 1 of stage s at segment 2p - 1 - s,
-the head on stage 0 beside the embedding.
+activations at its B and hold from its B to its W what B leaves for W (the deferred products' inputs and
+output gradients, :mod:`megacann.planning.deferred`), and the V-shaped ones (zbv, dualpipev) place chunk 1
+of stage s at segment 2p - 1 - s, the head on stage 0 beside the embedding.
 
 ``train_mode: dpo`` with a reference copy (``dpo.reference`` copy, or auto without LoRA) holds the starting
 weights once more, built and sharded like the policy: its weights only (no gradients, no optimizer state,
@@ -26,10 +27,16 @@ from megacann.config.schema import SPLIT_BACKWARD_SCHEDULES
 from megacann.models import get_model_spec
 from megacann.models.mtp import mtp_depths
 from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
-from megacann.pipeline.plan import Backward, BackwardWeight, Forward, build_plan
+from megacann.pipeline.plan import Backward, BackwardInput, BackwardWeight, Forward, build_plan
 from megacann.pipeline.rules import V_SHAPED, chunks_per_stage
 from megacann.pipeline.simulate import schedule_summary
-from megacann.planning.activations import chunk_extra_terms, layer_activation_bytes, pipeline_buffer_bytes
+from megacann.planning.activations import (
+    boundary_tensor_bytes,
+    chunk_extra_terms,
+    layer_activation_bytes,
+    pipeline_buffer_bytes,
+)
+from megacann.planning.deferred import chunk_held_bytes
 from megacann.planning.formulas import (
     Layout,
     chunk_parameters_per_rank,
@@ -52,8 +59,9 @@ class StageEstimate:
     weights: float
     grads: float
     optimizer: float
-    activations: float  # peak: saved tensors and pipeline buffers of the micro-batches in flight, + recompute
-    in_flight: int  # most chunk-forwards waiting for their backward at once
+    activations: float  # peak: saved tensors and pipeline buffers of the micro-batches in flight (a split
+    # backward's: from B what W keeps, chunk_held), + recompute
+    in_flight: int  # most chunk-forwards waiting for their backward (or W) at once
     chunk_saved: list[float] = field(default_factory=list)  # per chunk: bytes autograd saves for one micro-batch
     chunk_buffers: list[float] = field(default_factory=list)  # per chunk: pipeline executor's tensors per micro-batch
     recompute_transient: float = 0.0  # full recompute: one layer's activations rebuilt during backward
@@ -61,6 +69,7 @@ class StageEstimate:
     host_optimizer: float = 0.0  # optim.offload_optimizer: masters, state and gradient staging in host memory
     host_activations: float = 0.0  # peak of the offloaded layers' saved activations in host memory
     reference: float = 0.0  # DPO's frozen reference copy: its weights, sharded like the policy's
+    chunk_held: list[float] = field(default_factory=list)  # per chunk: a split backward's B leaves for W (0: none)
 
     @property
     def host(self) -> float:
@@ -81,19 +90,40 @@ def _describe_layers(ids: list[int]) -> str:
     return f"layer {ids[0]}" if len(ids) == 1 else f"layers {ids[0]}-{ids[-1]}"
 
 
-def replay_in_flight(plan, chunk_bytes: list[float]) -> tuple[float, int]:
-    """(peak bytes, peak count) of chunk activations alive while ``plan`` runs."""
-    return _peak(_in_flight_profile(_activation_events(plan)), chunk_bytes)
+def replay_in_flight(plan, chunk_bytes: list[float], after_b: Optional[list[float]] = None) -> tuple[float, int]:
+    """(peak bytes, peak count) of the micro-batches' chunks alive while ``plan`` runs: ``chunk_bytes`` per
+    chunk from its forward to its backward (or B), ``after_b`` (:func:`after_b_bytes`; default: the same
+    bytes) from a split backward's B to its W."""
+    after = chunk_bytes if after_b is None else after_b
+    return _peak(_in_flight_profile(_activation_events(plan)), [*chunk_bytes, *after])
 
 
-def _activation_events(plan) -> tuple[tuple[int, int], ...]:
-    """(+1 or -1, chunk) for each action that makes or frees a micro-batch's activations."""
+def after_b_bytes(saved: float, buffers: float, held: float, first: bool, last: bool, boundary: float) -> float:
+    """What one micro-batch of a chunk holds from its B to its W: B frees the autograd graph, so what W's
+    closures keep, B's gradients and the received one (``held``, :mod:`megacann.planning.deferred`) and the
+    output the executor keeps for W (``boundary``, not on the last chunk); the model's first chunk runs no B
+    (its W is the fused backward): its activations and buffers stay, with the received gradient."""
+    if first:
+        return saved + buffers + held
+    return held + (0.0 if last else boundary)
+
+
+F_TO_B, B_TO_W = 0, 1  # what an event makes or frees: a chunk's activations (F to B), what B leaves for W
+
+
+def _activation_events(plan) -> tuple[tuple[int, int, int], ...]:
+    """(+1 or -1, chunk, F_TO_B or B_TO_W) for each action that makes or frees a micro-batch's activations
+    or what its B leaves for W."""
     events = []
     for action in plan:
         if isinstance(action, Forward):
-            events.append((1, action.chunk))
-        elif isinstance(action, (Backward, BackwardWeight)):  # a split backward frees them at its W
-            events.append((-1, action.chunk))
+            events.append((1, action.chunk, F_TO_B))
+        elif isinstance(action, BackwardInput):
+            events += [(-1, action.chunk, F_TO_B), (1, action.chunk, B_TO_W)]
+        elif isinstance(action, Backward):
+            events.append((-1, action.chunk, F_TO_B))
+        elif isinstance(action, BackwardWeight):
+            events.append((-1, action.chunk, B_TO_W))
     return tuple(events)
 
 
@@ -109,14 +139,15 @@ def _stage_profile(
     return _in_flight_profile(_activation_events(build_plan(pp, stage, num_microbatches, virtual, schedule=schedule)))
 
 
-def _in_flight_profile(events: tuple[tuple[int, int], ...]) -> Profile:
-    """(the counts of micro-batches alive per chunk at each moment one could peak, none below another in
-    every chunk; the peak total count). The peak bytes for any bytes per chunk is the largest of these
+def _in_flight_profile(events: tuple[tuple[int, int, int], ...]) -> Profile:
+    """(the counts of micro-batches alive per chunk at each moment one could peak: between F and B for
+    chunks 0..chunks-1, then between B and W for each; none below another in every count; the peak total
+    count of chunks whose W has not run). The peak bytes for any bytes per chunk is the largest of these
     counts weighted by them, so replaying a plan is done once per shape, not once per layout."""
-    chunks = 1 + max((chunk for _, chunk in events), default=0)
-    alive, moments, peak_count = [0] * chunks, set(), 0
-    for sign, chunk in events:
-        alive[chunk] += sign
+    chunks = 1 + max((chunk for _, chunk, _ in events), default=0)
+    alive, moments, peak_count = [0] * (2 * chunks), set(), 0
+    for sign, chunk, kind in events:
+        alive[kind * chunks + chunk] += sign
         if sign > 0:
             moments.add(tuple(alive))
             peak_count = max(peak_count, sum(alive))
@@ -156,7 +187,11 @@ def reference_copy_bytes(cfg: MegacannConfig, params: int) -> float:
     return float(weight_bytes_per_param(cfg) * params) if reference_kind(cfg) == "copy" else 0.0
 
 
-def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEstimate:
+def estimate_stage(
+    cfg: MegacannConfig, layout: Layout, stage: int, held_per_kind: Optional[dict] = None
+) -> StageEstimate:
+    """One stage's estimate (``held_per_kind``: what B leaves for W per kind of layer, shared by the stages
+    of one layout)."""
     m, d = cfg.model, cfg.distributed
     pp, schedule = layout.pp, layout.schedule
     v_shape = schedule in V_SHAPED and pp > 1  # the V placement: the head on stage 0
@@ -166,6 +201,8 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
     pipeline_layers = d.pipeline_layers if same_cut else None
     params, experts, saved, buffers, holds, transient = 0, 0, [], [], [], 0.0
     offloaded, host_saved, unit = set(layout.offload_layers), [], 0
+    split, held, after, boundary = schedule in SPLIT_BACKWARD_SCHEDULES, [], [], boundary_tensor_bytes(cfg, layout)
+    held_per_kind = {} if held_per_kind is None else held_per_kind
     for chunk in range(vpp):
         ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers, v_shape)
         first = stage == 0 and chunk == 0
@@ -186,16 +223,18 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
             firsts = {is_moe_layer(m, i): i for i in reversed(ids)}.values()
             unit = max([unit] + [sum(layer_parameters_per_rank(m, layout.tp, i, layout.ep)) for i in firsts])
         buffers.append(pipeline_buffer_bytes(cfg, layout, first, last))
+        held.append(chunk_held_bytes(cfg, layout, ids, first, last, held_per_kind, kinds) if split else 0.0)
         if layout.recompute == "full" and ids:  # backward re-runs one layer at a time
             transient = max(transient, *(layer_activation_bytes(cfg, layout, "none", moe) for moe in set(kinds)))
         if last and mtp_depths(m):
             mtp_params, mtp_experts, mtp_saved = mtp_terms(cfg, layout)
             params, experts, saved[-1] = params + mtp_params, experts + mtp_experts, saved[-1] + mtp_saved
+        after.append(after_b_bytes(saved[-1], buffers[-1], held[-1], first, last, boundary))
         parts = (["embedding"] if first else []) + [_describe_layers(ids)] + (["output layer"] if last else [])
         parts += [f"{mtp_depths(m)} MTP depths"] if last and mtp_depths(m) else []
         holds.append(" + ".join(parts))
     profile = _stage_profile(pp, stage, layout.num_microbatches, vpp if vpp > 1 and not v_shape else None, schedule)
-    peak, in_flight = _peak(profile, [a + b for a, b in zip(saved, buffers)])
+    peak, in_flight = _peak(profile, [*(a + b for a, b in zip(saved, buffers)), *after])
     host_peak = _peak(profile, host_saved)[0]
     static = placed_static_bytes(cfg, layout, params, experts, unit)
     return StageEstimate(
@@ -214,12 +253,14 @@ def estimate_stage(cfg: MegacannConfig, layout: Layout, stage: int) -> StageEsti
         static["host_optimizer"],
         host_peak,
         reference_copy_bytes(cfg, params),
+        held,
     )
 
 
 def estimate_stages(cfg: MegacannConfig, layout: Layout) -> list[StageEstimate]:
     """Every pipeline stage's estimate (stage 0 first)."""
-    return [estimate_stage(cfg, layout, stage) for stage in range(layout.pp)]
+    held_per_kind: dict = {}
+    return [estimate_stage(cfg, layout, stage, held_per_kind) for stage in range(layout.pp)]
 
 
 def bubble_fraction(layout: Layout) -> float:

@@ -134,7 +134,7 @@ def layout_of(cfg: MegacannConfig) -> Layout:
 # -- parameters ---------------------------------------------------------------------------------------
 
 
-def _local_kv(m: ModelConfig, tp: int) -> int:
+def local_kv_rows(m: ModelConfig, tp: int) -> int:
     """Rows of each k/v projection on one TP rank: split when kv heads divide by tp, else replicated."""
     kv = m.kv_heads * attention_head_dim(m)
     return kv // tp if m.kv_heads % tp == 0 else kv
@@ -186,7 +186,7 @@ def attention_parameters_per_rank(m: ModelConfig, tp: int) -> int:
     arch = architecture(m)
     if arch.latent_attention:
         return mla.latent_attention_parameters_per_rank(m, tp)
-    h, q, kv = m.hidden_size, query_width(m) // tp, _local_kv(m, tp)
+    h, q, kv = m.hidden_size, query_width(m) // tp, local_kv_rows(m, tp)
     qkv_bias = m.use_bias if arch.qkv_bias is None else arch.qkv_bias
     total = h * q + 2 * kv * h + q * h
     total += (q + 2 * kv) if qkv_bias else 0  # split like their rows
@@ -240,10 +240,15 @@ def chunk_parameters_per_rank(
     return total, experts
 
 
+def fused_op(cfg: MegacannConfig, op: str) -> bool:
+    """Whether the recipe lets ``op`` use its fused implementations (precision.fused_ops)."""
+    fused = cfg.precision.fused_ops
+    return fused is True or (not isinstance(fused, bool) and op in fused)
+
+
 def fused_head_loss(cfg: MegacannConfig) -> bool:
     """Whether the recipe lets the output head use the fused, chunked loss (precision.fused_ops)."""
-    fused = cfg.precision.fused_ops
-    return fused is True or (not isinstance(fused, bool) and HEAD_LOSS in fused)
+    return fused_op(cfg, HEAD_LOSS)
 
 
 def weight_bytes_per_param(cfg: MegacannConfig) -> int:

@@ -149,6 +149,12 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
         if layout.schedule in SPLIT_BACKWARD_SCHEDULES:  # its bubble simulated, as the dry run prints it
             kind = layout.schedule
         lines.append(f"pipeline: {kind}, {m} micro-batches, bubble {bubble_fraction(layout):.1%}")
+        if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+            held = ", ".join(f"chunk {c} {b / 2**20:,.1f} MiB" for c, b in enumerate(largest.chunk_held))
+            lines.append(
+                f"split backward: B leaves for W per micro-batch on stage {largest.stage}: {held} (inputs and "
+                "gradients W's closures keep, the received gradient; held from B to W instead of the activations)"
+            )
     else:
         lines.append("pipeline: none (no bubble)")
     return lines
