@@ -252,11 +252,16 @@ def moe_unpermute(permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch
     return torch.ops.megacann.moe_unpermute(permuted, row_id_map, probs)
 
 
+def _has_grouped_mm() -> bool:
+    """The library loaded and holds the grouped products (a library built before them does not)."""
+    return available() and hasattr(torch.ops.megacann, "grouped_mm_")
+
+
 def _grouped_mm_products(outs: list[torch.Tensor], lefts: list[torch.Tensor], rights: list[torch.Tensor]) -> None:
     torch.ops.megacann.grouped_mm_(outs, [a.detach() for a in lefts], [b.detach() for b in rights], 0)
 
 
-@register("grouped_matmul", CPP, priority=PRIORITY, device_types=("cpu",), available=available)
+@register("grouped_matmul", CPP, priority=PRIORITY, device_types=("cpu",), available=_has_grouped_mm)
 def grouped_matmul(x: torch.Tensor, weights: list[torch.Tensor], group_sizes: list[int]) -> torch.Tensor:
     """``gather`` (:mod:`megacann.ops.moe_gather`) with the products of each call in one C++ kernel that cuts
     the groups' rows into one piece of equal work per thread, each piece a single-threaded GEMM, instead of
