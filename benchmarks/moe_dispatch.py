@@ -3,8 +3,8 @@
     python benchmarks/moe_dispatch.py [--tokens 4096] [--hidden 512] [--ffn 512] [--experts 8] [--top_k 2]
                                       [--dtype fp32|bf16] [--repeats 10] [--threads N]
 
-Three timings of forward + backward on ``tokens`` tokens (median of ``repeats`` after two warm-up rounds;
-the three take turns in every round):
+Timings of forward + backward on ``tokens`` tokens (median of ``repeats`` after two warm-up rounds; the
+variants take turns in every round):
 
 - ``moe reference``: permute by expert, one ``F.linear`` per expert for each projection, unpermute and
   weight (every MoE op pinned to its PyTorch reference);
@@ -21,8 +21,12 @@ The routing is drawn once (uniform random choices, softmax weights) and is not t
 parallelism's all-to-all is not part of it (one process). The ratios MoE / dense are the overhead of
 permuting, unpermuting and computing experts in groups. Each row also gives the median number of minor
 page faults per step (``getrusage``; 4 KiB each): memory glibc maps afresh and the kernel zero-fills on
-first touch, which costs time the dense step may not pay. On a shared CPU the figures are noisy: compare
-the ratios of one run, not absolute times across runs.
+first touch, which costs time the dense step may not pay (how much changes from run to run with the heap's
+history). Without glibc returning freed memory to the system, no step faults after warm-up:
+
+    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=268435456 python ...
+
+On a shared CPU the figures are noisy: compare the ratios of one run, not absolute times across runs.
 """
 
 from __future__ import annotations
