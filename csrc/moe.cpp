@@ -111,16 +111,16 @@ std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& grad
 
 // out[g] = a[g] · b[g] for every group, the groups' rows cut into `parts` pieces of about equal work
 // (rows x K x N), each piece one single-threaded product on its own thread (parts <= 0: one per intra-op
-// thread). Eight expert products of ~1000 rows, each split over two threads in turn, took 1.05-1.13x the
-// time of one product of their FLOPs (the weight gradients most, K = rows); cutting rows keeps the pieces
-// balanced whatever the group sizes. A cut of a's rows is a cut of out's rows, so each output element is
-// one whole dot product as in at::mm.
+// thread), so a call waits on its threads once, not once per product as a torch.mm per group does: level
+// with that on a quiet CPU, far faster where other processes share the cores (benchmarks/NOTES.md, issue
+// 28 session 9). Cutting rows keeps the pieces balanced whatever the group sizes; a cut of a's rows is a
+// cut of out's rows, so each output element is one whole dot product as in at::mm.
 void grouped_mm_(at::TensorList out, at::TensorList a, at::TensorList b, int64_t parts) {
   const int64_t groups = static_cast<int64_t>(out.size());
   TORCH_CHECK(static_cast<int64_t>(a.size()) == groups && static_cast<int64_t>(b.size()) == groups,
               "megacann::grouped_mm_: ", groups, " outputs but ", a.size(), " left and ", b.size(), " right operands");
-  std::vector<int64_t> start(groups + 1, 0);  // work before group g (rows x K x N), per group per row in unit
-  std::vector<int64_t> unit(groups, 0);
+  std::vector<int64_t> start(groups + 1, 0);  // start[g]: the work (rows x K x N) of the groups before g
+  std::vector<int64_t> unit(groups, 0);       // unit[g]: the work of one row of group g
   for (int64_t g = 0; g < groups; ++g) {
     TORCH_CHECK(a[g].dim() == 2 && b[g].dim() == 2 && out[g].dim() == 2 && a[g].size(1) == b[g].size(0) &&
                     out[g].size(0) == a[g].size(0) && out[g].size(1) == b[g].size(1),

@@ -265,7 +265,7 @@ def _grouped_mm_products(outs: list[torch.Tensor], lefts: list[torch.Tensor], ri
 def grouped_matmul(x: torch.Tensor, weights: list[torch.Tensor], group_sizes: list[int]) -> torch.Tensor:
     """``gather`` (:mod:`megacann.ops.moe_gather`) with the products of each call in one C++ kernel that cuts
     the groups' rows into one piece of equal work per thread, each piece a single-threaded GEMM, instead of
-    splitting every product over all threads in turn (eight ~1000-row products took 1.05-1.13x the time of
-    one product of their FLOPs with two threads, the weight gradients most). Each output element is the
-    same whole dot product as in ``torch.mm``."""
+    splitting every product over all threads in turn: one wait on the threads per call instead of one per
+    product (level with ``gather`` on a quiet CPU, far faster where other processes share the cores).
+    Each output element is the same whole dot product as in ``torch.mm``."""
     return moe_gather.grouped_matmul(x, weights, group_sizes, products=_grouped_mm_products)
