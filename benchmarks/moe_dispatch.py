@@ -3,27 +3,36 @@
     python benchmarks/moe_dispatch.py [--tokens 4096] [--hidden 512] [--ffn 512] [--experts 8] [--top_k 2]
                                       [--dtype fp32|bf16] [--repeats 10] [--threads N]
 
-Three timings of forward + backward on ``tokens`` tokens (median of ``repeats`` after two warm-up rounds;
-the three take turns in every round):
+Timings of forward + backward on ``tokens`` tokens (median of ``repeats`` after two warm-up rounds; the
+variants take turns in every round):
 
 - ``moe reference``: permute by expert, one ``F.linear`` per expert for each projection, unpermute and
   weight (every MoE op pinned to its PyTorch reference);
-- ``moe default``: the device's default implementations (``megacann.ops.selected``): on CPU the
-  ``gather`` ops (backward by gathers, grouped matmul into one output, :mod:`megacann.ops.moe_gather`),
+- ``moe default``: the device's default implementations (``megacann.ops.selected``): on CPU the C++
+  unpermute and grouped matmul (``cpp``: the experts' products of a call cut into one piece per thread),
   ``torch._grouped_mm`` on CUDA, torch_npu's grouped matmul and permute kernels on NPU;
+- ``moe gather`` (CPU, when the default is ``cpp``): the default ops with the grouped matmul pinned to
+  ``gather`` (one ``torch.mm`` per expert into one output, :mod:`megacann.ops.moe_gather`);
 - ``moe torch._grouped_mm`` (CPU only): the default ops with torch's CPU grouped matmul pinned;
 - ``dense``: a SwiGLU MLP of width ``top_k * ffn``, which does the same matmul FLOPs per token as
   ``top_k`` experts of width ``ffn``.
 
 The routing is drawn once (uniform random choices, softmax weights) and is not timed; expert
 parallelism's all-to-all is not part of it (one process). The ratios MoE / dense are the overhead of
-permuting, unpermuting and computing experts in groups. On a shared CPU the figures are noisy: compare
-the ratios of one run, not absolute times across runs.
+permuting, unpermuting and computing experts in groups. Each row also gives the median number of minor
+page faults per step (``getrusage``; 4 KiB each): memory glibc maps afresh and the kernel zero-fills on
+first touch, which costs time the dense step may not pay (how much changes from run to run with the heap's
+history). Without glibc returning freed memory to the system, no step faults after warm-up:
+
+    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=268435456 python ...
+
+On a shared CPU the figures are noisy: compare the ratios of one run, not absolute times across runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -44,22 +53,28 @@ def _pin(kernels: dict[str, str | None]) -> None:
         ops.pin(op, name)
 
 
-def _interleaved_medians(steps: dict, repeats: int, sync) -> dict[str, float]:
-    """Median seconds per step; the steps take turns in every round, so a machine whose load drifts
-    during the run slows them alike."""
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _interleaved_medians(steps: dict, repeats: int, sync) -> dict[str, tuple[float, float]]:
+    """Median seconds and minor page faults per step; the steps take turns in every round, so a machine
+    whose load drifts during the run slows them alike."""
     times: dict[str, list[float]] = {name: [] for name in steps}
+    faults: dict[str, list[int]] = {name: [] for name in steps}
     for round_ in range(repeats + 2):  # two warm-up rounds
         for name, (kernels, step) in steps.items():
             _pin({op: None for op in MOE_OPS})
             _pin(kernels)
             sync()
-            start = time.perf_counter()
+            first_fault, start = _minor_faults(), time.perf_counter()
             step()
             sync()
             if round_ >= 2:
                 times[name].append(time.perf_counter() - start)
+                faults[name].append(_minor_faults() - first_fault)
     _pin({op: None for op in MOE_OPS})
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: (statistics.median(times[name]), statistics.median(faults[name])) for name in steps}
 
 
 def main() -> None:
@@ -99,6 +114,8 @@ def main() -> None:
 
     reference = {op: "reference" for op in MOE_OPS}
     steps = {"moe reference": (reference, moe_step), "moe default": ({op: None for op in MOE_OPS}, moe_step)}
+    if ops.selected("grouped_matmul", device.type) == "cpp":
+        steps["moe gather"] = ({"grouped_matmul": "gather"}, moe_step)  # the products one torch.mm each
     if device.type == "cpu" and GROUPED_ON_CPU in ops.implementations("grouped_matmul"):
         steps["moe grouped_mm"] = ({"grouped_matmul": GROUPED_ON_CPU}, moe_step)  # not the CPU default: pinned
     steps["dense"] = ({}, dense_step)
@@ -109,18 +126,17 @@ def main() -> None:
         details[name] = ", ".join(f"{op}={ops.selected(op, device.type)}" for op in MOE_OPS)
     details["dense"] = f"SwiGLU ffn {args.top_k * args.ffn}"
     medians = _interleaved_medians(steps, args.repeats, accelerator.synchronize)
-    timings = {name: (medians[name], details[name]) for name in steps}
 
     flops = 3 * 2 * 3 * args.tokens * args.top_k * args.hidden * args.ffn  # fwd + bwd, three matmuls
     print(
         f"device {device.type}, {args.dtype}, threads {torch.get_num_threads()}: {args.tokens} tokens, hidden "
         f"{args.hidden}, {args.experts} experts x ffn {args.ffn}, top-{args.top_k}; forward + backward"
     )
-    dense_time = timings["dense"][0]
-    for label, (seconds, detail) in timings.items():
+    dense_time = medians["dense"][0]
+    for label, (seconds, faults) in medians.items():
         print(
             f"  {label:14s} {seconds * 1e3:8.2f} ms  {flops / seconds / 1e9:7.1f} GFLOP/s  "
-            f"x{seconds / dense_time:5.2f} of dense   ({detail})"
+            f"x{seconds / dense_time:5.2f} of dense  {faults * 4 / 1024:6.1f} MiB faulted   ({details[label]})"
         )
 
 

@@ -3,6 +3,9 @@
 // to its distinct permuted rows, and the probabilities' gradients as row dot products. PyTorch's way (a
 // gather, a batched matmul, and index_add_ into a zero-filled buffer backward) moves about twice the bytes.
 // row_id_map[t * k + j] is the permuted row of token t's j-th expert; it is a permutation of the rows.
+// Also the experts' products with the threads spread over the groups' rows (grouped_mm_, below).
+#include <ATen/ops/mm_cpu_dispatch.h>
+
 #include <vector>
 
 #include "common.h"
@@ -104,6 +107,58 @@ std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& grad
     grad_probs = dots.to(probs.scalar_type());
   });
   return {grad_permuted, grad_probs};
+}
+
+// out[g] = a[g] · b[g] for every group, the groups' rows cut into `parts` pieces of about equal work
+// (rows x K x N), each piece one single-threaded product on its own thread (parts <= 0: one per intra-op
+// thread), so a call waits on its threads once, not once per product as a torch.mm per group does: level
+// with that on a quiet CPU, far faster where other processes share the cores (benchmarks/NOTES.md, issue
+// 28 session 9). Cutting rows keeps the pieces balanced whatever the group sizes; a cut of a's rows is a
+// cut of out's rows, so each output element is one whole dot product as in at::mm.
+void grouped_mm_(at::TensorList out, at::TensorList a, at::TensorList b, int64_t parts) {
+  const int64_t groups = static_cast<int64_t>(out.size());
+  TORCH_CHECK(static_cast<int64_t>(a.size()) == groups && static_cast<int64_t>(b.size()) == groups,
+              "megacann::grouped_mm_: ", groups, " outputs but ", a.size(), " left and ", b.size(), " right operands");
+  std::vector<int64_t> start(groups + 1, 0);  // start[g]: the work (rows x K x N) of the groups before g
+  std::vector<int64_t> unit(groups, 0);       // unit[g]: the work of one row of group g
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK(a[g].dim() == 2 && b[g].dim() == 2 && out[g].dim() == 2 && a[g].size(1) == b[g].size(0) &&
+                    out[g].size(0) == a[g].size(0) && out[g].size(1) == b[g].size(1),
+                "megacann::grouped_mm_: group ", g, ": out ", out[g].sizes(), " != a ", a[g].sizes(), " x b ",
+                b[g].sizes());
+    unit[g] = a[g].size(1) * b[g].size(1);
+    start[g + 1] = start[g] + a[g].size(0) * unit[g];
+  }
+  auto product = [&](int64_t g, int64_t begin, int64_t end) {
+    if (end <= begin) return;
+    at::Tensor dst = out[g].narrow(0, begin, end - begin);
+    at::cpu::mm_out(dst, a[g].narrow(0, begin, end - begin), b[g]);
+  };
+  const int64_t total = start[groups];
+  if (parts <= 0) parts = at::in_parallel_region() ? 1 : at::get_num_threads();
+  parts = std::max<int64_t>(1, std::min(parts, total));
+  if (parts == 1) {  // each product on every thread, as at::mm would run it
+    for (int64_t g = 0; g < groups; ++g) product(g, 0, a[g].size(0));
+    return;
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    if (unit[g] == 0) product(g, 0, a[g].size(0));  // K or N == 0: no work to share (zeros when K == 0)
+  }
+  // the first row of group g that starts at or after `work` (work within group g's range)
+  auto first_row = [&](int64_t g, int64_t work) {
+    return std::min(a[g].size(0), (work - start[g] + unit[g] - 1) / unit[g]);
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t lo = total * p / parts, hi = total * (p + 1) / parts;  // this piece's work [lo, hi)
+      for (int64_t g = 0; g < groups; ++g) {
+        if (unit[g] == 0 || start[g + 1] <= lo || start[g] >= hi) continue;
+        const int64_t begin = start[g] >= lo ? 0 : first_row(g, lo);
+        const int64_t end = start[g + 1] <= hi ? a[g].size(0) : first_row(g, hi);
+        product(g, begin, end);
+      }
+    }
+  });
 }
 
 }  // namespace megacann

@@ -27,6 +27,7 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor&
 at::Tensor moe_unpermute(const at::Tensor& permuted, const at::Tensor& row_id_map, const at::Tensor& probs);
 std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& grad, const at::Tensor& permuted,
                                                           const at::Tensor& row_id_map, const at::Tensor& probs);
+void grouped_mm_(at::TensorList out, at::TensorList a, at::TensorList b, int64_t parts);
 }  // namespace megacann
 
 TORCH_LIBRARY(megacann, m) {
@@ -45,6 +46,7 @@ TORCH_LIBRARY(megacann, m) {
       "int ignore_index) -> ()");
   m.def("moe_unpermute(Tensor permuted, Tensor row_id_map, Tensor probs) -> Tensor");
   m.def("moe_unpermute_backward(Tensor grad, Tensor permuted, Tensor row_id_map, Tensor probs) -> (Tensor, Tensor)");
+  m.def("grouped_mm_(Tensor(a!)[] out, Tensor[] a, Tensor[] b, int parts) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megacann, CPU, m) {
@@ -61,6 +63,7 @@ TORCH_LIBRARY_IMPL(megacann, CPU, m) {
   m.impl("vocab_shard_grad_", &megacann::vocab_shard_grad_);
   m.impl("moe_unpermute", &megacann::moe_unpermute);
   m.impl("moe_unpermute_backward", &megacann::moe_unpermute_backward);
+  m.impl("grouped_mm_", &megacann::grouped_mm_);
 }
 
 // An importable, empty Python module (`import megacann._C` loads the library and runs the registrations

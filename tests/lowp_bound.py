@@ -44,17 +44,25 @@ def assert_chain_within(got: torch.Tensor, ref: torch.Tensor, absprod: torch.Ten
 
 class Products(TorchDispatchMode):
     """Counts the matmuls run inside it by the dtype of their first operand (``dtypes``) and keeps the
-    shapes of the low-precision ones (``low``)."""
+    shapes of the low-precision ones (``low``); each group of ``megacann::grouped_mm_`` (the C++ grouped
+    products, which call the GEMM below the dispatcher) counts as one ``mm``."""
 
     def __init__(self):
         super().__init__()
         self.dtypes: dict[str, int] = {}
         self.low: list[tuple] = []
 
+    def _count(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        key = str(a.dtype)
+        self.dtypes[key] = self.dtypes.get(key, 0) + 1
+        if a.dtype in (torch.bfloat16, torch.float16):
+            self.low.append((name, tuple(a.shape), tuple(b.shape)))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in MATMULS:
-            key = str(args[0].dtype)
-            self.dtypes[key] = self.dtypes.get(key, 0) + 1
-            if args[0].dtype in (torch.bfloat16, torch.float16):
-                self.low.append((func.overloadpacket.__name__, *(tuple(a.shape) for a in args[:2])))
+        name = func.overloadpacket.__name__
+        if name in MATMULS:
+            self._count(name, args[0], args[1])
+        elif name == "grouped_mm_":
+            for a, b in zip(args[1], args[2]):
+                self._count("mm", a, b)
         return func(*args, **(kwargs or {}))

@@ -1,5 +1,6 @@
 """MoE operators: token permute/unpermute against hand-written layouts, the grouped matmul's
-implementations against per-group ``F.linear`` (values and gradients), and their registration."""
+implementations against per-group ``F.linear`` (values and gradients), the C++ grouped products' row
+cuts against ``torch.mm``, and their registration."""
 
 from __future__ import annotations
 
@@ -11,6 +12,23 @@ from megacann import ops
 from megacann.ops import cpp, registry
 from megacann.ops.moe import _grouped_matmul_reference, _grouped_matmul_torch, _grouped_mm_takes
 from megacann.ops.moe_gather import _grouped_matmul_gather
+
+needs_cpp = pytest.mark.skipif(not cpp.available(), reason="the C++ kernels are not built")
+
+
+def _grouped_matmul_cpp(x, weights, sizes):
+    if not cpp.available():
+        pytest.skip("the C++ kernels are not built")
+    return cpp.grouped_matmul(x, weights, sizes)
+
+
+def _with_threads(threads: int, fn):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_permute_groups_copies_by_expert_in_token_order():
@@ -60,7 +78,9 @@ def test_permute_and_unpermute_gradients_match_a_per_token_loop():
     torch.testing.assert_close(dp, dp2, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("impl", [_grouped_matmul_reference, _grouped_matmul_torch, _grouped_matmul_gather])
+@pytest.mark.parametrize(
+    "impl", [_grouped_matmul_reference, _grouped_matmul_torch, _grouped_matmul_gather, _grouped_matmul_cpp]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_matmul_equals_per_group_linear(impl, dtype):
     sizes = [3, 0, 5, 8]  # an expert without tokens too
@@ -77,6 +97,58 @@ def test_grouped_matmul_equals_per_group_linear(impl, dtype):
     torch.testing.assert_close(out, ref, **tol)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, **tol)
+
+
+@needs_cpp
+@pytest.mark.parametrize("parts", [0, 1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpp_grouped_products_cut_every_groups_rows_once(parts, dtype):
+    """``megacann::grouped_mm_`` gives ``a[g] @ b[g]`` however the rows are cut (``parts`` pieces; 0: one per
+    thread, two threads here): uneven groups, one without rows, one with K = 0 (zeros), a transposed left
+    operand (the weight gradients' layout). The outputs start as NaN, so a row no piece covers fails."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(37, 16, 24), (0, 16, 24), (5, 0, 24), (64, 16, 24), (1, 16, 24)]  # rows, K, N
+    a = [torch.randn(m, k, generator=g).to(dtype) for m, k, _ in shapes]
+    a[3] = torch.randn(16, 64, generator=g).to(dtype).t()
+    b = [torch.randn(k, n, generator=g).to(dtype) for _, k, n in shapes]
+    out = [torch.full((m, n), float("nan"), dtype=dtype) for m, _, n in shapes]
+    _with_threads(2, lambda: torch.ops.megacann.grouped_mm_(out, a, b, parts))
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
+    for got, x, y in zip(out, a, b):
+        torch.testing.assert_close(got, x @ y, rtol=tol, atol=tol)
+    assert not out[2].any()
+
+
+@needs_cpp
+def test_cpp_grouped_products_reject_mismatched_operands():
+    op = torch.ops.megacann.grouped_mm_
+    with pytest.raises(RuntimeError, match="2 outputs but 1 left and 2 right operands"):
+        op([torch.empty(3, 4)] * 2, [torch.randn(3, 2)], [torch.randn(2, 4)] * 2, 0)
+    with pytest.raises(RuntimeError, match=r"group 0: out \[3, 4\] != a \[3, 2\] x b \[5, 4\]"):
+        op([torch.empty(3, 4)], [torch.randn(3, 2)], [torch.randn(5, 4)], 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_grouped_matmul_equals_gather_at_moe_shapes(dtype):
+    """With two threads the pieces cut through groups (uneven sizes, an empty group): the output and every
+    gradient equal the ``gather`` path's (one ``torch.mm`` per group) within fp32 round-off, one bf16
+    rounding apart at most."""
+    g = torch.Generator().manual_seed(1)
+    sizes = [300, 0, 517, 1201, 64, 3]
+    x = torch.randn(sum(sizes), 96, generator=g).to(dtype).requires_grad_()
+    weights = [torch.randn(160, 96, generator=g).to(dtype).requires_grad_() for _ in sizes]
+    grad = torch.randn(sum(sizes), 160, generator=g).to(dtype)
+
+    def run(impl):
+        out = impl(x, weights, sizes)
+        return (out, *torch.autograd.grad(out, [x, *weights], grad))
+
+    got = _with_threads(2, lambda: run(_grouped_matmul_cpp))
+    want = _with_threads(2, lambda: run(_grouped_matmul_gather))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+    assert not got[3].any()  # (output, input gradient, weights' gradients): the expert without tokens gets 0
 
 
 def test_grouped_mm_path_takes_aligned_shapes_and_falls_back_otherwise():
@@ -97,13 +169,15 @@ def test_moe_ops_are_registered_with_their_device_kernels():
     assert registry.implementations("grouped_matmul") == [
         "torch_npu",
         "torch_grouped_mm",
+        "cpp",
         "gather",
         "reference",
         "torch_grouped_mm_cpu",
     ]
     assert registry.implementations("moe_permute") == ["torch_npu", "reference"]
     assert registry.implementations("moe_unpermute") == ["torch_npu", "cpp", "reference"]
-    assert registry.selected("grouped_matmul", "cpu") == "gather"  # torch's grouped kernel only when pinned
+    # torch's grouped kernel only when pinned
+    assert registry.selected("grouped_matmul", "cpu") == ("cpp" if cpp.available() else "gather")
     assert registry.selected("moe_permute", "cpu") == "reference"
     assert registry.selected("moe_unpermute", "cpu") == ("cpp" if cpp.available() else "reference")
     try:

@@ -149,7 +149,8 @@ def test_kernel_gradcheck_float64(op, kwargs):
 
 
 def test_registry_selects_the_kernels_on_cpu_only():
-    for op in ("rms_norm", "apply_rotary", "swiglu", "cross_entropy", "vocab_parallel_head_loss", "moe_unpermute"):
+    fused = ("rms_norm", "apply_rotary", "swiglu", "cross_entropy", "vocab_parallel_head_loss", "moe_unpermute")
+    for op in (*fused, "grouped_matmul"):
         assert ops.selected(op, "cpu") == "cpp"
         assert ops.selected(op, "xpu") == "reference"
     x, w = torch.randn(4, 8), torch.rand(8) + 0.5
@@ -194,6 +195,15 @@ def test_custom_ops_pass_opcheck():
         (m.vocab_shard_stats, (logits.detach(), target, 4, 5, -100)),
         (m.vocab_shard_grad_, (logits.detach().clone(), target, torch.randn(6), torch.rand(6), 4, 5, -100)),
         (m.moe_unpermute, (torch.randn(6, 7, requires_grad=True), torch.randperm(6).int(), torch.rand(3, 2))),
+        (
+            m.grouped_mm_,
+            (
+                [torch.empty(3, 4), torch.empty(2, 4)],
+                [torch.randn(3, 5), torch.randn(2, 5)],
+                [torch.randn(5, 4), torch.randn(5, 4)],
+                2,
+            ),
+        ),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

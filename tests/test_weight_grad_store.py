@@ -219,3 +219,23 @@ def test_grouped_mm_experts_defer_their_weight_gradients():
     autograd = torch.autograd.grad((y**2).sum(), [x, *experts])
     (loss_fn(experts, [x])).backward()
     assert torch.equal(x.grad, autograd[0]) and all(torch.equal(e.grad, a) for e, a in zip(experts, autograd[1:]))
+
+
+@pytest.mark.parametrize("name", ["gather", "cpp"])
+def test_grouped_matmul_experts_defer_their_weight_gradients(name):
+    """The CPU grouped matmuls (``gather``: a torch.mm per expert; ``cpp``: the experts' products in one C++
+    call): B the tokens' gradient, W the experts', equal to the fused backward bit for bit."""
+    from megacann.ops import cpp, moe_gather
+
+    if name == "cpp" and not cpp.available():
+        pytest.skip("the C++ kernels are not built")
+    impl = cpp.grouped_matmul if name == "cpp" else moe_gather._grouped_matmul_gather
+    g = torch.Generator().manual_seed(5)
+    experts = [torch.nn.Parameter(torch.randn(8, 16, generator=g)) for _ in range(3)]
+    x = torch.randn(10, 16, generator=g).requires_grad_()
+    sizes = [4, 0, 6]  # an expert with no tokens too
+
+    def loss_fn(params, inputs):
+        return (impl(inputs[0] * 1.0, list(params), sizes) ** 2).sum()
+
+    _split_equals_fused(loss_fn, experts, [x], closures=1)
