@@ -199,21 +199,28 @@ def test_fused_head_loss_defers_its_weight_gradient(dtype):
     _split_equals_fused(loss_in_b, [weight], [hidden], closures=0)
 
 
+def _experts_split_equal_fused(grouped_matmul, seed: int):
+    """Three experts (one with no tokens) through ``grouped_matmul(x, weights, sizes)``: the split backward
+    equals the fused one (one deferred closure); returns (experts, x, loss_fn) as that check left them."""
+    g = torch.Generator().manual_seed(seed)
+    experts = [torch.nn.Parameter(torch.randn(8, 16, generator=g)) for _ in range(3)]
+    x = torch.randn(10, 16, generator=g).requires_grad_()
+    sizes = [4, 0, 6]
+
+    def loss_fn(params, inputs):
+        return (grouped_matmul(inputs[0] * 1.0, list(params), sizes) ** 2).sum()
+
+    _split_equals_fused(loss_fn, experts, [x], closures=1)
+    return experts, x, loss_fn
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm not in this torch")
 def test_grouped_mm_experts_defer_their_weight_gradients():
     """torch._grouped_mm's experts (CUDA's grouped matmul; on CPU when pinned): B the tokens' gradient, W
     the experts', equal to the fused backward and to autograd's own _grouped_mm backward, bit for bit."""
     from megacann.ops.moe import _grouped_matmul_torch
 
-    g = torch.Generator().manual_seed(4)
-    experts = [torch.nn.Parameter(torch.randn(8, 16, generator=g)) for _ in range(3)]
-    x = torch.randn(10, 16, generator=g).requires_grad_()
-    sizes = [4, 0, 6]  # an expert with no tokens too
-
-    def loss_fn(params, inputs):
-        return (_grouped_matmul_torch(inputs[0] * 1.0, list(params), sizes) ** 2).sum()
-
-    _split_equals_fused(loss_fn, experts, [x], closures=1)
+    experts, x, loss_fn = _experts_split_equal_fused(_grouped_matmul_torch, seed=4)
     offsets = torch.tensor([4, 4, 10], dtype=torch.int32)
     y = torch._grouped_mm(x, torch.stack(experts).transpose(1, 2), offs=offsets)
     autograd = torch.autograd.grad((y**2).sum(), [x, *experts])
@@ -230,12 +237,4 @@ def test_grouped_matmul_experts_defer_their_weight_gradients(name):
     if name == "cpp" and not cpp.available():
         pytest.skip("the C++ kernels are not built")
     impl = cpp.grouped_matmul if name == "cpp" else moe_gather._grouped_matmul_gather
-    g = torch.Generator().manual_seed(5)
-    experts = [torch.nn.Parameter(torch.randn(8, 16, generator=g)) for _ in range(3)]
-    x = torch.randn(10, 16, generator=g).requires_grad_()
-    sizes = [4, 0, 6]  # an expert with no tokens too
-
-    def loss_fn(params, inputs):
-        return (impl(inputs[0] * 1.0, list(params), sizes) ** 2).sum()
-
-    _split_equals_fused(loss_fn, experts, [x], closures=1)
+    _experts_split_equal_fused(impl, seed=5)
