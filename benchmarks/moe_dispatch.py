@@ -107,7 +107,7 @@ def main() -> None:
 
     def moe_step():
         expert_input, counts, state = dispatcher.dispatch(x, probs, expert_ids)
-        dispatcher.combine(experts(expert_input, counts), state).backward(grad)
+        dispatcher.combine(experts(expert_input, counts), state, expert_output_unused_after=True).backward(grad)
 
     def dense_step():
         dense(x).backward(grad)

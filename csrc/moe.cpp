@@ -4,6 +4,7 @@
 // gather, a batched matmul, and index_add_ into a zero-filled buffer backward) moves about twice the bytes.
 // row_id_map[t * k + j] is the permuted row of token t's j-th expert; it is a permutation of the rows.
 // Also the experts' products with the threads spread over the groups' rows (grouped_mm_, below).
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
 
 #include <vector>
@@ -69,16 +70,18 @@ at::Tensor moe_unpermute(const at::Tensor& permuted, const at::Tensor& row_id_ma
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& grad, const at::Tensor& permuted,
-                                                          const at::Tensor& row_id_map, const at::Tensor& probs) {
-  const int64_t tokens = probs.size(0), top_k = probs.size(1), hidden = permuted.size(1);
-  at::Tensor map = checked_map(row_id_map, tokens * top_k, permuted.size(0), "megacann::moe_unpermute_backward");
-  at::Tensor go = grad.to(permuted.scalar_type()).contiguous(), src = permuted.contiguous();
-  at::Tensor grad_permuted = at::empty(src.sizes(), src.options());
+namespace {
+
+// the permuted rows' gradients into gx (which may be permuted's own memory: each element is read before it
+// is written) and the probabilities' gradients, returned
+at::Tensor unpermute_backward_into(const at::Tensor& grad, const at::Tensor& src, const at::Tensor& map,
+                                   const at::Tensor& probs, at::Tensor& grad_permuted) {
+  const int64_t tokens = probs.size(0), top_k = probs.size(1), hidden = src.size(1);
+  at::Tensor go = grad.to(src.scalar_type()).contiguous();
   at::Tensor grad_probs;
-  MEGACANN_DISPATCH_FLOATS(permuted.scalar_type(), "megacann::moe_unpermute_backward", [&] {
+  MEGACANN_DISPATCH_FLOATS(src.scalar_type(), "megacann::moe_unpermute_backward", [&] {
     using acc = acc_t<scalar_t>;
-    at::Tensor weights = probs_as_acc<scalar_t>(probs, permuted);
+    at::Tensor weights = probs_as_acc<scalar_t>(probs, src);
     at::Tensor dots = at::empty(weights.sizes(), weights.options());
     const acc* w = weights.const_data_ptr<acc>();
     acc* dp = dots.mutable_data_ptr<acc>();
@@ -106,7 +109,32 @@ std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& grad
     });
     grad_probs = dots.to(probs.scalar_type());
   });
+  return grad_probs;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& grad, const at::Tensor& permuted,
+                                                          const at::Tensor& row_id_map, const at::Tensor& probs) {
+  const int64_t tokens = probs.size(0), top_k = probs.size(1);
+  at::Tensor map = checked_map(row_id_map, tokens * top_k, permuted.size(0), "megacann::moe_unpermute_backward");
+  at::Tensor src = permuted.contiguous();
+  at::Tensor grad_permuted = at::empty(src.sizes(), src.options());
+  at::Tensor grad_probs = unpermute_backward_into(grad, src, map, probs, grad_permuted);
   return {grad_permuted, grad_probs};
+}
+
+// as moe_unpermute_backward, the permuted rows' gradients written over `permuted` (the map is a permutation
+// of its rows, so every row is overwritten); returns the probabilities' gradients
+at::Tensor moe_unpermute_backward_(const at::Tensor& grad, at::Tensor& permuted, const at::Tensor& row_id_map,
+                                   const at::Tensor& probs) {
+  TORCH_CHECK(permuted.dim() == 2 && probs.dim() == 2 && permuted.is_contiguous(),
+              "megacann::moe_unpermute_backward_: contiguous permuted [rows, h] and probs [tokens, k] expected, got ",
+              permuted.sizes(), " (strides ", permuted.strides(), ") and ", probs.sizes());
+  const int64_t tokens = probs.size(0), top_k = probs.size(1);
+  at::Tensor map = checked_map(row_id_map, tokens * top_k, permuted.size(0), "megacann::moe_unpermute_backward_");
+  at::assert_no_overlap(grad, permuted);
+  return unpermute_backward_into(grad, permuted, map, probs, permuted);
 }
 
 // out[g] = a[g] · b[g] for every group, the groups' rows cut into `parts` pieces of about equal work

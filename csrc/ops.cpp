@@ -13,6 +13,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved, bool inverse);
 at::Tensor swiglu_fused(const at::Tensor& x);
 at::Tensor swiglu_fused_backward(const at::Tensor& grad, const at::Tensor& x);
+void swiglu_fused_backward_(const at::Tensor& grad, at::Tensor& x);
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const at::Tensor& gate,
                                                    const at::Tensor& up);
@@ -27,6 +28,8 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor&
 at::Tensor moe_unpermute(const at::Tensor& permuted, const at::Tensor& row_id_map, const at::Tensor& probs);
 std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& grad, const at::Tensor& permuted,
                                                           const at::Tensor& row_id_map, const at::Tensor& probs);
+at::Tensor moe_unpermute_backward_(const at::Tensor& grad, at::Tensor& permuted, const at::Tensor& row_id_map,
+                                   const at::Tensor& probs);
 void grouped_mm_(at::TensorList out, at::TensorList a, at::TensorList b, int64_t parts);
 }  // namespace megacann
 
@@ -36,6 +39,7 @@ TORCH_LIBRARY(megacann, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool inverse) -> Tensor");
   m.def("swiglu_fused(Tensor x) -> Tensor");
   m.def("swiglu_fused_backward(Tensor grad, Tensor x) -> Tensor");
+  m.def("swiglu_fused_backward_(Tensor grad, Tensor(a!) x) -> ()");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("cross_entropy_forward(Tensor logits, Tensor target, int ignore_index) -> (Tensor, Tensor)");
@@ -46,6 +50,7 @@ TORCH_LIBRARY(megacann, m) {
       "int ignore_index) -> ()");
   m.def("moe_unpermute(Tensor permuted, Tensor row_id_map, Tensor probs) -> Tensor");
   m.def("moe_unpermute_backward(Tensor grad, Tensor permuted, Tensor row_id_map, Tensor probs) -> (Tensor, Tensor)");
+  m.def("moe_unpermute_backward_(Tensor grad, Tensor(a!) permuted, Tensor row_id_map, Tensor probs) -> Tensor");
   m.def("grouped_mm_(Tensor(a!)[] out, Tensor[] a, Tensor[] b, int parts) -> ()");
 }
 
@@ -55,6 +60,7 @@ TORCH_LIBRARY_IMPL(megacann, CPU, m) {
   m.impl("rotary", &megacann::rotary);
   m.impl("swiglu_fused", &megacann::swiglu_fused);
   m.impl("swiglu_fused_backward", &megacann::swiglu_fused_backward);
+  m.impl("swiglu_fused_backward_", &megacann::swiglu_fused_backward_);
   m.impl("swiglu", &megacann::swiglu);
   m.impl("swiglu_backward", &megacann::swiglu_backward);
   m.impl("cross_entropy_forward", &megacann::cross_entropy_forward);
@@ -63,6 +69,7 @@ TORCH_LIBRARY_IMPL(megacann, CPU, m) {
   m.impl("vocab_shard_grad_", &megacann::vocab_shard_grad_);
   m.impl("moe_unpermute", &megacann::moe_unpermute);
   m.impl("moe_unpermute_backward", &megacann::moe_unpermute_backward);
+  m.impl("moe_unpermute_backward_", &megacann::moe_unpermute_backward_);
   m.impl("grouped_mm_", &megacann::grouped_mm_);
 }
 

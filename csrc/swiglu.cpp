@@ -1,6 +1,10 @@
 // SwiGLU: y = silu(gate) * up = gate * sigmoid(gate) * up, over rows of `f` features. gate and up may be the
 // two halves of one fused [rows, 2f] projection (strided views, no copy), and the backward then writes both
-// gradients into one [rows, 2f] tensor.
+// gradients into one [rows, 2f] tensor, or over the projection itself (swiglu_fused_backward_) when the
+// caller no longer needs it: each element's gradients depend on that element's gate, up and output
+// gradient only, so overwriting in place is exact and saves a buffer as large as the projection.
+#include <ATen/MemoryOverlap.h>
+
 #include "common.h"
 
 namespace megacann {
@@ -76,6 +80,18 @@ at::Tensor swiglu_fused_backward(const at::Tensor& grad, const at::Tensor& x) {
   at::Tensor dgate = dx2.narrow(1, 0, f), dup = dx2.narrow(1, f, f);
   backward_impl(grad, halves[0], halves[1], dgate, dup);
   return dx;
+}
+
+void swiglu_fused_backward_(const at::Tensor& grad, at::Tensor& x) {
+  halved(x);
+  TORCH_CHECK(x.is_contiguous(), "megacann::swiglu_fused_backward_: the gate|up tensor it overwrites must be "
+              "contiguous, got strides ", x.strides());
+  at::assert_no_overlap(grad, x);
+  const int64_t f = x.size(-1) / 2;
+  at::Tensor x2 = x.view({-1, 2 * f});
+  at::Tensor gate = x2.narrow(1, 0, f), up = x2.narrow(1, f, f);
+  at::Tensor dgate = gate, dup = up;  // the same memory: each element is read before it is written
+  backward_impl(grad, gate, up, dgate, dup);
 }
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {

@@ -195,6 +195,8 @@ def test_custom_ops_pass_opcheck():
         (m.vocab_shard_stats, (logits.detach(), target, 4, 5, -100)),
         (m.vocab_shard_grad_, (logits.detach().clone(), target, torch.randn(6), torch.rand(6), 4, 5, -100)),
         (m.moe_unpermute, (torch.randn(6, 7, requires_grad=True), torch.randperm(6).int(), torch.rand(3, 2))),
+        (m.swiglu_fused_backward_, (torch.randn(4, 5), torch.randn(4, 10))),  # the gradient over the input
+        (m.moe_unpermute_backward_, (torch.randn(3, 7), torch.randn(6, 7), torch.randperm(6), torch.rand(3, 2))),
         (
             m.grouped_mm_,
             (

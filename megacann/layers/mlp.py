@@ -57,7 +57,8 @@ class SwiGLUMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up:
-            return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
+            # the gate|up projection is read by nothing else: its backward may reuse its memory
+            return self.down_proj(ops.swiglu(self.gate_up_proj(x), overwrite_input=True))
         x = self.gate_proj.prepare_input(x)
         return self.down_proj(ops.swiglu(self.gate_proj.forward_prepared(x), self.up_proj.forward_prepared(x)))
 

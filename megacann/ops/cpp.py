@@ -58,6 +58,14 @@ def _register_fakes() -> None:
     def _(grad, x):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @fake(lib + "swiglu_fused_backward_")
+    def _(grad, x):
+        return None
+
+    @fake(lib + "moe_unpermute_backward_")
+    def _(grad, permuted, row_id_map, probs):
+        return probs.new_empty(probs.shape)
+
     @fake(lib + "swiglu")
     def _(gate, up):
         return torch.empty_like(gate, memory_format=torch.contiguous_format)
@@ -205,11 +213,63 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     return torch.ops.megacann.rotary(x, cos.to(table), sin.to(table), interleaved, False)
 
 
+# Backward passes that write the input's gradient over the (saved) input, for callers that give the input
+# up (``overwrite_input``): one buffer of the input's size less per call. The input's version counter is
+# bumped, so any other node that saved the same tensor fails loudly instead of reading gradients.
+
+
+def _can_overwrite(x: torch.Tensor, in_place_op: str) -> bool:
+    """Eager autograd on a contiguous intermediate (never a leaf the user holds, nor inside
+    ``torch.compile``, which traces the plain op), with a library that holds ``in_place_op``."""
+    return (
+        x.requires_grad
+        and x.grad_fn is not None
+        and x.is_contiguous()
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and hasattr(torch.ops.megacann, in_place_op)
+    )
+
+
+def _given_up(x: torch.Tensor) -> torch.Tensor:
+    """``x``, now holding its own gradient: marked modified, returned as a new tensor object."""
+    torch.autograd.graph.increment_version(x)
+    return x.detach()
+
+
+class _SwigluOverwritingInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.ops.megacann.swiglu_fused(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        torch.ops.megacann.swiglu_fused_backward_(grad.contiguous(), x)
+        return _given_up(x)
+
+
+class _UnpermuteOverwritingInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, permuted, row_id_map, probs):
+        ctx.save_for_backward(permuted, row_id_map, probs)
+        return torch.ops.megacann.moe_unpermute(permuted, row_id_map, probs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        permuted, row_id_map, probs = ctx.saved_tensors
+        grad_probs = torch.ops.megacann.moe_unpermute_backward_(grad, permuted, row_id_map, probs)
+        return _given_up(permuted), None, grad_probs if ctx.needs_input_grad[2] else None
+
+
 @register("swiglu", CPP, priority=PRIORITY, device_types=("cpu",), available=available)
-def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None, *, overwrite_input: bool = False) -> torch.Tensor:
     if up is None:
         if x.dtype not in KERNEL_DTYPES:
             return reference.swiglu(x)
+        if overwrite_input and _can_overwrite(x, "swiglu_fused_backward_"):
+            return _SwigluOverwritingInput.apply(x)
         return torch.ops.megacann.swiglu_fused(x)
     if not _kernel_dtype(x, up) or x.shape != up.shape:
         return reference.swiglu(x, up)
@@ -243,12 +303,16 @@ def vocab_parallel_head_loss(
 
 
 @register("moe_unpermute", CPP, priority=PRIORITY, device_types=("cpu",), available=available)
-def moe_unpermute(permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def moe_unpermute(
+    permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor, *, overwrite_input: bool = False
+) -> torch.Tensor:
     """One pass each way instead of a gather, a batched matmul and ``index_add_`` into zeros (equal results:
     the same products summed in the same order, in fp32 for bf16 tokens)."""
     takes = permuted.dim() == 2 and probs.dim() == 2 and row_id_map.dim() == 1
     if not takes or permuted.dtype not in KERNEL_DTYPES or permuted.shape[0] != probs.numel():
         return _unpermute_reference(permuted, row_id_map, probs)
+    if overwrite_input and _can_overwrite(permuted, "moe_unpermute_backward_"):
+        return _UnpermuteOverwritingInput.apply(permuted, row_id_map, probs)
     return torch.ops.megacann.moe_unpermute(permuted, row_id_map, probs)
 
 

@@ -48,7 +48,7 @@ def rotary_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleav
     return reference.apply_rotary(x.float(), cos.float(), sin.float(), interleaved).to(x.dtype)
 
 
-def swiglu_math(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu_math(x: torch.Tensor, up: Optional[torch.Tensor] = None, *, overwrite_input: bool = False) -> torch.Tensor:
     if up is None:
         x, up = x.chunk(2, dim=-1)
     return (torch.nn.functional.silu(x.float()) * up.float()).to(x.dtype)

@@ -45,7 +45,9 @@ def _permute_reference(tokens: torch.Tensor, expert_ids: torch.Tensor) -> tuple[
 
 
 @register("moe_unpermute", REFERENCE)
-def _unpermute_reference(permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def _unpermute_reference(
+    permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor, *, overwrite_input: bool = False
+) -> torch.Tensor:
     num_tokens, top_k = probs.shape
     gathered = permuted.index_select(0, row_id_map).view(num_tokens, top_k, permuted.shape[-1])
     return torch.bmm(probs.to(permuted.dtype).unsqueeze(1), gathered).squeeze(1)
@@ -207,5 +209,7 @@ def _permute_npu(tokens: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.
     device_types=("npu",),
     available=lambda: _npu_has("npu_moe_token_unpermute"),
 )
-def _unpermute_npu(permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def _unpermute_npu(
+    permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor, *, overwrite_input: bool = False
+) -> torch.Tensor:
     return _torch_npu().npu_moe_token_unpermute(permuted, row_id_map.to(torch.int32), probs.to(permuted.dtype))

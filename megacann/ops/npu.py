@@ -89,7 +89,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
 
 @_npu_op("swiglu")
-def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None, *, overwrite_input: bool = False) -> torch.Tensor:
     if up is not None:
         return reference.swiglu(x, up)
     return _npu().npu_swiglu(x, dim=-1)

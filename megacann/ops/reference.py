@@ -167,9 +167,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
 
 @register("swiglu", REFERENCE)
-def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None, *, overwrite_input: bool = False) -> torch.Tensor:
     """``silu(gate) * up``: with ``up`` given, ``x`` is the gate; otherwise ``x`` is a fused gate|up
-    projection whose last dim holds the gate then the up half."""
+    projection whose last dim holds the gate then the up half (``overwrite_input`` is a permission this
+    implementation does not use)."""
     if up is None:
         x, up = x.chunk(2, dim=-1)
     return F.silu(x) * up

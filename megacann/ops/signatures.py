@@ -104,9 +104,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
 
 @declare
-def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None, *, overwrite_input: bool = False) -> torch.Tensor:
     """``silu(gate) * up``: with ``up`` given, ``x`` is the gate; otherwise ``x`` is a fused gate|up
-    projection whose last dim holds the gate then the up half."""
+    projection whose last dim holds the gate then the up half. ``overwrite_input``: the caller promises
+    that nothing reads the fused ``x`` after this op, so the backward may write ``x``'s gradient over it
+    (the CPU kernel does: one buffer of ``x``'s size less per call, which on Linux is often a freshly
+    mapped, zero-filled one); results are the same either way."""
 
 
 @declare(fp32_result=True)
@@ -159,9 +162,12 @@ def moe_permute(tokens: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.T
 
 
 @declare
-def moe_unpermute(permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def moe_unpermute(
+    permuted: torch.Tensor, row_id_map: torch.Tensor, probs: torch.Tensor, *, overwrite_input: bool = False
+) -> torch.Tensor:
     """Each token's expert outputs, weighted by ``probs`` ``[T, k]`` and summed; inverse of
-    :func:`moe_permute`."""
+    :func:`moe_permute`. ``overwrite_input``: nothing reads ``permuted`` after this op, so the backward may
+    write its gradient over it (the CPU kernel does); results are the same either way."""
 
 
 def _check_groups(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: Sequence[int]) -> tuple:

@@ -195,8 +195,13 @@ class TokenDispatcher:
         return self.finish_dispatch(self.start_dispatch(tokens, probs, expert_ids))
 
     @eager_under_compile
-    def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
-        """Return the expert outputs to their tokens' ranks and sum each token's, weighted: ``[T, h]``."""
+    def combine(
+        self, expert_output: torch.Tensor, state: DispatchState, *, expert_output_unused_after: bool = False
+    ) -> torch.Tensor:
+        """Return the expert outputs to their tokens' ranks and sum each token's, weighted: ``[T, h]``.
+        ``expert_output_unused_after``: nothing else reads ``expert_output`` (the caller made it and drops
+        it), so the backward may write its gradient over it; the dispatcher's own intermediates (all-to-all,
+        reordering, dropped rows) are always reused so."""
         out = expert_output
         if self.ep_size > 1:
             if self.num_local_experts > 1:  # (expert, source) -> (source, expert)
@@ -207,4 +212,5 @@ class TokenDispatcher:
         dropped = state.row_id_map.numel() - state.num_kept
         if dropped:
             out = torch.cat([out, out.new_zeros((dropped,) + tuple(out.shape[1:]))])
-        return ops.moe_unpermute(out, state.row_id_map, state.probs)
+        private = expert_output_unused_after or out is not expert_output
+        return ops.moe_unpermute(out, state.row_id_map, state.probs, overwrite_input=private)

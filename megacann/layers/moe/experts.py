@@ -121,7 +121,7 @@ class ExpertMLP(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
+        return self.down_proj(ops.swiglu(self.gate_up_proj(x), overwrite_input=True))
 
 
 class GroupedExperts(torch.nn.ModuleDict):
@@ -180,6 +180,6 @@ class GroupedExperts(torch.nn.ModuleDict):
         projections = [e.gate_up_proj for e in experts]
         gate_up = ops.grouped_matmul(x, [p.weight for p in projections], tokens_per_expert)
         gate_up = add_grouped_lora(gate_up, x, projections, tokens_per_expert)
-        hidden, projections = ops.swiglu(gate_up), [e.down_proj for e in experts]
+        hidden, projections = ops.swiglu(gate_up, overwrite_input=True), [e.down_proj for e in experts]
         out = ops.grouped_matmul(hidden, [p.weight for p in projections], tokens_per_expert)
         return add_grouped_lora(out, hidden, projections, tokens_per_expert)

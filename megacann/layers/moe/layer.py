@@ -163,7 +163,8 @@ class MoELayer(torch.nn.Module):
         # the shared experts run while the tokens' all-to-all (expert parallelism) is in flight
         shared = self.shared_experts(hidden) if self.shared_experts is not None else None
         expert_input, tokens_per_expert, state = self.dispatcher.finish_dispatch(started)
-        out = self.dispatcher.combine(self.experts(expert_input, tokens_per_expert), state).view(x.shape)
+        expert_output = self.experts(expert_input, tokens_per_expert)  # read by nothing but combine
+        out = self.dispatcher.combine(expert_output, state, expert_output_unused_after=True).view(x.shape)
         if self.gather_tokens:
             out = mappings.reduce_scatter_to_sequence_parallel_region(out, self.group)
         if split_here:
