@@ -95,7 +95,9 @@ def test_the_in_place_ops_refuse_overlapping_or_strided_memory():
     gate_up = torch.randn(4, 10)
     with pytest.raises(RuntimeError, match="must be contiguous"):
         torch.ops.megacann.swiglu_fused_backward_(torch.randn(10, 5), gate_up.t().contiguous().t())
-    with pytest.raises(RuntimeError, match="refer to a single memory location"):  # the output gradient in the memory it would overwrite
+    with pytest.raises(
+        RuntimeError, match="refer to a single memory location"
+    ):  # the output gradient in the memory it would overwrite
         torch.ops.megacann.swiglu_fused_backward_(gate_up.view(-1)[:20].view(4, 5), gate_up)
     permuted = torch.randn(6, 4)
     with pytest.raises(RuntimeError, match="refer to a single memory location"):
