@@ -22,9 +22,11 @@ parallelism's all-to-all is not part of it (one process). The ratios MoE / dense
 permuting, unpermuting and computing experts in groups. Each row also gives the median number of minor
 page faults per step (``getrusage``; 4 KiB each): memory glibc maps afresh and the kernel zero-fills on
 first touch, which costs time the dense step may not pay (how much changes from run to run with the heap's
-history). Without glibc returning freed memory to the system, no step faults after warm-up:
+history). On CPU the benchmark runs under the host-memory policy a CPU training run applies
+(:mod:`megacann.host_memory`: glibc keeps freed memory mapped), so no step faults after warm-up; for
+glibc's defaults instead:
 
-    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=268435456 python ...
+    MEGACANN_HOST_MALLOC=system python benchmarks/moe_dispatch.py ...
 
 On a shared CPU the figures are noisy: compare the ratios of one run, not absolute times across runs.
 """
@@ -40,6 +42,7 @@ import torch
 
 from megacann import ops
 from megacann.accelerator import get_accelerator
+from megacann.host_memory import keep_freed_host_memory
 from megacann.layers import SwiGLUMLP
 from megacann.layers.init import init_normal
 from megacann.layers.moe import GroupedExperts, TokenDispatcher
@@ -92,6 +95,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     accelerator = get_accelerator()
     device = accelerator.current_device()
+    kept = device.type == "cpu" and keep_freed_host_memory()  # as setup_runtime does for a CPU run
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
 
@@ -130,7 +134,8 @@ def main() -> None:
     flops = 3 * 2 * 3 * args.tokens * args.top_k * args.hidden * args.ffn  # fwd + bwd, three matmuls
     print(
         f"device {device.type}, {args.dtype}, threads {torch.get_num_threads()}: {args.tokens} tokens, hidden "
-        f"{args.hidden}, {args.experts} experts x ffn {args.ffn}, top-{args.top_k}; forward + backward"
+        f"{args.hidden}, {args.experts} experts x ffn {args.ffn}, top-{args.top_k}; forward + backward; "
+        f"host memory {'kept mapped (megacann.host_memory)' if kept else 'the C library defaults'}"
     )
     dense_time = medians["dense"][0]
     for label, (seconds, faults) in medians.items():

@@ -31,7 +31,7 @@ from megacann.errors import MegacannError
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "::1", "0.0.0.0")
 DEFAULT_MASTER_PORT = 29500
 # Environment variables that decide how a run behaves on its platform (shown by --print_only).
-PLATFORM_ENV_PREFIXES = ("HCCL_", "NCCL_", "TORCH_NCCL_", "ASCEND_", "MEGACANN_")
+PLATFORM_ENV_PREFIXES = ("HCCL_", "NCCL_", "TORCH_NCCL_", "ASCEND_", "MEGACANN_", "MALLOC_")
 PLATFORM_ENV_NAMES = (
     "PYTORCH_NPU_ALLOC_CONF",
     "PYTORCH_CUDA_ALLOC_CONF",
@@ -40,6 +40,7 @@ PLATFORM_ENV_NAMES = (
     "CUDA_DEVICE_MAX_CONNECTIONS",
     "OMP_NUM_THREADS",
     "TORCH_DEVICE_BACKEND_AUTOLOAD",
+    "GLIBC_TUNABLES",
 )
 LAUNCH_FLAGS = (
     "nproc_per_node",

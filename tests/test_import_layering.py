@@ -2,7 +2,7 @@
 
 Every module under megacann/ is parsed (nothing is imported), and every ``import`` in it counts, at any
 nesting: a lazy import inside a function ties the packages together just the same. The layering
-(README, "Layout"): the floor (errors, accelerator, parallel_state, rank_layout, communication_lanes,
+(README, "Layout"): the floor (errors, accelerator, host_memory, parallel_state, rank_layout, communication_lanes,
 collectives, constants), then config, ops, layers, models (the contract and the families), data, pipeline, optimizer,
 checkpoint (training state only), interop (weights in and out), training, and the tools on top.
 """
@@ -23,6 +23,7 @@ PACKAGE = Path(megacann.__file__).resolve().parent
 FLOOR = {
     "errors",
     "accelerator",
+    "host_memory",
     "parallel_state",
     "rank_layout",
     "communication_lanes",

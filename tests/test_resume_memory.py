@@ -29,8 +29,12 @@ BIG_VOCAB = [
 
 
 def _map_large_allocations() -> None:
-    """glibc: allocations of 64 KiB or more get their own mapping, returned to the system when freed."""
+    """glibc: allocations of 64 KiB or more get their own mapping, returned to the system when freed (and
+    megacann's CPU runtime told not to set its own policy over this one)."""
     import ctypes
+    import os
+
+    os.environ["MEGACANN_HOST_MALLOC"] = "system"
 
     libc = ctypes.CDLL("libc.so.6")
     m_trim_threshold, m_mmap_threshold = -1, -3

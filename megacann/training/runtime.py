@@ -13,6 +13,7 @@ from megacann import ops
 from megacann import parallel_state as ps
 from megacann.accelerator import Accelerator, get_accelerator
 from megacann.config import MegacannConfig, validate
+from megacann.host_memory import keep_freed_host_memory
 from megacann.pipeline.overlap import overlap_wanted
 from megacann.training.failure import start_failure_monitor, stop_failure_monitor
 
@@ -43,6 +44,8 @@ def seed_everything(seed: int) -> None:
 def setup_runtime(cfg: MegacannConfig) -> Runtime:
     """Initialise collectives (torchrun env or one process), the process groups and the seeds."""
     accelerator = get_accelerator(cfg.distributed.device)
+    if accelerator.device_type == "cpu":
+        keep_freed_host_memory()  # each step's buffers reuse the last step's pages (megacann.host_memory)
     rank, world, local_rank = ps.initialize_distributed(accelerator.backend, cfg.distributed.timeout_minutes)
     accelerator.set_device(local_rank)
     validate(cfg, world_size=world)
