@@ -1,5 +1,5 @@
 """zb1p composed with data parallelism + ZeRO-2 (gradient reduction overlapped with the W passes) or ZeRO-3
-(zbv too: weights sharded, gathered again for B), selective recompute and precision.compile trains the same
+(zbv too: weights sharded, gathered again for B, its reductions overlapped with each chunk's last W), selective recompute and precision.compile trains the same
 loss trace as one process, and the split was really on:
 the last stage's B left weight-gradient closures (or, for the compiled blocks, computed gradients) that its
 W passes ran and accumulated. The first stage's chunk has no input, so its W is the fused backward.
@@ -23,7 +23,7 @@ ZBV = "distributed.pipeline_schedule=zbv"
 WORLD4 = {
     "pp2_zb1p_dp2_zero2": ([PP2, ZB, M2, *ZERO2], "m4"),
     "pp2_zb1p_dp2_zero3": ([PP2, ZB, M2, ZERO3], "m4"),
-    "pp2_zbv_dp2_zero3": ([PP2, ZBV, M2, ZERO3], "m4"),
+    "pp2_zbv_dp2_zero3": ([PP2, ZBV, M2, ZERO3, "distributed.overlap_grad_reduce=true"], "m4"),
 }
 REFERENCES = {"m4": [M4], "m4_compile": [M4, *COMPILE]}
 
@@ -136,6 +136,8 @@ def test_split_schedules_with_dp2_zero3_match_one_process(world4, references, sc
         assert run["dp"] == 2 and run["zero_stage"] == 3
         # ZeRO-3 on: the weights live as this rank's half of each buffer, gathered only while computed
         assert run["weight_shards"] and all(2 * shard == whole for shard, whole in run["weight_shards"])
+        if schedule == "zbv":  # overlapped: reductions start from the hooks of each chunk's last W
+            assert run["overlapped_buckets"] > 0
 
 
 def test_zb1p_with_selective_recompute_matches_one_process(world2, references):
