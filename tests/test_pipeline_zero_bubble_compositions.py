@@ -1,6 +1,6 @@
 """zb1p composed with data parallelism + ZeRO-2 (gradient reduction overlapped with the W passes) or ZeRO-3
-(zbv too: weights sharded, gathered again for B, its reductions overlapped with each chunk's last W), selective recompute and precision.compile trains the same
-loss trace as one process, and the split was really on:
+(zbv too: weights sharded, gathered again for B, reductions overlapped with each chunk's last W), selective
+recompute and precision.compile trains the same loss trace as one process, and the split was really on:
 the last stage's B left weight-gradient closures (or, for the compiled blocks, computed gradients) that its
 W passes ran and accumulated. The first stage's chunk has no input, so its W is the fused backward.
 All extended (several trainers on 2 and 4 ranks)."""
