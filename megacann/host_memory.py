@@ -4,7 +4,7 @@ glibc's malloc serves a request above its mmap threshold (adaptive, at most 32 M
 and returns free memory at the top of its heap to the kernel once it exceeds the trim threshold. A training
 step frees and allocates the same tens of MiB every step, so on glibc's defaults it keeps getting fresh
 pages, which the kernel zero-fills one 4 KiB page at a time on first touch: how many depends on the heap's
-history, and cost a CPU MoE layer up to a fifth of its step (benchmarks/NOTES.md, issue 28). A CPU run
+history, and cost a CPU MoE layer up to ~15 % of its step (benchmarks/NOTES.md, issue 28). A CPU run
 therefore fixes the thresholds when it starts (:func:`megacann.training.runtime.setup_runtime`): requests
 up to 32 MiB, glibc's largest threshold, come from the heap, and freed memory stays mapped for the next
 step, so the process holds its peak heap between steps instead of returning it.
