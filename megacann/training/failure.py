@@ -147,6 +147,8 @@ class FailureMonitor:
 
     # -- monitor thread -----------------------------------------------------------------------------
     def _watch(self) -> None:
+        if self._stop.is_set():  # stopped before this thread first ran (a short run on a busy CPU): the store
+            return  # may be gone already, and connecting to it would outlast stop()'s wait
         try:
             store = self._store_factory()
             while not self._stop.wait(self.poll_s):
