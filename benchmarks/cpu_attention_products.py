@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from bench_common import add_int_args
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -33,12 +34,7 @@ def median_seconds(fn, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
+    add_int_args(parser, batch=8, heads=8, seq=512, dim=64, threads=2, repeats=7)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     b, h, s, d = args.batch, args.heads, args.seq, args.dim
