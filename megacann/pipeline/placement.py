@@ -23,11 +23,12 @@ class Placement:
     """The loop placement; :class:`VPlacement` overrides what the V changes."""
 
     kind = "loop"
+    fixed_chunks: Optional[int] = None  # chunks per stage whatever virtual_pipeline_size says (None: it decides)
     chunk_time_fraction = 1.0  # a chunk's share of a stage's compute time, relative to one whole stage
 
     def chunks(self, virtual_size: Optional[int]) -> int:
         """Model chunks per stage for ``distributed.virtual_pipeline_size``."""
-        return virtual_size or 1
+        return self.fixed_chunks or virtual_size or 1
 
     def segment(self, stages: int, stage: int, chunk: int, chunks: int) -> int:
         """The model segment (0 .. stages x chunks - 1, in model order) that ``chunk`` of ``stage`` holds."""
@@ -69,10 +70,8 @@ class VPlacement(Placement):
     """Two chunks per stage in a V (see the module docstring)."""
 
     kind = "v"
+    fixed_chunks = 2
     chunk_time_fraction = 0.5  # each of the V's two chunks holds half of a stage's layers
-
-    def chunks(self, virtual_size: Optional[int]) -> int:
-        return 2
 
     def segment(self, stages: int, stage: int, chunk: int, chunks: int) -> int:
         if chunks != 2:

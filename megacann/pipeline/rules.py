@@ -88,7 +88,7 @@ def _check_stage_sizes(cfg: MegacannConfig, source: str) -> None:
 
 def _chunks_name(schedule: Optional[str], chunks: int) -> str:
     spec = find_schedule(schedule)
-    if spec is not None and spec.placement is not LOOP:
+    if spec is not None and spec.placement.fixed_chunks:
         return f"{chunks} chunks per stage of pipeline_schedule {schedule}, in model order"
     return f"virtual_pipeline_size {chunks}"
 
