@@ -2,11 +2,10 @@
 
 ``distributed.pipeline_schedule`` names a :class:`ScheduleSpec`; the partitioner, the executor and the
 simulator ask its :class:`~megacann.pipeline.placement.Placement` where chunks sit, the recipe check asks
-its ``layout_error`` and ``micro_batch_error``, the planner, the dry run and the overlap ask whether it splits
-the backward and pairs
-actions. The built-in schedules are registered by :mod:`megacann.pipeline.builtin_schedules` (1F1B,
-interleaved 1F1B, zb1p, zbv, dualpipev); a new one costs one file defining a spec and one
-:func:`register_schedule` call (docs/pipeline.md, "Adding a schedule").
+its ``layout_error`` and ``micro_batch_error``, the planner, the dry run and the overlap ask whether it
+splits the backward and pairs actions. The built-in schedules are registered by
+:mod:`megacann.pipeline.builtin_schedules` (1F1B, interleaved 1F1B, zb1p, zbv, dualpipev); a new one costs
+one file defining a spec and one :func:`register_schedule` call (docs/pipeline.md, "Adding a schedule").
 """
 
 from __future__ import annotations
