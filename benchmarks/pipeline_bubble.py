@@ -98,7 +98,7 @@ def main() -> None:
             cases.append((int(pp), 2 if schedule == "interleaved" else None, schedule))
 
     from megacann.pipeline.plan import Backward, BackwardInput, BackwardWeight, Forward, build_plan
-    from megacann.pipeline.rules import V_SHAPED
+    from megacann.pipeline.schedule_spec import get_schedule
     from megacann.pipeline.simulate import simulate_schedule
 
     m = args.micro_batches
@@ -121,7 +121,7 @@ def main() -> None:
         counts = {kind: sum(isinstance(a, kind) for a in plan) * args.steps for kind in (Forward, BackwardWeight)}
         counts[Backward] = sum(isinstance(a, (Backward, BackwardInput)) for a in plan) * args.steps
         # per action, scaled to a stage's share of the layers (a V chunk holds half; the simulator halves it back)
-        scale = 2 if schedule in V_SHAPED else 1
+        scale = 1 / get_schedule(schedule).placement.chunk_time_fraction
         forward = scale * sum(totals["forward_s"]) / counts[Forward]
         backward = scale * sum(totals["backward_s"]) / counts[Backward]
         weight = scale * sum(totals["weight_s"]) / counts[BackwardWeight] if counts[BackwardWeight] else 0.0

@@ -11,6 +11,8 @@ from megacann.models import padded_vocab_size, prepare_model_config
 from megacann.models.mtp import mtp_depths
 from megacann.pipeline import chunk_placements, pipeline_bubble_fraction
 from megacann.pipeline.overlap import overlap_wanted
+from megacann.pipeline.partition import recipe_placement
+from megacann.pipeline.schedule_spec import schedule_for
 from megacann.pipeline.simulate import schedule_summary
 from megacann.rank_layout import RankLayout, rank_layout
 
@@ -51,13 +53,6 @@ def _fmt_layers(ids: list[int]) -> str:
     return f"layer {ids[0]}" if len(ids) == 1 else f"layers {ids[0]}-{ids[-1]}"
 
 
-V_NAMES = {  # the V-shaped schedules: two chunks per stage, stage s holding segments s and 2p - 1 - s
-    "zbv": "zbv (V-shaped zero bubble, 2 chunks per stage in a V, backward split into input and weight gradients)",
-    "dualpipev": "dualpipev (DualPipeV, 2 chunks per stage in a V, forward and backward of two micro-batches "
-    "paired, run {})",
-}
-
-
 def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
     """Which layers (and embedding, final norm, head) each pipeline stage and virtual chunk holds."""
     d, m = cfg.distributed, cfg.model
@@ -66,35 +61,32 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
     if pp == 1:
         schedule = "no pipelining (gradient accumulation)"
     else:
-        name = f"interleaved 1F1B, {vpp} chunks per stage" if vpp > 1 else "1F1B"
-        if d.pipeline_schedule == "zb1p":
-            name = "zb1p (ZB-H1 zero bubble: backward split into input and weight gradients)"
-        elif d.pipeline_schedule in V_NAMES:
-            how = "at once on two threads" if overlap_wanted(cfg) else "back to back"  # dualpipev_overlap
-            name = V_NAMES[d.pipeline_schedule].format(how)
+        how = "at once on two threads" if overlap_wanted(cfg) else "back to back"  # dualpipev_overlap
+        name = schedule_for(d.pipeline_schedule, vpp).label.format(chunks=vpp, overlap=how)
         bubble, in_flight = schedule_summary(pp, micro, vpp, d.pipeline_schedule)
         if d.pipeline_schedule is None:
             bubble = pipeline_bubble_fraction(pp, micro, vpp)  # the simulator's figure, by the formula
         schedule = f"{name}, {micro} micro-batches, bubble {bubble:.1%}"
     lines = [f"-- pipeline: {pp} stage{'s' if pp > 1 else ''}, {schedule}"]
     tied = m.tie_word_embeddings
+    head_beside_embedding = pp > 1 and recipe_placement(cfg).loss_stage(pp) == 0  # the V: both on stage 0
     for stage in range(pp):
         ranks = sorted(group[stage] for group in layout.groups["pp"])
         chunks = []
-        for placement in chunk_placements(cfg, stage):
+        placements = chunk_placements(cfg, stage)
+        for placement in placements:
             parts = []
             if placement.pre_process:
                 parts.append("embedding")
             parts.append(_fmt_layers(list(placement.layer_ids)))
             if placement.post_process:
                 # the V holds the embedding in chunk 0 of this stage: its copies' gradients are summed here
-                v_shape = pp > 1 and d.pipeline_schedule in V_NAMES
-                original = "chunk 0's" if v_shape else "stage 0's"
+                original = "chunk 0's" if head_beside_embedding else "stage 0's"
                 if not tied:
                     head = "lm_head"
                 elif pp == 1:
                     head = "lm_head = embedding (tied)"
-                elif v_shape:
+                elif head_beside_embedding:
                     head = "lm_head (copy of chunk 0's tied embedding, gradients summed with it on this stage)"
                 else:
                     head = "lm_head (copy of stage 0's tied embedding, gradients summed over the embedding group)"
@@ -103,8 +95,7 @@ def describe_pipeline(cfg: MegacannConfig, layout: RankLayout) -> list[str]:
                 if depths:  # multi-token prediction: on the last stage, with the embedding it needs
                     copy = f", its embedding a copy of {original}" if pp > 1 and not tied else ""
                     parts.append(f"{depths} multi-token prediction depth{'s' if depths > 1 else ''}{copy}")
-            several = vpp > 1 or d.pipeline_schedule in V_NAMES
-            chunks.append((f"chunk {len(chunks)}: " if several else "") + ", ".join(parts))
+            chunks.append((f"chunk {len(chunks)}: " if len(placements) > 1 else "") + ", ".join(parts))
         peak = f"; at most {in_flight[stage]} micro-batch chunks in flight" if in_flight else ""
         lines.append(f"stage {stage} (ranks {_fmt_ranks(ranks)}): " + " | ".join(chunks) + peak)
     return lines

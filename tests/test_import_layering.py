@@ -153,3 +153,102 @@ class Holder:
     ]
     package = sorted(megacann_imports("from . import x\nfrom .y import z\n", "megacann.data", is_package=True))
     assert package == [(1, "megacann.data"), (2, "megacann.data.y")]
+
+
+# The pipeline room: the schedule kinds build on the floor of the room alone, and nothing imports in a circle
+PIPELINE_FLOOR = {"actions", "placement", "schedule_spec"}  # the plan's actions, where chunks sit, the spec
+SCHEDULE_KINDS = {"one_f_one_b", "interleaved", "v_schedules"}  # one file per kind of schedule
+SCHEDULE_NAMES = {"1f1b", "interleaved", "zb1p", "zbv", "dualpipev"}
+# where a built-in schedule's name may stand as a string of its own: the kind that registers it, the spec's
+# default for the key unset, the layout search's starting schedule, and the list config keeps for layers/
+# (its splits_backward; tests/test_pipeline_custom_schedule.py checks it against the registered specs)
+NAME_LITERALS_ALLOWED = {
+    *(f"pipeline/{kind}.py" for kind in SCHEDULE_KINDS),
+    "pipeline/schedule_spec.py",
+    "planning/search.py",
+    "config/schema.py",
+}
+
+
+def pipeline_graph() -> dict[str, set[str]]:
+    """Module -> the pipeline modules it imports (any import, lazy ones too), by short name; ``from
+    megacann.pipeline import p2p`` counts as importing the module p2p, not the package."""
+    room = PACKAGE / "pipeline"
+    modules = {path.stem for path in room.glob("*.py") if path.name != "__init__.py"}
+    graph = {}
+    for name in sorted(modules):
+        edges = set()
+        for node in ast.walk(ast.parse((room / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "megacann.pipeline":
+                edges |= {alias.name for alias in node.names}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                full = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                edges |= {f.split(".")[2] for f in full if f.startswith("megacann.pipeline.")}
+        graph[name] = edges
+    return graph
+
+
+def cycle_in(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (module names, the first repeated at the end), or [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start, [start])
+            if found:
+                return found
+    return []
+
+
+def test_pipeline_modules_import_no_cycle():
+    graph = pipeline_graph()
+    assert {"plan", "rules", "simulate", *SCHEDULE_KINDS, *PIPELINE_FLOOR} <= set(graph)
+    cycle = cycle_in(graph)
+    assert not cycle, "megacann/pipeline/ imports in a circle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_one():
+    assert cycle_in({"plan": {"rules"}, "rules": {"simulate"}, "simulate": {"plan"}}) == [
+        "plan",
+        "rules",
+        "simulate",
+        "plan",
+    ]
+    assert cycle_in({"plan": {"actions"}, "rules": {"plan", "actions"}, "actions": set()}) == []
+
+
+def test_schedule_kinds_import_only_the_floor_of_the_room():
+    """A schedule kind builds on the actions, the placements and the spec: never on the runner, the
+    simulator, the rules or another kind (a new schedule is one such file and one registration)."""
+    graph = pipeline_graph()
+    for kind in sorted(SCHEDULE_KINDS):
+        assert graph[kind] <= PIPELINE_FLOOR, (
+            f"megacann/pipeline/{kind}.py imports {sorted(graph[kind] - PIPELINE_FLOOR)}"
+        )
+    for module in sorted(PIPELINE_FLOOR):
+        assert graph[module] <= PIPELINE_FLOOR, f"megacann/pipeline/{module}.py imports {sorted(graph[module])}"
+
+
+def test_schedule_names_stand_only_where_they_are_defined():
+    """Everywhere else asks the spec (get_schedule / schedule_for) instead of comparing a name."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where in NAME_LITERALS_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in SCHEDULE_NAMES:
+                wrong.append(f"megacann/{where}:{node.lineno} {node.value!r}")
+    assert not wrong, "schedule names compared outside their spec:\n" + "\n".join(wrong)

@@ -150,6 +150,8 @@ class OptimConfig:
     offload_optimizer: bool = False
 
 
+# the built-in schedules whose backward splits into B and W, for layers/ (DistributedConfig.splits_backward);
+# config knows no schedule otherwise: megacann.pipeline's specs say this (a test holds the two equal)
 SPLIT_BACKWARD_SCHEDULES = ("zb1p", "zbv", "dualpipev")
 
 
@@ -164,7 +166,8 @@ class DistributedConfig:
     context_parallel_algo: str = "ring"  # ring | allgather | ulysses: how attention crosses the cp ranks
     expert_parallel_size: int = 1
     virtual_pipeline_size: Optional[int] = None
-    # 1f1b | interleaved | zb1p | zbv | dualpipev; None: 1F1B, interleaved when virtual_pipeline_size > 1
+    # a registered schedule's name (megacann.pipeline checks it: 1f1b | interleaved | zb1p | zbv | dualpipev, or
+    # one a module of experiment.imports registers); None: 1F1B, interleaved when virtual_pipeline_size > 1
     pipeline_schedule: Optional[str] = None
     # dualpipev: a pair's forward and backward run at once (one's collectives behind the other's compute);
     # auto: where safe (else back to back), true: required (refused where unsafe), false: back to back

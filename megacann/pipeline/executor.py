@@ -1,4 +1,5 @@
-"""The executor of pipeline plans: :func:`run_plan` runs one stage's list of actions in order.
+"""The executor of pipeline plans: :class:`PlanRunner` runs one stage's list of actions in order, one method
+per kind of action; :func:`run_plan` builds one and runs it.
 
 A model chunk runs through the model family's ``forward_step`` (the model contract,
 :mod:`megacann.models.spec`); what its backward starts from is
@@ -28,11 +29,21 @@ from megacann.layers.context_parallel import context_parallel_batch
 from megacann.models.spec import decoder_forward_step
 from megacann.models.step_loss import LossTotals, aux_loss_weight, backward_objective
 from megacann.pipeline import p2p
+from megacann.pipeline.actions import (
+    ACTIVATION,
+    GRADIENT,
+    Action,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Exchange,
+    Forward,
+    VExchange,
+)
 from megacann.pipeline.overlap import run_pair
-from megacann.pipeline.plan import Action, Backward, BackwardInput, BackwardWeight, Exchange, Forward
+from megacann.pipeline.placement import LOOP, Placement
 from megacann.pipeline.split_backward import backward_input, backward_weight, trainable_parameters
 from megacann.pipeline.timeline import Timeline
-from megacann.pipeline.v_schedules import ACTIVATION, GRADIENT, VExchange, v_is_model_last, v_local_handoff
 
 ForwardStep = Callable[[torch.nn.Module, dict, Optional[torch.Tensor]], object]
 GradSyncContext = Callable[[], AbstractContextManager]
@@ -50,21 +61,23 @@ class StepOptions(TypedDict, total=False):
 
 class _Queues:
     """Tensors of one stage between actions: received inputs and output gradients, and saved forwards,
-    per chunk, oldest first; the latest output and input gradient waiting to be sent."""
+    per chunk, oldest first; outputs and input gradients made and not yet sent, per (kind, chunk)."""
 
     def __init__(self, num_chunks: int):
         self.inputs: list[deque] = [deque() for _ in range(num_chunks)]
         self.grads: list[deque] = [deque() for _ in range(num_chunks)]
         self.saved: list[deque] = [deque() for _ in range(num_chunks)]
         self.weights: list[deque] = [deque() for _ in range(num_chunks)]  # B run, W not yet
-        self.to_next: Optional[torch.Tensor] = None
-        self.to_prev: Optional[torch.Tensor] = None
-        self.outbox: dict[tuple[str, int], deque] = {}  # V placement: (kind, chunk) -> made, not yet sent
+        self.outbox: dict[tuple[str, int], deque] = {}  # (kind, chunk) -> made, not yet sent
+        self.latest: dict[str, int] = {}  # kind -> the chunk that made the latest one (what an Exchange sends)
 
     def take(self, queue: deque, what: str, chunk: int) -> torch.Tensor:
         if not queue:
             raise RuntimeError(f"pipeline schedule: no {what} for model chunk {chunk} (a plan bug)")
         return queue.popleft()
+
+    def box(self, kind: str, chunk: int) -> deque:
+        return self.outbox.setdefault((kind, chunk), deque())
 
     def leftovers(self) -> int:
         queues = self.inputs + self.grads + self.saved + self.weights + list(self.outbox.values())
@@ -84,7 +97,7 @@ def run_plan(
     timeline: Optional[Timeline] = None,
     grad_sync_context: Optional[GradSyncContext] = None,
     trace: Optional[list] = None,
-    v_shape: bool = False,
+    placement: Placement = LOOP,
     overlap_pairs: Optional[dict] = None,
     probe: Optional[list] = None,
 ) -> LossTotals:
@@ -102,207 +115,259 @@ def run_plan(
 
     ``trace``, a list, receives every action as it runs: the compute actions themselves and, for an
     Exchange, the names of its transfers (``send_next``, ``recv_prev``, ...) in the order they were posted
-    (for a V exchange, its :class:`~megacann.pipeline.v_schedules.Transfer` entries).
+    (for a V exchange, its :class:`~megacann.pipeline.actions.Transfer` entries).
 
-    ``v_shape``: the two chunks of this stage sit in the V of :mod:`megacann.pipeline.v_schedules`
-    (``zbv``, ``dualpipev``): the loss is on stage 0's chunk 1, the last stage hands chunk 0's output to
-    its chunk 1 (and chunk 1's input gradient back to chunk 0) in place, detached as a transfer would;
-    each chunk's actions run on its communication lane (:func:`megacann.parallel_state.communication_lane`).
+    ``placement`` (the schedule's, :mod:`megacann.pipeline.placement`) says which chunk holds the loss,
+    which outputs stay on the stage (the V's last stage hands chunk 0's output to its chunk 1, and chunk
+    1's input gradient back to chunk 0, in place, detached as a transfer would) and on which communication
+    lane each chunk's actions run (:func:`megacann.parallel_state.communication_lane`).
 
-    ``overlap_pairs`` (forward -> backward, :func:`~megacann.pipeline.v_schedules.dualpipev_pairs`): where the
-    plan lists such a forward followed by its backward, the two run at once, the backward on a second thread
+    ``overlap_pairs`` (forward -> backward, the schedule's ``pairs``): where the plan lists such a forward
+    followed by its backward, the two run at once, the backward on a second thread
     (:func:`~megacann.pipeline.overlap.run_pair`; the trace lists them in plan order), except a backward
     that runs inside ``grad_sync_context``. ``probe``, a list, receives (action, thread id, start, end) of
     every action of a pair that ran at once.
     """
-    stages, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    num_chunks = len(model_chunks)
-    param = next(model_chunks[0].parameters(), None)
-    dtype = param.dtype if param is not None else torch.float32
-    device = param.device if param is not None else torch.device("cpu")
-    totals = LossTotals(
-        device,
-        aux_weight=aux_loss_weight(len(micro_batches), ps.get_data_parallel_world_size(with_context_parallel=True)),
+    runner = PlanRunner(
+        model_chunks,
+        micro_batches,
+        loss_normalizer=loss_normalizer,
+        loss_scale=loss_scale,
+        forward_only=forward_only,
+        forward_step=forward_step,
+        tensor_shape=tensor_shape,
+        timeline=timeline,
+        grad_sync_context=grad_sync_context,
+        trace=trace,
+        placement=placement,
+        probe=probe,
     )
-    micro_batches = [context_parallel_batch(batch) for batch in micro_batches]  # this cp rank's tokens
-    queues = _Queues(num_chunks)
-    virtual = num_chunks > 1
-    chunk_params = [trainable_parameters(chunk) for chunk in model_chunks]
-    saved_virtual_rank = ps.get_virtual_pipeline_model_parallel_rank()
-    last_backward = {a.chunk: a for a in plan if isinstance(a, (Backward, BackwardWeight))}  # grads final there
-    pairs = {f: b for f, b in (overlap_pairs or {}).items() if isinstance(b, Backward) and f.chunk != b.chunk}
+    return runner.run(plan, overlap_pairs or {})
 
-    def model_first(chunk: int) -> bool:
-        return stage == 0 and chunk == 0
 
-    def model_last(chunk: int) -> bool:
-        if v_shape:
-            return v_is_model_last(stage, chunk)
-        return stage == stages - 1 and chunk == num_chunks - 1
+class PlanRunner:
+    """One stage's model chunks and micro-batches, and what passes between the actions of its plan: one
+    method per kind of action (the keywords are :func:`run_plan`'s)."""
 
-    def hand_over(kind: str, chunk: int, tensor: torch.Tensor) -> None:
-        """V placement: a chunk's output or input gradient, to its outbox or in place to the other chunk."""
-        if v_local_handoff(stages, stage, chunk, kind):
+    def __init__(
+        self,
+        model_chunks: list[torch.nn.Module],
+        micro_batches: list[dict],
+        *,
+        loss_normalizer: float,
+        loss_scale: float,
+        forward_only: bool,
+        forward_step: ForwardStep,
+        tensor_shape: Optional[tuple[int, ...]],
+        timeline: Optional[Timeline],
+        grad_sync_context: Optional[GradSyncContext],
+        trace: Optional[list],
+        placement: Placement,
+        probe: Optional[list],
+    ):
+        self.stages, self.stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        self.chunks = model_chunks
+        param = next(model_chunks[0].parameters(), None)
+        self.dtype = param.dtype if param is not None else torch.float32
+        self.device = param.device if param is not None else torch.device("cpu")
+        data_ranks = ps.get_data_parallel_world_size(with_context_parallel=True)
+        self.totals = LossTotals(self.device, aux_weight=aux_loss_weight(len(micro_batches), data_ranks))
+        self.micro_batches = [context_parallel_batch(batch) for batch in micro_batches]  # this cp rank's tokens
+        self.loss_normalizer, self.loss_scale, self.forward_only = loss_normalizer, loss_scale, forward_only
+        self.forward_step, self.tensor_shape, self.timeline = forward_step, tensor_shape, timeline
+        self.grad_sync_context, self.trace, self.placement, self.probe = grad_sync_context, trace, placement, probe
+        self.queues = _Queues(len(model_chunks))
+        self.chunk_params = [trainable_parameters(chunk) for chunk in model_chunks]
+        self.last_backward: dict[int, Action] = {}  # per chunk: the backward (or W) whose gradients are final
+
+    def run(self, plan: list[Action], overlap_pairs: dict) -> LossTotals:
+        """Run ``plan`` in order (a pair of ``overlap_pairs`` listed back to back runs at once)."""
+        self.last_backward = {a.chunk: a for a in plan if isinstance(a, (Backward, BackwardWeight))}
+        pairs = {f: b for f, b in overlap_pairs.items() if isinstance(b, Backward) and f.chunk != b.chunk}
+        handlers = {
+            Forward: self.forward,
+            Backward: self.backward,
+            BackwardInput: self.backward_input,
+            BackwardWeight: self.backward_weight,
+            Exchange: self.exchange,
+            VExchange: self.v_exchange,
+        }
+        virtual = len(self.chunks) > 1
+        saved_virtual_rank = ps.get_virtual_pipeline_model_parallel_rank()
+        try:
+            with Timeline.run_of(self.timeline):
+                index = 0
+                while index < len(plan):
+                    action, index = plan[index], index + 1
+                    if isinstance(action, (Exchange, VExchange)):
+                        handlers[type(action)](action)
+                        continue
+                    if virtual:
+                        ps.set_virtual_pipeline_model_parallel_rank(action.chunk)
+                    partner = pairs.get(action)
+                    if (
+                        partner is not None
+                        and index < len(plan)
+                        and plan[index] == partner
+                        and not self.in_sync(partner)
+                    ):
+                        self.overlapped(action, partner)
+                        index += 1
+                        self._traced(action, partner)
+                        continue
+                    with ps.communication_lane(self.placement.lane(action.chunk)):
+                        handlers[type(action)](action)
+                    self._traced(action)
+        finally:
+            if virtual and saved_virtual_rank is not None:
+                ps.set_virtual_pipeline_model_parallel_rank(saved_virtual_rank)
+        leftovers = self.queues.leftovers()
+        if leftovers:
+            raise RuntimeError(f"pipeline schedule: {leftovers} tensors left unused at the end (a plan bug)")
+        return self.totals
+
+    def _traced(self, *actions: Action) -> None:
+        if self.trace is not None:
+            self.trace.extend(actions)
+
+    def is_model_last(self, chunk: int) -> bool:
+        return self.placement.is_model_last(self.stages, self.stage, chunk, len(self.chunks))
+
+    def made(self, kind: str, chunk: int, tensor: torch.Tensor) -> None:
+        """A chunk's output or input gradient: to be sent, or handed to the other chunk in place."""
+        if self.placement.local_handoff(self.stages, self.stage, chunk, kind):
             activation = kind == ACTIVATION
-            queue = queues.inputs[1] if activation else queues.grads[0]
-            queue.append(tensor.detach().requires_grad_(activation and not forward_only))
+            queue = self.queues.inputs[1 - chunk] if activation else self.queues.grads[1 - chunk]
+            queue.append(tensor.detach().requires_grad_(activation and not self.forward_only))
         else:
-            queues.outbox.setdefault((kind, chunk), deque()).append(tensor)
+            self.queues.box(kind, chunk).append(tensor)
+            self.queues.latest[kind] = chunk
 
-    def forward(action: Forward) -> None:
-        c = action.chunk
-        x = None if model_first(c) else queues.take(queues.inputs[c], "received activation", c)
-        with Timeline.span_of(timeline, "forward"), torch.set_grad_enabled(not forward_only):
-            out = forward_step(model_chunks[c], micro_batches[action.micro_batch], x)
-            expected = "token_loss" if model_last(c) else "hidden_states"
+    def forward(self, action: Forward) -> None:
+        c, q = action.chunk, self.queues
+        x = None if self.placement.is_model_first(self.stage, c) else q.take(q.inputs[c], "received activation", c)
+        last = self.is_model_last(c)
+        with Timeline.span_of(self.timeline, "forward"), torch.set_grad_enabled(not self.forward_only):
+            out = self.forward_step(self.chunks[c], self.micro_batches[action.micro_batch], x)
+            expected = "token_loss" if last else "hidden_states"
             if getattr(out, expected, None) is None:
                 raise RuntimeError(
                     f"model chunk {c} returned no {expected}: the model's forward_step must return a ChunkOutput "
                     "with hidden_states from a chunk without the head and token_loss from the last chunk"
                 )
-            totals.add(out)
-            objective = (
-                None
-                if forward_only
-                else backward_objective(
-                    out, normalizer=loss_normalizer, aux_weight=totals.aux_weight, loss_scale=loss_scale
+            self.totals.add(out)
+            objective = None
+            if not self.forward_only:
+                objective = backward_objective(
+                    out, normalizer=self.loss_normalizer, aux_weight=self.totals.aux_weight, loss_scale=self.loss_scale
                 )
-            )
-        if v_shape and not model_last(c):
-            hand_over(ACTIVATION, c, out.hidden_states)
-        elif not model_last(c):
-            queues.to_next = out.hidden_states
-        if not forward_only:
-            queues.saved[c].append((x, None if model_last(c) else out.hidden_states, objective))
+        if not last:
+            self.made(ACTIVATION, c, out.hidden_states)
+        if not self.forward_only:
+            q.saved[c].append((x, None if last else out.hidden_states, objective))
 
-    def backward_start(c: int) -> tuple:
+    def backward_start(self, c: int) -> tuple:
         """(chunk input, outputs, their gradients) of the oldest forward of chunk ``c`` awaiting its backward."""
-        x, hidden, objective = queues.take(queues.saved[c], "saved forward", c)
+        q = self.queues
+        x, hidden, objective = q.take(q.saved[c], "saved forward", c)
         outputs, grads = [], []
         if hidden is not None:
             outputs.append(hidden)
-            grads.append(queues.take(queues.grads[c], "received gradient", c))
+            grads.append(q.take(q.grads[c], "received gradient", c))
         if objective is not None:
             outputs.append(objective)
             grads.append(None)
         return x, outputs, grads
 
-    def in_sync(action: Action) -> bool:
-        return grad_sync_context is not None and action == last_backward[action.chunk]
+    def in_sync(self, action: Action) -> bool:
+        """The action is its chunk's last backward (or W) of the step and runs inside grad_sync_context."""
+        return self.grad_sync_context is not None and action == self.last_backward[action.chunk]
 
-    def sync_of(action: Action) -> AbstractContextManager:
-        return grad_sync_context() if in_sync(action) else nullcontext()
+    def sync_of(self, action: Action) -> AbstractContextManager:
+        return self.grad_sync_context() if self.in_sync(action) else nullcontext()
 
-    def overlapped(f: Forward, b: Backward) -> None:
+    def give_gradient(self, chunk: int, gradient: Optional[torch.Tensor]) -> None:
+        if gradient is not None:  # none on the model's first chunk
+            self.made(GRADIENT, chunk, gradient)
+
+    def backward(self, action: Backward) -> None:
+        x, outputs, grads = self.backward_start(action.chunk)
+        with Timeline.span_of(self.timeline, "backward"), self.sync_of(action):
+            torch.autograd.backward(outputs, grad_tensors=grads)
+        self.give_gradient(action.chunk, x.grad if x is not None else None)
+
+    def backward_input(self, action: BackwardInput) -> None:
+        x, outputs, grads = self.backward_start(action.chunk)
+        with Timeline.span_of(self.timeline, "backward"):
+            self.give_gradient(action.chunk, backward_input(outputs, grads, [x])[0] if x is not None else None)
+        self.queues.weights[action.chunk].append((outputs, grads))
+
+    def backward_weight(self, action: BackwardWeight) -> None:
+        c, q = action.chunk, self.queues
+        outputs, grads = q.take(q.weights[c], "input gradient (B) run before this W", c)
+        with Timeline.span_of(self.timeline, "weight"), self.sync_of(action):
+            backward_weight(outputs, grads, self.chunk_params[c])
+
+    def overlapped(self, f: Forward, b: Backward) -> None:
         """A pair at once: ``b``'s autograd pass on a worker thread, ``f`` here, each on its chunk's lane."""
-        x, outputs, grads = backward_start(b.chunk)
+        x, outputs, grads = self.backward_start(b.chunk)
 
         def back() -> None:
-            with ps.communication_lane(b.chunk), Timeline.span_of(timeline, "backward"):
+            with ps.communication_lane(self.placement.lane(b.chunk)), Timeline.span_of(self.timeline, "backward"):
                 torch.autograd.backward(outputs, grad_tensors=grads)
 
         def fwd() -> None:
-            with ps.communication_lane(f.chunk):
-                forward(f)
+            with ps.communication_lane(self.placement.lane(f.chunk)):
+                self.forward(f)
 
-        run_pair(fwd, back, (f, b), probe)
-        give_gradient(b.chunk, x.grad if x is not None else None)
+        run_pair(fwd, back, (f, b), self.probe)
+        self.give_gradient(b.chunk, x.grad if x is not None else None)
 
-    def backward(action: Backward) -> None:
-        x, outputs, grads = backward_start(action.chunk)
-        with Timeline.span_of(timeline, "backward"), sync_of(action):
-            torch.autograd.backward(outputs, grad_tensors=grads)
-        give_gradient(action.chunk, x.grad if x is not None else None)
-
-    def give_gradient(chunk: int, gradient: Optional[torch.Tensor]) -> None:
-        if v_shape and gradient is not None:
-            hand_over(GRADIENT, chunk, gradient)
-        else:
-            queues.to_prev = gradient
-
-    def backward_b(action: BackwardInput) -> None:
-        x, outputs, grads = backward_start(action.chunk)
-        with Timeline.span_of(timeline, "backward"):
-            give_gradient(action.chunk, backward_input(outputs, grads, [x])[0] if x is not None else None)
-        queues.weights[action.chunk].append((outputs, grads))
-
-    def backward_w(action: BackwardWeight) -> None:
-        c = action.chunk
-        outputs, grads = queues.take(queues.weights[c], "input gradient (B) run before this W", c)
-        with Timeline.span_of(timeline, "weight"), sync_of(action):
-            backward_weight(outputs, grads, chunk_params[c])
-
-    def transfer(action: Exchange) -> None:
-        if tensor_shape is None:
+    def _shape(self) -> tuple[int, ...]:
+        if self.tensor_shape is None:
             raise ValueError("a pipeline schedule needs tensor_shape (p2p.activation_shape) to transfer activations")
-        send_next = queues.to_next if action.send_forward else None
-        send_prev = queues.to_prev if action.send_backward else None
-        if (action.send_forward and send_next is None) or (action.send_backward and send_prev is None):
+        return self.tensor_shape
+
+    def _latest(self, kind: str, action: Action) -> torch.Tensor:
+        """What an Exchange sends: the oldest unsent result of the chunk that made the latest ``kind``."""
+        box = self.queues.box(kind, self.queues.latest.get(kind, -1))
+        if not box:
             raise RuntimeError(f"pipeline schedule: {action} has nothing to send (a plan bug)")
+        return box.popleft()
+
+    def exchange(self, action: Exchange) -> None:
+        """The loop placement's transfers with both neighbours."""
+        shape = self._shape()
+        send_next = self._latest(ACTIVATION, action) if action.send_forward else None
+        send_prev = self._latest(GRADIENT, action) if action.send_backward else None
         activation, gradient = p2p.exchange(
-            shape=tensor_shape,
-            dtype=dtype,
-            device=device,
+            shape=shape,
+            dtype=self.dtype,
+            device=self.device,
             send_next=send_next,
             send_prev=send_prev,
             recv_prev=action.recv_forward is not None,
             recv_next=action.recv_backward is not None,
-            timeline=timeline,
-            posted=trace,
+            timeline=self.timeline,
+            posted=self.trace,
         )
-        if action.send_forward:
-            queues.to_next = None
-        if action.send_backward:
-            queues.to_prev = None
         if activation is not None:
-            queues.inputs[action.recv_forward].append(activation.requires_grad_(not forward_only))
+            self.queues.inputs[action.recv_forward].append(activation.requires_grad_(not self.forward_only))
         if gradient is not None:
-            queues.grads[action.recv_backward].append(gradient)
+            self.queues.grads[action.recv_backward].append(gradient)
 
-    def v_transfer(action: VExchange) -> None:
-        if tensor_shape is None:
-            raise ValueError("a pipeline schedule needs tensor_shape (p2p.activation_shape) to transfer activations")
+    def v_exchange(self, action: VExchange) -> None:
+        """The V placement's transfers, each naming its peer, kind and chunk, posted in the plan's order."""
+        shape, q = self._shape(), self.queues
         ops = []
         for tr in action.transfers:
-            box = queues.outbox.setdefault((tr.kind, tr.chunk), deque())
-            ops.append((tr, tr.peer, queues.take(box, f"{tr.kind} to send", tr.chunk) if tr.send else None))
+            tensor = q.take(q.box(tr.kind, tr.chunk), f"{tr.kind} to send", tr.chunk) if tr.send else None
+            ops.append((tr, tr.peer, tensor))
         received = p2p.exchange_in_order(
-            ops, shape=tensor_shape, dtype=dtype, device=device, timeline=timeline, posted=trace
+            ops, shape=shape, dtype=self.dtype, device=self.device, timeline=self.timeline, posted=self.trace
         )
         for tr, got in zip(action.transfers, received):
             if got is not None and tr.kind == ACTIVATION:
-                queues.inputs[tr.chunk].append(got.requires_grad_(not forward_only))
+                q.inputs[tr.chunk].append(got.requires_grad_(not self.forward_only))
             elif got is not None:
-                queues.grads[tr.chunk].append(got)
-
-    compute = {Forward: forward, Backward: backward, BackwardInput: backward_b, BackwardWeight: backward_w}
-    try:
-        with Timeline.run_of(timeline):
-            index = 0
-            while index < len(plan):
-                action, index = plan[index], index + 1
-                if isinstance(action, Exchange):
-                    transfer(action)
-                    continue
-                if isinstance(action, VExchange):
-                    v_transfer(action)
-                    continue
-                if virtual:
-                    ps.set_virtual_pipeline_model_parallel_rank(action.chunk)
-                partner = pairs.get(action)
-                if partner is not None and index < len(plan) and plan[index] == partner and not in_sync(partner):
-                    overlapped(action, partner)
-                    index += 1
-                    if trace is not None:
-                        trace += [action, partner]
-                    continue
-                with ps.communication_lane(action.chunk if v_shape else 0):
-                    compute[type(action)](action)
-                if trace is not None:
-                    trace.append(action)
-    finally:
-        if virtual and saved_virtual_rank is not None:
-            ps.set_virtual_pipeline_model_parallel_rank(saved_virtual_rank)
-    if queues.leftovers():
-        raise RuntimeError(f"pipeline schedule: {queues.leftovers()} tensors left unused at the end (a plan bug)")
-    return totals
+                q.grads[tr.chunk].append(got)

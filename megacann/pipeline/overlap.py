@@ -29,6 +29,7 @@ import time
 from typing import Callable, Optional, Union
 
 from megacann.config import ConfigError, MegacannConfig
+from megacann.pipeline.schedule_spec import find_schedule
 
 OVERLAP_VALUES = ("auto", True, False)
 KEY = "distributed.dualpipev_overlap"
@@ -62,6 +63,13 @@ def overlap_hazards(cfg: MegacannConfig) -> list[str]:
     return hazards
 
 
+def pairs_actions(cfg: MegacannConfig) -> bool:
+    """The recipe's schedule pairs a forward with a backward (DualPipeV: its spec has ``pairs``) on a
+    pipeline of more than one stage."""
+    spec = find_schedule(cfg.distributed.pipeline_schedule)
+    return spec is not None and spec.pairs is not None and cfg.distributed.pipeline_parallel_size > 1
+
+
 def check_overlap_config(cfg: MegacannConfig, source: str) -> list[str]:
     """Raise ConfigError for a value of ``distributed.dualpipev_overlap`` that cannot do what it says;
     return a note when ``auto`` falls back to running the pairs back to back."""
@@ -69,12 +77,13 @@ def check_overlap_config(cfg: MegacannConfig, source: str) -> list[str]:
     if value not in OVERLAP_VALUES or isinstance(value, int) and not isinstance(value, bool):
         raise ConfigError(f"{source}: {KEY} must be auto, true or false, got {value!r}")
     schedule = cfg.distributed.pipeline_schedule
-    if value is True and (schedule != "dualpipev" or cfg.distributed.pipeline_parallel_size < 2):
+    if value is True and not pairs_actions(cfg):
         raise ConfigError(
             f"{source}: {KEY} true overlaps the pairs of pipeline_schedule dualpipev (with pipeline_parallel_size "
             f"> 1), got pipeline_schedule {schedule!r}: set it to dualpipev or leave {KEY} auto"
         )
-    if schedule != "dualpipev" or value is False:
+    spec = find_schedule(schedule)
+    if spec is None or spec.pairs is None or value is False:
         return []
     hazards = overlap_hazards(cfg)
     if hazards and value is True:
@@ -90,13 +99,7 @@ def check_overlap_config(cfg: MegacannConfig, source: str) -> list[str]:
 
 def overlap_wanted(cfg: MegacannConfig) -> bool:
     """The recipe runs dualpipev's pairs at once (so each rank needs two communication lanes)."""
-    d = cfg.distributed
-    return (
-        d.pipeline_schedule == "dualpipev"
-        and d.pipeline_parallel_size > 1
-        and d.dualpipev_overlap is not False
-        and not overlap_hazards(cfg)
-    )
+    return pairs_actions(cfg) and cfg.distributed.dualpipev_overlap is not False and not overlap_hazards(cfg)
 
 
 def run_pair(

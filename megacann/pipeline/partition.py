@@ -10,8 +10,8 @@ from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.models.spec import ChunkPlacement, ModelSpec, get_model_spec
 from megacann.pipeline.overlap import LANE_ATTR
-from megacann.pipeline.rules import V_SHAPED
-from megacann.pipeline.v_schedules import v_chunk_segment
+from megacann.pipeline.placement import LOOP, Placement, V
+from megacann.pipeline.schedule_spec import schedule_for
 
 
 def stage_layer_ids(
@@ -22,14 +22,16 @@ def stage_layer_ids(
     virtual_rank: int = 0,
     pipeline_layers: Optional[list[int]] = None,
     v_shape: bool = False,
+    placement: Optional[Placement] = None,
 ) -> list[int]:
     """Global layer indices held by model chunk ``virtual_rank`` of stage ``pipeline_rank``.
 
-    Chunks are ordered as in interleaved 1F1B: chunk v of stage p is model segment v*pp + p; with
-    ``v_shape`` (two chunks, the V-shaped schedules) chunk 0 of stage p is segment p and chunk 1 segment
-    2pp - 1 - p. ``pipeline_layers`` lists the size of every segment in model order (pp x vpp entries);
-    default: an even split.
+    Which model segment a chunk holds is the ``placement``'s (:mod:`megacann.pipeline.placement`; default
+    the loop, or the V with ``v_shape``): on the loop chunk v of stage p is model segment v*pp + p, in the V
+    (two chunks) chunk 0 of stage p is segment p and chunk 1 segment 2pp - 1 - p. ``pipeline_layers``
+    lists the size of every segment in model order (pp x vpp entries); default: an even split.
     """
+    placement = placement or (V if v_shape else LOOP)
     vpp = virtual_size or 1
     segments = pipeline_size * vpp
     if pipeline_layers is None:
@@ -38,29 +40,33 @@ def stage_layer_ids(
         pipeline_layers = [num_layers // segments] * segments
     if len(pipeline_layers) != segments or sum(pipeline_layers) != num_layers:
         raise ValueError(f"pipeline_layers {pipeline_layers} must list {segments} sizes summing to {num_layers}")
-    segment = virtual_rank * pipeline_size + pipeline_rank
-    if v_shape:
-        if vpp != 2:
-            raise ValueError(f"the V placement holds two chunks per stage, got virtual_size {virtual_size}")
-        segment = v_chunk_segment(pipeline_size, pipeline_rank, virtual_rank)
+    segment = placement.segment(pipeline_size, pipeline_rank, virtual_rank, vpp)
     start = sum(pipeline_layers[:segment])
     return list(range(start, start + pipeline_layers[segment]))
 
 
+def recipe_placement(cfg: MegacannConfig) -> Placement:
+    """The placement of the recipe's schedule (one stage: the loop, whatever the schedule)."""
+    d = cfg.distributed
+    if d.pipeline_parallel_size < 2:
+        return LOOP
+    return schedule_for(d.pipeline_schedule, d.virtual_pipeline_size).placement
+
+
 def chunk_placements(cfg: MegacannConfig, pipeline_rank: Optional[int] = None) -> list[ChunkPlacement]:
     """Where each model chunk of a pipeline stage sits (one chunk per virtual stage, two in the V of
-    ``zbv`` and ``dualpipev``): its layers, and whether it holds the model's embedding (first chunk of
-    stage 0) and head (last chunk of the last stage; in the V, chunk 1 of stage 0)."""
+    ``zbv`` and ``dualpipev``): its layers, and whether it holds the model's embedding and head (as the
+    schedule's placement says: the last chunk of the last stage on the loop, chunk 1 of stage 0 in the V)."""
     d = cfg.distributed
     pp = d.pipeline_parallel_size
     stage = ps.get_pipeline_model_parallel_rank() if pipeline_rank is None else pipeline_rank
-    v_shape = d.pipeline_schedule in V_SHAPED and pp > 1
-    vpp = 2 if v_shape else d.virtual_pipeline_size or 1
+    placement = recipe_placement(cfg)
+    vpp = placement.chunks(d.virtual_pipeline_size)
     return [
         ChunkPlacement(
-            tuple(stage_layer_ids(cfg.model.num_layers, pp, stage, vpp, chunk, d.pipeline_layers, v_shape)),
-            pre_process=stage == 0 and chunk == 0,
-            post_process=(stage == 0 and chunk == 1) if v_shape else (stage == pp - 1 and chunk == vpp - 1),
+            tuple(stage_layer_ids(cfg.model.num_layers, pp, stage, vpp, chunk, d.pipeline_layers, placement=placement)),
+            pre_process=placement.is_model_first(stage, chunk),
+            post_process=placement.is_model_last(pp, stage, chunk, vpp),
         )
         for chunk in range(vpp)
     ]

@@ -1,54 +1,46 @@
-"""What a pipeline layout allows: stage sizes, the schedule named, the interleaved schedule's micro-batch rule,
-the bubble."""
+"""What a pipeline layout allows: stage sizes, the schedule named (each registered schedule checks its own
+layout and micro-batch count, :mod:`megacann.pipeline.schedule_spec`), the bubble."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from megacann.config import ConfigError, MegacannConfig
+from megacann.pipeline.interleaved import interleaved_schedule_error  # noqa: F401  (importable from here as ever)
+from megacann.pipeline.overlap import check_overlap_config
+from megacann.pipeline.placement import LOOP
+from megacann.pipeline.schedule_spec import find_schedule, schedule_for, unknown_schedule_error
+from megacann.pipeline.simulate import schedule_summary
 
 BUBBLE_ADVICE = 0.25  # advise when a pipeline idles longer than this share of a step
 
-SCHEDULES = ("1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
-V_SHAPED = ("zbv", "dualpipev")  # two chunks per stage in a V (megacann.pipeline.v_schedules)
-
 
 def chunks_per_stage(schedule: Optional[str], virtual_size: Optional[int]) -> int:
-    """Model chunks each pipeline stage holds: 2 for the V-shaped schedules, else virtual_pipeline_size."""
-    return 2 if schedule in V_SHAPED else virtual_size or 1
+    """Model chunks each pipeline stage holds: the schedule's placement's count (2 for the V), else
+    virtual_pipeline_size."""
+    spec = find_schedule(schedule)
+    return (spec.placement if spec else LOOP).chunks(virtual_size)
 
 
 def loss_stage(schedule: Optional[str], pipeline_size: int) -> int:
-    """The pipeline stage that computes the loss (its last model chunk holds the head): stage 0 in the V
-    placement (its chunk 1, :mod:`megacann.pipeline.v_schedules`), else the last stage."""
-    return 0 if schedule in V_SHAPED and pipeline_size > 1 else pipeline_size - 1
+    """The pipeline stage that computes the loss (its last model chunk holds the head): the schedule's
+    placement's (stage 0 in the V, :mod:`megacann.pipeline.placement`), else the last stage."""
+    spec = find_schedule(schedule)
+    if spec is None or pipeline_size < 2:
+        return pipeline_size - 1
+    return spec.placement.loss_stage(pipeline_size)
 
 
 def schedule_error(schedule: Optional[str], pipeline_size: int, virtual_size: Optional[int]) -> Optional[str]:
     """Why ``distributed.pipeline_schedule`` cannot run with this layout, or None when it can."""
     if schedule is None:
         return None
-    if schedule not in SCHEDULES:
-        return f"distributed.pipeline_schedule must be one of {', '.join(SCHEDULES)} (or unset), got {schedule!r}"
-    vpp = virtual_size or 1
+    spec = find_schedule(schedule)
+    if spec is None:
+        return unknown_schedule_error(schedule)
     if pipeline_size < 2:
         return f"distributed.pipeline_schedule {schedule!r} needs pipeline_parallel_size > 1, got {pipeline_size}"
-    if schedule in V_SHAPED and vpp not in (1, 2):
-        return (
-            f"distributed.pipeline_schedule {schedule!r} runs two model chunks per stage placed as a V, but "
-            f"distributed.virtual_pipeline_size is {vpp}: unset it or set it to 2"
-        )
-    if schedule == "interleaved" and vpp < 2:
-        return (
-            f"distributed.pipeline_schedule 'interleaved' needs distributed.virtual_pipeline_size >= 2, "
-            f"got {virtual_size}"
-        )
-    if schedule in ("1f1b", "zb1p") and vpp > 1:
-        return (
-            f"distributed.pipeline_schedule {schedule!r} runs one model chunk per stage, but "
-            f"distributed.virtual_pipeline_size is {vpp}: unset it, or use 'interleaved'"
-        )
-    return None
+    return spec.layout_error(pipeline_size, virtual_size)
 
 
 def pipeline_bubble_fraction(pipeline_size: int, num_microbatches: int, virtual_size: Optional[int] = None) -> float:
@@ -56,20 +48,6 @@ def pipeline_bubble_fraction(pipeline_size: int, num_microbatches: int, virtual_
     bubble time by v: ((p - 1)/v)/(m + (p - 1)/v)."""
     bubble = (pipeline_size - 1) / (virtual_size or 1)
     return bubble / (num_microbatches + bubble)
-
-
-def interleaved_schedule_error(pipeline_size: int, virtual_size: int, num_microbatches: int) -> Optional[str]:
-    """Why the interleaved 1F1B schedule cannot run this many micro-batches, or None when it can."""
-    p, m = pipeline_size, num_microbatches
-    if m % p == 0:
-        return None
-    lower, upper = m - m % p, m + p - m % p
-    options = f"{lower} or {upper}" if lower else f"{upper}"
-    return (
-        f"the interleaved 1F1B schedule (virtual_pipeline_size {virtual_size}) needs the number of "
-        f"micro-batches, optim.grad_accum_steps, to be a multiple of pipeline_parallel_size {p}, got {m}: "
-        f"use {options}, or no virtual stages (1F1B takes any number)"
-    )
 
 
 def microbatches_for_bubble(pp: int, vpp: int) -> int:
@@ -109,57 +87,44 @@ def _check_stage_sizes(cfg: MegacannConfig, source: str) -> None:
 
 
 def _chunks_name(schedule: Optional[str], chunks: int) -> str:
-    if schedule in V_SHAPED:
+    spec = find_schedule(schedule)
+    if spec is not None and spec.placement.fixed_chunks:
         return f"{chunks} chunks per stage of pipeline_schedule {schedule}, in model order"
     return f"virtual_pipeline_size {chunks}"
 
 
-def _check_v_shaped(cfg: MegacannConfig, source: str) -> None:
-    """The V's own rules (:func:`megacann.pipeline.v_schedules.v_schedule_error`). Everything the last
-    stage's head serves elsewhere runs on stage 0's chunk 1 (:func:`loss_stage`): tied embeddings and
-    multi-token prediction (their copies of the embedding sit beside it and that rank sums the gradients
-    itself, :func:`megacann.optimizer.finalize.reduce_shared_embedding_grads`) and preference training
-    (``train_mode: dpo``: its sequence log-probabilities are read there)."""
-    from megacann.pipeline.v_schedules import v_schedule_error
-
-    d = cfg.distributed
-    error = v_schedule_error(d.pipeline_schedule, d.pipeline_parallel_size, cfg.optim.grad_accum_steps)
-    if error:
-        raise ConfigError(f"{source}: {error}")
-
-
 def validate_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> None:
     """Raise ConfigError for a layout the schedules cannot run (the checks of :func:`check_pipeline_config`
-    without its advice, which simulates the schedule: the layout search validates many)."""
+    without its advice, which simulates the schedule: the layout search validates many): the stage sizes,
+    then the schedule's own rules (:class:`~megacann.pipeline.schedule_spec.ScheduleSpec` ``layout_error``
+    and ``micro_batch_error``). In the V everything the last stage's head serves elsewhere runs on stage 0's
+    chunk 1 (:func:`loss_stage`): tied embeddings and multi-token prediction (their copies of the embedding
+    sit beside it and that rank sums the gradients itself,
+    :func:`megacann.optimizer.finalize.reduce_shared_embedding_grads`) and preference training
+    (``train_mode: dpo``: its sequence log-probabilities are read there)."""
     _check_stage_sizes(cfg, source)
     d = cfg.distributed
     error = schedule_error(d.pipeline_schedule, d.pipeline_parallel_size, d.virtual_pipeline_size)
     if error:
         raise ConfigError(f"{source}: {error}")
-    pp, vpp, m = d.pipeline_parallel_size, d.virtual_pipeline_size or 1, cfg.optim.grad_accum_steps
-    if pp < 2:
+    if d.pipeline_parallel_size < 2:
         return
-    if d.pipeline_schedule in V_SHAPED:
-        _check_v_shaped(cfg, source)
-    elif vpp > 1:
-        error = interleaved_schedule_error(pp, vpp, m)
-        if error:
-            raise ConfigError(f"{source}: {error}")
+    spec = schedule_for(d.pipeline_schedule, d.virtual_pipeline_size)
+    error = spec.micro_batch_error(d.pipeline_parallel_size, d.virtual_pipeline_size, cfg.optim.grad_accum_steps)
+    if error:
+        raise ConfigError(f"{source}: {error}")
 
 
 def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list[str]:
     """Raise ConfigError for a layout the schedules cannot run; return advice (a large bubble) as text."""
     validate_pipeline_config(cfg, source)
-    from megacann.pipeline.overlap import check_overlap_config  # dualpipev's overlap key
-
     notes = check_overlap_config(cfg, source)
     d = cfg.distributed
     pp, vpp, m = d.pipeline_parallel_size, d.virtual_pipeline_size or 1, cfg.optim.grad_accum_steps
     if pp < 2:
         return notes
-    if d.pipeline_schedule in ("zb1p", *V_SHAPED):
-        from megacann.pipeline.simulate import schedule_summary  # the simulator builds on these rules
-
+    spec = schedule_for(d.pipeline_schedule, d.virtual_pipeline_size)
+    if spec.split_backward:  # its bubble simulated (no closed form)
         bubble = schedule_summary(pp, m, vpp, d.pipeline_schedule)[0]
         if bubble <= BUBBLE_ADVICE:
             return notes

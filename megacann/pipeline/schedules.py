@@ -7,10 +7,11 @@ backward starts from, the gradient-sync context and ``trace=`` are the executor'
 
 All schedules run a plan (:mod:`megacann.pipeline.plan`) with one executor, :func:`run_plan`: no
 pipelining is a plan without transfers, 1F1B and interleaved 1F1B add the transfers of
-:mod:`megacann.pipeline.p2p`, the zero-bubble schedules (:mod:`megacann.pipeline.zero_bubble`) split
+:mod:`megacann.pipeline.p2p`, the split-backward schedules (zb1p, zbv, dualpipev) split
 backwards into B and W (:mod:`megacann.pipeline.split_backward`), the V-shaped ones
-(:mod:`megacann.pipeline.v_schedules`, ``v_shape=True``) hold two chunks per stage in a V and list each
-step's transfers, both ways, in a ``VExchange``. ``forward_only=True`` runs forwards
+(:mod:`megacann.pipeline.v_schedules`, on the V :mod:`~megacann.pipeline.placement`) hold two chunks per
+stage in a V and list each step's transfers, both ways, in a ``VExchange``. Which schedule, its plan, its
+placement and its pairs come from its registered spec (:mod:`megacann.pipeline.schedule_spec`). ``forward_only=True`` runs forwards
 alone (evaluation).
 """
 
@@ -29,8 +30,7 @@ from megacann.pipeline import p2p
 from megacann.pipeline.executor import ForwardStep, StepOptions, run_plan
 from megacann.pipeline.overlap import overlap_wanted, resolve_overlap
 from megacann.pipeline.plan import build_plan
-from megacann.pipeline.rules import V_SHAPED, chunks_per_stage
-from megacann.pipeline.v_schedules import dualpipev_pairs
+from megacann.pipeline.schedule_spec import schedule_for
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # a torch dependency; annotations only
@@ -49,7 +49,7 @@ def forward_backward_no_pipelining(
     """Plain gradient accumulation over micro-batches on one stage. ``options``: :class:`StepOptions`
     (``loss_scale``, ``forward_step``, ``timeline``, ``grad_sync_context``, ``trace``), as :func:`run_plan`."""
     unknown = sorted(set(options) - set(StepOptions.__annotations__))
-    if unknown:  # run_plan would take its own pipeline keywords (tensor_shape, v_shape, ...) silently
+    if unknown:  # run_plan would take its own pipeline keywords (tensor_shape, placement, ...) silently
         raise TypeError(
             f"forward_backward_no_pipelining() got unexpected keyword arguments {unknown}; "
             f"besides its own it takes {sorted(StepOptions.__annotations__)}"
@@ -80,21 +80,20 @@ def forward_backward_pipelining(
     where the recipe allows it, else False): dualpipev runs its pairs at once (auto: where this run can,
     see :func:`~megacann.pipeline.overlap.resolve_overlap`). ``options``: :class:`StepOptions`, as
     :func:`run_plan`."""
-    stages = ps.get_pipeline_model_parallel_world_size()
+    stages, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     virtual = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    if len(model_chunks) != chunks_per_stage(schedule, virtual):
+    spec = schedule_for(schedule, virtual)
+    if len(model_chunks) != spec.chunks_per_stage(virtual):
         raise ValueError(
-            f"this rank holds {len(model_chunks)} model chunks, the schedule runs {chunks_per_stage(schedule, virtual)}"
+            f"this rank holds {len(model_chunks)} model chunks, the schedule runs {spec.chunks_per_stage(virtual)}"
             f" (virtual_pipeline_size {virtual}, pipeline_schedule {schedule}): "
             "build them with megacann.pipeline.build_model_chunks"
         )
-    plan = build_plan(
-        stages, ps.get_pipeline_model_parallel_rank(), len(micro_batches), virtual, forward_only, schedule
-    )
+    plan = build_plan(stages, stage, len(micro_batches), virtual, forward_only, schedule)
     pairs = None
-    overlapping = schedule == "dualpipev" and not forward_only and overlap is not False
+    overlapping = spec.pairs is not None and not forward_only and overlap is not False
     if overlapping and resolve_overlap(overlap, ps.communication_lanes(), model_chunks):
-        pairs = dualpipev_pairs(stages, ps.get_pipeline_model_parallel_rank(), len(micro_batches))
+        pairs = spec.pairs(stages, stage, len(micro_batches))
     return run_plan(
         plan,
         model_chunks,
@@ -102,7 +101,7 @@ def forward_backward_pipelining(
         loss_normalizer=loss_normalizer,
         forward_only=forward_only,
         tensor_shape=tensor_shape,
-        v_shape=schedule in V_SHAPED,
+        placement=spec.placement,
         overlap_pairs=pairs,
         probe=probe,
         **options,

@@ -7,9 +7,9 @@ completes when both ends have posted it; an Exchange completes when all of its t
 backward take fixed times and transfers none, which gives the schedule's ideal timeline and bubble; a
 backward split into B and W (zero-bubble schedules) takes half of the backward's time in each unless told.
 It also counts each stage's peak number of micro-batches in flight (forward run, backward or W not yet).
-The V-shaped schedules (:mod:`megacann.pipeline.v_schedules`: two chunks per stage in a V, transfers listed
-by their ``VExchange``) run with ``v_shape=True``: their tensors go to the chunk's neighbour in the V or stay
-on the last stage, and every send must carry what its chunk made, oldest first.
+Where each tensor comes from and goes is the schedule's :mod:`~megacann.pipeline.placement`: on the loop an
+``Exchange`` sends what the latest forward or backward made, in the V (``zbv``, ``dualpipev``) a ``VExchange``
+names the chunk whose oldest unsent result it carries, and the last stage keeps some tensors in place.
 
 :func:`simulate` raises :class:`PlanError` when the plans would deadlock, mismatch a transfer, feed a
 chunk the wrong micro-batch or leave work undone; tests run it over many pipeline shapes in milliseconds.
@@ -23,16 +23,20 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megacann.errors import MegacannError
-from megacann.pipeline.p2p import EVEN_ORDER, ODD_ORDER
-from megacann.pipeline.plan import Action, Backward, BackwardWeight, Exchange, Forward, build_plan
-from megacann.pipeline.v_schedules import (
+from megacann.pipeline.actions import (
     ACTIVATION,
-    V_SCHEDULES,
+    GRADIENT,
+    Action,
+    Backward,
+    BackwardWeight,
+    Exchange,
+    Forward,
     VExchange,
-    v_is_model_first,
-    v_is_model_last,
-    v_local_handoff,
 )
+from megacann.pipeline.p2p import EVEN_ORDER, ODD_ORDER
+from megacann.pipeline.placement import LOOP, Placement, V
+from megacann.pipeline.plan import build_plan
+from megacann.pipeline.schedule_spec import schedule_for
 
 
 class PlanError(MegacannError, RuntimeError):
@@ -60,18 +64,6 @@ class _Op:
     partner: Optional[_Op] = None
 
 
-def _producer(stage: int, chunk: int, stages: int, activation: bool, v_shape: bool = False) -> tuple[int, int]:
-    """(stage, chunk) whose output feeds ``chunk`` of ``stage`` (activation) or whose input gradient it
-    receives (gradient); ``v_shape``: in the V placement of :mod:`megacann.pipeline.v_schedules`."""
-    if v_shape:
-        if activation:
-            return (stage - 1, 0) if chunk == 0 else ((stage, 0) if stage == stages - 1 else (stage + 1, 1))
-        return (stage - 1, 1) if chunk == 1 else ((stage, 1) if stage == stages - 1 else (stage + 1, 0))
-    if activation:
-        return (stage - 1, chunk) if stage > 0 else (stages - 1, chunk - 1)
-    return (stage + 1, chunk) if stage < stages - 1 else (0, chunk + 1)
-
-
 def simulate(
     plans: list[list[Action]],
     virtual_stages: int = 1,
@@ -81,14 +73,15 @@ def simulate(
     input_time: Optional[float] = None,
     weight_time: Optional[float] = None,
     v_shape: bool = False,
+    placement: Optional[Placement] = None,
 ) -> SimulationResult:
     """Run ``plans`` (one per stage); raise PlanError on any inconsistency. A BackwardInput takes
     ``input_time`` and a BackwardWeight ``weight_time`` (default: half of ``backward_time`` each).
-    ``v_shape``: the plans run two chunks per stage in the V placement (:mod:`megacann.pipeline.v_schedules`):
-    tensors go to their chunk's neighbour or stay on the last stage, transfers are VExchanges."""
+    ``placement``: where the plans' chunks sit (default the loop, or the V with ``v_shape``)."""
     input_time = backward_time / 2 if input_time is None else input_time
     weight_time = backward_time / 2 if weight_time is None else weight_time
-    p, v = len(plans), 2 if v_shape else virtual_stages
+    placement = placement or (V if v_shape else LOOP)
+    p, v = len(plans), placement.chunks(virtual_stages)
     pc = [0] * p
     clock = [0.0] * p
     busy = [0.0] * p
@@ -97,21 +90,28 @@ def simulate(
     inputs = [[deque() for _ in range(v)] for _ in range(p)]
     grads = [[deque() for _ in range(v)] for _ in range(p)]
     saved = [[deque() for _ in range(v)] for _ in range(p)]
-    last_out: list[Optional[tuple[int, int, int]]] = [None] * p
-    last_grad: list[Optional[tuple[int, int, int]]] = [None] * p
+    latest: list[dict[str, int]] = [{} for _ in range(p)]  # kind -> chunk that made the latest one
     done_f = [set() for _ in range(p)]
     done_b = [set() for _ in range(p)]
     done_w = [set() for _ in range(p)]
     weights = [[deque() for _ in range(v)] for _ in range(p)]  # B run, W not yet
     in_flight, peak = [0] * p, [0] * p
-    outbox: dict[tuple[int, str, int], deque] = {}  # V: (stage, kind, chunk) -> labels made, not yet sent
+    outbox: dict[tuple[int, str, int], deque] = {}  # (stage, kind, chunk) -> labels made, not yet sent
 
     def route(stage: int, kind: str, chunk: int, label: tuple[int, int, int]) -> None:
-        """V: what a chunk made goes to its outbox, or stays on the last stage for the other chunk."""
-        if v_local_handoff(p, stage, chunk, kind):
+        """What a chunk made goes to its outbox, or stays on the stage for the other chunk."""
+        if placement.local_handoff(p, stage, chunk, kind):
             (inputs if kind == ACTIVATION else grads)[stage][1 - chunk].append(label)
         else:
             outbox.setdefault((stage, kind, chunk), deque()).append(label)
+            latest[stage][kind] = chunk
+
+    def take_latest(stage: int, kind: str, message: str) -> tuple[int, int, int]:
+        """What an Exchange sends: the oldest unsent result of the chunk that made the latest ``kind``."""
+        box = outbox.get((stage, kind, latest[stage].get(kind, -1)))
+        if not box:
+            raise fail(stage, message)
+        return box.popleft()
 
     def fail(stage: int, message: str) -> PlanError:
         return PlanError(f"stage {stage} of {p} (virtual {v}), action {pc[stage]}: {message}")
@@ -132,9 +132,7 @@ def simulate(
 
     def run_compute(stage: int, action: Action) -> None:
         c, i = action.chunk, action.micro_batch
-        model_first, model_last = stage == 0 and c == 0, stage == p - 1 and c == v - 1
-        if v_shape:
-            model_first, model_last = v_is_model_first(stage, c), v_is_model_last(stage, c)
+        model_first, model_last = placement.is_model_first(stage, c), placement.is_model_last(p, stage, c, v)
         if isinstance(action, Forward):
             if (c, i) in done_f[stage]:
                 raise fail(stage, f"forward of chunk {c}, micro-batch {i} runs twice")
@@ -142,7 +140,7 @@ def simulate(
                 if not inputs[stage][c]:
                     raise fail(stage, f"forward of chunk {c}, micro-batch {i} has no input received")
                 got = inputs[stage][c].popleft()
-                want = (*_producer(stage, c, p, True, v_shape), i)
+                want = (*placement.producer(p, stage, c, ACTIVATION), i)
                 if got != want:
                     raise fail(stage, f"forward of chunk {c}, micro-batch {i} got the output of {got}, needs {want}")
             done_f[stage].add((c, i))
@@ -150,8 +148,7 @@ def simulate(
                 saved[stage][c].append(i)
                 in_flight[stage] += 1
                 peak[stage] = max(peak[stage], in_flight[stage])
-            last_out[stage] = None if model_last else (stage, c, i)
-            if v_shape and not model_last:
+            if not model_last:
                 route(stage, ACTIVATION, c, (stage, c, i))
             clock[stage] += forward_time
             busy[stage] += forward_time
@@ -171,13 +168,12 @@ def simulate(
                 if not grads[stage][c]:
                     raise fail(stage, f"backward of chunk {c}, micro-batch {i} has no output gradient received")
                 got = grads[stage][c].popleft()
-                want = (*_producer(stage, c, p, False, v_shape), i)
+                want = (*placement.producer(p, stage, c, GRADIENT), i)
                 if got != want:
                     raise fail(stage, f"backward of chunk {c}, micro-batch {i} got the gradient of {got}, needs {want}")
             done_b[stage].add((c, i))
-            last_grad[stage] = None if model_first else (stage, c, i)
-            if v_shape and not model_first:
-                route(stage, "gradient", c, (stage, c, i))
+            if not model_first:
+                route(stage, GRADIENT, c, (stage, c, i))
             if isinstance(action, Backward):
                 in_flight[stage] -= 1
                 took = backward_time
@@ -210,19 +206,15 @@ def simulate(
         prev, nxt = (stage - 1) % p, (stage + 1) % p
         ops: list[tuple[int, _Op, str]] = []
         if ex.send_forward:
-            if last_out[stage] is None:
-                raise fail(stage, "sends an activation but ran no forward whose output goes on")
-            ops.append((nxt, _Op(True, "activation", last_out[stage]), "send_next"))
-            last_out[stage] = None
+            label = take_latest(stage, ACTIVATION, "sends an activation but ran no forward whose output goes on")
+            ops.append((nxt, _Op(True, ACTIVATION, label), "send_next"))
         if ex.recv_forward is not None:
-            ops.append((prev, _Op(False, "activation", None, ex.recv_forward), "recv_prev"))
+            ops.append((prev, _Op(False, ACTIVATION, None, ex.recv_forward), "recv_prev"))
         if ex.send_backward:
-            if last_grad[stage] is None:
-                raise fail(stage, "sends a gradient but ran no backward whose input gradient goes back")
-            ops.append((prev, _Op(True, "gradient", last_grad[stage]), "send_prev"))
-            last_grad[stage] = None
+            label = take_latest(stage, GRADIENT, "sends a gradient but ran no backward whose input gradient goes back")
+            ops.append((prev, _Op(True, GRADIENT, label), "send_prev"))
         if ex.recv_backward is not None:
-            ops.append((nxt, _Op(False, "gradient", None, ex.recv_backward), "recv_next"))
+            ops.append((nxt, _Op(False, GRADIENT, None, ex.recv_backward), "recv_next"))
         order = EVEN_ORDER if stage % 2 == 0 else ODD_ORDER  # the order p2p.exchange posts them in
         ops.sort(key=lambda item: order.index(item[2]))
         for peer, op, _ in ops:
@@ -237,7 +229,7 @@ def simulate(
         clock[stage] = max([clock[stage]] + [max(op.posted, op.partner.posted) for op in ops])
         for op in ops:
             if not op.send:
-                queue = inputs if op.kind == "activation" else grads
+                queue = inputs if op.kind == ACTIVATION else grads
                 queue[stage][op.chunk].append(op.partner.label)
         pending_ops[stage] = None
         pc[stage] += 1
@@ -293,15 +285,23 @@ def simulate_schedule(
 ) -> SimulationResult:
     """Build every stage's plan for this pipeline shape (``schedule`` as ``distributed.pipeline_schedule``)
     and :func:`simulate` them. The times are those of a stage's share of the layers (interleaved chunks
-    take them each, as before); a V-shaped schedule's chunk, half of a stage's layers, takes half."""
+    take them each, as before); a chunk of a placement that splits a stage's layers between its chunks (the
+    V: half each) takes its share (:attr:`~megacann.pipeline.placement.Placement.chunk_time_fraction`)."""
     plans = [build_plan(stages, s, num_microbatches, virtual_stages, forward_only, schedule) for s in range(stages)]
-    v_shape = schedule in V_SCHEDULES
-    if v_shape:  # the times are a stage's; each of the V's two chunks holds half of its layers
-        forward_time, backward_time = forward_time / 2, backward_time / 2
-        input_time = None if input_time is None else input_time / 2
-        weight_time = None if weight_time is None else weight_time / 2
+    placement = schedule_for(schedule, virtual_stages).placement if stages > 1 else LOOP
+    share = placement.chunk_time_fraction
+    forward_time, backward_time = forward_time * share, backward_time * share
+    input_time = None if input_time is None else input_time * share
+    weight_time = None if weight_time is None else weight_time * share
     return simulate(
-        plans, virtual_stages or 1, forward_time, backward_time, forward_only, input_time, weight_time, v_shape
+        plans,
+        virtual_stages or 1,
+        forward_time,
+        backward_time,
+        forward_only,
+        input_time,
+        weight_time,
+        placement=placement,
     )
 
 

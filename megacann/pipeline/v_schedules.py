@@ -1,6 +1,6 @@
 """V-shaped schedules: two model chunks per stage placed as a V, run by ``zbv`` and ``dualpipev``.
 
-Placement (:func:`v_chunk_segment`): with p stages and the model cut into 2p segments, stage s holds
+Placement (:data:`megacann.pipeline.placement.V`): with p stages and the model cut into 2p segments, stage s holds
 chunk 0 = segment s and chunk 1 = segment 2p - 1 - s. The model goes down the stages through chunk 0
 and comes back up through chunk 1, so stage 0 holds both the embedding (chunk 0) and the last segment
 with the head and the loss (chunk 1); on the last stage, chunk 0 hands its output to chunk 1 in place (no
@@ -34,54 +34,26 @@ so the pairs also match where a backend runs all of a rank's transfers in issue 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
-from megacann.pipeline.plan import Action, Backward, BackwardInput, BackwardWeight, Forward
-
-V_SCHEDULES = ("zbv", "dualpipev")
-ACTIVATION, GRADIENT = "activation", "gradient"
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One point-to-point transfer of a V exchange: with the stage ``peer`` away (+1 next, -1 previous),
-    a send (the oldest unsent output of chunk ``chunk``) or a receive (for chunk ``chunk``) of ``kind``."""
-
-    peer: int
-    send: bool
-    kind: str  # ACTIVATION | GRADIENT
-    chunk: int
+from megacann.pipeline.actions import (
+    ACTIVATION,
+    GRADIENT,
+    Action,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    Transfer,
+    VExchange,
+)
+from megacann.pipeline.placement import V
+from megacann.pipeline.schedule_spec import ScheduleSpec
 
 
-@dataclass(frozen=True)
-class VExchange:
-    """One slot's transfers of a V-shaped plan, posted in this order, then all waited for."""
-
-    transfers: tuple[Transfer, ...]
-
-
-def v_chunk_segment(stages: int, stage: int, chunk: int) -> int:
-    """The model segment (0 .. 2p - 1, in model order) that ``chunk`` of ``stage`` holds in the V."""
-    return stage if chunk == 0 else 2 * stages - 1 - stage
-
-
-def v_is_model_first(stage: int, chunk: int) -> bool:
-    return stage == 0 and chunk == 0
-
-
-def v_is_model_last(stage: int, chunk: int) -> bool:
-    return stage == 0 and chunk == 1
-
-
-def v_local_handoff(stages: int, stage: int, chunk: int, kind: str) -> bool:
-    """Whether the output (activation of chunk 0) or input gradient (of chunk 1) stays on the last stage."""
-    return stage == stages - 1 and chunk == (0 if kind == ACTIVATION else 1)
-
-
-def v_schedule_error(schedule: str, stages: int, num_microbatches: int) -> Optional[str]:
-    """Why ``schedule`` cannot run this many micro-batches, or None when it can."""
-    if schedule == "dualpipev" and num_microbatches < 2 * stages:
+def dualpipev_micro_batch_error(stages: int, num_microbatches: int) -> Optional[str]:
+    """Why dualpipev cannot run this many micro-batches, or None when it can."""
+    if num_microbatches < 2 * stages:
         return (
             f"distributed.pipeline_schedule 'dualpipev' needs at least 2 x pipeline_parallel_size = {2 * stages} "
             f"micro-batches (optim.grad_accum_steps), got {num_microbatches}: use {2 * stages} or more, or 'zbv'"
@@ -96,11 +68,11 @@ def _sends(stages: int, stage: int, action: Action) -> list[Transfer]:
     """The transfers an action's result needs (none when it stays on the stage or is the loss / first input)."""
     c = action.chunk
     if isinstance(action, Forward):
-        if v_is_model_last(stage, c) or v_local_handoff(stages, stage, c, ACTIVATION):
+        if V.is_model_last(stages, stage, c) or V.local_handoff(stages, stage, c, ACTIVATION):
             return []
         return [Transfer(1 if c == 0 else -1, True, ACTIVATION, c)]
     if isinstance(action, (Backward, BackwardInput)):
-        if v_is_model_first(stage, c) or v_local_handoff(stages, stage, c, GRADIENT):
+        if V.is_model_first(stage, c) or V.local_handoff(stages, stage, c, GRADIENT):
             return []
         return [Transfer(-1 if c == 0 else 1, True, GRADIENT, c)]
     return []
@@ -110,14 +82,14 @@ def _needs(stages: int, stage: int, action: Action) -> Optional[tuple[int, objec
     """(stage, action) whose result ``action`` consumes, or None (a W needs only its own B)."""
     c, i = action.chunk, action.micro_batch
     if isinstance(action, Forward):
-        if v_is_model_first(stage, c):
+        if V.is_model_first(stage, c):
             return None
         if c == 0:
             return stage - 1, Forward(0, i)
         return (stage, Forward(0, i)) if stage == stages - 1 else (stage + 1, Forward(1, i))
     if isinstance(action, BackwardWeight):
         return None
-    if v_is_model_last(stage, c):
+    if V.is_model_last(stages, stage, c):
         return stage, Forward(1, i)
     if c == 1:
         return stage - 1, ("B", 1, i)  # a Backward or a BackwardInput: matched by kind below
@@ -263,7 +235,7 @@ def _dualpipev_order(p: int, r: int, m: int) -> list[Item]:
 
 def dualpipev_orders(stages: int, num_microbatches: int) -> list[list[Item]]:
     """Each stage's DualPipeV compute in its eight phases (see the module docstring)."""
-    error = v_schedule_error("dualpipev", stages, num_microbatches)
+    error = dualpipev_micro_batch_error(stages, num_microbatches)
     if error:
         raise ValueError(error)
     return [_dualpipev_order(stages, r, num_microbatches) for r in range(stages)]
@@ -312,21 +284,59 @@ def v_plans(stages: int, slots: list[list[Optional[Item]]]) -> list[list[Action]
     return plans
 
 
+def _forward_only_slots(stages: int, num_microbatches: int) -> list[list[Optional[Item]]]:
+    return _in_order(stages, _forward_only_orders(stages, num_microbatches))
+
+
+def dualpipev_slots(stages: int, num_microbatches: int) -> list[list[Optional[Item]]]:
+    """DualPipeV's compute on the slot clock."""
+    return _in_order(stages, dualpipev_orders(stages, num_microbatches))
+
+
+Slots = Callable[[int, int], list[list[Optional[Item]]]]
+
+
 @functools.lru_cache(maxsize=64)
-def _all_plans(schedule: str, stages: int, num_microbatches: int, forward_only: bool) -> tuple:
-    if forward_only:
-        slots = _in_order(stages, _forward_only_orders(stages, num_microbatches))
-    elif schedule == "zbv":
-        slots = zbv_slots(stages, num_microbatches)
-    elif schedule == "dualpipev":
-        slots = _in_order(stages, dualpipev_orders(stages, num_microbatches))
-    else:
-        raise ValueError(f"not a V-shaped schedule: {schedule!r} (expected one of {', '.join(V_SCHEDULES)})")
+def _all_plans(slots_of: Slots, stages: int, num_microbatches: int, forward_only: bool) -> tuple:
+    slots = (_forward_only_slots if forward_only else slots_of)(stages, num_microbatches)
     return tuple(tuple(plan) for plan in v_plans(stages, slots))
 
 
-def v_plan(schedule: str, stages: int, stage: int, num_microbatches: int, forward_only: bool = False) -> list[Action]:
-    """The plan of V-shaped ``schedule`` on ``stage`` (built for all stages at once, then cached)."""
-    if stages < 2:
-        raise ValueError(f"distributed.pipeline_schedule {schedule!r} needs pipeline_parallel_size > 1, got {stages}")
-    return list(_all_plans(schedule, stages, num_microbatches, forward_only)[stage])
+def v_plan(slots_of: Slots, stages: int, stage: int, num_microbatches: int, forward_only: bool = False) -> list[Action]:
+    """The plan on ``stage`` of the V schedule whose compute ``slots_of`` lays out (built for all stages at
+    once, then cached)."""
+    return list(_all_plans(slots_of, stages, num_microbatches, forward_only)[stage])
+
+
+def _layout_error(name: str) -> Callable[[int, Optional[int]], Optional[str]]:
+    def error(stages: int, virtual_size: Optional[int]) -> Optional[str]:
+        vpp = virtual_size or 1
+        if vpp not in (1, 2):
+            return (
+                f"distributed.pipeline_schedule {name!r} runs two model chunks per stage placed as a V, but "
+                f"distributed.virtual_pipeline_size is {vpp}: unset it or set it to 2"
+            )
+        return None
+
+    return error
+
+
+ZBV = ScheduleSpec(
+    name="zbv",
+    placement=V,
+    build=lambda stages, stage, m, virtual, forward_only: v_plan(zbv_slots, stages, stage, m, forward_only),
+    label="zbv (V-shaped zero bubble, 2 chunks per stage in a V, backward split into input and weight gradients)",
+    split_backward=True,
+    layout_error=_layout_error("zbv"),
+)
+DUALPIPEV = ScheduleSpec(
+    name="dualpipev",
+    placement=V,
+    build=lambda stages, stage, m, virtual, forward_only: v_plan(dualpipev_slots, stages, stage, m, forward_only),
+    label="dualpipev (DualPipeV, 2 chunks per stage in a V, forward and backward of two micro-batches paired, "
+    "run {overlap})",
+    split_backward=True,
+    layout_error=_layout_error("dualpipev"),
+    micro_batch_error=lambda stages, virtual, m: dualpipev_micro_batch_error(stages, m),
+    pairs=dualpipev_pairs,
+)

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megacann.config import MegacannConfig
-from megacann.config.schema import SPLIT_BACKWARD_SCHEDULES
 from megacann.models import get_model_spec
 from megacann.models.mtp import mtp_depths
 from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
+from megacann.pipeline.placement import LOOP
 from megacann.pipeline.plan import Backward, BackwardInput, BackwardWeight, Forward, build_plan
-from megacann.pipeline.rules import V_SHAPED, chunks_per_stage
+from megacann.pipeline.rules import chunks_per_stage
+from megacann.pipeline.schedule_spec import find_schedule, splits_backward
 from megacann.pipeline.simulate import schedule_summary
 from megacann.planning.activations import (
     boundary_tensor_bytes,
@@ -194,19 +195,20 @@ def estimate_stage(
     of one layout)."""
     m, d = cfg.model, cfg.distributed
     pp, schedule = layout.pp, layout.schedule
-    v_shape = schedule in V_SHAPED and pp > 1  # the V placement: the head on stage 0
-    vpp = 2 if v_shape else layout.vpp
+    spec, recipe_spec = find_schedule(schedule), find_schedule(d.pipeline_schedule)
+    placement = spec.placement if spec is not None and pp > 1 else LOOP  # the V: the head on stage 0
+    vpp = placement.chunks(layout.vpp)
     recipe_chunks = chunks_per_stage(d.pipeline_schedule, d.virtual_pipeline_size)
-    same_cut = (pp, vpp, v_shape) == (d.pipeline_parallel_size, recipe_chunks, d.pipeline_schedule in V_SHAPED)
+    recipe_placement = recipe_spec.placement if recipe_spec is not None else LOOP
+    same_cut = (pp, vpp, placement) == (d.pipeline_parallel_size, recipe_chunks, recipe_placement)
     pipeline_layers = d.pipeline_layers if same_cut else None
     params, experts, saved, buffers, holds, transient = 0, 0, [], [], [], 0.0
     offloaded, host_saved, unit = set(layout.offload_layers), [], 0
-    split, held, after, boundary = schedule in SPLIT_BACKWARD_SCHEDULES, [], [], boundary_tensor_bytes(cfg, layout)
+    split, held, after, boundary = splits_backward(schedule), [], [], boundary_tensor_bytes(cfg, layout)
     held_per_kind = {} if held_per_kind is None else held_per_kind
     for chunk in range(vpp):
-        ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers, v_shape)
-        first = stage == 0 and chunk == 0
-        last = (stage == 0 and chunk == 1) if v_shape else (stage == pp - 1 and chunk == vpp - 1)
+        ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers, placement=placement)
+        first, last = placement.is_model_first(stage, chunk), placement.is_model_last(pp, stage, chunk, vpp)
         chunk_params, chunk_experts = chunk_parameters_per_rank(cfg, layout.tp, ids, first, last, pp, layout.ep)
         params, experts = params + chunk_params, experts + chunk_experts
         kinds = [is_moe_layer(m, i) for i in ids]
@@ -233,7 +235,7 @@ def estimate_stage(
         parts = (["embedding"] if first else []) + [_describe_layers(ids)] + (["output layer"] if last else [])
         parts += [f"{mtp_depths(m)} MTP depths"] if last and mtp_depths(m) else []
         holds.append(" + ".join(parts))
-    profile = _stage_profile(pp, stage, layout.num_microbatches, vpp if vpp > 1 and not v_shape else None, schedule)
+    profile = _stage_profile(pp, stage, layout.num_microbatches, layout.vpp if layout.vpp > 1 else None, schedule)
     peak, in_flight = _peak(profile, [*(a + b for a, b in zip(saved, buffers)), *after])
     host_peak = _peak(profile, host_saved)[0]
     static = placed_static_bytes(cfg, layout, params, experts, unit)
@@ -268,7 +270,7 @@ def bubble_fraction(layout: Layout) -> float:
     interleaved 1F1B, the simulator's for the split-backward schedules (zb1p, zbv, dualpipev)."""
     if layout.pp == 1:
         return 0.0
-    if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+    if splits_backward(layout.schedule):
         return schedule_summary(layout.pp, layout.num_microbatches, None, layout.schedule)[0]
     return pipeline_bubble_fraction(layout.pp, layout.num_microbatches, layout.vpp)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 from megacann.config import MegacannConfig
-from megacann.config.schema import SPLIT_BACKWARD_SCHEDULES
 from megacann.models import get_model_spec
+from megacann.pipeline.schedule_spec import splits_backward
 from megacann.planning.activations import layer_activation_bytes
 from megacann.planning.estimate import StageEstimate, bubble_fraction, estimate_stages
 from megacann.planning.formulas import (
@@ -146,10 +146,10 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
     if layout.pp > 1:
         m, v = layout.num_microbatches, layout.vpp
         kind = f"interleaved 1F1B ({v} chunks per stage)" if v > 1 else "1F1B"
-        if layout.schedule in SPLIT_BACKWARD_SCHEDULES:  # its bubble simulated, as the dry run prints it
+        if splits_backward(layout.schedule):  # its bubble simulated, as the dry run prints it
             kind = layout.schedule
         lines.append(f"pipeline: {kind}, {m} micro-batches, bubble {bubble_fraction(layout):.1%}")
-        if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+        if splits_backward(layout.schedule):
             held = ", ".join(f"chunk {c} {b / 2**20:,.1f} MiB" for c, b in enumerate(largest.chunk_held))
             lines.append(
                 f"split backward: B leaves for W per micro-batch on stage {largest.stage}: {held} (inputs and "

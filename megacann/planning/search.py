@@ -34,8 +34,8 @@ from typing import Optional
 
 from megacann.config import ConfigError, MegacannConfig
 from megacann.config.advice import quiet_advice
-from megacann.config.schema import SPLIT_BACKWARD_SCHEDULES
-from megacann.pipeline.rules import SCHEDULES, V_SHAPED, validate_pipeline_config
+from megacann.pipeline.rules import validate_pipeline_config
+from megacann.pipeline.schedule_spec import get_schedule, registered_schedules, splits_backward
 from megacann.planning.estimate import StageEstimate, bubble_fraction, estimate_stages, recompute_extra_flops
 from megacann.planning.formulas import Layout, layout_of, moe_structure
 from megacann.training.recipe import prepare_recipe
@@ -133,11 +133,11 @@ def schedule_config(cfg: MegacannConfig, layout: Layout) -> MegacannConfig:
 
 
 def schedule_variants(layout: Layout) -> list[Layout]:
-    """``layout`` with each pipeline schedule (interleaved at two chunks per stage): what the search tries
-    for one pipeline layout (the trainer's rules may refuse some)."""
+    """``layout`` with each registered pipeline schedule at the fewest chunks per stage it runs (interleaved
+    at two): what the search tries for one pipeline layout (the trainer's rules may refuse some)."""
     if layout.pp == 1:
         return [layout]
-    return [replace(layout, vpp=2 if s == "interleaved" else 1, schedule=s) for s in SCHEDULES]
+    return [replace(layout, vpp=get_schedule(s).min_virtual_size, schedule=s) for s in registered_schedules()]
 
 
 def candidate_layouts(cfg: MegacannConfig, world: int, devices_per_node: int = 8) -> Iterator[Layout]:
@@ -191,7 +191,7 @@ def time_factor(cfg: MegacannConfig, layout: Layout, bubble: Optional[float] = N
 def _time(recompute_extra: float, layout: Layout, bubble: Optional[float] = None) -> float:
     compute = 1.0 + recompute_extra + (OFFLOAD_COST if layout.offload_optimizer else 0)
     compute += ZERO3_COST if layout.zero >= 3 else 0
-    compute += SPLIT_BACKWARD_COST if layout.schedule in SPLIT_BACKWARD_SCHEDULES and layout.pp > 1 else 0
+    compute += SPLIT_BACKWARD_COST if splits_backward(layout.schedule) and layout.pp > 1 else 0
     bubble = bubble_fraction(layout) if bubble is None else bubble
     return compute / (1.0 - bubble) * (1.0 + TP_COST_PER_DOUBLING * math.log2(layout.tp))
 
@@ -280,12 +280,12 @@ def _bubble_bound(layout: Layout) -> float:
     unit for a V chunk), so it idles at least that share of the step. zbv reaches it at p 2 to 4 from m = p
     (tested for p 2-8), so where zbv fits the search rarely simulates dualpipev."""
     p, m = layout.pp, layout.num_microbatches
-    wait = (p - 1) / (2 if layout.schedule in V_SHAPED else 1)
+    wait = (p - 1) * get_schedule(layout.schedule).placement.chunk_time_fraction
     return wait / (3 * m + wait)
 
 
 def _simulated(layout: Layout) -> bool:
-    return layout.pp > 1 and layout.schedule in SPLIT_BACKWARD_SCHEDULES
+    return layout.pp > 1 and splits_backward(layout.schedule)
 
 
 @dataclass
