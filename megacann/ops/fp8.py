@@ -17,6 +17,7 @@ scales, for the tensorwise and rowwise recipes; the others go the reference way)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -82,25 +83,24 @@ def scaled_mm_gemm(a: Quantized, b: Quantized) -> torch.Tensor:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm):
-        x2 = x.reshape(-1, x.shape[-1])
+    def forward(ctx, x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm):
         xq, wq = _quantize_pair(x2, weight, "forward", recipe, (forward_format, forward_format), parallel, group)
         y = gemm(xq, wq)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x2, weight)
-        ctx.options = (recipe, forward_format, grad_format, parallel, group, gemm, x.shape, bias is not None)
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        ctx.options = (recipe, forward_format, grad_format, parallel, group, gemm, bias is not None)
+        return y.to(x2.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
-        recipe, forward_format, grad_format, parallel, group, gemm, x_shape, has_bias = ctx.options
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        recipe, forward_format, grad_format, parallel, group, gemm, has_bias = ctx.options
+        dy2 = dy
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             a, b = _quantize_pair(dy2, weight.t(), "input_grad", recipe, (grad_format, forward_format), parallel, group)
-            dx = gemm(a, b).to(x2.dtype).reshape(x_shape)
+            dx = gemm(a, b).to(x2.dtype)
         if ctx.needs_input_grad[1]:
             a, b = _quantize_pair(
                 dy2.t(), x2.t(), "weight_grad", recipe, (grad_format, forward_format), parallel, group
@@ -118,7 +118,9 @@ def check_parallel(parallel: Optional[str]) -> None:
 
 def _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm):
     check_parallel(parallel)
-    return _Fp8Linear.apply(x, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _Fp8Linear.apply(x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @register("fp8_linear", REFERENCE)
@@ -154,3 +156,22 @@ def fp8_linear_scaled_mm(
 ) -> torch.Tensor:
     gemm = scaled_mm_gemm if recipe in SCALED_MM_RECIPES else reference_gemm
     return _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm)
+
+
+@dataclass(frozen=True)
+class Fp8Settings:
+    """How a layer runs its product in FP8 (``precision.fp8`` and its keys): the recipe, the output
+    gradient's format, and which transformer blocks keep plain products (the first and last few of
+    ``num_layers``: the blocks most sensitive to quantisation)."""
+
+    recipe: str
+    grad_format: str = "e5m2"
+    exclude_first_layers: int = 0
+    exclude_last_layers: int = 0
+    num_layers: Optional[int] = None
+
+    def covers_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` (global index) runs its linear layers in FP8."""
+        if layer_id < self.exclude_first_layers:
+            return False
+        return self.num_layers is None or layer_id < self.num_layers - self.exclude_last_layers
