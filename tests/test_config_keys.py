@@ -167,6 +167,10 @@ READ_BY = {
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
     "precision.compile": "training/recipe.py",
+    "precision.fp8": "layers/context.py",  # fp8_settings -> LayerContext.fp8, read by layers/linear.py
+    "precision.fp8_grad_format": "layers/context.py",
+    "precision.fp8_exclude_first_layers": "layers/context.py",
+    "precision.fp8_exclude_last_layers": "layers/context.py",
     "lora": "training/finetune.py",
     "lora_rank": "training/finetune.py",
     "lora_alpha": "training/finetune.py",

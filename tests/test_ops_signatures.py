@@ -17,6 +17,7 @@ DECLARED = (
     "attention_block",
     "attention_block_backward",
     "cross_entropy",
+    "fp8_linear",
     "grouped_matmul",
     "linear",
     "moe_permute",

@@ -242,6 +242,13 @@ class PrecisionConfig:
     fused_ops: Union[bool, list] = True  # true: every available fused op; false: none; list: only those
     # torch.compile each transformer block: false | true (inductor) | a torch.compile backend name
     compile: Union[bool, str] = False
+    # FP8 linear layers (docs/ops.md, FP8 products): none | tensorwise | rowwise | blockwise | mxfp8; the
+    # activations and weights in e4m3, the output gradient in fp8_grad_format; fp32 accumulation and masters
+    fp8: str = "none"
+    fp8_grad_format: str = "e5m2"  # e5m2 | e4m3
+    # the first / last N transformer blocks keep plain products (the embedding and the head always do)
+    fp8_exclude_first_layers: int = 0
+    fp8_exclude_last_layers: int = 0
 
 
 @dataclass
@@ -324,4 +331,6 @@ CHOICES = {  # a family's own keys give theirs in their field's metadata ("choic
     "dpo.loss_type": ("sigmoid", "ipo", "simpo"),
     "dpo.reference": ("auto", "copy", "adapters_off", "precomputed"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
+    "precision.fp8": ("none", "tensorwise", "rowwise", "blockwise", "mxfp8"),
+    "precision.fp8_grad_format": ("e5m2", "e4m3"),
 }

@@ -69,6 +69,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logging.hf_save_interval": _at_least(0),
     "logging.eval_interval": _at_least(0),
     "logging.eval_iters": _at_least(1),
+    "precision.fp8_exclude_first_layers": _at_least(0),
+    "precision.fp8_exclude_last_layers": _at_least(0),
 }
 
 
@@ -301,6 +303,21 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
         raise ConfigError(f"{source}: optim.clip_grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
     check_profiler_window(cfg.logging.profiler, o.max_steps, source)
     check_dpo_section(cfg, source)
+    check_fp8_keys(cfg, source)
+
+
+def check_fp8_keys(cfg: MegacannConfig, source: str) -> None:
+    """``precision.fp8`` with what its products cannot run beside yet, refused by name."""
+    if cfg.precision.fp8 == "none":
+        return
+    d = cfg.distributed
+    if d.splits_backward:
+        raise ConfigError(
+            f"{source}: precision.fp8={cfg.precision.fp8} with distributed.pipeline_schedule {d.pipeline_schedule!r}: "
+            "FP8 products cannot defer their weight gradients to a split backward's W pass yet; use 1f1b or interleaved"
+        )
+    if d.tp_comm_overlap:
+        raise ConfigError(f"{source}: precision.fp8 with distributed.tp_comm_overlap is not supported yet")
 
 
 def check_dpo_section(cfg: MegacannConfig, source: str) -> None:

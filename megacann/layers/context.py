@@ -30,6 +30,7 @@ import torch
 from megacann import parallel_state as ps
 from megacann.accelerator import PRECISION_DTYPES
 from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS
+from megacann.ops.fp8 import Fp8Settings
 
 if TYPE_CHECKING:
     from megacann.config import MegacannConfig
@@ -76,6 +77,7 @@ class LayerContext:
     tp_comm_overlap: bool = False
     defer_weight_grads: bool = False
     weights_kept_for_w: bool = True  # false under ZeRO-3, which frees a unit's weights after its backward
+    fp8: Optional[Fp8Settings] = None  # linear layers multiply in FP8 (megacann.layers.fp8); None: not
 
     def __post_init__(self) -> None:
         if self.context_parallel_algo is not None:
@@ -125,7 +127,27 @@ def layer_context_from_config(cfg: MegacannConfig, device: Optional[Union[torch.
         tp_comm_overlap=parallel.tp_comm_overlap,
         defer_weight_grads=parallel.splits_backward,
         weights_kept_for_w=parallel.zero_stage < 3,
+        fp8=fp8_settings(cfg),
     )
+
+
+def fp8_settings(cfg: MegacannConfig) -> Optional[Fp8Settings]:
+    """``precision.fp8`` and its keys as the layers take them (None: ``none``)."""
+    p = cfg.precision
+    if p.fp8 == "none":
+        return None
+    return Fp8Settings(
+        p.fp8, p.fp8_grad_format, p.fp8_exclude_first_layers, p.fp8_exclude_last_layers, cfg.model.num_layers
+    )
+
+
+def block_layer_context(layer_id: int) -> LayerContext:
+    """The current context for building transformer block ``layer_id`` (global index): FP8 off where the
+    settings exclude the block. Use as ``with block_layer_context(i): block = ...``."""
+    ctx = current_layer_context()
+    if ctx.fp8 is not None and not ctx.fp8.covers_layer(layer_id):
+        return dataclasses.replace(ctx, fp8=None)
+    return ctx
 
 
 def resolve_sequence_parallel(value: Optional[bool]) -> bool:

@@ -25,9 +25,9 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from megacann import ops
 from megacann.layers import mappings
 from megacann.layers.context import current_layer_context, resolve_sequence_parallel
+from megacann.layers.fp8 import Fp8Error, check_fp8_layer, linear_product
 from megacann.layers.init import default_init_methods, init_zeros, make_parameter
 from megacann.layers.sharding import InitMethod, ParamSharding, unshard_tensors
 from megacann.layers.tp_overlap import overlapped_gather_linear
@@ -115,6 +115,12 @@ class ColumnParallelLinear(torch.nn.Module):
         # matmul and the input gradient's reduce-scatter its weight gradient (megacann.layers.tp_overlap)
         self.comm_overlap = current_layer_context().tp_comm_overlap and sequence_parallel and not replicated
         self.defer_weight_grad = current_layer_context().defer_weight_grads  # W after B (megacann.ops.weight_grad)
+        self.fp8 = current_layer_context().fp8  # precision.fp8: the product by ops.fp8_linear (megacann.layers.fp8)
+        what = f"ColumnParallelLinear({input_size} -> {output_size})"
+        if self.fp8 is not None and (replicated or self.comm_overlap):
+            reason = "a replicated kv projection" if replicated else "distributed.tp_comm_overlap"
+            raise Fp8Error(f"{what}: precision.fp8 does not support {reason} yet")
+        check_fp8_layer(self.fp8, what, self.tp_blocks or (output_size,), 0, tp_size)
 
     def extra_repr(self) -> str:
         return (
@@ -138,7 +144,15 @@ class ColumnParallelLinear(torch.nn.Module):
         if rows is not None:
             weight = weight[rows[0] : rows[1]]
             bias = bias[rows[0] : rows[1]] if bias is not None else None
-        y = ops.linear(x, weight, None if self.skip_bias_add else bias, deferrable=self.defer_weight_grad)
+        y = linear_product(
+            self.fp8,
+            x,
+            weight,
+            None if self.skip_bias_add else bias,
+            parallel="column" if self.tp_size > 1 and not self.replicated else None,
+            group=mappings.tp_group(self.group),
+            deferrable=self.defer_weight_grad,
+        )
         y = add_adapter_output(self.adapter, y, x, rows)
         if self.gather_output and self.tp_size > 1:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.group)
@@ -224,6 +238,15 @@ class RowParallelLinear(torch.nn.Module):
             )
         self.adapter: Optional[torch.nn.Module] = None
         self.defer_weight_grad = current_layer_context().defer_weight_grads  # W after B (megacann.ops.weight_grad)
+        self.fp8 = current_layer_context().fp8  # precision.fp8 (megacann.layers.fp8)
+        check_fp8_layer(self.fp8, f"RowParallelLinear({input_size} -> {output_size})", (input_size,), 1, self.tp_size)
+
+    def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        parallel = "row" if self.tp_size > 1 else None
+        group = mappings.tp_group(self.group)
+        return linear_product(
+            self.fp8, x, self.weight, bias, parallel=parallel, group=group, deferrable=self.defer_weight_grad
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -237,12 +260,12 @@ class RowParallelLinear(torch.nn.Module):
         ``[..., output_size]`` (``[b, s/tp, output_size]`` under sequence parallelism)."""
         add_bias = self.bias is not None and not self.skip_bias_add
         if self.tp_size == 1:
-            y = ops.linear(x, self.weight, self.bias if add_bias else None, deferrable=self.defer_weight_grad)
+            y = self._product(x, self.bias if add_bias else None)
             y = add_adapter_output(self.adapter, y, x, None)
         else:
             if not self.input_is_parallel:
                 x = mappings.scatter_to_tensor_model_parallel_region(x, self.group)
-            y = ops.linear(x, self.weight, None, deferrable=self.defer_weight_grad)
+            y = self._product(x, None)
             y = add_adapter_output(self.adapter, y, x, None)  # partial sums, reduced with the base layer's
             if self.sequence_parallel:
                 y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.group)

@@ -42,6 +42,7 @@ from megacann.layers import (
     make_parameter,
     tie_embedding_across_stages,
 )
+from megacann.layers.context import block_layer_context
 from megacann.layers.context_parallel import context_parallel_position_ids
 from megacann.layers.embedding import vocab_parallel_embedding
 from megacann.layers.loss import ChunkOutput
@@ -168,7 +169,7 @@ class DecoderLM(torch.nn.Module):
                     name="embed_positions",
                     tp_partial_grad=self.sequence_parallel,  # each rank adds its own sequence shard
                 )
-        self.layers = torch.nn.ModuleDict({str(i): self.build_layer(i) for i in layer_ids})
+        self.layers = torch.nn.ModuleDict({str(i): self._build_block(i) for i in layer_ids})
         self.rotary = None
         if arch.position_embedding == "rope" and (layer_ids or (post_process and mtp_depths(cfg))):
             self.rotary = RotaryEmbedding(
@@ -215,6 +216,10 @@ class DecoderLM(torch.nn.Module):
         """The settings of this family's blocks (:func:`block_config`); a family whose attention has more
         (Mistral's sliding window) overrides this."""
         return block_config(cfg, arch)
+
+    def _build_block(self, layer_id: int) -> torch.nn.Module:
+        with block_layer_context(layer_id):  # precision.fp8 may leave the first / last blocks out
+            return self.build_layer(layer_id)
 
     def build_layer(self, layer_id: int) -> torch.nn.Module:
         """Layer ``layer_id`` (global index): a dense block here; a family with another feed-forward

@@ -15,6 +15,7 @@ flash         block attention and its lse by PyTorch's CPU flash kernel         
 cuda_flash    block attention and its lse by PyTorch's CUDA flash kernel                 cuda
 fused         the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)      cpu, cuda
 fp32_gemm     bf16/fp16 ``linear``, ``grouped_matmul`` as fp32 GEMMs (no native GEMM)   cpu
+scaled_mm     ``fp8_linear``'s tensorwise / rowwise products by ``torch._scaled_mm``     cpu, cuda
 compiled      ``torch.compile`` of norm, RoPE, SwiGLU, head loss; opt-in (``ops.cuda``)  cuda
 apex          apex's fused RMSNorm, opt-in, if installed                                 cuda
 reference     PyTorch (:mod:`megacann.ops.reference`), always there                      any
@@ -34,6 +35,7 @@ from megacann.ops.signatures import (
     attention_block,
     attention_block_backward,
     cross_entropy,
+    fp8_linear,
     grouped_matmul,
     linear,
     moe_permute,
@@ -50,6 +52,7 @@ from megacann.ops import attention_blocks as _attention_blocks  # noqa: F401
 from megacann.ops import bf16_matmul as _bf16_matmul  # noqa: F401
 from megacann.ops import cpp as _cpp  # noqa: F401
 from megacann.ops import cuda as _cuda  # noqa: F401
+from megacann.ops import fp8 as _fp8  # noqa: F401
 from megacann.ops import head_loss as _head_loss  # noqa: F401
 from megacann.ops import moe as _moe  # noqa: F401
 from megacann.ops import moe_gather as _moe_gather  # noqa: F401
@@ -87,6 +90,7 @@ __all__ = [
     "cross_entropy",
     "declare",
     "fp32_ops",
+    "fp8_linear",
     "fused_enabled",
     "grouped_matmul",
     "implementations",

@@ -91,6 +91,25 @@ def linear(
 
 
 @declare
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    recipe: str = "tensorwise",
+    forward_format: str = "e4m3",
+    grad_format: str = "e5m2",
+    parallel: Optional[str] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with its three products on FP8 operands (:mod:`megacann.ops.fp8`):
+    ``recipe`` tensorwise | rowwise | blockwise | mxfp8 (:mod:`megacann.ops.fp8_formats`), ``x`` and
+    ``weight`` in ``forward_format``, the output gradient in ``grad_format``, fp32 accumulation, the result
+    in ``x``'s dtype. ``parallel`` (``column`` | ``row`` | None) says which of the weight's dimensions is
+    split over ``group``; a block spanning a split dimension has its amax reduced over the group."""
+
+
+@declare
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation over the last dim, scaled by ``weight``: ``weight * x / sqrt(mean(x²) + eps)``."""
 

@@ -1,0 +1,64 @@
+"""FP8 products in the weight layers: the layer context's :class:`~megacann.ops.fp8.Fp8Settings` decide
+whether a linear layer multiplies through ``ops.fp8_linear`` or ``ops.linear``, and the shapes a recipe
+needs are checked when the layer is built, naming the layer.
+
+A layer splits its weight over the tensor-parallel group (``column``: the output features, ``row``: the
+input features). FP8 blocks must then be whole on every rank and line up with one process's blocks: each
+fused block along the split dimension (``q | k | v``, ``gate | up``) must hold a whole number of the
+recipe's blocks on every rank. Replicated key/value projections (fewer kv heads than ranks) quantise a
+slice of a weight every rank holds whole, which no one-process scale matches: refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann import ops
+from megacann.ops.fp8 import Fp8Settings
+from megacann.ops.fp8_formats import Fp8Error, block_shape
+
+
+def check_fp8_layer(
+    settings: Optional[Fp8Settings], what: str, split_sizes: Sequence[int], split_dim: Optional[int], tp_size: int
+) -> None:
+    """Refuse, naming ``what``, a layer whose per-rank pieces along its split dimension (``split_sizes``:
+    each fused block's full size; ``split_dim`` 0 for output features, 1 for input features) are no whole
+    number of the recipe's blocks."""
+    if settings is None or split_dim is None or tp_size == 1:
+        return
+    for role in ("weight", "activation", "gradient"):
+        for b in block_shape(settings.recipe, role):
+            if b is None or b == 1:
+                continue
+            for size in split_sizes:
+                if (size // tp_size) % b:
+                    raise Fp8Error(
+                        f"{what}: precision.fp8={settings.recipe} needs every tensor-parallel piece of a split "
+                        f"dimension to be a multiple of {b}, but a block of {size} features over {tp_size} ranks "
+                        f"gives {size // tp_size} per rank"
+                    )
+
+
+def linear_product(
+    settings: Optional[Fp8Settings],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    *,
+    parallel: Optional[str],
+    group: Optional[dist.ProcessGroup],
+    deferrable: bool,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` by ``ops.fp8_linear`` when ``settings`` ask for FP8, else ``ops.linear``."""
+    if settings is None:
+        return ops.linear(x, weight, bias, deferrable=deferrable)
+    return ops.fp8_linear(
+        x, weight, bias, recipe=settings.recipe, grad_format=settings.grad_format, parallel=parallel, group=group
+    )
+
+
+__all__ = ["Fp8Error", "Fp8Settings", "check_fp8_layer", "linear_product"]

@@ -1,0 +1,177 @@
+"""``fp8_linear``: a linear layer whose three products run on FP8 operands (:mod:`~megacann.ops.fp8_formats`).
+
+Forward ``y = x @ w.T`` with ``x`` and ``w`` in the forward format (e4m3); backward ``dx = dy @ w`` and
+``dw = dy.T @ x`` with ``dy`` in the gradient format (e5m2 by default) and ``x`` / ``w`` quantised again
+along the reduction dimension of each product, from the high-precision tensors saved by the forward
+(rowwise, blockwise and MX scales run along the reduction dimension, which differs per product). The bias
+and the accumulation stay in fp32; the result has ``x``'s dtype.
+
+Under tensor parallelism the layer says how its weight is split (``parallel``: ``column`` splits the
+output features, ``row`` the input features) and over which ``group``; each operand's blocks that span a
+split dimension get their amax reduced over that group, so every layout quantises exactly as one process.
+
+Two ways to run the products, registered as implementations of the op: ``reference`` (dequantise, fp32
+GEMM: exact to the format, any device) and ``scaled_mm`` (``torch._scaled_mm`` on the FP8 data with the
+scales, for the tensorwise and rowwise recipes; the others go the reference way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann.ops.fp8_formats import Fp8Error, Quantized, block_shape, power_of_two_scales, quantize
+from megacann.ops.registry import REFERENCE, register
+
+# which dimension of each product's operand view ([rows, reduction]) is split over the group
+_SPLIT_DIMS = {
+    # product: (A's split dim, B's split dim) for A @ B.T
+    "column": {"forward": (None, 0), "input_grad": (1, 1), "weight_grad": (0, None)},
+    "row": {"forward": (1, 1), "input_grad": (None, 0), "weight_grad": (None, 0)},
+    None: {"forward": (None, None), "input_grad": (None, None), "weight_grad": (None, None)},
+}
+_ROLES = {
+    "forward": ("activation", "weight"),
+    "input_grad": ("gradient", "weight"),
+    "weight_grad": ("gradient", "activation"),
+}
+SCALED_MM_RECIPES = ("tensorwise", "rowwise")
+
+Gemm = Callable[[Quantized, Quantized], torch.Tensor]
+
+
+def _operand_group(block, split_dim: Optional[int], group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """The group to reduce an operand's amax over: only when a block spans the split dimension whole."""
+    if split_dim is None or group is None:
+        return None
+    return group if block[split_dim] is None else None
+
+
+def _quantize_pair(a, b, product: str, recipe: str, formats: tuple[str, str], parallel, group) -> tuple:
+    a_role, b_role = _ROLES[product]
+    a_split, b_split = _SPLIT_DIMS[parallel][product]
+    pow2 = power_of_two_scales(recipe)
+    out = []
+    for t, role, split, fmt, name in ((a, a_role, a_split, formats[0], "A"), (b, b_role, b_split, formats[1], "B")):
+        block = block_shape(recipe, role)
+        out.append(
+            quantize(
+                t,
+                fmt,
+                block,
+                power_of_two=pow2,
+                amax_group=_operand_group(block, split, group),
+                pad=(split != 0, split != 1),  # a split dimension must hold whole blocks on every rank
+                what=f"fp8_linear {product} operand {name} ({role})",
+            )
+        )
+    return tuple(out)
+
+
+def reference_gemm(a: Quantized, b: Quantized) -> torch.Tensor:
+    """``A @ B.T`` of the dequantised operands in fp32."""
+    return a.dequantize() @ b.dequantize().t()
+
+
+def scaled_mm_gemm(a: Quantized, b: Quantized) -> torch.Tensor:
+    """``A @ B.T`` by ``torch._scaled_mm`` with per-tensor or per-row scales."""
+    return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=b.scale.t(), out_dtype=torch.float32)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm):
+        xq, wq = _quantize_pair(x2, weight, "forward", recipe, (forward_format, forward_format), parallel, group)
+        y = gemm(xq, wq)
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x2, weight)
+        ctx.options = (recipe, forward_format, grad_format, parallel, group, gemm, bias is not None)
+        return y.to(x2.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        recipe, forward_format, grad_format, parallel, group, gemm, has_bias = ctx.options
+        dy2 = dy
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            a, b = _quantize_pair(dy2, weight.t(), "input_grad", recipe, (grad_format, forward_format), parallel, group)
+            dx = gemm(a, b).to(x2.dtype)
+        if ctx.needs_input_grad[1]:
+            a, b = _quantize_pair(
+                dy2.t(), x2.t(), "weight_grad", recipe, (grad_format, forward_format), parallel, group
+            )
+            dw = gemm(a, b).to(weight.dtype)
+        if has_bias and ctx.needs_input_grad[2]:
+            db = dy2.float().sum(0).to(dy.dtype)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def check_parallel(parallel: Optional[str]) -> None:
+    if parallel not in _SPLIT_DIMS:
+        raise Fp8Error(f"fp8_linear: parallel must be 'column', 'row' or None, got {parallel!r}")
+
+
+def _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm):
+    check_parallel(parallel)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _Fp8Linear.apply(x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@register("fp8_linear", REFERENCE)
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    recipe: str = "tensorwise",
+    forward_format: str = "e4m3",
+    grad_format: str = "e5m2",
+    parallel: Optional[str] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    return _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, reference_gemm)
+
+
+def _has_scaled_mm() -> bool:
+    return hasattr(torch, "_scaled_mm")
+
+
+@register("fp8_linear", "scaled_mm", priority=10, device_types=("cpu", "cuda"), available=_has_scaled_mm)
+def fp8_linear_scaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    recipe: str = "tensorwise",
+    forward_format: str = "e4m3",
+    grad_format: str = "e5m2",
+    parallel: Optional[str] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    gemm = scaled_mm_gemm if recipe in SCALED_MM_RECIPES else reference_gemm
+    return _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm)
+
+
+@dataclass(frozen=True)
+class Fp8Settings:
+    """How a layer runs its product in FP8 (``precision.fp8`` and its keys): the recipe, the output
+    gradient's format, and which transformer blocks keep plain products (the first and last few of
+    ``num_layers``: the blocks most sensitive to quantisation)."""
+
+    recipe: str
+    grad_format: str = "e5m2"
+    exclude_first_layers: int = 0
+    exclude_last_layers: int = 0
+    num_layers: Optional[int] = None
+
+    def covers_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` (global index) runs its linear layers in FP8."""
+        if layer_id < self.exclude_first_layers:
+            return False
+        return self.num_layers is None or layer_id < self.num_layers - self.exclude_last_layers

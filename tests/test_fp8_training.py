@@ -1,0 +1,212 @@
+"""``precision.fp8``: linear layers trained through ``ops.fp8_linear`` under tensor / sequence / data
+parallelism scale every operand as the same FP8 recipe does in one process and start with its loss (fp32,
+1e-5), with probes that the FP8 products ran on every rank and that a skipped amax reduction breaks it;
+the recipe keys refused by name where they cannot apply.
+
+Why not whole traces at 1e-5: rounding to FP8 is a step function, so the last-bit differences every
+layout has in fp32 (partial sums reduced over ranks, gradients summed in another order) move an element
+across a rounding boundary now and then, a jump of up to 2^-4 (e4m3) of that element. Measured here: the
+first step's loss equal within 4e-6, later losses within 3e-4 and gradient norms within 4e-3 of one process
+(e5m2 gradients round coarser still: single tensors' first gradients moved by up to 8e-3). So the scales are
+compared where the layouts agree by construction (the first forward, 1e-6), the first step's loss at 1e-5,
+the traces at 1e-3 (loss) and 1e-2 (norm); a skipped amax reduction moves scales by over 10 %."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_on_ranks
+from training_helpers import tiny_config
+
+from megacann.config import ConfigError
+from megacann.config.schema import CHOICES
+from megacann.ops.fp8 import Fp8Settings
+from megacann.ops.fp8_formats import RECIPES, Fp8Error
+
+STEPS = 4
+COMMON = ["optim.lr=1e-3", "optim.clip_grad=0.5"]
+TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
+# name: (world, overrides); tiny_config accumulates 2 micro-batches, so dp 2 matches accum 4 in one process
+RUNS = {
+    "tensorwise": (1, ["precision.fp8=tensorwise"]),
+    "tensorwise_tp2_sp": (2, ["precision.fp8=tensorwise", *TP2_SP]),
+    "tensorwise_tp2_sp_unreduced": (2, ["precision.fp8=tensorwise", *TP2_SP]),
+    "rowwise": (1, ["precision.fp8=rowwise", "precision.fp8_grad_format=e4m3"]),
+    "rowwise_tp2": (
+        2,
+        ["precision.fp8=rowwise", "precision.fp8_grad_format=e4m3", "distributed.tensor_parallel_size=2"],
+    ),
+    "blockwise_accum4": (1, ["precision.fp8=blockwise", "optim.grad_accum_steps=4"]),
+    "blockwise_dp2": (2, ["precision.fp8=blockwise"]),
+    "mxfp8_accum4": (1, ["precision.fp8=mxfp8", "optim.grad_accum_steps=4", "precision.fp8_exclude_first_layers=1"]),
+    "mxfp8_dp2": (2, ["precision.fp8=mxfp8", "precision.fp8_exclude_first_layers=1"]),
+    "plain": (1, []),
+}
+MATCHES = {
+    "tensorwise_tp2_sp": "tensorwise",
+    "rowwise_tp2": "rowwise",
+    "blockwise_dp2": "blockwise_accum4",
+    "mxfp8_dp2": "mxfp8_accum4",
+}
+
+
+def _train(names: list[str]) -> dict:
+    import torch.distributed as dist
+    from training_helpers import SyntheticData
+
+    import megacann.ops as ops
+    from megacann import parallel_state as ps
+    from megacann.ops import fp8 as fp8_impl
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    results = {}
+    for name in names:
+        world, overrides = RUNS[name]
+        if world != dist.get_world_size():
+            continue
+        calls = {"fp8": 0}
+        scales: list[float] = []  # the first forward's tensorwise scales, operand by operand
+        real_op, real_group, real_quantize = ops.fp8_linear, fp8_impl._operand_group, fp8_impl.quantize
+
+        def counting(*args, calls=calls, real_op=real_op, **kwargs):
+            calls["fp8"] += 1
+            return real_op(*args, **kwargs)
+
+        def recording(*args, scales=scales, real_quantize=real_quantize, **kwargs):
+            q = real_quantize(*args, **kwargs)
+            if "forward operand" in kwargs["what"] and q.scale.numel() == 1 and len(scales) < 48:
+                scales.append(q.scale.item())
+            return q
+
+        ops.fp8_linear, fp8_impl.quantize = counting, recording
+        if name.endswith("_unreduced"):  # the classic bug: each rank scales its shard by its own amax
+            fp8_impl._operand_group = lambda block, split_dim, group: None
+        try:
+            cfg = tiny_config(COMMON + overrides, world_size=world)
+            runtime = setup_runtime(cfg)
+            data = SyntheticData(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+            trainer = Trainer(cfg, runtime, data=data)
+            losses, norms = [], []
+            for _ in range(STEPS):
+                metrics = trainer.train_step()
+                losses.append(metrics["loss"])
+                norms.append(metrics["grad_norm"])
+            fp8_layers = sorted(
+                n
+                for chunk in trainer.model_chunks
+                for n, m in chunk.named_modules()
+                if getattr(m, "fp8", None) is not None
+            )
+            weight_shapes = {
+                n: tuple(p.shape) for chunk in trainer.model_chunks for n, p in chunk.named_parameters() if "proj" in n
+            }
+        finally:
+            ops.fp8_linear, fp8_impl._operand_group, fp8_impl.quantize = real_op, real_group, real_quantize
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, calls["fp8"])
+        results[name] = {
+            "losses": losses,
+            "norms": norms,
+            "fp8_calls": every,
+            "fp8_layers": fp8_layers,
+            "weight_shapes": weight_shapes,
+            "scales": scales,
+        }
+        ps.destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    one = run_on_ranks(_train, 1, args=([n for n, (w, _) in RUNS.items() if w == 1],), timeout=400)[0]
+    two = run_on_ranks(_train, 2, args=([n for n, (w, _) in RUNS.items() if w == 2],), timeout=400)[0]
+    return {**one, **two}
+
+
+def _close(actual, expected, rel):
+    return all(abs(a - e) <= rel * abs(e) for a, e in zip(actual, expected)) and len(actual) == len(expected)
+
+
+@pytest.mark.parametrize("layout", sorted(MATCHES))
+def test_fp8_layouts_equal_fp8_in_one_process(runs, layout):
+    got, ref = runs[layout], runs[MATCHES[layout]]
+    assert _close(got["losses"][:1], ref["losses"][:1], 1e-5), (got["losses"], ref["losses"])
+    assert _close(got["losses"], ref["losses"], 1e-3) and _close(got["norms"], ref["norms"], 1e-2)
+    if layout.startswith("tensorwise"):  # every rank scaled every operand as one process did
+        assert len(got["scales"]) == 48 and _close(got["scales"], ref["scales"], 1e-6)
+    # the FP8 products ran on every rank: 4 blocks x (q, k, v, o, gate|up, down), 3 blocks with one excluded
+    blocks = 3 if "mxfp8" in layout else 4
+    assert got["fp8_layers"] == ref["fp8_layers"] and len(got["fp8_layers"]) == 6 * blocks
+    assert all(calls == STEPS * 2 * 6 * blocks for calls in got["fp8_calls"]), got["fp8_calls"]
+    if "tp2" in layout:  # tensor parallelism was in force: the projections hold half their features
+        assert got["weight_shapes"]["layers.0.mlp.down_proj.weight"] == (64, 64)
+        assert ref["weight_shapes"]["layers.0.mlp.down_proj.weight"] == (64, 128)
+
+
+def test_fp8_changes_the_run_and_a_skipped_amax_reduction_breaks_parity(runs):
+    # FP8 was really on: the trace differs from plain fp32 beyond rounding, but not by much
+    plain, fp8 = runs["plain"]["norms"], runs["tensorwise"]["norms"]
+    assert not _close(fp8, plain, 1e-3) and _close(fp8, plain, 5e-2), (fp8, plain)
+    # each rank quantising its shard with its own scale no longer equals one process
+    broken, ref = runs["tensorwise_tp2_sp_unreduced"], runs["tensorwise"]
+    assert len(broken["scales"]) == 48
+    assert max(abs(a - b) / b for a, b in zip(broken["scales"], ref["scales"])) > 0.1
+    assert not _close(broken["losses"][:1], ref["losses"][:1], 1e-5)
+
+
+def test_recipes_in_the_config_are_the_ops_recipes():
+    assert CHOICES["precision.fp8"] == ("none", *RECIPES)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["precision.fp8=fp4"], "precision.fp8: 'fp4' is not one of none, tensorwise"),
+        (["precision.fp8=rowwise", "precision.fp8_grad_format=e2m1"], "precision.fp8_grad_format: 'e2m1'"),
+        (["precision.fp8=tensorwise", "precision.fp8_exclude_last_layers=-1"], "precision.fp8_exclude_last_layers"),
+    ],
+)
+def test_bad_fp8_keys_are_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(overrides)
+
+
+def test_fp8_with_a_split_backward_or_overlap_is_refused():
+    pipeline = ["distributed.pipeline_parallel_size=2", "distributed.pipeline_schedule=zb1p"]
+    with pytest.raises(ConfigError, match="precision.fp8=tensorwise with distributed.pipeline_schedule 'zb1p'"):
+        tiny_config(["precision.fp8=tensorwise", *pipeline], world_size=2)
+    overlap = [*TP2_SP, "distributed.tp_comm_overlap=true"]
+    with pytest.raises(ConfigError, match="precision.fp8 with distributed.tp_comm_overlap"):
+        tiny_config(["precision.fp8=tensorwise", *overlap], world_size=2)
+
+
+def test_split_pieces_that_break_the_recipes_blocks_are_refused_naming_the_layer():
+    from megacann.layers.fp8 import check_fp8_layer
+
+    with pytest.raises(
+        Fp8Error, match=r"ColumnParallelLinear\(64 -> 128\): precision.fp8=mxfp8 .* multiple of 32.*16 per rank"
+    ):
+        check_fp8_layer(Fp8Settings("mxfp8"), "ColumnParallelLinear(64 -> 128)", (64, 32, 32), 0, 2)
+    check_fp8_layer(Fp8Settings("mxfp8"), "ColumnParallelLinear(64 -> 128)", (64, 32, 32), 0, 1)  # one rank: fine
+    check_fp8_layer(Fp8Settings("rowwise"), "RowParallelLinear(64 -> 64)", (64,), 1, 2)  # whole rows: fine
+
+
+def test_excluded_blocks_and_moe_experts():
+    from megacann.layers import LayerContext
+    from megacann.models.spec import ChunkPlacement, get_model_spec
+
+    cfg = tiny_config(
+        ["precision.fp8=tensorwise", "precision.fp8_exclude_first_layers=1", "precision.fp8_exclude_last_layers=2"]
+    )
+    spec = get_model_spec("llama")
+    model = spec.build_chunk(cfg, ChunkPlacement(layer_ids=tuple(range(4)), pre_process=True, post_process=True), "cpu")
+    covered = sorted({n.split(".")[1] for n, m in model.named_modules() if getattr(m, "fp8", None) is not None})
+    assert covered == ["1"]
+    with pytest.raises(Fp8Error, match=r"GroupedExperts\(4 experts\): precision.fp8 does not cover MoE experts yet"):
+        from megacann.layers.init import init_normal
+        from megacann.layers.moe.experts import GroupedExperts
+
+        with LayerContext(fp8=Fp8Settings("tensorwise")):
+            GroupedExperts(4, 16, 32, init_normal(), init_normal(), layer_seed=1)
+    assert torch.finfo(torch.float8_e4m3fn).max == 448.0
