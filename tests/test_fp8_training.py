@@ -50,7 +50,25 @@ MATCHES = {
 }
 
 
-def _train(names: list[str]) -> dict:
+# compositions (extended tier): pipeline stages, ZeRO-1 / ZeRO-3 shards, full recompute
+EXTENDED_RUNS = {
+    "tensorwise": RUNS["tensorwise"],
+    "tensorwise_accum4": (1, ["precision.fp8=tensorwise", "optim.grad_accum_steps=4"]),
+    "tensorwise_recompute": (1, ["precision.fp8=tensorwise", "model.activation_checkpointing=full"]),
+    "tensorwise_pp2": (2, ["precision.fp8=tensorwise", "distributed.pipeline_parallel_size=2"]),
+    "tensorwise_dp2_zero3": (2, ["precision.fp8=tensorwise", "distributed.zero_optimization=3"]),
+    "rowwise_accum4": (1, ["precision.fp8=rowwise", "optim.grad_accum_steps=4"]),
+    "rowwise_dp2_zero1": (2, ["precision.fp8=rowwise", "distributed.zero_optimization=1"]),
+}
+EXTENDED_MATCHES = {
+    "tensorwise_recompute": "tensorwise",
+    "tensorwise_pp2": "tensorwise",
+    "tensorwise_dp2_zero3": "tensorwise_accum4",
+    "rowwise_dp2_zero1": "rowwise_accum4",
+}
+
+
+def _train(runs: dict, names: list[str]) -> dict:
     import torch.distributed as dist
     from training_helpers import SyntheticData
 
@@ -62,7 +80,7 @@ def _train(names: list[str]) -> dict:
 
     results = {}
     for name in names:
-        world, overrides = RUNS[name]
+        world, overrides = runs[name]
         if world != dist.get_world_size():
             continue
         calls = {"fp8": 0}
@@ -117,11 +135,15 @@ def _train(names: list[str]) -> dict:
     return results
 
 
+def _run_all(runs: dict) -> dict:
+    one = run_on_ranks(_train, 1, args=(runs, [n for n, (w, _) in runs.items() if w == 1]), timeout=400)[0]
+    two = run_on_ranks(_train, 2, args=(runs, [n for n, (w, _) in runs.items() if w == 2]), timeout=400)[0]
+    return {**one, **two}
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    one = run_on_ranks(_train, 1, args=([n for n, (w, _) in RUNS.items() if w == 1],), timeout=400)[0]
-    two = run_on_ranks(_train, 2, args=([n for n, (w, _) in RUNS.items() if w == 2],), timeout=400)[0]
-    return {**one, **two}
+    return _run_all(RUNS)
 
 
 def _close(actual, expected, rel):
@@ -210,3 +232,18 @@ def test_excluded_blocks_and_moe_experts():
         with LayerContext(fp8=Fp8Settings("tensorwise")):
             GroupedExperts(4, 16, 32, init_normal(), init_normal(), layer_seed=1)
     assert torch.finfo(torch.float8_e4m3fn).max == 448.0
+
+
+@pytest.mark.extended
+def test_fp8_under_pipeline_zero_and_recompute_equals_one_process():
+    runs = _run_all(EXTENDED_RUNS)
+    for layout, reference in EXTENDED_MATCHES.items():
+        got, ref = runs[layout], runs[reference]
+        assert _close(got["losses"][:1], ref["losses"][:1], 1e-5), (layout, got["losses"], ref["losses"])
+        assert _close(got["losses"], ref["losses"], 1e-3) and _close(got["norms"], ref["norms"], 1e-2), layout
+        assert all(calls > 0 for calls in got["fp8_calls"]), (layout, got["fp8_calls"])
+    # recompute replays each block's forward (its FP8 products included) and changes nothing
+    assert runs["tensorwise_recompute"]["losses"] == runs["tensorwise"]["losses"]
+    assert runs["tensorwise_recompute"]["fp8_calls"][0] == runs["tensorwise"]["fp8_calls"][0] * 2
+    # pipeline: each stage ran the FP8 products of its own two blocks only
+    assert runs["tensorwise_pp2"]["fp8_calls"] == [STEPS * 2 * 6 * 2] * 2
