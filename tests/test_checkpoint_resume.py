@@ -16,6 +16,12 @@ CASES_WORLD1 = {
     "one_fp16": ["model.precision=fp16"],
     "one_fp32_async": ASYNC,
     "one_sgd": ["optim.name=sgd", "optim.lr=0.1"],  # momentum buffers are optimizer state too
+    # FP8 delayed scaling: each layer's amax history is model state too
+    "one_fp8_delayed": [
+        "precision.fp8=tensorwise",
+        "precision.fp8_scaling=delayed",
+        "precision.fp8_amax_history_len=4",
+    ],
 }
 CASES_WORLD2 = {
     "dp2_fp32": [],

@@ -171,6 +171,8 @@ READ_BY = {
     "precision.fp8_grad_format": "layers/context.py",
     "precision.fp8_exclude_first_layers": "layers/context.py",
     "precision.fp8_exclude_last_layers": "layers/context.py",
+    "precision.fp8_scaling": "layers/context.py",
+    "precision.fp8_amax_history_len": "layers/context.py",
     "lora": "training/finetune.py",
     "lora_rank": "training/finetune.py",
     "lora_alpha": "training/finetune.py",

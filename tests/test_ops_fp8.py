@@ -194,3 +194,41 @@ def test_tensor_parallel_fp8_equals_one_process_and_a_skipped_amax_reduction_doe
     # the classic bug: each rank scales its shard of one tensor by its own amax
     skipped = run_on_ranks(_tp_check, world_size=2, args=("tensorwise", parallel, False), timeout=120)
     assert max(max(e) for e in skipped) > 1e-3
+
+
+def test_delayed_scaling_records_this_step_and_scales_by_earlier_steps():
+    g = torch.Generator().manual_seed(2)
+    x, w, dy = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(8, 32, generator=g)
+    history = torch.zeros(1 + 4, 3)
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = ops.fp8_linear(xx, ww, amax_history=history)
+    y.backward(dy)
+    # no earlier step: the scales are this use's own, so the result is current scaling's
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    yc = ops.fp8_linear(xc, wc)
+    yc.backward(dy)
+    assert torch.equal(y, yc) and torch.equal(xx.grad, xc.grad) and torch.equal(ww.grad, wc.grad)
+    assert history[0].tolist() == [x.abs().max().item(), w.abs().max().item(), dy.abs().max().item()]
+    assert torch.all(history[1:] == 0)
+    # an earlier step saw 3x larger values: its amax sets the scale (not a power of two: other roundings)
+    history.zero_()
+    history[2] = torch.tensor([3 * x.abs().max().item(), w.abs().max().item(), dy.abs().max().item()])
+    with torch.no_grad():  # evaluation: scaled by the history, nothing recorded
+        y_delayed = ops.fp8_linear(x, w, amax_history=history)
+    assert torch.all(history[0] == 0)
+    x_coarse = fmt.quantize(x, "e4m3", (None, None), amax=history[2, :1].reshape(1, 1)).dequantize()
+    w_q = fmt.quantize(w, "e4m3", (None, None)).dequantize()
+    torch.testing.assert_close(y_delayed, x_coarse @ w_q.t(), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(y_delayed, yc)
+    # a value beyond the history's amax saturates at the format's largest value
+    history[2, 0] = x.abs().max().item() / 2
+    big = fmt.quantize(x, "e4m3", (None, None), amax=history[2, :1].reshape(1, 1))
+    assert big.data.float().abs().max().item() == 448.0
+
+
+def test_delayed_scaling_is_refused_for_block_recipes_and_bad_buffers():
+    x, w = torch.randn(4, 64), torch.randn(32, 64)
+    with pytest.raises(fmt.Fp8Error, match="delayed scaling .* takes the tensorwise recipe, not 'rowwise'"):
+        ops.fp8_linear(x, w, recipe="rowwise", amax_history=torch.zeros(5, 3))
+    with pytest.raises(fmt.Fp8Error, match=r"amax_history must be \[1 \+ history length, 3\], got \(5, 2\)"):
+        ops.fp8_linear(x, w, amax_history=torch.zeros(5, 2))

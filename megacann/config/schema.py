@@ -249,6 +249,10 @@ class PrecisionConfig:
     # the first / last N transformer blocks keep plain products (the embedding and the head always do)
     fp8_exclude_first_layers: int = 0
     fp8_exclude_last_layers: int = 0
+    # current: each product scaled by its operands' own amax; delayed (tensorwise only): by the largest amax of
+    # the last fp8_amax_history_len steps (kept in checkpoints), so no reduction waits before a product
+    fp8_scaling: str = "current"
+    fp8_amax_history_len: int = 16
 
 
 @dataclass
@@ -333,4 +337,5 @@ CHOICES = {  # a family's own keys give theirs in their field's metadata ("choic
     "logging.wandb_mode": ("online", "offline", "disabled"),
     "precision.fp8": ("none", "tensorwise", "rowwise", "blockwise", "mxfp8"),
     "precision.fp8_grad_format": ("e5m2", "e4m3"),
+    "precision.fp8_scaling": ("current", "delayed"),
 }

@@ -71,6 +71,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logging.eval_iters": _at_least(1),
     "precision.fp8_exclude_first_layers": _at_least(0),
     "precision.fp8_exclude_last_layers": _at_least(0),
+    "precision.fp8_amax_history_len": _at_least(1),
 }
 
 
@@ -318,6 +319,15 @@ def check_fp8_keys(cfg: MegacannConfig, source: str) -> None:
         )
     if d.tp_comm_overlap:
         raise ConfigError(f"{source}: precision.fp8 with distributed.tp_comm_overlap is not supported yet")
+    if d.context_parallel_size > 1:
+        raise ConfigError(
+            f"{source}: precision.fp8 with distributed.context_parallel_size {d.context_parallel_size} is not "
+            "supported yet (the token dimension's scales would need reducing over the context-parallel group)"
+        )
+    if cfg.precision.fp8_scaling == "delayed" and cfg.precision.fp8 != "tensorwise":
+        raise ConfigError(
+            f"{source}: precision.fp8_scaling=delayed takes precision.fp8=tensorwise, not {cfg.precision.fp8!r}"
+        )
 
 
 def check_dpo_section(cfg: MegacannConfig, source: str) -> None:

@@ -137,7 +137,13 @@ def fp8_settings(cfg: MegacannConfig) -> Optional[Fp8Settings]:
     if p.fp8 == "none":
         return None
     return Fp8Settings(
-        p.fp8, p.fp8_grad_format, p.fp8_exclude_first_layers, p.fp8_exclude_last_layers, cfg.model.num_layers
+        p.fp8,
+        p.fp8_grad_format,
+        p.fp8_exclude_first_layers,
+        p.fp8_exclude_last_layers,
+        cfg.model.num_layers,
+        p.fp8_scaling,
+        p.fp8_amax_history_len,
     )
 
 

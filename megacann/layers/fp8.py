@@ -52,13 +52,48 @@ def linear_product(
     parallel: Optional[str],
     group: Optional[dist.ProcessGroup],
     deferrable: bool,
+    amax_history: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` by ``ops.fp8_linear`` when ``settings`` ask for FP8, else ``ops.linear``."""
     if settings is None:
         return ops.linear(x, weight, bias, deferrable=deferrable)
     return ops.fp8_linear(
-        x, weight, bias, recipe=settings.recipe, grad_format=settings.grad_format, parallel=parallel, group=group
+        x,
+        weight,
+        bias,
+        recipe=settings.recipe,
+        grad_format=settings.grad_format,
+        parallel=parallel,
+        group=group,
+        amax_history=amax_history,
     )
 
 
-__all__ = ["Fp8Error", "Fp8Settings", "check_fp8_layer", "linear_product"]
+HISTORY = "fp8_amax_history"  # the buffer a layer under delayed scaling keeps (saved in checkpoints)
+
+
+def attach_history(layer: torch.nn.Module, settings: Optional[Fp8Settings], device=None) -> None:
+    """Give ``layer`` its delayed-scaling buffer when ``settings`` ask for one (persistent: checkpoints keep
+    it, so a resumed run scales as the run that never stopped)."""
+    history = settings.new_history(device) if settings is not None else None
+    if history is not None:
+        layer.register_buffer(HISTORY, history)
+
+
+def roll_amax_histories(chunks: Sequence[torch.nn.Module], group: Optional[dist.ProcessGroup]) -> None:
+    """End of an optimizer step under delayed scaling: each layer's amax of this step (row 0), reduced to the
+    maximum over ``group`` (the data-parallel ranks, which saw other micro-batches), becomes the newest
+    history row; the oldest row drops out and row 0 starts again from zero. One collective for all layers."""
+    histories = [b for chunk in chunks for n, b in chunk.named_buffers() if n.rpartition(".")[2] == HISTORY]
+    if not histories:
+        return
+    newest = torch.stack([h[0] for h in histories])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group)
+    for history, amax in zip(histories, newest):
+        history[2:] = history[1:-1].clone()
+        history[1] = amax
+        history[0].zero_()
+
+
+__all__ = ["Fp8Error", "Fp8Settings", "attach_history", "check_fp8_layer", "linear_product", "roll_amax_histories"]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megacann.layers import mappings
 from megacann.layers.context import current_layer_context, resolve_sequence_parallel
-from megacann.layers.fp8 import Fp8Error, check_fp8_layer, linear_product
+from megacann.layers.fp8 import Fp8Error, attach_history, check_fp8_layer, linear_product
 from megacann.layers.init import default_init_methods, init_zeros, make_parameter
 from megacann.layers.sharding import InitMethod, ParamSharding, unshard_tensors
 from megacann.layers.tp_overlap import overlapped_gather_linear
@@ -121,6 +121,7 @@ class ColumnParallelLinear(torch.nn.Module):
             reason = "a replicated kv projection" if replicated else "distributed.tp_comm_overlap"
             raise Fp8Error(f"{what}: precision.fp8 does not support {reason} yet")
         check_fp8_layer(self.fp8, what, self.tp_blocks or (output_size,), 0, tp_size)
+        attach_history(self, self.fp8, self.weight.device)
 
     def extra_repr(self) -> str:
         return (
@@ -152,6 +153,7 @@ class ColumnParallelLinear(torch.nn.Module):
             parallel="column" if self.tp_size > 1 and not self.replicated else None,
             group=mappings.tp_group(self.group),
             deferrable=self.defer_weight_grad,
+            amax_history=getattr(self, "fp8_amax_history", None),
         )
         y = add_adapter_output(self.adapter, y, x, rows)
         if self.gather_output and self.tp_size > 1:
@@ -240,12 +242,18 @@ class RowParallelLinear(torch.nn.Module):
         self.defer_weight_grad = current_layer_context().defer_weight_grads  # W after B (megacann.ops.weight_grad)
         self.fp8 = current_layer_context().fp8  # precision.fp8 (megacann.layers.fp8)
         check_fp8_layer(self.fp8, f"RowParallelLinear({input_size} -> {output_size})", (input_size,), 1, self.tp_size)
+        attach_history(self, self.fp8, self.weight.device)
 
     def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        parallel = "row" if self.tp_size > 1 else None
-        group = mappings.tp_group(self.group)
         return linear_product(
-            self.fp8, x, self.weight, bias, parallel=parallel, group=group, deferrable=self.defer_weight_grad
+            self.fp8,
+            x,
+            self.weight,
+            bias,
+            parallel="row" if self.tp_size > 1 else None,
+            group=mappings.tp_group(self.group),
+            deferrable=self.defer_weight_grad,
+            amax_history=getattr(self, "fp8_amax_history", None),
         )
 
     def extra_repr(self) -> str:

@@ -23,7 +23,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megacann.ops.fp8_formats import Fp8Error, Quantized, block_shape, power_of_two_scales, quantize
+from megacann.ops.fp8_formats import (
+    Fp8Error,
+    Quantized,
+    block_shape,
+    measured_amax,
+    power_of_two_scales,
+    quantize,
+)
 from megacann.ops.registry import REFERENCE, register
 
 # which dimension of each product's operand view ([rows, reduction]) is split over the group
@@ -38,7 +45,11 @@ _ROLES = {
     "input_grad": ("gradient", "weight"),
     "weight_grad": ("gradient", "activation"),
 }
+# the operands whose tensorwise amax a delayed-scaling history keeps: (A, B) of each product
+X, W, DY = 0, 1, 2
+_OPERANDS = {"forward": (X, W), "input_grad": (DY, W), "weight_grad": (DY, X)}
 SCALED_MM_RECIPES = ("tensorwise", "rowwise")
+SCALINGS = ("current", "delayed")
 
 Gemm = Callable[[Quantized, Quantized], torch.Tensor]
 
@@ -50,20 +61,38 @@ def _operand_group(block, split_dim: Optional[int], group: Optional[dist.Process
     return group if block[split_dim] is None else None
 
 
-def _quantize_pair(a, b, product: str, recipe: str, formats: tuple[str, str], parallel, group) -> tuple:
+def _delayed_amax(t, operand: int, history: torch.Tensor, group, record: bool) -> torch.Tensor:
+    """Delayed scaling of a tensorwise operand: record this use's amax in row 0 of ``history`` (the step's
+    maximum so far) and return the earlier steps' maximum (rows 1..), or this amax while they are all 0."""
+    measured = measured_amax(t, (t.shape[0], t.shape[1]), group)
+    if record:
+        history[0, operand] = torch.maximum(history[0, operand], measured.reshape(()))
+    past = history[1:, operand].max()
+    return torch.where(past > 0, past, measured.reshape(())).reshape(1, 1)
+
+
+def _quantize_pair(
+    a, b, product: str, recipe: str, formats: tuple[str, str], parallel, group, history=None, record=True
+) -> tuple:
     a_role, b_role = _ROLES[product]
     a_split, b_split = _SPLIT_DIMS[parallel][product]
     pow2 = power_of_two_scales(recipe)
     out = []
-    for t, role, split, fmt, name in ((a, a_role, a_split, formats[0], "A"), (b, b_role, b_split, formats[1], "B")):
+    pairs = ((a, a_role, a_split, formats[0], "A", 0), (b, b_role, b_split, formats[1], "B", 1))
+    for t, role, split, fmt, name, side in pairs:
         block = block_shape(recipe, role)
+        amax_group = _operand_group(block, split, group)
+        amax = None
+        if history is not None:
+            amax = _delayed_amax(t, _OPERANDS[product][side], history, amax_group, record)
         out.append(
             quantize(
                 t,
                 fmt,
                 block,
                 power_of_two=pow2,
-                amax_group=_operand_group(block, split, group),
+                amax_group=amax_group,
+                amax=amax,
                 pad=(split != 0, split != 1),  # a split dimension must hold whole blocks on every rank
                 what=f"fp8_linear {product} operand {name} ({role})",
             )
@@ -83,32 +112,35 @@ def scaled_mm_gemm(a: Quantized, b: Quantized) -> torch.Tensor:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm):
-        xq, wq = _quantize_pair(x2, weight, "forward", recipe, (forward_format, forward_format), parallel, group)
+    def forward(ctx, x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm, history):
+        # evaluation (no autograd) scales by the history without adding to it
+        formats = (forward_format, forward_format)
+        xq, wq = _quantize_pair(
+            x2, weight, "forward", recipe, formats, parallel, group, history, torch.is_grad_enabled()
+        )
         y = gemm(xq, wq)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x2, weight)
-        ctx.options = (recipe, forward_format, grad_format, parallel, group, gemm, bias is not None)
+        ctx.options = (recipe, forward_format, grad_format, parallel, group, gemm, bias is not None, history)
         return y.to(x2.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
-        recipe, forward_format, grad_format, parallel, group, gemm, has_bias = ctx.options
+        recipe, forward_format, grad_format, parallel, group, gemm, has_bias, history = ctx.options
         dy2 = dy
+        formats = (grad_format, forward_format)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            a, b = _quantize_pair(dy2, weight.t(), "input_grad", recipe, (grad_format, forward_format), parallel, group)
+            a, b = _quantize_pair(dy2, weight.t(), "input_grad", recipe, formats, parallel, group, history)
             dx = gemm(a, b).to(x2.dtype)
         if ctx.needs_input_grad[1]:
-            a, b = _quantize_pair(
-                dy2.t(), x2.t(), "weight_grad", recipe, (grad_format, forward_format), parallel, group
-            )
+            a, b = _quantize_pair(dy2.t(), x2.t(), "weight_grad", recipe, formats, parallel, group, history)
             dw = gemm(a, b).to(weight.dtype)
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def check_parallel(parallel: Optional[str]) -> None:
@@ -116,10 +148,20 @@ def check_parallel(parallel: Optional[str]) -> None:
         raise Fp8Error(f"fp8_linear: parallel must be 'column', 'row' or None, got {parallel!r}")
 
 
-def _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm):
+def check_history(recipe: str, history: Optional[torch.Tensor]) -> None:
+    if history is None:
+        return
+    if recipe != "tensorwise":
+        raise Fp8Error(f"fp8_linear: delayed scaling (amax_history) takes the tensorwise recipe, not {recipe!r}")
+    if history.dim() != 2 or history.shape[0] < 2 or history.shape[1] != 3:
+        raise Fp8Error(f"fp8_linear: amax_history must be [1 + history length, 3], got {tuple(history.shape)}")
+
+
+def _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, history, gemm):
     check_parallel(parallel)
+    check_history(recipe, history)
     x2 = x.reshape(-1, x.shape[-1])
-    y = _Fp8Linear.apply(x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm)
+    y = _Fp8Linear.apply(x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm, history)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -134,8 +176,9 @@ def fp8_linear(
     grad_format: str = "e5m2",
     parallel: Optional[str] = None,
     group: Optional[dist.ProcessGroup] = None,
+    amax_history: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, reference_gemm)
+    return _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, amax_history, reference_gemm)
 
 
 def _has_scaled_mm() -> bool:
@@ -153,22 +196,31 @@ def fp8_linear_scaled_mm(
     grad_format: str = "e5m2",
     parallel: Optional[str] = None,
     group: Optional[dist.ProcessGroup] = None,
+    amax_history: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     gemm = scaled_mm_gemm if recipe in SCALED_MM_RECIPES else reference_gemm
-    return _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm)
+    return _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, amax_history, gemm)
 
 
 @dataclass(frozen=True)
 class Fp8Settings:
     """How a layer runs its product in FP8 (``precision.fp8`` and its keys): the recipe, the output
-    gradient's format, and which transformer blocks keep plain products (the first and last few of
-    ``num_layers``: the blocks most sensitive to quantisation)."""
+    gradient's format, which transformer blocks keep plain products (the first and last few of
+    ``num_layers``: the blocks most sensitive to quantisation), and the scaling."""
 
     recipe: str
     grad_format: str = "e5m2"
     exclude_first_layers: int = 0
     exclude_last_layers: int = 0
     num_layers: Optional[int] = None
+    scaling: str = "current"  # current | delayed (tensorwise: scales from the amax of earlier steps)
+    amax_history_len: int = 16
+
+    def new_history(self, device=None) -> Optional[torch.Tensor]:
+        """A layer's delayed-scaling buffer (``fp8_linear``'s ``amax_history``), or None for current scaling."""
+        if self.scaling == "current":
+            return None
+        return torch.zeros(1 + self.amax_history_len, 3, dtype=torch.float32, device=device)
 
     def covers_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` (global index) runs its linear layers in FP8."""

@@ -124,6 +124,14 @@ def block_amax(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return t.detach().abs().float().reshape(rows // br, br, cols // bc, bc).amax(dim=(1, 3))
 
 
+def measured_amax(t: torch.Tensor, block: tuple[int, int], group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """:func:`block_amax`, reduced to the maximum over ``group`` (the ranks holding other pieces of the blocks)."""
+    amax = block_amax(t, block)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
 def scales_from_amax(amax: torch.Tensor, fmt: str, power_of_two: bool = False) -> torch.Tensor:
     """Dequantisation scales ``amax / fmax`` (1 where a block is all zero); rounded up to powers of two
     within E8M0's range when ``power_of_two``."""
@@ -159,9 +167,7 @@ def quantize(
         t = torch.nn.functional.pad(t, (0, extra[1], 0, extra[0]))
     resolved = resolve_block(tuple(t.shape), block, what)
     if amax is None:
-        amax = block_amax(t, resolved)
-        if amax_group is not None and dist.get_world_size(amax_group) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+        amax = measured_amax(t, resolved, amax_group)
     scale = scales_from_amax(amax, fmt, power_of_two)
     limit = fp8_max(fmt)
     scaled = t.float() / expand_scale(scale, resolved)

@@ -21,6 +21,7 @@ from megacann.config import MegacannConfig
 from megacann.config.offload_keys import offloaded_layer_ids
 from megacann.layers.activation_offload import offload_layer_activations
 from megacann.layers.compile import compile_blocks
+from megacann.layers.fp8 import roll_amax_histories
 from megacann.models import ModelSpec
 from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
@@ -215,6 +216,7 @@ class Trainer:
             self.guard.check_loss(host["loss"])
         if updated and self.model_spec.after_optimizer_step is not None:
             self.model_spec.after_optimizer_step(self.model_chunks)
+        roll_amax_histories(self.model_chunks, ps.get_data_parallel_group(with_context_parallel=True))
         self.profiling.lap("optimizer")
         self.state.step += 1
         first_sample = self.state.consumed_samples
