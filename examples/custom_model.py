@@ -23,7 +23,6 @@ import torch
 
 from megacann.config import MegacannConfig, ModelConfig
 from megacann.layers import (
-    ChunkOutput,
     LMHead,
     RMSNorm,
     RotaryEmbedding,
@@ -34,10 +33,9 @@ from megacann.layers import (
     current_layer_context,
     dropout,
     initialize_weights,
-    layer_context_from_config,
     tie_embedding_across_stages,
 )
-from megacann.models import ChunkPlacement, ModelSpec, register_model
+from megacann.models import ChunkOutput, ChunkPlacement, ModelSpec, layer_context_from_config, register_model
 
 
 class ParallelBlock(torch.nn.Module):

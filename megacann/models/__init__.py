@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megacann.models.contract import ChunkOutput, count_target_tokens
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.deepseek import DEEPSEEK_V3, DeepseekV3Model
 from megacann.models.gpt import GPT, GPTModel
@@ -27,11 +28,11 @@ from megacann.models.spec import (
     family_import,
     find_hf_family,
     get_model_spec,
+    layer_context_from_config,
     prepare_model_config,
     register_model,
     registered_models,
 )
-from megacann.models.step_loss import count_target_tokens
 
 register_model(LLAMA)
 register_model(GPT)
@@ -51,6 +52,7 @@ __all__ = [
     "QWEN2",
     "QWEN3",
     "QWEN3_MOE",
+    "ChunkOutput",
     "ChunkPlacement",
     "DecoderArch",
     "DecoderLM",
@@ -72,6 +74,7 @@ __all__ = [
     "find_hf_family",
     "from_pretrained_hf",
     "get_model_spec",
+    "layer_context_from_config",
     "padded_vocab_size",
     "prepare_model_config",
     "register_model",

@@ -28,9 +28,9 @@ import torch
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import MoEConfig, MoELayer, TransformerBlock
-from megacann.layers.loss import ChunkOutput
 from megacann.layers.moe import moe_layers, update_expert_biases
 from megacann.models import sizing
+from megacann.models.contract import ChunkOutput
 from megacann.models.decoder import DecoderLM, decoder_model_spec
 from megacann.models.hf_mixtral import MIXTRAL_HF
 from megacann.models.llama import LlamaModel, llama_defaults

@@ -9,7 +9,7 @@ A family is one :class:`ModelSpec`:
   the same way whatever the layout (name parameters by their global place and use
   :func:`megacann.layers.initialize_weights`).
 - ``forward_step(chunk, batch, hidden_states)`` runs one micro-batch through a chunk and returns a
-  :class:`~megacann.layers.ChunkOutput`: hidden states out of a chunk without the head, the per-token
+  :class:`~megacann.models.contract.ChunkOutput`: hidden states out of a chunk without the head, the per-token
   loss out of the last one, auxiliary losses out of any (Megatron-Core's ``forward_step_func``).
 - ``flops_per_token`` from the config alone (MFU); ``num_parameters`` likewise (the dry run; without it
   the whole model is built on the meta device and counted), ``active_parameters`` where fewer take part
@@ -25,6 +25,10 @@ A family is one :class:`ModelSpec`:
   ``{"choices": (...)}`` for a closed set of values; extend ``HF_KEYS`` for its config.json names.
 - ``mixture_of_experts``: the family may hold expert-parallel parameters; for any other family
   ``distributed.expert_parallel_size`` must be 1 (:func:`prepare_model_config` refuses it otherwise).
+- ``sharding_units``: the module classes whose instances ZeRO-3 gathers and frees as one unit each
+  (:mod:`megacann.optimizer.zero.units`; megacann's families: their transformer blocks); a chunk's weights
+  outside them form one more unit. A family of its own blocks names their class, else its whole chunk is
+  one unit and ZeRO-3 holds all of its weights whole during the chunk's forward and backward.
 - ``architecture`` (a ``DecoderArch``) and, for an MoE family, ``moe_structure(cfg)`` (a
   :class:`MoEStructure`): what estimators such as ``megacann-plan`` need of the family's structure.
 
@@ -45,14 +49,38 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import ConfigError, MegacannConfig, ModelConfig, register_model_config
-from megacann.layers.context import layer_context_from_config
-from megacann.layers.loss import ChunkOutput
+from megacann.layers.context import LayerContext
 from megacann.layers.sharding import get_sharding
+from megacann.layers.transformer import TransformerBlock
+from megacann.models.contract import ChunkOutput
 from megacann.models.mtp import check_mtp_config
 
 Device = Optional[Union[torch.device, str]]
 Batch = dict[str, torch.Tensor]
+
+
+def layer_context_from_config(cfg: MegacannConfig, device: Device = None) -> LayerContext:
+    """The layer context (:class:`~megacann.layers.LayerContext`) of a recipe on this process, made here
+    because the layers know no recipe: ``distributed.sequence_parallel`` (off under tp 1, read from
+    parallel_state), ``model.precision``, ``distributed.context_parallel_algo``, ``model.init_method_std``
+    and ``model.num_layers`` (scaled init), ``model.activation_checkpointing``,
+    ``distributed.tp_comm_overlap``, ``distributed.pipeline_schedule`` (one that splits the backward defers
+    weight gradients); ``device`` as given (the ``device`` a ``build_chunk`` receives)."""
+    model, parallel = cfg.model, cfg.distributed
+    return LayerContext(
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=PRECISION_DTYPES[model.precision],
+        device=device,
+        context_parallel_algo=parallel.context_parallel_algo,
+        init_method_std=model.init_method_std,
+        num_layers=model.num_layers,
+        recompute=model.activation_checkpointing,
+        tp_comm_overlap=parallel.tp_comm_overlap,
+        defer_weight_grads=parallel.splits_backward,
+        weights_kept_for_w=parallel.zero_stage < 3,
+    )
 
 
 @dataclass(frozen=True)
@@ -150,6 +178,7 @@ class ModelSpec:
     metric_warnings: Optional[Callable[[dict[str, Any]], list[str]]] = None
     mixture_of_experts: bool = False
     config_class: type[ModelConfig] = ModelConfig
+    sharding_units: tuple[type[torch.nn.Module], ...] = (TransformerBlock,)
 
     def build(self, cfg: MegacannConfig, placement: ChunkPlacement, device: Device = None) -> torch.nn.Module:
         """``build_chunk`` inside the recipe's layer context (sequence parallel, dtype, device, the
