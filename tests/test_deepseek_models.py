@@ -15,7 +15,7 @@ from published_config_checks import check_recipe_matches_published
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError
-from megacann.models import from_pretrained_hf
+from megacann.interop.hf import from_pretrained_hf, save_pretrained_hf
 
 transformers = pytest.importorskip("transformers")
 IDS = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
@@ -36,7 +36,7 @@ def test_hf_logits_parity_both_ways_and_through_convert(tmp_path, variant):
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=IDS), expected, atol=1e-4, rtol=0)
 
-    ours.save_pretrained_hf(str(tmp_path / "back"))
+    save_pretrained_hf([ours], str(tmp_path / "back"), ours.config)
     outs = ["back"]
     if variant == "yarn":  # through megacann-convert too (one variant is enough: the adapter is the same)
         assert convert(["from-hf", hf_dir, str(tmp_path / "whole")]) == 0

@@ -13,7 +13,8 @@ import torch
 from training_helpers import tiny_config, tiny_hf_mixtral
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig, load_config
-from megacann.models import MOE, ChunkPlacement, from_pretrained_hf, prepare_model_config
+from megacann.interop.hf import from_pretrained_hf, save_pretrained_hf
+from megacann.models import MOE, ChunkPlacement, prepare_model_config
 from megacann.models.hf_mixtral import hf_config_dict
 from megacann.models.moe import expert_load_warnings, moe_flops_per_token
 from megacann.models.moe_config import MoEModelConfig
@@ -44,7 +45,7 @@ def test_mixtral_logits_parity_both_ways_and_through_convert(tmp_path):
     assert logits.shape == (2, 24, 300)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
-    ours.save_pretrained_hf(str(tmp_path / "back"))
+    save_pretrained_hf([ours], str(tmp_path / "back"), ours.config)
     assert convert(["from-hf", str(tmp_path / "hf"), str(tmp_path / "whole")]) == 0
     assert convert(["to-hf", str(tmp_path / "whole"), str(tmp_path / "converted")]) == 0
     for out in ("back", "converted"):

@@ -2,14 +2,12 @@
 
 ``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Mistral, Qwen2, Qwen3, Qwen3-MoE
 and DeepSeek-V3 here; docs/models.md lists them); a script registers its own with :func:`register_model` or
-hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`); reading
-and writing the directories is :mod:`megacann.interop`'s, and
-``from megacann.models import from_pretrained_hf`` still finds it there.
+hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`: names
+and settings, as data); reading and writing the directories is :mod:`megacann.interop`'s
+(``megacann.interop.from_pretrained_hf`` / ``save_pretrained_hf``), which this package never imports.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from megacann.models.contract import ChunkOutput, count_target_tokens
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
@@ -72,7 +70,6 @@ __all__ = [
     "decoder_model_spec",
     "family_import",
     "find_hf_family",
-    "from_pretrained_hf",
     "get_model_spec",
     "layer_context_from_config",
     "padded_vocab_size",
@@ -80,12 +77,3 @@ __all__ = [
     "register_model",
     "registered_models",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """``from_pretrained_hf`` lives in :mod:`megacann.interop.hf` (above models); imported on first use."""
-    if name == "from_pretrained_hf":
-        from megacann.interop.hf import from_pretrained_hf
-
-        return from_pretrained_hf
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -101,12 +101,6 @@ class MoEModel(DecoderLM):
             return super().build_layer(layer_id)
         return TransformerBlock(self.block_config, mlp=MoELayer(self.moe_config()))
 
-    def save_pretrained_hf(self, path: str) -> None:
-        """Write a Hugging Face Mixtral directory (config.json + safetensors) that transformers loads."""
-        from megacann.interop.hf import save_pretrained_hf
-
-        save_pretrained_hf([self], path, self.config)
-
 
 # -- recipe checks ------------------------------------------------------------------------------------
 
