@@ -51,6 +51,7 @@ import torch
 
 from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import ConfigError, MegacannConfig, ModelConfig, register_model_config
+from megacann.config.families import family_of_hf_model_type, hf_model_types
 from megacann.layers.context import LayerContext
 from megacann.layers.sharding import get_sharding
 from megacann.layers.transformer import TransformerBlock
@@ -216,10 +217,10 @@ def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
     # registers its family again; a rival family of that name from elsewhere is an error
     if known is not None and not replace and known is not spec and _REGISTERED_FROM.get(spec.name) != caller:
         raise ValueError(f"a model family named {spec.name!r} is already registered (pass replace=True)")
+    register_model_config(spec.name, spec.config_class, spec.hf.model_types if spec.hf else ())
     _REGISTERED_FROM[spec.name] = caller
     _REGISTERING_MODULE[spec.name] = frame.f_globals.get("__name__", "")
     _REGISTRY[spec.name] = spec
-    register_model_config(spec.name, spec.config_class, spec.hf.model_types if spec.hf else ())
     return spec
 
 
@@ -288,11 +289,11 @@ def refuse_expert_settings(cfg: MegacannConfig, family: str, source: str = "<rec
 
 
 def find_hf_family(model_type: str) -> ModelSpec:
-    """The registered family whose Hugging Face adapter reads config.json's ``model_type``."""
-    for spec in _REGISTRY.values():
-        if spec.hf is not None and model_type in spec.hf.model_types:
-            return spec
-    readable = sorted(t for s in _REGISTRY.values() if s.hf for t in s.hf.model_types)
-    raise ConfigError(
-        f"Hugging Face model_type {model_type!r} has no megacann adapter; readable: {', '.join(readable)}"
-    )
+    """The registered family whose Hugging Face adapter reads config.json's ``model_type`` (the recipe
+    loader's map, :func:`megacann.config.families.family_of_hf_model_type`: the one map of them)."""
+    family = family_of_hf_model_type(model_type)
+    if family is None:
+        raise ConfigError(
+            f"Hugging Face model_type {model_type!r} has no megacann adapter; readable: {', '.join(hf_model_types())}"
+        )
+    return get_model_spec(family)
