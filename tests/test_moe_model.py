@@ -167,6 +167,23 @@ def test_parameter_counts_match_the_built_model():
     assert MOE.parameters_per_token(m) == total - unused_experts
 
 
+def test_every_moe_family_is_derived_from_the_moe_spec():
+    """Qwen3-MoE and DeepSeek-V3 come from moe_model_spec: the MoE runtime (forward step with auxiliary
+    losses and expert counts, router-bias update, load warnings, expert parallelism) is MoE's, while
+    build, checks, adapter and counts are the family's own."""
+    from megacann.models import DEEPSEEK_V3, QWEN3_MOE
+
+    shared = ("forward_step", "after_optimizer_step", "metric_warnings", "mixture_of_experts", "sharding_units")
+    for spec in (QWEN3_MOE, DEEPSEEK_V3):
+        assert [getattr(spec, key) for key in shared] == [getattr(MOE, key) for key in shared], spec.name
+        own = ("name", "build_chunk", "check_config", "fill_defaults", "hf", "config_class", "num_parameters")
+        assert all(getattr(spec, key) is not getattr(MOE, key) for key in own), spec.name
+        assert spec.architecture != MOE.architecture  # q/k norms, latent attention
+    m = MoEModelConfig(hidden_size=32, num_layers=2, num_attention_heads=4, vocab_size=64, num_experts=4)
+    MOE.fill_defaults(m)
+    assert MOE.active_parameters(m) == MOE.num_parameters(m) - 2 * 2 * 3 * 32 * m.moe_ffn_hidden_size
+
+
 def test_mixtral_8x7b_sizes_and_flops():
     cfg = load_config(str(RECIPES / "mixtral_8x7b.yaml"))
     prepare_model_config(cfg)
