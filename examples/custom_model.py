@@ -133,6 +133,7 @@ PARALLEL_LM = register_model(
         forward_step=lambda chunk, batch, hidden_states: chunk(batch, hidden_states),
         flops_per_token=flops_per_token,
         fill_defaults=fill_defaults,
+        sharding_units=(ParallelBlock,),  # ZeRO-3 gathers one block's weights at a time
     )
 )
 

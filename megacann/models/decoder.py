@@ -312,5 +312,6 @@ def decoder_model_spec(
         fill_defaults=model_class.fill_defaults,
         hf=hf,
         architecture=arch,
+        sharding_units=(TransformerBlock,),  # ZeRO-3 gathers one block at a time
         **extra,
     )
