@@ -122,6 +122,8 @@ class HFAdapter:
     ``read(hf_name)``. ``linear_parts(name, cfg)`` (optional) gives the Hugging Face names of a megacann
     linear weight with the output rows of each, in order (a fused weight is several, split by rows; rows
     None: the whole weight): what PEFT adapter names need (:mod:`megacann.interop.peft`).
+    ``fit_to_weights(cfg, holds, source)`` (optional) adjusts settings the checkpoint's weights decide
+    (``holds(hf_name)``: whether it has that tensor; a family's adapter reads no file itself).
     """
 
     model_types: tuple[str, ...]
@@ -130,6 +132,7 @@ class HFAdapter:
     to_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     from_hf: Callable[[Sequence[str], Callable[[str], torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     linear_parts: Optional[Callable[[str, ModelConfig], list[tuple[str, Optional[int]]]]] = None
+    fit_to_weights: Optional[Callable[[ModelConfig, Callable[[str], bool], str], None]] = None
 
 
 @dataclass(frozen=True)
