@@ -5,7 +5,8 @@ PaLM / GPT-J style parallel blocks: attention and MLP read the same normalised i
 residual, ``h = h + attn(norm(h)) + mlp(norm(h))``; RoPE, SwiGLU, RMSNorm, a vocabulary-parallel head.
 Registering its spec (last lines) is all it takes for every layout of the recipe to work: tensor and
 sequence parallel, context parallel (the schedules hand each cp rank its tokens and their global
-``position_ids``), pipeline stages (also interleaved), data parallel with ZeRO, checkpoints and resume.
+``position_ids``), pipeline stages (also interleaved), data parallel with ZeRO (stage 3 gathers one
+``ParallelBlock`` at a time: the spec's ``sharding_units``), checkpoints and resume.
 The layers take sequence parallelism, dtype, device, the context-parallel algorithm, initialisation and
 recompute from the layer context ``build_chunk`` makes from the recipe: the model code names none of them.
 
