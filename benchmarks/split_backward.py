@@ -34,8 +34,8 @@ def _measure(args: argparse.Namespace) -> dict:
 
     from megacann.config import config_from_dict
     from megacann.models import ChunkPlacement
+    from megacann.models.contract import backward_objective
     from megacann.models.spec import get_model_spec
-    from megacann.models.step_loss import backward_objective
     from megacann.ops.weight_grad import weight_grad_stats
     from megacann.pipeline.split_backward import backward_input, backward_weight, trainable_parameters
     from megacann.training.recipe import prepare_recipe

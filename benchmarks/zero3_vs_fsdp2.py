@@ -92,7 +92,9 @@ def _measure(args: argparse.Namespace) -> dict:
 
     result = {"dp": dp}
     chunk = build_model_chunks(cfg, LLAMA, device="cpu")[0]
-    optimizer = build_optimizer(cfg, list(chunk.named_parameters()), modules=[chunk])
+    optimizer = build_optimizer(
+        cfg, list(chunk.named_parameters()), modules=[chunk], sharding_units=LLAMA.sharding_units
+    )
 
     def megacann_step() -> None:
         optimizer.zero_grad()

@@ -5,7 +5,8 @@ PaLM / GPT-J style parallel blocks: attention and MLP read the same normalised i
 residual, ``h = h + attn(norm(h)) + mlp(norm(h))``; RoPE, SwiGLU, RMSNorm, a vocabulary-parallel head.
 Registering its spec (last lines) is all it takes for every layout of the recipe to work: tensor and
 sequence parallel, context parallel (the schedules hand each cp rank its tokens and their global
-``position_ids``), pipeline stages (also interleaved), data parallel with ZeRO, checkpoints and resume.
+``position_ids``), pipeline stages (also interleaved), data parallel with ZeRO (stage 3 gathers one
+``ParallelBlock`` at a time: the spec's ``sharding_units``), checkpoints and resume.
 The layers take sequence parallelism, dtype, device, the context-parallel algorithm, initialisation and
 recompute from the layer context ``build_chunk`` makes from the recipe: the model code names none of them.
 
@@ -23,7 +24,6 @@ import torch
 
 from megacann.config import MegacannConfig, ModelConfig
 from megacann.layers import (
-    ChunkOutput,
     LMHead,
     RMSNorm,
     RotaryEmbedding,
@@ -34,10 +34,9 @@ from megacann.layers import (
     current_layer_context,
     dropout,
     initialize_weights,
-    layer_context_from_config,
     tie_embedding_across_stages,
 )
-from megacann.models import ChunkPlacement, ModelSpec, register_model
+from megacann.models import ChunkOutput, ChunkPlacement, ModelSpec, layer_context_from_config, register_model
 
 
 class ParallelBlock(torch.nn.Module):
@@ -135,6 +134,7 @@ PARALLEL_LM = register_model(
         forward_step=lambda chunk, batch, hidden_states: chunk(batch, hidden_states),
         flops_per_token=flops_per_token,
         fill_defaults=fill_defaults,
+        sharding_units=(ParallelBlock,),  # ZeRO-3 gathers one block's weights at a time
     )
 )
 

@@ -69,13 +69,14 @@ def sft_overrides(jsonl: str, cache_dir: str) -> list[str]:
 
 def tiny_hf_base(path: str, seed: int = 3) -> str:
     """A tiny LLaMA written as a Hugging Face directory (what model.init_from reads)."""
+    from megacann.interop.hf import save_pretrained_hf
     from megacann.layers import initialize_weights
     from megacann.models import LlamaModel
 
     fields = {k: v for k, v in TINY_MODEL.items() if k not in ("type", "make_vocab_size_divisible_by")}
     model = LlamaModel(ModelConfig(**{**fields, "vocab_size": VOCAB}))
     initialize_weights(model, seed)
-    model.save_pretrained_hf(path)
+    save_pretrained_hf([model], path, model.config)
     return path
 
 

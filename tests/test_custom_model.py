@@ -167,6 +167,58 @@ def test_recompute_really_recomputes_and_changes_nothing():
     assert losses["selective"] == losses["none"] and losses["full"] == losses["none"]
 
 
+def _zero3_units(reference_runs: dict[str, list[str]]) -> dict:
+    """ZeRO-3 at dp 2 with the family's sharding units (one per ParallelBlock) and, for contrast, with the
+    spec naming none (one unit per chunk): losses, the units' sizes, and the most weight elements whole on
+    this rank while a block runs."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from training_helpers import SyntheticData, tiny_config
+    from zero3_checks import GatherProbe, memory_facts
+
+    from megacann import parallel_state as ps
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    example = load_example()
+    results = {}
+    for name, units in (("per_block", example.PARALLEL_LM.sharding_units), ("per_chunk", ())):
+        ps.destroy_model_parallel()
+        cfg = tiny_config(CUSTOM + ["distributed.zero_optimization=3"], world_size=dist.get_world_size())
+        spec = dataclasses.replace(example.PARALLEL_LM, sharding_units=units)
+        trainer = Trainer(cfg, setup_runtime(cfg), data=SyntheticData(cfg, *_dp()), model_spec=spec)
+        probe = GatherProbe(trainer, (example.ParallelBlock,))
+        trace = [trainer.train_step() for _ in range(STEPS)]
+        results[name] = {
+            "losses": [m["loss"] for m in trace],
+            "norms": [m["grad_norm"] for m in trace],
+            "peak_gathered": probe.peak,
+            **memory_facts(trainer),
+        }
+    return results
+
+
+def test_custom_family_shards_per_block_under_zero3():
+    """The family's ``sharding_units`` reach ZeRO-3: at dp 2 each rank holds half the weights between steps
+    and, while a block runs, only the chunk's own weights and that block whole (naming no units: the whole
+    chunk); it trains as one process does."""
+    reference = run_on_ranks(_train, 1, args=({"accum4": REFERENCE_RUNS["accum4"]},), timeout=300)[0]["accum4"]
+    for rank in run_on_ranks(_zero3_units, 2, args=(REFERENCE_RUNS,), timeout=400):
+        per_block, per_chunk = rank["per_block"], rank["per_chunk"]
+        root, *blocks = per_block["unit_numels"]
+        assert len(blocks) == 4 and len(set(blocks)) == 1  # tiny_config's 4 layers, one unit each
+        assert per_block["peak_gathered"] == root + blocks[0] < per_block["whole_numel"]  # bytes: 4 x these
+        assert len(per_chunk["unit_numels"]) == 1
+        assert per_chunk["peak_gathered"] == per_chunk["unit_numels"][0] >= per_block["whole_numel"]
+        for run in (per_block, per_chunk):
+            padded = sum(numel for numel, _, _ in run["buffers"])
+            assert run["memory"]["params"] == 4 * padded // 2  # fp32: half of the (padded) weights per rank
+            assert run["gathered"] == 0 and run["stored_bytes"] == 0  # between steps no weight is whole
+            assert_close_trace(run["losses"], reference["losses"], 1e-5)
+            assert_close_trace(run["norms"], reference["norms"], 1e-5)
+
+
 def _resume_bitwise(root: str) -> dict:
     """tp2 + SP with dropout: 4 steps straight vs 2 steps, checkpoint, a fresh trainer loads and runs 2."""
     from checkpoint_helpers import make_trainer, run_steps

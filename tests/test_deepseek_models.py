@@ -15,7 +15,7 @@ from published_config_checks import check_recipe_matches_published
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError
-from megacann.models import from_pretrained_hf
+from megacann.interop.hf import from_pretrained_hf, save_pretrained_hf
 
 transformers = pytest.importorskip("transformers")
 IDS = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
@@ -36,7 +36,7 @@ def test_hf_logits_parity_both_ways_and_through_convert(tmp_path, variant):
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=IDS), expected, atol=1e-4, rtol=0)
 
-    ours.save_pretrained_hf(str(tmp_path / "back"))
+    save_pretrained_hf([ours], str(tmp_path / "back"), ours.config)
     outs = ["back"]
     if variant == "yarn":  # through megacann-convert too (one variant is enough: the adapter is the same)
         assert convert(["from-hf", hf_dir, str(tmp_path / "whole")]) == 0
@@ -134,14 +134,13 @@ def test_refusals_name_the_key(overrides, message):
 
 
 def test_mtp_depths_without_weights_are_left_out_with_a_note(tmp_path, capsys):
-    from megacann.models import get_model_spec
+    from megacann.interop.hf import hf_family
 
-    read = get_model_spec("deepseek_v3").hf.config_from_hf
     (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "model_type": "deepseek_v3", "num_mtp_layers": 1}))
-    cfg = read(str(tmp_path / "config.json"))  # a config.json alone: its depths are taken as they are
+    cfg = hf_family(str(tmp_path))[1]  # a config.json alone: its depths are taken as they are
     assert cfg.mtp_num_layers == 1 and cfg.q_lora_rank == 1536  # transformers' default where silent
     hf_dir = tiny_hf_deepseek(str(tmp_path / "hf"), "plain", num_mtp_layers=1)  # transformers writes no MTP
-    assert read(hf_dir + "/config.json").mtp_num_layers == 0
+    assert hf_family(hf_dir)[1].mtp_num_layers == 0
     assert "no multi-token prediction weights (model.layers.4.eh_proj.weight)" in capsys.readouterr().err
 
 

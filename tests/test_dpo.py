@@ -60,7 +60,7 @@ def models_and_batch(tmp_path_factory):
 
     from megacann.data import build_data_iterators
     from megacann.data.tokenizer import load_tokenizer
-    from megacann.models import from_pretrained_hf
+    from megacann.interop.hf import from_pretrained_hf
 
     tmp = str(tmp_path_factory.mktemp("dpo_hf"))
     ours, theirs = [], []

@@ -23,11 +23,11 @@ from safetensors.torch import load_file, save_file
 
 from megacann.config import ConfigError, MegacannConfig, config_from_dict
 from megacann.config.hf_config import read_hf_config
-from megacann.interop.hf import hf_family, hf_weights_reader, save_pretrained_hf
+from megacann.interop.hf import from_pretrained_hf, hf_family, hf_weights_reader, save_pretrained_hf
 from megacann.interop.model_source import apply_model_source
 from megacann.interop.reading import load_source_weights
 from megacann.interop.sources import HUGGINGFACE, WeightSource
-from megacann.models import ChunkPlacement, from_pretrained_hf, get_model_spec, prepare_model_config
+from megacann.models import ChunkPlacement, get_model_spec, prepare_model_config
 
 BLOCK = [16, 12]
 QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": BLOCK}

@@ -4,7 +4,9 @@ Every module under megacann/ is parsed (nothing is imported), and every ``import
 nesting: a lazy import inside a function ties the packages together just the same. The layering
 (README, "Layout"): the floor (errors, accelerator, host_memory, parallel_state, rank_layout, communication_lanes,
 collectives, constants), then config, ops, layers, models (the contract and the families), data, pipeline, optimizer,
-checkpoint (training state only), interop (weights in and out), training, and the tools on top.
+checkpoint (training state only), interop (weights in and out), training, and the tools on top. Three rules
+close the model contract on both sides: models/ knows no file format (never imports interop/), layers/ need no
+recipe (never import config's recipe class), and pipeline/ knows models only through the contract's modules.
 """
 
 from __future__ import annotations
@@ -39,16 +41,23 @@ ALLOWED = {"config": FLOOR | {"config"}}
 FORBIDDEN = {
     "ops": {"layers", "models", "data"} | ABOVE_DATA | TOOLS,
     "layers": {"models", "data"} | ABOVE_DATA | TOOLS,
+    "models": {"data"} | ABOVE_DATA | TOOLS,  # interop among them: a family knows no file format
     "data": {"layers", "models"} | ABOVE_DATA | TOOLS,
     "optimizer": {"pipeline", "models", "data", "checkpoint", "interop", "training"} | TOOLS,
     "checkpoint": {"data", "models", "interop", "training", "pipeline"} | TOOLS,
 }
+
+# the model contract: what pipeline/ may import of megacann.models (the spec and registry; chunk outputs and loss)
+CONTRACT_MODULES = {"megacann.models.spec", "megacann.models.contract"}
+# the recipe: layers/ take their settings from a LayerContext, which models/ builds from a recipe
+RECIPE_CLASSES = {"MegacannConfig"}
 
 
 class Import(NamedTuple):
     file: str  # relative to the package, e.g. "data/gpt_dataset.py"
     line: int
     module: str  # the megacann module imported, e.g. "megacann.layers.loss"
+    names: tuple[str, ...] = ()  # the names taken from it ("from megacann.config import MegacannConfig")
 
     @property
     def target(self) -> str:
@@ -64,7 +73,15 @@ def module_name(path: Path, root: Path) -> str:
 def megacann_imports(source: str, module: str, is_package: bool) -> Iterator[tuple[int, str]]:
     """(line, imported megacann module) for every import statement in ``source``, however deeply nested;
     ``from megacann import x`` counts as importing ``megacann.x``, relative imports are resolved."""
+    for line, name, _ in megacann_imported_names(source, module, is_package):
+        yield line, name
+
+
+def megacann_imported_names(source: str, module: str, is_package: bool) -> Iterator[tuple[int, str, tuple[str, ...]]]:
+    """(line, imported megacann module, names taken from it: none for a whole module) for every import
+    statement in ``source`` (see :func:`megacann_imports`)."""
     for node in ast.walk(ast.parse(source)):
+        taken: tuple[str, ...] = ()
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -75,19 +92,20 @@ def megacann_imports(source: str, module: str, is_package: bool) -> Iterator[tup
                 base = ".".join([*anchor, base] if base else anchor)
             # "from megacann import x" and "from . import x" name modules; "from megacann.x import y" a name in x
             names = [f"{base}.{alias.name}" for alias in node.names] if base == "megacann" else [base]
+            taken = () if base == "megacann" else tuple(alias.name for alias in node.names)
         else:
             continue
         for name in names:
             if name.startswith("megacann."):
-                yield node.lineno, name
+                yield node.lineno, name, taken
 
 
 def all_imports() -> list[Import]:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         name = module_name(path, PACKAGE)
-        for line, imported in megacann_imports(path.read_text(), name, path.name == "__init__.py"):
-            found.append(Import(path.relative_to(PACKAGE).as_posix(), line, imported))
+        for line, imported, names in megacann_imported_names(path.read_text(), name, path.name == "__init__.py"):
+            found.append(Import(path.relative_to(PACKAGE).as_posix(), line, imported, names))
     return found
 
 
@@ -100,6 +118,30 @@ def violations(package: str, imports: list[Import]) -> list[Import]:
         if package in ALLOWED and imp.target not in ALLOWED[package] or imp.target in FORBIDDEN.get(package, ()):
             wrong.append(imp)
     return wrong
+
+
+def contract_violations(imports: list[Import]) -> list[Import]:
+    """Imports of megacann.models by pipeline/ that go around the contract's modules."""
+    return [
+        imp
+        for imp in imports
+        if imp.file.startswith("pipeline/") and imp.target == "models" and imp.module not in CONTRACT_MODULES
+    ]
+
+
+def recipe_violations(imports: list[Import]) -> list[Import]:
+    """Imports by layers/ of config's recipe class, by name or with the whole config package."""
+    wrong = []
+    for imp in imports:
+        if not imp.file.startswith("layers/") or imp.target != "config":
+            continue
+        if not imp.names or RECIPE_CLASSES & set(imp.names):
+            wrong.append(imp)
+    return wrong
+
+
+def listed(wrong: list[Import]) -> str:
+    return "\n".join(f"megacann/{imp.file}:{imp.line} imports {imp.module} {list(imp.names)}" for imp in wrong)
 
 
 def describe(wrong: list[Import], package: str) -> str:
@@ -122,6 +164,51 @@ def test_lower_layers_do_not_import_higher_ones(package, imports):
     assert (PACKAGE / package).is_dir(), f"megacann/{package}/ is gone: update the layering rules"
     wrong = violations(package, imports)
     assert not wrong, describe(wrong, package)
+
+
+def test_pipeline_knows_models_only_through_the_contract(imports):
+    wrong = contract_violations(imports)
+    assert not wrong, (
+        f"megacann/pipeline/ may import of megacann.models only {sorted(CONTRACT_MODULES)}:\n{listed(wrong)}"
+    )
+
+
+def test_layers_need_no_recipe(imports):
+    wrong = recipe_violations(imports)
+    assert not wrong, (
+        f"megacann/layers/ may not import the recipe ({sorted(RECIPE_CLASSES)}, nor megacann.config whole); "
+        f"a recipe's layer context is made in models/ (layer_context_from_config):\n{listed(wrong)}"
+    )
+
+
+def test_the_contract_rules_catch_what_they_forbid():
+    """Each rule refuses a made-up import that breaks it, and lets its allowed neighbour through."""
+    cases = {
+        "models/llama.py": "from megacann.interop.hf import save_pretrained_hf\n",
+        "pipeline/executor.py": (
+            "from megacann.models.step_loss import LossTotals\nfrom megacann import models\n"
+            "from megacann.models.contract import LossTotals\nfrom megacann.models.spec import ModelSpec\n"
+        ),
+        "layers/context.py": (
+            "from megacann.config import MegacannConfig\nimport megacann.config.schema\n"
+            "from megacann.config.schema import ConfigError\n"
+        ),
+    }
+    made_up = []
+    for file, source in cases.items():
+        module = "megacann." + file[: -len(".py")].replace("/", ".")
+        made_up += [
+            Import(file, line, name, names) for line, name, names in megacann_imported_names(source, module, False)
+        ]
+    assert [imp.module for imp in violations("models", made_up)] == ["megacann.interop.hf"]
+    assert [(imp.line, imp.module) for imp in contract_violations(made_up)] == [
+        (1, "megacann.models.step_loss"),
+        (2, "megacann.models"),
+    ]
+    assert [(imp.line, imp.module) for imp in recipe_violations(made_up)] == [
+        (1, "megacann.config"),
+        (2, "megacann.config.schema"),
+    ]
 
 
 def test_every_import_statement_is_seen():

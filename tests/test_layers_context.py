@@ -21,9 +21,9 @@ from megacann.layers import (
     TransformerBlock,
     TransformerBlockConfig,
     current_layer_context,
-    layer_context_from_config,
 )
 from megacann.layers.sharding import INIT_ATTR
+from megacann.models import layer_context_from_config
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "custom_model.py")
 BLOCK = dict(hidden_size=16, num_attention_heads=4, ffn_hidden_size=32)

@@ -107,10 +107,11 @@ def test_the_router_and_unknown_targets_are_refused():
 def test_mixtral_peft_adapter_loads_in_peft_and_back(tmp_path, targets):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
+    from megacann.interop.hf import save_pretrained_hf
     from megacann.interop.peft import ADAPTER_CONFIG, load_peft_adapter, read_peft_tensors, save_peft_adapter
 
     model = tiny_moe_model()
-    model.save_pretrained_hf(str(tmp_path / "base"))
+    save_pretrained_hf([model], str(tmp_path / "base"), model.config)
     lora = LoRAConfig(rank=4, alpha=8.0, dropout=0.1, target_modules=targets)
     attach_lora(model, lora)
     randomise_adapters(model)

@@ -14,7 +14,7 @@ import torch
 
 from megacann.config import ModelConfig
 from megacann.interop.full_state import load_full_state_dict_
-from megacann.interop.hf import SafetensorsReader
+from megacann.interop.hf import SafetensorsReader, from_pretrained_hf, save_pretrained_hf
 from megacann.interop.peft import (
     ADAPTER_CONFIG,
     PeftFormatError,
@@ -25,7 +25,7 @@ from megacann.interop.peft import (
 from megacann.layers import init_normal, initialize_weights, parameter_seed
 from megacann.layers.lora import LoRAConfig, attach_lora, init_adapters_, lora_parameters, unload_lora
 from megacann.layers.sharding import init_sharded_
-from megacann.models import GPTModel, LlamaModel, decoder, from_pretrained_hf
+from megacann.models import GPTModel, LlamaModel, decoder
 from megacann.models.hf_llama import from_hf_tensors
 
 transformers = pytest.importorskip("transformers")
@@ -71,7 +71,7 @@ def test_peft_loads_megacann_adapters_with_the_same_logits(tmp_path, case):
     fused, targets, hf_targets = CASES[case]
     model = _base(fused)
     assert hasattr(model.layers["0"].self_attn, "qkv_proj") == fused
-    model.save_pretrained_hf(str(tmp_path / "base"))
+    save_pretrained_hf([model], str(tmp_path / "base"), model.config)
     lora = LoRAConfig(rank=4, alpha=8.0, target_modules=targets)
     attach_lora(model, lora)
     _randomise_adapters(model)
@@ -101,7 +101,7 @@ def test_peft_loads_megacann_adapters_with_the_same_logits(tmp_path, case):
 def test_a_peft_adapter_loads_into_fused_projections(tmp_path):
     """An adapter with separate q/k/v LoRAs (own A each) reads into one fused qkv_proj."""
     separate = _base()
-    separate.save_pretrained_hf(str(tmp_path / "base"))
+    save_pretrained_hf([separate], str(tmp_path / "base"), separate.config)
     lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj"))
     attach_lora(separate, lora)
     _randomise_adapters(separate)
@@ -125,7 +125,7 @@ def test_merged_and_unloaded_model_exports_to_transformers_with_the_adapter_logi
     adapted = _logits(model)
     assert unload_lora(model, merge=True) == 2 * 3
     assert not any(".adapter." in name for name, _ in model.named_parameters())
-    model.save_pretrained_hf(str(tmp_path))
+    save_pretrained_hf([model], str(tmp_path), model.config)
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(IDS).logits, adapted, rtol=0, atol=1e-4)

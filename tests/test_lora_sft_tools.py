@@ -16,6 +16,7 @@ from megacann.config import ModelConfig
 from megacann.data.sft import parse_record, tokenize_conversation
 from megacann.data.sft_templates import get_template
 from megacann.data.tokenizer import ByteTokenizer
+from megacann.interop.hf import save_pretrained_hf
 from megacann.interop.peft import save_peft_adapter
 from megacann.layers import init_normal, initialize_weights, parameter_seed
 from megacann.layers.lora import LoRAConfig, attach_lora, lora_parameters
@@ -81,7 +82,7 @@ def _tiny_byte_llama(tmp_path) -> tuple[str, str]:
     cfg = ModelConfig(hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=259)
     model = LlamaModel(cfg)
     initialize_weights(model, 8)
-    model.save_pretrained_hf(str(tmp_path / "base"))
+    save_pretrained_hf([model], str(tmp_path / "base"), model.config)
     lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
     attach_lora(model, lora)
     for name, p in lora_parameters(model):

@@ -17,7 +17,8 @@ import torch
 from dist_harness import run_on_ranks
 
 from megacann.config import ConfigError, load_config
-from megacann.models import MISTRAL, MistralModelConfig, from_pretrained_hf, prepare_model_config
+from megacann.interop.hf import from_pretrained_hf, save_pretrained_hf
+from megacann.models import MISTRAL, MistralModelConfig, prepare_model_config
 from megacann.models.hf_mistral import hf_config_dict
 
 RECIPES = Path(__file__).resolve().parents[1] / "examples" / "configs" / "mistral"
@@ -75,7 +76,7 @@ def test_mistral_logits_parity_both_ways_and_through_convert(tmp_path):
         assert (ours(input_ids=ids) - expected).abs().max() > 1e-2
         ours.layers["0"].self_attn.sliding_window = ours.layers["1"].self_attn.sliding_window = WINDOW
 
-    ours.save_pretrained_hf(str(tmp_path / "back"))
+    save_pretrained_hf([ours], str(tmp_path / "back"), ours.config)
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     assert (written["model_type"], written["sliding_window"], written["head_dim"]) == ("mistral", WINDOW, HEAD_DIM)
     assert convert(["from-hf", str(tmp_path / "hf"), str(tmp_path / "whole")]) == 0

@@ -207,3 +207,24 @@ def test_a_rival_family_of_a_registered_name_is_refused():
 
     with pytest.raises(ValueError, match=r"a model family named 'llama' is already registered \(pass replace=True\)"):
         register_model(dataclasses.replace(LLAMA, num_parameters=None))
+
+
+def test_one_map_from_hugging_face_model_type_to_family():
+    """The recipe loader and the weights import read the same map: every readable model_type finds its
+    family through both, a second family claiming a taken model_type is refused, an unknown one names
+    what is readable."""
+    import dataclasses
+
+    from megacann.config.families import family_of_hf_model_type, hf_model_types
+    from megacann.models import LLAMA, find_hf_family, register_model, registered_models
+
+    readable = hf_model_types()
+    assert {"llama", "mixtral", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"} <= set(readable)
+    for model_type in readable:
+        assert find_hf_family(model_type).name == family_of_hf_model_type(model_type)
+    rival = dataclasses.replace(LLAMA, name="llama_rival")
+    with pytest.raises(ValueError, match=r"model_type 'llama' is already read by family 'llama'"):
+        register_model(rival)
+    assert "llama_rival" not in registered_models() and family_of_hf_model_type("llama") == "llama"
+    with pytest.raises(ConfigError, match=r"model_type 'gpt_neox' has no megacann adapter; readable: deepseek_v3, "):
+        find_hf_family("gpt_neox")

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from megacann.config import ModelConfig
+from megacann.interop.hf import from_pretrained_hf, save_pretrained_hf
 from megacann.layers import initialize_weights
-from megacann.models import GPT, LLAMA, LlamaModel, from_pretrained_hf
+from megacann.models import GPT, LLAMA, LlamaModel
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,7 +62,7 @@ def test_hf_logits_parity_both_ways(tmp_path, case):
     assert logits.shape == (2, 24, 300)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
-    ours.save_pretrained_hf(str(tmp_path / "back"))
+    save_pretrained_hf([ours], str(tmp_path / "back"), ours.config)
     again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, expected, atol=1e-4, rtol=0)

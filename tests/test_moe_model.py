@@ -13,7 +13,8 @@ import torch
 from training_helpers import tiny_config, tiny_hf_mixtral
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig, load_config
-from megacann.models import MOE, ChunkPlacement, from_pretrained_hf, prepare_model_config
+from megacann.interop.hf import from_pretrained_hf, save_pretrained_hf
+from megacann.models import MOE, ChunkPlacement, prepare_model_config
 from megacann.models.hf_mixtral import hf_config_dict
 from megacann.models.moe import expert_load_warnings, moe_flops_per_token
 from megacann.models.moe_config import MoEModelConfig
@@ -44,7 +45,7 @@ def test_mixtral_logits_parity_both_ways_and_through_convert(tmp_path):
     assert logits.shape == (2, 24, 300)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
-    ours.save_pretrained_hf(str(tmp_path / "back"))
+    save_pretrained_hf([ours], str(tmp_path / "back"), ours.config)
     assert convert(["from-hf", str(tmp_path / "hf"), str(tmp_path / "whole")]) == 0
     assert convert(["to-hf", str(tmp_path / "whole"), str(tmp_path / "converted")]) == 0
     for out in ("back", "converted"):
@@ -164,6 +165,23 @@ def test_parameter_counts_match_the_built_model():
     h, ffn = 32, 16
     unused_experts = 2 * (6 - 2) * 3 * h * ffn  # two MoE layers, four experts a token does not meet
     assert MOE.parameters_per_token(m) == total - unused_experts
+
+
+def test_every_moe_family_is_derived_from_the_moe_spec():
+    """Qwen3-MoE and DeepSeek-V3 come from moe_model_spec: the MoE runtime (forward step with auxiliary
+    losses and expert counts, router-bias update, load warnings, expert parallelism) is MoE's, while
+    build, checks, adapter and counts are the family's own."""
+    from megacann.models import DEEPSEEK_V3, QWEN3_MOE
+
+    shared = ("forward_step", "after_optimizer_step", "metric_warnings", "mixture_of_experts", "sharding_units")
+    for spec in (QWEN3_MOE, DEEPSEEK_V3):
+        assert [getattr(spec, key) for key in shared] == [getattr(MOE, key) for key in shared], spec.name
+        own = ("name", "build_chunk", "check_config", "fill_defaults", "hf", "config_class", "num_parameters")
+        assert all(getattr(spec, key) is not getattr(MOE, key) for key in own), spec.name
+        assert spec.architecture != MOE.architecture  # q/k norms, latent attention
+    m = MoEModelConfig(hidden_size=32, num_layers=2, num_attention_heads=4, vocab_size=64, num_experts=4)
+    MOE.fill_defaults(m)
+    assert MOE.active_parameters(m) == MOE.num_parameters(m) - 2 * 2 * 3 * 32 * m.moe_ffn_hidden_size
 
 
 def test_mixtral_8x7b_sizes_and_flops():

@@ -18,7 +18,7 @@ from training_helpers import tiny_config
 from megacann.config import ConfigError
 from megacann.constants import IGNORE_INDEX
 from megacann.models import LLAMA, MOE, ChunkPlacement, decoder_forward_step
-from megacann.models.step_loss import backward_objective
+from megacann.models.contract import backward_objective
 from megacann.training.metrics import format_step_line
 
 SEQ, STEPS = 16, 3

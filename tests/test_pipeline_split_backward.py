@@ -79,8 +79,8 @@ def _split_checks(variants: dict) -> dict:
 
     from megacann import parallel_state as ps
     from megacann.models import ChunkPlacement
+    from megacann.models.contract import backward_objective
     from megacann.models.spec import get_model_spec
-    from megacann.models.step_loss import backward_objective
     from megacann.pipeline.split_backward import backward_input, backward_weight, graph_leaves, trainable_parameters
     from megacann.training import finetune
     from megacann.training.runtime import setup_runtime

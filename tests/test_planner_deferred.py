@@ -98,8 +98,8 @@ def _held_after_b(runs: dict) -> dict:
     from megacann.config.offload_keys import offloaded_layer_ids
     from megacann.layers.activation_offload import offload_layer_activations
     from megacann.models import ChunkPlacement
+    from megacann.models.contract import backward_objective
     from megacann.models.spec import get_model_spec
-    from megacann.models.step_loss import backward_objective
     from megacann.ops import head_loss
     from megacann.pipeline.split_backward import backward_input
     from megacann.training.runtime import setup_runtime

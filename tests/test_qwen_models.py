@@ -15,8 +15,9 @@ from qwen_helpers import FAMILY_SETTINGS, SHAPE, hf_classes, hf_logits, tiny_hf_
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError, MegacannConfig
+from megacann.interop.hf import from_pretrained_hf, save_pretrained_hf
 from megacann.layers.sharding import get_sharding
-from megacann.models import ChunkPlacement, from_pretrained_hf, get_model_spec, prepare_model_config
+from megacann.models import ChunkPlacement, get_model_spec, prepare_model_config
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = sorted(FAMILY_SETTINGS)
@@ -39,7 +40,7 @@ def test_hf_logits_parity_both_ways_and_through_convert(tmp_path, family):
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=IDS), expected, atol=1e-4, rtol=0)
 
-    ours.save_pretrained_hf(str(tmp_path / "back"))
+    save_pretrained_hf([ours], str(tmp_path / "back"), ours.config)
     assert convert(["from-hf", hf_dir, str(tmp_path / "whole")]) == 0
     assert convert(["to-hf", str(tmp_path / "whole"), str(tmp_path / "converted")]) == 0
     reference = hf_classes(family)[1].from_pretrained(hf_dir).state_dict()

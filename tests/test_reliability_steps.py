@@ -36,7 +36,7 @@ def _poison(trainer, grad_steps: set, loss_steps: set) -> list:
     import torch
     import torch.distributed as dist
 
-    from megacann.models.step_loss import LossTotals
+    from megacann.models.contract import LossTotals
     from megacann.optimizer.optimizer import optimizer_step_count
 
     last_stage = dist.get_rank() == 1

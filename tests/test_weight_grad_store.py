@@ -134,7 +134,8 @@ def test_plain_linear_without_deferral_or_under_a_frozen_weight():
 
 def test_a_splitting_schedule_builds_deferrable_layers_and_others_plain_ones():
     from megacann.config import MegacannConfig
-    from megacann.layers import ColumnParallelLinear, layer_context_from_config
+    from megacann.layers import ColumnParallelLinear
+    from megacann.models import layer_context_from_config
 
     for schedule, defer in (("zb1p", True), ("1f1b", False), (None, False)):
         cfg = MegacannConfig()

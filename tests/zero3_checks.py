@@ -22,17 +22,18 @@ def accum(dp: int) -> list[str]:
 
 
 class GatherProbe:
-    """Before every transformer block runs (its own gather done): how many weight elements are whole on
-    this rank. Registered after the optimizer, so its pre-hooks run after ZeRO-3's."""
+    """Before every block runs (its own gather done): how many weight elements are whole on this rank.
+    Registered after the optimizer, so its pre-hooks run after ZeRO-3's. ``block_types``: the classes
+    probed (default: megacann's transformer block)."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, block_types: tuple = ()):
         from megacann.layers.transformer import TransformerBlock
 
         self.optimizer = trainer.optimizer
         self.peak = 0
         for chunk in trainer.model_chunks:
             for module in chunk.modules():
-                if isinstance(module, TransformerBlock):
+                if isinstance(module, block_types or (TransformerBlock,)):
                     module.register_forward_pre_hook(self._probe)
 
     def gathered(self) -> int:

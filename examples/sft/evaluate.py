@@ -133,10 +133,10 @@ def evaluate(
 def load_model(path: str, adapter: Optional[str], precision: str, device: str) -> torch.nn.Module:
     """A Hugging Face directory (with a PEFT adapter if given), or any megacann source: a checkpoint or
     output directory (a LoRA run's comes merged into its base) or a consolidated directory."""
+    from megacann.interop.hf import from_pretrained_hf
     from megacann.interop.lora_export import build_full_model
     from megacann.interop.peft import load_peft_adapter
     from megacann.interop.sources import HUGGINGFACE, resolve_weight_source
-    from megacann.models import from_pretrained_hf
 
     if resolve_weight_source(path, "--model").kind != HUGGINGFACE:
         if adapter:

@@ -45,16 +45,26 @@ SHARED_SHAPE_KEYS = (
 SHARED_COMPUTE_KEYS = ("norm_eps", "rope_theta", "rope_scaling", "rotary_interleaved")
 
 _CONFIG_CLASSES: dict[str, type[ModelConfig]] = {}
-_HF_MODEL_TYPES: dict[str, str] = {}  # Hugging Face config.json model_type -> family name
+_HF_MODEL_TYPES: dict[str, str] = {}  # Hugging Face config.json model_type -> family name: the one such map
 _ENTRY_POINTS_LOADED = [False]
 
 
 def register_model_config(family: str, config_class: type[ModelConfig], hf_model_types: Iterable[str] = ()) -> None:
     """Make ``model.type: <family>`` read its keys into ``config_class`` (megacann.models.register_model
-    calls this); ``hf_model_types``: config.json ``model_type`` values that mean this family."""
+    calls this); ``hf_model_types``: config.json ``model_type`` values that mean this family (a value
+    another family already reads is refused: one ``model_type``, one family)."""
     if not (isinstance(config_class, type) and issubclass(config_class, ModelConfig)):
         raise TypeError(f"family {family!r}: config class must derive from ModelConfig, got {config_class!r}")
+    for model_type in hf_model_types:
+        other = _HF_MODEL_TYPES.get(model_type, family)
+        if other != family:
+            raise ValueError(
+                f"model family {family!r}: Hugging Face model_type {model_type!r} is already read by family "
+                f"{other!r} (one model_type, one family)"
+            )
     _CONFIG_CLASSES[family] = config_class
+    for model_type in [t for t, f in _HF_MODEL_TYPES.items() if f == family]:  # a family registered anew
+        del _HF_MODEL_TYPES[model_type]
     for model_type in hf_model_types:
         _HF_MODEL_TYPES[model_type] = family
 
@@ -171,6 +181,12 @@ def family_of_hf_model_type(model_type: Optional[str]) -> Optional[str]:
     if model_type not in _HF_MODEL_TYPES:
         _load_entry_points()
     return _HF_MODEL_TYPES.get(model_type)
+
+
+def hf_model_types() -> list[str]:
+    """Every config.json ``model_type`` a registered family reads."""
+    _load_entry_points()
+    return sorted(_HF_MODEL_TYPES)
 
 
 def families_with_key(key: str) -> list[str]:

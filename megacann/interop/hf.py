@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,20 @@ def hf_family(path: str) -> tuple[ModelSpec, ModelConfig, dict[str, Any]]:
     raw = read_hf_config(config_file)
     spec = find_hf_family(raw.get("model_type", "llama"))
     quantization_of(raw, config_file)
-    return spec, spec.hf.config_from_hf(config_file, raw=raw), raw
+    cfg = spec.hf.config_from_hf(config_file, raw=raw)
+    if spec.hf.fit_to_weights is not None:
+        spec.hf.fit_to_weights(cfg, checkpoint_holds(path), config_file)
+    return spec, cfg, raw
+
+
+def checkpoint_holds(path: str) -> Callable[[str], bool]:
+    """Whether the safetensors checkpoint in ``path`` has a tensor of a name (a directory without one, e.g.
+    a config.json alone, is taken to have every tensor)."""
+    try:
+        names = SafetensorsReader(path).weight_map
+    except FileNotFoundError:
+        return lambda name: True
+    return names.__contains__
 
 
 class SafetensorsReader:

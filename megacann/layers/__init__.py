@@ -4,8 +4,9 @@ Everything here takes its process group from :mod:`megacann.parallel_state` (or 
 and works in a plain one-process script when model parallelism is not initialised. Activations are
 batch-first, ``[batch, seq, hidden]``; sequence parallelism splits the sequence (dim 1). How layers are
 built on this process (sequence parallel, dtype, device, the context-parallel algorithm, initialisation,
-recompute) is said once by a :class:`LayerContext` (``with layer_context_from_config(cfg, device): ...``)
-instead of in every constructor. docs/layers.md shows a complete model and how to make the trainer run it.
+recompute) is said once by a :class:`LayerContext` (``with LayerContext(...): ...``; a recipe's is
+``megacann.models.layer_context_from_config(cfg, device)``) instead of in every constructor. docs/layers.md
+shows a complete model and how to make the trainer run it.
 
 The names below are what a model author needs. The rest lives in subpackages:
 :mod:`megacann.layers.lora` (LoRA adapters), :mod:`megacann.layers.context_parallel` (the sequence split
@@ -16,7 +17,7 @@ across the cp group and attention by ring, all-gather or all-to-all; docs/contex
 
 from megacann.layers.attention import SelfAttention
 from megacann.layers.compile import compile_blocks
-from megacann.layers.context import LayerContext, current_layer_context, layer_context_from_config
+from megacann.layers.context import LayerContext, current_layer_context
 from megacann.layers.embedding import VocabParallelEmbedding
 from megacann.layers.init import (
     init_normal,
@@ -31,7 +32,6 @@ from megacann.layers.latent_attention import LatentAttention
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.loss import (
     IGNORE_INDEX,
-    ChunkOutput,
     token_loss,
     vocab_parallel_cross_entropy,
 )
@@ -48,7 +48,6 @@ from megacann.layers.transformer import TransformerBlock, TransformerBlockConfig
 __all__ = [
     # how this process builds layers: sequence parallel, dtype, device, CP algorithm, init, recompute
     "LayerContext",
-    "layer_context_from_config",
     "current_layer_context",
     # linear layers, the embedding and the output head
     "ColumnParallelLinear",
@@ -56,8 +55,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "LMHead",
     "tie_embedding_across_stages",
-    # the loss, and what a model chunk returns to the trainer
-    "ChunkOutput",
+    # the loss
     "IGNORE_INDEX",
     "token_loss",
     "vocab_parallel_cross_entropy",

@@ -201,7 +201,7 @@ class SelfAttention(torch.nn.Module):
                 raise ValueError(
                     f"SelfAttention runs under context parallelism ({dist.get_world_size(cp_group)} ranks) but was "
                     "built without context_parallel_algo: build the model under "
-                    "megacann.layers.layer_context_from_config(cfg, device) (the recipe's "
+                    "megacann.models.layer_context_from_config(cfg, device) (the recipe's "
                     "distributed.context_parallel_algo) or pass context_parallel_algo='ring'|'allgather'|'ulysses'"
                 )
             return context_parallel_attention(

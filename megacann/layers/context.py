@@ -6,8 +6,11 @@ std (and the number of layers, for the scaled init of residual projections) and 
 Every layer of :mod:`megacann.layers` takes these from the *current* context unless its own keyword
 argument says otherwise. Set one for a block of code::
 
-    with layer_context_from_config(cfg, device):  # from the recipe and parallel_state
-        model = MyModel(cfg.model)
+    with LayerContext(sequence_parallel=True, params_dtype=torch.bfloat16):
+        model = MyModel(...)
+
+A recipe's context is made above the layers, which know no recipe
+(``megacann.models.layer_context_from_config(cfg, device)``, what every model family is built under).
 
 Outside any ``with`` the current context is ``LayerContext()``: no sequence parallelism, torch's default
 dtype, the accelerator's device, N(0, 0.02) weights, no recompute; what a one-process model wants. The
@@ -23,17 +26,13 @@ import difflib
 import math
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from megacann import parallel_state as ps
-from megacann.accelerator import PRECISION_DTYPES
 from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS
 from megacann.ops.fp8 import Fp8Settings
-
-if TYPE_CHECKING:
-    from megacann.config import MegacannConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -107,44 +106,6 @@ def current_layer_context() -> LayerContext:
     """The innermost context entered with ``with``, else the one-process defaults ``LayerContext()``."""
     stack = _STACK.get()
     return stack[-1] if stack else LayerContext()
-
-
-def layer_context_from_config(cfg: MegacannConfig, device: Optional[Union[torch.device, str]] = None) -> LayerContext:
-    """The context of a recipe on this process: ``distributed.sequence_parallel`` (off under tp 1, read from
-    parallel_state), ``model.precision``, ``distributed.context_parallel_algo``, ``model.init_method_std``
-    and ``model.num_layers`` (scaled init), ``model.activation_checkpointing``,
-    ``distributed.tp_comm_overlap``, ``distributed.pipeline_schedule`` (one that splits the backward defers
-    weight gradients); ``device`` as given (the ``device`` a ``build_chunk`` receives)."""
-    model, parallel = cfg.model, cfg.distributed
-    return LayerContext(
-        sequence_parallel=parallel.sequence_parallel,
-        params_dtype=PRECISION_DTYPES[model.precision],
-        device=device,
-        context_parallel_algo=parallel.context_parallel_algo,
-        init_method_std=model.init_method_std,
-        num_layers=model.num_layers,
-        recompute=model.activation_checkpointing,
-        tp_comm_overlap=parallel.tp_comm_overlap,
-        defer_weight_grads=parallel.splits_backward,
-        weights_kept_for_w=parallel.zero_stage < 3,
-        fp8=fp8_settings(cfg),
-    )
-
-
-def fp8_settings(cfg: MegacannConfig) -> Optional[Fp8Settings]:
-    """``precision.fp8`` and its keys as the layers take them (None: ``none``)."""
-    p = cfg.precision
-    if p.fp8 == "none":
-        return None
-    return Fp8Settings(
-        p.fp8,
-        p.fp8_grad_format,
-        p.fp8_exclude_first_layers,
-        p.fp8_exclude_last_layers,
-        cfg.model.num_layers,
-        p.fp8_scaling,
-        p.fp8_amax_history_len,
-    )
 
 
 def block_layer_context(layer_id: int) -> LayerContext:

@@ -2,9 +2,9 @@
 
 - Targets equal to :data:`~megacann.constants.IGNORE_INDEX` take no loss (prompt tokens in SFT, padding,
   masked EOD).
-- :func:`token_loss` is the per-token fp32 cross entropy a model's last chunk returns in its
-  :class:`ChunkOutput` (with hidden states from the other chunks and auxiliary losses from any). How a step
-  normalises, weights and logs these is the trainer's business: :mod:`megacann.models.step_loss`.
+- :func:`token_loss` is the per-token fp32 cross entropy a model's last chunk returns to the trainer (in
+  the model contract's ``ChunkOutput``); how a step normalises, weights and logs it is the contract's
+  business (:mod:`megacann.models.contract`), not the layers'.
 
 The cross entropy runs over vocabulary-parallel logits, in fp32, without ever gathering the full logits.
 Each TP rank holds the logits of its vocabulary range ``[..., V/tp]``. The softmax needs only three numbers
@@ -18,7 +18,6 @@ loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -139,17 +138,3 @@ def token_loss(
     return vocab_parallel_cross_entropy(
         logits_shard, labels, ignore_index=IGNORE_INDEX, vocab_size=vocab_size, group=group
     )
-
-
-@dataclass
-class ChunkOutput:
-    """What one model chunk gives back for one micro-batch (see :class:`megacann.models.ModelSpec`).
-
-    ``hidden_states`` out of a chunk without the head (sent to the next pipeline stage); ``token_loss``
-    (``[b, s]`` fp32, 0 at ignored targets) out of the model's last chunk; ``aux_losses`` from any chunk.
-    """
-
-    hidden_states: Optional[torch.Tensor] = None
-    token_loss: Optional[torch.Tensor] = None
-    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -9,7 +9,7 @@ the main model's output after its final norm) and the embedding of the token ``k
 
 Positions whose target lies past the sequence end take no loss. The MTP loss is
 ``mtp_loss_scaling_factor * mean_k(loss_k)`` with each ``loss_k`` the mean over its targets of the
-micro-batch; a model adds it to its main loss as an auxiliary loss (:class:`~megacann.layers.ChunkOutput`).
+micro-batch; a model adds it to its main loss as an auxiliary loss (the model contract's ``ChunkOutput``).
 
 Parallel layouts: ``eh_proj`` is a :class:`~megacann.layers.ColumnParallelLinear` whose output slices are
 gathered (and, under sequence parallelism, scattered back to the sequence shard), the head and loss are

@@ -2,15 +2,14 @@
 
 ``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Mistral, Qwen2, Qwen3, Qwen3-MoE
 and DeepSeek-V3 here; docs/models.md lists them); a script registers its own with :func:`register_model` or
-hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`); reading
-and writing the directories is :mod:`megacann.interop`'s, and
-``from megacann.models import from_pretrained_hf`` still finds it there.
+hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`: names
+and settings, as data); reading and writing the directories is :mod:`megacann.interop`'s
+(``megacann.interop.from_pretrained_hf`` / ``save_pretrained_hf``), which this package never imports.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from megacann.models.contract import ChunkOutput, count_target_tokens
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.deepseek import DEEPSEEK_V3, DeepseekV3Model
 from megacann.models.gpt import GPT, GPTModel
@@ -27,11 +26,11 @@ from megacann.models.spec import (
     family_import,
     find_hf_family,
     get_model_spec,
+    layer_context_from_config,
     prepare_model_config,
     register_model,
     registered_models,
 )
-from megacann.models.step_loss import count_target_tokens
 
 register_model(LLAMA)
 register_model(GPT)
@@ -51,6 +50,7 @@ __all__ = [
     "QWEN2",
     "QWEN3",
     "QWEN3_MOE",
+    "ChunkOutput",
     "ChunkPlacement",
     "DecoderArch",
     "DecoderLM",
@@ -70,19 +70,10 @@ __all__ = [
     "decoder_model_spec",
     "family_import",
     "find_hf_family",
-    "from_pretrained_hf",
     "get_model_spec",
+    "layer_context_from_config",
     "padded_vocab_size",
     "prepare_model_config",
     "register_model",
     "registered_models",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """``from_pretrained_hf`` lives in :mod:`megacann.interop.hf` (above models); imported on first use."""
-    if name == "from_pretrained_hf":
-        from megacann.interop.hf import from_pretrained_hf
-
-        return from_pretrained_hf
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,18 +38,17 @@ from megacann.layers import (
     dropout,
     init_normal,
     initialize_weights,
-    layer_context_from_config,
     make_parameter,
     tie_embedding_across_stages,
 )
 from megacann.layers.context import block_layer_context
 from megacann.layers.context_parallel import context_parallel_position_ids
 from megacann.layers.embedding import vocab_parallel_embedding
-from megacann.layers.loss import ChunkOutput
 from megacann.layers.multi_token_prediction import MTPLayer, MultiTokenPrediction, embedding_copy_for_last_stage
 from megacann.models import sizing
+from megacann.models.contract import ChunkOutput
 from megacann.models.mtp import mtp_depths, mtp_matmul_parameters, mtp_parameters
-from megacann.models.spec import ChunkPlacement, HFAdapter, ModelSpec
+from megacann.models.spec import ChunkPlacement, HFAdapter, ModelSpec, layer_context_from_config
 
 EMBEDDING_WEIGHT = "embed_tokens.weight"  # the name a last stage's tied copy of the embedding is drawn from
 
@@ -318,5 +317,6 @@ def decoder_model_spec(
         fill_defaults=model_class.fill_defaults,
         hf=hf,
         architecture=arch,
+        sharding_units=(TransformerBlock,),  # ZeRO-3 gathers one block at a time
         **extra,
     )

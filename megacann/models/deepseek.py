@@ -22,15 +22,21 @@ decoder layer ``num_hidden_layers + k - 1``.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import LatentAttention, MoEConfig, MoELayer, TransformerBlock, init_normal
 from megacann.layers.latent_attention import latent_attention_parameters, mla_softmax_scale
-from megacann.models.decoder import DecoderArch, block_config, decoder_model_spec
+from megacann.models.decoder import DecoderArch, block_config
 from megacann.models.deepseek_config import DeepseekV3ModelConfig, deepseek_layer_flags
 from megacann.models.hf_deepseek import DEEPSEEK_V3_HF
-from megacann.models.moe import MOE, MoEModel, check_moe_config, is_moe_layer, moe_defaults, moe_structure
+from megacann.models.moe import (
+    MoEModel,
+    check_moe_config,
+    is_moe_layer,
+    moe_defaults,
+    moe_model_spec,
+    moe_structure,
+)
 from megacann.models.mtp import mtp_depths, mtp_parameters
 from megacann.models.spec import MoEStructure
 
@@ -192,20 +198,15 @@ def deepseek_structure(m: ModelConfig) -> MoEStructure:
     return dataclasses.replace(moe_structure(_filled(m)), normalize_top_k=m.norm_topk_prob)
 
 
-_BASE = decoder_model_spec("deepseek_v3", DeepseekV3Model, check_config=check_deepseek_config, hf=DEEPSEEK_V3_HF)
-DEEPSEEK_V3 = dataclasses.replace(
-    MOE,  # the MoE family's forward step, router-bias update and load warnings
-    name=_BASE.name,
-    build_chunk=_BASE.build_chunk,
-    fill_defaults=_BASE.fill_defaults,
-    check_config=_BASE.check_config,
-    hf=DEEPSEEK_V3_HF,
-    flops_per_token=deepseek_flops_per_token,
-    num_parameters=deepseek_num_parameters,
-    active_parameters=partial(deepseek_num_parameters, active=True),
+DEEPSEEK_V3 = moe_model_spec(
+    "deepseek_v3",
+    DeepseekV3Model,
     config_class=DeepseekV3ModelConfig,
-    architecture=DeepseekV3Model.ARCH,
-    moe_structure=deepseek_structure,
+    check_config=check_deepseek_config,
+    hf=DEEPSEEK_V3_HF,
+    num_parameters=deepseek_num_parameters,
+    flops_per_token=deepseek_flops_per_token,
+    structure=deepseek_structure,
 )
 
 __all__ = ["DEEPSEEK_V3", "DeepseekV3Model", "deepseek_num_parameters"]

@@ -23,13 +23,11 @@ The model's embedding and head serve the depths; DeepSeek's checkpoints keep cop
 depth (``model.layers.<L+j>.embed_tokens``, ``shared_head.head``), which inference engines read for the
 depth: they are written (copies of the model's) and not read. A config.json
 naming depths whose weights its checkpoint lacks (transformers writes none) is read without them, with a
-note.
+note (:func:`fit_mtp_to_weights`; the weights import says which tensors the checkpoint holds).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
@@ -180,8 +178,7 @@ def balancing_keys(cfg: ModelConfig) -> dict[str, Any]:
 
 def config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = None) -> ModelConfig:
     """A deepseek_v3 ModelConfig from config.json (``raw``: the file already parsed, else read here; its
-    MoE layers derived from ``first_k_dense_replace``). Multi-token prediction depths whose weights the
-    checkpoint beside it lacks are left out, with a note."""
+    MoE layers derived from ``first_k_dense_replace``)."""
     raw = read_hf_config(config_file) if raw is None else raw
     cfg = hf_llama.model_config_from_hf(config_file, family="deepseek_v3", raw=raw)
     if cfg.num_experts is None or cfg.moe_ffn_hidden_size is None:
@@ -189,31 +186,20 @@ def config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = None) -> Mo
     for key, (field, value) in HF_DEFAULTS.items():  # what transformers assumes where config.json is silent
         if key not in raw:
             setattr(cfg, field, value)
-    if mtp_depths(cfg) and not _has_mtp_weights(os.path.dirname(config_file), cfg.num_layers):
-        advise(
-            f"{config_file}: num_nextn_predict_layers {mtp_depths(cfg)}, but the checkpoint beside it has no "
-            f"multi-token prediction weights (model.layers.{cfg.num_layers}.eh_proj.weight): read without them"
-        )
-        cfg.mtp_num_layers = 0
     cfg.moe_layer_freq = deepseek_layer_flags(cfg)
     return cfg
 
 
-def _has_mtp_weights(directory: str, num_layers: int) -> bool:
-    """Whether the safetensors checkpoint in ``directory`` holds the first MTP depth's projection (a
-    directory without a checkpoint, e.g. a config.json alone, is taken to have it)."""
-    name = f"model.layers.{num_layers}.eh_proj.weight"
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return name in json.load(f).get("weight_map", {})
-    single = os.path.join(directory, "model.safetensors")
-    if not os.path.isfile(single):
-        return True
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as f:
-        return name in list(f.keys())  # a safetensors handle has no membership test
+def fit_mtp_to_weights(cfg: ModelConfig, holds: Callable[[str], bool], source: str) -> None:
+    """Leave out the multi-token prediction depths when the checkpoint lacks their weights (``holds``: whether
+    it has a Hugging Face tensor of that name; transformers writes none), with a note naming ``source``."""
+    name = f"model.layers.{cfg.num_layers}.eh_proj.weight"
+    if mtp_depths(cfg) and not holds(name):
+        advise(
+            f"{source}: num_nextn_predict_layers {mtp_depths(cfg)}, but the checkpoint beside it has no "
+            f"multi-token prediction weights ({name}): read without them"
+        )
+        cfg.mtp_num_layers = 0
 
 
 DEEPSEEK_V3_HF = HFAdapter(
@@ -223,4 +209,5 @@ DEEPSEEK_V3_HF = HFAdapter(
     to_hf=to_hf_tensors,
     from_hf=from_hf_tensors,
     linear_parts=hf_parts,
+    fit_to_weights=fit_mtp_to_weights,
 )

@@ -31,11 +31,5 @@ class LlamaModel(DecoderLM):
     ARCH = DecoderArch(normalization="rmsnorm", activation="swiglu", position_embedding="rope")
     fill_defaults = staticmethod(llama_defaults)
 
-    def save_pretrained_hf(self, path: str) -> None:
-        """Write a Hugging Face LLaMA directory (config.json + safetensors) that transformers loads."""
-        from megacann.interop.hf import save_pretrained_hf
-
-        save_pretrained_hf([self], path, self.config)
-
 
 LLAMA = replace(decoder_model_spec("llama", LlamaModel, hf=LLAMA_HF), config_class=LlamaModelConfig)

@@ -22,21 +22,22 @@ Face convert both ways (:mod:`megacann.models.hf_mixtral`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import MoEConfig, MoELayer, TransformerBlock
-from megacann.layers.loss import ChunkOutput
 from megacann.layers.moe import moe_layers, update_expert_biases
 from megacann.models import sizing
+from megacann.models.contract import ChunkOutput
 from megacann.models.decoder import DecoderLM, decoder_model_spec
 from megacann.models.hf_mixtral import MIXTRAL_HF
 from megacann.models.llama import LlamaModel, llama_defaults
 from megacann.models.moe_config import MoEModelConfig
 from megacann.models.mtp import mtp_depths, mtp_matmul_parameters, mtp_parameters
-from megacann.models.spec import Batch, MoEStructure, decoder_forward_step
+from megacann.models.spec import Batch, HFAdapter, ModelSpec, MoEStructure, decoder_forward_step
 
 TOKENS_PER_EXPERT = "moe_tokens_per_expert"  # stats name prefix: f"{TOKENS_PER_EXPERT}/layer_{i}"
 DROPPED_TOKENS = "moe_dropped_tokens"
@@ -100,12 +101,6 @@ class MoEModel(DecoderLM):
         if not is_moe_layer(self.config, layer_id):
             return super().build_layer(layer_id)
         return TransformerBlock(self.block_config, mlp=MoELayer(self.moe_config()))
-
-    def save_pretrained_hf(self, path: str) -> None:
-        """Write a Hugging Face Mixtral directory (config.json + safetensors) that transformers loads."""
-        from megacann.interop.hf import save_pretrained_hf
-
-        save_pretrained_hf([self], path, self.config)
 
 
 # -- recipe checks ------------------------------------------------------------------------------------
@@ -265,16 +260,38 @@ def expert_load_warnings(record: dict[str, Any]) -> list[str]:
     return lines
 
 
-MOE = dataclasses.replace(
-    decoder_model_spec("moe", MoEModel, check_config=check_moe_config, hf=MIXTRAL_HF),
-    flops_per_token=moe_flops_per_token,
-    num_parameters=moe_num_parameters,
-    active_parameters=lambda m: moe_num_parameters(m, active=True),
-    forward_step=moe_forward_step,
-    after_optimizer_step=update_router_biases,
-    metric_warnings=expert_load_warnings,
-    architecture=MoEModel.ARCH,
-    moe_structure=moe_structure,
-    mixture_of_experts=True,
-    config_class=MoEModelConfig,
-)
+# -- the spec -----------------------------------------------------------------------------------------
+
+
+def moe_model_spec(
+    name: str,
+    model_class: type[MoEModel],
+    *,
+    config_class: type[MoEModelConfig],
+    check_config: Callable[[MegacannConfig, str], None] = check_moe_config,
+    hf: Optional[HFAdapter] = None,
+    num_parameters: Optional[Callable[..., int]] = None,
+    flops_per_token: Callable[[ModelConfig, int], float] = moe_flops_per_token,
+    structure: Callable[[ModelConfig], MoEStructure] = moe_structure,
+) -> ModelSpec:
+    """The :class:`ModelSpec` of an MoE decoder family: a decoder's build, defaults and checks
+    (``model_class``, ``check_config``) with what every MoE family shares (the forward step's auxiliary
+    losses and per-expert counts, the router-bias update after each optimizer step, the console's load
+    warnings, expert parallelism); a family passes only what it does differently. ``num_parameters(m,
+    active=False)`` (default: :func:`moe_num_parameters` of ``model_class``) also gives the active count."""
+    count = num_parameters or partial(moe_num_parameters, model_class=model_class)
+    return dataclasses.replace(
+        decoder_model_spec(name, model_class, check_config=check_config, hf=hf),
+        flops_per_token=flops_per_token,
+        num_parameters=count,
+        active_parameters=partial(count, active=True),
+        forward_step=moe_forward_step,
+        after_optimizer_step=update_router_biases,
+        metric_warnings=expert_load_warnings,
+        moe_structure=structure,
+        mixture_of_experts=True,
+        config_class=config_class,
+    )
+
+
+MOE = moe_model_spec("moe", MoEModel, config_class=MoEModelConfig, hf=MIXTRAL_HF)

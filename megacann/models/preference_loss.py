@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from megacann import parallel_state as ps
 from megacann.collectives import all_reduce_if_parallel
 from megacann.constants import IGNORE_INDEX
-from megacann.layers.loss import ChunkOutput
 from megacann.layers.mappings import reduce_from_tensor_model_parallel_region
+from megacann.models.contract import ChunkOutput
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 STAT_NAMES = ("pairs", "chosen_reward_sum", "rejected_reward_sum", "correct_pairs")

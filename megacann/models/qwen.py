@@ -17,7 +17,6 @@ Hugging Face checkpoints convert both ways (:mod:`megacann.models.hf_qwen`).
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import MoEConfig
@@ -25,11 +24,10 @@ from megacann.models.decoder import DecoderArch, decoder_model_spec
 from megacann.models.hf_qwen import QWEN2_HF, QWEN3_HF, QWEN3_MOE_HF
 from megacann.models.llama import LlamaModel
 from megacann.models.moe import (
-    MOE,
     MoEModel,
     check_moe_config,
     moe_defaults,
-    moe_flops_per_token,
+    moe_model_spec,
     moe_num_parameters,
     moe_structure,
 )
@@ -146,18 +144,12 @@ QWEN3 = dataclasses.replace(
     decoder_model_spec("qwen3", Qwen3Model, check_config=check_qwen_config, hf=QWEN3_HF),
     config_class=Qwen3ModelConfig,
 )
-_QWEN3_MOE_BASE = decoder_model_spec("qwen3_moe", Qwen3MoeModel, check_config=check_qwen3_moe_config, hf=QWEN3_MOE_HF)
-QWEN3_MOE = dataclasses.replace(
-    MOE,  # the MoE family's forward step, router-bias update and load warnings
-    name=_QWEN3_MOE_BASE.name,
-    build_chunk=_QWEN3_MOE_BASE.build_chunk,
-    fill_defaults=_QWEN3_MOE_BASE.fill_defaults,
-    check_config=_QWEN3_MOE_BASE.check_config,
-    hf=QWEN3_MOE_HF,
-    flops_per_token=moe_flops_per_token,
-    num_parameters=_qwen3_moe_parameters,
-    active_parameters=partial(_qwen3_moe_parameters, active=True),
+QWEN3_MOE = moe_model_spec(
+    "qwen3_moe",
+    Qwen3MoeModel,
     config_class=Qwen3MoeModelConfig,
-    architecture=QWEN3_ARCH,
-    moe_structure=_qwen3_moe_structure,
+    check_config=check_qwen3_moe_config,
+    hf=QWEN3_MOE_HF,
+    num_parameters=_qwen3_moe_parameters,
+    structure=_qwen3_moe_structure,
 )

@@ -9,7 +9,7 @@ A family is one :class:`ModelSpec`:
   the same way whatever the layout (name parameters by their global place and use
   :func:`megacann.layers.initialize_weights`).
 - ``forward_step(chunk, batch, hidden_states)`` runs one micro-batch through a chunk and returns a
-  :class:`~megacann.layers.ChunkOutput`: hidden states out of a chunk without the head, the per-token
+  :class:`~megacann.models.contract.ChunkOutput`: hidden states out of a chunk without the head, the per-token
   loss out of the last one, auxiliary losses out of any (Megatron-Core's ``forward_step_func``).
 - ``flops_per_token`` from the config alone (MFU); ``num_parameters`` likewise (the dry run; without it
   the whole model is built on the meta device and counted), ``active_parameters`` where fewer take part
@@ -25,6 +25,10 @@ A family is one :class:`ModelSpec`:
   ``{"choices": (...)}`` for a closed set of values; extend ``HF_KEYS`` for its config.json names.
 - ``mixture_of_experts``: the family may hold expert-parallel parameters; for any other family
   ``distributed.expert_parallel_size`` must be 1 (:func:`prepare_model_config` refuses it otherwise).
+- ``sharding_units``: the module classes whose instances ZeRO-3 gathers and frees as one unit each
+  (:mod:`megacann.optimizer.zero.units`; megacann's families: their transformer blocks); a chunk's weights
+  outside them form one more unit. A family of its own blocks names their class, else its whole chunk is
+  one unit and ZeRO-3 holds all of its weights whole during the chunk's forward and backward.
 - ``architecture`` (a ``DecoderArch``) and, for an MoE family, ``moe_structure(cfg)`` (a
   :class:`MoEStructure`): what estimators such as ``megacann-plan`` need of the family's structure.
 
@@ -45,14 +49,57 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import ConfigError, MegacannConfig, ModelConfig, register_model_config
-from megacann.layers.context import layer_context_from_config
-from megacann.layers.loss import ChunkOutput
+from megacann.config.families import family_of_hf_model_type, hf_model_types
+from megacann.layers.context import LayerContext
 from megacann.layers.sharding import get_sharding
+from megacann.layers.transformer import TransformerBlock
+from megacann.models.contract import ChunkOutput
 from megacann.models.mtp import check_mtp_config
+from megacann.ops.fp8 import Fp8Settings
 
 Device = Optional[Union[torch.device, str]]
 Batch = dict[str, torch.Tensor]
+
+
+def layer_context_from_config(cfg: MegacannConfig, device: Device = None) -> LayerContext:
+    """The layer context (:class:`~megacann.layers.LayerContext`) of a recipe on this process, made here
+    because the layers know no recipe: ``distributed.sequence_parallel`` (off under tp 1, read from
+    parallel_state), ``model.precision``, ``distributed.context_parallel_algo``, ``model.init_method_std``
+    and ``model.num_layers`` (scaled init), ``model.activation_checkpointing``,
+    ``distributed.tp_comm_overlap``, ``distributed.pipeline_schedule`` (one that splits the backward defers
+    weight gradients), ``precision.fp8``; ``device`` as given (the ``device`` a ``build_chunk`` receives)."""
+    model, parallel = cfg.model, cfg.distributed
+    return LayerContext(
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=PRECISION_DTYPES[model.precision],
+        device=device,
+        context_parallel_algo=parallel.context_parallel_algo,
+        init_method_std=model.init_method_std,
+        num_layers=model.num_layers,
+        recompute=model.activation_checkpointing,
+        tp_comm_overlap=parallel.tp_comm_overlap,
+        defer_weight_grads=parallel.splits_backward,
+        weights_kept_for_w=parallel.zero_stage < 3,
+        fp8=fp8_settings(cfg),
+    )
+
+
+def fp8_settings(cfg: MegacannConfig) -> Optional[Fp8Settings]:
+    """``precision.fp8`` and its keys as the layers take them (None: ``none``)."""
+    p = cfg.precision
+    if p.fp8 == "none":
+        return None
+    return Fp8Settings(
+        p.fp8,
+        p.fp8_grad_format,
+        p.fp8_exclude_first_layers,
+        p.fp8_exclude_last_layers,
+        cfg.model.num_layers,
+        p.fp8_scaling,
+        p.fp8_amax_history_len,
+    )
 
 
 @dataclass(frozen=True)
@@ -93,6 +140,8 @@ class HFAdapter:
     ``read(hf_name)``. ``linear_parts(name, cfg)`` (optional) gives the Hugging Face names of a megacann
     linear weight with the output rows of each, in order (a fused weight is several, split by rows; rows
     None: the whole weight): what PEFT adapter names need (:mod:`megacann.interop.peft`).
+    ``fit_to_weights(cfg, holds, source)`` (optional) adjusts settings the checkpoint's weights decide
+    (``holds(hf_name)``: whether it has that tensor; a family's adapter reads no file itself).
     """
 
     model_types: tuple[str, ...]
@@ -101,6 +150,7 @@ class HFAdapter:
     to_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     from_hf: Callable[[Sequence[str], Callable[[str], torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     linear_parts: Optional[Callable[[str, ModelConfig], list[tuple[str, Optional[int]]]]] = None
+    fit_to_weights: Optional[Callable[[ModelConfig, Callable[[str], bool], str], None]] = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +200,7 @@ class ModelSpec:
     metric_warnings: Optional[Callable[[dict[str, Any]], list[str]]] = None
     mixture_of_experts: bool = False
     config_class: type[ModelConfig] = ModelConfig
+    sharding_units: tuple[type[torch.nn.Module], ...] = (TransformerBlock,)
 
     def build(self, cfg: MegacannConfig, placement: ChunkPlacement, device: Device = None) -> torch.nn.Module:
         """``build_chunk`` inside the recipe's layer context (sequence parallel, dtype, device, the
@@ -187,10 +238,10 @@ def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
     # registers its family again; a rival family of that name from elsewhere is an error
     if known is not None and not replace and known is not spec and _REGISTERED_FROM.get(spec.name) != caller:
         raise ValueError(f"a model family named {spec.name!r} is already registered (pass replace=True)")
+    register_model_config(spec.name, spec.config_class, spec.hf.model_types if spec.hf else ())
     _REGISTERED_FROM[spec.name] = caller
     _REGISTERING_MODULE[spec.name] = frame.f_globals.get("__name__", "")
     _REGISTRY[spec.name] = spec
-    register_model_config(spec.name, spec.config_class, spec.hf.model_types if spec.hf else ())
     return spec
 
 
@@ -259,11 +310,11 @@ def refuse_expert_settings(cfg: MegacannConfig, family: str, source: str = "<rec
 
 
 def find_hf_family(model_type: str) -> ModelSpec:
-    """The registered family whose Hugging Face adapter reads config.json's ``model_type``."""
-    for spec in _REGISTRY.values():
-        if spec.hf is not None and model_type in spec.hf.model_types:
-            return spec
-    readable = sorted(t for s in _REGISTRY.values() if s.hf for t in s.hf.model_types)
-    raise ConfigError(
-        f"Hugging Face model_type {model_type!r} has no megacann adapter; readable: {', '.join(readable)}"
-    )
+    """The registered family whose Hugging Face adapter reads config.json's ``model_type`` (the recipe
+    loader's map, :func:`megacann.config.families.family_of_hf_model_type`: the one map of them)."""
+    family = family_of_hf_model_type(model_type)
+    if family is None:
+        raise ConfigError(
+            f"Hugging Face model_type {model_type!r} has no megacann adapter; readable: {', '.join(hf_model_types())}"
+        )
+    return get_model_spec(family)

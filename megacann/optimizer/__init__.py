@@ -20,15 +20,20 @@ def build_optimizer(
     cfg: MegacannConfig,
     named_params: list[tuple[str, torch.nn.Parameter]],
     modules: Optional[list[torch.nn.Module]] = None,
+    sharding_units: tuple[type[torch.nn.Module], ...] = (),
 ) -> OptimizerBase:
     """The optimizer for this rank's parameters (global names), as the recipe asks (plain DP or ZeRO).
-    ``modules`` (the model chunks) let ZeRO wait for overlapped parameter gathers in forward hooks."""
+    ``modules`` (the model chunks) let ZeRO wait for overlapped parameter gathers in forward hooks, and
+    ZeRO-3 gather each chunk's modules of the classes ``sharding_units`` (the family's
+    ``ModelSpec.sharding_units``) one at a time (none: a whole chunk at a time)."""
     d = cfg.distributed
     offload = cfg.optim.offload_optimizer  # fp32 masters and state in host memory (megacann.optimizer.offload)
     if offload:
         from megacann.optimizer.offload import OffloadedDistributedOptimizer, OffloadedOptimizer
     if d.zero_stage:
-        return (OffloadedDistributedOptimizer if offload else DistributedOptimizer)(named_params, cfg, modules)
+        return (OffloadedDistributedOptimizer if offload else DistributedOptimizer)(
+            named_params, cfg, modules, sharding_units
+        )
     if d.overlap_param_gather:
         raise ValueError(
             "distributed.overlap_param_gather needs distributed.zero_optimization (true, 1, 2 or 3): without ZeRO "

@@ -26,8 +26,8 @@ import torch
 
 from megacann import parallel_state as ps
 from megacann.layers.context_parallel import context_parallel_batch
+from megacann.models.contract import LossTotals, aux_loss_weight, backward_objective
 from megacann.models.spec import decoder_forward_step
-from megacann.models.step_loss import LossTotals, aux_loss_weight, backward_objective
 from megacann.pipeline import p2p
 from megacann.pipeline.actions import (
     ACTIVATION,

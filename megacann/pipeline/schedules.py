@@ -24,8 +24,8 @@ import torch
 
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
+from megacann.models.contract import LossTotals
 from megacann.models.spec import decoder_forward_step
-from megacann.models.step_loss import LossTotals
 from megacann.pipeline import p2p
 from megacann.pipeline.executor import ForwardStep, StepOptions, run_plan
 from megacann.pipeline.overlap import overlap_wanted, resolve_overlap

@@ -20,7 +20,7 @@ import torch
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.models import ModelSpec
-from megacann.models.step_loss import count_target_tokens
+from megacann.models.contract import count_target_tokens
 
 
 class TokenObjective:

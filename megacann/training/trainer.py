@@ -111,7 +111,9 @@ class Trainer:
         self.activation_offload = offload_layer_activations(self.model_chunks, offloaded_layer_ids(cfg))
         self.named_params = [(n, p) for chunk in self.model_chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in self.named_params]
-        self.optimizer = build_optimizer(cfg, self.named_params, modules=self.model_chunks)
+        self.optimizer = build_optimizer(
+            cfg, self.named_params, modules=self.model_chunks, sharding_units=self.model_spec.sharding_units
+        )
         self.schedule = LRSchedule.from_config(cfg.optim)
         # what a step optimises: the per-token loss, or (train_mode dpo) per-pair losses and a reference policy
         self.objective = build_objective(cfg, self.model_spec, self.model_chunks, self.device)

@@ -31,7 +31,7 @@ from megacann.optimizer.zero.hybrid import HybridGroups
 from megacann.optimizer.zero.layout import ShardRange, shard_ranges, shard_slice
 from megacann.optimizer.zero.param_buffer import ForwardGatherHooks, ParamBuffer
 from megacann.optimizer.zero.sharded_params import ShardedParams
-from megacann.optimizer.zero.units import UnitHooks, unit_modules
+from megacann.optimizer.zero.units import UnitHooks, UnitTypes, unit_modules
 
 
 @dataclass
@@ -54,7 +54,8 @@ class DistributedOptimizer(OptimizerBase):
     """ZeRO-1/2/3 over this rank's trainable parameters; the same interface as ``MixedPrecisionOptimizer``.
 
     ``modules`` (the model chunks) are needed for ``distributed.overlap_param_gather`` (forward hooks) and
-    for stage 3 (its units). Stage 3 shards frozen parameters (``requires_grad=False``) too.
+    for stage 3 (its units: each chunk, and in it each module of the classes ``sharding_units``, the model
+    family's ``ModelSpec.sharding_units``). Stage 3 shards frozen parameters (``requires_grad=False``) too.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class DistributedOptimizer(OptimizerBase):
         named_params: list[tuple[str, torch.nn.Parameter]],
         cfg: MegacannConfig,
         modules: Optional[list[torch.nn.Module]] = None,
+        sharding_units: UnitTypes = (),
     ):
         super().__init__(named_params, cfg)
         d = cfg.distributed
@@ -76,7 +78,7 @@ class DistributedOptimizer(OptimizerBase):
             )
         unit_of = None
         if self.stage == 3:
-            unit_ids = unit_modules(modules)[1]
+            unit_ids = unit_modules(modules, sharding_units)[1]
             unit_of = lambda p: unit_ids[id(p)]  # noqa: E731 (a bucket never spans two units)
         self.hybrid = HybridGroups(d.zero_shard_group_size) if d.zero_shard_group_size else None
         group_for = self.hybrid.group_for if self.hybrid else reduction_group
@@ -112,7 +114,7 @@ class DistributedOptimizer(OptimizerBase):
                 layout = GradBuffer(members, group, self.bucket_size, pad_to=size, persistent=False, unit_of=unit_of)
                 self.frozen.append(ShardedParams(layout, dist.get_rank(group) if size > 1 else 0))
             storages = [s.params for s in self.shards] + self.frozen
-            self._unit_hooks = UnitHooks(modules, storages, prefetch=self.overlap_param_gather)
+            self._unit_hooks = UnitHooks(modules, storages, self.overlap_param_gather, sharding_units)
         elif self.overlap_param_gather:
             self._gather_hooks = ForwardGatherHooks(modules, self.model_params, self.finish_param_sync)
 

@@ -1,8 +1,10 @@
 """ZeRO-3's units: the modules whose weights are gathered together before their forward and backward and
 freed after them.
 
-Every :class:`~megacann.layers.transformer.TransformerBlock` is a unit; each model chunk is a unit too,
-holding the weights outside its blocks (embedding, final norm, output layer). A unit's buckets are
+Every module of the classes the model family names (``ModelSpec.sharding_units``: megacann's families their
+transformer blocks, a family of its own blocks those) is a unit; each model chunk is a unit too, holding the
+weights outside them (embedding, final norm, output layer). A family that names none has one unit per chunk,
+so its chunk's weights are all whole while it runs. A unit's buckets are
 gathered in its forward pre-hook and freed in its forward hook; a hook on its outputs gathers them again
 when the gradient reaches them (before its backward, recomputation included) and a hook on its input
 frees them once the gradient has passed through it. What is still gathered when the backward ends (a
@@ -14,13 +16,14 @@ current unit computes, overlapping the communication.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from megacann.layers.transformer import TransformerBlock
 from megacann.optimizer.zero.sharded_params import ShardedParams
+
+UnitTypes = tuple[type[torch.nn.Module], ...]
 
 
 @dataclass
@@ -32,16 +35,18 @@ class Unit:
     in_backward: bool = False
 
 
-def unit_modules(roots: list[torch.nn.Module]) -> tuple[list[tuple[torch.nn.Module, int]], dict[int, int]]:
-    """The units of ``roots`` (each chunk first, then its transformer blocks) and the unit index of every
-    parameter, by id: a parameter belongs to the innermost unit holding it."""
+def unit_modules(
+    roots: list[torch.nn.Module], unit_types: UnitTypes
+) -> tuple[list[tuple[torch.nn.Module, int]], dict[int, int]]:
+    """The units of ``roots`` (each chunk first, then its modules of ``unit_types``) and the unit index of
+    every parameter, by id: a parameter belongs to the outermost such module holding it, else its chunk."""
     modules: list[tuple[torch.nn.Module, int]] = []
     unit_of: dict[int, int] = {}
     for root_index, root in enumerate(roots):
         root_unit = len(modules)
         modules.append((root, root_index))
         for module in root.modules():
-            if isinstance(module, TransformerBlock):
+            if unit_types and isinstance(module, unit_types) and module is not root:
                 index = len(modules)
                 modules.append((module, root_index))
                 for p in module.parameters():
@@ -52,15 +57,26 @@ def unit_modules(roots: list[torch.nn.Module]) -> tuple[list[tuple[torch.nn.Modu
 
 
 def _grad_tensors(value) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(value)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    """The tensors needing a gradient in a module's inputs or outputs, inside dataclasses too (a model
+    chunk's ``ChunkOutput``, which pytree flattening would take for one opaque leaf)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        value = [getattr(value, f.name) for f in fields(value)]
+    found = []
+    for leaf in tree_flatten(value)[0]:
+        if is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _grad_tensors(leaf)
+        elif isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            found.append(leaf)
+    return found
 
 
 class UnitHooks:
     """Gathers and frees the units of ``roots`` around their forward and backward (see the module doc)."""
 
-    def __init__(self, roots: list[torch.nn.Module], storages: Iterable[ShardedParams], prefetch: bool):
-        modules, self.unit_of = unit_modules(roots)
+    def __init__(
+        self, roots: list[torch.nn.Module], storages: Iterable[ShardedParams], prefetch: bool, unit_types: UnitTypes
+    ):
+        modules, self.unit_of = unit_modules(roots, unit_types)
         self.units = [Unit(i, module, root) for i, (module, root) in enumerate(modules)]
         for storage in storages:
             for bucket in storage.layout.buckets:

@@ -1,7 +1,7 @@
-"""A training step's loss accounting over the data-parallel, context-parallel and pipeline groups.
-
-What a model chunk returns (:class:`~megacann.layers.ChunkOutput`) becomes the step's objective and its
-logged figures here, the same way for every model family and layout:
+"""The model contract's runtime half: what a model chunk gives back for a micro-batch (:class:`ChunkOutput`)
+and how a training step turns those into its objective and logged figures, the same way for every family
+and layout. The pipeline schedules and the trainer know a model's outputs only through this module (the
+declarative half, :class:`~megacann.models.spec.ModelSpec` and its registry, is :mod:`megacann.models.spec`).
 
 - A step's loss is the sum of every target token's loss in the *global* batch divided by the number of
   target tokens in it (:func:`count_target_tokens`); each micro-batch's sum is divided by that count before
@@ -20,6 +20,7 @@ logged figures here, the same way for every model family and layout:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -28,7 +29,22 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.collectives import all_reduce_if_parallel
 from megacann.constants import IGNORE_INDEX
-from megacann.layers.loss import ChunkOutput
+
+
+@dataclass
+class ChunkOutput:
+    """What one model chunk gives back for one micro-batch (a :class:`~megacann.models.spec.ModelSpec`'s
+    ``forward_step``).
+
+    ``hidden_states`` out of a chunk without the head (sent to the next pipeline stage); ``token_loss``
+    (``[b, s]`` fp32, 0 at ignored targets) out of the model's last chunk; ``aux_losses`` from any chunk;
+    ``stats`` (logged only) from any chunk.
+    """
+
+    hidden_states: Optional[torch.Tensor] = None
+    token_loss: Optional[torch.Tensor] = None
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def count_target_tokens(micro_batches: Iterable[dict[str, torch.Tensor]], group=None) -> torch.Tensor:
