@@ -14,6 +14,8 @@ varlen        packed / windowed attention per document, no mask (``ops.varlen``)
 flash         block attention and its lse by PyTorch's CPU flash kernel                  cpu
 cuda_flash    block attention and its lse by PyTorch's CUDA flash kernel                 cuda
 fused         the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)      cpu, cuda
+chunked       the gated delta rule in chunks of 64 tokens (``ops.gated_delta``)           cpu, cuda
+fla           the gated delta rule by flash-linear-attention, if installed                cuda
 fp32_gemm     bf16/fp16 ``linear``, ``grouped_matmul`` as fp32 GEMMs (no native GEMM)   cpu
 compiled      ``torch.compile`` of norm, RoPE, SwiGLU, head loss; opt-in (``ops.cuda``)  cuda
 apex          apex's fused RMSNorm, opt-in, if installed                                 cuda
@@ -34,6 +36,7 @@ from megacann.ops.signatures import (
     attention_block,
     attention_block_backward,
     cross_entropy,
+    gated_delta_rule,
     grouped_matmul,
     linear,
     moe_permute,
@@ -50,6 +53,7 @@ from megacann.ops import attention_blocks as _attention_blocks  # noqa: F401
 from megacann.ops import bf16_matmul as _bf16_matmul  # noqa: F401
 from megacann.ops import cpp as _cpp  # noqa: F401
 from megacann.ops import cuda as _cuda  # noqa: F401
+from megacann.ops import gated_delta as _gated_delta  # noqa: F401
 from megacann.ops import head_loss as _head_loss  # noqa: F401
 from megacann.ops import moe as _moe  # noqa: F401
 from megacann.ops import moe_gather as _moe_gather  # noqa: F401
@@ -88,6 +92,7 @@ __all__ = [
     "declare",
     "fp32_ops",
     "fused_enabled",
+    "gated_delta_rule",
     "grouped_matmul",
     "implementations",
     "linear",
