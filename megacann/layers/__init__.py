@@ -18,6 +18,7 @@ from megacann.layers.attention import SelfAttention
 from megacann.layers.compile import compile_blocks
 from megacann.layers.context import LayerContext, current_layer_context, layer_context_from_config
 from megacann.layers.embedding import VocabParallelEmbedding
+from megacann.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 from megacann.layers.init import (
     init_normal,
     init_ones,
@@ -67,6 +68,8 @@ __all__ = [
     "RotaryEmbedding",
     "SelfAttention",
     "LatentAttention",
+    "GatedDeltaNet",
+    "GatedDeltaNetCache",
     "SwiGLUMLP",
     "GeluMLP",
     "TransformerBlock",
