@@ -171,9 +171,9 @@ def gated_delta_chunked(
     cu_seqlens: Optional[torch.Tensor],
     chunk_size: int = CHUNK,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The chunked form (module docstring); a single token (a decoding step) runs the recurrence."""
+    """The chunked form (module docstring); a decoding step (one token, no gradient) runs the recurrence."""
     options = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
-    if q.shape[1] <= 1:
+    if q.shape[1] == 0 or (q.shape[1] == 1 and not torch.is_grad_enabled()):
         return gated_delta_reference(q, k, v, g, beta, cu_seqlens=cu_seqlens, **options)
     dt = compute_dtype(q, k, v, g, beta)
     heads, dk, dv, seq_len = q.shape[2], q.shape[3], v.shape[3], q.shape[1]
