@@ -61,9 +61,14 @@ def init_log_uniform(low: float = 0.01, high: float = 16.0) -> InitMethod:
     return functools.partial(_log_uniform, low=low, high=high)
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32 when it is of a lower precision (fp64 stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """``x / sqrt(sum(x²) + eps)`` over the last dim, in fp32 (as transformers and flash-linear-attention)."""
-    x = x.float()
+    x = at_least_fp32(x)
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
@@ -177,13 +182,13 @@ class GatedDeltaNet(torch.nn.Module):
         if group > 1:
             q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
         v = rearrange(v, "b s (h d) -> b s h d", d=self.value_head_dim)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(a) + at_least_fp32(self.dt_bias))
         return q, k, v, g, b.sigmoid()
 
     def _output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm of each head (``norm(o) · silu(z)``), then the output projection."""
         z = rearrange(z, "b s (h d) -> b s h d", d=self.value_head_dim)
-        gated = self.norm(core) * F.silu(z.float())
+        gated = self.norm(core) * F.silu(at_least_fp32(z))
         return self.out_proj(rearrange(gated.to(z.dtype), "b s h d -> b s (h d)"))
 
     def forward(
@@ -243,10 +248,11 @@ class GatedDeltaNet(torch.nn.Module):
         convolved = self.conv1d(_rows(chunks), _rows(ids), _rows(left), _rows(left_ids))
         q, k, v, g, beta = self._rule_inputs(convolved, _rows(pieces(b)), _rows(pieces(a)))
         heads, dk, dv = v.shape[2], self.key_head_dim, self.value_head_dim
-        wide_v = torch.cat([v.float(), v.new_zeros((*v.shape[:3], dk), dtype=torch.float32)], dim=-1)
+        exact = torch.promote_types(v.dtype, torch.float32)  # the start is added in the op's own precision
+        wide_v = torch.cat([v.to(exact), v.new_zeros((*v.shape[:3], dk), dtype=exact)], dim=-1)
         cu_seqlens, first, last = documents(_rows(ids))
-        identity = torch.eye(dk, dtype=torch.float32, device=v.device)
-        start = torch.zeros((cu_seqlens.numel() - 1, heads, dk, dv + dk), dtype=torch.float32, device=v.device)
+        identity = torch.eye(dk, dtype=exact, device=v.device)
+        start = torch.zeros((cu_seqlens.numel() - 1, heads, dk, dv + dk), dtype=exact, device=v.device)
         start[first, :, :, dv:] = identity
         flat = (t.flatten(0, 1).unsqueeze(0) for t in (q, k, wide_v, g, beta))
         wide, ends = ops.gated_delta_rule(
