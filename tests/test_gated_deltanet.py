@@ -28,11 +28,12 @@ def _randn(*shape, seed, dtype=torch.float32):
 
 
 def _rule_inputs(b, s, heads=3, dk=16, dv=8, seed=0, dtype=torch.float32):
-    """q, k (unit norm), v, g (<= 0), beta in (0, 1): the op's inputs as a layer makes them."""
+    """q, k (unit norm), v, g (<= 0), beta in (0, 1): the op's inputs as a layer makes them. The decay is
+    slow (exp(g) about 0.97 a token), so the state a chunk hands the next still matters 64 tokens on."""
     q = F.normalize(_randn(b, s, heads, dk, seed=seed, dtype=dtype), dim=-1)
     k = F.normalize(_randn(b, s, heads, dk, seed=seed + 1, dtype=dtype), dim=-1)
     v = _randn(b, s, heads, dv, seed=seed + 2, dtype=dtype)
-    g = -F.softplus(_randn(b, s, heads, seed=seed + 3, dtype=dtype))
+    g = -0.05 * F.softplus(_randn(b, s, heads, seed=seed + 3, dtype=dtype))
     beta = _randn(b, s, heads, seed=seed + 4, dtype=dtype).sigmoid()
     return [t.requires_grad_() for t in (q, k, v, g, beta)]
 
@@ -105,7 +106,8 @@ def test_packed_sequences_equal_each_run_alone(impl):
 
 
 def _tiny_pair(seed: int = 0) -> tuple[Qwen3_5GatedDeltaNet, GatedDeltaNet]:
-    """transformers' block on a tiny Qwen3.5 config with random weights, and megacann's with the same."""
+    """transformers' block on a tiny Qwen3.5 config with random weights, and megacann's with the same.
+    ``A_log`` is drawn small (decay rates 0.001 to 0.02) so that state crosses chunks of 64 tokens."""
     config = Qwen3_5TextConfig(
         hidden_size=HIDDEN,
         linear_num_key_heads=KEY_HEADS,
@@ -123,6 +125,7 @@ def _tiny_pair(seed: int = 0) -> tuple[Qwen3_5GatedDeltaNet, GatedDeltaNet]:
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0.0, 0.3)
+        theirs.A_log.uniform_(0.001, 0.02).log_()
     ours = GatedDeltaNet(HIDDEN, KEY_HEADS, VALUE_HEADS, DK, DV, KERNEL, config.rms_norm_eps)
     ours.load_state_dict(theirs.state_dict())
     return theirs, ours

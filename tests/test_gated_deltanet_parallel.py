@@ -122,6 +122,8 @@ def _run_layout(name, sp, weights, expected, errs, info):
 def _checks():
     torch.manual_seed(5)
     reference = GatedDeltaNet(HIDDEN, KEY_HEADS, VALUE_HEADS, DK, DV)  # no model-parallel groups yet: whole
+    with torch.no_grad():  # slow decay (rates 0.001 to 0.02): the state handed on still matters a chunk later
+        reference.A_log.uniform_(0.001, 0.02).log_()
     weights = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     expected = {case: _one_process(weights, *spec) for case, spec in CASES.items()}
     errs, info = {}, {}
