@@ -204,13 +204,16 @@ def gated_delta_chunked(
 
     state = q.new_zeros((layout.lanes, heads, dk, dv))
     outputs, finals = [], {}
-    for i in range(layout.chunks):
+    # per-chunk views by unbind: its backward stacks the chunks' gradients once, where indexing chunk by
+    # chunk would give each chunk a gradient the size of the whole tensor (quadratic in the length)
+    per_chunk = zip(*(t.unbind(2) for t in (new_values, state_keys, q_from_start, within, k_to_end, chunk_decay)))
+    for i, (values_i, keys_i, q_i, within_i, k_i, decay_i) in enumerate(per_chunk):
         if i in layout.begins:
             starts = [_start_state(initial_state, n, (heads, dk, dv), q) for n in layout.begins[i]]
             state = torch.stack(starts)
-        delta = new_values[:, :, i] - state_keys[:, :, i] @ state
-        outputs.append(q_from_start[:, :, i] @ state + within[:, :, i] @ delta)
-        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ delta
+        delta = values_i - keys_i @ state
+        outputs.append(q_i @ state + within_i @ delta)
+        state = state * decay_i + k_i.transpose(-1, -2) @ delta
         for lane, n in enumerate(layout.ends.get(i, ())):
             finals[n] = state[lane]
     out = _from_chunks(torch.stack(outputs, dim=2), layout, seq_len).to(v.dtype)
