@@ -8,6 +8,8 @@ refused by name."""
 from __future__ import annotations
 
 import logging
+import sys
+import types
 
 import pytest
 import torch
@@ -207,6 +209,41 @@ def test_cpu_uses_the_chunked_form_and_npu_says_it_runs_the_reference(caplog, mo
     assert [r.getMessage() for r in caplog.records] == [
         "megacann.ops: gated_delta_rule runs its PyTorch reference on npu (token by token): torch_npu "
         "provides no gated-delta kernel megacann can verify"
+    ]
+
+
+def test_the_fla_route_hands_the_op_to_flash_linear_attention(monkeypatch):
+    """No GPU here: a stand-in ``fla.ops.gated_delta_rule`` (running the reference) checks what the route
+    passes on: the chunked kernel for training and prefill, the recurrent one for a step without
+    gradient, one dtype for q, k, v and beta, the decay in fp32, ``cu_seqlens`` as int64."""
+    calls = []
+
+    def stand_in(name):
+        def kernel(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+            dtypes = {t.dtype for t in (q, k, v, beta)}
+            calls.append((name, dtypes, g.dtype, None if cu_seqlens is None else cu_seqlens.dtype, scale))
+            options = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+            return gated_delta.gated_delta_reference(q, k, v, g, beta, cu_seqlens=cu_seqlens, **options)
+
+        return kernel
+
+    module = types.ModuleType("fla.ops.gated_delta_rule")
+    module.chunk_gated_delta_rule = stand_in("chunk")
+    module.fused_recurrent_gated_delta_rule = stand_in("recurrent")
+    for name, value in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops"))):
+        monkeypatch.setitem(sys.modules, name, value)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
+    q, k, v, g, beta = (t.detach() for t in _rule_inputs(1, 10))
+    packed = dict(scale=None, initial_state=None, output_final_state=True, cu_seqlens=torch.tensor([0, 3, 10]))
+    out, state = gated_delta.gated_delta_fla(q, k, v.to(torch.float64), g, beta, **packed)
+    want, want_state = gated_delta.gated_delta_reference(q, k, v.to(torch.float64), g, beta, **packed)
+    assert torch.equal(out, want) and torch.equal(state, want_state) and out.dtype == torch.float64
+    with torch.no_grad():
+        step = dict(scale=0.5, initial_state=state[1:].float(), output_final_state=True, cu_seqlens=None)
+        gated_delta.gated_delta_fla(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], **step)
+    assert calls == [
+        ("chunk", {torch.float64}, torch.float32, torch.int64, 16**-0.5),
+        ("recurrent", {torch.float32}, torch.float32, None, 0.5),
     ]
 
 
