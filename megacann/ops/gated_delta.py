@@ -242,7 +242,9 @@ def gated_delta_fla(
     output_final_state: bool,
     cu_seqlens: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """flash-linear-attention's kernels (same layouts and state orientation as this op)."""
+    """flash-linear-attention's kernels (same layouts and state orientation as this op). Its kernels take
+    q, k, v and beta in one dtype (``v``'s here: a layer hands q and k over normalised in fp32), the decay
+    in fp32 and ``cu_seqlens`` as int64."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     decoding = q.shape[1] == 1 and not torch.is_grad_enabled()
@@ -250,11 +252,11 @@ def gated_delta_fla(
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.long)
     out, state = kernel(
-        q,
-        k,
+        q.to(v.dtype),
+        k.to(v.dtype),
         v,
         g=g.float(),
-        beta=beta,
+        beta=beta.to(v.dtype),
         scale=q.shape[-1] ** -0.5 if scale is None else scale,
         initial_state=None if initial_state is None else initial_state.float(),
         output_final_state=output_final_state,
