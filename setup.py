@@ -121,6 +121,7 @@ setup(
     ],
     extras_require={
         "npu": ["torch_npu"],
+        "fla": ["fla-core"],  # flash-linear-attention: Gated DeltaNet's CUDA kernels
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
         "dev": [

@@ -18,6 +18,7 @@ DECLARED = (
     "attention_block_backward",
     "cross_entropy",
     "fp8_linear",
+    "gated_delta_rule",
     "grouped_matmul",
     "linear",
     "moe_permute",

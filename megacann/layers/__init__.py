@@ -19,6 +19,7 @@ from megacann.layers.attention import SelfAttention
 from megacann.layers.compile import compile_blocks
 from megacann.layers.context import LayerContext, current_layer_context
 from megacann.layers.embedding import VocabParallelEmbedding
+from megacann.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 from megacann.layers.init import (
     init_normal,
     init_ones,
@@ -65,6 +66,8 @@ __all__ = [
     "RotaryEmbedding",
     "SelfAttention",
     "LatentAttention",
+    "GatedDeltaNet",
+    "GatedDeltaNetCache",
     "SwiGLUMLP",
     "GeluMLP",
     "TransformerBlock",

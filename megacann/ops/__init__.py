@@ -14,6 +14,8 @@ varlen        packed / windowed attention per document, no mask (``ops.varlen``)
 flash         block attention and its lse by PyTorch's CPU flash kernel                  cpu
 cuda_flash    block attention and its lse by PyTorch's CUDA flash kernel                 cuda
 fused         the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)      cpu, cuda
+chunked       the gated delta rule in chunks of 64 tokens (``ops.gated_delta``)           cpu, cuda
+fla           the gated delta rule by flash-linear-attention, if installed                cuda
 fp32_gemm     bf16/fp16 ``linear``, ``grouped_matmul`` as fp32 GEMMs (no native GEMM)   cpu
 scaled_mm     ``fp8_linear``'s tensorwise / rowwise products by ``torch._scaled_mm``     cpu, cuda
 compiled      ``torch.compile`` of norm, RoPE, SwiGLU, head loss; opt-in (``ops.cuda``)  cuda
@@ -36,6 +38,7 @@ from megacann.ops.signatures import (
     attention_block_backward,
     cross_entropy,
     fp8_linear,
+    gated_delta_rule,
     grouped_matmul,
     linear,
     moe_permute,
@@ -53,6 +56,7 @@ from megacann.ops import bf16_matmul as _bf16_matmul  # noqa: F401
 from megacann.ops import cpp as _cpp  # noqa: F401
 from megacann.ops import cuda as _cuda  # noqa: F401
 from megacann.ops import fp8 as _fp8  # noqa: F401
+from megacann.ops import gated_delta as _gated_delta  # noqa: F401
 from megacann.ops import head_loss as _head_loss  # noqa: F401
 from megacann.ops import moe as _moe  # noqa: F401
 from megacann.ops import moe_gather as _moe_gather  # noqa: F401
@@ -92,6 +96,7 @@ __all__ = [
     "fp32_ops",
     "fp8_linear",
     "fused_enabled",
+    "gated_delta_rule",
     "grouped_matmul",
     "implementations",
     "linear",

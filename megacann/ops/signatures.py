@@ -205,3 +205,25 @@ def _check_groups(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes:
 def grouped_matmul(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: Sequence[int]) -> torch.Tensor:
     """Consecutive row groups of ``x`` each multiplied by their own weight (``F.linear`` layout): the first
     ``group_sizes[0]`` rows times ``weights[0]ᵀ``, and so on. Implementations get lists (ints)."""
+
+
+@declare
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gated delta rule (Gated DeltaNet's linear attention), per head with state ``S`` ``[dk, dv]``:
+    ``S_t = exp(g_t)·(I - beta_t k_t k_tᵀ) S_{t-1} + beta_t k_t v_tᵀ``, output ``o_t = scale · S_tᵀ q_t``.
+    ``q``/``k`` ``[b, s, h, dk]``, ``v`` ``[b, s, h, dv]``, ``g`` (log decay, <= 0) and ``beta`` ``[b, s, h]``;
+    ``scale`` None: ``dk ** -0.5``. ``cu_seqlens`` (int ``[n+1]``, with ``b == 1``): packed sequences,
+    each starting from its own state. ``initial_state`` ``[n, h, dk, dv]`` (n = b, or the number of packed
+    sequences; None: zeros). Returns ``o`` (``v``'s shape and dtype) and, when ``output_final_state``, every
+    sequence's last state ``[n, h, dk, dv]`` in fp32 (fp64 for fp64 inputs), else None."""

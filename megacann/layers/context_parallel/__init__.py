@@ -8,8 +8,9 @@ model), :func:`context_parallel_gather` puts the shares back in order, and
 :func:`context_parallel_position_ids` names the global positions of a rank's tokens (for rotary
 embeddings).
 
-**Attention** (:mod:`.attention`). Every layer except attention works token by token, so only attention
-talks across the group. :func:`context_parallel_attention` takes this rank's ``q, k, v`` (and
+**Attention** (:mod:`.attention`). Every layer except attention works token by token, so attention is
+what talks across the group (with the recurrent Gated DeltaNet, whose chunks hand their state on:
+:mod:`.recurrent_state`). :func:`context_parallel_attention` takes this rank's ``q, k, v`` (and
 ``segment_ids`` of packed documents) in the layout above and returns this rank's output, causal, with
 GQA, by one of:
 
