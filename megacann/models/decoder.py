@@ -283,6 +283,12 @@ def decoder_flops_per_token(cfg: ModelConfig, seq_length: int, arch: DecoderArch
     return sizing.palm_flops_per_token(n, cfg, seq_length, extra_layers=mtp_depths(cfg))
 
 
+def decoder_decode_step(chunk: DecoderLM, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """A decoder's decode path (``ModelSpec.decode``): the logits of the new tokens; the attention layers'
+    key/value caches hold the earlier ones (:class:`~megacann.layers.SelfAttention` ``kv_cache``)."""
+    return chunk(input_ids=input_ids, position_ids=position_ids)
+
+
 def decoder_model_spec(
     name: str,
     model_class: type[DecoderLM],
@@ -313,5 +319,6 @@ def decoder_model_spec(
         fill_defaults=model_class.fill_defaults,
         hf=hf,
         architecture=arch,
+        decode=decoder_decode_step,
         **extra,
     )

@@ -206,6 +206,7 @@ DEEPSEEK_V3 = dataclasses.replace(
     config_class=DeepseekV3ModelConfig,
     architecture=DeepseekV3Model.ARCH,
     moe_structure=deepseek_structure,
+    decode=None,  # latent attention keeps no key/value cache yet
 )
 
 __all__ = ["DEEPSEEK_V3", "DeepseekV3Model", "deepseek_num_parameters"]
