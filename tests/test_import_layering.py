@@ -4,7 +4,8 @@ Every module under megacann/ is parsed (nothing is imported), and every ``import
 nesting: a lazy import inside a function ties the packages together just the same. The layering
 (README, "Layout"): the floor (errors, accelerator, host_memory, parallel_state, rank_layout, communication_lanes,
 collectives, constants), then config, ops, layers, models (the contract and the families), data, pipeline, optimizer,
-checkpoint (training state only), interop (weights in and out), training, and the tools on top.
+checkpoint (training state only), interop (weights in and out), generation (which knows models only through
+the contract and the layers), training, and the tools on top.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ FLOOR = {
     "constants",
     "lazy_exports",
 }
-TOOLS = {"planning", "dry_run", "launch", "cli", "convert", "train", "comm_check", "env_report"}
-ABOVE_DATA = {"pipeline", "optimizer", "checkpoint", "interop", "training"}
+TOOLS = {"planning", "dry_run", "launch", "cli", "convert", "generate", "train", "comm_check", "env_report"}
+ABOVE_DATA = {"pipeline", "optimizer", "checkpoint", "interop", "generation", "training"}
 
 # what each package may import from megacann: ALLOWED lists all it may use, FORBIDDEN what it may not
 ALLOWED = {"config": FLOOR | {"config"}}
@@ -40,8 +41,9 @@ FORBIDDEN = {
     "ops": {"layers", "models", "data"} | ABOVE_DATA | TOOLS,
     "layers": {"models", "data"} | ABOVE_DATA | TOOLS,
     "data": {"layers", "models"} | ABOVE_DATA | TOOLS,
-    "optimizer": {"pipeline", "models", "data", "checkpoint", "interop", "training"} | TOOLS,
-    "checkpoint": {"data", "models", "interop", "training", "pipeline"} | TOOLS,
+    "optimizer": {"pipeline", "models", "data", "checkpoint", "interop", "generation", "training"} | TOOLS,
+    "checkpoint": {"data", "models", "interop", "generation", "training", "pipeline"} | TOOLS,
+    "generation": {"data", "optimizer", "checkpoint", "interop", "training"} | TOOLS,
 }
 
 
