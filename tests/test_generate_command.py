@@ -1,7 +1,7 @@
 """``megacann-generate`` on a tiny Hugging Face LLaMA with the byte tokenizer: ``--prompt`` prints the
 generator's completion; ``--input/--output`` writes one line per prompt, in order, each with the tokens,
 log-probabilities and finish reason of the generator run with that line's own sampling options; an
-interrupted run keeps the batches it finished; bad input is one line naming the file, line or option."""
+interrupted run has its finished batches on disk at the moment it stops; bad input is one line naming the file, line or option."""
 
 from __future__ import annotations
 
@@ -71,12 +71,13 @@ def test_a_prompt_file_gives_one_line_per_prompt_with_its_own_options(model_dir,
 def test_an_interrupted_run_keeps_the_batches_it_finished(model_dir, tmp_path, monkeypatch):
     source = _write_prompts(tmp_path / "in.jsonl", [{"prompt": "one"}, {"prompt": "two"}, {"prompt": "three"}])
     out = tmp_path / "out.jsonl"
-    calls = []
+    calls, on_disk = [], []
     generate = Generator.generate
 
     def interrupted(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 2:  # a kill now: what the file holds is what survives
+            on_disk.append(out.read_text())
             raise KeyboardInterrupt
         return generate(self, *args, **kwargs)
 
@@ -84,8 +85,9 @@ def test_an_interrupted_run_keeps_the_batches_it_finished(model_dir, tmp_path, m
     argv = ["--model", model_dir, "--tokenizer", "byte", "--input", source, "--output", str(out), "--batch_size", "1"]
     with pytest.raises(KeyboardInterrupt):
         main([*argv, "--max_new_tokens", "4"])
-    (line,) = out.read_text().splitlines()
+    (line,) = on_disk[0].splitlines()
     assert json.loads(line)["prompt"] == "one"
+    assert out.read_text() == on_disk[0]
 
 
 def test_bad_input_is_one_line_naming_it(model_dir, tmp_path, capsys):
