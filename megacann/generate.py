@@ -154,9 +154,10 @@ def run(args: argparse.Namespace) -> int:
         (result,) = generator.generate([_encode(tokenizer, args.prompt, args.bos)], defaults)
         print(_record(args.prompt, result, tokenizer, eos)["completion"])
         return 0
+    requests = list(read_requests(args.input, defaults))  # every line checked before anything is written
     done = 0
     with open(args.output, "w", encoding="utf-8") as out:
-        for batch in _batches(read_requests(args.input, defaults), args.batch_size):
+        for batch in _batches(iter(requests), args.batch_size):
             ids = [_encode(tokenizer, prompt, args.bos) for prompt, _ in batch]
             results = generator.generate(ids, [params for _, params in batch])
             for (prompt, _), result in zip(batch, results):

@@ -95,8 +95,10 @@ def test_bad_input_is_one_line_naming_it(model_dir, tmp_path, capsys):
     source = _write_prompts(tmp_path / "in.jsonl", [{"prompt": "ok"}, {"prompt": "hot", "temperature": -1}])
     with pytest.raises(SystemExit, match=r"in.jsonl:2: sampling option temperature must be >= 0"):
         main([*base, "--input", source, "--output", str(tmp_path / "out.jsonl")])
+    not_prompts = _write_prompts(tmp_path / "in.jsonl", [{"text": "x"}])
     with pytest.raises(SystemExit, match=r'in.jsonl:1: expected an object with a "prompt" string'):
-        main([*base, "--input", _write_prompts(tmp_path / "in.jsonl", [{"text": "x"}]), "--output", "o.jsonl"])
+        main([*base, "--input", not_prompts, "--output", str(tmp_path / "out.jsonl")])
+    assert not (tmp_path / "out.jsonl").exists()  # nothing written before every line is checked
     with pytest.raises(SystemExit, match="sampling option top_p must be in"):
         main([*base, "--prompt", "x", "--top_p", "0"])
     with pytest.raises(SystemExit, match=f"--model: '{tmp_path}' is .*neither a megacann checkpoint"):
