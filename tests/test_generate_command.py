@@ -1,5 +1,5 @@
 """``megacann-generate`` on a tiny Hugging Face LLaMA with the byte tokenizer: ``--prompt`` prints the
-generator's completion; ``--input/--output`` writes one line per prompt, in order, each with the tokens,
+generator's completion, from the Hugging Face directory and from its consolidated megacann copy; ``--input/--output`` writes one line per prompt, in order, each with the tokens,
 log-probabilities and finish reason of the generator run with that line's own sampling options; an
 interrupted run has its finished batches on disk at the moment it stops; bad input is one line naming the file, line or option."""
 
@@ -13,6 +13,7 @@ from generation_helpers import tiny_hf_llama
 from megacann.data.tokenizer import ByteTokenizer
 from megacann.generate import main
 from megacann.generation import Generator, SamplingParams
+from megacann.interop.export import import_hf
 from megacann.models import from_pretrained_hf, get_model_spec
 
 TOKENIZER = ByteTokenizer()
@@ -31,11 +32,13 @@ def _expected(model_dir: str, prompts: list[str], params: list[SamplingParams]):
     return generator.generate([TOKENIZER.encode(p) for p in prompts], params)
 
 
-def test_one_prompt_prints_its_completion(model_dir, capsys):
-    assert main(["--model", model_dir, "--tokenizer", "byte", "--prompt", "abc", "--max_new_tokens", "12"]) == 0
+def test_one_prompt_prints_its_completion_from_any_weights_directory(model_dir, tmp_path, capsys):
     (result,) = _expected(model_dir, ["abc"], [SamplingParams(max_new_tokens=12)])
     completion = TOKENIZER.decode([t for t in result.tokens if t not in EOS])
-    assert capsys.readouterr().out == completion + "\n"
+    consolidated = import_hf(model_dir, str(tmp_path / "whole"), log=lambda line: None)
+    for source in (model_dir, consolidated):
+        assert main(["--model", source, "--tokenizer", "byte", "--prompt", "abc", "--max_new_tokens", "12"]) == 0
+        assert capsys.readouterr().out == completion + "\n", source
 
 
 def _write_prompts(path, lines: list[dict]) -> str:
