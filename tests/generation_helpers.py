@@ -16,29 +16,28 @@ def prompts(lengths: tuple[int, ...] = PROMPT_LENGTHS, vocab: int = VOCAB, seed:
     return [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
+LLAMA_SHAPE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "attn_implementation": "eager",
+}
+
+
 def tiny_hf_llama(path: str, seed: int = 0, **settings) -> str:
-    """A tiny LLaMA written by transformers (norms randomised so a test sees them)."""
+    """A tiny LLaMA written by transformers, its norms randomised (transformers starts them at ones, which
+    would hide a mix-up)."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        **{
-            "vocab_size": VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 128,
-            "attn_implementation": "eager",
-            **settings,
-        }
-    )
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA_SHAPE, **settings}))
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
+        for param in (p for name, p in model.named_parameters() if "norm" in name):
+            param.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return path
 

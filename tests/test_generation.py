@@ -30,7 +30,7 @@ from megacann.config import ModelConfig
 from megacann.generation import Generator, SamplingParams, kv_cache_bytes, processed_logits
 from megacann.generation.sampling import draw
 from megacann.layers import initialize_weights
-from megacann.models import DEEPSEEK_V3, GPTModel, from_pretrained_hf, get_model_spec
+from megacann.models import DEEPSEEK_V3, GPTModel, LlamaModel, from_pretrained_hf, get_model_spec
 
 LONG = {"max_position_embeddings": 128}  # prompt + 64 new tokens fit every family's positions
 WRITERS = {
@@ -227,11 +227,14 @@ def test_bad_sampling_options_are_refused_by_name(option, value, message):
         SamplingParams(**{option: value})
 
 
-def test_a_prompt_longer_than_the_cache_and_a_family_without_decoding_are_refused(llama):
+def test_a_prompt_longer_than_the_cache_a_family_without_decoding_and_a_pipeline_stage_are_refused(llama):
     with pytest.raises(ValueError, match="a prompt of 14 tokens is longer than the cache's max_len 10"):
         _generate(llama, "llama", prompts(), max_len=10)
     with pytest.raises(ValueError, match=r"needs 77 cache slots a row, more than max_len 40"):
         _generate(llama, "llama", prompts(), max_len=40)
     with pytest.raises(ValueError, match="model family 'deepseek_v3' declares no decode path"):
         Generator(llama, DEEPSEEK_V3)
+    first_stage = LlamaModel(llama.config, layer_ids=[0], post_process=False)
+    with pytest.raises(ValueError, match="needs the whole model on this rank: pipeline stages are not supported"):
+        Generator(first_stage, get_model_spec("llama"))
     assert math.isclose(kv_cache_bytes(2, 3, 100, 4, 16, torch.bfloat16, sliding_window=8), 2 * 2 * 3 * 8 * 4 * 16 * 2)
