@@ -108,7 +108,8 @@ class DecoderLM(torch.nn.Module):
 
     ``forward(input_ids, position_ids=None, labels=None, segment_ids=None, hidden_states=None)`` returns
     hidden states ``[b, s_local, h]`` on a stage without the head; on the last stage the per-token loss
-    ``[b, s]`` (fp32) when ``labels`` are given, else logits ``[b, s, vocab_size]``. ``arch`` defaults to
+    ``[b, s]`` (fp32) when ``labels`` are given, else logits ``[b, s, vocab_size]`` (``[b, 1, vocab_size]``
+    of the last position with ``last_position_only=True``, what generation needs). ``arch`` defaults to
     the class's ``ARCH``. With multi-token prediction (``cfg.mtp_num_layers`` > 0; docs/models.md) the
     last stage given ``labels`` returns a :class:`~megacann.layers.ChunkOutput`: the per-token loss and the
     scaled MTP loss as the auxiliary loss ``mtp_loss``. Under context parallelism every input is this cp
@@ -240,6 +241,7 @@ class DecoderLM(torch.nn.Module):
         labels: Optional[torch.Tensor] = None,
         segment_ids: Optional[torch.Tensor] = None,
         hidden_states: Optional[torch.Tensor] = None,
+        last_position_only: bool = False,
     ) -> torch.Tensor:
         reference = input_ids if input_ids is not None else labels
         if position_ids is None:
@@ -259,6 +261,8 @@ class DecoderLM(torch.nn.Module):
             hidden = layer(hidden, rotary, segment_ids)
         if not self.post_process:
             return hidden
+        if last_position_only:  # generation: only the next token's logits (not [b, s, vocab] of a prompt)
+            hidden = hidden[:, -1:]
         hidden = self.norm(hidden)
         loss = self.lm_head(hidden, labels)
         if self.mtp is None or labels is None:
@@ -284,9 +288,10 @@ def decoder_flops_per_token(cfg: ModelConfig, seq_length: int, arch: DecoderArch
 
 
 def decoder_decode_step(chunk: DecoderLM, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """A decoder's decode path (``ModelSpec.decode``): the logits of the new tokens; the attention layers'
-    key/value caches hold the earlier ones (:class:`~megacann.layers.SelfAttention` ``kv_cache``)."""
-    return chunk(input_ids=input_ids, position_ids=position_ids)
+    """A decoder's decode path (``ModelSpec.decode``): the logits ``[b, 1, vocab]`` of the token after the
+    last of ``input_ids``; the attention layers' key/value caches hold the earlier tokens
+    (:class:`~megacann.layers.SelfAttention` ``kv_cache``)."""
+    return chunk(input_ids=input_ids, position_ids=position_ids, last_position_only=True)
 
 
 def decoder_model_spec(

@@ -24,9 +24,9 @@ A family is one :class:`ModelSpec`:
   tensor shapes, ``{"architecture": True}`` when the weights a run starts from fix it, and give
   ``{"choices": (...)}`` for a closed set of values; extend ``HF_KEYS`` for its config.json names.
 - ``decode(chunk, input_ids, position_ids)``: what :mod:`megacann.generation` calls to generate: the
-  logits ``[b, s, vocab]`` of new tokens at their positions, the chunk's attention layers reading earlier
-  tokens from the key/value caches the generator set on them; None: the family cannot generate (refused
-  by name).
+  logits ``[b, s', vocab]`` of new tokens at their positions (the last ``s'`` >= 1 of them; the generator
+  reads the last), the chunk's attention layers reading earlier tokens from the key/value caches the
+  generator set on them; None: the family cannot generate (refused by name).
 - ``mixture_of_experts``: the family may hold expert-parallel parameters; for any other family
   ``distributed.expert_parallel_size`` must be 1 (:func:`prepare_model_config` refuses it otherwise).
 - ``architecture`` (a ``DecoderArch``) and, for an MoE family, ``moe_structure(cfg)`` (a
