@@ -84,7 +84,7 @@ def _recompute_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[i
     return sequence[len(prompt) :], logprobs
 
 
-def test_gpt_generation_equals_recomputing_without_a_cache():
+def test_gpt_generation_equals_recomputing_without_a_cache_and_without_dropout():
     model = GPTModel(
         ModelConfig(
             type="gpt",
@@ -94,12 +94,15 @@ def test_gpt_generation_equals_recomputing_without_a_cache():
             num_attention_heads=4,
             ffn_hidden_size=128,
             max_position_embeddings=128,
+            hidden_dropout=0.5,  # in training mode: the generator must switch dropout off
+            attention_dropout=0.5,
         )
     )
     initialize_weights(model, 5)
-    model.eval()
     batch = prompts()
     _, results = _generate(model, "gpt", batch, SamplingParams(max_new_tokens=24))
+    assert model.training  # back in the mode it was in
+    model.eval()
     for prompt, result in zip(batch, results):
         tokens, logprobs = _recompute_greedy(model, prompt, 24)
         assert result.tokens == tokens

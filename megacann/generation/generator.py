@@ -62,6 +62,18 @@ def sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
             module.comm_overlap = True
 
 
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode (no dropout) inside the block, in the mode it had after it (a trainer's
+    model generating between steps goes back to training)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 class Generator:
     """Generate from ``model`` (a whole model chunk of family ``spec``, at this rank's layout).
 
@@ -140,7 +152,7 @@ class Generator:
         results = [GenerationResult(processed_logprobs=[] if p.processed_logprobs else None) for p in params]
         active = list(range(len(prompts)))  # the request of each batch row
         next_positions = torch.tensor(lengths, device=device)
-        with torch.no_grad(), cache.attached(), sequence_parallel_off(self.model):
+        with torch.no_grad(), evaluating(self.model), cache.attached(), sequence_parallel_off(self.model):
             logits = self.spec.decode(self.model, ids.to(device), positions.to(device))[:, -1]
             cache.advance(longest)
             while True:
