@@ -9,7 +9,8 @@ end at their own max_new_tokens, stop tokens and EOS, their rows leave the batch
 shrinks) and the others' tokens do not change; the decode step attends with a one-row mask per query
 (no ``[s, s]`` mask) and the prefill with none. Seeded sampling is the same alone or in a batch, top-k 1
 is greedy, the processed distribution cuts what top-k / top-p / min-p say, and draws follow the
-distribution. The cache's bytes equal the formula. Bad options and families without a decode path are
+distribution. LoRA adapters active (not merged) generate what their merged weights do. The cache's bytes
+equal the formula. Bad options and families without a decode path are
 refused by name.
 """
 
@@ -30,6 +31,7 @@ from megacann.config import ModelConfig
 from megacann.generation import Generator, SamplingParams, kv_cache_bytes, processed_logits
 from megacann.generation.sampling import draw
 from megacann.layers import initialize_weights
+from megacann.layers.lora import LoRAConfig, adapters_disabled, attach_lora, lora_parameters, merge_lora
 from megacann.models import DEEPSEEK_V3, GPTModel, LlamaModel, from_pretrained_hf, get_model_spec
 
 LONG = {"max_position_embeddings": 128}  # prompt + 64 new tokens fit every family's positions
@@ -110,9 +112,33 @@ def test_gpt_generation_equals_recomputing_without_a_cache_and_without_dropout()
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def llama_dir(tmp_path_factory):
     pytest.importorskip("transformers")
-    return from_pretrained_hf(tiny_hf_llama(str(tmp_path_factory.mktemp("llama") / "hf"))).eval()
+    return tiny_hf_llama(str(tmp_path_factory.mktemp("llama") / "hf"))
+
+
+@pytest.fixture(scope="module")
+def llama(llama_dir):
+    return from_pretrained_hf(llama_dir).eval()
+
+
+def test_lora_adapters_generate_unmerged_what_their_merged_weights_do(llama_dir):
+    model = from_pretrained_hf(llama_dir).eval()
+    attach_lora(model, LoRAConfig(rank=4, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, param in lora_parameters(model):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    params = SamplingParams(max_new_tokens=24)
+    _, active = _generate(model, "llama", prompts(), params)
+    with adapters_disabled([model]) as disabled:
+        _, base = _generate(model, "llama", prompts(), params)
+    assert disabled > 0 and [r.tokens for r in base] != [r.tokens for r in active]  # the adapters act
+    assert merge_lora(model) == disabled
+    _, merged = _generate(model, "llama", prompts(), params)
+    for ours, expected in zip(active, merged):
+        assert ours.tokens == expected.tokens
+        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(expected.logprobs), rtol=0, atol=1e-5)
 
 
 def test_requests_end_on_their_own_and_leave_the_batch(llama, monkeypatch):
