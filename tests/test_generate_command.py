@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from generation_helpers import tiny_hf_llama
+from generation_helpers import (
+    one_thread,  # noqa: F401 (an autouse fixture)
+    tiny_hf_llama,
+)
 
 from megacann.data.tokenizer import ByteTokenizer
 from megacann.generate import main

@@ -21,7 +21,14 @@ import math
 
 import pytest
 import torch
-from generation_helpers import NEW_TOKENS, VOCAB, hf_greedy, prompts, tiny_hf_llama
+from generation_helpers import (
+    NEW_TOKENS,
+    VOCAB,
+    hf_greedy,
+    one_thread,  # noqa: F401 (an autouse fixture)
+    prompts,
+    tiny_hf_llama,
+)
 from qwen_helpers import tiny_hf_qwen
 from test_mistral import WINDOW, tiny_hf_mistral
 from training_helpers import tiny_hf_mixtral

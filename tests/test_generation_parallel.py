@@ -11,7 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import run_on_ranks
-from generation_helpers import prompts, tiny_hf_llama
+from generation_helpers import (
+    one_thread,  # noqa: F401 (an autouse fixture)
+    prompts,
+    tiny_hf_llama,
+)
 
 from megacann.generation import Generator, SamplingParams
 from megacann.models import from_pretrained_hf, get_model_spec
