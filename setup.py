@@ -142,6 +142,7 @@ setup(
             "megacann-preprocess=megacann.data.preprocess:main",
             "megacann-convert=megacann.convert:main",
             "megacann-plan=megacann.cli:plan_main",
+            "megacann-generate=megacann.generate:main",
         ],
     },
 )

@@ -4,9 +4,10 @@ Every module under megacann/ is parsed (nothing is imported), and every ``import
 nesting: a lazy import inside a function ties the packages together just the same. The layering
 (README, "Layout"): the floor (errors, accelerator, host_memory, parallel_state, rank_layout, communication_lanes,
 collectives, constants), then config, ops, layers, models (the contract and the families), data, pipeline, optimizer,
-checkpoint (training state only), interop (weights in and out), training, and the tools on top. Three rules
-close the model contract on both sides: models/ knows no file format (never imports interop/), layers/ need no
-recipe (never import config's recipe class), and pipeline/ knows models only through the contract's modules.
+checkpoint (training state only), interop (weights in and out), generation (which knows models only through
+the contract and the layers), training, and the tools on top. Three rules close the model contract on both
+sides: models/ knows no file format (never imports interop/), layers/ need no recipe (never import config's
+recipe class), and pipeline/ knows models only through the contract's modules.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ FLOOR = {
     "constants",
     "lazy_exports",
 }
-TOOLS = {"planning", "dry_run", "launch", "cli", "convert", "train", "comm_check", "env_report"}
-ABOVE_DATA = {"pipeline", "optimizer", "checkpoint", "interop", "training"}
+TOOLS = {"planning", "dry_run", "launch", "cli", "convert", "generate", "train", "comm_check", "env_report"}
+ABOVE_DATA = {"pipeline", "optimizer", "checkpoint", "interop", "generation", "training"}
 
 # what each package may import from megacann: ALLOWED lists all it may use, FORBIDDEN what it may not
 ALLOWED = {"config": FLOOR | {"config"}}
@@ -43,8 +44,9 @@ FORBIDDEN = {
     "layers": {"models", "data"} | ABOVE_DATA | TOOLS,
     "models": {"data"} | ABOVE_DATA | TOOLS,  # interop among them: a family knows no file format
     "data": {"layers", "models"} | ABOVE_DATA | TOOLS,
-    "optimizer": {"pipeline", "models", "data", "checkpoint", "interop", "training"} | TOOLS,
-    "checkpoint": {"data", "models", "interop", "training", "pipeline"} | TOOLS,
+    "optimizer": {"pipeline", "models", "data", "checkpoint", "interop", "generation", "training"} | TOOLS,
+    "checkpoint": {"data", "models", "interop", "generation", "training", "pipeline"} | TOOLS,
+    "generation": {"data", "optimizer", "checkpoint", "interop", "training"} | TOOLS,
 }
 
 # the model contract: what pipeline/ may import of megacann.models (the spec and registry; chunk outputs and loss)

@@ -10,8 +10,8 @@ consolidated directory. Each question of the JSONL file (megacann's SFT format, 
 training data path builds (``[BOS] + prompt`` in ``--template``, tokenized segment by segment); the answer
 is generated greedily until EOS or ``--max_new_tokens``. A prediction is correct when it equals the
 reference answer after stripping surrounding whitespace (and the template's answer suffix, e.g. ChatML's
-``<|im_end|>``). Generation is batched with left padding (padding is its own segment, so no real token
-attends to it) and recomputes the whole sequence each step: no KV cache, fine at demonstration size.
+``<|im_end|>``). Generation is megacann's KV-cache generator (docs/generation.md), batched with left padding
+that no real token attends to.
 
 Prints one JSON line ``{"correct", "total", "accuracy", ...}``; ``--output`` writes it to a file and
 ``--predictions`` writes every question with its prediction.
@@ -29,6 +29,8 @@ import torch
 from megacann.data.sft import SFTStats, read_jsonl, tokenize_conversation
 from megacann.data.sft_templates import PromptTemplate, get_template
 from megacann.data.tokenizer import load_tokenizer
+from megacann.generation import Generator, SamplingParams
+from megacann.models import get_model_spec
 
 
 def prompt_ids(messages: list[dict], template: PromptTemplate, tokenizer) -> list[int]:
@@ -38,21 +40,6 @@ def prompt_ids(messages: list[dict], template: PromptTemplate, tokenizer) -> lis
     return ids[:-1].tolist()
 
 
-def _left_padded(rows: list[list[int]], pad_id: int, device: torch.device):
-    """``input_ids``, ``position_ids`` and ``segment_ids`` ``[b, width]``; padding is segment 0."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    positions = torch.zeros_like(ids)
-    segments = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        start = width - len(row)
-        ids[i, start:] = torch.tensor(row)
-        positions[i, start:] = torch.arange(len(row))
-        segments[i, start:] = 1
-    return ids.to(device), positions.to(device), segments.to(device)
-
-
-@torch.no_grad()
 def greedy_generate(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -61,30 +48,20 @@ def greedy_generate(
     batch_size: int = 32,
     pad_id: Optional[int] = None,
 ) -> list[list[int]]:
-    """The tokens each prompt continues with, greedily, up to (not including) EOS. ``model(input_ids,
-    position_ids, segment_ids)`` must return logits ``[b, s, vocab]`` (a megacann DecoderLM does)."""
-    model.eval()
-    device = next(model.parameters()).device
-    pad = eos_id if pad_id is None else pad_id
+    """The tokens each prompt continues with, greedily, up to (not including) EOS: megacann's KV-cache
+    generator on ``model`` (a megacann model of a family with a decode path), ``batch_size`` prompts at a
+    time."""
+    generator = Generator(
+        model,
+        get_model_spec(model.config.type),
+        eos_token_ids=[eos_id],
+        pad_token_id=eos_id if pad_id is None else pad_id,
+    )
+    params = SamplingParams(max_new_tokens=max_new_tokens)
     generated: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
-        rows = [list(p) for p in prompts[start : start + batch_size]]
-        new: list[list[int]] = [[] for _ in rows]
-        done = [False] * len(rows)
-        for _ in range(max_new_tokens):
-            ids, positions, segments = _left_padded(rows, pad, device)
-            logits = model(input_ids=ids, position_ids=positions, segment_ids=segments)
-            for i, token in enumerate(logits[:, -1].argmax(dim=-1).tolist()):
-                if done[i]:
-                    continue
-                if token == eos_id:
-                    done[i] = True
-                else:
-                    new[i].append(token)
-                    rows[i].append(token)
-            if all(done):
-                break
-        generated += new
+        for result in generator.generate(prompts[start : start + batch_size], params):
+            generated.append([t for t in result.tokens if t != eos_id])
     return generated
 
 

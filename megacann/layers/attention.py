@@ -21,7 +21,7 @@ init methods, ``dtype``, ``device``) come from the current :class:`~megacann.lay
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,14 @@ from megacann.layers.random import checkpoint, get_rng_tracker
 from megacann.layers.sharding import InitMethod, mark_partial_grad
 
 Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVCacheLayer(Protocol):
+    """One layer's key/value cache while generating (:mod:`megacann.generation`): ``attend(attention, q,
+    k, v)`` stores this step's rotated keys and values (this rank's kv heads) and returns the attention of
+    ``q`` over every cached token of its row, ``[b, s, local_heads, head_dim]``."""
+
+    def attend(self, attention: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 def kv_heads_for_rank(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -119,6 +127,8 @@ class SelfAttention(torch.nn.Module):
         if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
             raise ValueError(f"sliding_window must be a positive number of keys or None, got {sliding_window!r}")
         self.sliding_window = sliding_window
+        # set by megacann.generation while it generates: attention over cached keys and values (None: off)
+        self.kv_cache: Optional[KVCacheLayer] = None
         kv_sharded = kv_heads % tp == 0
         if fused_qkv and not kv_sharded:
             raise ValueError(
@@ -182,6 +192,13 @@ class SelfAttention(torch.nn.Module):
         v = self.v_proj.forward_prepared(x, self.kv_rows)
         return tuple(rearrange(t, heads, d=self.head_dim) for t in (q, k, v))
 
+    def expand_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as this rank's query heads read them: expanded per query head where they read
+        kv heads unevenly (replicated kv projections), else as they are (GQA is left to the kernel)."""
+        if self.kv_index is None:
+            return k, v
+        return k.index_select(2, self.kv_index), v.index_select(2, self.kv_index)
+
     def core_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]
     ) -> torch.Tensor:
@@ -232,8 +249,9 @@ class SelfAttention(torch.nn.Module):
             cos, sin = rotary
             q = ops.apply_rotary(q, cos, sin, self.rotary_interleaved)
             k = ops.apply_rotary(k, cos, sin, self.rotary_interleaved)
-        if self.kv_index is not None:  # this rank's q heads read kv heads unevenly: expand per q head
-            k, v = k.index_select(2, self.kv_index), v.index_select(2, self.kv_index)
+        if self.kv_cache is not None:  # generation: earlier tokens' keys and values come from the cache
+            return self.o_proj(rearrange(self.kv_cache.attend(self, q, k, v), "b s h d -> b s (h d)"))
+        k, v = self.expand_kv(k, v)
         if self.recompute_core_attention and self.training:
             out = checkpoint(self.core_attention, q, k, v, segment_ids)
         else:

@@ -108,7 +108,8 @@ class DecoderLM(torch.nn.Module):
 
     ``forward(input_ids, position_ids=None, labels=None, segment_ids=None, hidden_states=None)`` returns
     hidden states ``[b, s_local, h]`` on a stage without the head; on the last stage the per-token loss
-    ``[b, s]`` (fp32) when ``labels`` are given, else logits ``[b, s, vocab_size]``. ``arch`` defaults to
+    ``[b, s]`` (fp32) when ``labels`` are given, else logits ``[b, s, vocab_size]`` (``[b, 1, vocab_size]``
+    of the last position with ``last_position_only=True``, what generation needs). ``arch`` defaults to
     the class's ``ARCH``. With multi-token prediction (``cfg.mtp_num_layers`` > 0; docs/models.md) the
     last stage given ``labels`` returns a :class:`~megacann.layers.ChunkOutput`: the per-token loss and the
     scaled MTP loss as the auxiliary loss ``mtp_loss``. Under context parallelism every input is this cp
@@ -244,6 +245,7 @@ class DecoderLM(torch.nn.Module):
         labels: Optional[torch.Tensor] = None,
         segment_ids: Optional[torch.Tensor] = None,
         hidden_states: Optional[torch.Tensor] = None,
+        last_position_only: bool = False,
     ) -> torch.Tensor:
         reference = input_ids if input_ids is not None else labels
         if position_ids is None:
@@ -263,6 +265,8 @@ class DecoderLM(torch.nn.Module):
             hidden = layer(hidden, rotary, segment_ids)
         if not self.post_process:
             return hidden
+        if last_position_only:  # generation: only the next token's logits (not [b, s, vocab] of a prompt)
+            hidden = hidden[:, -1:]
         hidden = self.norm(hidden)
         loss = self.lm_head(hidden, labels)
         if self.mtp is None or labels is None:
@@ -285,6 +289,13 @@ def decoder_flops_per_token(cfg: ModelConfig, seq_length: int, arch: DecoderArch
     per_layer = sizing.attention_matmul_parameters(cfg) + arch.mlp_matrices * cfg.hidden_size * cfg.ffn_size
     n = sizing.matmul_parameters(cfg, arch) + mtp_matmul_parameters(cfg, per_layer)
     return sizing.palm_flops_per_token(n, cfg, seq_length, extra_layers=mtp_depths(cfg))
+
+
+def decoder_decode_step(chunk: DecoderLM, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """A decoder's decode path (``ModelSpec.decode``): the logits ``[b, 1, vocab]`` of the token after the
+    last of ``input_ids``; the attention layers' key/value caches hold the earlier tokens
+    (:class:`~megacann.layers.SelfAttention` ``kv_cache``)."""
+    return chunk(input_ids=input_ids, position_ids=position_ids, last_position_only=True)
 
 
 def decoder_model_spec(
@@ -318,5 +329,6 @@ def decoder_model_spec(
         hf=hf,
         architecture=arch,
         sharding_units=(TransformerBlock,),  # ZeRO-3 gathers one block at a time
+        decode=decoder_decode_step,
         **extra,
     )

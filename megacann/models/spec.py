@@ -23,6 +23,10 @@ A family is one :class:`ModelSpec`:
   of another family is refused by name). Mark a field ``metadata={"shape": True}`` when it decides
   tensor shapes, ``{"architecture": True}`` when the weights a run starts from fix it, and give
   ``{"choices": (...)}`` for a closed set of values; extend ``HF_KEYS`` for its config.json names.
+- ``decode(chunk, input_ids, position_ids)``: what :mod:`megacann.generation` calls to generate: the
+  logits ``[b, s', vocab]`` of new tokens at their positions (the last ``s'`` >= 1 of them; the generator
+  reads the last), the chunk's attention layers reading earlier tokens from the key/value caches the
+  generator set on them; None: the family cannot generate (refused by name).
 - ``mixture_of_experts``: the family may hold expert-parallel parameters; for any other family
   ``distributed.expert_parallel_size`` must be 1 (:func:`prepare_model_config` refuses it otherwise).
 - ``sharding_units``: the module classes whose instances ZeRO-3 gathers and frees as one unit each
@@ -199,6 +203,7 @@ class ModelSpec:
     after_optimizer_step: Optional[Callable[[list[torch.nn.Module]], None]] = None
     metric_warnings: Optional[Callable[[dict[str, Any]], list[str]]] = None
     mixture_of_experts: bool = False
+    decode: Optional[Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = None
     config_class: type[ModelConfig] = ModelConfig
     sharding_units: tuple[type[torch.nn.Module], ...] = (TransformerBlock,)
 

@@ -1,0 +1,186 @@
+"""``megacann-generate``: text from a model directory with the KV-cache generator, on one process.
+
+    megacann-generate --model DIR --prompt "def main():" [sampling options]
+    megacann-generate --model DIR --input prompts.jsonl --output out.jsonl [sampling options]
+
+``--model`` is a megacann checkpoint, output directory (its latest checkpoint), consolidated directory or
+Hugging Face directory; ``--tokenizer`` (``byte``, a tokenizer.json or directory) defaults to the one saved
+with the weights. Each input line is ``{"prompt": TEXT}``, optionally with its own ``max_new_tokens``,
+``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed`` and ``stop_token_ids`` (the command's options
+otherwise; a line without a seed gets ``--seed`` plus its line number). Each output line repeats the
+prompt with ``completion``, ``tokens``, ``logprobs`` (under the model's own distribution) and
+``finish_reason``; lines are written and flushed batch by batch, so an interrupted run keeps every batch
+it finished, in input order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+from megacann.errors import MegacannError
+from megacann.generation import Generator, SamplingParams
+
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids")
+
+
+def load_model(path: str, precision: str = "fp32", device: Optional[str] = None) -> torch.nn.Module:
+    """The whole model of any weights directory (a LoRA run's merged into its base), in eval mode."""
+    from megacann.interop import from_pretrained_hf
+    from megacann.interop.lora_export import build_full_model
+    from megacann.interop.sources import HUGGINGFACE, resolve_weight_source
+
+    if resolve_weight_source(path, "--model").kind == HUGGINGFACE:
+        return from_pretrained_hf(path, precision=precision, device=device).eval()
+    return build_full_model(path, precision, device).eval()
+
+
+def load_model_tokenizer(path: str, spec: Optional[str], vocab_size: int) -> Any:
+    """``spec`` (``byte``, a file or directory), else the tokenizer saved with the weights at ``path``."""
+    from megacann.data.tokenizer import load_tokenizer
+    from megacann.interop.sources import CHECKPOINT, HUGGINGFACE, resolve_weight_source
+    from megacann.interop.tokenizer import find_tokenizer
+
+    if spec is not None:
+        tokenizer = load_tokenizer(spec)
+    else:
+        found = resolve_weight_source(path, "--model")
+        if found.kind == HUGGINGFACE:
+            tokenizer = load_tokenizer(found.path)
+        else:
+            tokenizer, where = find_tokenizer(found.path, found.kind == CHECKPOINT, vocab_size)
+            if tokenizer is None:
+                raise ValueError(f"--tokenizer is needed: {where}")
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the model's {vocab_size}")
+    return tokenizer
+
+
+def read_requests(path: str, defaults: SamplingParams) -> Iterator[tuple[str, SamplingParams]]:
+    """(prompt, its sampling params) of each line of the JSONL file ``path``."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not a JSON object ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f'{path}:{number}: expected an object with a "prompt" string')
+            own = {key: record[key] for key in SAMPLING_KEYS if key in record}
+            own.setdefault("seed", defaults.seed + number)
+            try:
+                yield record["prompt"], dataclasses.replace(defaults, **own)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{path}:{number}: {err}") from None
+
+
+def _batches(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megacann-generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="megacann checkpoint, output, consolidated or HF directory")
+    parser.add_argument(
+        "--tokenizer", default=None, help="'byte', a tokenizer.json or directory (default: the model's)"
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt: its completion goes to stdout")
+    source.add_argument("--input", help="JSONL file of prompts (with --output)")
+    parser.add_argument("--output", help="JSONL file of completions")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top_k", type=int, default=0, help="0: off")
+    parser.add_argument("--top_p", type=float, default=1.0, help="1: off")
+    parser.add_argument("--min_p", type=float, default=0.0, help="0: off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop_token_ids", type=int, nargs="*", default=[])
+    parser.add_argument("--bos", action="store_true", help="start each prompt with the tokenizer's BOS")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--device", default="cpu")
+    return parser
+
+
+def _encode(tokenizer: Any, text: str, bos: bool) -> list[int]:
+    ids = list(tokenizer.encode(text))
+    return [tokenizer.bos_id, *ids] if bos and tokenizer.bos_id is not None else ids
+
+
+def _record(prompt: str, result: Any, tokenizer: Any, eos: set[int]) -> dict[str, Any]:
+    text_tokens = [t for t in result.tokens if t not in eos]
+    return {
+        "prompt": prompt,
+        "completion": tokenizer.decode(text_tokens),
+        "tokens": result.tokens,
+        "logprobs": result.logprobs,
+        "finish_reason": result.finish_reason,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from megacann.models import get_model_spec
+
+    defaults = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop_token_ids=tuple(args.stop_token_ids),
+    )
+    model = load_model(args.model, args.precision, args.device)
+    tokenizer = load_model_tokenizer(args.model, args.tokenizer, model.config.vocab_size)
+    eos = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    generator = Generator(model, get_model_spec(model.config.type), eos_token_ids=eos, pad_token_id=pad)
+    if args.prompt is not None:
+        (result,) = generator.generate([_encode(tokenizer, args.prompt, args.bos)], defaults)
+        print(_record(args.prompt, result, tokenizer, eos)["completion"])
+        return 0
+    requests = list(read_requests(args.input, defaults))  # every line checked before anything is written
+    done = 0
+    with open(args.output, "w", encoding="utf-8") as out:
+        for batch in _batches(iter(requests), args.batch_size):
+            ids = [_encode(tokenizer, prompt, args.bos) for prompt, _ in batch]
+            results = generator.generate(ids, [params for _, params in batch])
+            for (prompt, _), result in zip(batch, results):
+                out.write(json.dumps(_record(prompt, result, tokenizer, eos), ensure_ascii=False) + "\n")
+            out.flush()
+            done += len(batch)
+            print(f"\rmegacann-generate: {done} prompts done", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.input is not None and args.output is None:
+        parser.error("--input needs --output (the JSONL file of completions)")
+    if args.batch_size < 1:
+        parser.error(f"--batch_size must be >= 1, got {args.batch_size}")
+    try:
+        return run(args)
+    except (MegacannError, ValueError, OSError) as err:  # bad input: one line naming it
+        raise SystemExit(f"megacann-generate: {err}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Prefill plus incremental decoding of a batch of requests on a model at its training layout.
+
+Prompts of different lengths are left-padded into one batch; each row's positions start at 0 at its first
+real token and its padding is never attended to (:mod:`megacann.generation.kv_cache`). The prompt runs
+in one forward (the prefill), then one token a row per forward. A request ends at EOS, at one of its stop
+tokens or after its ``max_new_tokens``; its row then leaves the batch and its cache, so finished
+requests cost nothing more. The generator knows the model only through the contract: the family's
+``ModelSpec.decode`` and the attention layers (:class:`~megacann.layers.SelfAttention`) it caches for.
+
+Under tensor parallelism each rank holds its heads' share of the cache and computes the whole
+logits (the head gathers the vocabulary), so every rank draws the same token; the first rank's is sent
+to the others all the same. Sequence parallelism is switched off while generating: one new token a row
+cannot be split over ranks, and without the split the layers compute the same values (all-reduce in
+place of reduce-scatter plus all-gather). Context parallelism is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megacann import parallel_state as ps
+from megacann.generation.kv_cache import KVCache
+from megacann.generation.sampling import SamplingParams, choose, processed_logprob
+from megacann.layers import MoELayer
+from megacann.models.spec import ModelSpec
+
+TokenCallback = Callable[[int, int], None]  # (request index, token) as each token is chosen
+
+
+@dataclass
+class GenerationResult:
+    """One request's new tokens, each one's log-probability under the model's distribution, the
+    processed distribution's (when its params asked), and why it ended: ``eos``, ``stop`` or ``length``."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    processed_logprobs: Optional[list[float]] = None
+    finish_reason: Optional[str] = None
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
+    """The model's layers compute without splitting the sequence over TP ranks inside the block."""
+    changed = [m for m in model.modules() if getattr(m, "sequence_parallel", False) is True]
+    overlapped = [m for m in model.modules() if getattr(m, "comm_overlap", False) is True]
+    for module in changed:
+        module.sequence_parallel = False
+    for module in overlapped:
+        module.comm_overlap = False
+    try:
+        yield
+    finally:
+        for module in changed:
+            module.sequence_parallel = True
+        for module in overlapped:
+            module.comm_overlap = True
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode (no dropout) inside the block, in the mode it had after it (a trainer's
+    model generating between steps goes back to training)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+class Generator:
+    """Generate from ``model`` (a whole model chunk of family ``spec``, at this rank's layout).
+
+    ``eos_token_ids`` end every request; ``pad_token_id`` fills the padding (never attended to);
+    ``max_len`` (None: as long as the batch needs) is the cache's tokens a row, prompt padding included.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: ModelSpec,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int = 0,
+        max_len: Optional[int] = None,
+    ):
+        if spec.decode is None:
+            raise ValueError(
+                f"model family {spec.name!r} declares no decode path (ModelSpec.decode): it cannot generate"
+            )
+        if ps.get_context_parallel_world_size() > 1:
+            raise ValueError(
+                f"generation under context parallelism (distributed.context_parallel_size "
+                f"{ps.get_context_parallel_world_size()}) is refused: decode one token a row with "
+                "context_parallel_size 1"
+            )
+        if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+            raise ValueError("generation needs the whole model on this rank: pipeline stages are not supported yet")
+        if ps.get_tensor_model_parallel_world_size() > 1 and any(isinstance(m, MoELayer) for m in model.modules()):
+            raise ValueError("generation of a mixture-of-experts model under tensor parallelism is not supported yet")
+        self.model, self.spec = model, spec
+        self.eos_token_ids = {int(t) for t in eos_token_ids}
+        self.pad_token_id, self.max_len = pad_token_id, max_len
+        self.last_cache: Optional[KVCache] = None  # the cache of the last generate call (its bytes, shapes)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _cache_length(self, lengths: list[int], params: list[SamplingParams]) -> int:
+        """Slots a row needs: the longest prompt, then one per new token but the last (never fed back)."""
+        longest = max(lengths)
+        need = longest + max(p.max_new_tokens for p in params) - 1
+        if self.max_len is None:
+            return need
+        if longest > self.max_len:
+            raise ValueError(f"a prompt of {longest} tokens is longer than the cache's max_len {self.max_len}")
+        if need > self.max_len:
+            raise ValueError(
+                f"the longest prompt ({longest} tokens) plus max_new_tokens needs {need} cache slots a row, "
+                f"more than max_len {self.max_len}"
+            )
+        return self.max_len
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        on_token: Optional[TokenCallback] = None,
+    ) -> list[GenerationResult]:
+        """One result per prompt (token ids); ``params`` for all of them or one per prompt (None: greedy,
+        64 new tokens)."""
+        params = params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        lengths = [len(p) for p in prompts]
+        if not prompts or min(lengths) == 0:
+            raise ValueError("generation needs at least one prompt, and no empty prompt")
+        device, longest = self._device(), max(lengths)
+        ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        pad = longest - torch.tensor(lengths)
+        positions = (torch.arange(longest).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)
+        cache = self.last_cache = KVCache(self.model, len(prompts), self._cache_length(lengths, params), pad.to(device))
+        results = [GenerationResult(processed_logprobs=[] if p.processed_logprobs else None) for p in params]
+        active = list(range(len(prompts)))  # the request of each batch row
+        next_positions = torch.tensor(lengths, device=device)
+        with torch.no_grad(), evaluating(self.model), cache.attached(), sequence_parallel_off(self.model):
+            logits = self.spec.decode(self.model, ids.to(device), positions.to(device))[:, -1]
+            cache.advance(longest)
+            while True:
+                tokens = self._choose(logits, active, params, results, on_token)
+                keep = [row for row, request in enumerate(active) if results[request].finish_reason is None]
+                if not keep:
+                    return results
+                if len(keep) < len(active):
+                    rows = torch.tensor(keep, device=device)
+                    cache.keep_rows(rows)
+                    tokens, next_positions = tokens.index_select(0, rows), next_positions.index_select(0, rows)
+                    active = [active[row] for row in keep]
+                logits = self.spec.decode(self.model, tokens.unsqueeze(1), next_positions.unsqueeze(1))[:, -1]
+                cache.advance(1)
+                next_positions = next_positions + 1
+
+    def _choose(
+        self,
+        logits: torch.Tensor,
+        active: list[int],
+        params: list[SamplingParams],
+        results: list[GenerationResult],
+        on_token: Optional[TokenCallback],
+    ) -> torch.Tensor:
+        """Each row's next token, recorded in its request's result (ended where it must)."""
+        logits = logits.float()
+        chosen = [
+            choose(logits[row], params[request], len(results[request].tokens)) for row, request in enumerate(active)
+        ]
+        tokens = torch.tensor(chosen, device=logits.device)
+        if ps.get_tensor_model_parallel_world_size() > 1:  # every rank feeds the same tokens back
+            group = ps.get_tensor_model_parallel_group()
+            dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(), group=group)
+        logprobs = logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        for row, request in enumerate(active):
+            result, p, token = results[request], params[request], int(tokens[row])
+            result.tokens.append(token)
+            result.logprobs.append(logprobs[row])
+            if result.processed_logprobs is not None:
+                result.processed_logprobs.append(processed_logprob(logits[row], p, token))
+            if on_token is not None:
+                on_token(request, token)
+            if token in self.eos_token_ids:
+                result.finish_reason = "eos"
+            elif token in p.stop_token_ids:
+                result.finish_reason = "stop"
+            elif len(result.tokens) >= p.max_new_tokens:
+                result.finish_reason = "length"
+        return tokens

@@ -1,0 +1,95 @@
+"""How the next token is chosen from the logits: greedy, or drawn after temperature, top-k, top-p and
+min-p, with one seed per request; and the log-probabilities a trainer needs.
+
+A draw takes one uniform number from a generator seeded by the request's seed and the token's index, so
+a request samples the same tokens whatever the batch, the layout or the step a run resumed at. The
+log-probability of a token is taken under the model's own distribution (temperature 1, nothing cut:
+what the trainer computes) and, on request, under the processed one it was drawn from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SEED_STRIDE = 1_000_003  # step i of seed s draws from generator seed s * stride + i
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's decoding settings. ``temperature`` 0 is greedy (the rest then unused); ``top_k`` 0,
+    ``top_p`` 1 and ``min_p`` 0 cut nothing. ``stop_token_ids`` end a request like EOS (the stop token is
+    kept in its output). ``processed_logprobs``: also return each token's log-probability under the
+    distribution it was drawn from."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    processed_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        problems = {
+            "max_new_tokens": (self.max_new_tokens < 1, "must be >= 1"),
+            "temperature": (self.temperature < 0, "must be >= 0 (0: greedy)"),
+            "top_k": (self.top_k < 0, "must be >= 0 (0: off)"),
+            "top_p": (not 0 < self.top_p <= 1, "must be in (0, 1] (1: off)"),
+            "min_p": (not 0 <= self.min_p <= 1, "must be in [0, 1] (0: off)"),
+        }
+        for option, (bad, expected) in problems.items():
+            if bad:
+                raise ValueError(f"sampling option {option} {expected}, got {getattr(self, option)!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """fp32 ``logits`` ``[vocab]`` divided by the temperature, with the tokens top-k, top-p and min-p cut
+    set to -inf (each keeps at least the most likely token)."""
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1:
+        ordered, order = torch.sort(scores, descending=True)
+        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass of the more likely tokens
+        cut = torch.zeros_like(scores, dtype=torch.bool).scatter(0, order, before >= params.top_p)
+        scores = scores.masked_fill(cut, float("-inf"))
+    if params.min_p > 0:
+        probs = scores.softmax(-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return scores
+
+
+def draw(scores: torch.Tensor, seed: int, index: int) -> int:
+    """A token from ``softmax(scores)`` by inverting its distribution at one uniform number of the
+    generator seeded by ``seed`` and the token's ``index``."""
+    generator = torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % (1 << 63))
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    cumulative = scores.double().softmax(-1).cumsum(-1).cpu()
+    target = torch.tensor([u * cumulative[-1].item()], dtype=torch.float64)
+    token = int(torch.searchsorted(cumulative, target, right=True))  # never a token of probability 0
+    return min(token, scores.numel() - 1)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, index: int) -> int:
+    """The next token of one request from its fp32 ``logits`` ``[vocab]`` (``index``: how many tokens it
+    has generated before)."""
+    if params.greedy:
+        return int(logits.argmax())
+    return draw(processed_logits(logits, params), params.seed, index)
+
+
+def processed_logprob(logits: torch.Tensor, params: SamplingParams, token: int) -> float:
+    """``token``'s log-probability under the distribution ``params`` draw from (greedy: all mass on the
+    most likely token)."""
+    if params.greedy:
+        return 0.0 if token == int(logits.argmax()) else float("-inf")
+    return float(processed_logits(logits, params).log_softmax(-1)[token])
