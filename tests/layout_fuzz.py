@@ -28,6 +28,9 @@ MOE = [
     "model.moe_z_loss_coeff=1e-3",
 ]
 EOS = 5  # the token id that ends a document in packed samples
+INNER_OPTIMIZERS = {"adamw": "RegistryAdamW", "adam": "Adam", "sgd": "SGD"}  # optim.name -> the class built
+STATES_PER_ELEMENT = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 state tensors per parameter element
+ZERO_SLACK = 0.01  # a shard may own a few elements more or less than its share (padding to the group size)
 AUX_METRICS = ("moe_load_balancing", "moe_seq_load_balancing", "moe_z_loss")  # logged, compared like the loss
 
 
@@ -206,10 +209,46 @@ def _probe(trainer) -> dict:
         {m.dispatcher.num_local_experts for c in trainer.model_chunks for m in c.modules() if isinstance(m, MoELayer)}
     )
     seen["trainable"] = sorted(n for c in trainer.model_chunks for n, p in c.named_parameters() if p.requires_grad)
+    seen["tp_splits"] = _tp_splits(trainer.model_chunks)
     seen["optimizer"] = type(trainer.optimizer).__name__
+    seen["inner_optimizer"] = type(trainer.optimizer.optimizer).__name__
     seen["sharded"] = isinstance(trainer.optimizer, DistributedOptimizer)
     seen["offloaded"] = getattr(trainer.optimizer, "offload", None) is not None
     return seen
+
+
+def _tp_splits(chunks) -> list[int]:
+    """By how much each tensor-parallel linear layer's local weight is smaller than the whole one, along its
+    split dimension (output features of a column-parallel layer, input features of a row-parallel one);
+    layers kept whole on purpose (``replicated``) are left out."""
+    from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    splits = set()
+    for module in (m for c in chunks for m in c.modules()):
+        if isinstance(module, ColumnParallelLinear) and not module.replicated:
+            splits.add(module.output_size // module.weight.shape[0])
+        elif isinstance(module, RowParallelLinear):
+            splits.add(module.input_size // module.weight.shape[1])
+    return sorted(splits)
+
+
+def _state_probe(trainer) -> dict:
+    """Per rank, after training: the elements (fp32, 4 bytes each) of the optimizer's state tensors (Adam's
+    moments, SGD's momentum; step counters left out) and of the trainable parameters it updates, dense and
+    expert apart (they are sharded over different groups): ZeRO shows as state for a share of them only."""
+    from megacann.layers.sharding import get_sharding
+
+    state = sum(t.numel() for s in trainer.optimizer.optimizer.state.values() for t in s.values() if _has_elements(t))
+    params = [p for c in trainer.model_chunks for p in c.parameters() if p.requires_grad]
+    expert = sum(p.numel() for p in params if get_sharding(p).expert)
+    return {"state_elems": state, "expert_elems": expert, "dense_elems": sum(p.numel() for p in params) - expert}
+
+
+def _has_elements(value) -> bool:
+    """A state tensor with elements of its own (not a 0-d step counter)."""
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def _train(layout: Layout, overrides: list[str], world: int) -> dict:
@@ -231,6 +270,7 @@ def _train(layout: Layout, overrides: list[str], world: int) -> dict:
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
         aux.append({k: v for k, v in metrics.items() if k in AUX_METRICS})
+    seen.update(_state_probe(trainer))
     ps.destroy_model_parallel()
     seen["seq"] = sorted(seen["seq"])
     return {"losses": losses, "norms": norms, "aux": aux, "probes": seen}
@@ -298,6 +338,7 @@ def check_layout(
     lora = _setting(o, "lora", "false") == "true"
     offload = _setting(o, "optim.offload_optimizer", "false") == "true"
     recompute = _setting(o, "model.activation_checkpointing", "none")
+    optimizer = _setting(o, "optim.name", "adamw")
     full = recompute == "full"
     seq = SEQ // cp // (tp if sp else 1)
     for rank, probes in enumerate(got["probes"]):
@@ -315,9 +356,26 @@ def check_layout(
             problems.append(f"rank {rank}: local experts {probes['local_experts']}, expected [{experts // ep}]")
         if probes["sharded"] != (zero > 0) or probes["offloaded"] != offload:
             problems.append(f"rank {rank}: optimizer {probes['optimizer']} for ZeRO {zero}, offload {offload}")
+        if probes["tp_splits"] != [tp]:
+            problems.append(f"rank {rank}: linear layers split {probes['tp_splits']} ways, expected [{tp}]")
+        if probes["inner_optimizer"] != INNER_OPTIMIZERS[optimizer]:
+            problems.append(f"rank {rank}: optim.name={optimizer} built {probes['inner_optimizer']}")
+        state, want = probes["state_elems"], expected_state(probes, optimizer, zero, layout.dp * cp, ep)
+        if abs(state - want) > ZERO_SLACK * want:
+            problems.append(f"rank {rank}: {state} optimizer-state elements, expected {want:.0f} for ZeRO {zero}")
         if lora != all("lora" in n for n in probes["trainable"]):
             problems.append(f"rank {rank}: trainable parameters {probes['trainable'][:4]}... with lora={lora}")
     return problems
+
+
+def expected_state(probes: dict, optimizer: str, zero: int, shard_group: int, ep: int) -> float:
+    """The optimizer-state elements one rank should hold: Adam's two moments (SGD's one momentum) for every
+    trainable element it updates; under ZeRO (any stage) only its share, dense parameters over the
+    data x context ranks, expert ones over those divided by expert parallelism."""
+    per_element = STATES_PER_ELEMENT[optimizer]
+    if zero == 0:
+        return per_element * (probes["dense_elems"] + probes["expert_elems"])
+    return per_element * (probes["dense_elems"] / shard_group + probes["expert_elems"] / (shard_group // ep))
 
 
 def compare(layouts: list[Layout], rel: float = 1e-5, timeout: float = 900) -> dict[str, list[str]]:

@@ -51,7 +51,9 @@ def test_the_fixed_sample_covers_every_mode():
 def _run(losses, **probes):
     rank = {"pp_rank": 0, "forwards": [STEPS * 2 * 4], "seq": [32], "recomputes": 0, "core_recomputes": 0}
     rank["local_experts"] = []
-    rank.update(optimizer="MixedPrecisionOptimizer", sharded=False, offloaded=False, **probes)
+    rank.update(optimizer="MixedPrecisionOptimizer", inner_optimizer="RegistryAdamW", sharded=False, offloaded=False)
+    rank.update(tp_splits=[2], dense_elems=1000, expert_elems=0, state_elems=2000)
+    rank.update(probes)
     rank.setdefault("trainable", ["layers.0.mlp.weight"])
     return {"losses": losses, "norms": [1.0] * len(losses), "probes": [rank]}
 
@@ -67,6 +69,30 @@ def test_the_check_sees_a_wrong_trace_and_a_mode_that_was_off():
     (problem,) = check_layout(layout, _run([5.0, 4.0, 3.0]), ref)  # blocks saw the whole sequence: SP was off
     assert "sequence lengths [32], expected [16]" in problem
     assert "failed" in check_layout(layout, {"error": "Traceback ...", "probes": [None]}, ref)[0]
+
+
+def test_the_check_sees_unsplit_layers_the_wrong_optimizer_and_unsharded_state():
+    tp = Layout(seed=0, world=2, parallel=["distributed.tensor_parallel_size=2"])  # no sequence parallelism
+    ref = _run([5.0, 4.0, 3.0])
+    assert check_layout(tp, _run([5.0, 4.0, 3.0]), ref) == []
+    (problem,) = check_layout(tp, _run([5.0, 4.0, 3.0], tp_splits=[1]), ref)  # ran unsplit
+    assert problem == "rank 0: linear layers split [1] ways, expected [2]"
+    sgd = Layout(seed=0, world=2, model=["optim.name=sgd"], parallel=tp.parallel)
+    (problem,) = check_layout(sgd, _run([5.0, 4.0, 3.0], inner_optimizer="SGD"), ref)  # one momentum only
+    assert problem == "rank 0: 2000 optimizer-state elements, expected 1000 for ZeRO 0"
+    assert check_layout(sgd, _run([5.0, 4.0, 3.0], inner_optimizer="SGD", state_elems=1000), ref) == []
+    (problem,) = check_layout(sgd, _run([5.0, 4.0, 3.0], state_elems=1000), ref)
+    assert problem == "rank 0: optim.name=sgd built RegistryAdamW"
+
+    # ZeRO over 4 data-parallel ranks, experts over 2 of them (ep 2): 1000 / 4 + 400 / 2 elements each
+    zero = ["distributed.zero_optimization=2", "distributed.expert_parallel_size=2"]
+    moe = Layout(seed=0, world=4, model=["model.num_experts=4"], parallel=zero, dp=4)
+    sharded = dict(tp_splits=[1], sharded=True, expert_elems=400, local_experts=[2])
+    assert check_layout(moe, _run([5.0, 4.0, 3.0], state_elems=2 * 450, **sharded), ref) == []
+    assert check_layout(moe, _run([5.0, 4.0, 3.0], state_elems=2 * 452, **sharded), ref) == []  # padding
+    for state in (2 * 1400, 2 * 350):  # not sharded; experts sharded as if dense
+        (problem,) = check_layout(moe, _run([5.0, 4.0, 3.0], state_elems=state, **sharded), ref)
+        assert problem == f"rank 0: {state} optimizer-state elements, expected 900 for ZeRO 2"
 
 
 @pytest.mark.extended
