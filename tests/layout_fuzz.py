@@ -1,8 +1,9 @@
 """Layout fuzzing: sample valid parallel layouts, train each a few steps, compare with one process.
 
 A layout is drawn from a seed (``sample_layout(seed, world)``): tensor (+ sequence) parallel, context parallel
-with its algorithm, pipeline parallel with virtual chunks and uneven layer counts, data parallel with a ZeRO
-stage (0-3) and optimizer offload, expert parallel (the moe family), LoRA, recompute, packed documents, tied embeddings, a vocabulary
+with its algorithm, pipeline parallel (2 or 4 stages) with virtual chunks, the V schedules (zbv, dualpipev) or
+zb1p, and uneven layer counts, data parallel with a ZeRO stage (0-3) and optimizer offload, expert parallel
+(the moe family; up to all ranks), LoRA, recompute, packed documents, tied embeddings, a vocabulary
 that tensor parallelism does not divide, and the optimizer (adamw, adam or sgd). Draws the recipe validation refuses are redrawn (the seed stays
 the replay handle). ``run_layouts`` trains every layout on its ranks and the matching one-process runs, and
 returns per layout the loss and gradient-norm traces and the probes that prove the modes were on; failures
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 STEPS, SEQ, ACCUM = 3, 32, 2
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per stage in a V (megacann.pipeline.v_schedules)
 COMMON = ["optim.clip_grad=0.5", "optim.lr=1e-3", "optim.warmup_steps=1"]
 MOE = [
     "model.type=moe",
@@ -44,6 +46,7 @@ class Layout:
     model: list[str] = field(default_factory=list)
     parallel: list[str] = field(default_factory=list)
     dp: int = 1
+    accum: int = ACCUM  # micro-batches per step (the interleaved schedule needs a multiple of the stages)
     packed: bool = False
     steps: int = STEPS
     label: str = ""
@@ -59,29 +62,30 @@ class Layout:
             f"optim.max_steps={self.steps}",
             *self.model,
             *self.parallel,
-            f"optim.grad_accum_steps={ACCUM}",
+            f"optim.grad_accum_steps={self.accum}",
         ]
 
     def reference_overrides(self) -> list[str]:
-        return [*COMMON, f"optim.max_steps={self.steps}", *self.model, f"optim.grad_accum_steps={ACCUM * self.dp}"]
+        return [*COMMON, f"optim.max_steps={self.steps}", *self.model, f"optim.grad_accum_steps={self.accum * self.dp}"]
 
     def describe(self) -> str:
         return " ".join(self.model + self.parallel) + (" [packed]" if self.packed else "")
 
 
-def _draw(rng: random.Random, seed: int, world: int) -> Layout:
+def draw(rng: random.Random, seed: int, world: int) -> Layout:
     moe = rng.random() < 0.3
     model = list(MOE) if moe else []
-    layers = rng.choice([2, 4])
-    model.append(f"model.num_layers={layers}")
-    tp = rng.choice([t for t in (1, 2, 4) if world % t == 0])
+    ep = rng.choice([e for e in (1, 2, 4) if world % e == 0]) if moe else 1  # first, so that ep 4 is drawn
+    tp = rng.choice([t for t in (1, 2, 4) if world % t == 0 and (world // t) % ep == 0])
     heads = 4
     model.append(f"model.num_key_value_heads={rng.choice([k for k in (2, 4) if k % tp == 0])}")
     remaining = world // tp
-    cp = rng.choice([c for c in (1, 2) if remaining % c == 0])
+    cp = rng.choice([c for c in (1, 2) if (remaining // c) % ep == 0 and remaining % c == 0])
     remaining //= cp
-    pp = rng.choice([p for p in (1, 2) if remaining % p == 0 and layers % p == 0])
+    pp = rng.choice([p for p in (1, 2, 4) if remaining % p == 0 and (remaining // p) % ep == 0])
     dp = remaining // pp
+    layers = 8 if pp == 4 else rng.choice([2, 4, 4, 8])  # 4 stages: room for two chunks each
+    model.append(f"model.num_layers={layers}")
     parallel = [
         f"distributed.tensor_parallel_size={tp}",
         f"distributed.context_parallel_size={cp}",
@@ -92,12 +96,25 @@ def _draw(rng: random.Random, seed: int, world: int) -> Layout:
     if cp > 1:
         algos = ["ring", "allgather"] + (["ulysses"] if (heads // tp) % cp == 0 else [])
         parallel.append(f"distributed.context_parallel_algo={rng.choice(algos)}")
+    accum = ACCUM
     if pp > 1:
-        vpp = rng.choice([v for v in (1, 2) if layers % (pp * v) == 0])
-        if vpp > 1:
-            parallel.append(f"distributed.virtual_pipeline_size={vpp}")
-        if rng.random() < 0.5 and layers >= pp * vpp + 1:  # uneven: every (virtual) stage at least one layer
-            stages = pp * vpp
+        schedule = rng.choice(["default", "default", "zb1p", *V_SCHEDULES])
+        if schedule in V_SCHEDULES and layers >= 2 * pp:
+            chunks = 2  # two chunks per stage, placed as a V
+            parallel.append(f"distributed.pipeline_schedule={schedule}")
+            if schedule == "dualpipev":
+                accum = 2 * pp  # its pairs need at least two micro-batches per stage
+            if rng.random() < 0.5:
+                parallel.append("distributed.virtual_pipeline_size=2")  # what the V implies, said
+        else:
+            chunks = 1 if schedule != "default" else rng.choice([v for v in (1, 2) if layers % (pp * v) == 0])
+            if schedule == "zb1p":
+                parallel.append("distributed.pipeline_schedule=zb1p")
+            if chunks > 1:
+                parallel.append(f"distributed.virtual_pipeline_size={chunks}")
+                accum = max(ACCUM, pp)  # interleaved 1F1B: micro-batches a multiple of the stages
+        if rng.random() < 0.5 and layers >= pp * chunks + 1:  # uneven: every (virtual) stage at least one layer
+            stages = pp * chunks
             counts = [1] * stages
             for _ in range(layers - stages):
                 counts[rng.randrange(stages)] += 1
@@ -107,8 +124,7 @@ def _draw(rng: random.Random, seed: int, world: int) -> Layout:
     if dp > 1:
         parallel.append(f"distributed.zero_optimization={rng.choice([0, 1, 2, 3])}")
     if moe:
-        eps = [e for e in (1, 2, 4) if dp % e == 0]
-        parallel.append(f"distributed.expert_parallel_size={rng.choice(eps)}")
+        parallel.append(f"distributed.expert_parallel_size={ep}")
         model.append("model.moe_aux_loss_coeff=1e-2")
     if rng.random() < 0.25:
         model += ["lora=true", "lora_rank=4", "lora_alpha=8.0", "lora_target_modules=all-linear", "optim.lr=2e-2"]
@@ -125,7 +141,7 @@ def _draw(rng: random.Random, seed: int, world: int) -> Layout:
         parallel.append("optim.offload_optimizer=true")
     if packed:
         model += ["data.reset_position_ids=true", "data.reset_attention_mask=true"]
-    return Layout(seed, world, model, parallel, dp, packed)
+    return Layout(seed, world, model, parallel, dp, accum, packed)
 
 
 def sample_layout(seed: int, world: int, attempts: int = 50) -> Layout:
@@ -135,7 +151,7 @@ def sample_layout(seed: int, world: int, attempts: int = 50) -> Layout:
     rng = random.Random(seed)
     errors = []
     for _ in range(attempts):
-        layout = _draw(rng, seed, world)
+        layout = draw(rng, seed, world)
         try:
             tiny_config(layout.overrides(), world_size=world)
             tiny_config(layout.reference_overrides(), world_size=1)
@@ -327,7 +343,8 @@ def check_layout(
     tp = int(_setting(o, "distributed.tensor_parallel_size", 1))
     cp = int(_setting(o, "distributed.context_parallel_size", 1))
     pp = int(_setting(o, "distributed.pipeline_parallel_size", 1))
-    vpp = int(_setting(o, "distributed.virtual_pipeline_size", 1))
+    v_shape = _setting(o, "distributed.pipeline_schedule", None) in V_SCHEDULES
+    vpp = 2 if v_shape else int(_setting(o, "distributed.virtual_pipeline_size", 1))
     sp = _setting(o, "distributed.sequence_parallel", "false") == "true" and tp > 1
     layers = int(_setting(o, "model.num_layers", 4))
     counts = _setting(o, "distributed.pipeline_layers", None)
@@ -343,7 +360,9 @@ def check_layout(
     seq = SEQ // cp // (tp if sp else 1)
     for rank, probes in enumerate(got["probes"]):
         stage = probes["pp_rank"]
-        want = [layout.steps * ACCUM * counts[v * pp + stage] for v in range(vpp)]  # chunk v of stage r: entry v*pp+r
+        # chunk v of stage r holds segment v*pp + r, in the V segment r (v = 0) or 2pp - 1 - r (v = 1)
+        segments = [(2 * pp - 1 - stage if v else stage) if v_shape else v * pp + stage for v in range(vpp)]
+        want = [layout.steps * layout.accum * counts[segment] for segment in segments]
         if probes["forwards"] != want:
             problems.append(f"rank {rank}: block forwards per chunk {probes['forwards']}, expected {want}")
         if probes["seq"] != [seq]:
