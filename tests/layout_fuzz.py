@@ -6,7 +6,7 @@ zb1p, and uneven layer counts, data parallel with a ZeRO stage (0-3) and optimiz
 (the moe family; up to all ranks), LoRA, recompute, packed documents, tied embeddings, a vocabulary
 that tensor parallelism does not divide, and the optimizer (adamw, adam or sgd). Draws the recipe validation refuses are redrawn (the seed stays
 the replay handle). ``run_layouts`` trains every layout on its ranks and the matching one-process runs, and
-returns per layout the loss and gradient-norm traces and the probes that prove the modes were on; failures
+returns per layout the loss and gradient-norm traces and the probes that prove the modes were on (tests/layout_probes.py); failures
 are returned, not raised, so one bad layout does not hide the others. tests/test_layout_fuzz.py runs a fixed
 sample; ``make fuzz`` (scripts/fuzz_layouts.py) runs more and prints the seed of each failure.
 """
@@ -17,6 +17,8 @@ import random
 import traceback
 from dataclasses import dataclass, field
 from typing import Optional
+
+from layout_probes import INNER_OPTIMIZERS, ZERO_SLACK, expected_state, probe, state_probe
 
 STEPS, SEQ, ACCUM = 3, 32, 2
 V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per stage in a V (megacann.pipeline.v_schedules)
@@ -30,9 +32,6 @@ MOE = [
     "model.moe_z_loss_coeff=1e-3",
 ]
 EOS = 5  # the token id that ends a document in packed samples
-INNER_OPTIMIZERS = {"adamw": "RegistryAdamW", "adam": "Adam", "sgd": "SGD"}  # optim.name -> the class built
-STATES_PER_ELEMENT = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 state tensors per parameter element
-ZERO_SLACK = 0.01  # a shard may own a few elements more or less than its share (padding to the group size)
 AUX_METRICS = ("moe_load_balancing", "moe_seq_load_balancing", "moe_z_loss")  # logged, compared like the loss
 
 
@@ -191,82 +190,6 @@ class FuzzData:
         return None
 
 
-def _probe(trainer) -> dict:
-    """What each rank really ran: block forwards per chunk and the sequence length a block sees (hooks),
-    how often backward replayed a block and core attention (recompute), its pipeline stage, its local experts per MoE layer, trainable parameter names, the optimizer's class."""
-    from megacann import parallel_state as ps
-    from megacann.layers import TransformerBlock
-    from megacann.layers.moe.layer import MoELayer
-    from megacann.layers.random import is_recomputing
-    from megacann.optimizer.zero.optimizer import DistributedOptimizer
-
-    seen = {"forwards": [0] * len(trainer.model_chunks), "seq": set(), "recomputes": 0, "core_recomputes": 0}
-    for index, chunk in enumerate(trainer.model_chunks):
-        for block in (m for m in chunk.modules() if isinstance(m, TransformerBlock)):
-
-            def hook(module, args, index=index):
-                if is_recomputing():
-                    seen["recomputes"] += 1
-                else:
-                    seen["forwards"][index] += 1
-                    seen["seq"].add(args[0].shape[1])
-
-            block.input_layernorm.register_forward_pre_hook(hook)
-        for attention in (m for m in chunk.modules() if hasattr(m, "recompute_core_attention")):
-            core = attention.core_attention
-
-            def counted(*args, core=core, **kwargs):
-                seen["core_recomputes"] += is_recomputing()
-                return core(*args, **kwargs)
-
-            attention.core_attention = counted  # looked up per call, also by the selective checkpoint
-    seen["pp_rank"] = ps.get_pipeline_model_parallel_rank()
-    seen["local_experts"] = sorted(
-        {m.dispatcher.num_local_experts for c in trainer.model_chunks for m in c.modules() if isinstance(m, MoELayer)}
-    )
-    seen["trainable"] = sorted(n for c in trainer.model_chunks for n, p in c.named_parameters() if p.requires_grad)
-    seen["tp_splits"] = _tp_splits(trainer.model_chunks)
-    seen["optimizer"] = type(trainer.optimizer).__name__
-    seen["inner_optimizer"] = type(trainer.optimizer.optimizer).__name__
-    seen["sharded"] = isinstance(trainer.optimizer, DistributedOptimizer)
-    seen["offloaded"] = getattr(trainer.optimizer, "offload", None) is not None
-    return seen
-
-
-def _tp_splits(chunks) -> list[int]:
-    """By how much each tensor-parallel linear layer's local weight is smaller than the whole one, along its
-    split dimension (output features of a column-parallel layer, input features of a row-parallel one);
-    layers kept whole on purpose (``replicated``) are left out."""
-    from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    splits = set()
-    for module in (m for c in chunks for m in c.modules()):
-        if isinstance(module, ColumnParallelLinear) and not module.replicated:
-            splits.add(module.output_size // module.weight.shape[0])
-        elif isinstance(module, RowParallelLinear):
-            splits.add(module.input_size // module.weight.shape[1])
-    return sorted(splits)
-
-
-def _state_probe(trainer) -> dict:
-    """Per rank, after training: the elements (fp32, 4 bytes each) of the optimizer's state tensors (Adam's
-    moments, SGD's momentum; step counters left out) and of the trainable parameters it updates, dense and
-    expert apart (they are sharded over different groups): ZeRO shows as state for a share of them only."""
-    from megacann.layers.sharding import get_sharding
-
-    state = sum(t.numel() for s in trainer.optimizer.optimizer.state.values() for t in s.values() if _has_elements(t))
-    params = [p for c in trainer.model_chunks for p in c.parameters() if p.requires_grad]
-    expert = sum(p.numel() for p in params if get_sharding(p).expert)
-    return {"state_elems": state, "expert_elems": expert, "dense_elems": sum(p.numel() for p in params) - expert}
-
-
-def _has_elements(value) -> bool:
-    """A state tensor with elements of its own (not a 0-d step counter)."""
-    import torch
-
-    return isinstance(value, torch.Tensor) and value.dim() > 0
-
-
 def _train(layout: Layout, overrides: list[str], world: int) -> dict:
     from training_helpers import tiny_config
 
@@ -279,14 +202,14 @@ def _train(layout: Layout, overrides: list[str], world: int) -> dict:
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     data = FuzzData(cfg, dp_rank, dp_size, layout.packed, layout.distinct)
     trainer = Trainer(cfg, runtime, data=data)
-    seen = _probe(trainer)
+    seen = probe(trainer)
     losses, norms, aux = [], [], []
     for _ in range(layout.steps):
         metrics = trainer.train_step()
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
         aux.append({k: v for k, v in metrics.items() if k in AUX_METRICS})
-    seen.update(_state_probe(trainer))
+    seen.update(state_probe(trainer))
     ps.destroy_model_parallel()
     seen["seq"] = sorted(seen["seq"])
     return {"losses": losses, "norms": norms, "aux": aux, "probes": seen}
@@ -385,16 +308,6 @@ def check_layout(
         if lora != all("lora" in n for n in probes["trainable"]):
             problems.append(f"rank {rank}: trainable parameters {probes['trainable'][:4]}... with lora={lora}")
     return problems
-
-
-def expected_state(probes: dict, optimizer: str, zero: int, shard_group: int, ep: int) -> float:
-    """The optimizer-state elements one rank should hold: Adam's two moments (SGD's one momentum) for every
-    trainable element it updates; under ZeRO (any stage) only its share, dense parameters over the
-    data x context ranks, expert ones over those divided by expert parallelism."""
-    per_element = STATES_PER_ELEMENT[optimizer]
-    if zero == 0:
-        return per_element * (probes["dense_elems"] + probes["expert_elems"])
-    return per_element * (probes["dense_elems"] / shard_group + probes["expert_elems"] / (shard_group // ep))
 
 
 def compare(layouts: list[Layout], rel: float = 1e-5, timeout: float = 900) -> dict[str, list[str]]:
