@@ -43,3 +43,17 @@ def test_the_minimum_cann_and_what_older_ones_lack():
 )
 def test_torch_npu_verdicts(npu, torch_version, verdict):
     assert torch_npu_verdict(npu, torch_version) == verdict
+
+
+def test_check_env_reports_an_old_torch_npu_and_cann(monkeypatch):
+    """What check_env.py prints (environment_report's software lines) for torch_npu 2.1.0 on CANN 8.0.RC1."""
+    from megacann import env_report
+
+    installed = {"torch_npu": "2.1.0.post13"}
+    monkeypatch.setattr(env_report, "_package_version", lambda name: installed.get(name))
+    monkeypatch.setattr(env_report, "cann_version", lambda: "8.0.RC1")
+    lines = {item.name: item.line() for item in env_report.software_items()}
+    assert lines["torch_npu"] == "torch_npu      2.1.0.post13  [too old: megacann needs torch_npu >= 2.7.1]"
+    assert lines["CANN"].startswith(
+        "CANN           8.0.RC1  [too old: megacann is meant for CANN >= 8.3.RC1; this one: "
+    )
