@@ -24,7 +24,8 @@ test: $(STAMP)
 test-extended: $(STAMP)
 	$(VENV_PY) -m pytest tests --extended $(ARGS)
 
-# more layout fuzzing than CI's fixed sample, e.g. make fuzz ARGS="--world 4 --count 20 --first-seed 2000"
+# layout fuzzing beyond the fixed sample, e.g. make fuzz ARGS="--world 4 --count 20 --first-seed 2000";
+# CI runs ARGS="--world 2 --world 4 --count 3 --key <commit>" (seeds drawn from the commit, printed)
 fuzz: $(STAMP)
 	$(VENV_PY) scripts/fuzz_layouts.py $(ARGS)
 

@@ -73,6 +73,47 @@ def cann_version() -> Optional[str]:
     return None
 
 
+def torch_npu_verdict(npu: str, torch_version: str) -> str:
+    """``too old`` below :data:`megacann.ops.npu_api.MINIMUM_TORCH_NPU`, ``mismatch`` when built for another
+    torch, else ``matches torch``."""
+    from megacann.ops.npu_api import MINIMUM_TORCH_NPU
+
+    if _version_tuple(npu) < _version_tuple(MINIMUM_TORCH_NPU):
+        return f"too old: megacann needs torch_npu >= {MINIMUM_TORCH_NPU}"
+    if _version_tuple(npu)[:3] != _version_tuple(torch_version)[:3]:
+        return f"mismatch: torch_npu {npu} is built for another torch than {torch_version}"
+    return "matches torch"
+
+
+def cann_release(text: str) -> tuple[int, int, int, int]:
+    """A CANN version in release order: ``8.0.RC1`` < ``8.0.RC2`` < ``8.0.0`` < ``8.0.1`` < ``8.1.RC1``; a
+    version of two numbers (``7.0``) stands for its whole line (after all of its releases)."""
+    parts = text.strip().upper().split(".")
+    major, minor = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    if len(parts) < 3:
+        return (major, minor, 2, 0)
+    third = parts[2]
+    digits = int("".join(ch for ch in third if ch.isdigit()) or 0)
+    return (major, minor, 0, digits) if third.startswith("RC") else (major, minor, 1, digits)
+
+
+def cann_verdict(cann: Optional[str]) -> str:
+    """Whether the CANN toolkit is one megacann is meant for (:data:`megacann.ops.npu_api.MINIMUM_CANN`),
+    and what an older one lacks (:data:`megacann.ops.npu_api.CANN_GAPS`)."""
+    from megacann.ops.npu_api import CANN_GAPS, MINIMUM_CANN
+
+    if not cann:
+        return "source CANN's set_env.sh (see docs/operations.md)"
+    try:
+        release = cann_release(cann)
+    except ValueError:
+        return f"unrecognised version (megacann is meant for CANN >= {MINIMUM_CANN})"
+    if release >= cann_release(MINIMUM_CANN):
+        return "ok"
+    gaps = "; ".join(what for newest, what in CANN_GAPS if release <= cann_release(newest))
+    return f"too old: megacann is meant for CANN >= {MINIMUM_CANN}" + (f"; this one: {gaps}" if gaps else "")
+
+
 def software_items() -> list[Item]:
     import torch
 
@@ -82,17 +123,9 @@ def software_items() -> list[Item]:
     items.append(Item("torch", f"{torch.__version__} ({build})", _judge("torch", torch.__version__)))
     npu = _package_version("torch_npu") or _package_version("torch-npu")
     if npu:
-        same = _version_tuple(npu)[:3] == _version_tuple(torch.__version__)[:3]
-        verdict = (
-            "matches torch"
-            if same
-            else f"mismatch: torch_npu {npu} is built for another torch than {torch.__version__}"
-        )
-        items.append(Item("torch_npu", npu, verdict))
+        items.append(Item("torch_npu", npu, torch_npu_verdict(npu, torch.__version__)))
         cann = cann_version()
-        items.append(
-            Item("CANN", cann or "not found", "" if cann else "source CANN's set_env.sh (see docs/operations.md)")
-        )
+        items.append(Item("CANN", cann or "not found", cann_verdict(cann)))
     else:
         items.append(Item("torch_npu", "not installed", ""))
     for name in OPTIONAL_PACKAGES:

@@ -7,8 +7,14 @@ head dims, dtypes, list lengths, row counts) and computes what the documentation
 written here independently of megacann's reference ops. A wrong call therefore gives a wrong result, a
 TypeError or an AssertionError, not a silent pass.
 
-``make_fake_torch_npu(old_api=True)`` plays an older release (``__version__`` "2.1.0"): ``npu_rotary_mul``
-has no ``rotary_mode`` (half mode only) and ``npu_grouped_matmul`` no ``group_type`` / ``group_list_type``.
+``make_fake_torch_npu(old_api=...)`` plays an older release, one missing feature at a time (:data:`OLD_APIS`):
+
+- ``True`` / ``"cann7.0"`` (``__version__`` "2.1.0"): ``npu_rotary_mul`` has no ``rotary_mode`` (half mode
+  only), ``npu_grouped_matmul`` no ``group_type`` / ``group_list_type``, ``npu_fusion_attention`` no TND
+  layout and no ``actual_seq_qlen`` / ``actual_seq_kvlen`` (the CANN 7.0 documentation of the operator);
+- ``"cann8.0.rc1"``: the TND layout but no ``actual_seq_*`` (the CANN 8.0.RC1 documentation);
+- ``"group_type_2_refused"``: the newest signatures, but ``npu_grouped_matmul(group_type=2)`` raises the
+  RuntimeError some CANN builds give ("group_type currently only support -1 and 0, current value is 2").
 
 Attention dropout (``keep_prob < 1``) follows the kernel's contract: the forward takes its random state
 from the device generator and returns it as ``(seed, offset, numels)``; the fake draws ``seed`` with one
@@ -27,7 +33,7 @@ import functools
 import inspect
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +46,28 @@ SPARSE_MODES = tuple(range(9))  # documented: 0 .. 8
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_CE_ROWS = 200_000  # npu_cross_entropy_loss: at most 200,000 rows
 MAX_GMM_WEIGHTS = 128  # npu_grouped_matmul: at most 128 tensors in a list
+
+
+@dataclass(frozen=True)
+class Release:
+    """What the played torch_npu (with its CANN) offers."""
+
+    version: str = NEW_VERSION
+    rotary_mode: bool = True  # npu_rotary_mul(..., rotary_mode=)
+    group_type: bool = True  # npu_grouped_matmul(..., group_type=, group_list_type=)
+    tnd: bool = True  # npu_fusion_attention's TND layout
+    actual_seq: bool = True  # npu_fusion_attention(..., actual_seq_qlen=, actual_seq_kvlen=)
+    group_type_2: bool = True  # group_type=2 accepted when called
+
+
+OLD_APIS = {
+    False: Release(),
+    True: Release(OLD_VERSION, rotary_mode=False, group_type=False, tnd=False, actual_seq=False),
+    "cann7.0": Release(OLD_VERSION, rotary_mode=False, group_type=False, tnd=False, actual_seq=False),
+    "cann8.0.rc1": Release(actual_seq=False),
+    "group_type_2_refused": Release(group_type_2=False),
+}
+GROUP_TYPE_2_REFUSAL = "group_type currently only support -1 and 0, current value is 2"
 
 
 @dataclass
@@ -121,10 +149,12 @@ def _strict(npu, fn):
     return kernel
 
 
-def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
-    """A fresh fake module (``calls`` starts empty); ``old_api`` plays torch_npu 2.1.0's signatures."""
+def make_fake_torch_npu(old_api: Union[bool, str] = False) -> types.ModuleType:
+    """A fresh fake module (``calls`` starts empty); ``old_api`` names the older release it plays
+    (:data:`OLD_APIS`; ``True``: CANN 7.0 with torch_npu 2.1.0's signatures)."""
+    release = OLD_APIS[old_api]
     npu = types.ModuleType("torch_npu")
-    npu.__version__ = OLD_VERSION if old_api else NEW_VERSION
+    npu.__version__ = release.version
     npu.calls = []
 
     def npu_rms_norm(self, gamma, epsilon=1e-6):
@@ -159,6 +189,7 @@ def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
         keep_prob=1.0, pre_tockens=MAX_INT, next_tockens=MAX_INT, inner_precise=0, prefix=None,
         actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
     ):  # fmt: skip
+        assert release.tnd or input_layout != "TND", "input_layout must be one of BSH, SBH, BSND, BNSD here"
         _check_attention(query, key, value, head_num, input_layout, keep_prob, sparse_mode)
         assert pse is None and padding_mask is None and prefix is None, "the fake models no pse/padding/prefix"
         seed, offset = (int(torch.randint(0, 2**31 - 1, (1,))), 0) if keep_prob < 1.0 else (0, 0)
@@ -188,6 +219,7 @@ def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
 
         if input_layout == "TND":
             lens = actual_seq_qlen
+            assert lens is not None, "TND needs actual_seq_qlen / actual_seq_kvlen"
             assert lens == actual_seq_kvlen and lens[-1] == query.shape[0], "cumulative lengths expected"
             assert mode in (0, 3, 4)
             out = torch.empty(query.shape, dtype=torch.float64)
@@ -298,6 +330,8 @@ def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
             assert split_item in (2, 3) and len(weight) == len(sizes) and sum(sizes) == x[0].shape[0]
             return [torch.cat([rows @ w for rows, w in zip(x[0].split(sizes, 0), weight)], 0)]
         # groups split the contraction (K): x [N_in, K], weight [K, N_out] -> [groups, N_in, N_out]
+        if group_type == 2 and not release.group_type_2:
+            raise RuntimeError(f"npu_grouped_matmul: {GROUP_TYPE_2_REFUSAL}")
         assert group_type == 2 and split_item == 3 and len(weight) == 1 and sum(sizes) == x[0].shape[1]
         pieces = zip(x[0].split(sizes, 1), weight[0].split(sizes, 0))
         return [torch.stack([a @ b for a, b in pieces])]
@@ -318,6 +352,17 @@ def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
         assert bias is None and scale is None and output_dtype is None, "the fake models the plain product"
         return _gmm(x, weight, group_list, split_item, 0, 0)  # cumulative ends, rows split
 
+    def npu_fusion_attention_no_seq(
+        query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None, scale=1.0,
+        keep_prob=1.0, pre_tockens=MAX_INT, next_tockens=MAX_INT, inner_precise=0, prefix=None, sparse_mode=0,
+        gen_mask_parallel=True, sync=False,
+    ):  # fmt: skip
+        """CANN 7.0 / 8.0.RC1's signature: no actual_seq_qlen / actual_seq_kvlen."""
+        return npu_fusion_attention(
+            query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
+            pre_tockens, next_tockens, inner_precise, prefix, None, None, sparse_mode, gen_mask_parallel, sync,
+        )  # fmt: skip
+
     def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
         assert not padded_mode and tokens.dim() == 2 and indices.dim() in (1, 2)
         top_k = 1 if indices.dim() == 1 else indices.shape[1]
@@ -335,13 +380,15 @@ def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
         weights = torch.ones(copies.shape[:2], dtype=copies.dtype) if probs is None else probs
         return (copies * weights.unsqueeze(-1)).sum(1)
 
-    rotary, gmm = (npu_rotary_mul_old, npu_grouped_matmul_old) if old_api else (npu_rotary_mul, npu_grouped_matmul)
-    rotary.__name__, gmm.__name__ = "npu_rotary_mul", "npu_grouped_matmul"
+    rotary = npu_rotary_mul if release.rotary_mode else npu_rotary_mul_old
+    gmm = npu_grouped_matmul if release.group_type else npu_grouped_matmul_old
+    attention = npu_fusion_attention if release.actual_seq else npu_fusion_attention_no_seq
+    rotary.__name__, gmm.__name__, attention.__name__ = "npu_rotary_mul", "npu_grouped_matmul", "npu_fusion_attention"
     for fn in (
         npu_rms_norm,
         rotary,
         npu_swiglu,
-        npu_fusion_attention,
+        attention,
         npu_fusion_attention_grad,
         npu_cross_entropy_loss,
         npu_apply_adam_w,
@@ -356,9 +403,10 @@ def make_fake_torch_npu(old_api: bool = False) -> types.ModuleType:
 def forget_npu_checks() -> None:
     """Drop megacann's cached torch_npu import and NPU availability answers (after swapping the module)."""
     from megacann import accelerator
-    from megacann.ops import registry
+    from megacann.ops import npu_api, registry
 
     accelerator.import_torch_npu.cache_clear()
+    npu_api.forget()
     for key in [k for k in registry._AVAILABLE if k[1] in ("npu", "torch_npu")]:
         del registry._AVAILABLE[key]
     registry._CACHE.clear()

@@ -1,11 +1,12 @@
 """Layout fuzzing: sample valid parallel layouts, train each a few steps, compare with one process.
 
 A layout is drawn from a seed (``sample_layout(seed, world)``): tensor (+ sequence) parallel, context parallel
-with its algorithm, pipeline parallel with virtual chunks and uneven layer counts, data parallel with a ZeRO
-stage (0-3) and optimizer offload, expert parallel (the moe family), LoRA, recompute, packed documents, tied embeddings, a vocabulary
+with its algorithm, pipeline parallel (2 or 4 stages) with virtual chunks, the V schedules (zbv, dualpipev) or
+zb1p, and uneven layer counts, data parallel with a ZeRO stage (0-3) and optimizer offload, expert parallel
+(the moe family; up to all ranks), LoRA, recompute, packed documents, tied embeddings, a vocabulary
 that tensor parallelism does not divide, and the optimizer (adamw, adam or sgd). Draws the recipe validation refuses are redrawn (the seed stays
 the replay handle). ``run_layouts`` trains every layout on its ranks and the matching one-process runs, and
-returns per layout the loss and gradient-norm traces and the probes that prove the modes were on; failures
+returns per layout the loss and gradient-norm traces and the probes that prove the modes were on (tests/layout_probes.py); failures
 are returned, not raised, so one bad layout does not hide the others. tests/test_layout_fuzz.py runs a fixed
 sample; ``make fuzz`` (scripts/fuzz_layouts.py) runs more and prints the seed of each failure.
 """
@@ -17,7 +18,10 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Optional
 
+from layout_probes import INNER_OPTIMIZERS, ZERO_SLACK, expected_state, probe, state_probe
+
 STEPS, SEQ, ACCUM = 3, 32, 2
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per stage in a V (megacann.pipeline.v_schedules)
 COMMON = ["optim.clip_grad=0.5", "optim.lr=1e-3", "optim.warmup_steps=1"]
 MOE = [
     "model.type=moe",
@@ -41,6 +45,7 @@ class Layout:
     model: list[str] = field(default_factory=list)
     parallel: list[str] = field(default_factory=list)
     dp: int = 1
+    accum: int = ACCUM  # micro-batches per step (the interleaved schedule needs a multiple of the stages)
     packed: bool = False
     steps: int = STEPS
     label: str = ""
@@ -56,29 +61,30 @@ class Layout:
             f"optim.max_steps={self.steps}",
             *self.model,
             *self.parallel,
-            f"optim.grad_accum_steps={ACCUM}",
+            f"optim.grad_accum_steps={self.accum}",
         ]
 
     def reference_overrides(self) -> list[str]:
-        return [*COMMON, f"optim.max_steps={self.steps}", *self.model, f"optim.grad_accum_steps={ACCUM * self.dp}"]
+        return [*COMMON, f"optim.max_steps={self.steps}", *self.model, f"optim.grad_accum_steps={self.accum * self.dp}"]
 
     def describe(self) -> str:
         return " ".join(self.model + self.parallel) + (" [packed]" if self.packed else "")
 
 
-def _draw(rng: random.Random, seed: int, world: int) -> Layout:
+def draw(rng: random.Random, seed: int, world: int) -> Layout:
     moe = rng.random() < 0.3
     model = list(MOE) if moe else []
-    layers = rng.choice([2, 4])
-    model.append(f"model.num_layers={layers}")
-    tp = rng.choice([t for t in (1, 2, 4) if world % t == 0])
+    ep = rng.choice([e for e in (1, 2, 4) if world % e == 0]) if moe else 1  # first, so that ep 4 is drawn
+    tp = rng.choice([t for t in (1, 2, 4) if world % t == 0 and (world // t) % ep == 0])
     heads = 4
     model.append(f"model.num_key_value_heads={rng.choice([k for k in (2, 4) if k % tp == 0])}")
     remaining = world // tp
-    cp = rng.choice([c for c in (1, 2) if remaining % c == 0])
+    cp = rng.choice([c for c in (1, 2) if (remaining // c) % ep == 0 and remaining % c == 0])
     remaining //= cp
-    pp = rng.choice([p for p in (1, 2) if remaining % p == 0 and layers % p == 0])
+    pp = rng.choice([p for p in (1, 2, 4) if remaining % p == 0 and (remaining // p) % ep == 0])
     dp = remaining // pp
+    layers = 8 if pp == 4 else rng.choice([2, 4, 4, 8])  # 4 stages: room for two chunks each
+    model.append(f"model.num_layers={layers}")
     parallel = [
         f"distributed.tensor_parallel_size={tp}",
         f"distributed.context_parallel_size={cp}",
@@ -89,12 +95,25 @@ def _draw(rng: random.Random, seed: int, world: int) -> Layout:
     if cp > 1:
         algos = ["ring", "allgather"] + (["ulysses"] if (heads // tp) % cp == 0 else [])
         parallel.append(f"distributed.context_parallel_algo={rng.choice(algos)}")
+    accum = ACCUM
     if pp > 1:
-        vpp = rng.choice([v for v in (1, 2) if layers % (pp * v) == 0])
-        if vpp > 1:
-            parallel.append(f"distributed.virtual_pipeline_size={vpp}")
-        if rng.random() < 0.5 and layers >= pp * vpp + 1:  # uneven: every (virtual) stage at least one layer
-            stages = pp * vpp
+        schedule = rng.choice(["default", "default", "zb1p", *V_SCHEDULES])
+        if schedule in V_SCHEDULES and layers >= 2 * pp:
+            chunks = 2  # two chunks per stage, placed as a V
+            parallel.append(f"distributed.pipeline_schedule={schedule}")
+            if schedule == "dualpipev":
+                accum = 2 * pp  # its pairs need at least two micro-batches per stage
+            if rng.random() < 0.5:
+                parallel.append("distributed.virtual_pipeline_size=2")  # what the V implies, said
+        else:
+            chunks = 1 if schedule != "default" else rng.choice([v for v in (1, 2) if layers % (pp * v) == 0])
+            if schedule == "zb1p":
+                parallel.append("distributed.pipeline_schedule=zb1p")
+            if chunks > 1:
+                parallel.append(f"distributed.virtual_pipeline_size={chunks}")
+                accum = max(ACCUM, pp)  # interleaved 1F1B: micro-batches a multiple of the stages
+        if rng.random() < 0.5 and layers >= pp * chunks + 1:  # uneven: every (virtual) stage at least one layer
+            stages = pp * chunks
             counts = [1] * stages
             for _ in range(layers - stages):
                 counts[rng.randrange(stages)] += 1
@@ -104,8 +123,7 @@ def _draw(rng: random.Random, seed: int, world: int) -> Layout:
     if dp > 1:
         parallel.append(f"distributed.zero_optimization={rng.choice([0, 1, 2, 3])}")
     if moe:
-        eps = [e for e in (1, 2, 4) if dp % e == 0]
-        parallel.append(f"distributed.expert_parallel_size={rng.choice(eps)}")
+        parallel.append(f"distributed.expert_parallel_size={ep}")
         model.append("model.moe_aux_loss_coeff=1e-2")
     if rng.random() < 0.25:
         model += ["lora=true", "lora_rank=4", "lora_alpha=8.0", "lora_target_modules=all-linear", "optim.lr=2e-2"]
@@ -122,7 +140,7 @@ def _draw(rng: random.Random, seed: int, world: int) -> Layout:
         parallel.append("optim.offload_optimizer=true")
     if packed:
         model += ["data.reset_position_ids=true", "data.reset_attention_mask=true"]
-    return Layout(seed, world, model, parallel, dp, packed)
+    return Layout(seed, world, model, parallel, dp, accum, packed)
 
 
 def sample_layout(seed: int, world: int, attempts: int = 50) -> Layout:
@@ -132,7 +150,7 @@ def sample_layout(seed: int, world: int, attempts: int = 50) -> Layout:
     rng = random.Random(seed)
     errors = []
     for _ in range(attempts):
-        layout = _draw(rng, seed, world)
+        layout = draw(rng, seed, world)
         try:
             tiny_config(layout.overrides(), world_size=world)
             tiny_config(layout.reference_overrides(), world_size=1)
@@ -172,46 +190,6 @@ class FuzzData:
         return None
 
 
-def _probe(trainer) -> dict:
-    """What each rank really ran: block forwards per chunk and the sequence length a block sees (hooks),
-    how often backward replayed a block and core attention (recompute), its pipeline stage, its local experts per MoE layer, trainable parameter names, the optimizer's class."""
-    from megacann import parallel_state as ps
-    from megacann.layers import TransformerBlock
-    from megacann.layers.moe.layer import MoELayer
-    from megacann.layers.random import is_recomputing
-    from megacann.optimizer.zero.optimizer import DistributedOptimizer
-
-    seen = {"forwards": [0] * len(trainer.model_chunks), "seq": set(), "recomputes": 0, "core_recomputes": 0}
-    for index, chunk in enumerate(trainer.model_chunks):
-        for block in (m for m in chunk.modules() if isinstance(m, TransformerBlock)):
-
-            def hook(module, args, index=index):
-                if is_recomputing():
-                    seen["recomputes"] += 1
-                else:
-                    seen["forwards"][index] += 1
-                    seen["seq"].add(args[0].shape[1])
-
-            block.input_layernorm.register_forward_pre_hook(hook)
-        for attention in (m for m in chunk.modules() if hasattr(m, "recompute_core_attention")):
-            core = attention.core_attention
-
-            def counted(*args, core=core, **kwargs):
-                seen["core_recomputes"] += is_recomputing()
-                return core(*args, **kwargs)
-
-            attention.core_attention = counted  # looked up per call, also by the selective checkpoint
-    seen["pp_rank"] = ps.get_pipeline_model_parallel_rank()
-    seen["local_experts"] = sorted(
-        {m.dispatcher.num_local_experts for c in trainer.model_chunks for m in c.modules() if isinstance(m, MoELayer)}
-    )
-    seen["trainable"] = sorted(n for c in trainer.model_chunks for n, p in c.named_parameters() if p.requires_grad)
-    seen["optimizer"] = type(trainer.optimizer).__name__
-    seen["sharded"] = isinstance(trainer.optimizer, DistributedOptimizer)
-    seen["offloaded"] = getattr(trainer.optimizer, "offload", None) is not None
-    return seen
-
-
 def _train(layout: Layout, overrides: list[str], world: int) -> dict:
     from training_helpers import tiny_config
 
@@ -224,13 +202,14 @@ def _train(layout: Layout, overrides: list[str], world: int) -> dict:
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     data = FuzzData(cfg, dp_rank, dp_size, layout.packed, layout.distinct)
     trainer = Trainer(cfg, runtime, data=data)
-    seen = _probe(trainer)
+    seen = probe(trainer)
     losses, norms, aux = [], [], []
     for _ in range(layout.steps):
         metrics = trainer.train_step()
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
         aux.append({k: v for k, v in metrics.items() if k in AUX_METRICS})
+    seen.update(state_probe(trainer))
     ps.destroy_model_parallel()
     seen["seq"] = sorted(seen["seq"])
     return {"losses": losses, "norms": norms, "aux": aux, "probes": seen}
@@ -287,7 +266,8 @@ def check_layout(
     tp = int(_setting(o, "distributed.tensor_parallel_size", 1))
     cp = int(_setting(o, "distributed.context_parallel_size", 1))
     pp = int(_setting(o, "distributed.pipeline_parallel_size", 1))
-    vpp = int(_setting(o, "distributed.virtual_pipeline_size", 1))
+    v_shape = _setting(o, "distributed.pipeline_schedule", None) in V_SCHEDULES
+    vpp = 2 if v_shape else int(_setting(o, "distributed.virtual_pipeline_size", 1))
     sp = _setting(o, "distributed.sequence_parallel", "false") == "true" and tp > 1
     layers = int(_setting(o, "model.num_layers", 4))
     counts = _setting(o, "distributed.pipeline_layers", None)
@@ -298,11 +278,14 @@ def check_layout(
     lora = _setting(o, "lora", "false") == "true"
     offload = _setting(o, "optim.offload_optimizer", "false") == "true"
     recompute = _setting(o, "model.activation_checkpointing", "none")
+    optimizer = _setting(o, "optim.name", "adamw")
     full = recompute == "full"
     seq = SEQ // cp // (tp if sp else 1)
     for rank, probes in enumerate(got["probes"]):
         stage = probes["pp_rank"]
-        want = [layout.steps * ACCUM * counts[v * pp + stage] for v in range(vpp)]  # chunk v of stage r: entry v*pp+r
+        # chunk v of stage r holds segment v*pp + r, in the V segment r (v = 0) or 2pp - 1 - r (v = 1)
+        segments = [(2 * pp - 1 - stage if v else stage) if v_shape else v * pp + stage for v in range(vpp)]
+        want = [layout.steps * layout.accum * counts[segment] for segment in segments]
         if probes["forwards"] != want:
             problems.append(f"rank {rank}: block forwards per chunk {probes['forwards']}, expected {want}")
         if probes["seq"] != [seq]:
@@ -315,6 +298,13 @@ def check_layout(
             problems.append(f"rank {rank}: local experts {probes['local_experts']}, expected [{experts // ep}]")
         if probes["sharded"] != (zero > 0) or probes["offloaded"] != offload:
             problems.append(f"rank {rank}: optimizer {probes['optimizer']} for ZeRO {zero}, offload {offload}")
+        if probes["tp_splits"] != [tp]:
+            problems.append(f"rank {rank}: linear layers split {probes['tp_splits']} ways, expected [{tp}]")
+        if probes["inner_optimizer"] != INNER_OPTIMIZERS[optimizer]:
+            problems.append(f"rank {rank}: optim.name={optimizer} built {probes['inner_optimizer']}")
+        state, want = probes["state_elems"], expected_state(probes, optimizer, zero, layout.dp * cp, ep)
+        if abs(state - want) > ZERO_SLACK * want:
+            problems.append(f"rank {rank}: {state} optimizer-state elements, expected {want:.0f} for ZeRO {zero}")
         if lora != all("lora" in n for n in probes["trainable"]):
             problems.append(f"rank {rank}: trainable parameters {probes['trainable'][:4]}... with lora={lora}")
     return problems

@@ -5,7 +5,8 @@ megacann copes with an older torch_npu:
   documented limits (layouts, sparse modes, head counts, keep_prob, head dims, dtypes, list lengths, rows);
 - with an older API (no ``rotary_mode``, no ``group_type``) the two ops that need it fall back to their
   next implementation, each with one log line naming the op, the torch_npu version and the missing
-  argument, while the other ops keep their NPU kernels;
+  argument, while the other ops keep their NPU kernels (packed attention without ``actual_seq_qlen``:
+  tests/test_npu_old_releases.py);
 - attention dropout draws its mask from a seed taken from the generator, so a recomputed forward
   (``megacann.layers.random.checkpoint``) replays the same mask.
 """
@@ -112,6 +113,9 @@ def test_old_api_falls_back_per_op_with_one_line(monkeypatch, caplog):
             "its npu_rotary_mul takes no 'rotary_mode' (an older API)",
             "megacann.ops: grouped_matmul falls back from 'torch_npu' to its next implementation: torch_npu 2.1.0 "
             "found, its npu_grouped_matmul takes no 'group_type' (an older API)",
+            "megacann.ops: scaled_dot_product_attention falls back from 'TND with actual_seq_qlen/kvlen' to one "
+            "BSND call per document: torch_npu 2.1.0 found, its npu_fusion_attention takes no 'actual_seq_qlen' "
+            "(an older API)",
         ]
         x = torch.randn(2, 5, 3, 16)
         cos, sin = torch.randn(5, 16), torch.randn(5, 16)

@@ -147,9 +147,13 @@ def _npu_has(name: str) -> bool:
     return npu is not None and hasattr(npu, name)
 
 
+GROUP_TYPE_2 = "npu_grouped_matmul(group_type=2)"  # the weight gradient's grouped product
+
+
 class _NpuGroupedMatmul(torch.autograd.Function):
     """``npu_grouped_matmul`` forward and both backward products (input: split along M; weights: split
-    along K with ``group_type=2``). ``group_list`` holds the group sizes (``group_list_type=1``)."""
+    along K with ``group_type=2``, or one product per expert where the build refuses that value).
+    ``group_list`` holds the group sizes (``group_list_type=1``)."""
 
     @staticmethod
     def forward(ctx, x, group_list, *weights):
@@ -169,8 +173,15 @@ class _NpuGroupedMatmul(torch.autograd.Function):
         grad_x = gmm([grad], list(weights), group_list=group_list, split_item=2, group_type=0, group_list_type=1)[0]
 
         def weight_grads() -> list:  # [groups, in, out]: per group x_gᵀ · grad_g
-            grad_w = gmm([x.t()], [grad], group_list=group_list, split_item=3, group_type=2, group_list_type=1)[0]
-            return [grad_w[i].t() for i in range(len(weights))]
+            if not npu_api.was_refused(GROUP_TYPE_2):
+                try:
+                    grad_w = gmm([x.t()], [grad], group_list=group_list, split_item=3, group_type=2, group_list_type=1)
+                    return [grad_w[0][i].t() for i in range(len(weights))]
+                except RuntimeError as error:
+                    if not npu_api.refused(GROUP_TYPE_2, error, "one product per expert"):
+                        raise
+            sizes = ctx.group_list.tolist()  # a build refusing group_type=2: grad_gᵀ · x_g, expert by expert
+            return [g.t() @ rows for g, rows in zip(grad.split(sizes), x.split(sizes))]
 
         if not any(ctx.needs_input_grad[2:]):
             return (grad_x, None, *(None for _ in weights))

@@ -29,7 +29,9 @@ Calls follow torch_npu's documented signatures:
   multiplies by ``beta`` once more)
 
 An older torch_npu whose ``npu_rotary_mul`` takes no ``rotary_mode`` leaves ``apply_rotary`` to its next
-implementation, with one log line (:mod:`megacann.ops.npu_api`).
+implementation, with one log line (:mod:`megacann.ops.npu_api`); one whose ``npu_fusion_attention`` takes
+no ``actual_seq_qlen`` (CANN 7.0, 8.0.RC1) runs a packed batch as one ``BSND`` call per document (the same
+masks: causal, band, or none), said once when the op is resolved.
 
 A packed batch's documents are the runs of equal ``segment_ids`` in each row (what GPT packing makes);
 the reference masks by equality of ids, which is the same for contiguous runs.
@@ -114,7 +116,45 @@ def cumulative_seq_lens(segment_ids: torch.Tensor) -> list[int]:
     return first[1:] + [b * s]
 
 
-@_npu_op("scaled_dot_product_attention")
+def packed_in_one_call() -> bool:
+    """Whether packed documents go to ``npu_fusion_attention`` in one TND call (it takes ``actual_seq_qlen``);
+    if not, the one line saying so is logged the first time this is asked."""
+    return npu_api.takes(
+        "scaled_dot_product_attention", "TND with actual_seq_qlen/kvlen", "npu_fusion_attention", "actual_seq_qlen",
+        "one BSND call per document",
+    )  # fmt: skip
+
+
+def _attention_available() -> bool:
+    if not available():
+        return False
+    packed_in_one_call()  # asked as the op is resolved, so a fallback is said at the start of a run
+    return True
+
+
+def _per_document(npu, q, k, v, segment_ids, heads, mask, common) -> torch.Tensor:
+    """Packed rows without TND lengths: each document (a run of equal ``segment_ids``) attends in its own
+    BSND call with ``mask`` (causal, band or none), the outputs put back in place."""
+    rows = []
+    for row in range(q.shape[0]):
+        ends = cumulative_seq_lens(segment_ids[row : row + 1])
+        pieces = [
+            npu.npu_fusion_attention(
+                *(t[row : row + 1, start:end] for t in (q, k, v)), heads, "BSND", **mask, **common
+            )[0]
+            for start, end in zip([0, *ends[:-1]], ends)
+        ]
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+@register(
+    "scaled_dot_product_attention",
+    NPU,
+    priority=PRIORITY,
+    device_types=("npu",),
+    available=_attention_available,
+)
 def scaled_dot_product_attention(
     q, k, v, *, causal=True, segment_ids=None, attn_mask=None, dropout_p=0.0, scale=None, sliding_window=None
 ) -> torch.Tensor:
@@ -130,6 +170,9 @@ def scaled_dot_product_attention(
     band = {}
     if window is not None:  # the last W keys: a band W-1 behind the diagonal, none ahead
         band = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_BAND, pre_tockens=window - 1, next_tockens=0)
+    if segment_ids is not None and not packed_in_one_call():
+        mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_LEFT_UP_CAUSAL) if causal else {}
+        return _per_document(npu, q, k, v, segment_ids, heads, band or mask, common)
     if segment_ids is not None:
         lens = cumulative_seq_lens(segment_ids)
         mask = dict(atten_mask=causal_mask(q.device), sparse_mode=SPARSE_RIGHT_DOWN_CAUSAL) if causal else {}
