@@ -59,10 +59,7 @@ class LayerContext:
     Megatron's ``std / sqrt(2 · num_layers)``. ``recompute``: ``selective`` recomputes core attention in
     backward, ``full`` a whole block (for blocks that read it). ``tp_comm_overlap``: sequence-parallel
     column-parallel layers overlap their all-gather and reduce-scatter with their matmuls
-    (:mod:`megacann.layers.tp_overlap`). ``defer_weight_grads``: layers with weights build their products
-    so that a split backward's B can leave their weight gradients to W (:mod:`megacann.ops.weight_grad`);
-    on for pipeline schedules that split the backward. ``weights_kept_for_w``: the weights stay readable
-    between B and W (not under ZeRO-3), which a W that reads its weight again needs (the fused head loss).
+    (:mod:`megacann.layers.tp_overlap`).
 
     ``with context:`` makes it the current context for the enclosed code (contexts nest)."""
 
@@ -74,8 +71,6 @@ class LayerContext:
     num_layers: Optional[int] = None
     recompute: str = "none"
     tp_comm_overlap: bool = False
-    defer_weight_grads: bool = False
-    weights_kept_for_w: bool = True  # false under ZeRO-3, which frees a unit's weights after its backward
 
     def __post_init__(self) -> None:
         if self.context_parallel_algo is not None:
@@ -111,8 +106,7 @@ def layer_context_from_config(cfg: MegacannConfig, device: Optional[Union[torch.
     """The context of a recipe on this process: ``distributed.sequence_parallel`` (off under tp 1, read from
     parallel_state), ``model.precision``, ``distributed.context_parallel_algo``, ``model.init_method_std``
     and ``model.num_layers`` (scaled init), ``model.activation_checkpointing``,
-    ``distributed.tp_comm_overlap``, ``distributed.pipeline_schedule`` (one that splits the backward defers
-    weight gradients); ``device`` as given (the ``device`` a ``build_chunk`` receives)."""
+    ``distributed.tp_comm_overlap``; ``device`` as given (the ``device`` a ``build_chunk`` receives)."""
     model, parallel = cfg.model, cfg.distributed
     return LayerContext(
         sequence_parallel=parallel.sequence_parallel,
@@ -123,8 +117,6 @@ def layer_context_from_config(cfg: MegacannConfig, device: Optional[Union[torch.
         num_layers=model.num_layers,
         recompute=model.activation_checkpointing,
         tp_comm_overlap=parallel.tp_comm_overlap,
-        defer_weight_grads=parallel.splits_backward,
-        weights_kept_for_w=parallel.zero_stage < 3,
     )
 
 

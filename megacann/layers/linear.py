@@ -114,7 +114,6 @@ class ColumnParallelLinear(torch.nn.Module):
         # distributed.tp_comm_overlap (the layer context's): the sequence all-gather overlaps this layer's
         # matmul and the input gradient's reduce-scatter its weight gradient (megacann.layers.tp_overlap)
         self.comm_overlap = current_layer_context().tp_comm_overlap and sequence_parallel and not replicated
-        self.defer_weight_grad = current_layer_context().defer_weight_grads  # W after B (megacann.ops.weight_grad)
 
     def extra_repr(self) -> str:
         return (
@@ -138,7 +137,7 @@ class ColumnParallelLinear(torch.nn.Module):
         if rows is not None:
             weight = weight[rows[0] : rows[1]]
             bias = bias[rows[0] : rows[1]] if bias is not None else None
-        y = ops.linear(x, weight, None if self.skip_bias_add else bias, deferrable=self.defer_weight_grad)
+        y = ops.linear(x, weight, None if self.skip_bias_add else bias)
         y = add_adapter_output(self.adapter, y, x, rows)
         if self.gather_output and self.tp_size > 1:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.group)
@@ -223,7 +222,6 @@ class RowParallelLinear(torch.nn.Module):
                 device=device,
             )
         self.adapter: Optional[torch.nn.Module] = None
-        self.defer_weight_grad = current_layer_context().defer_weight_grads  # W after B (megacann.ops.weight_grad)
 
     def extra_repr(self) -> str:
         return (
@@ -237,12 +235,12 @@ class RowParallelLinear(torch.nn.Module):
         ``[..., output_size]`` (``[b, s/tp, output_size]`` under sequence parallelism)."""
         add_bias = self.bias is not None and not self.skip_bias_add
         if self.tp_size == 1:
-            y = ops.linear(x, self.weight, self.bias if add_bias else None, deferrable=self.defer_weight_grad)
+            y = ops.linear(x, self.weight, self.bias if add_bias else None)
             y = add_adapter_output(self.adapter, y, x, None)
         else:
             if not self.input_is_parallel:
                 x = mappings.scatter_to_tensor_model_parallel_region(x, self.group)
-            y = ops.linear(x, self.weight, None, deferrable=self.defer_weight_grad)
+            y = ops.linear(x, self.weight, None)
             y = add_adapter_output(self.adapter, y, x, None)  # partial sums, reduced with the base layer's
             if self.sequence_parallel:
                 y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.group)
