@@ -129,15 +129,17 @@ def _product_kind(y: torch.Tensor) -> str:
 
 
 def test_the_weight_decides_the_product():
-    """Marked weights (and views or products of them) build deferrable products; unmarked or frozen ones, or
-    any weight without autograd, the plain F.linear, which a split backward's B leaves nothing of."""
+    """Marked weights (and views or layouts of them) build deferrable products; unmarked or frozen ones, ones
+    computed otherwise, or any weight without autograd, the plain F.linear, which B leaves nothing of."""
     x = torch.randn(4, 8, requires_grad=True)
     trained, frozen = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
     assert _product_kind(weight_grad.linear(x, trained)) == "plain"  # not marked
     weight_grad.mark_deferrable(trained)
     weight_grad.mark_deferrable(frozen)
-    kinds = [_product_kind(weight_grad.linear(x, w)) for w in (trained, trained[:2], trained * 2.0, frozen)]
-    assert kinds == ["deferrable", "deferrable", "deferrable", "plain"]
+    laid_out = torch.cat([trained[:1], trained.new_zeros(2, 8)]).float()  # as LoRA's B is: rows, zeros, a cast
+    scaled = trained * torch.rand(3, 8)  # MulBackward saves the factor, which B frees: W could not run
+    kinds = [_product_kind(weight_grad.linear(x, w)) for w in (trained, trained[:2], laid_out, scaled, frozen)]
+    assert kinds == ["deferrable", "deferrable", "deferrable", "plain", "plain"]
     with torch.no_grad():
         assert weight_grad.linear(x, trained).grad_fn is None
     y = weight_grad.linear(x, frozen, None)

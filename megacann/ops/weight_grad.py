@@ -42,6 +42,13 @@ Compute = Callable[[], Sequence[Optional[torch.Tensor]]]
 _ACTIVE: Optional[WeightGradStore] = None  # a module global, not per thread: backward may run on the engine's
 _DEFERRABLE = "_megacann_deferrable"  # set on weights whose products may leave their gradient to W
 _SEARCH_STEPS = 8  # how many autograd nodes back a computed weight is traced to a marked one
+# the nodes it is traced through: views, casts and layouts, which save no tensor B would free before W
+_VIEW_NODES = ("Alias", "AsStrided", "Expand", "Narrow", "Permute", "Reshape", "ReshapeAlias", "Select", "Slice")
+_LAYOUT_NODES = frozenset(
+    _VIEW_NODES
+    + ("Squeeze", "T", "Transpose", "Unsqueeze", "UnsafeView", "View")
+    + ("Cat", "Clone", "ConstantPadNd", "Split", "SplitWithSizes", "ToCopy")
+)
 _RELEASED = "_megacann_released_after_backward"  # set on weights whose storage is freed between B and W
 _STATS = {"deferred": 0, "run": 0, "held": 0}  # closures deferred, closures run, gradients B computed for W
 
@@ -123,7 +130,9 @@ def mark_deferrable(weight: torch.Tensor) -> None:
 
 def deferrable(weight: torch.Tensor) -> bool:
     """Whether a product of ``weight`` built now may leave its gradient to W: autograd on, not compiling, and
-    ``weight`` marked (:func:`mark_deferrable`) or computed from a marked weight in a few autograd steps."""
+    ``weight`` marked (:func:`mark_deferrable`) or laid out from a marked weight in a few autograd steps
+    (views, casts, slices, concatenation, padding: W differentiates back through them, B freed nothing of
+    theirs); a weight computed otherwise (``w * scale``) gets the plain product."""
     if not weight.requires_grad or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
     if weight.grad_fn is None:
@@ -134,7 +143,8 @@ def deferrable(weight: torch.Tensor) -> bool:
         leaf = getattr(node, "variable", None)  # an AccumulateGrad node: its parameter
         if leaf is not None and getattr(leaf, _DEFERRABLE, False):
             return True
-        nodes.extend(n for n, _ in node.next_functions if n is not None)
+        if type(node).__name__.rstrip("0123456789").removesuffix("Backward") in _LAYOUT_NODES:
+            nodes.extend(n for n, _ in node.next_functions if n is not None)
     return False
 
 
