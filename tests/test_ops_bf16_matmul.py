@@ -127,15 +127,15 @@ def test_lora_products_take_the_route_within_the_bound(dtype):
 
 @pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
 def test_an_experts_own_projection_takes_the_route_and_defers_its_weight_gradient(dtype):
-    from megacann.layers import LayerContext
     from megacann.layers.moe import ExpertMLP
     from megacann.ops.weight_grad import WeightGradStore, collecting
+    from megacann.pipeline.split_backward import prepare_split_backward
 
     def init(t):
         return t.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(t.numel()))
 
-    with LayerContext(defer_weight_grads=True):
-        expert = ExpertMLP(32, 24, 0, 5, init, init, dtype=dtype)
+    expert = ExpertMLP(32, 24, 0, 5, init, init, dtype=dtype)
+    prepare_split_backward([expert])  # as a split-backward schedule prepares its chunks
     g = torch.Generator().manual_seed(3)
     x = torch.randn(10, 32, generator=g).to(dtype).requires_grad_()
     with bf16_matmul.forced(True), Products() as products:

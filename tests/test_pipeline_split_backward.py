@@ -3,7 +3,7 @@ gradients, for every layer type that has weights: column- and row-parallel linea
 the head, norms, the router and grouped experts, LoRA adapters. Checked bit for bit on two tensor-parallel
 ranks with sequence parallelism (collectives inside the backward) and full activation checkpointing, on a
 first chunk (embedding, no input) and a last chunk (head and loss, hidden states in). The layers are built
-as a zero-bubble schedule builds them, and the test checks which layer types B really left to W (their
+as a zero-bubble schedule prepares them, and the test checks which layer types B really left to W (their
 weight-gradient closures; the fused head loss's recomputes its logits in W) and which it computed itself
 (norms, router). Extended: the same in bf16 with the fp32 GEMM route forced (megacann.ops.bf16_matmul)."""
 
@@ -81,7 +81,13 @@ def _split_checks(variants: dict) -> dict:
     from megacann.models import ChunkPlacement
     from megacann.models.contract import backward_objective
     from megacann.models.spec import get_model_spec
-    from megacann.pipeline.split_backward import backward_input, backward_weight, graph_leaves, trainable_parameters
+    from megacann.pipeline.split_backward import (
+        backward_input,
+        backward_weight,
+        graph_leaves,
+        prepare_split_backward,
+        trainable_parameters,
+    )
     from megacann.training import finetune
     from megacann.training.runtime import setup_runtime
 
@@ -90,13 +96,13 @@ def _split_checks(variants: dict) -> dict:
         ps.destroy_model_parallel()
         cfg = tiny_config(overrides, world_size=dist.get_world_size())
         setup_runtime(cfg)
-        cfg.distributed.pipeline_schedule = "zb1p"  # layers built as a split-backward schedule builds them
         spec = get_model_spec(cfg.model.type)
         chunks = [
             spec.build(cfg, ChunkPlacement((0,), pre_process=True, post_process=False)),
             spec.build(cfg, ChunkPlacement((1,), pre_process=False, post_process=True)),
         ]
         finetune.prepare_model_chunks(cfg, chunks)
+        prepare_split_backward(chunks)  # as build_model_chunks does under a split-backward schedule
         batch = next(iter(SyntheticData(cfg, 0, 1).train))
         g = torch.Generator().manual_seed(ps.get_tensor_model_parallel_rank())
         hidden = None

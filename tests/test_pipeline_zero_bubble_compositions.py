@@ -38,7 +38,7 @@ def _train(runs: dict, root: str) -> dict:
 
     from megacann import parallel_state as ps
     from megacann.interop.full_state import full_state_dict
-    from megacann.ops.weight_grad import weight_grad_stats
+    from megacann.ops.weight_grad import kept_until_w, weight_grad_stats
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -73,6 +73,8 @@ def _train(runs: dict, root: str) -> dict:
             "compiled": [hasattr(b._forward, "_torchdynamo_orig_callable") for b in blocks],
             "overlapped_buckets": sum(b.overlapped_buckets for b in buffers.buffers) if buffers else None,
             "weight_shards": [(s.shard.numel(), s.layout.numel) for s in storages(trainer.optimizer)],
+            # ZeRO-3 says its weights are freed before W (the fused head loss then computes its gradient in B)
+            "kept_until_w": {kept_until_w(p) for s in storages(trainer.optimizer) for p in s.layout.params},
         }
         ps.destroy_model_parallel()
         if cfg.precision.compile:
@@ -136,6 +138,7 @@ def test_split_schedules_with_dp2_zero3_match_one_process(world4, references, sc
         assert run["dp"] == 2 and run["zero_stage"] == 3
         # ZeRO-3 on: the weights live as this rank's half of each buffer, gathered only while computed
         assert run["weight_shards"] and all(2 * shard == whole for shard, whole in run["weight_shards"])
+        assert run["kept_until_w"] == {False}
         if schedule == "zbv":  # overlapped: reductions start from the hooks of each chunk's last W
             assert run["overlapped_buckets"] > 0
 

@@ -101,7 +101,7 @@ def _held_after_b(runs: dict) -> dict:
     from megacann.models.contract import backward_objective
     from megacann.models.spec import get_model_spec
     from megacann.ops import head_loss
-    from megacann.pipeline.split_backward import backward_input
+    from megacann.pipeline.split_backward import backward_input, prepare_split_backward
     from megacann.training.runtime import setup_runtime
 
     head_loss._EARLY_MISSED[0] = True  # the device path: no weight gradient summed in the forward on CPU
@@ -110,12 +110,12 @@ def _held_after_b(runs: dict) -> dict:
         ps.destroy_model_parallel()
         cfg = tiny_config(overrides, world_size=dist.get_world_size())
         setup_runtime(cfg)
-        cfg.distributed.pipeline_schedule = "zb1p"  # layers built as a split-backward schedule builds them
         spec = get_model_spec(cfg.model.type)
         batch = next(iter(SyntheticData(cfg, 0, 1).train))
         for layers, last in CHUNKS:
             chunk = spec.build(cfg, ChunkPlacement(layers, pre_process=False, post_process=last))
             offload_layer_activations([chunk], offloaded_layer_ids(cfg))  # as the trainer does
+            prepare_split_backward([chunk])  # as build_model_chunks does under a split-backward schedule
             params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
             b, s = batch["tokens"].shape
             s_local = s // ps.get_tensor_model_parallel_world_size() if cfg.distributed.sequence_parallel else s

@@ -12,30 +12,34 @@ from megacann.ops import weight_grad
 from megacann.pipeline.split_backward import backward_input, backward_weight
 
 
-def _model(seed: int = 0):
+def _model(seed: int = 0, deferrable: bool = True):
+    """The parameters, marked deferrable (as a split backward's chunks are) unless ``deferrable`` is False."""
     g = torch.Generator().manual_seed(seed)
     w1 = torch.nn.Parameter(torch.randn(12, 8, generator=g))
     b1 = torch.nn.Parameter(torch.randn(12, generator=g))
     w2 = torch.nn.Parameter(torch.randn(8, 6, generator=g))
     norm = torch.nn.Parameter(torch.rand(8, generator=g) + 0.5)
     table = torch.nn.Parameter(torch.randn(20, 8, generator=g))
-    return [w1, b1, w2, norm, table]
+    params = [w1, b1, w2, norm, table]
+    for p in params if deferrable else ():
+        weight_grad.mark_deferrable(p)
+    return params
 
 
-def _forward(params, x, ids, deferrable: bool, counter=None, checkpointed: bool = False):
+def _forward(params, x, ids, counter=None, checkpointed: bool = False):
     w1, b1, w2, norm, table = params
 
     def block(h):
         if counter is not None:
             counter.append(1)
-        h = weight_grad.linear(h, w1, b1, deferrable)  # [.., 12]
+        h = weight_grad.linear(h, w1, b1)  # [.., 12]
         h = torch.tanh(h[..., :6]) * h[..., 6:]
-        h = weight_grad.linear(h, w2, None, deferrable)  # w2 [8, 6]
-        h = weight_grad.linear(h[..., :6], w2[:4], None, deferrable)  # a view of the same weight, used twice
+        h = weight_grad.linear(h, w2, None)  # w2 [8, 6]
+        h = weight_grad.linear(h[..., :6], w2[:4], None)  # a view of the same weight, used twice
         return h
 
     h = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
-    h = h * norm[:4] + weight_grad.embedding(ids, table, deferrable)[..., :4]
+    h = h * norm[:4] + weight_grad.embedding(ids, table)[..., :4]
     return (h.float() ** 2).sum()
 
 
@@ -50,14 +54,14 @@ def _b_then_w(checkpointed: bool):
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(2, 5, 8, generator=g)
     ids = torch.randint(0, 20, (2, 5), generator=g)
-    params = _model()
+    params, unmarked = _model(), _model(deferrable=False)
 
     x = x0.clone().requires_grad_()
-    _forward(params, x, ids, deferrable=False, checkpointed=checkpointed).backward()
-    plain, plain_dx = _grads(params), x.grad
+    _forward(unmarked, x, ids, checkpointed=checkpointed).backward()
+    plain, plain_dx = _grads(unmarked), x.grad
 
     x = x0.clone().requires_grad_()
-    _forward(params, x, ids, deferrable=True, checkpointed=checkpointed).backward()
+    _forward(params, x, ids, checkpointed=checkpointed).backward()
     fused, fused_dx = _grads(params), x.grad
 
     hooks = []
@@ -66,7 +70,7 @@ def _b_then_w(checkpointed: bool):
     before = weight_grad.weight_grad_stats()
     calls: list = []
     x = x0.clone().requires_grad_()
-    loss = _forward(params, x, ids, deferrable=True, counter=calls, checkpointed=checkpointed)
+    loss = _forward(params, x, ids, counter=calls, checkpointed=checkpointed)
     (dx,) = backward_input([loss], [None], [x])
     assert all(p.grad is None for p in params) and not hooks and x.grad is None  # B leaves the weights alone
     recomputes = 1 if checkpointed else 0
@@ -104,59 +108,88 @@ def test_w_accumulates_into_existing_gradients_and_defers_nothing_outside_b():
     params = _model(3)
     x = x0.clone().requires_grad_()
     before = weight_grad.weight_grad_stats()
-    _forward(params, x, ids, deferrable=True).backward()
+    _forward(params, x, ids).backward()
     assert weight_grad.weight_grad_stats() == before  # a fused backward defers nothing
     x = x0.clone().requires_grad_()
-    _forward(params, x, ids, deferrable=True).backward()
+    _forward(params, x, ids).backward()
     twice = _grads(params)
 
     x = x0.clone().requires_grad_()
-    _forward(params, x, ids, deferrable=True).backward()
+    _forward(params, x, ids).backward()
     x = x0.clone().requires_grad_()
-    loss = _forward(params, x, ids, deferrable=True)
+    loss = _forward(params, x, ids)
     backward_input([loss], [None], [x])
     backward_weight([loss], [None], params)
     for a, b in zip(twice, _grads(params)):
         assert torch.equal(a, b)
 
 
-def test_plain_linear_without_deferral_or_under_a_frozen_weight():
+def _product_kind(y: torch.Tensor) -> str:
+    return "deferrable" if "Deferrable" in type(y.grad_fn).__name__ else "plain"
+
+
+def test_the_weight_decides_the_product():
+    """Marked weights (and views or layouts of them) build deferrable products; unmarked or frozen ones, ones
+    computed otherwise, or any weight without autograd, the plain F.linear, which B leaves nothing of."""
     x = torch.randn(4, 8, requires_grad=True)
-    w = torch.randn(3, 8)  # frozen
-    y = weight_grad.linear(x, w, None, deferrable=True)
+    trained, frozen = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
+    assert _product_kind(weight_grad.linear(x, trained)) == "plain"  # not marked
+    weight_grad.mark_deferrable(trained)
+    weight_grad.mark_deferrable(frozen)
+    laid_out = torch.cat([trained[:1], trained.new_zeros(2, 8)]).float()  # as LoRA's B is: rows, zeros, a cast
+    scaled = trained * torch.rand(3, 8)  # MulBackward saves the factor, which B frees: W could not run
+    kinds = [_product_kind(weight_grad.linear(x, w)) for w in (trained, trained[:2], laid_out, scaled, frozen)]
+    assert kinds == ["deferrable", "deferrable", "deferrable", "plain", "plain"]
+    with torch.no_grad():
+        assert weight_grad.linear(x, trained).grad_fn is None
+    y = weight_grad.linear(x, frozen, None)
     store = weight_grad.WeightGradStore()
     with weight_grad.collecting(store):
         (dx,) = torch.autograd.grad(y.sum(), [x])
     assert len(store) == 0
-    assert torch.equal(dx, F.linear(torch.ones(4, 3), w.t()))
-    assert "Deferrable" not in type(weight_grad.linear(x, w).grad_fn).__name__  # not deferrable: plain F.linear
+    assert torch.equal(dx, F.linear(torch.ones(4, 3), frozen.t()))
 
 
-def test_a_splitting_schedule_builds_deferrable_layers_and_others_plain_ones():
-    from megacann.config import MegacannConfig
+def test_prepared_chunks_mark_their_trainable_weights_at_each_forward():
+    """A chunk prepared for a split backward builds deferrable products (an adapter attached after the call
+    included, a frozen weight excepted); an unprepared one, built alike, plain ones."""
     from megacann.layers import ColumnParallelLinear
-    from megacann.models import layer_context_from_config
+    from megacann.pipeline.split_backward import prepare_split_backward
+
+    prepared, plain = ColumnParallelLinear(8, 4, bias=False), ColumnParallelLinear(8, 4, bias=False)
+    prepare_split_backward([prepared, prepared])  # twice: one hook
+    seen: list = []
+
+    class Adapter(torch.nn.Module):  # attached after preparing; the layer calls adapter(x, rows)
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4, 8))
+
+        def forward(self, x, rows):
+            seen.append(_product_kind(weight_grad.linear(x, self.weight)))
+
+    prepared.adapter = Adapter()
+    x = torch.randn(2, 8, requires_grad=True)
+    assert [_product_kind(prepared(x)), seen, _product_kind(plain(x))] == ["deferrable", ["deferrable"], "plain"]
+    assert len(prepared._forward_pre_hooks) == 1
+
+
+def test_build_model_chunks_prepares_the_chunks_of_a_splitting_schedule_only():
+    from megacann.config import MegacannConfig
+    from megacann.pipeline import build_model_chunks
 
     for schedule, defer in (("zb1p", True), ("1f1b", False), (None, False)):
         cfg = MegacannConfig()
         cfg.model.precision, cfg.distributed.pipeline_schedule = "fp32", schedule
+        cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_hidden_size = 1, 16, 32
+        cfg.model.num_attention_heads, cfg.model.vocab_size = 2, 64
         assert cfg.distributed.splits_backward == defer
-        with layer_context_from_config(cfg, "cpu"):
-            layer = ColumnParallelLinear(8, 4, bias=False)
-        assert layer.defer_weight_grad == defer
-        y = layer(torch.randn(2, 8, requires_grad=True))
-        assert ("Deferrable" in type(y.grad_fn).__name__) == defer
-    # ZeRO-3 frees a unit's weights after its backward: the fused head loss, whose W reads its weight again,
-    # keeps its weight gradient in B there; the logits' product (W reads no weight) still defers
-    from megacann.layers.output import LMHead
-
-    for zero, kept in ((1, True), (3, False)):
-        cfg = MegacannConfig()
-        cfg.model.precision, cfg.distributed.pipeline_schedule = "fp32", "zb1p"
-        cfg.distributed.zero_optimization = zero
-        with layer_context_from_config(cfg, "cpu"):
-            head = LMHead(8, 16)
-        assert head.defer_weight_grad and head.defer_loss_weight_grad == kept
+        (chunk,) = build_model_chunks(cfg, device="cpu")
+        o_proj = next(m for name, m in chunk.named_modules() if name.endswith("o_proj"))
+        seen: list = []
+        o_proj.register_forward_hook(lambda module, args, out, seen=seen: seen.append(_product_kind(out)))
+        chunk(torch.randint(0, 64, (1, 4)))
+        assert seen == ["deferrable" if defer else "plain"], schedule
 
 
 def _split_equals_fused(loss_fn, params, inputs, closures: int) -> None:
@@ -194,10 +227,9 @@ def test_fused_head_loss_defers_its_weight_gradient(dtype):
 
     _split_equals_fused(loss_fn, [weight], [hidden], closures=1)
 
-    def loss_in_b(params, inputs):  # where the weight is not kept until W (ZeRO-3): its gradient comes with B
-        return head_loss(inputs[0] * 1.0, params[0], target, vocab_size=21, chunk_size=5, defer_weight_grad=False).sum()
-
-    _split_equals_fused(loss_in_b, [weight], [hidden], closures=0)
+    # a weight freed before W (ZeRO-3 marks the weights it gathers and frees): its gradient comes with B
+    weight_grad.mark_released_after_backward(weight)
+    _split_equals_fused(loss_fn, [weight], [hidden], closures=0)
 
 
 def _experts_split_equal_fused(grouped_matmul, seed: int):

@@ -59,10 +59,7 @@ class LayerContext:
     Megatron's ``std / sqrt(2 · num_layers)``. ``recompute``: ``selective`` recomputes core attention in
     backward, ``full`` a whole block (for blocks that read it). ``tp_comm_overlap``: sequence-parallel
     column-parallel layers overlap their all-gather and reduce-scatter with their matmuls
-    (:mod:`megacann.layers.tp_overlap`). ``defer_weight_grads``: layers with weights build their products
-    so that a split backward's B can leave their weight gradients to W (:mod:`megacann.ops.weight_grad`);
-    on for pipeline schedules that split the backward. ``weights_kept_for_w``: the weights stay readable
-    between B and W (not under ZeRO-3), which a W that reads its weight again needs (the fused head loss).
+    (:mod:`megacann.layers.tp_overlap`).
 
     ``with context:`` makes it the current context for the enclosed code (contexts nest)."""
 
@@ -74,8 +71,6 @@ class LayerContext:
     num_layers: Optional[int] = None
     recompute: str = "none"
     tp_comm_overlap: bool = False
-    defer_weight_grads: bool = False
-    weights_kept_for_w: bool = True  # false under ZeRO-3, which frees a unit's weights after its backward
     fp8: Optional[Fp8Settings] = None  # linear layers multiply in FP8 (megacann.layers.fp8); None: not
 
     def __post_init__(self) -> None:

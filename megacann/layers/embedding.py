@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megacann.layers import mappings
-from megacann.layers.context import current_layer_context, resolve_sequence_parallel
+from megacann.layers.context import resolve_sequence_parallel
 from megacann.layers.init import default_init_methods, make_parameter
 from megacann.layers.sharding import InitMethod
 from megacann.ops.weight_grad import embedding as deferrable_embedding
@@ -69,7 +69,6 @@ class VocabParallelEmbedding(torch.nn.Module):
             dtype=dtype,
             device=device,
         )
-        self.defer_weight_grad = current_layer_context().defer_weight_grads  # W after B (megacann.ops.weight_grad)
 
     def extra_repr(self) -> str:
         return (
@@ -78,9 +77,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_embedding(
-            input_ids, self.weight, self.sequence_parallel, self.group, deferrable=self.defer_weight_grad
-        )
+        return vocab_parallel_embedding(input_ids, self.weight, self.sequence_parallel, self.group)
 
 
 def vocab_parallel_embedding(
@@ -88,19 +85,18 @@ def vocab_parallel_embedding(
     weight: torch.Tensor,
     sequence_parallel: bool = False,
     group: Optional[dist.ProcessGroup] = None,
-    deferrable: bool = False,
 ) -> torch.Tensor:
     """The lookup of :class:`VocabParallelEmbedding` with a given weight (this TP rank's rows of the padded
     vocabulary): what a module holding the weight under another role uses, e.g. multi-token prediction
     embedding with the last pipeline stage's tied copy held by its :class:`~megacann.layers.LMHead`.
-    ``deferrable``: a split backward's B leaves the weight gradient to W (:mod:`megacann.ops.weight_grad`)."""
+    In a split backward's B the weight gradient waits for W (:mod:`megacann.ops.weight_grad`)."""
     tp_size = mappings.tp_world_size(group)
     if tp_size == 1:
-        return deferrable_embedding(input_ids, weight, deferrable)
+        return deferrable_embedding(input_ids, weight)
     vocab_start = mappings.tp_rank(group) * weight.shape[0]
     outside = (input_ids < vocab_start) | (input_ids >= vocab_start + weight.shape[0])
     local_ids = (input_ids - vocab_start).masked_fill_(outside, 0)
-    out = deferrable_embedding(local_ids, weight, deferrable)
+    out = deferrable_embedding(local_ids, weight)
     out.masked_fill_(outside.unsqueeze(-1), 0.0)
     if sequence_parallel:
         return mappings.reduce_scatter_to_sequence_parallel_region(out, group)

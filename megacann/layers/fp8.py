@@ -51,12 +51,11 @@ def linear_product(
     *,
     parallel: Optional[str],
     group: Optional[dist.ProcessGroup],
-    deferrable: bool,
     amax_history: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` by ``ops.fp8_linear`` when ``settings`` ask for FP8, else ``ops.linear``."""
     if settings is None:
-        return ops.linear(x, weight, bias, deferrable=deferrable)
+        return ops.linear(x, weight, bias)
     return ops.fp8_linear(
         x,
         weight,

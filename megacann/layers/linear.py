@@ -114,7 +114,6 @@ class ColumnParallelLinear(torch.nn.Module):
         # distributed.tp_comm_overlap (the layer context's): the sequence all-gather overlaps this layer's
         # matmul and the input gradient's reduce-scatter its weight gradient (megacann.layers.tp_overlap)
         self.comm_overlap = current_layer_context().tp_comm_overlap and sequence_parallel and not replicated
-        self.defer_weight_grad = current_layer_context().defer_weight_grads  # W after B (megacann.ops.weight_grad)
         self.fp8 = current_layer_context().fp8  # precision.fp8: the product by ops.fp8_linear (megacann.layers.fp8)
         what = f"ColumnParallelLinear({input_size} -> {output_size})"
         if self.fp8 is not None and (replicated or self.comm_overlap):
@@ -152,7 +151,6 @@ class ColumnParallelLinear(torch.nn.Module):
             None if self.skip_bias_add else bias,
             parallel="column" if self.tp_size > 1 and not self.replicated else None,
             group=mappings.tp_group(self.group),
-            deferrable=self.defer_weight_grad,
             amax_history=getattr(self, "fp8_amax_history", None),
         )
         y = add_adapter_output(self.adapter, y, x, rows)
@@ -239,7 +237,6 @@ class RowParallelLinear(torch.nn.Module):
                 device=device,
             )
         self.adapter: Optional[torch.nn.Module] = None
-        self.defer_weight_grad = current_layer_context().defer_weight_grads  # W after B (megacann.ops.weight_grad)
         self.fp8 = current_layer_context().fp8  # precision.fp8 (megacann.layers.fp8)
         check_fp8_layer(self.fp8, f"RowParallelLinear({input_size} -> {output_size})", (input_size,), 1, self.tp_size)
         attach_history(self, self.fp8, self.weight.device)
@@ -252,7 +249,6 @@ class RowParallelLinear(torch.nn.Module):
             bias,
             parallel="row" if self.tp_size > 1 else None,
             group=mappings.tp_group(self.group),
-            deferrable=self.defer_weight_grad,
             amax_history=getattr(self, "fp8_amax_history", None),
         )
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megacann import ops
 from megacann.layers import mappings
-from megacann.layers.context import current_layer_context, resolve_sequence_parallel
+from megacann.layers.context import resolve_sequence_parallel
 from megacann.layers.embedding import VocabParallelEmbedding, pad_vocab_size
 from megacann.layers.init import default_init_methods, make_parameter
 from megacann.layers.loss import token_loss
@@ -63,12 +63,6 @@ class LMHead(torch.nn.Module):
         self.vocab_size = vocab_size
         self.sequence_parallel = resolve_sequence_parallel(sequence_parallel) and mappings.tp_world_size(group) > 1
         self._shared: tuple[VocabParallelEmbedding, ...] = ()
-        # W after B (megacann.ops.weight_grad) for the logits' product; the fused head loss defers its weight
-        # gradient by itself (W recomputes each chunk's logits rather than keep their gradients), so only where
-        # the weight stays readable until W (not under ZeRO-3)
-        context = current_layer_context()
-        self.defer_weight_grad = context.defer_weight_grads
-        self.defer_loss_weight_grad = context.defer_weight_grads and context.weights_kept_for_w
         if isinstance(tie_to, VocabParallelEmbedding):
             self._shared = (tie_to,)  # a tuple: not registered as a submodule, so named once, by its owner
             return
@@ -103,7 +97,7 @@ class LMHead(torch.nn.Module):
             hidden = mappings.gather_from_sequence_parallel_region(hidden, self.group)
         else:
             hidden = mappings.copy_to_tensor_model_parallel_region(hidden, self.group)
-        return ops.linear(hidden, self.output_weight, None, deferrable=self.defer_weight_grad)
+        return ops.linear(hidden, self.output_weight, None)
 
     def forward(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if labels is not None and ops.fused_enabled(HEAD_LOSS):  # chunks of tokens: no full fp32 logits
@@ -117,7 +111,6 @@ class LMHead(torch.nn.Module):
                 labels,
                 vocab_size=self.vocab_size,
                 group=mappings.tp_group(self.group),
-                defer_weight_grad=self.defer_loss_weight_grad,
             )
         logits = self.logits_shard(hidden)
         if labels is None:

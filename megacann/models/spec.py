@@ -72,8 +72,7 @@ def layer_context_from_config(cfg: MegacannConfig, device: Device = None) -> Lay
     because the layers know no recipe: ``distributed.sequence_parallel`` (off under tp 1, read from
     parallel_state), ``model.precision``, ``distributed.context_parallel_algo``, ``model.init_method_std``
     and ``model.num_layers`` (scaled init), ``model.activation_checkpointing``,
-    ``distributed.tp_comm_overlap``, ``distributed.pipeline_schedule`` (one that splits the backward defers
-    weight gradients), ``precision.fp8``; ``device`` as given (the ``device`` a ``build_chunk`` receives)."""
+    ``distributed.tp_comm_overlap``, ``precision.fp8``; ``device`` as given (the ``device`` a ``build_chunk`` receives)."""
     model, parallel = cfg.model, cfg.distributed
     return LayerContext(
         sequence_parallel=parallel.sequence_parallel,
@@ -84,8 +83,6 @@ def layer_context_from_config(cfg: MegacannConfig, device: Device = None) -> Lay
         num_layers=model.num_layers,
         recompute=model.activation_checkpointing,
         tp_comm_overlap=parallel.tp_comm_overlap,
-        defer_weight_grads=parallel.splits_backward,
-        weights_kept_for_w=parallel.zero_stage < 3,
         fp8=fp8_settings(cfg),
     )
 

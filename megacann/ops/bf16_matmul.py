@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from megacann.ops import registry
 from megacann.ops.isa import cpu_flags
-from megacann.ops.weight_grad import defer_or_compute
+from megacann.ops.weight_grad import defer_or_compute, deferrable
 from megacann.ops.weight_grad import linear as deferrable_linear
 
 ENV = "MEGACANN_CPU_BF16_MATMUL"
@@ -137,8 +137,9 @@ def gemm_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 class _Fp32Linear(torch.autograd.Function):
-    """``F.linear`` of bf16 (or fp16) tensors through fp32 GEMMs; saves the inputs as they are. A ``deferrable`` weight
-    gradient waits for the W pass of a split backward (:mod:`megacann.ops.weight_grad`)."""
+    """``F.linear`` of bf16 (or fp16) tensors through fp32 GEMMs; saves the inputs as they are. For a deferrable
+    weight (:func:`megacann.ops.weight_grad.deferrable`), its gradient waits for the W pass of a split backward
+    (:mod:`megacann.ops.weight_grad`)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, deferrable):
@@ -168,21 +169,16 @@ class _Fp32Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def fp32_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, deferrable: bool = False
-) -> torch.Tensor:
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` of bf16 or fp16 CPU tensors computed by fp32 GEMMs where :func:`upcasts` (otherwise, and
     for other dtypes, the plain product)."""
     if not upcasts(x, weight, *(() if bias is None else (bias,))):
-        return deferrable_linear(x, weight, bias, deferrable)
+        return deferrable_linear(x, weight, bias)
     if not torch.is_grad_enabled():
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    deferrable = deferrable and not torch.compiler.is_compiling()
-    return _Fp32Linear.apply(x, weight, bias, deferrable)
+    return _Fp32Linear.apply(x, weight, bias, deferrable(weight))
 
 
 @registry.register("linear", IMPL, priority=PRIORITY, device_types=("cpu",), available=any_enabled)
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, deferrable: bool = False
-) -> torch.Tensor:
-    return fp32_linear(x, weight, bias, deferrable)
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return fp32_linear(x, weight, bias)

@@ -39,7 +39,7 @@ from megacann.constants import IGNORE_INDEX
 from megacann.ops.bf16_matmul import gemm_dtype
 from megacann.ops.registry import REFERENCE, register
 from megacann.ops.signatures import DEFAULT_CHUNK_SIZE
-from megacann.ops.weight_grad import active_store, defer_or_compute
+from megacann.ops.weight_grad import active_store, defer_or_compute, kept_until_w
 
 
 @dataclass(frozen=True)
@@ -266,13 +266,13 @@ def head_loss(
     group: Optional[dist.ProcessGroup] = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     kernels: ShardKernels = TORCH_KERNELS,
-    defer_weight_grad: bool = True,
 ) -> torch.Tensor:
     """Per-token fp32 loss of ``F.linear(hidden, weight)`` against ``target`` (shape of ``target``, 0 where
     ignored); see the module docstring. ``hidden`` ``[..., h]``, ``weight`` ``[V_padded/tp, h]`` (this
     rank's vocabulary shard), ``target`` ``[...]``; ``group`` None means the tensor-parallel group of
-    :mod:`megacann.parallel_state` (none when it is not initialised); ``defer_weight_grad`` false: the
-    weight's gradient comes with B even in a split backward (W would read the weight again)."""
+    :mod:`megacann.parallel_state` (none when it is not initialised). In a split backward's B the weight's
+    gradient waits for W unless the weight is freed before it (:func:`~megacann.ops.weight_grad.kept_until_w`:
+    W reads the weight again)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     if hidden.shape[:-1] != target.shape or hidden.shape[-1] != weight.shape[-1]:
@@ -299,8 +299,9 @@ def head_loss(
         and torch.is_grad_enabled()
         and (hidden.requires_grad or weight.requires_grad)
     )
+    defer = kept_until_w(weight)  # a split backward's W reads the weight again: it must still be there
     loss = _HeadLoss.apply(
-        flat_hidden, weight, flat_target, vocab_size, ignore_index, group, chunk_size, kernels, defer_weight_grad, early
+        flat_hidden, weight, flat_target, vocab_size, ignore_index, group, chunk_size, kernels, defer, early
     )
     return loss.view(target.shape)
 

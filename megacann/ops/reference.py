@@ -136,10 +136,8 @@ class _RMSNorm(torch.autograd.Function):
 
 
 @register("linear", REFERENCE)
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, deferrable: bool = False
-) -> torch.Tensor:
-    return deferrable_linear(x, weight, bias, deferrable)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return deferrable_linear(x, weight, bias)
 
 
 @register("rms_norm", REFERENCE)

@@ -82,11 +82,9 @@ def attention_block_backward(
 
 
 @declare
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, deferrable: bool = False
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (``weight`` ``[out, in]``). ``deferrable``: its weight gradient waits for
-    the W pass when the backward is split (:mod:`megacann.ops.weight_grad`). On CPUs without native bf16
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``weight`` ``[out, in]``). For a weight of a model chunk prepared for a
+    split backward, its gradient waits for the W pass (:mod:`megacann.ops.weight_grad`). On CPUs without native bf16
     (fp16) GEMM, bf16 (fp16) products run as fp32 GEMMs (:mod:`megacann.ops.bf16_matmul`)."""
 
 
@@ -151,13 +149,12 @@ def vocab_parallel_head_loss(
     ignore_index: int = IGNORE_INDEX,
     group: Optional[dist.ProcessGroup] = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    defer_weight_grad: bool = True,
 ) -> torch.Tensor:
     """Per-token fp32 loss of the output head ``hidden @ weight.T`` (``weight``: this TP rank's vocabulary
     shard) computed in chunks of ``chunk_size`` tokens, never holding the whole batch's logits. Equal to
     ``F.linear`` + :func:`megacann.layers.vocab_parallel_cross_entropy`; see :mod:`megacann.ops.head_loss`.
-    ``defer_weight_grad``: in a split backward's B, leave the weight's gradient to W (which reads the weight
-    again: false where the weight is not kept between B and W, as under ZeRO-3)."""
+    In a split backward's B the weight's gradient waits for W (which reads the weight again), unless the
+    weight is freed before W (ZeRO-3; :func:`megacann.ops.weight_grad.kept_until_w`)."""
 
 
 @declare

@@ -13,9 +13,19 @@ differentiated back to the parameter, each parameter's post-accumulate-grad hook
 gradient buffers, ZeRO) fired once, with contributions of a weight used twice summed first.
 
 Outside a split backward nothing is collected: the same autograd functions compute every gradient at
-once. Layers use them only when built with ``LayerContext.defer_weight_grads`` (a recipe whose
-pipeline schedule splits the backward), and not inside ``torch.compile`` (a compiled graph's backward is
-one piece; its weight gradients come with B), so ordinary training runs the plain ``F.linear``.
+once. The layers do not choose: :func:`linear` and :func:`embedding` build the deferrable products for
+weights marked by :func:`mark_deferrable` (the split backward marks the weights of the model chunks it
+serves, :func:`megacann.pipeline.split_backward.prepare_split_backward`), or computed from such a weight in
+a few autograd steps (a view, LoRA's B laid out); the plain ``F.linear`` / ``F.embedding`` otherwise and
+inside ``torch.compile`` (a compiled graph's backward is one piece; its weight gradients come with B). The
+choice follows the weight, so a checkpointed region's recompute builds the products its forward built.
+Plain products cost less in an ordinary backward: activation checkpointing stops its recompute before the
+last product of a region, which it cannot do for an autograd function (5 to 7 % of a LLaMA chunk's
+backward under ``full`` recompute, benchmarks/split_backward.py).
+
+A weight whose storage is freed between B and W (ZeRO-3 frees a unit's gathered weights once its backward
+has passed) is marked with :func:`mark_released_after_backward`; a W that reads the weight again (the fused
+head loss recomputes its logits) computes that gradient in B instead (:func:`kept_until_w`).
 """
 
 from __future__ import annotations
@@ -30,6 +40,16 @@ import torch.nn.functional as F
 Compute = Callable[[], Sequence[Optional[torch.Tensor]]]
 
 _ACTIVE: Optional[WeightGradStore] = None  # a module global, not per thread: backward may run on the engine's
+_DEFERRABLE = "_megacann_deferrable"  # set on weights whose products may leave their gradient to W
+_SEARCH_STEPS = 8  # how many autograd nodes back a computed weight is traced to a marked one
+# the nodes it is traced through: views, casts and layouts, which save no tensor B would free before W
+_VIEW_NODES = ("Alias", "AsStrided", "Expand", "Narrow", "Permute", "Reshape", "ReshapeAlias", "Select", "Slice")
+_LAYOUT_NODES = frozenset(
+    _VIEW_NODES
+    + ("Squeeze", "T", "Transpose", "Unsqueeze", "UnsafeView", "View")
+    + ("Cat", "Clone", "ConstantPadNd", "Split", "SplitWithSizes", "ToCopy")
+)
+_RELEASED = "_megacann_released_after_backward"  # set on weights whose storage is freed between B and W
 _STATS = {"deferred": 0, "run": 0, "held": 0}  # closures deferred, closures run, gradients B computed for W
 
 
@@ -103,6 +123,41 @@ def collecting(store: WeightGradStore) -> Iterator[WeightGradStore]:
         _ACTIVE = previous
 
 
+def mark_deferrable(weight: torch.Tensor) -> None:
+    """Let products of ``weight`` (and of tensors computed from it) leave its gradient to a split backward's W."""
+    setattr(weight, _DEFERRABLE, True)
+
+
+def deferrable(weight: torch.Tensor) -> bool:
+    """Whether a product of ``weight`` built now may leave its gradient to W: autograd on, not compiling, and
+    ``weight`` marked (:func:`mark_deferrable`) or laid out from a marked weight in a few autograd steps
+    (views, casts, slices, concatenation, padding: W differentiates back through them, B freed nothing of
+    theirs); a weight computed otherwise (``w * scale``) gets the plain product."""
+    if not weight.requires_grad or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    if weight.grad_fn is None:
+        return getattr(weight, _DEFERRABLE, False)
+    nodes, steps = [weight.grad_fn], 0
+    while nodes and steps < _SEARCH_STEPS:
+        node, steps = nodes.pop(), steps + 1
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node: its parameter
+        if leaf is not None and getattr(leaf, _DEFERRABLE, False):
+            return True
+        if type(node).__name__.rstrip("0123456789").removesuffix("Backward") in _LAYOUT_NODES:
+            nodes.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
+def mark_released_after_backward(weight: torch.Tensor) -> None:
+    """Say that ``weight``'s storage is freed once the backward has passed it (before a split backward's W)."""
+    setattr(weight, _RELEASED, True)
+
+
+def kept_until_w(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is still readable when W runs (not marked by :func:`mark_released_after_backward`)."""
+    return not getattr(weight, _RELEASED, False)
+
+
 def weight_grad_stats() -> dict[str, int]:
     """How many weight-gradient closures this process deferred and ran, and how many gradients B computed and
     held for W to accumulate (tests prove the split with it)."""
@@ -153,13 +208,10 @@ class _DeferrableLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, deferrable: bool = False
-) -> torch.Tensor:
-    """``F.linear``; with ``deferrable`` its weight gradient waits for W when the backward is split (the
-    bias gradient, small, comes with B). Plain ``F.linear`` when not deferrable, without autograd or inside
-    torch.compile."""
-    if not deferrable or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear``; for a :func:`deferrable` weight, its gradient waits for W when the backward is split (the
+    bias gradient, small, comes with B). Otherwise the plain ``F.linear``."""
+    if not deferrable(weight):
         return F.linear(x, weight, bias)
     return _DeferrableLinear.apply(x, weight, bias)
 
@@ -181,9 +233,9 @@ class _DeferrableEmbedding(torch.autograd.Function):
         return None, grad_w
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor, deferrable: bool = False) -> torch.Tensor:
-    """``F.embedding`` (no padding index); with ``deferrable`` its weight gradient waits for W when the
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding`` (no padding index); for a :func:`deferrable` weight, its gradient waits for W when the
     backward is split."""
-    if not deferrable or not torch.is_grad_enabled() or torch.compiler.is_compiling() or not weight.requires_grad:
+    if not deferrable(weight):
         return F.embedding(ids, weight)
     return _DeferrableEmbedding.apply(ids, weight)

@@ -12,6 +12,7 @@ from megacann.models.spec import ChunkPlacement, ModelSpec, get_model_spec
 from megacann.pipeline.overlap import LANE_ATTR
 from megacann.pipeline.placement import LOOP, Placement, V
 from megacann.pipeline.schedule_spec import schedule_for
+from megacann.pipeline.split_backward import prepare_split_backward
 
 
 def stage_layer_ids(
@@ -75,7 +76,8 @@ def chunk_placements(cfg: MegacannConfig, pipeline_rank: Optional[int] = None) -
 def build_model_chunks(
     cfg: MegacannConfig, spec: Optional[ModelSpec] = None, device: Optional[Union[torch.device, str]] = None
 ) -> list[torch.nn.Module]:
-    """This rank's model chunks, built by the model family's spec (default: the recipe's ``model.type``)."""
+    """This rank's model chunks, built by the model family's spec (default: the recipe's ``model.type``);
+    under a schedule that splits the backward, prepared for it (their products' weight gradients deferrable)."""
     spec = spec or get_model_spec(cfg.model.type)
     chunks = []
     for chunk, placement in enumerate(chunk_placements(cfg)):
@@ -84,4 +86,6 @@ def build_model_chunks(
         with ps.communication_lane(lane):
             chunks.append(spec.build(cfg, placement, device))
         setattr(chunks[-1], LANE_ATTR, lane)
+    if cfg.distributed.splits_backward:
+        prepare_split_backward(chunks)
     return chunks

@@ -3,9 +3,11 @@
 Zero-bubble schedules send B to the previous stage at once and run W later. B back-propagates the chunk's
 outputs once, through every layer's own backward (tensor-, sequence- and context-parallel collectives,
 MoE all-to-all, activation checkpointing's recompute), and frees the graph as it goes. While it runs, a
-:class:`~megacann.ops.weight_grad.WeightGradStore` collects: the layers with large weights (linear,
+:class:`~megacann.ops.weight_grad.WeightGradStore` collects: the products with large weights (linear,
 embedding, grouped experts, LoRA adapters, the fused head loss; :mod:`megacann.ops.weight_grad`) compute
-their input's gradient only and leave a closure over the tensors their weight gradient needs. The other
+their input's gradient only and leave a closure over the tensors their weight gradient needs. The layers
+know nothing of this: :func:`prepare_split_backward` marks the model chunks' weights, whose products then
+defer (:func:`megacann.ops.weight_grad.deferrable`), and every other product is the plain one. The other
 parameters (norms, the router, biases, anything inside ``torch.compile``) get their
 gradients computed in B, held without being accumulated. W runs the closures and accumulates every
 gradient into its parameter in one autograd call, so ``.grad``, gradient buffers and the optimizer's
@@ -16,14 +18,30 @@ A W whose B never ran (the first stage's chunk has no input to differentiate) is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Optional
 
 import torch
 
-from megacann.ops.weight_grad import WeightGradStore, collecting
+from megacann.ops.weight_grad import WeightGradStore, collecting, mark_deferrable
 
 _PENDING = "_megacann_pending_weight_grads"  # set on a chunk's first output between its B and its W
+_PREPARED = "_megacann_prepared_for_split_backward"  # set on a chunk by prepare_split_backward
+
+
+def _mark_weights(chunk: torch.nn.Module, args) -> None:
+    for param in trainable_parameters(chunk):
+        mark_deferrable(param)
+
+
+def prepare_split_backward(chunks: Iterable[torch.nn.Module]) -> None:
+    """Let the products of ``chunks``' trainable weights leave their gradients to :func:`backward_weight`:
+    the weights are marked (:func:`megacann.ops.weight_grad.mark_deferrable`) before each forward, so
+    adapters attached after this call are too. Preparing a chunk twice changes nothing."""
+    for chunk in chunks:
+        if not hasattr(chunk, _PREPARED):
+            setattr(chunk, _PREPARED, True)
+            chunk.register_forward_pre_hook(_mark_weights)
 
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -114,7 +114,6 @@ class AdapterLayout:
     dtype: Optional[torch.dtype] = None
     device: Optional[torch.device] = None
     what: str = "LoRA"
-    defer_weight_grads: bool = False  # the layer's: a split backward's W computes A's and B's gradients
 
 
 def linear_layout(base: ParallelLinear) -> AdapterLayout:
@@ -133,7 +132,6 @@ def linear_layout(base: ParallelLinear) -> AdapterLayout:
         dtype=base.weight.dtype,
         device=base.weight.device,
         what=f"LoRA on {type(base).__name__}({base.input_size}, {base.output_size})",
-        defer_weight_grads=getattr(base, "defer_weight_grad", False),
     )
 
 
@@ -172,7 +170,6 @@ class LoRAAdapter(torch.nn.Module):
         self.target = target
         self.tp_rank, self.tp_size, self.shard = layout.tp_rank, layout.tp_size, layout.shard
         self.merged = False
-        self.defer_weight_grad = layout.defer_weight_grads  # W after B (megacann.ops.weight_grad)
         self.disabled = False  # switched off for a while (adapters_disabled): the base layer alone
         blocks = layout.blocks
         if len(blocks) != len(target.parts):
@@ -246,10 +243,9 @@ class LoRAAdapter(torch.nn.Module):
         b = self.local_b()
         if rows is not None:
             b = b[rows[0] : rows[1]]
-        defer = self.defer_weight_grad
         # ops.linear: fp32 GEMMs rounded once on CPUs without native bf16 / fp16 GEMM (megacann.ops.bf16_matmul)
-        low_rank = ops.linear(self.dropout_input(x), self.lora_A, deferrable=defer)
-        return ops.linear(low_rank * self.scaling, b, deferrable=defer)
+        low_rank = ops.linear(self.dropout_input(x), self.lora_A)
+        return ops.linear(low_rank * self.scaling, b)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:

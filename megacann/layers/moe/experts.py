@@ -31,7 +31,6 @@ import torch
 
 from megacann import ops
 from megacann.layers import mappings
-from megacann.layers.context import current_layer_context
 from megacann.layers.eager_regions import eager_under_compile
 from megacann.layers.fp8 import Fp8Error
 from megacann.layers.init import make_parameter
@@ -56,13 +55,12 @@ class ExpertProjection(torch.nn.Module):
         self.weight = weight
         self.column, self.tp_rank, self.tp_size = column, tp_rank, tp_size
         self.adapter: Optional[torch.nn.Module] = None
-        self.defer_weight_grad = current_layer_context().defer_weight_grads  # W after B (megacann.ops.weight_grad)
 
     def lora_layout(self) -> AdapterLayout:
         return expert_lora_layout(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.linear(x, self.weight, deferrable=self.defer_weight_grad)  # fp32 GEMMs where bf16 / fp16 GEMM is slow
+        y = ops.linear(x, self.weight)  # fp32 GEMMs where bf16 / fp16 GEMM is slow
         return add_adapter_output(self.adapter, y, x, None)
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megacann.collectives import all_gather_flat
+from megacann.ops.weight_grad import mark_released_after_backward
 from megacann.optimizer.grad_buffer import Bucket, GradBuffer
 from megacann.optimizer.zero.layout import owned_range, shard_slice
 
@@ -57,6 +58,7 @@ class ShardedParams:
                     view = full[start - bucket.start : end - bucket.start].view(p.shape)
                     view.copy_(p.detach())
                     p.data = view  # the model reads the bucket's full tensor, allocated only when gathered
+                    mark_released_after_backward(p)  # freed before a split backward's W (megacann.ops.weight_grad)
                 self.shard[shard_slice(bucket, self.size)].copy_(self._owned_of_full(bucket, full))
                 _free_storage(full)
                 self.full.append(full)
