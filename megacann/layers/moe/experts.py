@@ -31,6 +31,7 @@ import torch
 
 from megacann import ops
 from megacann.layers import mappings
+from megacann.layers.context import current_layer_context
 from megacann.layers.eager_regions import eager_under_compile
 from megacann.layers.fp8 import Fp8Error
 from megacann.layers.init import make_parameter
