@@ -249,13 +249,11 @@ PIPELINE_FLOOR = {"actions", "placement", "schedule_spec"}  # the plan's actions
 SCHEDULE_KINDS = {"one_f_one_b", "interleaved", "v_schedules"}  # one file per kind of schedule
 SCHEDULE_NAMES = {"1f1b", "interleaved", "zb1p", "zbv", "dualpipev"}
 # where a built-in schedule's name may stand as a string of its own: the kind that registers it, the spec's
-# default for the key unset, the layout search's starting schedule, and the list config keeps for layers/
-# (its splits_backward; tests/test_pipeline_custom_schedule.py checks it against the registered specs)
+# default for the key unset, and the layout search's starting schedule (config keeps only the string)
 NAME_LITERALS_ALLOWED = {
     *(f"pipeline/{kind}.py" for kind in SCHEDULE_KINDS),
     "pipeline/schedule_spec.py",
     "planning/search.py",
-    "config/schema.py",
 }
 
 

@@ -64,13 +64,3 @@ def test_gpipe_trains_pp2_like_one_process(tmp_path):
     for rank in run["runs"]:  # GPipe really ran: every forward of the step before the first backward
         computes = [a for a in rank["trace"] if isinstance(a, (Forward, Backward))]
         assert [type(a) for a in computes] == [Forward] * 4 + [Backward] * 4, computes
-
-
-def test_config_split_backward_list_is_the_specs():
-    """config/ knows no schedule but keeps the names whose backward splits, for layers/ (the weight layers
-    defer their gradients there): exactly the built-in specs that say so."""
-    from megacann.config.schema import SPLIT_BACKWARD_SCHEDULES
-    from megacann.pipeline.schedule_spec import get_schedule
-
-    split = [name for name in registered_schedules() if get_schedule(name).split_backward]
-    assert list(SPLIT_BACKWARD_SCHEDULES) == split == ["zb1p", "zbv", "dualpipev"]

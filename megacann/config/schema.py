@@ -150,11 +150,6 @@ class OptimConfig:
     offload_optimizer: bool = False
 
 
-# the built-in schedules whose backward splits into B and W, for layers/ (DistributedConfig.splits_backward);
-# config knows no schedule otherwise: megacann.pipeline's specs say this (a test holds the two equal)
-SPLIT_BACKWARD_SCHEDULES = ("zb1p", "zbv", "dualpipev")
-
-
 @dataclass
 class DistributedConfig:
     world_size: Optional[int] = None  # None: from torchrun (WORLD_SIZE) or 1
@@ -187,11 +182,6 @@ class DistributedConfig:
     def sequence_parallel_active(self) -> bool:
         """Sequence parallelism in effect: asked for, and more than one tensor-parallel rank to split over."""
         return self.sequence_parallel and self.tensor_parallel_size > 1
-
-    @property
-    def splits_backward(self) -> bool:
-        """The pipeline schedule splits backwards into input (B) and weight (W) gradients (zero bubble)."""
-        return self.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
 
     @property
     def zero_stage(self) -> int:

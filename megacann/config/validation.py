@@ -311,12 +311,7 @@ def check_fp8_keys(cfg: MegacannConfig, source: str) -> None:
     """``precision.fp8`` with what its products cannot run beside yet, refused by name."""
     if cfg.precision.fp8 == "none":
         return
-    d = cfg.distributed
-    if d.splits_backward:
-        raise ConfigError(
-            f"{source}: precision.fp8={cfg.precision.fp8} with distributed.pipeline_schedule {d.pipeline_schedule!r}: "
-            "FP8 products cannot defer their weight gradients to a split backward's W pass yet; use 1f1b or interleaved"
-        )
+    d = cfg.distributed  # (a schedule that splits the backward: refused by megacann.pipeline's recipe check)
     if d.tp_comm_overlap:
         raise ConfigError(f"{source}: precision.fp8 with distributed.tp_comm_overlap is not supported yet")
     if d.context_parallel_size > 1:

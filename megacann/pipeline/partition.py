@@ -11,7 +11,7 @@ from megacann.config import MegacannConfig
 from megacann.models.spec import ChunkPlacement, ModelSpec, get_model_spec
 from megacann.pipeline.overlap import LANE_ATTR
 from megacann.pipeline.placement import LOOP, Placement, V
-from megacann.pipeline.schedule_spec import schedule_for
+from megacann.pipeline.schedule_spec import schedule_for, splits_backward
 from megacann.pipeline.split_backward import prepare_split_backward
 
 
@@ -86,6 +86,6 @@ def build_model_chunks(
         with ps.communication_lane(lane):
             chunks.append(spec.build(cfg, placement, device))
         setattr(chunks[-1], LANE_ATTR, lane)
-    if cfg.distributed.splits_backward:
+    if splits_backward(cfg.distributed.pipeline_schedule):
         prepare_split_backward(chunks)
     return chunks
