@@ -22,6 +22,7 @@ from megacann.config.hf_config import read_hf_config
 from megacann.interop.full_state import full_state_dict, load_full_state_dict_
 from megacann.interop.names import HF_CONFIG, SAFETENSORS_INDEX, WEIGHTS_FILE
 from megacann.interop.quantized import DequantizingReader, quantization_of, stored_dtype
+from megacann.layers import deferred_initialization
 from megacann.models.spec import ChunkPlacement, ModelSpec, find_hf_family, get_model_spec, prepare_model_config
 
 
@@ -101,7 +102,8 @@ def from_pretrained_hf(
     cfg.distributed.tensor_parallel_size = ps.get_tensor_model_parallel_world_size()
     cfg.distributed.sequence_parallel = sequence_parallel
     prepare_model_config(cfg, spec, source=path)
-    model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
+    with deferred_initialization(weights_loaded=True):  # every weight is loaded below: none is drawn
+        model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
     names = [name for name, _ in model.named_parameters()]
     reader = hf_weights_reader(path, PRECISION_DTYPES[precision], raw)
     load_full_state_dict_([model], spec.hf.from_hf(names, reader, model_cfg), source=path)

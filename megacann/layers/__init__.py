@@ -19,10 +19,12 @@ from megacann.layers.compile import compile_blocks
 from megacann.layers.context import LayerContext, current_layer_context, layer_context_from_config
 from megacann.layers.embedding import VocabParallelEmbedding
 from megacann.layers.init import (
+    deferred_initialization,
     init_normal,
     init_ones,
     init_scaled_normal,
     init_zeros,
+    initialize_undrawn,
     initialize_weights,
     make_parameter,
     parameter_seed,
@@ -80,6 +82,8 @@ __all__ = [
     # initialisation
     "make_parameter",
     "initialize_weights",
+    "initialize_undrawn",
+    "deferred_initialization",
     "parameter_seed",
     "init_normal",
     "init_scaled_normal",
