@@ -131,3 +131,19 @@ def test_a_fresh_trainer_draws_each_value_once():
         trainer = Trainer(cfg, data=SyntheticData(cfg, 0, 1))
     values = sum(math.prod(get_sharding(p).logical_shape) for p in trainer.model_chunks[0].parameters())
     assert drawn[0] == values
+
+
+def test_a_trainer_about_to_resume_draws_nothing_and_resumes_the_saved_weights(tmp_path):
+    from megacann.interop.full_state import full_state_dict
+    from megacann.training.trainer import Trainer
+
+    cfg = tiny_config([f"experiment.output_dir={tmp_path}"])
+    first = Trainer(cfg, data=SyntheticData(cfg, 0, 1))
+    first.train_step()
+    path = first.save_checkpoint()
+    with count_drawn_values() as drawn:
+        second = Trainer(cfg, data=SyntheticData(cfg, 0, 1), checkpoint_follows=True)
+    assert drawn[0] == 0
+    assert second.resume(path) == path
+    saved, resumed = full_state_dict(first.model_chunks), full_state_dict(second.model_chunks)
+    assert all(torch.equal(resumed[name], saved[name]) for name in saved)
