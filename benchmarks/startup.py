@@ -11,7 +11,7 @@ Cases (each measured in a fresh process, so its peak is its own):
 
 ``--draw old`` emulates the start-up before issue 39: each parameter's whole tensor drawn from torch's CPU
 RNG at construction and again by ``initialize_weights``, then sliced, also when ``init_from`` then loads
-it. ``--draw new`` is the code as it is. The tp-8 rank is simulated in one process (parallel_state answers
+it, and the load itself as it was (files memory-mapped, each tensor made fp32 whole before slicing). ``--draw new`` is the code as it is. The tp-8 rank is simulated in one process (parallel_state answers
 tp 8, rank 0; building a chunk needs no collective). Peak host memory is the process's ``ru_maxrss`` at the
 end minus its ``ru_maxrss`` after imports (resident memory, file pages mapped included).
 
@@ -57,6 +57,7 @@ def _old_draw(counter: list[int]):
     then this rank's slice."""
     from megacann.layers.sharding import shard_tensor
 
+    @torch.no_grad()
     def draw(param, sharding, init_method, seed, tp_rank, tp_size):
         if param.is_meta:
             return
@@ -78,6 +79,40 @@ def _old_draw(counter: list[int]):
 
 
 RECIPES = {"llama7b": "examples/configs/llama/llama_7b.yaml", "moe30b": "examples/configs/qwen3_moe/qwen3_30b_a3b.yaml"}
+
+
+def _old_loading() -> None:
+    """The loading before issue 39: safetensors files memory-mapped (handles kept for the whole load), each
+    tensor made fp32 whole, padded, sliced, then cast to the parameter's dtype."""
+    from safetensors import safe_open
+
+    from megacann import parallel_state as ps
+    from megacann.interop import hf, reading
+    from megacann.layers.sharding import get_sharding, shard_tensor
+
+    class MappedFile:
+        def __init__(self, path: str):
+            self.handle = safe_open(path, framework="pt")
+
+        def keys(self) -> list[str]:
+            return list(self.handle.keys())
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            return self.handle.get_tensor(name)
+
+    @torch.no_grad()
+    def load(param, full, name, source="state"):
+        layout = get_sharding(param)
+        full = full.to(torch.float32)
+        if layout.logical_size is not None and layout.tp_dim is not None:
+            padded = torch.zeros(layout.full_shape, dtype=torch.float32)
+            padded.narrow(layout.tp_dim, 0, layout.logical_size).copy_(full)
+            full = padded
+        tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        param.copy_(shard_tensor(full, layout, tp_rank, tp_size).to(dtype=param.dtype, device=param.device))
+
+    hf.SafetensorsFile = MappedFile
+    reading.load_full_tensor_ = load
 
 
 def _recipe(case: str, workdir: str, layers: int):
@@ -150,6 +185,7 @@ def measure(case: str, draw: str, workdir: str, layers: int = 0) -> dict:
     with block_draw.count_drawn_values() as drawn:
         if draw == "old":
             sharding.draw_shard_ = _old_draw(drawn)
+            _old_loading()
         start = time.perf_counter()
         if draw == "old":
             chunks = build_model_chunks(cfg, spec, device=device)
@@ -211,6 +247,8 @@ def main() -> None:
         print(json.dumps(measure(*args.one, args.workdir, args.layers)))
         return
     os.makedirs(args.workdir, exist_ok=True)
+    if "init_from_1b" in args.cases:
+        _hf_1b(args.workdir)  # written before any measurement
     rows = []
     for case in args.cases.split(","):
         for draw in args.draws.split(","):
