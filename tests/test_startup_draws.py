@@ -5,7 +5,8 @@
   weights equal the one-process model's bit for bit;
 - one process: a fresh build draws every value exactly once (no second draw at construction); with
   ``model.init_from`` (a Hugging Face directory) the trainer draws nothing, loads the directory's weights
-  and reads its config.json once.
+  and reads its config.json once; a trainer about to resume a checkpoint draws nothing;
+- the safetensors reader that loads without a memory map reads every dtype as safetensors itself does.
 """
 
 from __future__ import annotations
@@ -147,3 +148,29 @@ def test_a_trainer_about_to_resume_draws_nothing_and_resumes_the_saved_weights(t
     assert second.resume(path) == path
     saved, resumed = full_state_dict(first.model_chunks), full_state_dict(second.model_chunks)
     assert all(torch.equal(resumed[name], saved[name]) for name in saved)
+
+
+def test_safetensors_file_reads_every_dtype_as_safetensors_does(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from megacann.interop.safetensors_file import SafetensorsFile
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "bf16": torch.randn(5, 7, generator=g).to(torch.bfloat16),
+        "f32": torch.randn(3, generator=g),
+        "f16": torch.randn(2, 2, 2, generator=g).half(),
+        "i64": torch.arange(6).view(2, 3),
+        "bool": torch.tensor([True, False, True]),
+        "fp8": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+    }
+    file = str(tmp_path / "t.safetensors")
+    save_file(tensors, file, metadata={"format": "pt"})
+    reference, ours = load_file(file), SafetensorsFile(file)
+    assert sorted(ours.keys()) == sorted(tensors)
+    for name, expected in reference.items():
+        got = ours.get_tensor(name)
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), name
