@@ -257,7 +257,9 @@ def main() -> None:
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, tp {TP} rank simulated")
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} (tp-{TP} cases: rank 0 simulated)"
+    )
     print(_table(rows))
     for r in rows:
         target = r["whole"] / r["tp"] + r["one_block_each"]
