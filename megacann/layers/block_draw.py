@@ -119,11 +119,11 @@ def draw_shard_(
 ) -> None:
     """Fill ``param`` (this TP rank's shard) with its slabs of the whole tensor, drawn from ``seed`` (None:
     one seed drawn from torch's CPU RNG, so ranks whose RNG agrees agree). Padding rows are zero; a
-    parameter on the meta device is left alone."""
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (), device="cpu"))
+    parameter on the meta device is left alone and takes nothing from the RNG."""
     if param.is_meta:
         return
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (), device="cpu"))
     logical = sharding.logical_shape
     if not logical:  # a scalar: one block
         with torch.random.fork_rng(devices=[]):
