@@ -4,8 +4,10 @@ fields of a family's configuration class (``HF_KEYS``; ``HF_INERT_KEYS`` only at
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import os
 from typing import Any, Optional
 
 from megacann.config.advice import advise
@@ -35,11 +37,22 @@ HF_IGNORED_KEYS = {
     "output_router_logits",
     "quantization_config",  # how the weights are stored: read (or refused) where they are, megacann.interop
 }
+# config.json files parsed by this process, by (real path, inode, size, mtime): a start-up reads each once
+_PARSED: dict[tuple[str, int, int, int], dict[str, Any]] = {}
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
     """A Hugging Face style config.json as a dict (rope settings of transformers >= 5 moved back to the
-    top level, where older files keep them)."""
+    top level, where older files keep them). The file is parsed once per process while it stays unchanged
+    (every reader of a start-up asks); each caller gets its own copy."""
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if key not in _PARSED:
+        _PARSED[key] = _parse_hf_config(path)
+    return copy.deepcopy(_PARSED[key])
+
+
+def _parse_hf_config(path: str) -> dict[str, Any]:
     try:
         with open(path) as f:
             raw = json.load(f)

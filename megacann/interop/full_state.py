@@ -61,16 +61,23 @@ def full_state_dict(modules: Iterable[torch.nn.Module]) -> dict[str, torch.Tenso
 
 @torch.no_grad()
 def load_full_tensor_(param: torch.Tensor, full: torch.Tensor, name: str, source: str = "state") -> None:
-    """Copy the whole tensor ``full`` into this rank's shard of ``param`` (padding added, dtype cast); an
-    error names the tensor and both shapes."""
+    """Copy the whole tensor ``full`` into this rank's shard of ``param`` (padding added, dtype cast, no
+    copy of the whole tensor made on one rank); an error names the tensor and both shapes."""
     sharding = get_sharding(param)
     if tuple(full.shape) != sharding.logical_shape:
         raise ValueError(
             f"{source}: tensor {name!r} has shape {list(full.shape)}, the model expects {list(sharding.logical_shape)}"
         )
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    local = shard_tensor(_pad(full.to(torch.float32), sharding), sharding, tp_rank, tp_size)
-    param.copy_(local.to(dtype=param.dtype, device=param.device))
+    if sharding.tp_dim is None or tp_size == 1:  # the whole tensor: copied (and cast) in place, padding zeroed
+        if tuple(full.shape) != tuple(param.shape):
+            param.narrow(
+                sharding.tp_dim, full.shape[sharding.tp_dim], param.shape[sharding.tp_dim] - full.shape[sharding.tp_dim]
+            ).zero_()
+            param = param.narrow(sharding.tp_dim, 0, full.shape[sharding.tp_dim])
+        param.copy_(full)
+        return
+    param.copy_(shard_tensor(_pad(full, sharding), sharding, tp_rank, tp_size))
 
 
 def load_full_state_dict_(

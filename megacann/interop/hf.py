@@ -22,6 +22,8 @@ from megacann.config.hf_config import read_hf_config
 from megacann.interop.full_state import full_state_dict, load_full_state_dict_
 from megacann.interop.names import HF_CONFIG, SAFETENSORS_INDEX, WEIGHTS_FILE
 from megacann.interop.quantized import DequantizingReader, quantization_of, stored_dtype
+from megacann.interop.safetensors_file import SafetensorsFile
+from megacann.layers import deferred_initialization
 from megacann.models.spec import ChunkPlacement, ModelSpec, find_hf_family, get_model_spec, prepare_model_config
 
 
@@ -52,24 +54,22 @@ def checkpoint_holds(path: str) -> Callable[[str], bool]:
 
 
 class SafetensorsReader:
-    """Reads tensors by name from a single safetensors file or a sharded set with an index."""
+    """Reads tensors by name from a single safetensors file or a sharded set with an index (each tensor
+    read into its own memory, no file mapped: :mod:`megacann.interop.safetensors_file`)."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
-
         self.path = path
         index = os.path.join(path, SAFETENSORS_INDEX)
+        self._handles: dict[str, SafetensorsFile] = {}
         if os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
         elif os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
-            with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as handle:
-                weight_map = dict.fromkeys(handle.keys(), WEIGHTS_FILE)
+            self._handles[WEIGHTS_FILE] = SafetensorsFile(os.path.join(path, WEIGHTS_FILE))
+            weight_map = dict.fromkeys(self._handles[WEIGHTS_FILE].keys(), WEIGHTS_FILE)
         else:
             raise FileNotFoundError(f"{path}: neither {WEIGHTS_FILE} nor {SAFETENSORS_INDEX} found")
         self.weight_map = weight_map
-        self._open = safe_open
-        self._handles: dict[str, Any] = {}
 
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
@@ -79,7 +79,7 @@ class SafetensorsReader:
             full = os.path.join(self.path, file)
             if not os.path.isfile(full):
                 raise FileNotFoundError(f"{self.path}: shard {file} named by the index is missing")
-            self._handles[file] = self._open(full, framework="pt")
+            self._handles[file] = SafetensorsFile(full)
         return self._handles[file].get_tensor(name)
 
 
@@ -114,7 +114,8 @@ def from_pretrained_hf(
     cfg.distributed.tensor_parallel_size = ps.get_tensor_model_parallel_world_size()
     cfg.distributed.sequence_parallel = sequence_parallel
     prepare_model_config(cfg, spec, source=path)
-    model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
+    with deferred_initialization(weights_loaded=True):  # every weight is loaded below: none is drawn
+        model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
     names = [name for name, _ in model.named_parameters()]
     reader = hf_weights_reader(path, PRECISION_DTYPES[precision], raw)
     load_full_state_dict_([model], spec.hf.from_hf(names, reader, model_cfg), source=path)

@@ -24,6 +24,7 @@ from megacann.interop.peft import ADAPTER_SLOT, write_peft_adapter
 from megacann.interop.reading import read_checkpoint_weights, read_weights
 from megacann.interop.sources import CHECKPOINT, HUGGINGFACE, fingerprint, resolve_weight_source
 from megacann.interop.tokenizer import source_tokenizer
+from megacann.layers import deferred_initialization
 from megacann.layers.lora import LoRAConfig, attach_lora, lora_adapters
 from megacann.models.spec import ChunkPlacement, get_model_spec
 
@@ -155,6 +156,7 @@ def build_full_model(
     spec = get_model_spec(model_cfg.type)
     cfg = MegacannConfig(model=model_cfg)
     spec.fill_defaults(model_cfg)
-    model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
+    with deferred_initialization(weights_loaded=True):  # every weight is loaded below: none is drawn
+        model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
     load_full_state_dict_([model], tensors, source)
     return model

@@ -21,10 +21,12 @@ from megacann.layers.context import LayerContext, current_layer_context
 from megacann.layers.embedding import VocabParallelEmbedding
 from megacann.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 from megacann.layers.init import (
+    deferred_initialization,
     init_normal,
     init_ones,
     init_scaled_normal,
     init_zeros,
+    initialize_undrawn,
     initialize_weights,
     make_parameter,
     parameter_seed,
@@ -81,6 +83,8 @@ __all__ = [
     # initialisation
     "make_parameter",
     "initialize_weights",
+    "initialize_undrawn",
+    "deferred_initialization",
     "parameter_seed",
     "init_normal",
     "init_scaled_normal",

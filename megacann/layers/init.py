@@ -1,11 +1,13 @@
 """Initialisation methods and the one helper every layer uses to create a sharded parameter.
 
-A parameter is made by drawing its *full* tensor from torch's CPU RNG and keeping this rank's slice
-(:func:`megacann.layers.sharding.init_sharded_`), so a model under any TP size starts with exactly the
-weights of the one-process model, provided the default RNG is seeded alike on every TP rank
+A parameter is made by drawing this rank's part of it block by block (:mod:`megacann.layers.block_draw`)
+from a seed taken from torch's CPU RNG, so a model under any TP size starts with exactly the weights of
+the one-process model, provided the default RNG is seeded alike on every TP rank
 (:func:`megacann.layers.random.model_parallel_manual_seed` does this). Each parameter carries its
 :class:`~megacann.layers.sharding.ParamSharding` and its init method (attribute ``sharding.INIT_ATTR``), so a
-model can later re-draw any parameter by name from its own seed, independently of the layout.
+model can later re-draw any parameter by name from its own seed, independently of the layout
+(:func:`initialize_weights`). Under :func:`deferred_initialization` nothing is drawn while a model is
+built: :func:`initialize_weights` then draws each parameter once, or nothing when the weights will be loaded.
 
 Init methods are picklable ``functools.partial`` objects over the module-level functions below. A layer
 given no init method, dtype or device takes them from the current
@@ -14,15 +16,19 @@ given no init method, dtype or device takes them from the current
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import zlib
+from collections.abc import Iterable, Iterator
 from typing import Optional
 
 import torch
 
 from megacann import parallel_state as ps
 from megacann.accelerator import get_accelerator
+from megacann.layers.block_draw import BLOCK_DIM_ATTR
 from megacann.layers.context import current_layer_context, resolve_init_stds
 from megacann.layers.sharding import (
     INIT_ATTR,
@@ -33,6 +39,23 @@ from megacann.layers.sharding import (
     init_sharded_,
     set_sharding,
 )
+
+UNDRAWN_ATTR = "megacann_undrawn"  # allocated under deferred_initialization, not drawn yet
+_DRAW_LATER, _LOADED = "later", "loaded"
+_deferral: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("megacann_deferral", default=None)
+
+
+@contextlib.contextmanager
+def deferred_initialization(weights_loaded: bool = False) -> Iterator[None]:
+    """Inside, :func:`make_parameter` allocates without drawing (the builder's :func:`initialize_weights`
+    draws each parameter once, by name). ``weights_loaded``: :func:`initialize_weights` draws nothing
+    either, for weights about to be loaded (``model.init_from``, a checkpoint): every parameter must then
+    be loaded, its memory holds garbage until it is."""
+    token = _deferral.set(_LOADED if weights_loaded else _DRAW_LATER)
+    try:
+        yield
+    finally:
+        _deferral.reset(token)
 
 
 def _normal(tensor: torch.Tensor, std: float) -> torch.Tensor:
@@ -93,14 +116,17 @@ def make_parameter(
     logical_size: Optional[int] = None,
     expert: bool = False,
     generator_seed: Optional[int] = None,
+    block_dim: Optional[int] = None,
     dtype: Optional[torch.dtype] = None,
     device: Optional[torch.device | str] = None,
 ) -> torch.nn.Parameter:
-    """Create this rank's shard of a parameter whose whole is ``full_shape``, initialised from the full
-    tensor, tagged with its sharding and init method. ``name`` appears in the error raised when a size
-    does not divide ``tp_size``. ``expert`` marks an expert-parallel parameter; ``generator_seed`` draws
-    from a generator of its own instead of torch's CPU RNG (for parameters only some ranks create).
-    ``dtype`` / ``device`` None: the current layer context's (see :func:`resolve_device`)."""
+    """Create this rank's shard of a parameter whose whole is ``full_shape``, initialised with its part of
+    the whole tensor, tagged with its sharding and init method. ``name`` appears in the error raised when a
+    size does not divide ``tp_size``. ``expert`` marks an expert-parallel parameter; ``generator_seed``
+    seeds its draw instead of torch's CPU RNG (for parameters only some ranks create). ``block_dim``: the
+    dim it is split along in the layouts that split it, for a parameter left whole in others (default:
+    ``tp_dim``, else 0; see :mod:`megacann.layers.block_draw`). ``dtype`` / ``device`` None: the current
+    layer context's (see :func:`resolve_device`). Under :func:`deferred_initialization` nothing is drawn."""
     sharding = ParamSharding(
         full_shape=tuple(full_shape),
         tp_dim=tp_dim,
@@ -117,7 +143,12 @@ def make_parameter(
     param = torch.nn.Parameter(local)
     set_sharding(param, sharding)
     setattr(param, INIT_ATTR, init_method)
-    init_sharded_(param, init_method, tp_rank, tp_size, generator_seed)
+    if block_dim is not None:
+        setattr(param, BLOCK_DIM_ATTR, block_dim)
+    if _deferral.get() is None:
+        init_sharded_(param, init_method, tp_rank, tp_size, generator_seed)
+    else:
+        setattr(param, UNDRAWN_ATTR, True)
     return param
 
 
@@ -128,16 +159,31 @@ def parameter_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def initialize_weights(model: torch.nn.Module, seed: int) -> None:
-    """Draw every parameter's full tensor from a seed derived from its name, then keep this rank's slice.
+    """Draw this rank's part of every parameter from a seed derived from its name, block by block.
 
     Name parameters by their place in the whole model (global layer indices), and every TP / PP / virtual
-    stage layout starts from exactly the weights of one process. A parameter that copies another (a tied
-    embedding's copy on the last stage) is drawn from the name in ``INIT_NAME_ATTR``.
+    stage / expert-parallel layout starts from exactly the weights of one process. A parameter that copies
+    another (a tied embedding's copy on the last stage) is drawn from the name in ``INIT_NAME_ATTR``.
+    Under ``deferred_initialization(weights_loaded=True)`` nothing is drawn.
     """
+    if _deferral.get() == _LOADED:
+        return
+    _draw_named(model.named_parameters(), seed)
+
+
+def initialize_undrawn(models: Iterable[torch.nn.Module], seed: int) -> None:
+    """Draw, as :func:`initialize_weights` does, the parameters built under :func:`deferred_initialization`
+    that no one has drawn yet (a builder that relied on drawing at construction)."""
+    _draw_named(((n, p) for m in models for n, p in m.named_parameters() if getattr(p, UNDRAWN_ATTR, False)), seed)
+
+
+def _draw_named(named: Iterable[tuple[str, torch.nn.Parameter]], seed: int) -> None:
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    for name, param in model.named_parameters():
+    for name, param in named:
         init = getattr(param, INIT_ATTR, None)
         if init is None:
             raise ValueError(f"parameter {name} has no init method (make it with megacann.layers.make_parameter)")
         key = getattr(param, INIT_NAME_ATTR, name)
         init_sharded_(param, init, tp_rank, tp_size, parameter_seed(seed, key))
+        if hasattr(param, UNDRAWN_ATTR):
+            delattr(param, UNDRAWN_ATTR)

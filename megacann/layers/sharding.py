@@ -19,8 +19,8 @@ and its tied copy, the output layer of the last): both carry ``SHARED_EMBEDDING_
 over the embedding group, so the two stay equal), and the copy carries ``DUPLICATE_ATTR`` (counted once in
 the gradient norm; not a tensor of its own in a consolidated state). See :func:`mark_tied_across_stages`.
 
-The module also initialises a full tensor and slices it, so every layout starts from the same weights
-as one process.
+The module also fills a shard with its part of the parameter's initial values, drawn block by block
+(:mod:`megacann.layers.block_draw`), so every layout starts from the same weights as one process.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
+
+from megacann.layers.block_draw import draw_shard_
 
 SHARDING_ATTR = "megacann_sharding"
 INIT_ATTR = "megacann_init"
@@ -146,28 +148,9 @@ def init_sharded_(
     tp_size: int,
     generator_seed: Optional[int] = None,
 ) -> None:
-    """Draw the full tensor with ``init_method`` (from torch's CPU RNG, or a fresh one seeded with
-    ``generator_seed``), then copy this rank's slice into ``param``.
-
-    A padded tensor (``logical_size`` set) is drawn at its logical size and padded with zeros, so the
-    draw does not depend on the padding, which differs between TP sizes (the vocabulary)."""
-    sharding = get_sharding(param)
-    shape = list(sharding.full_shape)
-    padded = sharding.logical_size is not None and sharding.tp_dim is not None
-    if padded:
-        shape[sharding.tp_dim] = sharding.logical_size
-    drawn = torch.empty(shape, dtype=torch.float32)
-    if generator_seed is None:
-        init_method(drawn)
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(generator_seed)
-            init_method(drawn)
-    if padded:
-        full = torch.zeros(sharding.full_shape, dtype=torch.float32)
-        full.narrow(sharding.tp_dim, 0, sharding.logical_size).copy_(drawn)
-    else:
-        full = drawn
-    local = shard_tensor(full, sharding, tp_rank, tp_size) if tp_size > 1 else full
-    with torch.no_grad():
-        param.copy_(local.to(dtype=param.dtype, device=param.device))
+    """Fill ``param`` with this TP rank's part of the whole tensor ``init_method`` draws block by block
+    from ``generator_seed`` (None: a seed drawn from torch's CPU RNG): only the blocks this rank keeps
+    are drawn, and every TP size gets the same values (:mod:`megacann.layers.block_draw`). A padded
+    tensor (``logical_size`` set) is drawn at its logical size and padded with zeros, so the draw does
+    not depend on the padding, which differs between TP sizes (the vocabulary)."""
+    draw_shard_(param, get_sharding(param), init_method, generator_seed, tp_rank, tp_size)

@@ -44,8 +44,9 @@ from megacann.models.preference_loss import (
     preference_forward_step,
     reference_forward_step,
 )
-from megacann.pipeline import build_model_chunks, get_forward_backward_func, loss_stage
+from megacann.pipeline import get_forward_backward_func, loss_stage
 from megacann.training import finetune
+from megacann.training.rank_model import build_rank_chunks
 
 
 def reference_kind(cfg: MegacannConfig) -> str:
@@ -63,7 +64,7 @@ def reference_kind(cfg: MegacannConfig) -> str:
 def build_reference_copy(cfg: MegacannConfig, spec: ModelSpec, device) -> list[torch.nn.Module]:
     """A frozen copy of the starting weights, built and sharded like the policy (without adapters)."""
     plain = dataclasses.replace(cfg, lora=False)
-    chunks = build_model_chunks(plain, spec, device=device)
+    chunks = build_rank_chunks(plain, spec, device)
     finetune.prepare_model_chunks(plain, chunks)
     for chunk in chunks:
         chunk.requires_grad_(False)

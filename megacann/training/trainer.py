@@ -24,7 +24,7 @@ from megacann.layers.compile import compile_blocks
 from megacann.layers.fp8 import roll_amax_histories
 from megacann.models import ModelSpec
 from megacann.optimizer import LRSchedule, build_optimizer
-from megacann.pipeline import Timeline, build_model_chunks, get_forward_backward_func
+from megacann.pipeline import Timeline, get_forward_backward_func
 from megacann.training import finetune
 from megacann.training.failure import guarded
 from megacann.training.guards import StepGuard
@@ -40,6 +40,7 @@ from megacann.training.preflight import (
     resume_path,
 )
 from megacann.training.profiling import StepProfiling
+from megacann.training.rank_model import build_rank_chunks
 from megacann.training.recipe import compile_backend, prepare_recipe
 from megacann.training.runtime import Runtime, setup_runtime
 from megacann.training.signals import make_stop_signals, stop_after_signal
@@ -76,11 +77,13 @@ class Trainer:
         data=None,
         data_factory: Optional[Callable[[int], Any]] = None,
         model_spec: Optional[ModelSpec] = None,
+        checkpoint_follows: bool = False,
     ):
         """``tokenizer`` and ``data`` default to what the recipe's data section builds; tests and custom
         loops may pass their own (``data`` needs ``.train``, an iterator of micro-batches, and ``.valid()``),
         or a ``data_factory(consumed_samples)`` that is called again after a checkpoint is loaded.
-        ``model_spec`` defaults to the registered family named by ``model.type``."""
+        ``model_spec`` defaults to the registered family named by ``model.type``. ``checkpoint_follows``:
+        the caller resumes a checkpoint before training, so weights it holds are not drawn."""
         self.cfg = cfg
         self.runtime = runtime or setup_runtime(cfg)
         self.device = self.runtime.device
@@ -102,7 +105,7 @@ class Trainer:
             check_tokenizer_fits(cfg, tokenizer)
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = tokenizer.vocab_size
-        self.model_chunks = build_model_chunks(cfg, self.model_spec, device=self.device)
+        self.model_chunks = build_rank_chunks(cfg, self.model_spec, self.device, checkpoint_follows)
         # model.init_from's weights; LoRA adapters (base frozen): before the optimizer sees the parameters
         self.lora_base = finetune.prepare_model_chunks(cfg, self.model_chunks)
         if compile_backend(cfg) is not None:  # precision.compile: torch.compile per transformer block
@@ -374,7 +377,7 @@ def train(cfg: MegacannConfig, resume_from: Optional[str] = None) -> list[dict[s
         if os.environ.get("RANK", "0") == "0":
             print(finished, flush=True)
         return []
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, checkpoint_follows=resume_path(cfg, resume_from) is not None)
     trainer.resume(resume_from)
     trainer.data  # noqa: B018 -- built now: a data error is reported before the first step
     if trainer.is_logging_rank:

@@ -51,13 +51,14 @@ LORA_ATTR = "megacann_lora"  # marks adapter parameters
 ParallelLinear = Union[ColumnParallelLinear, RowParallelLinear]
 
 
-def _kaiming_uniform(tensor: torch.Tensor, a: float) -> torch.Tensor:
-    return torch.nn.init.kaiming_uniform_(tensor, a=a)
+def _uniform(tensor: torch.Tensor, bound: float) -> torch.Tensor:
+    return torch.nn.init.uniform_(tensor, -bound, bound)
 
 
-def init_lora_a() -> Callable[[torch.Tensor], object]:
-    """Kaiming-uniform with ``a = sqrt(5)`` on the whole ``A`` (PEFT's and ``nn.Linear``'s default)."""
-    return functools.partial(_kaiming_uniform, a=math.sqrt(5.0))
+def init_lora_a(in_size: int) -> Callable[[torch.Tensor], object]:
+    """Kaiming-uniform with ``a = sqrt(5)`` for an ``A`` of ``in_size`` inputs (PEFT's and ``nn.Linear``'s
+    default): U(-1/sqrt(in_size), 1/sqrt(in_size)), its bound fixed here since ``A`` is drawn in blocks."""
+    return functools.partial(_uniform, bound=1.0 / math.sqrt(in_size))
 
 
 def _mark(param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -189,7 +190,7 @@ class LoRAAdapter(torch.nn.Module):
         )
         if self.column:
             self.lora_A = make_parameter(
-                (target.groups * rank, layout.in_size), init_lora_a(), tp_partial_grad=True, **common
+                (target.groups * rank, layout.in_size), init_lora_a(layout.in_size), tp_partial_grad=True, **common
             )
             self.lora_B = make_parameter(
                 (sum(chosen), rank),
@@ -202,8 +203,9 @@ class LoRAAdapter(torch.nn.Module):
         else:
             self.lora_A = make_parameter(
                 (rank, layout.in_size),
-                init_lora_a(),
+                init_lora_a(layout.in_size),
                 tp_dim=1 if layout.shard else None,
+                block_dim=1,  # drawn alike whether or not it is split
                 tp_partial_grad=layout.partial,
                 **common,
             )

@@ -112,6 +112,7 @@ class ExpertMLP(torch.nn.Module):
                 (hidden_size, ffn_hidden_size),
                 output_init_method,
                 tp_dim=1 if split else None,
+                block_dim=1,  # drawn alike whether or not the experts are split
                 name=f"expert {expert_index} down_proj (ffn_hidden_size {ffn_hidden_size})",
                 generator_seed=expert_seed(layer_seed, expert_index, "down_proj.weight"),
                 **common,
