@@ -11,7 +11,7 @@ import os
 import pytest
 from dist_harness import run_on_ranks
 from finetune_helpers import LORA
-from test_training_parity import assert_close_trace
+from test_training_parity import ModeProbes, assert_close_trace
 
 pytestmark = pytest.mark.extended
 
@@ -48,6 +48,7 @@ def _runs(runs: dict[str, list[str]], tmp: str, evaluate: bool = False) -> dict:
     from test_dpo import dpo_overrides, write_pairs
 
     from megacann import parallel_state as ps
+    from megacann.layers.moe.layer import MoELayer
     from megacann.pipeline.plan import BackwardWeight
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
@@ -64,6 +65,7 @@ def _runs(runs: dict[str, list[str]], tmp: str, evaluate: bool = False) -> dict:
             world_size=dist.get_world_size(),
         )
         trainer = Trainer(cfg, setup_runtime(cfg))
+        modes = ModeProbes(trainer)  # the sequence length every block of the policy saw
         actions, probe = [], []  # what the policy's schedule ran; dualpipev's pairs that ran at once
         pipelined = {"probe": probe} if cfg.distributed.pipeline_parallel_size > 1 else {}
         trainer.forward_backward = functools.partial(trainer.forward_backward, trace=actions, **pipelined)
@@ -81,6 +83,16 @@ def _runs(runs: dict[str, list[str]], tmp: str, evaluate: bool = False) -> dict:
                 )
             ),
             "kind": trainer.objective.kind,
+            "seq": modes.summary()["seq_lengths"]["train"],
+            "shapes": {n: tuple(p.shape) for chunk in trainer.model_chunks for n, p in chunk.named_parameters()},
+            "experts": sorted(
+                {
+                    m.dispatcher.num_local_experts
+                    for c in trainer.model_chunks
+                    for m in c.modules()
+                    if isinstance(m, MoELayer)
+                }
+            ),
             "stage": ps.get_pipeline_model_parallel_rank(),
             "eval": trainer.evaluate() if evaluate else None,
             "layout": (
@@ -114,13 +126,49 @@ LAYOUTS = {
 }
 
 
+# Tensor parallelism splits these weights along this dimension (column-parallel: outputs; row-parallel: inputs).
+TP_SPLIT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_up_proj": 0, "o_proj": 1, "down_proj": 1}
+
+
+def assert_split_as_the_layout_says(got: dict, ref: dict, run: str) -> None:
+    """Probes that the layout really split the work, against the one-process run ``ref``: under tp each
+    projection weight holds half its rows (column-parallel) or columns (row-parallel) and the norms are
+    whole; blocks see half the tokens under tp with sequence parallelism and under cp; under ep each rank
+    holds half the experts. A layout that ran unsplit while its groups were made fails here."""
+    tp, _, _, cp, ep = LAYOUTS[run.removesuffix("_lora")]
+    split = 0
+    for name, shape in got["shapes"].items():
+        if ".adapter." in name:  # LoRA's A and B: split like their base on one side only; the traces prove them
+            continue
+        if name in ("embed_tokens.weight", "lm_head.weight"):  # vocabulary-parallel, padded per tp size
+            rows, whole = shape[0], ref["shapes"][name][0]
+            assert shape[1:] == ref["shapes"][name][1:], (run, name, shape)
+            assert rows == whole if tp == 1 else rows < whole <= rows * tp, (run, name, shape, ref["shapes"][name])
+            continue
+        dim = next((d for proj, d in TP_SPLIT.items() if f".{proj}." in name), None)
+        expected = list(ref["shapes"][name])
+        if dim is not None and name.endswith("weight"):
+            expected[dim] //= tp
+            split += tp > 1
+        assert list(shape) == expected, (run, name, shape, ref["shapes"][name])
+    assert split == (6 * 4 if tp > 1 else 0), (run, split)  # six projections in each of the 4 layers
+    tokens_split = cp * (tp if "distributed.sequence_parallel=true" in RUNS_WORLD2[run] else 1)
+    assert got["seq"] == [s // tokens_split for s in ref["seq"]] and ref["seq"], (run, got["seq"], ref["seq"])
+    assert got["experts"] == [e // ep for e in ref["experts"]], (run, got["experts"], ref["experts"])
+    assert bool(got["experts"]) == (run == "ep2")
+
+
 @pytest.mark.parametrize("run", sorted(RUNS_WORLD2))
 def test_dpo_trains_like_one_process(world1, world2, run):
     lora = run.endswith("_lora")
     ref = world1["lora" if lora else "moe" if run == "ep2" else "copy"]
     for rank in world2:  # every rank logs the same figures
         got = rank[run]
-        assert got["layout"] == LAYOUTS[run.removesuffix("_lora")]  # the parallel mode is really on
+        assert got["layout"] == LAYOUTS[run.removesuffix("_lora")]  # the groups the layout asks for
+        assert_split_as_the_layout_says(got, ref, run)
+    if any(LAYOUTS[run.removesuffix("_lora")][i] > 1 for i in (0, 3, 4)):  # tp, cp or ep: a run left unsplit
+        with pytest.raises(AssertionError):  # (the one-process run's own probes) fails the probes
+            assert_split_as_the_layout_says(ref, ref, run)
         assert got["kind"] == ("adapters_off" if lora else "copy")
         assert got["copy_sharded"] != lora
         assert_close_trace(got["trace"]["loss"], ref["trace"]["loss"], 1e-5)

@@ -1,12 +1,14 @@
-"""Expert parallelism on 4 gloo ranks equals one process: for ep 4, ep 2 (x expert-data-parallel 2),
-ep 2 with capacity dropping, and ep 2 x tp 2 with experts split over TP (sequence parallel, dropless and
-with capacity) or whole on every TP rank, the MoE layer gives the one-process outputs, input gradients, auxiliary losses, token
-counts and (summed over data-parallel ranks) weight gradients, starts from the same weights, moves its
-balancing biases alike, and each rank's experts receive the tokens the other ranks routed to them.
+"""Expert parallelism on 4 gloo ranks equals the plain-PyTorch MoE reference of tests/test_moe_reference.py:
+for ep 4, ep 2 (x expert-data-parallel 2), ep 2 with capacity dropping, and ep 2 x tp 2 with experts split
+over TP (sequence parallel, dropless and with capacity) or whole on every TP rank, the MoE layer gives the
+reference's outputs, input gradients, auxiliary losses, token counts, dropped tokens and (summed over
+data-parallel ranks) weight gradients, starts from the weights one process starts from, moves its balancing
+biases by the documented rule, and each rank's experts receive the tokens the other ranks routed to them.
 
-One spawn runs every layout (``_layout_checks``); the one-process reference is built in the same
-processes before the layout's groups exist, and runs every data-parallel rank's batch in turn. The same
-spawn runs the example of docs/moe.md, whose losses must equal those of one process.
+One spawn runs every layout (``_layout_checks``); the reference runs in the same processes, on every
+data-parallel rank's batch in turn, from the weights a one-process layer is initialised with (so nothing it
+computes comes from the layer under test). The same spawn runs the example of docs/moe.md, whose losses must
+equal those of one process.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_on_ranks
 from layers_reference import full_grad, full_param, rel_err
+from test_moe_reference import Spec, by_megacann_name, reference_run
 
 from megacann import parallel_state as ps
 from megacann.collectives import all_reduce_if_parallel
@@ -54,20 +57,37 @@ def _shard(t: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
 
 
 def _reference(cfg: MoEConfig, dp: int) -> dict:
-    """One process, every expert, each data-parallel rank's batch in turn (weight gradients summed)."""
+    """The plain-PyTorch reference of tests/test_moe_reference.py (nothing of megacann's layer) run on each
+    data-parallel rank's batch in turn, from the weights a one-process MoELayer starts with: per batch its
+    output, input gradient, auxiliary losses, token counts, dropped tokens and choices; the weight gradients
+    summed over the batches (under megacann's names); the expert biases after one balancing step, by the
+    rule docs/moe.md states (``bias_e += rate * sign(mean load - load_e)``, loads over every batch)."""
     torch.manual_seed(SEED)
-    layer = MoELayer(replace(cfg, sequence_parallel=False)).train()
-    runs = []
-    for d in range(dp):
-        x, g = _batch(d)
-        x.requires_grad_()
-        out = layer(x)
-        ((out * g).sum() + layer.last_stats.aux_loss).backward()
-        runs.append((out.detach(), x.grad, layer.last_stats))
-    with torch.no_grad():  # each batch's choices [b, s, k] (evaluation mode: nothing counted)
-        ids = [layer.eval().router(_batch(d)[0].view(-1, HIDDEN)).expert_ids.view(BATCH, SEQ, -1) for d in range(dp)]
-    update_expert_biases(layer.train())
-    return {"layer": layer, "runs": runs, "ids": ids}
+    layer = MoELayer(replace(cfg, sequence_parallel=False))
+    init = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    experts = range(cfg.num_experts)
+    w = {
+        "router": init["router.weight"],
+        "gate_up": torch.stack([init[f"experts.{e}.gate_up_proj.weight"] for e in experts]),
+        "down": torch.stack([init[f"experts.{e}.down_proj.weight"] for e in experts]),
+    }
+    if cfg.num_shared_experts:
+        w["shared_gate_up"] = init["shared_experts.gate_up_proj.weight"]
+        w["shared_down"] = init["shared_experts.down_proj.weight"]
+    spec = Spec(
+        top_k=cfg.top_k,
+        score=cfg.score_function,
+        normalize=cfg.normalize_top_k,
+        scaling=cfg.routed_scaling_factor,
+        capacity_factor=cfg.capacity_factor,
+        aux_coeff=cfg.aux_loss_coeff,
+        z_coeff=cfg.z_loss_coeff,
+    )
+    runs = [reference_run(spec, w, *_batch(d)) for d in range(dp)]
+    loads = sum(run["counts"] for run in runs).double()
+    bias = cfg.bias_update_rate * torch.sign(loads.mean() - loads)
+    grads = by_megacann_name({k: sum(run["grads"][k] for run in runs) for k in w})
+    return {"init": init, "runs": runs, "grads": grads, "bias": bias.float()}
 
 
 def _routed_counts(ids: torch.Tensor, capacity_factor) -> torch.Tensor:
@@ -92,7 +112,8 @@ def _check_layout(tp: int, ep: int, moe: dict) -> dict[str, float]:
     layer.experts.forward = lambda x, counts: received.setdefault("counts", list(counts)) and forward(x, counts)
 
     x, g = _batch(d)
-    ref_out, ref_dx, ref_stats = ref["runs"][d]
+    run = ref["runs"][d]
+    ref_out, ref_dx = run["out"], run["dx"]
     if cfg.sequence_parallel:
         x, g, ref_out, ref_dx = (_shard(t, tp, tp_rank) for t in (x, g, ref_out, ref_dx))
     x.requires_grad_()
@@ -101,18 +122,18 @@ def _check_layout(tp: int, ep: int, moe: dict) -> dict[str, float]:
     ((out * g).sum() + stats.aux_loss).backward()
 
     errs = {"out": rel_err(out, ref_out), "dx": rel_err(x.grad, ref_dx)}
-    for key, value in ref_stats.aux_losses.items():
+    errs["aux_names"] = float(set(stats.aux_losses) != set(run["aux"]))
+    for key, value in run["aux"].items():
         errs[f"aux.{key}"] = rel_err(stats.aux_losses[key], value)
     if cfg.capacity_factor is not None:  # the data really overflows an expert
-        errs["dropped_some"] = float(stats.dropped_tokens == 0 or stats.dropped_tokens != ref_stats.dropped_tokens)
-    errs["tokens_per_expert"] = float(not torch.equal(stats.tokens_per_expert, ref_stats.tokens_per_expert))
-    ref_params = dict(ref["layer"].named_parameters())
+        errs["dropped_some"] = float(stats.dropped_tokens == 0 or stats.dropped_tokens != run["dropped"])
+    errs["tokens_per_expert"] = float(stats.tokens_per_expert.tolist() != run["counts"].tolist())
     for name, p in layer.named_parameters():
-        errs[f"init.{name}"] = float(not torch.equal(full_param(p), ref_params[name].detach()))
+        errs[f"init.{name}"] = float(not torch.equal(full_param(p), ref["init"][name]))
         grad = full_grad(p)  # TP shards joined, TP-partial gradients summed
         expert = name.startswith("experts.")
         all_reduce_if_parallel(grad, ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group())
-        errs[f"grad.{name}"] = rel_err(grad, ref_params[name].grad)
+        errs[f"grad.{name}"] = rel_err(grad, ref["grads"][name])
 
     # the experts here computed what every rank of this expert-parallel group routed to them
     ep_rank, local = ps.get_expert_model_parallel_rank(), EXPERTS // ep
@@ -124,7 +145,8 @@ def _check_layout(tp: int, ep: int, moe: dict) -> dict[str, float]:
     whole_experts = tp > 1 and not cfg.expert_tensor_parallel  # each TP rank routes its own shard
 
     def routed_here(m: int) -> torch.Tensor:
-        ids = _shard(ref["ids"][m], tp, tp_rank) if whole_experts else ref["ids"][m]
+        chosen = ref["runs"][m]["chosen"].view(BATCH, SEQ, -1)  # each token's experts [b, s, k]
+        ids = _shard(chosen, tp, tp_rank) if whole_experts else chosen
         return _routed_counts(ids, cfg.capacity_factor)[ep_rank * local : (ep_rank + 1) * local]
 
     expected = sum(routed_here(m) for m in members).tolist()
@@ -133,7 +155,7 @@ def _check_layout(tp: int, ep: int, moe: dict) -> dict[str, float]:
 
     if cfg.bias_update_rate > 0:
         update_expert_biases(layer)
-        errs["expert_bias"] = float(not torch.equal(layer.router.expert_bias, ref["layer"].router.expert_bias))
+        errs["expert_bias"] = float(not torch.equal(layer.router.expert_bias, ref["bias"]))
         errs["expert_bias_moved"] = float(layer.router.expert_bias.abs().sum().item() == 0)
     ps.destroy_model_parallel()
     return errs

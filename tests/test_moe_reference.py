@@ -65,7 +65,7 @@ def capacity_keep(chosen: torch.Tensor, priority: torch.Tensor, capacity: int) -
     """The documented rule, by enumeration: each expert keeps the ``capacity`` assignments ``(t, j)`` with
     the highest router score, equal scores going to the earlier token, then the earlier slot."""
     keep = torch.zeros_like(chosen, dtype=torch.bool)
-    for e in range(EXPERTS):
+    for e in chosen.unique().tolist():  # every expert chosen at least once
         assigned = [(t, j) for t in range(chosen.shape[0]) for j in range(chosen.shape[1]) if chosen[t, j] == e]
         assigned.sort(key=lambda tj: (-float(priority[tj]), tj[0], tj[1]))
         for t, j in assigned[:capacity]:
@@ -74,8 +74,10 @@ def capacity_keep(chosen: torch.Tensor, priority: torch.Tensor, capacity: int) -
 
 
 def reference_moe(x: torch.Tensor, w: dict[str, torch.Tensor], spec: Spec) -> tuple[torch.Tensor, dict, dict]:
-    """``(out [b, s, h], weighted aux losses by name, facts)`` for the tokens of ``x``."""
-    tokens = x.reshape(-1, HIDDEN)
+    """``(out [b, s, h], weighted aux losses by name, facts)`` for the tokens of ``x`` (the number of experts
+    and the sizes are the weights')."""
+    experts, hidden = w["router"].shape
+    tokens = x.reshape(-1, hidden)
     n = tokens.shape[0]
     logits = tokens @ w["router"].t()
     scores = torch.softmax(logits, -1) if spec.score == "softmax" else torch.sigmoid(logits)
@@ -87,22 +89,22 @@ def reference_moe(x: torch.Tensor, w: dict[str, torch.Tensor], spec: Spec) -> tu
     weights = weights * spec.scaling
     keep = torch.ones_like(chosen, dtype=torch.bool)
     if spec.capacity_factor is not None:
-        capacity = math.ceil(spec.capacity_factor * n * spec.top_k / EXPERTS)
+        capacity = math.ceil(spec.capacity_factor * n * spec.top_k / experts)
         keep = capacity_keep(chosen, scores.detach().gather(1, chosen), capacity)
     out = torch.zeros_like(tokens)
-    for e in range(EXPERTS):
+    for e in range(experts):
         rows, slots = torch.nonzero((chosen == e) & keep, as_tuple=True)
         if rows.numel():
             y = swiglu_mlp(tokens[rows], w["gate_up"][e], w["down"][e]) * weights[rows, slots, None]
             out = out.index_add(0, rows, y)
-    if spec.shared_ffn:
+    if "shared_gate_up" in w:
         out = out + swiglu_mlp(tokens, w["shared_gate_up"], w["shared_down"])
     aux = {}
-    counts = torch.stack([(chosen == e).sum() for e in range(EXPERTS)])  # before any dropping
+    counts = torch.stack([(chosen == e).sum() for e in range(experts)])  # before any dropping
     if spec.aux_coeff:
         fraction = counts.float() / (n * spec.top_k)
         probs = scores / scores.sum(-1, keepdim=True)  # softmax: unchanged; sigmoid: per token to sum one
-        aux["load_balancing"] = spec.aux_coeff * EXPERTS * (fraction * probs.mean(0)).sum()
+        aux["load_balancing"] = spec.aux_coeff * experts * (fraction * probs.mean(0)).sum()
     if spec.z_coeff:
         aux["z_loss"] = spec.z_coeff * torch.logsumexp(logits, -1).square().mean()
     facts = {"dropped": int((~keep).sum()), "counts": counts, "chosen": chosen}
@@ -127,7 +129,7 @@ def reference_run(spec: Spec, w: dict, x: torch.Tensor, g: torch.Tensor) -> dict
 def by_megacann_name(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The reference's tensors under megacann's parameter names."""
     named = {"router.weight": w["router"]}
-    for e in range(EXPERTS):
+    for e in range(w["router"].shape[0]):
         named[f"experts.{e}.gate_up_proj.weight"] = w["gate_up"][e]
         named[f"experts.{e}.down_proj.weight"] = w["down"][e]
     if "shared_gate_up" in w:
