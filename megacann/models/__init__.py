@@ -14,6 +14,7 @@ from typing import Any
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.deepseek import DEEPSEEK_V3, DeepseekV3Model
 from megacann.models.gpt import GPT, GPTModel
+from megacann.models.gpt_oss import GPT_OSS, GptOssModel
 from megacann.models.llama import LLAMA, LlamaModel
 from megacann.models.mistral import MISTRAL, MistralModel, MistralModelConfig
 from megacann.models.moe import MOE, MoEModel
@@ -41,10 +42,12 @@ register_model(QWEN2)
 register_model(QWEN3)
 register_model(QWEN3_MOE)
 register_model(DEEPSEEK_V3)
+register_model(GPT_OSS)
 
 __all__ = [
     "DEEPSEEK_V3",
     "GPT",
+    "GPT_OSS",
     "LLAMA",
     "MISTRAL",
     "MOE",
@@ -56,6 +59,7 @@ __all__ = [
     "DecoderLM",
     "DeepseekV3Model",
     "GPTModel",
+    "GptOssModel",
     "HFAdapter",
     "LlamaModel",
     "MistralModel",
