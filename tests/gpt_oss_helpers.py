@@ -49,6 +49,8 @@ def tiny_hf_gpt_oss(path: str, seed: int = 3, **settings) -> str:
                 param.normal_(0.0, 1.0)
             elif "experts" in name:
                 param.normal_(0.0, 0.3)
+            else:  # attention, embeddings and head: logits of some spread
+                param.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return path
 
