@@ -132,6 +132,7 @@ def gpt_oss_config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = Non
     cfg = hf_llama.model_config_from_hf(config_file, family="gpt_oss", raw=raw)
     if "attention_bias" not in raw:
         cfg.add_bias_linear = True
+    cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size  # intermediate_size: every expert's width
     if cfg.num_experts is None:
         raise ConfigError(f"{config_file}: num_local_experts is needed for a gpt-oss model")
     check_gpt_oss_keys(cfg, config_file)
