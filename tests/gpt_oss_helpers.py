@@ -18,7 +18,7 @@ SHAPE = {
     "num_local_experts": 4,
     "num_experts_per_tok": 2,
     "sliding_window": 5,
-    "max_position_embeddings": 512,  # 32 x the original 16: YaRN's factor
+    "max_position_embeddings": 131072,  # 32 x the original 4096: YaRN's factor, as published
     "swiglu_limit": 1.5,
     "rope_parameters": {
         "rope_type": "yarn",
@@ -27,7 +27,7 @@ SHAPE = {
         "beta_fast": 32.0,
         "beta_slow": 1.0,
         "truncate": False,
-        "original_max_position_embeddings": 16,
+        "original_max_position_embeddings": 4096,
     },
 }
 
