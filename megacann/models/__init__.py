@@ -1,7 +1,7 @@
 """Model families built only from megacann.layers, and the contract the rest of megacann knows them by.
 
 ``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Mistral, Qwen2, Qwen3, Qwen3-MoE
-and DeepSeek-V3 here; docs/models.md lists them); a script registers its own with :func:`register_model` or
+DeepSeek-V3 and gpt-oss here; docs/models.md lists them); a script registers its own with :func:`register_model` or
 hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`); reading
 and writing the directories is :mod:`megacann.interop`'s, and
 ``from megacann.models import from_pretrained_hf`` still finds it there.
