@@ -239,7 +239,7 @@ def _takes_varlen(causal, segment_ids, attn_mask, dropout_p, window, sinks=None)
 
 @register("scaled_dot_product_attention", VARLEN, priority=10, device_types=("cpu", "cuda"))
 def varlen_attention(
-    q, k, v, *, causal, segment_ids, attn_mask, dropout_p, scale, sliding_window, sinks
+    q, k, v, *, causal, segment_ids, attn_mask, dropout_p, scale, sliding_window, sinks=None
 ) -> torch.Tensor:
     window = reference.effective_window(sliding_window, q.shape[1], causal)
     if not _takes_varlen(causal, segment_ids, attn_mask, dropout_p, window, sinks):
@@ -266,7 +266,7 @@ def _flash_varlen_available() -> bool:
     "scaled_dot_product_attention", FLASH_VARLEN, priority=15, device_types=("cuda",), available=_flash_varlen_available
 )
 def flash_varlen_attention(
-    q, k, v, *, causal, segment_ids, attn_mask, dropout_p, scale, sliding_window, sinks
+    q, k, v, *, causal, segment_ids, attn_mask, dropout_p, scale, sliding_window, sinks=None
 ) -> torch.Tensor:
     window = reference.effective_window(sliding_window, q.shape[1], causal)
     fits = cuda_flash_fits(q, k, v) and sinks is None  # PyTorch's varlen kernel has no sink column
