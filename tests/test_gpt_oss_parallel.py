@@ -63,7 +63,9 @@ def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     pytest.importorskip("transformers")
-    hf_dir = tiny_hf_gpt_oss(str(tmp_path_factory.mktemp("gpt_oss_hf") / "hf"))
+    # the published clamp (7): with the helper's 1.5 many activations sit on the clamp's kink, and Adam grows
+    # the rounding differences of the layouts (equal at step 1 to 1e-7) to 1e-5 by step 3 (measured)
+    hf_dir = tiny_hf_gpt_oss(str(tmp_path_factory.mktemp("gpt_oss_hf") / "hf"), swiglu_limit=7.0)
     root = str(tmp_path_factory.mktemp("gpt_oss_runs"))
     one = run_on_ranks(_run, 1, args=(("one",), hf_dir, root + "/w1"), timeout=600)[0]["one"]
     return one, run_on_ranks(_run, 2, args=(("tp2_sp", "ep2"), hf_dir, root + "/w2"), timeout=600)

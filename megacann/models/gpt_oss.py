@@ -23,14 +23,14 @@ import torch
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import MoEConfig, MoELayer, TransformerBlock, TransformerBlockConfig
 from megacann.layers.moe import ExpertActivation
-from megacann.models.decoder import DecoderArch, block_config, decoder_model_spec
+from megacann.models.decoder import DecoderArch, block_config
 from megacann.models.gpt_oss_config import SLIDING, GptOssModelConfig, check_gpt_oss_keys, gpt_oss_layer_types
 from megacann.models.hf_gpt_oss import GPT_OSS_HF
 from megacann.models.moe import (
-    MOE,
     MoEModel,
     check_moe_config,
     moe_defaults,
+    moe_family_spec,
     moe_flops_per_token,
     moe_num_parameters,
     moe_structure,
@@ -98,18 +98,14 @@ def gpt_oss_num_parameters(m: ModelConfig, active: bool = False) -> int:
     return moe_num_parameters(m, active, GptOssModel) + m.num_layers * extra
 
 
-_BASE = decoder_model_spec("gpt_oss", GptOssModel, check_config=check_gpt_oss_config, hf=GPT_OSS_HF)
-GPT_OSS = dataclasses.replace(
-    MOE,  # the MoE family's forward step and load warnings
-    name=_BASE.name,
-    build_chunk=_BASE.build_chunk,
-    fill_defaults=_BASE.fill_defaults,
-    check_config=_BASE.check_config,
+GPT_OSS = moe_family_spec(
+    "gpt_oss",
+    GptOssModel,
+    check_config=check_gpt_oss_config,
     hf=GPT_OSS_HF,
     flops_per_token=moe_flops_per_token,
     num_parameters=gpt_oss_num_parameters,
     active_parameters=partial(gpt_oss_num_parameters, active=True),
     config_class=GptOssModelConfig,
-    architecture=GPT_OSS_ARCH,
     moe_structure=moe_structure,
 )

@@ -95,33 +95,26 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def gpt_oss_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json of a ``GptOssForCausalLM``."""
-    return {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.moe_ffn_hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": attention_head_dim(cfg),
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": _rope_parameters(cfg),
-        "sliding_window": cfg.sliding_window,
-        "layer_types": gpt_oss_layer_types(cfg),
-        "num_local_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.moe_top_k,
-        "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
-        "swiglu_limit": cfg.swiglu_limit,
-        "swiglu_alpha": cfg.swiglu_alpha,
-        "attention_bias": cfg.use_bias,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": "silu",
-        "initializer_range": cfg.init_method_std,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+    """config.json of a ``GptOssForCausalLM``: LLaMA's keys, the rotary settings as ``rope_parameters``,
+    and gpt-oss's own."""
+    config = hf_llama.hf_config_dict(cfg, dtype)
+    for key in ("mlp_bias", "rope_theta", "rope_scaling"):
+        config.pop(key)
+    config.update(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        intermediate_size=cfg.moe_ffn_hidden_size,
+        head_dim=attention_head_dim(cfg),
+        rope_parameters=_rope_parameters(cfg),
+        sliding_window=cfg.sliding_window,
+        layer_types=gpt_oss_layer_types(cfg),
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_top_k,
+        router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+        swiglu_limit=cfg.swiglu_limit,
+        swiglu_alpha=cfg.swiglu_alpha,
+    )
+    return config
 
 
 def gpt_oss_config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = None) -> ModelConfig:

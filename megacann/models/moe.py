@@ -278,3 +278,19 @@ MOE = dataclasses.replace(
     mixture_of_experts=True,
     config_class=MoEModelConfig,
 )
+
+
+def moe_family_spec(name: str, model_class: type[MoEModel], *, check_config, hf, **overrides: Any):
+    """The spec of a family built on the MoE family (its forward step, router-bias update and load
+    warnings): ``model_class`` builds the chunks; ``overrides`` replace further fields (sizes, config class)."""
+    base = decoder_model_spec(name, model_class, check_config=check_config, hf=hf)
+    return dataclasses.replace(
+        MOE,
+        name=name,
+        build_chunk=base.build_chunk,
+        fill_defaults=base.fill_defaults,
+        check_config=base.check_config,
+        hf=hf,
+        architecture=model_class.ARCH,
+        **overrides,
+    )
