@@ -17,6 +17,7 @@ from training_helpers import tiny_config
 
 from megacann import ops
 from megacann.config import ConfigError
+from megacann.layers.context_parallel import context_parallel_attention
 from megacann.layers.moe import clamped_swiglu
 from megacann.layers.sharding import get_sharding
 from megacann.models import ChunkPlacement, from_pretrained_hf, get_model_spec
@@ -94,8 +95,11 @@ def test_sinks_are_refused_by_name_where_an_implementation_cannot_take_them():
         npu.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match=r"sinks must hold one logit per query head, shape \(2,\), got \(3,\)"):
         ops.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(3))
-    with pytest.raises(ConfigError, match=r"context_parallel_size 2 is refused for model.type gpt_oss"):
-        tiny_config(GPT_OSS + ["distributed.context_parallel_size=2"], world_size=2)
+    with pytest.raises(ValueError, match=r"context_parallel_algo 'ring' does not take attention sinks"):
+        context_parallel_attention(q, q, q, algo="ring", sinks=torch.zeros(2))
+    with pytest.raises(ConfigError, match=r"context_parallel_algo 'allgather' is refused for model.type gpt_oss"):
+        cp2 = ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=allgather"]
+        tiny_config(GPT_OSS + cp2, world_size=2)
 
 
 def test_clamped_swiglu_equals_gpt_oss_formula():

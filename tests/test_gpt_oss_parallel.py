@@ -1,9 +1,10 @@
 """gpt-oss started from a Hugging Face checkpoint (``model.init_from``, written by transformers) trains alike
 under tensor + sequence parallelism (the experts split over TP, their down-projection biases added in
-shares) and expert parallelism as on one process (gloo, CPU, fp32): losses and gradient norms to 1e-5
+shares), expert parallelism and context parallelism with Ulysses attention (each rank's block of heads
+with its sinks) as on one process (gloo, CPU, fp32): losses and gradient norms to 1e-5
 relative. Each layout shows it is on: the query heads and attention sinks per TP rank, tokens per rank
-under SP, each expert's slice per TP rank, the experts of each EP rank. Two spawns: world 2 runs both
-layouts, world 1 the one-process reference."""
+under SP and CP, each expert's slice per TP rank, the experts of each EP rank. Two spawns: world 2 runs
+the layouts, world 1 the one-process reference."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ LAYOUTS = {
     "one": [ACCUM2],
     "tp2_sp": ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true", ACCUM2],
     "ep2": ["distributed.expert_parallel_size=2", "optim.grad_accum_steps=1"],  # dp 2 (ep within it)
+    "cp2_ulysses": ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=ulysses", ACCUM2],
 }
 
 
@@ -68,10 +70,10 @@ def runs(tmp_path_factory):
     hf_dir = tiny_hf_gpt_oss(str(tmp_path_factory.mktemp("gpt_oss_hf") / "hf"), swiglu_limit=7.0)
     root = str(tmp_path_factory.mktemp("gpt_oss_runs"))
     one = run_on_ranks(_run, 1, args=(("one",), hf_dir, root + "/w1"), timeout=600)[0]["one"]
-    return one, run_on_ranks(_run, 2, args=(("tp2_sp", "ep2"), hf_dir, root + "/w2"), timeout=600)
+    return one, run_on_ranks(_run, 2, args=(("tp2_sp", "ep2", "cp2_ulysses"), hf_dir, root + "/w2"), timeout=600)
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "ep2"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "ep2", "cp2_ulysses"])
 def test_layouts_train_like_one_process(runs, layout):
     one, world2 = runs
     facts = [rank[layout] for rank in world2]
@@ -84,6 +86,8 @@ def test_layouts_train_like_one_process(runs, layout):
         assert {f["q_proj"] for f in facts} == {(48, 64)} and {f["sinks"] for f in facts} == {(2,)}
         assert {f["gate_up"] for f in facts} == {((32, 64), (32,))}
         assert {f["tokens"][0] for f in facts} == {SEQ // 2}
+    elif layout == "cp2_ulysses":  # half the tokens per rank, all heads and their sinks (Ulysses splits them)
+        assert {f["tokens"][0] for f in facts} == {SEQ // 2} and {f["sinks"] for f in facts} == {(4,)}
     else:  # two experts per rank, whole
         assert [f["experts"] for f in facts] == [[0, 1], [2, 3]] and one["experts"] == [0, 1, 2, 3]
         assert {f["gate_up"] for f in facts} == {((64, 64), (64,))}

@@ -68,7 +68,7 @@ class SelfAttention(torch.nn.Module):
     softmax attention in backward. ``qk_norm`` adds the per-head RMSNorms ``q_norm`` / ``k_norm`` (epsilon
     ``qk_norm_eps``) between the projections and RoPE. ``sinks`` (gpt-oss) adds the parameter ``sinks``, one
     learned logit per query head (split over TP with the heads) that joins each query's softmax as a column
-    with no value; context parallelism refuses it (its algorithms have no sink column yet).
+    with no value; under context parallelism only ``ulysses`` takes it (ring and all-gather refuse it).
     """
 
     def __init__(
@@ -206,11 +206,6 @@ class SelfAttention(torch.nn.Module):
                     f"attention_dropout {self.dropout_p} is not supported under context parallelism "
                     "(context_parallel_size > 1): set it to 0"
                 )
-            if self.sinks is not None:
-                raise ValueError(
-                    f"attention sinks are not supported under context parallelism (context_parallel_algo "
-                    f"{self.context_parallel_algo!r}): run with context_parallel_size 1"
-                )
             if self.context_parallel_algo is None:
                 raise ValueError(
                     f"SelfAttention runs under context parallelism ({dist.get_world_size(cp_group)} ranks) but was "
@@ -227,6 +222,7 @@ class SelfAttention(torch.nn.Module):
                 scale=self.softmax_scale,
                 group=cp_group,
                 sliding_window=self.sliding_window,
+                sinks=self.sinks,
             )
         attend = dict(
             causal=True,
