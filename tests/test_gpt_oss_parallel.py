@@ -1,9 +1,9 @@
 """gpt-oss started from a Hugging Face checkpoint (``model.init_from``, written by transformers) trains alike
 under tensor + sequence parallelism (the experts split over TP, their down-projection biases added in
-shares), expert parallelism and context parallelism with Ulysses attention (each rank's block of heads
+shares), expert parallelism, pipeline stages and context parallelism with Ulysses attention (each rank's block of heads
 with its sinks) as on one process (gloo, CPU, fp32): losses and gradient norms to 1e-5
 relative. Each layout shows it is on: the query heads and attention sinks per TP rank, tokens per rank
-under SP and CP, each expert's slice per TP rank, the experts of each EP rank. Two spawns: world 2 runs
+under SP and CP, each expert's slice per TP rank, the experts of each EP rank, the layers of each stage. Two spawns: world 2 runs
 the layouts, world 1 the one-process reference."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ LAYOUTS = {
     "one": [ACCUM2],
     "tp2_sp": ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true", ACCUM2],
     "ep2": ["distributed.expert_parallel_size=2", "optim.grad_accum_steps=1"],  # dp 2 (ep within it)
+    "pp2": ["distributed.pipeline_parallel_size=2", ACCUM2],
     "cp2_ulysses": ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=ulysses", ACCUM2],
 }
 
@@ -44,10 +45,11 @@ def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
         cfg = recipe(COMMON + extra + LAYOUTS[layout], model=model, world_size=dist.get_world_size())
         trainer = Trainer(cfg, setup_runtime(cfg), data_factory=synthetic_data_factory(cfg))
         chunk = trainer.model_chunks[0]
+        first = next(iter(chunk.layers.values()))  # this stage's first layer
         seen: list = []
-        chunk.layers["0"].register_forward_pre_hook(lambda module, args, seen=seen: seen.append(args[0].shape[1]))
+        first.register_forward_pre_hook(lambda module, args, seen=seen: seen.append(args[0].shape[1]))
         trace = [trainer.train_step() for _ in range(STEPS)]
-        attn, moe = chunk.layers["0"].self_attn, moe_layers(chunk)[0]
+        attn, moe = first.self_attn, moe_layers(chunk)[0]
         expert = moe.experts[str(moe.experts.first_expert)]
         results[layout] = {
             "losses": [m["loss"] for m in trace],
@@ -57,6 +59,7 @@ def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
             "sinks": tuple(attn.sinks.shape),
             "gate_up": (tuple(expert.gate_up_proj.weight.shape), tuple(expert.gate_up_proj.bias.shape)),
             "experts": sorted(int(e) for e in moe.experts),
+            "layers": [int(i) for i in chunk.layers],
             "windows": [block.self_attn.sliding_window for block in chunk.layers.values()],
         }
     return results
@@ -70,10 +73,10 @@ def runs(tmp_path_factory):
     hf_dir = tiny_hf_gpt_oss(str(tmp_path_factory.mktemp("gpt_oss_hf") / "hf"), swiglu_limit=7.0)
     root = str(tmp_path_factory.mktemp("gpt_oss_runs"))
     one = run_on_ranks(_run, 1, args=(("one",), hf_dir, root + "/w1"), timeout=600)[0]["one"]
-    return one, run_on_ranks(_run, 2, args=(("tp2_sp", "ep2", "cp2_ulysses"), hf_dir, root + "/w2"), timeout=600)
+    return one, run_on_ranks(_run, 2, args=(("tp2_sp", "ep2", "pp2", "cp2_ulysses"), hf_dir, root + "/w2"), timeout=600)
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "ep2", "cp2_ulysses"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "ep2", "pp2", "cp2_ulysses"])
 def test_layouts_train_like_one_process(runs, layout):
     one, world2 = runs
     facts = [rank[layout] for rank in world2]
@@ -86,6 +89,8 @@ def test_layouts_train_like_one_process(runs, layout):
         assert {f["q_proj"] for f in facts} == {(48, 64)} and {f["sinks"] for f in facts} == {(2,)}
         assert {f["gate_up"] for f in facts} == {((32, 64), (32,))}
         assert {f["tokens"][0] for f in facts} == {SEQ // 2}
+    elif layout == "pp2":  # two layers per stage, each with its own kind of attention
+        assert [(f["layers"], f["windows"]) for f in facts] == [([0, 1], [5, None]), ([2, 3], [5, None])]
     elif layout == "cp2_ulysses":  # half the tokens per rank, all heads and their sinks (Ulysses splits them)
         assert {f["tokens"][0] for f in facts} == {SEQ // 2} and {f["sinks"] for f in facts} == {(4,)}
     else:  # two experts per rank, whole
