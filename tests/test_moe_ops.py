@@ -99,6 +99,18 @@ def test_grouped_matmul_equals_per_group_linear(impl, dtype):
         torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("impl", [_grouped_matmul_reference, _grouped_matmul_gather, _grouped_matmul_cpp])
+def test_grouped_matmul_of_a_rank_whose_experts_got_no_token(impl):
+    """Expert parallelism can leave every expert of a rank without tokens: no rows in, none out, and
+    zero gradients for the weights."""
+    x = torch.randn(0, 16, requires_grad=True)
+    weights = [torch.randn(24, 16, requires_grad=True) for _ in range(2)]
+    out = impl(x, weights, [0, 0])
+    assert out.shape == (0, 24)
+    grads = torch.autograd.grad(out.sum(), weights)
+    assert all(torch.equal(g, torch.zeros(24, 16)) for g in grads)
+
+
 @needs_cpp
 @pytest.mark.parametrize("parts", [0, 1, 2, 3, 7, 1000])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

@@ -32,7 +32,7 @@ from megacann import parallel_state as ps
 from megacann.layers import mappings
 from megacann.layers.context import current_layer_context
 from megacann.layers.context_parallel import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_attention
-from megacann.layers.init import default_init_methods
+from megacann.layers.init import default_init_methods, make_parameter
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megacann.layers.norm import RMSNorm
 from megacann.layers.random import checkpoint, get_rng_tracker
@@ -74,7 +74,9 @@ class SelfAttention(torch.nn.Module):
     Without an algorithm the layer refuses to run under context parallelism rather than pick one.
     ``recompute_core_attention`` (default: the context's ``recompute == "selective"``) recomputes the
     softmax attention in backward. ``qk_norm`` adds the per-head RMSNorms ``q_norm`` / ``k_norm`` (epsilon
-    ``qk_norm_eps``) between the projections and RoPE.
+    ``qk_norm_eps``) between the projections and RoPE. ``sinks`` (gpt-oss) adds the parameter ``sinks``, one
+    learned logit per query head (split over TP with the heads) that joins each query's softmax as a column
+    with no value; under context parallelism only ``ulysses`` takes it (ring and all-gather refuse it).
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class SelfAttention(torch.nn.Module):
         device: Optional[Union[torch.device, str]] = None,
         qk_norm: bool = False,
         qk_norm_eps: float = 1e-6,
+        sinks: bool = False,
     ):
         super().__init__()
         ctx = current_layer_context()
@@ -179,6 +182,12 @@ class SelfAttention(torch.nn.Module):
             if tp > 1:
                 mark_partial_grad(self.q_norm.weight)
                 mark_partial_grad(self.k_norm.weight)
+        self.sinks = None
+        if sinks:
+            self.sinks = make_parameter(
+                (heads,), init_method, tp_rank=rank, tp_size=tp, tp_dim=0, name="attention sinks (one per head)",
+                dtype=dtype, device=device,
+            )  # fmt: skip
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as ``[b, s, heads, head_dim]`` views over the whole sequence."""
@@ -230,9 +239,14 @@ class SelfAttention(torch.nn.Module):
                 scale=self.softmax_scale,
                 group=cp_group,
                 sliding_window=self.sliding_window,
+                sinks=self.sinks,
             )
         attend = dict(
-            causal=True, segment_ids=segment_ids, scale=self.softmax_scale, sliding_window=self.sliding_window
+            causal=True,
+            segment_ids=segment_ids,
+            scale=self.softmax_scale,
+            sliding_window=self.sliding_window,
+            sinks=self.sinks,
         )
         if p > 0.0:
             with get_rng_tracker().fork():

@@ -120,7 +120,7 @@ class LatentAttention(torch.nn.Module):
         self.softmax_scale = mla_softmax_scale(self.qk_head_dim) if softmax_scale is None else softmax_scale
         self.rotary_interleaved = rotary_interleaved
         # what SelfAttention.core_attention reads (the core attention is shared)
-        self.dropout_p, self.sliding_window = attention_dropout, None
+        self.dropout_p, self.sliding_window, self.sinks = attention_dropout, None, None
         self.context_parallel_algo = (
             ctx.context_parallel_algo if context_parallel_algo is None else context_parallel_algo
         )

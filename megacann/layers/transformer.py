@@ -87,6 +87,7 @@ class TransformerBlockConfig:
     fused_gate_up: bool = True
     softmax_scale: Optional[float] = None
     sliding_window: Optional[int] = None  # each query sees its last W keys (Mistral); None: all earlier ones
+    attention_sinks: bool = False  # a learned softmax sink logit per head (gpt-oss; SelfAttention's sinks)
     recompute: Optional[str] = None
     context_parallel_algo: Optional[str] = None
     params_dtype: Optional[torch.dtype] = None
@@ -173,6 +174,7 @@ class TransformerBlock(torch.nn.Module):
             output_init_method=out_init,
             group=group,
             qk_norm=c.qk_norm,
+            sinks=c.attention_sinks,
             qk_norm_eps=c.norm_eps,
             **common,
         )

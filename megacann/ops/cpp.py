@@ -322,6 +322,8 @@ def _has_grouped_mm() -> bool:
 
 
 def _grouped_mm_products(outs: list[torch.Tensor], lefts: list[torch.Tensor], rights: list[torch.Tensor]) -> None:
+    if not outs:  # no expert of this rank got a token: the kernel takes no empty list
+        return
     torch.ops.megacann.grouped_mm_(outs, [a.detach() for a in lefts], [b.detach() for b in rights], 0)
 
 

@@ -156,8 +156,23 @@ def _per_document(npu, q, k, v, segment_ids, heads, mask, common) -> torch.Tenso
     available=_attention_available,
 )
 def scaled_dot_product_attention(
-    q, k, v, *, causal=True, segment_ids=None, attn_mask=None, dropout_p=0.0, scale=None, sliding_window=None
+    q,
+    k,
+    v,
+    *,
+    causal=True,
+    segment_ids=None,
+    attn_mask=None,
+    dropout_p=0.0,
+    scale=None,
+    sliding_window=None,
+    sinks=None,
 ) -> torch.Tensor:
+    if sinks is not None:
+        raise ValueError(
+            "scaled_dot_product_attention: sinks (attention sinks, gpt-oss) are not supported by torch_npu's "
+            "npu_fusion_attention; the NPU kernel has no sink column"
+        )
     b, s, heads, d = q.shape
     common = dict(scale=scale if scale is not None else 1.0 / math.sqrt(d), keep_prob=1.0 - dropout_p)
     npu = _npu()

@@ -7,6 +7,7 @@ Layouts: attention tensors are ``[batch, seq, heads, head_dim]`` (BSND, the layo
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Optional
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megacann.constants import IGNORE_INDEX
+from megacann.ops.attention_sinks import attention_with_sinks, check_sinks
 from megacann.ops.registry import REFERENCE, register
 from megacann.ops.weight_grad import linear as deferrable_linear
 
@@ -77,20 +79,26 @@ def scaled_dot_product_attention(
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     sliding_window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over BSND tensors; ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA: kv head ``j``
     serves q heads ``j*g .. j*g+g-1``). ``segment_ids`` ``[b, s]`` restricts attention to equal ids
     (packed documents); ``attn_mask`` is boolean, True = attend; ``sliding_window`` W (causal only) lets
-    each query see its last W keys, itself included. Returns ``[b, s, hq, d]``."""
+    each query see its last W keys, itself included; ``sinks`` ``[hq]`` adds a sink column per head
+    (:func:`~megacann.ops.attention_sinks.attention_with_sinks`). Returns ``[b, s, hq, d]``."""
     hq, hkv = q.shape[2], k.shape[2]
     if hq % hkv:
         raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hkv}")
+    check_sinks(sinks, hq)
     window = effective_window(sliding_window, q.shape[1], causal)
     mask = None
-    if segment_ids is not None or attn_mask is not None or window is not None:
+    if segment_ids is not None or attn_mask is not None or window is not None or (sinks is not None and causal):
         mask = attention_mask(q.shape[1], causal, segment_ids, q.device, window)
         if attn_mask is not None:
             mask = attn_mask if mask is None else mask & attn_mask
+    if sinks is not None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        return attention_with_sinks(q, k, v, mask, sinks, scale, dropout_p)
     extra = {}
     if hq != hkv:
         if _SDPA_HAS_GQA:

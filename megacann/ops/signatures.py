@@ -33,11 +33,14 @@ def scaled_dot_product_attention(
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     sliding_window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over ``[b, s, heads, d]`` tensors; ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA:
     kv head ``j`` serves q heads ``j*g .. j*g+g-1``). ``segment_ids`` ``[b, s]`` restricts attention to
     equal ids (packed documents); ``attn_mask`` is boolean, True = attend; ``sliding_window`` W (causal
-    only) lets each query see its last W keys, itself included. Returns ``[b, s, hq, d]``."""
+    only) lets each query see its last W keys, itself included. ``sinks`` ``[hq]`` (gpt-oss): one logit per
+    query head joining every row's softmax as an extra column with no value (:mod:`megacann.ops.attention_sinks`);
+    an implementation that cannot take it refuses it by name. Returns ``[b, s, hq, d]``."""
 
 
 Band = Optional[tuple[torch.Tensor, torch.Tensor, int]]  # (query positions, key positions, window)

@@ -10,13 +10,15 @@ with the documents' lengths (a kernel's scratch per rectangle) and ``O(s)`` for 
 never with ``s²``. A sliding window W cuts each rectangle into query chunks of ``max(W, MIN_CHUNK)``
 rows that read only the keys within W behind them (``band`` masks inside a chunk).
 
-Registered implementations of ``scaled_dot_product_attention`` (taken only when ``segment_ids`` or a
-sliding window is given, without ``attn_mask`` or dropout; anything else runs the reference):
+Registered implementations of ``scaled_dot_product_attention`` (taken only when ``segment_ids``, a
+sliding window or causal ``sinks`` are given, without ``attn_mask`` or dropout; anything else runs the
+reference). Sinks rescale the merged output and lse once (:mod:`megacann.ops.attention_sinks`); the
+backward then runs with those, and adds the sinks' gradient:
 
 - ``varlen`` (cpu, cuda; priority 10): the rectangles above;
 - ``flash_varlen`` (cuda; priority 15): ``torch.nn.attention.varlen.varlen_attn`` (flash-attention's
   varlen kernel over the documents laid out as one ``[tokens, heads, d]`` row, window included) for
-  fp16/bf16; other dtypes take ``varlen``.
+  fp16/bf16 without sinks; other dtypes, and sinks, take ``varlen``.
 
 :func:`block_attention` / :func:`block_attention_backward` are the same per-block computation with
 separate query and key ids, for the context-parallel ring and all-gather.
@@ -33,6 +35,7 @@ import torch
 from megacann import ops
 from megacann.ops import reference
 from megacann.ops.attention_blocks import acc_dtype, cuda_flash_fits, merge_block
+from megacann.ops.attention_sinks import add_sinks, check_sinks, sinks_grad
 from megacann.ops.npu import cumulative_seq_lens
 from megacann.ops.registry import register
 
@@ -208,40 +211,47 @@ def _plan(segment_ids: Optional[torch.Tensor], b: int, s: int, causal: bool, win
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, scale, causal, window):
+    def forward(ctx, q, k, v, segment_ids, scale, causal, window, sinks):
         plan = _plan(segment_ids, q.shape[0], q.shape[1], causal, window, q.device)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         out, lse = run_forward(qh, kh, vh, scale, *plan)
+        if sinks is not None:  # the sink columns, from the plain softmax's output and lse
+            out, lse = add_sinks(out, lse, sinks)
         result = out.transpose(1, 2).to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
         ctx.plan, ctx.scale = plan, scale
         return result
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, result, lse = ctx.saved_tensors
+        q, k, v, result, lse, sinks = ctx.saved_tensors
         qh, kh, vh, oh, gh = (t.transpose(1, 2) for t in (q, k, v, result, grad))
         dq, dk, dv = run_backward(qh, kh, vh, oh, lse, gh, ctx.scale, *ctx.plan)
         back = (dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype))
-        return (*back, None, None, None, None)
+        dsinks = sinks_grad(oh, lse, gh, sinks) if sinks is not None and ctx.needs_input_grad[7] else None
+        return (*back, None, None, None, None, dsinks)
 
 
-def _takes_varlen(causal, segment_ids, attn_mask, dropout_p, window) -> bool:
-    return attn_mask is None and dropout_p == 0.0 and (segment_ids is not None or window is not None)
+def _takes_varlen(causal, segment_ids, attn_mask, dropout_p, window, sinks=None) -> bool:
+    wanted = segment_ids is not None or window is not None or (sinks is not None and causal)
+    return attn_mask is None and dropout_p == 0.0 and wanted
 
 
 @register("scaled_dot_product_attention", VARLEN, priority=10, device_types=("cpu", "cuda"))
-def varlen_attention(q, k, v, *, causal, segment_ids, attn_mask, dropout_p, scale, sliding_window) -> torch.Tensor:
+def varlen_attention(
+    q, k, v, *, causal, segment_ids, attn_mask, dropout_p, scale, sliding_window, sinks=None
+) -> torch.Tensor:
     window = reference.effective_window(sliding_window, q.shape[1], causal)
-    if not _takes_varlen(causal, segment_ids, attn_mask, dropout_p, window):
+    if not _takes_varlen(causal, segment_ids, attn_mask, dropout_p, window, sinks):
         return reference.scaled_dot_product_attention(
             q, k, v, causal=causal, segment_ids=segment_ids, attn_mask=attn_mask, dropout_p=dropout_p,
-            scale=scale, sliding_window=sliding_window,
+            scale=scale, sliding_window=sliding_window, sinks=sinks,
         )  # fmt: skip
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
+    check_sinks(sinks, q.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _VarlenAttention.apply(q, k, v, segment_ids, scale, causal, window)
+    return _VarlenAttention.apply(q, k, v, segment_ids, scale, causal, window, sinks)
 
 
 def _flash_varlen_available() -> bool:
@@ -256,14 +266,14 @@ def _flash_varlen_available() -> bool:
     "scaled_dot_product_attention", FLASH_VARLEN, priority=15, device_types=("cuda",), available=_flash_varlen_available
 )
 def flash_varlen_attention(
-    q, k, v, *, causal, segment_ids, attn_mask, dropout_p, scale, sliding_window
+    q, k, v, *, causal, segment_ids, attn_mask, dropout_p, scale, sliding_window, sinks=None
 ) -> torch.Tensor:
     window = reference.effective_window(sliding_window, q.shape[1], causal)
-    fits = cuda_flash_fits(q, k, v)
+    fits = cuda_flash_fits(q, k, v) and sinks is None  # PyTorch's varlen kernel has no sink column
     if not (fits and _takes_varlen(causal, segment_ids, attn_mask, dropout_p, window)):
         return varlen_attention(
             q, k, v, causal=causal, segment_ids=segment_ids, attn_mask=attn_mask, dropout_p=dropout_p,
-            scale=scale, sliding_window=sliding_window,
+            scale=scale, sliding_window=sliding_window, sinks=sinks,
         )  # fmt: skip
     from torch.nn.attention.varlen import varlen_attn
 

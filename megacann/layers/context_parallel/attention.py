@@ -26,6 +26,7 @@ def context_parallel_attention(
     scale: Optional[float] = None,
     group: Optional[dist.ProcessGroup] = None,
     sliding_window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of this cp rank's tokens over the whole sequence of the cp group.
 
@@ -36,10 +37,17 @@ def context_parallel_attention(
     plain causal attention. ``algo`` is one of :data:`CONTEXT_PARALLEL_ALGORITHMS`. ``sliding_window`` W
     (None: none) lets each query see only its last W keys of the whole sequence, itself included: every
     algorithm carries it (ring and all-gather mask each block by global positions and skip blocks wholly
-    outside the window; Ulysses attends over the whole sequence).
+    outside the window; Ulysses attends over the whole sequence). ``sinks`` ``[heads]`` (gpt-oss's attention
+    sinks, :func:`megacann.ops.scaled_dot_product_attention`): Ulysses takes them (each rank attends with
+    its block of heads, so with their sinks); ring and all-gather refuse them by name.
     """
     if algo not in CONTEXT_PARALLEL_ALGORITHMS:
         raise ValueError(f"context_parallel_algo {algo!r} is not one of {CONTEXT_PARALLEL_ALGORITHMS}")
+    if sinks is not None and algo != "ulysses":
+        raise ValueError(
+            f"context_parallel_algo {algo!r} does not take attention sinks (its blocks have no sink column): "
+            "use context_parallel_algo 'ulysses'"
+        )
     if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(
             f"context_parallel_attention expects q [b, s, heads, d] and k, v [b, s, kv_heads, d]; "
@@ -55,10 +63,10 @@ def context_parallel_attention(
     group, size, _ = cp_group(group)
     if size == 1:
         return ops.scaled_dot_product_attention(
-            q, k, v, causal=True, segment_ids=segment_ids, scale=scale, sliding_window=sliding_window
+            q, k, v, causal=True, segment_ids=segment_ids, scale=scale, sliding_window=sliding_window, sinks=sinks
         )
     chunk_length(q.shape[1] * size, size)
     window = effective_window(sliding_window, q.shape[1] * size, causal=True)
     if algo == "ulysses":
-        return ulysses_attention(q, k, v, segment_ids, scale, group, size, window)
+        return ulysses_attention(q, k, v, segment_ids, scale, group, size, window, sinks)
     return blockwise_attention(q, k, v, segment_ids, scale, group, transport=algo, sliding_window=window)

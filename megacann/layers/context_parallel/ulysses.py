@@ -71,10 +71,12 @@ def ulysses_attention(
     group: Group,
     size: int,
     sliding_window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's ``q [b, s, heads, d]``, ``k, v [b, s, kv_heads, d]`` over the
     ``size`` ranks of ``group``, by two all-to-alls; returns ``[b, s, heads, d]``. Each rank attends over
-    the whole sequence in order, so a ``sliding_window`` is the one-process window."""
+    the whole sequence in order, so a ``sliding_window`` is the one-process window; with ``sinks``
+    ``[heads]`` each rank takes the sinks of the block of heads it attends with."""
     b, s, hq, d = q.shape
     if hq % size:
         raise ValueError(
@@ -93,8 +95,12 @@ def ulysses_attention(
     q, k, v = qkv.index_select(1, positions.argsort()).split(per_rank, dim=2)  # sequence order
     if segment_ids is not None:
         segment_ids = context_parallel_gather(segment_ids, group=group)
+    if sinks is not None:  # this rank's block of heads (the all-to-all hands rank r block r)
+        per_head_block = hq // size
+        first = dist.get_rank(group) * per_head_block
+        sinks = sinks[first : first + per_head_block]
     out = ops.scaled_dot_product_attention(
-        q, k, v, causal=True, segment_ids=segment_ids, scale=scale, sliding_window=sliding_window
+        q, k, v, causal=True, segment_ids=segment_ids, scale=scale, sliding_window=sliding_window, sinks=sinks
     )
     out = _AllToAll.apply(out.index_select(1, positions), group, False)
     return rearrange(out, "b s cp m d -> b s (cp m) d")

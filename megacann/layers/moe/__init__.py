@@ -1,6 +1,7 @@
 """Mixture of experts: a top-k router, token dispatch (local or all-to-all across expert-parallel ranks),
 SwiGLU experts computed with grouped matmuls, and the MoE layer that joins them. See ``docs/moe.md``."""
 
+from megacann.layers.moe.activation import EXPERT_ACTIVATIONS, ExpertActivation, clamped_swiglu
 from megacann.layers.moe.config import SCORE_FUNCTIONS, MoEConfig
 from megacann.layers.moe.dispatcher import DispatchState, TokenDispatcher
 from megacann.layers.moe.experts import ExpertMLP, GroupedExperts, expert_seed
@@ -17,6 +18,9 @@ from megacann.layers.moe.router import (
 )
 
 __all__ = [
+    "EXPERT_ACTIVATIONS",
+    "ExpertActivation",
+    "clamped_swiglu",
     "LOAD_BALANCING_TYPES",
     "SCORE_FUNCTIONS",
     "DispatchState",

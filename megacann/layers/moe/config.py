@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from megacann.layers.moe.activation import ExpertActivation
 from megacann.layers.moe.router import LOAD_BALANCING_TYPES
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -48,6 +49,10 @@ class MoEConfig:
     ``False`` keeps whole experts on every TP rank, each rank routing only its own share of the tokens.
     ``sequence_parallel`` says the layer's input and output are sequence shards ``[b, s/tp, h]``.
 
+    gpt-oss: ``router_bias`` adds a learned bias to the router logits, ``expert_linear_bias`` biases to
+    both projections of every expert, ``activation`` picks the experts' activation (SwiGLU or the clamped
+    SwiGLU, :class:`~megacann.layers.moe.activation.ExpertActivation`).
+
     ``sequence_parallel``, ``init_method_std``, ``output_layer_init_std`` (the experts' ``down_proj``) and
     ``params_dtype`` left None come from the current :class:`~megacann.layers.context.LayerContext` when
     the layer is built (``layer.config`` holds the values used).
@@ -75,6 +80,9 @@ class MoEConfig:
     init_method_std: Optional[float] = None
     output_layer_init_std: Optional[float] = None
     params_dtype: Optional[torch.dtype] = None
+    router_bias: bool = False
+    expert_linear_bias: bool = False
+    activation: ExpertActivation = field(default_factory=ExpertActivation)
 
     def __post_init__(self) -> None:
         for key in ("hidden_size", "num_experts", "ffn_hidden_size"):

@@ -6,6 +6,10 @@ index, so a parameter's name and value do not depend on the layout::
 
     experts.<e>.gate_up_proj.weight   [2·ffn, hidden]  cat(gate, up) by rows (each half split over TP)
     experts.<e>.down_proj.weight      [hidden, ffn]    (split over TP by columns)
+    experts.<e>.gate_up_proj.bias     [2·ffn]          with ``bias`` (gpt-oss): split as the weight's rows
+    experts.<e>.down_proj.bias        [hidden]         whole; with expert TP each rank adds bias / tp
+
+The activation is SwiGLU or gpt-oss's clamped SwiGLU (:mod:`megacann.layers.moe.activation`).
 
 Each projection has an ``adapter`` slot: a LoRA there (``experts.<e>.gate_up_proj.adapter.lora_A``…) is
 computed beside the base with grouped matmuls too (:mod:`megacann.layers.lora.experts`).
@@ -34,10 +38,11 @@ from megacann.layers import mappings
 from megacann.layers.context import current_layer_context
 from megacann.layers.eager_regions import eager_under_compile
 from megacann.layers.fp8 import Fp8Error
-from megacann.layers.init import make_parameter
+from megacann.layers.init import init_zeros, make_parameter
 from megacann.layers.linear import add_adapter_output
 from megacann.layers.lora.adapter import AdapterLayout
 from megacann.layers.lora.experts import add_grouped_lora, expert_lora_layout
+from megacann.layers.moe.activation import SWIGLU, ExpertActivation
 from megacann.layers.sharding import InitMethod
 
 
@@ -49,11 +54,21 @@ def expert_seed(layer_seed: int, expert_index: int, name: str) -> int:
 class ExpertProjection(torch.nn.Module):
     """Holds one expert matrix as ``weight`` (``F.linear`` layout), for Hugging-Face-like names, and an
     ``adapter`` slot for a LoRA (:mod:`megacann.layers.lora.experts`). ``column``: gate_up (output rows split
-    over TP with expert tensor parallelism), else down (input columns split)."""
+    over TP with expert tensor parallelism), else down (input columns split). ``bias`` (optional) is added
+    times ``bias_scale`` (1 / tp for a down projection split over TP, whose partial outputs are summed)."""
 
-    def __init__(self, weight: torch.nn.Parameter, column: bool, tp_rank: int, tp_size: int):
+    def __init__(
+        self,
+        weight: torch.nn.Parameter,
+        column: bool,
+        tp_rank: int,
+        tp_size: int,
+        bias: Optional[torch.nn.Parameter] = None,
+        bias_scale: float = 1.0,
+    ):
         super().__init__()
         self.weight = weight
+        self.bias, self.bias_scale = bias, bias_scale
         self.column, self.tp_rank, self.tp_size = column, tp_rank, tp_size
         self.adapter: Optional[torch.nn.Module] = None
 
@@ -62,13 +77,24 @@ class ExpertProjection(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ops.linear(x, self.weight)  # fp32 GEMMs where bf16 / fp16 GEMM is slow
+        if self.bias is not None:
+            y = y + self.bias * self.bias_scale
         return add_adapter_output(self.adapter, y, x, None)
 
 
+def add_expert_biases(y: torch.Tensor, projections: Sequence[ExpertProjection], tokens_per_expert: Sequence[int]):
+    """``y`` (rows grouped by expert) plus each expert's bias on its rows; ``y`` when there are no biases."""
+    if not projections or projections[0].bias is None:
+        return y
+    rows = [p.bias.expand(int(n), -1) * p.bias_scale for p, n in zip(projections, tokens_per_expert)]
+    return y + torch.cat(rows)
+
+
 class ExpertMLP(torch.nn.Module):
-    """One expert: ``down(silu(gate(x)) * up(x))``. With ``tensor_parallel`` and ``tp_size > 1`` this
-    rank holds its slice (and computes a partial output); otherwise the whole expert, whose gradient is
-    partial per TP rank when ``tp_size > 1``."""
+    """One expert: ``down(silu(gate(x)) * up(x))`` (``activation``: or the clamped SwiGLU), with biases on
+    both projections when ``bias``. With ``tensor_parallel`` and ``tp_size > 1`` this rank holds its slice
+    (and computes a partial output); otherwise the whole expert, whose gradient is partial per TP rank
+    when ``tp_size > 1``."""
 
     def __init__(
         self,
@@ -83,8 +109,11 @@ class ExpertMLP(torch.nn.Module):
         tensor_parallel: bool = True,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
+        bias: bool = False,
+        activation: ExpertActivation = SWIGLU,
     ):
         super().__init__()
+        self.activation = activation
         split = tensor_parallel  # a whole expert on every TP rank records no TP dimension
         where = dict(tp_rank=tp_rank if split else 0, tp_size=tp_size if split else 1)
         common = dict(
@@ -105,6 +134,9 @@ class ExpertMLP(torch.nn.Module):
                 **common,
             ),
             column=True,
+            bias=self._bias((2 * ffn_hidden_size,), 0 if split else None, expert_index, "gate_up_proj", common)
+            if bias
+            else None,
             **where,
         )
         self.down_proj = ExpertProjection(
@@ -118,11 +150,26 @@ class ExpertMLP(torch.nn.Module):
                 **common,
             ),
             column=False,
+            bias=self._bias((hidden_size,), None, expert_index, "down_proj", common, partial=split and tp_size > 1)
+            if bias
+            else None,
+            bias_scale=1.0 / tp_size if split else 1.0,  # the TP ranks' partial outputs are summed
             **where,
         )
 
+    @staticmethod
+    def _bias(shape, tp_dim, expert_index: int, name: str, common: dict, partial: bool = False):
+        """A zero-initialised expert bias, split over TP along ``tp_dim`` (None: whole)."""
+        options = dict(common, tp_partial_grad=common["tp_partial_grad"] or partial)
+        if tp_dim is None:
+            options.update(tp_rank=0, tp_size=1)
+        blocks = (shape[0] // 2, shape[0] // 2) if tp_dim is not None else None
+        return make_parameter(
+            shape, init_zeros(), tp_dim=tp_dim, tp_blocks=blocks, name=f"expert {expert_index} {name} bias", **options
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(self.gate_up_proj(x), overwrite_input=True))
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
 
 
 class GroupedExperts(torch.nn.ModuleDict):
@@ -144,6 +191,8 @@ class GroupedExperts(torch.nn.ModuleDict):
         group: Optional[torch.distributed.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
+        bias: bool = False,
+        activation: ExpertActivation = SWIGLU,
     ):
         if num_experts % ep_size:
             raise ValueError(f"num_experts {num_experts} is not divisible by expert_model_parallel_size {ep_size}")
@@ -157,6 +206,7 @@ class GroupedExperts(torch.nn.ModuleDict):
         local = num_experts // ep_size
         self.num_experts = num_experts
         self.first_expert = ep_rank * local
+        self.activation = activation
         experts = {
             str(e): ExpertMLP(
                 hidden_size,
@@ -170,6 +220,8 @@ class GroupedExperts(torch.nn.ModuleDict):
                 tensor_parallel=tensor_parallel,
                 dtype=dtype,
                 device=device,
+                bias=bias,
+                activation=activation,
             )
             for e in range(self.first_expert, self.first_expert + local)
         }
@@ -186,6 +238,8 @@ class GroupedExperts(torch.nn.ModuleDict):
         projections = [e.gate_up_proj for e in experts]
         gate_up = ops.grouped_matmul(x, [p.weight for p in projections], tokens_per_expert)
         gate_up = add_grouped_lora(gate_up, x, projections, tokens_per_expert)
-        hidden, projections = ops.swiglu(gate_up, overwrite_input=True), [e.down_proj for e in experts]
+        gate_up = add_expert_biases(gate_up, projections, tokens_per_expert)
+        hidden, projections = self.activation(gate_up), [e.down_proj for e in experts]
         out = ops.grouped_matmul(hidden, [p.weight for p in projections], tokens_per_expert)
-        return add_grouped_lora(out, hidden, projections, tokens_per_expert)
+        out = add_grouped_lora(out, hidden, projections, tokens_per_expert)
+        return add_expert_biases(out, projections, tokens_per_expert)

@@ -105,6 +105,7 @@ class MoELayer(torch.nn.Module):
             top_k_groups=c.top_k_groups,
             expert_bias=c.expert_bias,
             load_balancing_type=c.load_balancing_type,
+            logit_bias=c.router_bias,
             init_method=init,
             group=group,
             dtype=c.params_dtype,
@@ -139,6 +140,8 @@ class MoELayer(torch.nn.Module):
             group=group,
             dtype=c.params_dtype,
             device=device,
+            bias=c.expert_linear_bias,
+            activation=c.activation,
         )
         self.gather_tokens = self.tp_size > 1 and c.expert_tensor_parallel
         self.last_stats: Optional[MoEStats] = None

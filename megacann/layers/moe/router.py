@@ -133,7 +133,8 @@ class TopKRouter(torch.nn.Module):
     the auxiliary losses are taken over the whole sequence across it. ``Routing.tokens_per_expert`` stays
     the count of this tensor-parallel group's tokens. ``load_balancing_type`` (one of
     ``LOAD_BALANCING_TYPES``) says which balancing loss ``aux_loss_coeff`` weights: the micro-batch's
-    (``aux_loss``) or each sequence's (``seq_aux_loss``)."""
+    (``aux_loss``) or each sequence's (``seq_aux_loss``). ``logit_bias`` adds the learned parameter ``bias``
+    to the logits (gpt-oss)."""
 
     def __init__(
         self,
@@ -155,6 +156,7 @@ class TopKRouter(torch.nn.Module):
         device: Optional[Union[torch.device, str]] = None,
         context_group: Optional[dist.ProcessGroup] = None,
         load_balancing_type: str = "aux_loss",
+        logit_bias: bool = False,
     ):
         super().__init__()
         if load_balancing_type not in LOAD_BALANCING_TYPES:
@@ -195,6 +197,12 @@ class TopKRouter(torch.nn.Module):
             dtype=dtype,
             device=device,
         )
+        self.bias = None
+        if logit_bias:  # a learned bias of the logits (gpt-oss), unlike expert_bias, which only steers the choice
+            self.bias = make_parameter(
+                (num_experts,), init_zeros(), tp_rank=0, tp_size=1, tp_partial_grad=self.tp_size > 1,
+                name="TopKRouter bias", dtype=dtype, device=device,
+            )  # fmt: skip
         device = resolve_device(device)  # the parameter's (from the layer context when None)
         with_bias = bias_update_rate > 0 if expert_bias is None else expert_bias
         if bias_update_rate > 0 and not with_bias:
@@ -240,7 +248,7 @@ class TopKRouter(torch.nn.Module):
         if num_sequences < 1 or x.shape[0] % num_sequences:
             raise ValueError(f"TopKRouter: {x.shape[0]} tokens do not split into num_sequences={num_sequences}")
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
-        logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        logits = F.linear(x.to(dtype), self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype))
         if self.score_function == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:
