@@ -55,8 +55,13 @@ def test_optim_name_builds_its_class_and_steps_by_its_rule(steps, name):
     assert got["class"] is CLASSES[name], got["class"]
     for key, decay in ((DECAYED, WEIGHT_DECAY), (PLAIN, 0.0)):
         expected = _first_update(got["grads"][key], got["before"][key], name, got["lr"], decay)
+        # Adam's first step is lr * g / (|g| + eps): where the gradient with L2 decay cancels to about eps,
+        # that ratio turns on the last bits of the cancelling sum, so those few elements are left out
+        effective = got["grads"][key] + (decay * got["before"][key] if name != "adamw" else 0)
+        kept = effective.abs() > 1e3 * EPS if name != "sgd" else torch.ones_like(effective, dtype=torch.bool)
+        assert kept.float().mean() > 0.9, (name, key)  # nearly every element still checked
         # one fp32 rounding of the weight apart at most (4e-9 at these magnitudes; updates are 1e-5 to 1e-2)
-        torch.testing.assert_close(got["after"][key], expected, rtol=1e-6, atol=1e-8, msg=f"{name} {key}")
+        torch.testing.assert_close(got["after"][key][kept], expected[kept], rtol=1e-6, atol=1e-8, msg=f"{name} {key}")
         assert not torch.equal(got["after"][key], got["before"][key])
 
 
