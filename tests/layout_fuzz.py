@@ -39,6 +39,12 @@ AUX_METRICS = ("moe_load_balancing", "moe_seq_load_balancing", "moe_z_loss")  # 
 DPO = ["train_mode=dpo", "dpo.beta=0.5", "data.tokenizer=byte", "data.prompt_template=plain", "data.split=90,10,0"]
 DPO_VOCAB, DPO_ODD_VOCAB = 260, 261  # the byte tokenizer's 259 ids fit; 261: a vocabulary tp does not divide
 REWARD_METRICS = ("chosen_reward", "rejected_reward", "reward_margin")  # DPO's, logged each step
+# Adam and AdamW train DPO layouts at this lr: their first updates are near lr x sign(gradient), and DPO's first
+# gradients (policy = reference, chosen and rejected sharing the prompt) leave some elements at rounding
+# level, so at LoRA's 2e-2 (and at 5e-3) the layout's summation order moved the third step's gradient norm by
+# 2-3e-5 (seeds 1000120 at world 2, 1000050 at world 4); at 1e-3 (tests/test_dpo_parallel.py's) 2e-6, with
+# SGD (lr 0.1) 3e-7
+DPO_ADAM_LR = "1e-3"
 PAIRS = 64  # preference pairs for DPO layouts, 90 % for training: 3 steps at 8 ranks take at most 48
 
 
@@ -156,6 +162,8 @@ def draw(rng: random.Random, seed: int, world: int) -> Layout:
         odd = "model.vocab_size=203" in model
         model = [o for o in model if o != "model.vocab_size=203"]
         model += [*DPO, f"model.vocab_size={DPO_ODD_VOCAB if odd else DPO_VOCAB}"]
+        if optimizer != "sgd":
+            model.append(f"optim.lr={DPO_ADAM_LR}")
     return Layout(seed, world, model, parallel, dp, accum, packed)
 
 
