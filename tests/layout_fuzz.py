@@ -4,11 +4,13 @@ A layout is drawn from a seed (``sample_layout(seed, world)``): tensor (+ sequen
 with its algorithm, pipeline parallel (2 or 4 stages) with virtual chunks, the V schedules (zbv, dualpipev) or
 zb1p, and uneven layer counts, data parallel with a ZeRO stage (0-3) and optimizer offload, expert parallel
 (the moe family; up to all ranks), LoRA, recompute, packed documents, tied embeddings, a vocabulary
-that tensor parallelism does not divide, and the optimizer (adamw, adam or sgd). Draws the recipe validation refuses are redrawn (the seed stays
-the replay handle). ``run_layouts`` trains every layout on its ranks and the matching one-process runs, and
-returns per layout the loss and gradient-norm traces and the probes that prove the modes were on (tests/layout_probes.py); failures
-are returned, not raised, so one bad layout does not hide the others. tests/test_layout_fuzz.py runs a fixed
-sample; ``make fuzz`` (scripts/fuzz_layouts.py) runs more and prints the seed of each failure.
+that tensor parallelism does not divide, the optimizer (adamw, adam or sgd), and LoRA trained by DPO on
+preference pairs (reference: the base with its adapters off). Draws the recipe validation refuses are
+redrawn (the seed stays the replay handle). ``run_layouts`` trains every layout on its ranks and the matching
+one-process runs, and returns per layout the loss, gradient-norm (and DPO's reward) traces and the probes
+that prove the modes were on (tests/layout_probes.py); failures are returned, not raised, so one bad layout
+does not hide the others. tests/test_layout_fuzz.py runs a fixed sample; ``make fuzz``
+(scripts/fuzz_layouts.py) runs more and prints the seed of each failure.
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ MOE = [
 ]
 EOS = 5  # the token id that ends a document in packed samples
 AUX_METRICS = ("moe_load_balancing", "moe_seq_load_balancing", "moe_z_loss")  # logged, compared like the loss
+# DPO on byte-tokenized preference pairs (the data path is added per run: preference_overrides)
+DPO = ["train_mode=dpo", "dpo.beta=0.5", "data.tokenizer=byte", "data.prompt_template=plain", "data.split=90,10,0"]
+DPO_VOCAB, DPO_ODD_VOCAB = 260, 261  # the byte tokenizer's 259 ids fit; 261: a vocabulary tp does not divide
+REWARD_METRICS = ("chosen_reward", "rejected_reward", "reward_margin")  # DPO's, logged each step
+# Adam and AdamW train DPO layouts at this lr: their first updates are near lr x sign(gradient), and DPO's first
+# gradients (policy = reference, chosen and rejected sharing the prompt) leave some elements at rounding
+# level, so at LoRA's 2e-2 (and at 5e-3) the layout's summation order moved the third step's gradient norm by
+# 2-3e-5 (seeds 1000120 at world 2, 1000050 at world 4); at 1e-3 (tests/test_dpo_parallel.py's) 2e-6, with
+# SGD (lr 0.1) 3e-7
+DPO_ADAM_LR = "1e-3"
+PAIRS = 64  # preference pairs for DPO layouts, 90 % for training: 3 steps at 8 ranks take at most 48
 
 
 @dataclass
@@ -69,6 +82,10 @@ class Layout:
 
     def describe(self) -> str:
         return " ".join(self.model + self.parallel) + (" [packed]" if self.packed else "")
+
+    @property
+    def dpo(self) -> bool:
+        return "train_mode=dpo" in self.model
 
 
 def draw(rng: random.Random, seed: int, world: int) -> Layout:
@@ -140,6 +157,13 @@ def draw(rng: random.Random, seed: int, world: int) -> Layout:
         parallel.append("optim.offload_optimizer=true")
     if packed:
         model += ["data.reset_position_ids=true", "data.reset_attention_mask=true"]
+    lora = "lora=true" in model
+    if lora and not packed and rng.random() < 0.5:  # drawn last: the choices above stay what they were
+        odd = "model.vocab_size=203" in model
+        model = [o for o in model if o != "model.vocab_size=203"]
+        model += [*DPO, f"model.vocab_size={DPO_ODD_VOCAB if odd else DPO_VOCAB}"]
+        if optimizer != "sgd":
+            model.append(f"optim.lr={DPO_ADAM_LR}")
     return Layout(seed, world, model, parallel, dp, accum, packed)
 
 
@@ -190,34 +214,60 @@ class FuzzData:
         return None
 
 
-def _train(layout: Layout, overrides: list[str], world: int) -> dict:
+def write_preference_data(directory: str) -> str:
+    """The preference pairs DPO layouts and their one-process runs train on (tests/test_dpo.py's reversal
+    questions, right answer chosen, a near miss rejected), written once into ``directory``."""
+    import os
+
+    from test_dpo import write_pairs
+
+    return write_pairs(os.path.join(directory, "pairs.jsonl"), count=PAIRS)
+
+
+def preference_overrides(directory: str) -> list[str]:
+    """Where a DPO run reads its pairs (written by :func:`write_preference_data`) and caches them tokenized;
+    read in the rank process itself (ranks are daemon processes: no loader workers)."""
+    import os
+
+    path, cache = os.path.join(directory, "pairs.jsonl"), os.path.join(directory, "cache")
+    return [f"data.path={path}", f"data.cache_dir={cache}", "data.num_workers=0"]
+
+
+def _train(layout: Layout, overrides: list[str], world: int, directory: Optional[str]) -> dict:
     from training_helpers import tiny_config
 
     from megacann import parallel_state as ps
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
+    if layout.dpo:
+        if directory is None:
+            raise ValueError(f"{layout.name}: a DPO layout needs the directory of its preference data")
+        overrides = [*overrides, *preference_overrides(directory)]
     cfg = tiny_config(overrides, world_size=world)
     runtime = setup_runtime(cfg)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    data = FuzzData(cfg, dp_rank, dp_size, layout.packed, layout.distinct)
+    # DPO: the recipe's own preference data (pairs kept in one micro-batch, dealt like pretraining's samples)
+    data = None if layout.dpo else FuzzData(cfg, dp_rank, dp_size, layout.packed, layout.distinct)
     trainer = Trainer(cfg, runtime, data=data)
     seen = probe(trainer)
-    losses, norms, aux = [], [], []
+    losses, norms, aux, rewards = [], [], [], []
     for _ in range(layout.steps):
         metrics = trainer.train_step()
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
         aux.append({k: v for k, v in metrics.items() if k in AUX_METRICS})
+        rewards.append({k: v for k, v in metrics.items() if k in REWARD_METRICS})
     seen.update(state_probe(trainer))
     ps.destroy_model_parallel()
     seen["seq"] = sorted(seen["seq"])
-    return {"losses": losses, "norms": norms, "aux": aux, "probes": seen}
+    return {"losses": losses, "norms": norms, "aux": aux, "rewards": rewards, "probes": seen}
 
 
-def run_layouts(layouts: list[Layout], reference: bool) -> dict[str, dict]:
+def run_layouts(layouts: list[Layout], reference: bool, directory: Optional[str] = None) -> dict[str, dict]:
     """On every rank: each layout (or, with ``reference``, its one-process run) trained; a failure is
-    returned as ``{"error": traceback}`` so the other layouts still run."""
+    returned as ``{"error": traceback}`` so the other layouts still run. ``directory`` holds the preference
+    data of DPO layouts."""
     import torch.distributed as dist
 
     from megacann import parallel_state as ps
@@ -226,7 +276,7 @@ def run_layouts(layouts: list[Layout], reference: bool) -> dict[str, dict]:
     for layout in layouts:
         overrides = layout.reference_overrides() if reference else layout.overrides()
         try:
-            result = _train(layout, overrides, 1 if reference else layout.world)
+            result = _train(layout, overrides, 1 if reference else layout.world, directory)
         except Exception:
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
@@ -243,6 +293,16 @@ def _setting(overrides: list[str], key: str, default):
     return values[-1] if values else default
 
 
+def _logged_figures(what: str, got: list[dict], ref: list[dict], bound) -> list[str]:
+    """Per-step figures logged beside the loss (``[{name: value}]``): the same names each step as one
+    process, each value within ``bound(one process's value)``."""
+    if [sorted(x) for x in got] != [sorted(x) for x in ref]:
+        return [f"{what} logged differ: {got} vs one process {ref}"]
+    if any(abs(x[k] - y[k]) > bound(y[k]) for x, y in zip(got, ref) for k in y):
+        return [f"{what} differ: {got} vs one process {ref}"]
+    return []
+
+
 def check_layout(
     layout: Layout, got: dict, ref: dict, rel: float = 1e-5, norm_rel: Optional[float] = None
 ) -> list[str]:
@@ -257,11 +317,12 @@ def check_layout(
         a, e = got[key], ref[key]
         if len(a) != len(e) or any(abs(x - y) > bound * abs(y) for x, y in zip(a, e)):
             problems.append(f"{key} differ: {a} vs one process {e}")
-    a, e = got.get("aux", []), ref.get("aux", [])
-    if [sorted(x) for x in a] != [sorted(x) for x in e]:
-        problems.append(f"auxiliary losses logged differ: {a} vs one process {e}")
-    elif any(abs(x[k] - y[k]) > rel * abs(y[k]) for x, y in zip(a, e) for k in y):
-        problems.append(f"auxiliary losses differ: {a} vs one process {e}")
+    problems += _logged_figures("auxiliary losses", got.get("aux", []), ref.get("aux", []), lambda y: rel * abs(y))
+    # DPO's rewards: beta x differences of log-probability sums, 0 at the first step: relative above 1 only
+    rewards = got.get("rewards", [])
+    problems += _logged_figures("rewards", rewards, ref.get("rewards", []), lambda y: rel * max(1.0, abs(y)))
+    if layout.dpo and not (rewards and all(rewards)):
+        problems.append(f"a DPO layout logged no rewards: {rewards}")
     o = layout.overrides()
     tp = int(_setting(o, "distributed.tensor_parallel_size", 1))
     cp = int(_setting(o, "distributed.context_parallel_size", 1))
@@ -280,19 +341,24 @@ def check_layout(
     recompute = _setting(o, "model.activation_checkpointing", "none")
     optimizer = _setting(o, "optim.name", "adamw")
     full = recompute == "full"
+    objective = "adapters_off" if layout.dpo else "per-token"  # DPO with LoRA: the base is the reference
     seq = SEQ // cp // (tp if sp else 1)
     for rank, probes in enumerate(got["probes"]):
         stage = probes["pp_rank"]
         # chunk v of stage r holds segment v*pp + r, in the V segment r (v = 0) or 2pp - 1 - r (v = 1)
         segments = [(2 * pp - 1 - stage if v else stage) if v_shape else v * pp + stage for v in range(vpp)]
-        want = [layout.steps * layout.accum * counts[segment] for segment in segments]
+        trained = [layout.steps * layout.accum * counts[segment] for segment in segments]
+        # DPO's reference is the policy with its adapters off: one more forward-only pass of the same blocks
+        want = [n * (2 if layout.dpo else 1) for n in trained]
         if probes["forwards"] != want:
             problems.append(f"rank {rank}: block forwards per chunk {probes['forwards']}, expected {want}")
+        if probes["objective"] != objective:
+            problems.append(f"rank {rank}: objective {probes['objective']}, expected {objective}")
         if probes["seq"] != [seq]:
             problems.append(f"rank {rank}: blocks saw sequence lengths {probes['seq']}, expected [{seq}]")
-        if probes["recomputes"] != (sum(want) if full else 0):
+        if probes["recomputes"] != (sum(trained) if full else 0):
             problems.append(f"rank {rank}: {probes['recomputes']} recomputed blocks (full recompute: {full})")
-        if probes["core_recomputes"] != (0 if recompute == "none" else sum(want)):  # selective: attention only
+        if probes["core_recomputes"] != (0 if recompute == "none" else sum(trained)):  # selective: attention only
             problems.append(f"rank {rank}: core attention replayed {probes['core_recomputes']} times ({recompute})")
         if experts and probes["local_experts"] != [experts // ep]:
             problems.append(f"rank {rank}: local experts {probes['local_experts']}, expected [{experts // ep}]")
@@ -313,11 +379,16 @@ def check_layout(
 def compare(layouts: list[Layout], rel: float = 1e-5, timeout: float = 900) -> dict[str, list[str]]:
     """Layouts (all of one world size) against their one-process runs: ``{name: problems}``, empty when
     the traces agree within ``rel`` and the probes show every mode on."""
+    import tempfile
+
     from dist_harness import run_on_ranks
 
     (world,) = {layout.world for layout in layouts}
-    got = run_on_ranks(run_layouts, world, args=(layouts, False), timeout=timeout)[0]
-    ref = run_on_ranks(run_layouts, 1, args=(layouts, True), timeout=timeout)[0]
+    with tempfile.TemporaryDirectory(prefix="megacann-fuzz-") as directory:
+        if any(layout.dpo for layout in layouts):
+            write_preference_data(directory)
+        got = run_on_ranks(run_layouts, world, args=(layouts, False, directory), timeout=timeout)[0]
+        ref = run_on_ranks(run_layouts, 1, args=(layouts, True, directory), timeout=timeout)[0]
     return {layout.name: check_layout(layout, got[layout.name], ref[layout.name], rel) for layout in layouts}
 
 

@@ -1,7 +1,8 @@
 """What each rank of a fuzzed layout really ran (tests/layout_fuzz.py reads these after training and checks
 them against the layout): block forwards and recomputes per chunk, the sequence length a block sees, the
-pipeline stage, local experts, tensor-parallel shards, trainable parameters, the optimizer's classes and the
-optimizer-state elements that show the ZeRO stage in force."""
+pipeline stage, local experts, tensor-parallel shards (LoRA adapters' included), trainable parameters, the
+objective (DPO's reference), the optimizer's classes and the optimizer-state elements that show the ZeRO
+stage in force."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ ZERO_SLACK = 0.01  # a shard may own a few elements more or less than its share 
 
 def probe(trainer) -> dict:
     """What each rank really ran: block forwards per chunk and the sequence length a block sees (hooks),
-    how often backward replayed a block and core attention (recompute), its pipeline stage, its local experts per MoE layer, trainable parameter names, the optimizer's class."""
+    how often backward replayed a block and core attention (recompute), its pipeline stage, its local experts
+    per MoE layer, trainable parameter names, what the objective's reference is, the optimizer's class."""
     from megacann import parallel_state as ps
     from megacann.layers import TransformerBlock
     from megacann.layers.moe.layer import MoELayer
@@ -45,6 +47,7 @@ def probe(trainer) -> dict:
     )
     seen["trainable"] = sorted(n for c in trainer.model_chunks for n, p in c.named_parameters() if p.requires_grad)
     seen["tp_splits"] = _tp_splits(trainer.model_chunks)
+    seen["objective"] = getattr(trainer.objective, "kind", "per-token")  # DPO: where the reference comes from
     seen["optimizer"] = type(trainer.optimizer).__name__
     seen["inner_optimizer"] = type(trainer.optimizer.optimizer).__name__
     seen["sharded"] = isinstance(trainer.optimizer, DistributedOptimizer)
@@ -54,16 +57,22 @@ def probe(trainer) -> dict:
 
 def _tp_splits(chunks) -> list[int]:
     """By how much each tensor-parallel linear layer's local weight is smaller than the whole one, along its
-    split dimension (output features of a column-parallel layer, input features of a row-parallel one);
-    layers kept whole on purpose (``replicated``) are left out."""
+    split dimension (output features of a column-parallel layer, input features of a row-parallel one), and
+    likewise its LoRA adapter's matrix split with it (``B``'s rows, ``A``'s columns); layers kept whole on
+    purpose (``replicated``) are left out."""
     from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     splits = set()
     for module in (m for c in chunks for m in c.modules()):
+        adapter = module.adapter if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) else None
         if isinstance(module, ColumnParallelLinear) and not module.replicated:
             splits.add(module.output_size // module.weight.shape[0])
+            if adapter is not None:
+                splits.add(sum(adapter.chosen) // adapter.lora_B.shape[0])
         elif isinstance(module, RowParallelLinear):
             splits.add(module.input_size // module.weight.shape[1])
+            if adapter is not None:
+                splits.add(module.input_size // adapter.lora_A.shape[1])
     return sorted(splits)
 
 

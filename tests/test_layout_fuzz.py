@@ -16,7 +16,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = {2: [69, 87, 124], 4: [3, 4, 22, 164, 203, 245]}
 # layouts `make fuzz` found failing, kept once fixed: {world: {seed: the layout it draws (describe())}}; the
 # description pins the draw, so a change to the generator that moves the seed fails the replay test below
-REGRESSIONS: dict[int, dict[int, str]] = {}
+_DPO_TP_SP = (
+    "lora=true lora_rank=4 lora_alpha=8.0 lora_target_modules=all-linear optim.lr=2e-2 model.activation_checkpointing={}"
+    " train_mode=dpo dpo.beta=0.5 data.tokenizer=byte data.prompt_template=plain data.split=90,10,0"
+    " model.vocab_size=260 optim.lr=1e-3 distributed.tensor_parallel_size={} distributed.context_parallel_size=1"
+    " distributed.pipeline_parallel_size=1 distributed.sequence_parallel=true"
+)
+REGRESSIONS: dict[int, dict[int, str]] = {
+    # LoRA with DPO under Adam at lr 2e-2: the third step's gradient norm 2.5e-5 / 3.2e-5 off (now lr 1e-3)
+    2: {1000120: "model.num_key_value_heads=4 model.num_layers=2 " + _DPO_TP_SP.format("full", 2)},
+    4: {1000050: "model.num_key_value_heads=4 model.num_layers=8 " + _DPO_TP_SP.format("none", 4)},
+}
 FEATURES = {  # name -> what the layout's description holds (all of a tuple)
     "tensor parallel": "tensor_parallel_size=2",
     "tensor parallel 4": "tensor_parallel_size=4",
@@ -43,6 +53,7 @@ FEATURES = {  # name -> what the layout's description holds (all of a tuple)
     "MoE with all-gather attention": ("model.type=moe", "context_parallel_algo=allgather"),
     "MoE with ulysses attention": ("model.type=moe", "context_parallel_algo=ulysses"),
     "LoRA": "lora=true",
+    "LoRA with DPO": ("lora=true", "train_mode=dpo"),
     "full recompute": "activation_checkpointing=full",
     "selective recompute": "activation_checkpointing=selective",
     "tied embeddings": "tie_word_embeddings=true",
@@ -95,6 +106,7 @@ def _run(losses, **probes):
     rank = {"pp_rank": 0, "forwards": [STEPS * 2 * 4], "seq": [32], "recomputes": 0, "core_recomputes": 0}
     rank["local_experts"] = []
     rank.update(optimizer="MixedPrecisionOptimizer", inner_optimizer="RegistryAdamW", sharded=False, offloaded=False)
+    rank.update(objective="per-token")
     rank.update(tp_splits=[2], dense_elems=1000, expert_elems=0, state_elems=2000)
     rank.update(probes)
     rank.setdefault("trainable", ["layers.0.mlp.weight"])
@@ -136,6 +148,37 @@ def test_the_check_sees_unsplit_layers_the_wrong_optimizer_and_unsharded_state()
     for state in (2 * 1400, 2 * 350):  # not sharded; experts sharded as if dense
         (problem,) = check_layout(moe, _run([5.0, 4.0, 3.0], state_elems=state, **sharded), ref)
         assert problem == f"rank 0: {state} optimizer-state elements, expected 900 for ZeRO 2"
+
+
+def test_the_check_sees_wrong_rewards_a_reference_that_did_not_run_and_unsplit_adapters():
+    lora = ["lora=true", "lora_rank=4", "train_mode=dpo"]
+    dpo = Layout(seed=0, world=2, model=lora, parallel=["distributed.tensor_parallel_size=2"])
+    rewards = [{"chosen_reward": 0.0, "rejected_reward": 0.0, "reward_margin": 0.0}]
+    rewards += [{"chosen_reward": 12.0, "rejected_reward": 11.5, "reward_margin": 0.5}] * 2
+
+    def run(rewards=rewards, **probes):  # a DPO run: policy and reference forwards, adapters trainable only
+        adapters = ["layers.0.mlp.adapter.lora_A"]
+        probes = {"forwards": [2 * STEPS * 2 * 4], "objective": "adapters_off", "trainable": adapters, **probes}
+        return {**_run([5.0, 4.0, 3.0], **probes), "rewards": rewards}
+
+    ref = run()
+    assert check_layout(dpo, run(), ref) == []
+    near = [*rewards[:2], {"chosen_reward": 12.0001, "rejected_reward": 11.5, "reward_margin": 0.500009}]
+    assert check_layout(dpo, run(near), ref) == []  # within 1e-5 relative above 1, absolute below
+    for key, value in (("chosen_reward", 12.0002), ("reward_margin", 0.50002)):
+        off = [*rewards[:2], {**rewards[2], key: value}]
+        (problem,) = check_layout(dpo, run(off), ref)
+        assert problem.startswith("rewards differ: ")
+    (problem,) = check_layout(dpo, run([{}] * 3), run([{}] * 3))  # both ran the per-token loss
+    assert problem == "a DPO layout logged no rewards: [{}, {}, {}]"
+    (problem,) = check_layout(dpo, run(forwards=[STEPS * 2 * 4]), ref)  # no reference pass through the policy
+    assert problem == f"rank 0: block forwards per chunk [{STEPS * 2 * 4}], expected [{2 * STEPS * 2 * 4}]"
+    (problem,) = check_layout(dpo, run(objective="copy"), ref)
+    assert problem == "rank 0: objective copy, expected adapters_off"
+    (problem,) = check_layout(dpo, run(tp_splits=[1, 2]), ref)  # the adapters left whole, their layers split
+    assert problem == "rank 0: linear layers split [1, 2] ways, expected [2]"
+    (problem,) = check_layout(dpo, run(trainable=["layers.0.mlp.weight"]), ref)
+    assert problem.startswith("rank 0: trainable parameters ['layers.0.mlp.weight']")
 
 
 @pytest.mark.extended
