@@ -1,5 +1,5 @@
 """Tests that catch a broken install: the suite's megacann is the installed distribution (tests/conftest.py
-keeps the source tree off sys.path), which provides the four console scripts; each starts from any directory
+keeps the source tree off sys.path), which provides the five console scripts; each starts from any directory
 with a user's environment (no PYTHONPATH). The scripts' real work is exercised elsewhere the same way
 (training, resuming and converting in test_reliability_runs.py, preprocessing in test_first_contact.py and
 test_data_preprocess.py, planning here)."""
@@ -22,6 +22,7 @@ SCRIPTS = {
     "megacann-preprocess": "megacann.data.preprocess:main",
     "megacann-convert": "megacann.convert:main",
     "megacann-plan": "megacann.cli:plan_main",
+    "megacann-generate": "megacann.generate:main",
 }
 
 
