@@ -174,3 +174,24 @@ def test_safetensors_file_reads_every_dtype_as_safetensors_does(tmp_path):
         got = ours.get_tensor(name)
         assert got.dtype == expected.dtype and got.shape == expected.shape, name
         assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), name
+
+
+def test_loaded_weights_leave_no_garbage_in_the_vocabulary_padding(monkeypatch):
+    """Weights about to be loaded are allocated, not drawn, and the loader writes only the logical rows: the
+    vocabulary's padding rows must still be zeros (as a draw leaves them), whatever the allocator hands back
+    (garbage there turned into NaN gradient norms after init_from and resumes)."""
+    from megacann.layers import VocabParallelEmbedding, deferred_initialization
+
+    real_empty = torch.empty
+
+    def garbage(*args, **kwargs):  # memory as a reused heap may hand it out
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", garbage)
+    with deferred_initialization(weights_loaded=True):
+        embedding = VocabParallelEmbedding(250, 16, make_vocab_size_divisible_by=16, device="cpu")
+    weight = embedding.weight.detach()
+    assert weight.shape == (256, 16)
+    assert torch.all(weight[250:] == 0)  # the padding: zeros
+    assert torch.isnan(weight[:250]).all()  # the logical rows: left for the loader

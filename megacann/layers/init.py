@@ -149,7 +149,20 @@ def make_parameter(
         init_sharded_(param, init_method, tp_rank, tp_size, generator_seed)
     else:
         setattr(param, UNDRAWN_ATTR, True)
+        if (
+            sharding.logical_size is not None and sharding.tp_dim is not None
+        ):  # padding rows no loader writes: zeros, as a draw leaves them
+            padding_rows_zero_(local, sharding, tp_rank, tp_size)
     return param
+
+
+def padding_rows_zero_(local: torch.Tensor, sharding, tp_rank: int, tp_size: int) -> None:
+    """Zero this rank's rows of a padded tensor (the vocabulary) that lie beyond its logical size."""
+    dim = sharding.tp_dim
+    rows = local.shape[dim]
+    first = tp_rank * rows if tp_size > 1 else 0
+    keep = max(0, min(rows, sharding.logical_size - first))
+    local.narrow(dim, keep, rows - keep).zero_()
 
 
 def parameter_seed(seed: int, name: str) -> int:
