@@ -13,7 +13,8 @@ the weights, and the one answer to "what kind of weights directory is this".
 - :mod:`~megacann.interop.export` and :mod:`~megacann.interop.lora_export`: what ``megacann-convert`` does
   (consolidate, to-hf, from-hf, merge-lora, to-peft); :mod:`~megacann.interop.peft`: PEFT's LoRA format;
 - :mod:`~megacann.interop.snapshot`: a Hugging Face directory of a live model at any layout, written during
-  training (:func:`save_hf_snapshot`, ``logging.hf_save_interval``);
+  training (:func:`save_hf_snapshot`, ``logging.hf_save_interval``); :mod:`~megacann.interop.streaming`:
+  the same weights streamed in buckets to a serving engine (:func:`stream_hf_weights`);
 - :mod:`~megacann.interop.tokenizer`: :class:`TokenizerFiles` (the run's tokenizer in every checkpoint) and
   finding it again for an export; :mod:`~megacann.interop.names`: every file name, defined once.
 
@@ -46,6 +47,8 @@ _EXPORTS = {
     "WeightSource": "sources",
     "resolve_weight_source": "sources",
     "save_hf_snapshot": "snapshot",
+    "load_into_module": "streaming",
+    "stream_hf_weights": "streaming",
     "TokenizerFiles": "tokenizer",
 }
 

@@ -122,7 +122,8 @@ def from_pretrained_hf(
     return model
 
 
-def _adapter(cfg: ModelConfig):
+def hf_adapter(cfg: ModelConfig):
+    """The Hugging Face adapter of the family of ``cfg`` (an error names a family without one)."""
     spec = get_model_spec(cfg.type)
     if spec.hf is None:
         raise ConfigError(f"model family {cfg.type!r} has no Hugging Face adapter")
@@ -132,7 +133,7 @@ def _adapter(cfg: ModelConfig):
 def write_hf_config(path: str, cfg: ModelConfig, dtype: torch.dtype, extra: Optional[dict[str, Any]] = None) -> None:
     """config.json of the family's adapter, with ``extra`` settings (e.g. the tokenizer's token ids) on top."""
     with open(os.path.join(path, HF_CONFIG), "w") as f:
-        json.dump({**_adapter(cfg).config_to_hf(cfg, dtype), **(extra or {})}, f, indent=1)
+        json.dump({**hf_adapter(cfg).config_to_hf(cfg, dtype), **(extra or {})}, f, indent=1)
 
 
 def _umask() -> int:
@@ -158,7 +159,7 @@ def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfi
             "save_pretrained_hf: under expert parallelism each rank holds only its experts; save a checkpoint "
             "and write the Hugging Face directory with megacann-convert to-hf (any layout)"
         )
-    tensors = _adapter(cfg).to_hf(full_state_dict(chunks), cfg)
+    tensors = hf_adapter(cfg).to_hf(full_state_dict(chunks), cfg)
     dtype = next(iter(tensors.values())).dtype
     pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
@@ -182,7 +183,7 @@ def save_hf_tensors(
 ) -> None:
     """Write whole megacann tensors held by one process (e.g. read from a checkpoint) as a Hugging Face
     directory with a single safetensors file (``extra_config`` goes into config.json)."""
-    hf = _adapter(cfg).to_hf(tensors, cfg)
+    hf = hf_adapter(cfg).to_hf(tensors, cfg)
     os.makedirs(path, exist_ok=True)
     save_safetensors(hf, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
     write_hf_config(path, cfg, next(iter(hf.values())).dtype, extra_config)

@@ -1,0 +1,175 @@
+"""Hugging Face-named weights of a live model streamed in buckets: the update a serving engine (vLLM,
+SGLang, vllm-ascend) takes between reinforcement-learning steps, from any training layout.
+
+:func:`stream_hf_weights` walks the model one *unit* at a time (a transformer layer, or the tensors outside
+the layers), in an order every rank agrees on. For each tensor the ranks of its tensor-parallel group join
+its shards (:func:`~megacann.interop.full_state.gather_full_tensor`); the rank that holds the whole tensor
+(the first tensor-, data- and, for experts, expert-data-parallel rank of its stage) sends it to global
+rank 0. When a unit is whole, rank 0 names it as the family's Hugging Face adapter does (fused projections
+split, experts of every expert-parallel rank together) and adds it to the bucket; a bucket is handed out
+once it would grow past ``bucket_mb``. So rank 0 holds at most one bucket and one unit beyond the model,
+and the tensors are bit for bit those of ``megacann-convert to-hf`` of a checkpoint of the same weights.
+
+Every rank iterates (the transfers are collective); only rank 0's iterator yields buckets::
+
+    for bucket in stream_hf_weights(model_chunks, cfg.model, bucket_mb=512):
+        engine.load_weights(bucket)        # rank 0: a list of (Hugging Face name, tensor)
+
+:func:`load_into_module` is a receiver for a module whose parameters carry Hugging Face names (for example
+a transformers model, or an engine's model behind its ``load_weights``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann import parallel_state as ps
+from megacann.checkpoint.state import persistent_buffers, storage_name
+from megacann.config import ModelConfig
+from megacann.interop.full_state import gather_full_tensor
+from megacann.interop.hf import hf_adapter
+from megacann.interop.peft import ADAPTER_SLOT
+from megacann.layers.sharding import get_sharding
+
+Bucket = list[tuple[str, torch.Tensor]]
+_UNIT = re.compile(r"^((?:[A-Za-z_]+\.)*?[A-Za-z_]*layers\.\d+)\.")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the model as every rank knows it: its name, whole shape and dtype, and who sends it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sender: int  # the global rank that holds it whole and sends it to rank 0
+
+
+def unit_of(name: str) -> str:
+    """The unit a tensor travels in: its transformer layer (``layers.3``, ``mtp_layers.0``), or ``""``."""
+    match = _UNIT.match(name)
+    return match[1] if match else ""
+
+
+def _local_tensors(chunks: Sequence[torch.nn.Module]) -> dict[str, tuple[torch.Tensor, bool, bool]]:
+    """Name -> (tensor, whether this rank gathers it with its tensor-parallel group, whether it sends it)."""
+    dense_copy = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_copy = ps.get_expert_data_parallel_rank(with_context_parallel=True) == 0
+    tp_first = ps.get_tensor_model_parallel_rank() == 0
+    found: dict[str, tuple[torch.Tensor, bool, bool]] = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ADAPTER_SLOT in name:
+                raise ValueError(
+                    f"stream_hf_weights: {name!r} is a LoRA adapter; stream a model without adapters (merge them "
+                    "first: megacann-convert merge-lora) or hand the adapters to the engine as a PEFT directory"
+                )
+            copy = expert_copy if get_sharding(param).expert else dense_copy
+            found.setdefault(storage_name(name, param), (param, copy, copy and tp_first))
+        for name, buffer in persistent_buffers(chunk):
+            found.setdefault(name, (buffer, False, dense_copy and tp_first))
+    return found
+
+
+def _plan(local: dict[str, tuple[torch.Tensor, bool, bool]]) -> list[_Entry]:
+    """Every tensor of the model in the order all ranks walk it (by unit, then name), with its sender."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = []
+    for name, (tensor, _, sends) in local.items():
+        if sends:
+            shape = get_sharding(tensor).logical_shape if isinstance(tensor, torch.nn.Parameter) else tensor.shape
+            mine.append(_Entry(name, tuple(shape), tensor.dtype, rank))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Optional[list[_Entry]]] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    entries: dict[str, _Entry] = {}
+    for part in everyone:
+        for entry in part or []:
+            entries.setdefault(entry.name, entry)  # a tied copy on a later stage is sent once
+    return sorted(entries.values(), key=lambda e: (unit_of(e.name), e.name))
+
+
+def _whole_on_first_rank(entry: _Entry, local: dict[str, tuple[torch.Tensor, bool, bool]]) -> Optional[torch.Tensor]:
+    """The whole tensor of ``entry`` on global rank 0 (None elsewhere); collective over the ranks that hold it."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    whole = None
+    if entry.name in local:
+        tensor, gathers, _ = local[entry.name]
+        if isinstance(tensor, torch.nn.Parameter) and gathers:
+            whole = gather_full_tensor(tensor)  # every rank of the sender's tensor-parallel group joins
+        elif rank == entry.sender:
+            whole = tensor.detach().to("cpu", copy=True)
+    if entry.sender == 0:
+        return whole if rank == 0 else None
+    if rank == entry.sender:
+        dist.send(whole.contiguous(), dst=0)
+    elif rank == 0:
+        whole = torch.empty(entry.shape, dtype=entry.dtype)
+        dist.recv(whole, src=entry.sender)
+        return whole
+    return None
+
+
+def stream_hf_weights(
+    chunks: Sequence[torch.nn.Module], cfg: ModelConfig, bucket_mb: float = 512.0
+) -> Iterator[Bucket]:
+    """The model's weights under their Hugging Face names, in buckets of about ``bucket_mb`` MiB (a unit
+    larger than that is a bucket of its own), yielded on global rank 0. Collective over the world: every
+    rank must exhaust the iterator. ``chunks``: this rank's model chunks at any layout (TP, PP, EP, DP)."""
+    if bucket_mb <= 0:
+        raise ValueError(f"stream_hf_weights: bucket_mb must be > 0, got {bucket_mb}")
+    adapter = hf_adapter(cfg)
+    limit = bucket_mb * 2**20
+    local = _local_tensors(chunks)
+    plan = _plan(local)
+    bucket: Bucket = []
+    held = 0
+    for index, entry in enumerate(plan):
+        if index == 0 or unit_of(entry.name) != unit_of(plan[index - 1].name):
+            unit: dict[str, torch.Tensor] = {}
+        whole = _whole_on_first_rank(entry, local)
+        if whole is not None:
+            unit[entry.name] = whole
+        last_of_unit = index + 1 == len(plan) or unit_of(plan[index + 1].name) != unit_of(entry.name)
+        if not last_of_unit or not unit:
+            continue
+        named = sorted(adapter.to_hf(unit, cfg).items())
+        size = sum(t.nbytes for _, t in named)
+        if bucket and held + size > limit:
+            yield bucket
+            bucket, held = [], 0
+        bucket.extend(named)
+        held += size
+    if bucket:
+        yield bucket
+
+
+@torch.no_grad()
+def load_into_module(module: torch.nn.Module, bucket: Bucket, strict_names: bool = True) -> list[str]:
+    """A receiver: copy a bucket into ``module``'s parameters and buffers of the same (Hugging Face) names,
+    cast to their dtype; returns the names it set. A name the module lacks is an error unless
+    ``strict_names`` is False (then it is skipped, e.g. an engine that ties the head to the embedding)."""
+    targets = dict(module.named_parameters())
+    targets.update(module.named_buffers())
+    loaded = []
+    for name, tensor in bucket:
+        target = targets.get(name)
+        if target is None:
+            if strict_names:
+                raise KeyError(f"load_into_module: the receiving module has no tensor named {name!r}")
+            continue
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"load_into_module: {name!r} has shape {list(tensor.shape)}, the module's is {list(target.shape)}"
+            )
+        target.copy_(tensor)
+        loaded.append(name)
+    return loaded
