@@ -7,8 +7,8 @@ its shards (:func:`~megacann.interop.full_state.gather_full_tensor`); the rank t
 (the first tensor-, data- and, for experts, expert-data-parallel rank of its stage) sends it to global
 rank 0. When a unit is whole, rank 0 names it as the family's Hugging Face adapter does (fused projections
 split, experts of every expert-parallel rank together) and adds it to the bucket; a bucket is handed out
-once it would grow past ``bucket_mb``. So rank 0 holds at most one bucket and one unit beyond the model,
-and the tensors are bit for bit those of ``megacann-convert to-hf`` of a checkpoint of the same weights.
+once it would grow past ``bucket_mb``. So rank 0 holds at most one bucket and one unit beyond the model
+(less: a tensor it holds whole on the CPU is not copied), and the tensors are bit for bit those of ``megacann-convert to-hf`` of a checkpoint of the same weights.
 
 Every rank iterates (the transfers are collective); only rank 0's iterator yields buckets::
 
@@ -97,16 +97,24 @@ def _plan(local: dict[str, tuple[torch.Tensor, bool, bool]]) -> list[_Entry]:
     return sorted(entries.values(), key=lambda e: (unit_of(e.name), e.name))
 
 
+def _split_over_tp(tensor: torch.Tensor) -> bool:
+    return (
+        isinstance(tensor, torch.nn.Parameter)
+        and get_sharding(tensor).tp_dim is not None
+        and ps.get_tensor_model_parallel_world_size() > 1
+    )
+
+
 def _whole_on_first_rank(entry: _Entry, local: dict[str, tuple[torch.Tensor, bool, bool]]) -> Optional[torch.Tensor]:
     """The whole tensor of ``entry`` on global rank 0 (None elsewhere); collective over the ranks that hold it."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     whole = None
     if entry.name in local:
         tensor, gathers, _ = local[entry.name]
-        if isinstance(tensor, torch.nn.Parameter) and gathers:
+        if gathers and _split_over_tp(tensor):
             whole = gather_full_tensor(tensor)  # every rank of the sender's tensor-parallel group joins
         elif rank == entry.sender:
-            whole = tensor.detach().to("cpu", copy=True)
+            whole = tensor.detach().to("cpu")  # the live tensor itself on a CPU: no copy (see the docstring)
     if entry.sender == 0:
         return whole if rank == 0 else None
     if rank == entry.sender:
@@ -123,7 +131,9 @@ def stream_hf_weights(
 ) -> Iterator[Bucket]:
     """The model's weights under their Hugging Face names, in buckets of about ``bucket_mb`` MiB (a unit
     larger than that is a bucket of its own), yielded on global rank 0. Collective over the world: every
-    rank must exhaust the iterator. ``chunks``: this rank's model chunks at any layout (TP, PP, EP, DP)."""
+    rank must exhaust the iterator. ``chunks``: this rank's model chunks at any layout (TP, PP, EP, DP).
+    A tensor rank 0 holds whole on the CPU is handed out as the live tensor, not a copy: the receiver copies
+    each bucket before the model trains on (as an engine's weight loading does)."""
     if bucket_mb <= 0:
         raise ValueError(f"stream_hf_weights: bucket_mb must be > 0, got {bucket_mb}")
     adapter = hf_adapter(cfg)
