@@ -1,7 +1,7 @@
 """``megacann-convert``: checkpoints and weights between megacann's formats and Hugging Face's, on one process.
 
     megacann-convert consolidate SOURCE OUT [--dtype fp32|bf16|fp16]   full model -> consolidated directory
-    megacann-convert to-hf SOURCE OUT [--dtype ...]                     full model -> HF directory
+    megacann-convert to-hf SOURCE OUT [--dtype ...] [--fp8-block R C]   full model -> HF directory
     megacann-convert from-hf HF_DIR OUT [--dtype ...]                   HF directory -> consolidated directory
     megacann-convert merge-lora LORA OUT [--to megacann|hf] [--base DIR] [--dtype ...]
                                                                         LoRA checkpoint + its base -> full model
@@ -47,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--dtype", choices=sorted(PRECISION_DTYPES), default=None, help="cast weights (default: as stored)"
         )
+        if name == "to-hf":
+            sub.add_argument(
+                "--fp8-block",
+                type=int,
+                nargs=2,
+                metavar=("ROWS", "COLS"),
+                default=None,
+                help="write projection weights in block-scaled fp8 (DeepSeek-V3's format, e.g. 128 128)",
+            )
         if name == "merge-lora":
             sub.add_argument("--to", choices=("megacann", "hf"), default="megacann", help="output format")
             sub.add_argument("--base", default=None, help="the base's directory (default: the recorded path)")
@@ -61,6 +70,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     function, _ = COMMANDS[args.command]
     extra = {key: getattr(args, key) for key in ("to", "base") if hasattr(args, key)}
+    if getattr(args, "fp8_block", None) is not None:
+        extra["fp8_block"] = tuple(args.fp8_block)
     start = time.perf_counter()
     try:
         out = function(args.source, args.out, args.dtype, **extra)

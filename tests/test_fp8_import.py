@@ -80,9 +80,15 @@ def quantize(weight):
 
 def dequantize(q, scale):
     """The test's own dequantisation, tile by tile."""
+    return dequantize_with(q, scale, BLOCK)
+
+
+def dequantize_with(q, scale, block):
     out = torch.empty(q.shape)
-    for rows, cols, ij in blocks(q.shape):
-        out[rows, cols] = q[rows, cols].to(torch.float32) * scale[ij]
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+            out[rows, cols] = q[rows, cols].to(torch.float32) * scale[i, j]
     return out
 
 
@@ -220,6 +226,64 @@ def test_convert_round_trip_writes_the_dequantised_weights_unquantised(ckpt, cap
     ours = from_pretrained_hf(ckpt["fp8"]).eval()
     with torch.no_grad():
         torch.testing.assert_close(theirs.eval()(IDS).logits, ours(input_ids=IDS), atol=1e-4, rtol=0)
+
+
+def test_to_hf_can_write_block_scaled_fp8_that_both_importers_read_back(ckpt, capsys):
+    """``to-hf --fp8-block``: the projections quantised as the test's own quantiser does (bitwise), the rest
+    as stored; megacann reads the directory back with the logits of the test's dequantised checkpoint, and
+    transformers (which dequantises fine-grained fp8 on a CPU) with its own logits of that checkpoint."""
+    from megacann.convert import main as convert
+
+    root = ckpt["root"]
+    assert convert(["from-hf", str(root / "orig"), str(root / "orig_whole")]) == 0
+    assert convert(["to-hf", str(root / "orig_whole"), str(root / "fp8_export"), "--fp8-block", *map(str, BLOCK)]) == 0
+    exported = load_file(str(root / "fp8_export" / "model.safetensors"))
+    for name, tensor in ckpt["original"].items():
+        if name.endswith(("_proj.weight", "_proj_with_mqa.weight")):  # DeepSeek's kv_a_proj_with_mqa too
+            q, scale = quantize(tensor)
+            assert exported[name].dtype == torch.float8_e4m3fn, name
+            assert torch.equal(exported[name].view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(exported[name + "_scale_inv"], scale), name
+        else:
+            assert torch.equal(exported[name], tensor), name
+    with open(root / "fp8_export" / "config.json") as f:
+        assert json.load(f)["quantization_config"] == QUANT
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv" in exported
+    assert "model.layers.1.mlp.gate.weight_scale_inv" not in exported  # the router stays unquantised
+    ours = from_pretrained_hf(str(root / "fp8_export")).eval()
+    again = from_pretrained_hf(str(root / "fp8_export")).eval()
+    with torch.no_grad():  # megacann's reading: each weight its fp8 value times its block's scale
+        for name, param in ours.named_parameters():
+            assert torch.equal(param, again.get_parameter(name)), name
+        kv_a = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+        expected = dequantize(exported[kv_a], exported[kv_a + "_scale_inv"])
+        assert torch.equal(ours.get_parameter("layers.1.self_attn.kv_a_proj_with_mqa.weight"), expected)
+
+    # transformers reads whole blocks only: blocks of [4, 4] divide every width of the tiny model
+    transformers = pytest.importorskip("transformers")
+    assert convert(["to-hf", str(root / "orig_whole"), str(root / "fp8_4x4"), "--fp8-block", "4", "4"]) == 0
+    four = load_file(str(root / "fp8_4x4" / "model.safetensors"))
+    deq4 = {
+        n: dequantize_with(four[n], four[n + "_scale_inv"], (4, 4)) if n + "_scale_inv" in four else t
+        for n, t in four.items()
+        if not n.endswith("_scale_inv")
+    }
+    with open(root / "orig" / "config.json") as f:
+        write_hf(root / "deq_4x4", deq4, json.load(f))
+    kwargs = {"attn_implementation": "eager", "dtype": torch.float32}
+    theirs = transformers.DeepseekV3ForCausalLM.from_pretrained(str(root / "fp8_4x4"), **kwargs).eval()
+    dequantised = transformers.DeepseekV3ForCausalLM.from_pretrained(str(root / "deq_4x4"), **kwargs).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(IDS).logits, dequantised(IDS).logits, atol=1e-4, rtol=0)
+        assert not torch.allclose(
+            theirs(IDS).logits,
+            transformers.DeepseekV3ForCausalLM.from_pretrained(str(root / "orig"), **kwargs).eval()(IDS).logits,
+            atol=1e-4,
+            rtol=0,
+        )  # quantised, not the original
+
+    assert convert(["to-hf", str(root / "orig_whole"), str(root / "bad"), "--fp8-block", "0", "128"]) == 1
+    assert "--fp8-block [0, 128] is not two positive integers" in capsys.readouterr().err
 
 
 # -- refusals --------------------------------------------------------------------------------------------

@@ -73,20 +73,33 @@ def write_consolidated_export(tensors: dict[str, torch.Tensor], cfg: ModelConfig
         save_tokenizer(tokenizer, os.path.join(out, TOKENIZER_DIR))
 
 
-def export_hf(source: str, out: str, dtype: Optional[str] = None, log: Log = print) -> str:
+def export_hf(
+    source: str,
+    out: str,
+    dtype: Optional[str] = None,
+    log: Log = print,
+    fp8_block: Optional[tuple[int, int]] = None,
+) -> str:
     """Checkpoint or consolidated directory -> Hugging Face directory (the family's adapter names the
     weights), with the run's tokenizer and a generation config naming its special tokens. Weights are
-    written unquantised and config.json has no ``quantization_config``: an fp8 source's are dequantised."""
+    written unquantised and config.json has no ``quantization_config`` (an fp8 source's are dequantised),
+    unless ``fp8_block`` asks for DeepSeek-V3's block-scaled fp8 (:mod:`megacann.interop.quantized`)."""
     tensors, cfg = read_weights(source, _fp8_dtype(dtype))
-    write_hf_export(cast_weights(tensors, dtype), cfg, out, source_tokenizer(source, cfg, log))
+    write_hf_export(cast_weights(tensors, dtype), cfg, out, source_tokenizer(source, cfg, log), fp8_block)
     return out
 
 
-def write_hf_export(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: str, tokenizer: Any) -> None:
+def write_hf_export(
+    tensors: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    out: str,
+    tokenizer: Any,
+    fp8_block: Optional[tuple[int, int]] = None,
+) -> None:
     """A Hugging Face directory of ``tensors`` (the family's adapter names them) with ``tokenizer`` (if any)
-    and a generation config naming its special tokens."""
+    and a generation config naming its special tokens; ``fp8_block``: block-scaled fp8 projections."""
     token_ids = generation_config(tokenizer_record(tokenizer)) if tokenizer is not None else {}
-    save_hf_tensors(tensors, cfg, out, extra_config=token_ids)
+    save_hf_tensors(tensors, cfg, out, extra_config=token_ids, fp8_block=fp8_block)
     if tokenizer is not None:
         save_tokenizer(tokenizer, out, model_max_length=cfg.max_position_embeddings)
         with open(os.path.join(out, GENERATION_CONFIG_FILE), "w") as f:

@@ -179,11 +179,22 @@ def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfi
 
 
 def save_hf_tensors(
-    tensors: dict[str, torch.Tensor], cfg: ModelConfig, path: str, extra_config: Optional[dict[str, Any]] = None
+    tensors: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    path: str,
+    extra_config: Optional[dict[str, Any]] = None,
+    fp8_block: Optional[tuple[int, int]] = None,
 ) -> None:
     """Write whole megacann tensors held by one process (e.g. read from a checkpoint) as a Hugging Face
-    directory with a single safetensors file (``extra_config`` goes into config.json)."""
+    directory with a single safetensors file (``extra_config`` goes into config.json); ``fp8_block``:
+    projection weights in block-scaled fp8 with blocks of that [rows, cols]."""
     hf = hf_adapter(cfg).to_hf(tensors, cfg)
+    dtype = next(iter(hf.values())).dtype
+    if fp8_block is not None:  # DeepSeek-V3's block-scaled fp8 (megacann.interop.quantized)
+        from megacann.interop.quantized import QUANTIZATION_KEY, quantize_hf_tensors
+
+        hf, settings = quantize_hf_tensors(hf, fp8_block)
+        extra_config = {**(extra_config or {}), QUANTIZATION_KEY: settings}
     os.makedirs(path, exist_ok=True)
     save_safetensors(hf, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
-    write_hf_config(path, cfg, next(iter(hf.values())).dtype, extra_config)
+    write_hf_config(path, cfg, dtype, extra_config)

@@ -15,8 +15,14 @@ partial). Other tensors (norms, embeddings, the router, the head) are stored unq
 in fp32, one tensor at a time, and comes out in the reader's dtype; the scales are consumed there and
 never reach a model. Anything that does not fit (an fp8 weight without its scale, a scale without its
 weight or of the wrong shape, an fp8 tensor where config.json names no quantisation) is an error naming
-the file, the tensor and what was expected. Weights exported by megacann are never quantised: an export
-of an fp8 checkpoint holds the dequantised weights and no ``quantization_config``.
+the file, the tensor and what was expected.
+
+Exports are unquantised by default (an export of an fp8 checkpoint holds the dequantised weights and no
+``quantization_config``); ``megacann-convert to-hf --fp8-block ROWS COLS`` writes this format instead
+(:func:`quantize_hf_tensors`): every 2-D projection weight (``*_proj.weight``, ``*_proj_with_mqa.weight``:
+attention, MLPs, experts; not the embedding, head, norms or router) is divided block by block by its
+block's absolute maximum / 448 (the largest float8_e4m3fn) and rounded to float8_e4m3fn, the scale kept
+as ``weight_scale_inv``.
 """
 
 from __future__ import annotations
@@ -127,6 +133,42 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
     if whole * block[1] < cols:
         out[:, whole * block[1] :].mul_(scale[:, whole:])
     return out
+
+
+FP8_E4M3_MAX = 448.0
+_QUANTISED_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight")
+
+
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] as float8_e4m3fn and its ``weight_scale_inv`` (float32, one per block of
+    ``block``, the last ones possibly partial): each block divided by its absolute maximum / 448 (an
+    all-zero block gets scale 1)."""
+    rows, cols = weight.shape
+    scale_rows, scale_cols = math.ceil(rows / block[0]), math.ceil(cols / block[1])
+    padded = torch.zeros(scale_rows * block[0], scale_cols * block[1], dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.view(scale_rows, block[0], scale_cols, block[1])
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    quantised = (tiles / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return quantised.contiguous(), scale
+
+
+def quantize_hf_tensors(
+    tensors: Mapping[str, torch.Tensor], block: tuple[int, int]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Hugging Face tensors in block-scaled fp8 (every 2-D projection weight, with its scales) and the
+    ``quantization_config`` that says so."""
+    if len(block) != 2 or min(block) <= 0:
+        raise ValueError(f"--fp8-block {list(block)} is not two positive integers (rows, columns), e.g. 128 128")
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2 and name.endswith(_QUANTISED_SUFFIXES):
+            out[name], out[name + SCALE_SUFFIX] = quantize_blocks(tensor, block)
+        else:
+            out[name] = tensor
+    settings = {"quant_method": FP8_METHOD, "fmt": "e4m3", "activation_scheme": "dynamic"}
+    return out, {**settings, "weight_block_size": list(block)}
 
 
 def _is_fp8(tensor: torch.Tensor) -> bool:
