@@ -27,6 +27,11 @@ over the wider head.
 tables ``rotary=(cos, sin)`` are of width ``qk_rope_head_dim``; ``rotary_interleaved`` rotates adjacent
 pairs (DeepSeek's ``rope_interleave``: the same scores as transformers, whose interleaved rotation
 differs only by a permutation applied alike to queries and keys).
+
+While generating (``kv_cache`` set by :mod:`megacann.generation`), the layer hands the cache only the normed
+latent and the rotary key of each new token; over cached tokens it decodes with ``kv_b_proj`` absorbed
+into the query and the output (:meth:`LatentAttention.absorbed_attention`), never expanding them into
+every head's keys and values.
 """
 
 from __future__ import annotations
