@@ -7,7 +7,8 @@ tokens of 4 prompts of different lengths in one left-padded batch, log-probabili
 only the prefill expands latents into keys and values, every decode step attends with the up-projections
 absorbed; the cache holds ``kv_lora_rank + qk_rope_head_dim`` values per token per layer, its measured
 bytes equal :func:`latent_cache_bytes` and are a fraction of what full keys and values would take. LoRA
-adapters on the up-projection, active and unmerged, generate what their merged weights do. A latent
+adapters on the up-projection, active and unmerged, generate what their merged weights do. A model with a
+multi-token prediction depth caches nothing for it and generates what it does without it. A latent
 attention layer decoding token by token through its cache gives its whole causal forward's outputs, at
 one process and at tp 2 (each rank caching the whole latent for its 2 of the 4 heads).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepseek_helpers import tiny_hf_deepseek
+from deepseek_helpers import tiny_deepseek_with_mtp, tiny_hf_deepseek
 from dist_harness import run_on_ranks
 from generation_helpers import (
     NEW_TOKENS,
@@ -102,6 +103,22 @@ def test_lora_adapters_on_the_up_projection_generate_unmerged_what_their_merged_
     assert merge_lora(model) > 0
     _, merged = _generate(model, params)
     _assert_same(active, [r.tokens for r in merged], [r.logprobs for r in merged])
+
+
+def test_multi_token_prediction_depths_are_not_cached(tmp_path):
+    model = tiny_deepseek_with_mtp(str(tmp_path / "hf"))
+    params = SamplingParams(max_new_tokens=24)
+    generator, results = _generate(model, params)
+    layers, depth = generator.last_cache.layers, [m for m in model.mtp.modules() if isinstance(m, LatentAttention)]
+    assert len(layers) == 5 and generator.last_cache.attentions[4:] == depth
+    assert [layer.nbytes > 0 for layer in layers] == [True] * 4 + [False]  # the depth never ran
+    c, slots = model.config, max(map(len, prompts())) + 24 - 1
+    assert generator.last_cache.nbytes == latent_cache_bytes(
+        4, 4, slots, c.kv_lora_rank, c.qk_rope_head_dim, torch.float32
+    )
+    model.mtp = None
+    _, without_depth = _generate(model, params)
+    _assert_same(results, [r.tokens for r in without_depth], [r.logprobs for r in without_depth])
 
 
 PROMPT, TOTAL = 5, 12  # a layer's prefill, then one token per forward
