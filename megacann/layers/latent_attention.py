@@ -226,7 +226,8 @@ class LatentAttention(torch.nn.Module):
 
     def latent_up_projection(self) -> torch.Tensor:
         """``kv_b_proj`` as ``[local heads, qk_nope_head_dim + v_head_dim, kv_lora_rank]`` (each head's key
-        rows, then its value rows), its adapter's update (LoRA, unmerged) included."""
+        rows, then its value rows), its adapter's update (LoRA, unmerged) included; under ``precision.fp8``
+        the stored weight, unquantised (decoding is not an FP8 product)."""
         weight = self.kv_b_proj.weight
         if self.kv_b_proj.adapter is not None:  # the adapter's product with the identity is its matrix
             eye = torch.eye(self.kv_lora_rank, dtype=weight.dtype, device=weight.device)
