@@ -40,7 +40,7 @@ from megacann.generation.sampling import draw
 from megacann.interop import from_pretrained_hf
 from megacann.layers import initialize_weights
 from megacann.layers.lora import LoRAConfig, adapters_disabled, attach_lora, lora_parameters, merge_lora
-from megacann.models import DEEPSEEK_V3, GPTModel, LlamaModel, get_model_spec
+from megacann.models import GPTModel, LlamaModel, get_model_spec
 
 LONG = {"max_position_embeddings": 128}  # prompt + 64 new tokens fit every family's positions
 WRITERS = {
@@ -269,8 +269,9 @@ def test_a_prompt_longer_than_the_cache_a_family_without_decoding_and_a_pipeline
         _generate(llama, "llama", prompts(), max_len=10)
     with pytest.raises(ValueError, match=r"needs 77 cache slots a row, more than max_len 40"):
         _generate(llama, "llama", prompts(), max_len=40)
-    with pytest.raises(ValueError, match="model family 'deepseek_v3' declares no decode path"):
-        Generator(llama, DEEPSEEK_V3)
+    no_decode = dataclasses.replace(get_model_spec("llama"), name="no_decode", decode=None)
+    with pytest.raises(ValueError, match="model family 'no_decode' declares no decode path"):
+        Generator(llama, no_decode)
     first_stage = LlamaModel(llama.config, layer_ids=[0], post_process=False)
     with pytest.raises(ValueError, match="needs the whole model on this rank: pipeline stages are not supported"):
         Generator(first_stage, get_model_spec("llama"))

@@ -1,5 +1,6 @@
-"""The key/value cache of a generation: one preallocated ``[batch, slots, kv_heads, head_dim]`` pair per
-attention layer, shared bookkeeping for all of them, and the attention that reads it.
+"""The cache of a generation: per attention layer, what the layer keeps of each earlier token, preallocated
+for ``batch`` rows of ``max_len`` tokens, with shared bookkeeping for all layers; and the attention of a
+:class:`~megacann.layers.SelfAttention` over its cached keys and values.
 
 Rows are left-padded to a common length, so every row writes its token of a step into the same slot;
 ``pad[row]`` says where its real tokens begin, and no query ever reads a slot before it. The first
@@ -8,6 +9,12 @@ forward (the prefill) attends with the training attention (``segment_ids``: padd
 sliding window W keeps a rolling cache of ``min(W, max_len)`` slots: a token at slot ``t`` lives at
 ``t mod W`` and overwrites the one that left the window. Under tensor parallelism each rank caches the kv
 heads its query heads read (``SelfAttention.local_kv_heads``): the cache is sharded by heads.
+
+Which layers a cache serves, and how, is declared per attention class (:func:`register_cache_layer`):
+``SelfAttention`` caches keys and values (:class:`KVCacheLayer`), latent attention its compressed latent
+(:mod:`megacann.generation.latent_cache`); a custom attention registers its own. A layer's tensors are
+allocated when the prefill first writes them, so a layer that never runs while generating (a
+multi-token-prediction depth) holds nothing.
 """
 
 from __future__ import annotations
@@ -37,23 +44,41 @@ def kv_cache_bytes(
     return 2 * num_layers * batch * slots * kv_heads * head_dim * dtype.itemsize
 
 
+_CACHE_LAYERS: list[tuple[type, type]] = []  # (attention class, the cache layer class serving it)
+
+
+def register_cache_layer(attention_class: type, cache_layer_class: type) -> None:
+    """Instances of ``attention_class`` (a module with a ``kv_cache`` attribute that its forward reads
+    while generating) get a ``cache_layer_class(cache, attention, batch)`` each from :class:`KVCache`."""
+    _CACHE_LAYERS.insert(0, (attention_class, cache_layer_class))  # the latest registration wins
+
+
+def cache_layer_class(module: torch.nn.Module) -> Optional[type]:
+    """The cache layer class registered for ``module``'s class (None: no attention a cache serves)."""
+    return next((layer for kind, layer in _CACHE_LAYERS if isinstance(module, kind)), None)
+
+
 class KVCache:
-    """The caches of every :class:`SelfAttention` of ``model`` for ``batch`` rows of at most ``max_len``
-    tokens (prompt, padding and new tokens), allocated at once. ``pad`` ``[batch]``: each row's padding.
-    :meth:`attached` sets them on the layers for the forwards of a generation; :meth:`advance` moves past
-    the tokens a forward wrote; :meth:`keep_rows` drops finished rows."""
+    """The caches of every attention layer of ``model`` (those of a class with a registered cache layer)
+    for ``batch`` rows of at most ``max_len`` tokens (prompt, padding and new tokens). ``pad``
+    ``[batch]``: each row's padding. :meth:`attached` sets them on the layers for the forwards of a
+    generation; :meth:`advance` moves past the tokens a forward wrote; :meth:`keep_rows` drops finished
+    rows."""
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, pad: torch.Tensor):
-        self.attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
-        if not self.attentions:
-            raise ValueError("the model has no SelfAttention layer whose keys and values a cache could hold")
+        served = [(m, cache_layer_class(m)) for m in model.modules()]
+        served = [(m, layer) for m, layer in served if layer is not None]
+        if not served:
+            known = ", ".join(kind.__name__ for kind, _ in _CACHE_LAYERS)
+            raise ValueError(f"the model has no attention layer a cache serves (registered: {known})")
         self.max_len, self.length, self.pad = max_len, 0, pad
-        self.layers = [KVCacheLayer(self, attention, batch) for attention in self.attentions]
+        self.attentions = [m for m, _ in served]
+        self.layers = [layer(self, m, batch) for m, layer in served]
 
     @property
     def nbytes(self) -> int:
-        """Bytes the cache holds (keys and values of every layer on this rank)."""
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        """Bytes the cache holds (every layer's tensors on this rank)."""
+        return sum(layer.nbytes for layer in self.layers)
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[KVCache]:
@@ -74,61 +99,97 @@ class KVCache:
         """Keep only ``rows`` (indices into the current batch): finished requests cost nothing more."""
         self.pad = self.pad.index_select(0, rows)
         for layer in self.layers:
-            layer.keys = layer.keys.index_select(0, rows)
-            layer.values = layer.values.index_select(0, rows)
+            layer.keep_rows(rows)
 
 
-class KVCacheLayer:
-    """One attention layer's keys and values (``[batch, slots, local_kv_heads, head_dim]``) and the slot
-    each cache position holds (``slot_of``, -1: empty)."""
+class CacheLayer:
+    """One layer's share of a :class:`KVCache`: ``entries``, tensors of ``[batch, slots, ...]`` (what the
+    layer keeps of a token), and the slot each cache position holds (``slot_of``, -1: empty). ``window``
+    W (None: none) makes it a rolling cache of ``min(W, max_len)`` positions. Subclasses add ``attend``."""
 
-    def __init__(self, cache: KVCache, attention: SelfAttention, batch: int):
-        self.cache, self.window = cache, attention.sliding_window
-        slots = min(cache.max_len, self.window) if self.window else cache.max_len
-        weight = attention.o_proj.weight
-        shape = (batch, slots, attention.local_kv_heads, attention.head_dim)
-        self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-        self.values = torch.zeros_like(self.keys)
-        self.slot_of = torch.full((slots,), -1, dtype=torch.long, device=weight.device)
+    def __init__(self, cache: KVCache, batch: int, window: Optional[int]):
+        self.cache, self.window, self.batch = cache, window, batch
+        self.slots = min(cache.max_len, window) if window else cache.max_len
+        self.entries: list[torch.Tensor] = []  # allocated by the first store
+        self.slot_of: Optional[torch.Tensor] = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry in self.entries)
 
     @property
     def rolling(self) -> bool:
-        return self.keys.shape[1] < self.cache.max_len
+        return self.slots < self.cache.max_len
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        start, s, slots = self.cache.length, k.shape[1], self.keys.shape[1]
+    def store(self, *new: torch.Tensor) -> None:
+        """Write this forward's ``[b, s, ...]`` tensors (one per entry) at the next ``s`` positions."""
+        if not self.entries:
+            self.entries = [x.new_zeros((self.batch, self.slots, *x.shape[2:])) for x in new]
+            self.slot_of = torch.full((self.slots,), -1, dtype=torch.long, device=new[0].device)
+        start, s = self.cache.length, new[0].shape[1]
         if start + s > self.cache.max_len:
             raise ValueError(f"the key/value cache holds {self.cache.max_len} tokens a row; {start + s} asked")
-        keep = min(s, slots)  # a rolling cache keeps the last W of a long prompt
-        positions = torch.arange(start + s - keep, start + s, device=k.device)
-        where = positions % slots
-        self.keys[:, where] = k[:, s - keep :].to(self.keys.dtype)
-        self.values[:, where] = v[:, s - keep :].to(self.values.dtype)
+        keep = min(s, self.slots)  # a rolling cache keeps the last W of a long prompt
+        positions = torch.arange(start + s - keep, start + s, device=new[0].device)
+        where = positions % self.slots
+        for entry, x in zip(self.entries, new):
+            entry[:, where] = x[:, s - keep :].to(entry.dtype)
         self.slot_of[where] = positions
 
-    def attend(self, attention: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store this step's keys and values, then attend: the prefill over itself (the training kernels,
-        padding as its own segment), a later step over the cache."""
-        start, s = self.cache.length, q.shape[1]
-        self._store(k, v)
-        if start == 0:
-            columns = torch.arange(s, device=q.device)
-            segment_ids = (columns.unsqueeze(0) >= self.cache.pad.unsqueeze(1)).long()
-            return attention.core_attention(q, *attention.expand_kv(k, v), segment_ids)
-        used = self.keys.shape[1] if self.rolling else start + s  # a full cache's empty tail is not read
-        mask = self._mask(torch.arange(start, start + s, device=q.device), used)
-        keys, values = attention.expand_kv(self.keys[:, :used], self.values[:, :used])
-        return ops.scaled_dot_product_attention(
-            q, keys, values, causal=False, attn_mask=mask, scale=attention.softmax_scale
-        )
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.batch = len(rows)
+        self.entries = [entry.index_select(0, rows) for entry in self.entries]
 
-    def _mask(self, query_slots: torch.Tensor, used: int) -> torch.Tensor:
-        """``[b, 1, s, used]``, True where a query may read a cached key: a key of its own row (not
-        padding), not after it, within the window."""
+    def used(self, s: int) -> int:
+        """Slots a query of this forward (``s`` new tokens, stored) may read: a full cache's empty tail
+        is not read."""
+        return self.slots if self.rolling else self.cache.length + s
+
+    def padding_segments(self, s: int, device: torch.device) -> torch.Tensor:
+        """The prefill's ``segment_ids`` ``[b, s]``: padding 0, the prompt 1 (never attended across)."""
+        columns = torch.arange(s, device=device)
+        return (columns.unsqueeze(0) >= self.cache.pad.unsqueeze(1)).long()
+
+    def mask(self, s: int, used: int) -> torch.Tensor:
+        """``[b, 1, s, used]``, True where one of this forward's ``s`` queries may read a cached entry: one
+        of its own row (not padding), not after it, within the window."""
+        start = self.cache.length
         held = self.slot_of[:used].view(1, 1, -1)
-        query = query_slots.view(1, -1, 1)
+        query = torch.arange(start, start + s, device=held.device).view(1, -1, 1)
         allowed = (held >= 0) & (held <= query)
         if self.window:
             allowed = allowed & (held > query - self.window)
         own_row = held >= self.cache.pad.view(-1, 1, 1)
         return (allowed & own_row).unsqueeze(1)
+
+
+class KVCacheLayer(CacheLayer):
+    """One :class:`SelfAttention`'s keys and values, ``[batch, slots, local_kv_heads, head_dim]`` each."""
+
+    def __init__(self, cache: KVCache, attention: SelfAttention, batch: int):
+        super().__init__(cache, batch, attention.sliding_window)
+
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        return self.entries[0] if self.entries else None
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:
+        return self.entries[1] if self.entries else None
+
+    def attend(self, attention: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's keys and values, then attend: the prefill over itself (the training kernels,
+        padding as its own segment), a later step over the cache (with the layer's sinks, if any)."""
+        start, s = self.cache.length, q.shape[1]
+        self.store(k, v)
+        if start == 0:
+            return attention.core_attention(q, *attention.expand_kv(k, v), self.padding_segments(s, q.device))
+        used = self.used(s)
+        mask = self.mask(s, used)
+        keys, values = attention.expand_kv(self.keys[:, :used], self.values[:, :used])
+        return ops.scaled_dot_product_attention(
+            q, keys, values, causal=False, attn_mask=mask, scale=attention.softmax_scale, sinks=attention.sinks
+        )
+
+
+register_cache_layer(SelfAttention, KVCacheLayer)

@@ -27,11 +27,16 @@ over the wider head.
 tables ``rotary=(cos, sin)`` are of width ``qk_rope_head_dim``; ``rotary_interleaved`` rotates adjacent
 pairs (DeepSeek's ``rope_interleave``: the same scores as transformers, whose interleaved rotation
 differs only by a permutation applied alike to queries and keys).
+
+While generating (``kv_cache`` set by :mod:`megacann.generation`), the layer hands the cache only the normed
+latent and the rotary key of each new token; over cached tokens it decodes with ``kv_b_proj`` absorbed
+into the query and the output (:meth:`LatentAttention.absorbed_attention`), never expanding them into
+every head's keys and values.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -43,11 +48,26 @@ from megacann.layers import mappings
 from megacann.layers.attention import Rotary, SelfAttention
 from megacann.layers.context import current_layer_context
 from megacann.layers.init import default_init_methods
-from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear, add_adapter_output
 from megacann.layers.norm import RMSNorm
 from megacann.layers.random import checkpoint
 from megacann.layers.rotary import yarn_mscale
 from megacann.layers.sharding import InitMethod, mark_partial_grad
+
+
+class LatentCacheLayer(Protocol):
+    """One latent attention layer's cache while generating (:mod:`megacann.generation`): ``attend(attention,
+    q_nope, q_rope, latent, k_rope)`` stores this step's normed latents and rotary keys and returns the
+    attention of the queries over every cached token of its row, ``[b, s, local heads, v_head_dim]``."""
+
+    def attend(
+        self,
+        attention: LatentAttention,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+    ) -> torch.Tensor: ...
 
 
 def mla_softmax_scale(qk_head_dim: int, rope_scaling: Optional[dict[str, Any]] = None) -> float:
@@ -128,6 +148,8 @@ class LatentAttention(torch.nn.Module):
         if recompute_core_attention is None:
             recompute_core_attention = ctx.recompute == "selective"
         self.recompute_core_attention = recompute_core_attention
+        # set by megacann.generation while it generates: attention over cached latents (None: off)
+        self.kv_cache: Optional[LatentCacheLayer] = None
 
         linear = dict(group=group, dtype=dtype, device=device)
         down = dict(replicated=True, sequence_parallel=sequence_parallel, init_method=init_method, **linear)
@@ -163,30 +185,70 @@ class LatentAttention(torch.nn.Module):
             f"qk_nope_head_dim={self.nope}, qk_rope_head_dim={self.rope}, v_head_dim={self.v_head_dim}"
         )
 
+    def _queries(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query heads' parts without and with positions (RoPE applied), ``[b, s, local heads, qk_nope_head_dim]``
+        and ``[b, s, local heads, qk_rope_head_dim]``, from a prepared input."""
+        if self.q_proj is not None:
+            q = self.q_proj.forward_prepared(x)
+        else:
+            q = self.q_b_proj.forward_prepared(self.q_a_layernorm(self.q_a_proj.forward_prepared(x)))
+        q_nope, q_rope = rearrange(q, "b s (h d) -> b s h d", d=self.qk_head_dim).split([self.nope, self.rope], -1)
+        q_rope = q_rope.contiguous()
+        if rotary is not None:
+            q_rope = ops.apply_rotary(q_rope, rotary[0], rotary[1], self.rotary_interleaved)
+        return q_nope, q_rope
+
+    def _latent(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every head's keys and values come from: the normed latent ``[b, s, kv_lora_rank]`` and the
+        shared rotary key ``[b, s, 1, qk_rope_head_dim]`` (RoPE applied), from a prepared input."""
+        latent, k_rope = self.kv_a_proj_with_mqa.forward_prepared(x).split([self.kv_lora_rank, self.rope], -1)
+        k_rope = k_rope.unsqueeze(2).contiguous()  # the shared key: one head
+        if rotary is not None:
+            k_rope = ops.apply_rotary(k_rope, rotary[0], rotary[1], self.rotary_interleaved)
+        return self.kv_a_layernorm(latent), k_rope
+
+    def expand_latent(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[b, s, local heads, qk width]`` and values ``[b, s, local heads, v_head_dim]`` of this
+        rank's heads from the normed latent and the rotary key (:meth:`_latent`)."""
+        kv = rearrange(self.kv_b_proj.forward_prepared(latent), "b s (h d) -> b s h d", h=self.local_heads)
+        k_nope, v = kv.split([self.nope, self.v_head_dim], -1)
+        return torch.cat([k_nope, k_rope.expand(-1, -1, self.local_heads, -1)], -1), v
+
     def _project(self, hidden: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k ``[b, s, local heads, qk width]`` (RoPE applied) and v ``[b, s, local heads, v_head_dim]``
         over the whole sequence."""
         # one prepared input for every projection of the hidden state: gathered under sequence
         # parallelism, its gradient summed over TP in backward
         x = self.kv_a_proj_with_mqa.prepare_input(hidden)
-        if self.q_proj is not None:
-            q = self.q_proj.forward_prepared(x)
-        else:
-            q = self.q_b_proj.forward_prepared(self.q_a_layernorm(self.q_a_proj.forward_prepared(x)))
-        q_nope, q_rope = rearrange(q, "b s (h d) -> b s h d", d=self.qk_head_dim).split([self.nope, self.rope], -1)
-        latent, k_rope = self.kv_a_proj_with_mqa.forward_prepared(x).split([self.kv_lora_rank, self.rope], -1)
-        kv = rearrange(
-            self.kv_b_proj.forward_prepared(self.kv_a_layernorm(latent)), "b s (h d) -> b s h d", h=self.local_heads
-        )
-        k_nope, v = kv.split([self.nope, self.v_head_dim], -1)
-        q_rope, k_rope = q_rope.contiguous(), k_rope.unsqueeze(2).contiguous()  # the shared key: one head
-        if rotary is not None:
-            cos, sin = rotary
-            q_rope = ops.apply_rotary(q_rope, cos, sin, self.rotary_interleaved)
-            k_rope = ops.apply_rotary(k_rope, cos, sin, self.rotary_interleaved)
-        q = torch.cat([q_nope, q_rope], -1)
-        k = torch.cat([k_nope, k_rope.expand(-1, -1, self.local_heads, -1)], -1)
-        return q, k, v
+        q_nope, q_rope = self._queries(x, rotary)
+        k, v = self.expand_latent(*self._latent(x, rotary))
+        return torch.cat([q_nope, q_rope], -1), k, v
+
+    def latent_up_projection(self) -> torch.Tensor:
+        """``kv_b_proj`` as ``[local heads, qk_nope_head_dim + v_head_dim, kv_lora_rank]`` (each head's key
+        rows, then its value rows), its adapter's update (LoRA, unmerged) included; under ``precision.fp8``
+        the stored weight, unquantised (decoding is not an FP8 product)."""
+        weight = self.kv_b_proj.weight
+        if self.kv_b_proj.adapter is not None:  # the adapter's product with the identity is its matrix
+            eye = torch.eye(self.kv_lora_rank, dtype=weight.dtype, device=weight.device)
+            weight = add_adapter_output(self.kv_b_proj.adapter, weight.t(), eye, None).t()
+        return weight.view(self.local_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
+
+    def absorbed_attention(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, cached: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of this rank's query heads over cached tokens, never expanding them into keys and
+        values (DeepSeek's absorbed decoding): ``cached`` ``[b, t, kv_lora_rank + qk_rope_head_dim]``
+        holds each token's normed latent c and rotary key. A head's score is ``(q_nope W_UK) . c + q_rope .
+        k_rope`` (``W_UK``: its key rows of ``kv_b_proj``), its output ``(softmax . c) W_UVᵀ`` (its value
+        rows): one-head attention over the cached rows, run by ``megacann.ops`` (the rope columns of
+        the value side give output columns that are cut off). ``mask`` ``[b, 1, s, t]``, True = read.
+        Returns ``[b, s, local heads, v_head_dim]``."""
+        w_uk, w_uv = self.latent_up_projection().split([self.nope, self.v_head_dim], 1)
+        q = torch.cat([torch.einsum("bshn,hnr->bshr", q_nope, w_uk), q_rope], -1)
+        rows = cached.unsqueeze(2)
+        out = ops.scaled_dot_product_attention(q, rows, rows, causal=False, attn_mask=mask, scale=self.softmax_scale)
+        return torch.einsum("bshr,hvr->bshv", out[..., : self.kv_lora_rank], w_uv)
 
     def core_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]
@@ -200,6 +262,10 @@ class LatentAttention(torch.nn.Module):
     def forward(
         self, hidden: torch.Tensor, rotary: Rotary = None, segment_ids: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
+        if self.kv_cache is not None:  # generation: earlier tokens' latents come from the cache
+            x = self.kv_a_proj_with_mqa.prepare_input(hidden)
+            out = self.kv_cache.attend(self, *self._queries(x, rotary), *self._latent(x, rotary))
+            return self.o_proj(rearrange(out, "b s h d -> b s (h d)"))
         q, k, v = self._project(hidden, rotary)
         if self.recompute_core_attention and self.training:
             out = checkpoint(self.core_attention, q, k, v, segment_ids)

@@ -198,7 +198,7 @@ def deepseek_structure(m: ModelConfig) -> MoEStructure:
     return dataclasses.replace(moe_structure(_filled(m)), normalize_top_k=m.norm_topk_prob)
 
 
-DEEPSEEK_V3 = moe_model_spec(  # no decode path: latent attention keeps no key/value cache yet
+DEEPSEEK_V3 = moe_model_spec(  # decodes as every decoder: its latent attention layers read a latent cache
     "deepseek_v3",
     DeepseekV3Model,
     config_class=DeepseekV3ModelConfig,
@@ -208,6 +208,5 @@ DEEPSEEK_V3 = moe_model_spec(  # no decode path: latent attention keeps no key/v
     flops_per_token=deepseek_flops_per_token,
     structure=deepseek_structure,
 )
-DEEPSEEK_V3 = dataclasses.replace(DEEPSEEK_V3, decode=None)
 
 __all__ = ["DEEPSEEK_V3", "DeepseekV3Model", "deepseek_num_parameters"]

@@ -98,14 +98,11 @@ def gpt_oss_num_parameters(m: ModelConfig, active: bool = False) -> int:
     return moe_num_parameters(m, active, GptOssModel) + m.num_layers * extra
 
 
-GPT_OSS = dataclasses.replace(
-    moe_model_spec(
-        "gpt_oss",
-        GptOssModel,
-        config_class=GptOssModelConfig,
-        check_config=check_gpt_oss_config,
-        hf=GPT_OSS_HF,
-        num_parameters=gpt_oss_num_parameters,
-    ),
-    decode=None,  # the generator's decode path has no attention sinks yet
+GPT_OSS = moe_model_spec(  # decodes as every decoder: the cache's attention takes the sinks
+    "gpt_oss",
+    GptOssModel,
+    config_class=GptOssModelConfig,
+    check_config=check_gpt_oss_config,
+    hf=GPT_OSS_HF,
+    num_parameters=gpt_oss_num_parameters,
 )
