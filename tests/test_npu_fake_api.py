@@ -1,4 +1,4 @@
-"""The fake torch_npu (tests/fake_torch_npu.py) holds megacann to torch_npu's documented contract, and
+"""The fake torch_npu (tests/fake_torch_npu/) holds megacann to torch_npu's documented contract, and
 megacann copes with an older torch_npu:
 
 - every fake kernel has the documented signature (an unknown keyword is a TypeError) and checks the

@@ -118,9 +118,7 @@ class KVCacheLayer:
         used = self.keys.shape[1] if self.rolling else start + s  # a full cache's empty tail is not read
         mask = self._mask(torch.arange(start, start + s, device=q.device), used)
         keys, values = attention.expand_kv(self.keys[:, :used], self.values[:, :used])
-        return ops.scaled_dot_product_attention(
-            q, keys, values, causal=False, attn_mask=mask, scale=attention.softmax_scale
-        )
+        return ops.decode_attention(q, keys, values, attn_mask=mask, scale=attention.softmax_scale)
 
     def _mask(self, query_slots: torch.Tensor, used: int) -> torch.Tensor:
         """``[b, 1, s, used]``, True where a query may read a cached key: a key of its own row (not
