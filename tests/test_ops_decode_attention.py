@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 
 import pytest
 import torch
-from fake_torch_npu import forget_npu_checks, make_fake_torch_npu, route_cpu_to_npu
+from fake_torch_npu import install, make_fake_torch_npu, route_cpu_to_npu, uninstall
 from layers_reference import rel_err
 
 from megacann import ops
@@ -82,18 +81,10 @@ def test_the_cuda_implementation_reads_the_cache_per_kv_head(s, hkv):
     assert registry._impls("decode_attention")["grouped_sdpa"].device_types == frozenset({"cuda"})
 
 
-def _install(monkeypatch, old_api=False):
-    npu = make_fake_torch_npu(old_api=old_api)
-    monkeypatch.setitem(sys.modules, "torch_npu", npu)
-    forget_npu_checks()
-    return npu
-
-
 @pytest.fixture
 def fake_npu(monkeypatch):
-    yield _install(monkeypatch)
-    monkeypatch.delitem(sys.modules, "torch_npu")
-    forget_npu_checks()
+    yield install(monkeypatch)
+    uninstall(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -131,7 +122,7 @@ def test_the_npu_route_runs_the_reference_where_the_kernel_does_not_apply(fake_n
 
 def test_a_torch_npu_without_the_kernel_falls_back_to_the_reference_said_once(monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="megacann.ops")
-    npu = _install(monkeypatch, old_api="no_incre_attention")
+    npu = install(monkeypatch, old_api="no_incre_attention")
     try:
         assert registry.selected("decode_attention", "npu") == "reference"
         registry.selection("npu")
@@ -144,8 +135,7 @@ def test_a_torch_npu_without_the_kernel_falls_back_to_the_reference_said_once(mo
             "torch_npu 2.6.0 found, it has no npu_incre_flash_attention"
         ]
     finally:
-        monkeypatch.delitem(sys.modules, "torch_npu")
-        forget_npu_checks()
+        uninstall(monkeypatch)
 
 
 def test_the_fake_kernel_holds_calls_to_the_documented_limits():

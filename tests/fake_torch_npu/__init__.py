@@ -35,6 +35,7 @@ refuses attention dropout under context parallelism, so only the tests use them 
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Union
 
@@ -59,8 +60,10 @@ __all__ = [
     "Call",
     "Release",
     "forget_npu_checks",
+    "install",
     "make_fake_torch_npu",
     "route_cpu_to_npu",
+    "uninstall",
 ]
 AREAS = (elementwise, attention, moe, decode)
 
@@ -76,6 +79,21 @@ def make_fake_torch_npu(old_api: Union[bool, str] = False) -> types.ModuleType:
         for fn in area.kernels(npu, release):
             setattr(npu, fn.__name__, strict(npu, fn))
     return npu
+
+
+def install(monkeypatch, old_api: Union[bool, str] = False) -> types.ModuleType:
+    """A fresh fake (playing ``old_api``) as ``torch_npu`` for one test, megacann's answers about the
+    previous one dropped; :func:`uninstall` (or the monkeypatch's undo) takes it away."""
+    npu = make_fake_torch_npu(old_api=old_api)
+    monkeypatch.setitem(sys.modules, "torch_npu", npu)
+    forget_npu_checks()
+    return npu
+
+
+def uninstall(monkeypatch) -> None:
+    """No ``torch_npu`` any more, and megacann's answers about the fake dropped."""
+    monkeypatch.delitem(sys.modules, "torch_npu")
+    forget_npu_checks()
 
 
 def forget_npu_checks() -> None:
