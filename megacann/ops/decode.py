@@ -60,7 +60,7 @@ def grouped_decode_attention(q, k_cache, v_cache, *, attn_mask=None, scale=None,
     if hq % hkv:
         raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hkv}")
     group = hq // hkv
-    rows = q.view(b, s, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * s, d)
+    rows = q.reshape(b, s, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * s, d)
     mask = None if attn_mask is None else attn_mask.repeat(1, 1, group, 1)
     out = F.scaled_dot_product_attention(
         rows, k_cache.transpose(1, 2), v_cache.transpose(1, 2), attn_mask=mask, scale=scale
@@ -80,7 +80,7 @@ def npu_decode_attention(q, k_cache, v_cache, *, attn_mask=None, scale=None, sin
     slots, hkv = k_cache.shape[1], k_cache.shape[2]
     excluded = None if attn_mask is None else ~attn_mask.reshape(b, 1, 1, slots)
     out = import_torch_npu().npu_incre_flash_attention(
-        q.reshape(b, 1, hq * d),
+        q.contiguous().view(b, 1, hq * d),
         k_cache.contiguous().view(b, slots, hkv * d),
         v_cache.contiguous().view(b, slots, hkv * d),
         atten_mask=excluded,

@@ -18,19 +18,9 @@ TypeError or an AssertionError, not a silent pass.
 - ``"no_incre_attention"``: the newest signatures, but no ``npu_incre_flash_attention`` (decoding).
 
 The kernels live by area: :mod:`.elementwise` (norm, rotary, SwiGLU, cross entropy, AdamW),
-:mod:`.attention` (``npu_fusion_attention`` and its backward), :mod:`.moe` (grouped matmul, token
+:mod:`.attention` (``npu_fusion_attention`` and its backward, dropout), :mod:`.moe` (grouped matmul, token
 permutation), :mod:`.decode` (``npu_incre_flash_attention``); :mod:`.contract` holds the releases and
 the strict call wrapper.
-
-Attention dropout (``keep_prob < 1``) follows the kernel's contract: the forward takes its random state
-from the device generator and returns it as ``(seed, offset, numels)``; the fake draws ``seed`` with one
-``torch.randint`` from the default (CPU) generator, sets ``offset = 0`` and ``numels`` = the number of
-attention probabilities, and keeps probability ``p`` where ``torch.rand`` of a ``torch.Generator`` seeded
-with ``seed + offset`` (drawn over all probabilities in the order of the output layout) is below
-``keep_prob``, scaling kept ones by ``1 / keep_prob``. Replaying a forward with the generator state restored
-(megacann's recompute does so) therefore draws the same mask; ``npu_fusion_attention_grad`` rebuilds it
-from the ``seed`` / ``offset`` it is given (the BNSD blocks of context parallelism included: megacann itself
-refuses attention dropout under context parallelism, so only the tests use them with dropout).
 """
 
 from __future__ import annotations

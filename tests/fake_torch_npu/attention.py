@@ -1,5 +1,16 @@
 """``npu_fusion_attention`` and ``npu_fusion_attention_grad`` (training attention, the context-parallel
-blocks, dropout), and the CANN 7.0 / 8.0.RC1 signature without ``actual_seq_qlen``."""
+blocks, dropout), and the CANN 7.0 / 8.0.RC1 signature without ``actual_seq_qlen``.
+
+Attention dropout (``keep_prob < 1``) follows the kernel's contract: the forward takes its random state
+from the device generator and returns it as ``(seed, offset, numels)``; the fake draws ``seed`` with one
+``torch.randint`` from the default (CPU) generator, sets ``offset = 0`` and ``numels`` = the number of
+attention probabilities, and keeps probability ``p`` where ``torch.rand`` of a ``torch.Generator`` seeded
+with ``seed + offset`` (drawn over all probabilities in the order of the output layout) is below
+``keep_prob``, scaling kept ones by ``1 / keep_prob``. Replaying a forward with the generator state restored
+(megacann's recompute does so) therefore draws the same mask; ``npu_fusion_attention_grad`` rebuilds it
+from the ``seed`` / ``offset`` it is given (the BNSD blocks of context parallelism included: megacann itself
+refuses attention dropout under context parallelism, so only the tests use them with dropout).
+"""
 
 from __future__ import annotations
 
