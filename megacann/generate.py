@@ -2,15 +2,18 @@
 
     megacann-generate --model DIR --prompt "def main():" [sampling options]
     megacann-generate --model DIR --input prompts.jsonl --output out.jsonl [sampling options]
+    megacann-generate --model DIR --chat [--template chatml] [--system TEXT] [sampling options]
 
 ``--model`` is a megacann checkpoint, output directory (its latest checkpoint), consolidated directory or
 Hugging Face directory; ``--tokenizer`` (``byte``, a tokenizer.json or directory) defaults to the one saved
 with the weights. Each input line is ``{"prompt": TEXT}``, optionally with its own ``max_new_tokens``,
-``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed`` and ``stop_token_ids`` (the command's options
-otherwise; a line without a seed gets ``--seed`` plus its line number). Each output line repeats the
-prompt with ``completion``, ``tokens``, ``logprobs`` (under the model's own distribution) and
-``finish_reason``; lines are written and flushed batch by batch, so an interrupted run keeps every batch
-it finished, in input order.
+``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop_token_ids`` and ``stop`` (the command's
+options otherwise; a line without a seed gets ``--seed`` plus its line number). Each output line repeats
+the prompt with ``completion`` (cut before a stop string), ``tokens``, ``logprobs`` (under the model's own
+distribution) and ``finish_reason``; lines are written and flushed batch by batch, so an interrupted run
+keeps every batch it finished, in input order. ``--chat`` talks with the model on stdin and stdout, the
+conversation rendered by an SFT chat template, the answer streamed as it is generated; ``/exit`` or the
+end of input ends it.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from typing import Any, Optional
 import torch
 
 from megacann.errors import MegacannError
-from megacann.generation import Generator, SamplingParams
+from megacann.generation import Generator, SamplingParams, StopStrings
 
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids")
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids", "stop")
 
 
 def load_model(path: str, precision: str = "fp32", device: Optional[str] = None) -> torch.nn.Module:
@@ -102,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt: its completion goes to stdout")
     source.add_argument("--input", help="JSONL file of prompts (with --output)")
+    source.add_argument("--chat", action="store_true", help="talk with the model on stdin/stdout (/exit ends)")
+    parser.add_argument("--template", default="chatml", help="--chat: an SFT template name (alpaca, chatml, plain)")
+    parser.add_argument("--system", default=None, help="--chat: the system message")
     parser.add_argument("--output", help="JSONL file of completions")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -110,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--min_p", type=float, default=0.0, help="0: off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop_token_ids", type=int, nargs="*", default=[])
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat for more)")
+    parser.add_argument("--max_len", type=int, default=None, help="cache tokens a row (default: as needed)")
     parser.add_argument("--bos", action="store_true", help="start each prompt with the tokenizer's BOS")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
@@ -122,15 +130,66 @@ def _encode(tokenizer: Any, text: str, bos: bool) -> list[int]:
     return [tokenizer.bos_id, *ids] if bos and tokenizer.bos_id is not None else ids
 
 
-def _record(prompt: str, result: Any, tokenizer: Any, eos: set[int]) -> dict[str, Any]:
-    text_tokens = [t for t in result.tokens if t not in eos]
+def _record(prompt: str, result: Any, completion: str) -> dict[str, Any]:
     return {
         "prompt": prompt,
-        "completion": tokenizer.decode(text_tokens),
+        "completion": completion,
         "tokens": result.tokens,
         "logprobs": result.logprobs,
         "finish_reason": result.finish_reason,
     }
+
+
+def _complete(
+    generator: Generator, tokenizer: Any, ids: list[list[int]], params: list[SamplingParams]
+) -> list[tuple[Any, str]]:
+    """Each request's result and text (cut before its stop string, if one ended it)."""
+    eos = generator.eos_token_ids
+    stops = StopStrings(tokenizer, [p.stop for p in params], skip=eos) if any(p.stop for p in params) else None
+    results = generator.generate(ids, params, stop_check=stops)
+    return [
+        (result, stops.text(i) if stops is not None else tokenizer.decode([t for t in result.tokens if t not in eos]))
+        for i, result in enumerate(results)
+    ]
+
+
+def _chat_template(spec: str) -> Any:
+    from megacann.data.sft_templates import TEMPLATES, get_template
+
+    if spec not in TEMPLATES and "{instruction}" not in spec:
+        raise ValueError(
+            f"--template {spec!r} is neither a template name ({', '.join(TEMPLATES)}) nor a custom template "
+            "string containing '{instruction}'"
+        )
+    return get_template(spec)
+
+
+def _chat(args: argparse.Namespace, generator: Generator, tokenizer: Any, defaults: SamplingParams) -> int:
+    from megacann.generation.chat import ChatSession, chat
+
+    template = _chat_template(args.template)
+    session = ChatSession(
+        generator, tokenizer, template, defaults, lambda text: _encode(tokenizer, text, args.bos), args.system
+    )
+    chat(session, sys.stdin, sys.stdout, "> " if sys.stdin.isatty() else "")
+    return 0
+
+
+def _write_completions(args: argparse.Namespace, generator: Generator, tokenizer: Any, defaults: SamplingParams) -> int:
+    from megacann.data.progress import ProgressBar
+
+    requests = list(read_requests(args.input, defaults))  # every line checked before anything is written
+    progress = ProgressBar("megacann-generate", total=len(requests), unit="prompts")
+    with open(args.output, "w", encoding="utf-8") as out:
+        for batch in _batches(iter(requests), args.batch_size):
+            ids = [_encode(tokenizer, prompt, args.bos) for prompt, _ in batch]
+            done = _complete(generator, tokenizer, ids, [params for _, params in batch])
+            for (prompt, _), (result, completion) in zip(batch, done):
+                out.write(json.dumps(_record(prompt, result, completion), ensure_ascii=False) + "\n")
+            out.flush()
+            progress.advance(len(batch))
+    progress.close()
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,29 +203,23 @@ def run(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         seed=args.seed,
         stop_token_ids=tuple(args.stop_token_ids),
+        stop=tuple(args.stop),
     )
+    if args.chat:
+        _chat_template(args.template)  # a bad --template is refused before the model loads
     model = load_model(args.model, args.precision, args.device)
     tokenizer = load_model_tokenizer(args.model, args.tokenizer, model.config.vocab_size)
     eos = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    generator = Generator(model, get_model_spec(model.config.type), eos_token_ids=eos, pad_token_id=pad)
+    spec = get_model_spec(model.config.type)
+    generator = Generator(model, spec, eos_token_ids=eos, pad_token_id=pad, max_len=args.max_len)
+    if args.chat:
+        return _chat(args, generator, tokenizer, defaults)
     if args.prompt is not None:
-        (result,) = generator.generate([_encode(tokenizer, args.prompt, args.bos)], defaults)
-        print(_record(args.prompt, result, tokenizer, eos)["completion"])
+        ((_, completion),) = _complete(generator, tokenizer, [_encode(tokenizer, args.prompt, args.bos)], [defaults])
+        print(completion)
         return 0
-    requests = list(read_requests(args.input, defaults))  # every line checked before anything is written
-    done = 0
-    with open(args.output, "w", encoding="utf-8") as out:
-        for batch in _batches(iter(requests), args.batch_size):
-            ids = [_encode(tokenizer, prompt, args.bos) for prompt, _ in batch]
-            results = generator.generate(ids, [params for _, params in batch])
-            for (prompt, _), result in zip(batch, results):
-                out.write(json.dumps(_record(prompt, result, tokenizer, eos), ensure_ascii=False) + "\n")
-            out.flush()
-            done += len(batch)
-            print(f"\rmegacann-generate: {done} prompts done", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    return 0
+    return _write_completions(args, generator, tokenizer, defaults)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -176,6 +229,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--input needs --output (the JSONL file of completions)")
     if args.batch_size < 1:
         parser.error(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.max_len is not None and args.max_len < 1:
+        parser.error(f"--max_len must be >= 1, got {args.max_len}")
     try:
         return run(args)
     except (MegacannError, ValueError, OSError) as err:  # bad input: one line naming it

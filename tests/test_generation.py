@@ -177,6 +177,13 @@ def test_requests_end_on_their_own_and_leave_the_batch(llama, monkeypatch):
         return attention(q, k, v, **kwargs)
 
     monkeypatch.setattr(ops, "scaled_dot_product_attention", recording_attention)
+    decode_attention, decode_calls = ops.decode_attention, []
+
+    def recording_decode_attention(q, k, v, **kwargs):
+        decode_calls.append((q.shape[1], tuple(kwargs["attn_mask"].shape)))
+        return decode_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(ops, "decode_attention", recording_decode_attention)
     generator = Generator(llama, dataclasses.replace(spec, decode=decode), eos_token_ids=(eos,))
     results = generator.generate(batch, params)
     assert [r.finish_reason for r in results] == ["length", "stop", "eos", "length"]
@@ -188,8 +195,8 @@ def test_requests_end_on_their_own_and_leave_the_batch(llama, monkeypatch):
     assert batch_sizes == [4 - (i >= 5) - (i >= stop_at + 1) - (i >= eos_at + 1) for i in range(20)]
     assert min(batch_sizes) == 1
     layers = llama.config.num_layers
-    prefill, decode_calls = attention_calls[:layers], attention_calls[layers:]
-    assert prefill == [(14, None)] * layers  # padding as its own segment: the varlen kernels, no mask
+    assert attention_calls == [(14, None)] * layers  # the prefill: padding as its own segment, no mask
+    assert len(decode_calls) == layers * 19  # every decoding forward reads the cache through decode_attention
     assert all(s == 1 and mask[2] == 1 for s, mask in decode_calls)  # one mask row per query: no [s, s]
 
 

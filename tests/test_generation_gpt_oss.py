@@ -33,14 +33,13 @@ def test_greedy_generation_equals_transformers_generate_with_sinks_and_windows(t
     pytest.importorskip("transformers")
     path = tiny_hf_gpt_oss(str(tmp_path / "hf"))
     model = from_pretrained_hf(path).eval()
-    attention, decode_sinks = ops.scaled_dot_product_attention, []
+    attention, decode_sinks = ops.decode_attention, []
 
-    def recording_attention(q, k, v, **kwargs):
-        if kwargs.get("attn_mask") is not None:  # a decode step (the prefill runs without a mask)
-            decode_sinks.append(kwargs.get("sinks"))
+    def recording_attention(q, k, v, **kwargs):  # every decode step (the prefill runs the training attention)
+        decode_sinks.append(kwargs.get("sinks"))
         return attention(q, k, v, **kwargs)
 
-    monkeypatch.setattr(ops, "scaled_dot_product_attention", recording_attention)
+    monkeypatch.setattr(ops, "decode_attention", recording_attention)
     generator = Generator(model, get_model_spec("gpt_oss"))
     results = generator.generate(prompts(), SamplingParams(max_new_tokens=NEW_TOKENS))
     monkeypatch.undo()

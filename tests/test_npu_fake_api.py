@@ -1,4 +1,4 @@
-"""The fake torch_npu (tests/fake_torch_npu.py) holds megacann to torch_npu's documented contract, and
+"""The fake torch_npu (tests/fake_torch_npu/) holds megacann to torch_npu's documented contract, and
 megacann copes with an older torch_npu:
 
 - every fake kernel has the documented signature (an unknown keyword is a TypeError) and checks the
@@ -14,29 +14,20 @@ megacann copes with an older torch_npu:
 from __future__ import annotations
 
 import logging
-import sys
 
 import pytest
 import torch
-from fake_torch_npu import forget_npu_checks, make_fake_torch_npu
+from fake_torch_npu import install, make_fake_torch_npu, uninstall
 from layers_reference import rel_err
 
 from megacann.layers.random import checkpoint
 from megacann.ops import npu_api, registry
 
 
-def _install(monkeypatch, old_api=False):
-    npu = make_fake_torch_npu(old_api=old_api)
-    monkeypatch.setitem(sys.modules, "torch_npu", npu)
-    forget_npu_checks()
-    return npu
-
-
 @pytest.fixture
 def fake_npu(monkeypatch):
-    yield _install(monkeypatch)
-    monkeypatch.delitem(sys.modules, "torch_npu")
-    forget_npu_checks()
+    yield install(monkeypatch)
+    uninstall(monkeypatch)
 
 
 def _qkv(b=2, s=8, hq=4, hkv=2, d=16, grad=False):
@@ -99,7 +90,7 @@ def test_documented_limits_are_enforced(fake_npu):
 
 def test_old_api_falls_back_per_op_with_one_line(monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="megacann.ops")
-    _install(monkeypatch, old_api=True)
+    install(monkeypatch, old_api=True)
     try:
         assert registry.selected("apply_rotary", "npu") == "reference"
         assert registry.selected("grouped_matmul", "npu") != "torch_npu"
@@ -122,17 +113,15 @@ def test_old_api_falls_back_per_op_with_one_line(monkeypatch, caplog):
         out = registry.resolve("apply_rotary", "npu")(x, cos, sin, True)  # interleaved: the reference serves
         assert torch.equal(out, registry._impls("apply_rotary")["reference"].fn(x, cos, sin, True))
     finally:
-        monkeypatch.delitem(sys.modules, "torch_npu")
-        forget_npu_checks()
+        uninstall(monkeypatch)
     caplog.clear()
-    _install(monkeypatch)  # the newest API: nothing falls back, nothing is logged
+    install(monkeypatch)  # the newest API: nothing falls back, nothing is logged
     try:
         assert registry.selected("apply_rotary", "npu") == "npu"
         assert registry.selected("grouped_matmul", "npu") == "torch_npu"
         assert not [r for r in caplog.records if "falls back" in r.getMessage()]
     finally:
-        monkeypatch.delitem(sys.modules, "torch_npu")
-        forget_npu_checks()
+        uninstall(monkeypatch)
 
 
 def test_attention_dropout_is_seeded_and_replays_under_recompute(fake_npu):

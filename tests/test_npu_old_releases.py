@@ -1,5 +1,5 @@
 """megacann on torch_npu / CANN releases that lack a feature its NPU route uses (the fake's ``old_api``
-modes, tests/fake_torch_npu.py), op by op:
+modes, tests/fake_torch_npu/), op by op:
 
 - packed documents without ``actual_seq_qlen`` / ``actual_seq_kvlen`` (CANN 7.0: no TND layout either;
   8.0.RC1: TND without them) run one BSND call per document, with the outputs and gradients of the

@@ -1,5 +1,5 @@
 """A tiny llama (2 layers, 3 steps) trains on the NPU route, every op resolved as on an NPU against the fake
-torch_npu (tests/fake_torch_npu.py), with the loss trace of the reference route within fp32 round-off; with
+torch_npu (tests/fake_torch_npu/), with the loss trace of the reference route within fp32 round-off; with
 attention dropout, selective recompute replays the dropout masks (the same trace as without recompute). The
 optimizer's AdamW step runs torch_npu's ApplyAdamW; the head's loss stays the vocabulary-parallel one (no
 torch_npu kernel covers it), also with the chunked head loss left out of precision.fused_ops.

@@ -1,4 +1,4 @@
-"""The NPU route against a fake ``torch_npu`` (tests/fake_torch_npu.py) that records each call and computes
+"""The NPU route against a fake ``torch_npu`` (tests/fake_torch_npu/) that records each call and computes
 what the documented kernel computes: the dispatcher must call the right kernel with the documented
 argument names, layouts (BSND / TND with cumulative lengths), masks (bool, True = masked), scale and
 dtypes, and the results must equal megacann's reference ops. Tensors stay on the CPU; the route is

@@ -17,6 +17,7 @@ DECLARED = (
     "attention_block",
     "attention_block_backward",
     "cross_entropy",
+    "decode_attention",
     "fp8_linear",
     "gated_delta_rule",
     "grouped_matmul",

@@ -31,6 +31,7 @@ from megacann.layers import MoELayer
 from megacann.models.spec import ModelSpec
 
 TokenCallback = Callable[[int, int], None]  # (request index, token) as each token is chosen
+StopCheck = Callable[[int, int], bool]  # (request index, token) -> the request's text now holds a stop string
 
 
 @dataclass
@@ -132,13 +133,18 @@ class Generator:
         prompts: Sequence[Sequence[int]],
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         on_token: Optional[TokenCallback] = None,
+        stop_check: Optional[StopCheck] = None,
     ) -> list[GenerationResult]:
         """One result per prompt (token ids); ``params`` for all of them or one per prompt (None: greedy,
-        64 new tokens)."""
+        64 new tokens). ``stop_check`` is called with each chosen token before ``on_token`` and ends its
+        request (``stop``) when it answers True: params with ``stop`` strings need one, e.g.
+        :class:`~megacann.generation.stops.StopStrings`."""
         params = params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if stop_check is None and any(p.stop for p in params):
+            raise ValueError("sampling option stop needs the tokenizer: pass stop_check=StopStrings(tokenizer, ...)")
         lengths = [len(p) for p in prompts]
         if not prompts or min(lengths) == 0:
             raise ValueError("generation needs at least one prompt, and no empty prompt")
@@ -156,7 +162,7 @@ class Generator:
             logits = self.spec.decode(self.model, ids.to(device), positions.to(device))[:, -1]
             cache.advance(longest)
             while True:
-                tokens = self._choose(logits, active, params, results, on_token)
+                tokens = self._choose(logits, active, params, results, on_token, stop_check)
                 keep = [row for row, request in enumerate(active) if results[request].finish_reason is None]
                 if not keep:
                     return results
@@ -176,6 +182,7 @@ class Generator:
         params: list[SamplingParams],
         results: list[GenerationResult],
         on_token: Optional[TokenCallback],
+        stop_check: Optional[StopCheck] = None,
     ) -> torch.Tensor:
         """Each row's next token, recorded in its request's result (ended where it must)."""
         logits = logits.float()
@@ -193,11 +200,12 @@ class Generator:
             result.logprobs.append(logprobs[row])
             if result.processed_logprobs is not None:
                 result.processed_logprobs.append(processed_logprob(logits[row], p, token))
+            stopped = stop_check is not None and stop_check(request, token)
             if on_token is not None:
                 on_token(request, token)
             if token in self.eos_token_ids:
                 result.finish_reason = "eos"
-            elif token in p.stop_token_ids:
+            elif token in p.stop_token_ids or stopped:
                 result.finish_reason = "stop"
             elif len(result.tokens) >= p.max_new_tokens:
                 result.finish_reason = "length"

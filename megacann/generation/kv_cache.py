@@ -187,8 +187,8 @@ class KVCacheLayer(CacheLayer):
         used = self.used(s)
         mask = self.mask(s, used)
         keys, values = attention.expand_kv(self.keys[:, :used], self.values[:, :used])
-        return ops.scaled_dot_product_attention(
-            q, keys, values, causal=False, attn_mask=mask, scale=attention.softmax_scale, sinks=attention.sinks
+        return ops.decode_attention(
+            q, keys, values, attn_mask=mask, scale=attention.softmax_scale, sinks=attention.sinks
         )
 
 

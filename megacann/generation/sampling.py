@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megacann.generation.stops import check_stop
+
 _SEED_STRIDE = 1_000_003  # step i of seed s draws from generator seed s * stride + i
 
 
@@ -20,8 +22,9 @@ _SEED_STRIDE = 1_000_003  # step i of seed s draws from generator seed s * strid
 class SamplingParams:
     """One request's decoding settings. ``temperature`` 0 is greedy (the rest then unused); ``top_k`` 0,
     ``top_p`` 1 and ``min_p`` 0 cut nothing. ``stop_token_ids`` end a request like EOS (the stop token is
-    kept in its output). ``processed_logprobs``: also return each token's log-probability under the
-    distribution it was drawn from."""
+    kept in its output); ``stop`` (a string or a list of them) ends it once its text holds one, the text
+    cut before it (:mod:`megacann.generation.stops`; needs the tokenizer). ``processed_logprobs``: also
+    return each token's log-probability under the distribution it was drawn from."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -31,6 +34,7 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     processed_logprobs: bool = False
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = {
@@ -44,6 +48,7 @@ class SamplingParams:
             if bad:
                 raise ValueError(f"sampling option {option} {expected}, got {getattr(self, option)!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", check_stop(self.stop))
 
     @property
     def greedy(self) -> bool:

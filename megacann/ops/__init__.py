@@ -13,6 +13,7 @@ cpp           megacann's C++ kernels from ``csrc/`` (:mod:`megacann.ops.cpp`)   
 varlen        packed / windowed attention per document, no mask (``ops.varlen``)         cpu, cuda
 flash         block attention and its lse by PyTorch's CPU flash kernel                  cpu
 cuda_flash    block attention and its lse by PyTorch's CUDA flash kernel                 cuda
+grouped_sdpa  decode attention, a kv head's query heads as rows of one SDPA head         cuda
 fused         the kernel behind ``torch.optim.AdamW(fused=True)`` (``adamw_step_``)      cpu, cuda
 chunked       the gated delta rule in chunks of 64 tokens (``ops.gated_delta``)           cpu, cuda
 fla           the gated delta rule by flash-linear-attention, if installed                cuda
@@ -37,6 +38,7 @@ from megacann.ops.signatures import (
     attention_block,
     attention_block_backward,
     cross_entropy,
+    decode_attention,
     fp8_linear,
     gated_delta_rule,
     grouped_matmul,
@@ -55,6 +57,7 @@ from megacann.ops import attention_blocks as _attention_blocks  # noqa: F401
 from megacann.ops import bf16_matmul as _bf16_matmul  # noqa: F401
 from megacann.ops import cpp as _cpp  # noqa: F401
 from megacann.ops import cuda as _cuda  # noqa: F401
+from megacann.ops import decode as _decode  # noqa: F401
 from megacann.ops import fp8 as _fp8  # noqa: F401
 from megacann.ops import gated_delta as _gated_delta  # noqa: F401
 from megacann.ops import head_loss as _head_loss  # noqa: F401
@@ -93,6 +96,7 @@ __all__ = [
     "configure",
     "cross_entropy",
     "declare",
+    "decode_attention",
     "fp32_ops",
     "fp8_linear",
     "fused_enabled",

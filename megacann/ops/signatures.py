@@ -43,6 +43,25 @@ def scaled_dot_product_attention(
     an implementation that cannot take it refuses it by name. Returns ``[b, s, hq, d]``."""
 
 
+@declare
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    attn_mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention of a decoding step: the new tokens' queries ``q`` ``[b, s, hq, d]`` (``s`` is 1 at every
+    step of the generator) over a key/value cache ``k_cache``/``v_cache`` ``[b, slots, hkv, d]`` (GQA as
+    for :func:`scaled_dot_product_attention`). ``attn_mask`` ``[b, 1, s, slots]`` bool, True = attend: the
+    slots each query may read (its own row's tokens up to it, not padding, empty slots or keys out of its
+    window; every query reads at least one); None: every slot. ``scale`` None: ``d ** -0.5``. ``sinks``
+    ``[hq]``: one logit per query head joining each row's softmax (gpt-oss). Returns ``[b, s, hq, d]``
+    (:mod:`megacann.ops.decode`)."""
+
+
 Band = Optional[tuple[torch.Tensor, torch.Tensor, int]]  # (query positions, key positions, window)
 
 

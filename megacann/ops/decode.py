@@ -1,0 +1,92 @@
+"""The implementations of ``decode_attention`` (declared in :mod:`megacann.ops.signatures`): a decoding
+step's queries over the key/value cache, per device.
+
+- ``reference`` (any device; what CPU runs): the masked attention of :func:`megacann.ops.reference.
+  scaled_dot_product_attention` over the cache, ``[b, 1, s, slots]`` mask, no ``[s, s]`` one.
+- ``grouped_sdpa`` (cuda): one ``F.scaled_dot_product_attention`` call in which the query heads that share
+  a kv head are rows of one head (``[b, hkv, g * s, d]`` against ``[b, hkv, slots, d]``), so grouped-query
+  attention reads the cache as it lies, never copied per query head, and a boolean mask keeps PyTorch's
+  memory-efficient kernel eligible (the flash kernel takes no mask).
+- ``npu`` (npu): torch_npu's incremental flash attention,
+  ``npu_incre_flash_attention(query, key, value, *, atten_mask=, num_heads=, scale_value=,
+  input_layout="BSH", num_key_value_heads=)``: query ``[b, 1, hq * d]``, key and value ``[b, slots, hkv *
+  d]`` (contiguous, as the kernel requires), the mask as its complement (bool, True = excluded) in
+  ``[b, 1, 1, slots]``; float16 and bfloat16, one query token a row, as documented. Other calls (fp32, more
+  than one query token, ``sinks``) run the reference. A torch_npu without the kernel falls back to the
+  reference with one log line (:func:`megacann.ops.npu_api.supports`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megacann.accelerator import import_torch_npu
+from megacann.ops import npu_api, reference
+from megacann.ops.registry import REFERENCE, register
+
+GROUPED_SDPA, NPU = "grouped_sdpa", "npu"
+INCRE_KERNEL = "npu_incre_flash_attention"
+INCRE_DTYPES = (torch.float16, torch.bfloat16)  # the kernel's documented query dtypes
+
+
+@register("decode_attention", REFERENCE)
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    attn_mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    return reference.scaled_dot_product_attention(
+        q, k_cache, v_cache, causal=False, attn_mask=attn_mask, scale=scale, sinks=sinks
+    )
+
+
+@register("decode_attention", GROUPED_SDPA, priority=10, device_types=("cuda",))
+def grouped_decode_attention(q, k_cache, v_cache, *, attn_mask=None, scale=None, sinks=None) -> torch.Tensor:
+    """The query heads of each kv head as the rows of one SDPA head: kv head ``j`` serves query heads
+    ``j*g .. j*g+g-1``, so ``[b, s, hkv, g, d]`` -> ``[b, hkv, g * s, d]`` (row ``i * s + t``: head ``j*g+i``,
+    token ``t``), and the mask ``[b, 1, s, slots]`` repeats ``g`` times along the rows."""
+    if sinks is not None:
+        return decode_attention(q, k_cache, v_cache, attn_mask=attn_mask, scale=scale, sinks=sinks)
+    b, s, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hkv}")
+    group = hq // hkv
+    rows = q.reshape(b, s, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * s, d)
+    mask = None if attn_mask is None else attn_mask.repeat(1, 1, group, 1)
+    out = F.scaled_dot_product_attention(
+        rows, k_cache.transpose(1, 2), v_cache.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    return out.view(b, hkv, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d)
+
+
+def _incre_available() -> bool:
+    return npu_api.supports("decode_attention", NPU, INCRE_KERNEL, instead="the reference (masked attention)")
+
+
+@register("decode_attention", NPU, priority=20, device_types=("npu",), available=_incre_available)
+def npu_decode_attention(q, k_cache, v_cache, *, attn_mask=None, scale=None, sinks=None) -> torch.Tensor:
+    b, s, hq, d = q.shape
+    if s != 1 or q.dtype not in INCRE_DTYPES or sinks is not None:
+        return decode_attention(q, k_cache, v_cache, attn_mask=attn_mask, scale=scale, sinks=sinks)
+    slots, hkv = k_cache.shape[1], k_cache.shape[2]
+    excluded = None if attn_mask is None else ~attn_mask.reshape(b, 1, 1, slots)
+    out = import_torch_npu().npu_incre_flash_attention(
+        q.contiguous().view(b, 1, hq * d),
+        k_cache.contiguous().view(b, slots, hkv * d),
+        v_cache.contiguous().view(b, slots, hkv * d),
+        atten_mask=excluded,
+        num_heads=hq,
+        scale_value=scale if scale is not None else 1.0 / math.sqrt(d),
+        input_layout="BSH",
+        num_key_value_heads=hkv,
+    )
+    return out.view(b, 1, hq, d)
