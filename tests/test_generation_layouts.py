@@ -12,6 +12,8 @@ gives the tokens and log-probabilities (both kinds, 1e-5) of the same model gene
 - ZeRO-3 over data parallel 2, different prompts a rank (probe: no weight is whole before and after a
   call, all are whole during it, and each bucket is gathered once in a call of many decode steps).
 
+examples/custom_model.py's family generates through its decode path (the contract): greedily what
+recomputing each whole sequence without a cache gives, and at pp 2 and tp 2 + SP what one process gives.
 Interleaved pipeline chunks and a family whose decode path takes no hidden states are refused by name
 on pipeline stages.
 """
@@ -22,12 +24,14 @@ import pytest
 import torch
 from dist_harness import run_on_ranks
 from generation_helpers import one_thread, prompts  # noqa: F401 (one_thread: an autouse fixture)
+from test_custom_model import load_example
 from training_helpers import tiny_config
 
 from megacann.generation import SamplingParams
 
 VOCAB = 200  # tiny_config's
 NEW_TOKENS = 10
+CUSTOM = ["model.type=parallel_lm", "model.tie_word_embeddings=true"]
 MOE = ["model.type=moe", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
 LAYOUTS = {  # name: (recipe overrides at 2 ranks, the one-process recipe giving the same model)
     "tp2_sp": (["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"], []),
@@ -35,6 +39,9 @@ LAYOUTS = {  # name: (recipe overrides at 2 ranks, the one-process recipe giving
     "ep2": ([*MOE, "distributed.expert_parallel_size=2"], MOE),
     "tp2_moe": ([*MOE, "distributed.tensor_parallel_size=2"], MOE),
     "zero3_dp2": (["distributed.zero_optimization=3", "optim.grad_accum_steps=1"], []),
+    # examples/custom_model.py's family, through the contract (its decode path takes hidden states)
+    "custom_pp2": ([*CUSTOM, "distributed.pipeline_parallel_size=2"], CUSTOM),
+    "custom_tp2_sp": ([*CUSTOM, "distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"], CUSTOM),
 }
 SPLIT_BY_RANK = {"ep2", "zero3_dp2"}  # data-parallel layouts: each rank generates for its own prompts
 PROMPTS = prompts(lengths=(3, 9, 14, 6), vocab=VOCAB)
@@ -69,6 +76,7 @@ def _trainer(overrides: list[str]):
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
+    load_example()  # registers the custom family (parallel_lm)
     ps.destroy_model_parallel()
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = tiny_config(overrides, world_size=world)
@@ -159,6 +167,33 @@ def _one_process(layouts: dict) -> dict:
         generator = Generator(trainer.model_chunks[0], trainer.model_spec)
         params = sampled(EP_LENGTHS if layout == "ep2" else (NEW_TOKENS,) * 4)
         out[layout] = _as_lists(generator.generate(PROMPTS, params))
+    out["custom_recomputed"] = _greedy_without_cache(CUSTOM)
+    out["custom_greedy"] = _as_lists(_trainer_generator(CUSTOM).generate(PROMPTS, SamplingParams(NEW_TOKENS)))
+    return out
+
+
+def _trainer_generator(overrides: list[str]):
+    from megacann.generation import Generator
+
+    trainer = _trainer(overrides)
+    return Generator(trainer.model_chunks[0], trainer.model_spec)
+
+
+def _greedy_without_cache(overrides: list[str]) -> list[tuple[list[int], list[float]]]:
+    """Each prompt alone, its whole sequence recomputed by the family's decode path for every new token
+    (no cache, no padding): the greedy tokens and their log-probabilities."""
+    trainer = _trainer(overrides)
+    chunk, decode = trainer.model_chunks[0].eval(), trainer.model_spec.decode
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            sequence, logprobs = list(prompt), []
+            for _ in range(NEW_TOKENS):
+                ids = torch.tensor([sequence])
+                scores = decode(chunk, ids, torch.arange(len(sequence)).unsqueeze(0))[0, -1].float().log_softmax(-1)
+                sequence.append(int(scores.argmax()))
+                logprobs.append(float(scores.max()))
+            out.append((sequence[len(prompt) :], logprobs))
     return out
 
 
@@ -189,6 +224,15 @@ def test_sampling_at_each_layout_equals_one_process(layouts, layout):
     assert len(all_tokens) > 10  # really sampled, not one repeated token
 
 
+def test_the_custom_family_generates_through_its_decode_path(layouts):
+    reference, _ = layouts
+    for (tokens, logprobs, _), (expected, expected_logprobs) in zip(
+        reference["custom_greedy"], reference["custom_recomputed"]
+    ):
+        assert tokens == expected
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs), rtol=0, atol=1e-5)
+
+
 def test_each_layout_was_in_force(layouts):
     _, (first, second) = layouts
     # tp 2 + SP: half the kv heads cached a rank, SP back on after
@@ -200,6 +244,11 @@ def test_each_layout_was_in_force(layouts):
     assert first["pp2"]["cache_layers"] == second["pp2"]["cache_layers"] == 2
     assert (first["pp2"]["embedding"], first["pp2"]["head"]) == (True, False)
     assert (second["pp2"]["embedding"], second["pp2"]["head"]) == (False, True)
+    assert (first["custom_pp2"]["layers"], second["custom_pp2"]["layers"]) == ([0, 1], [2, 3])
+    assert first["custom_pp2"]["cache_layers"] == second["custom_pp2"]["cache_layers"] == 2
+    for rank in (first, second):
+        custom = rank["custom_tp2_sp"]
+        assert custom["kv_heads"] == 1 and custom["sp_before"] and custom["sp_after"]
     # ep 2: two of the four experts a rank; rank 0 finished first and idled in step with rank 1
     assert (first["ep2"]["experts"], second["ep2"]["experts"]) == ([0, 1], [2, 3])
     assert [len(tokens) for tokens, _, _ in first["ep2"]["results"] + second["ep2"]["results"]] == list(EP_LENGTHS)
