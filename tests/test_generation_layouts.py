@@ -8,7 +8,8 @@ gives the tokens and log-probabilities (both kinds, 1e-5) of the same model gene
 - expert parallel 2 over data parallel 2, a MoE model (probe: each rank holds 2 of the 4 experts of a
   layer); the ranks hold different prompts and ask for different max_new_tokens, so one finishes
   steps before the other and idles in step with it (counted) instead of hanging;
-- tp 2 with a MoE model (probe: each rank caches 1 kv head; the MoE layers' TP group has 2 ranks);
+- tp 2 with a MoE model, with and without sequence parallelism (probe: each rank caches 1 kv head; the
+  MoE layers' TP group has 2 ranks);
 - ZeRO-3 over data parallel 2, different prompts a rank (probe: no weight is whole before and after a
   call, all are whole during it, and each bucket is gathered once in a call of many decode steps).
 
@@ -38,6 +39,7 @@ LAYOUTS = {  # name: (recipe overrides at 2 ranks, the one-process recipe giving
     "pp2": (["distributed.pipeline_parallel_size=2"], []),
     "ep2": ([*MOE, "distributed.expert_parallel_size=2"], MOE),
     "tp2_moe": ([*MOE, "distributed.tensor_parallel_size=2"], MOE),
+    "tp2_sp_moe": ([*MOE, "distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"], MOE),
     "zero3_dp2": (["distributed.zero_optimization=3", "optim.grad_accum_steps=1"], []),
     # examples/custom_model.py's family, through the contract (its decode path takes hidden states)
     "custom_pp2": ([*CUSTOM, "distributed.pipeline_parallel_size=2"], CUSTOM),
@@ -238,7 +240,9 @@ def test_each_layout_was_in_force(layouts):
     # tp 2 + SP: half the kv heads cached a rank, SP back on after
     for rank in (first, second):
         assert rank["tp2_sp"]["kv_heads"] == 1 and rank["tp2_sp"]["sp_before"] and rank["tp2_sp"]["sp_after"]
-        assert rank["tp2_moe"]["kv_heads"] == 1 and rank["tp2_moe"]["moe_tp"] == 2
+        for moe in (rank["tp2_moe"], rank["tp2_sp_moe"]):
+            assert moe["kv_heads"] == 1 and moe["moe_tp"] == 2
+        assert rank["tp2_sp_moe"]["sp_before"] and rank["tp2_sp_moe"]["sp_after"]
     # pp 2: which layers each stage holds and caches; embedding on the first, head on the last
     assert (first["pp2"]["layers"], second["pp2"]["layers"]) == ([0, 1], [2, 3])
     assert first["pp2"]["cache_layers"] == second["pp2"]["cache_layers"] == 2

@@ -57,9 +57,10 @@ def sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
     """The model's layers compute without splitting the sequence over TP ranks inside the block."""
     changed = [m for m in model.modules() if getattr(m, "sequence_parallel", False) is True]
     overlapped = [m for m in model.modules() if getattr(m, "comm_overlap", False) is True]
-    # an MoE layer under TP reads its (now whole, replicated) input as this rank's sequence shard: its
-    # experts see each token once a rank and the layer's reduce-scatter sums their shares into the whole
-    # output, where splitting a one-token step over the ranks could not work
+    # an MoE layer under TP takes its (now whole, replicated) input as this rank's sequence shard: it
+    # gathers the ranks' copies (each token TP times), its TP-split experts compute their shares, and its
+    # reduce-scatter hands each rank one copy's summed shares, the whole output (a one-token step cannot
+    # be split over the ranks instead)
     moe_split = [m for m in model.modules() if isinstance(m, MoELayer) and m.tp_size > 1]
     moe_was = [m.config.sequence_parallel for m in moe_split]
     for module in changed:
