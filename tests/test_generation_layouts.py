@@ -7,7 +7,8 @@ gives the tokens and log-probabilities (both kinds, 1e-5) of the same model gene
   no head and the last no embedding);
 - expert parallel 2 over data parallel 2, a MoE model (probe: each rank holds 2 of the 4 experts of a
   layer); the ranks hold different prompts and ask for different max_new_tokens, so one finishes
-  steps before the other and idles in step with it (counted) instead of hanging;
+  steps before the other and idles in step with it (counted) instead of hanging; a rank with no
+  request at all idles beside the other's prefill and each of its decode steps;
 - tp 2 with a MoE model, with and without sequence parallelism (probe: each rank caches 1 kv head; the
   MoE layers' TP group has 2 ranks);
 - ZeRO-3 over data parallel 2, different prompts a rank (probe: no weight is whole before and after a
@@ -38,6 +39,7 @@ LAYOUTS = {  # name: (recipe overrides at 2 ranks, the one-process recipe giving
     "tp2_sp": (["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"], []),
     "pp2": (["distributed.pipeline_parallel_size=2"], []),
     "ep2": ([*MOE, "distributed.expert_parallel_size=2"], MOE),
+    "ep2_one_rank_idle": ([*MOE, "distributed.expert_parallel_size=2"], MOE),  # rank 0 has no request
     "tp2_moe": ([*MOE, "distributed.tensor_parallel_size=2"], MOE),
     "tp2_sp_moe": ([*MOE, "distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"], MOE),
     "zero3_dp2": (["distributed.zero_optimization=3", "optim.grad_accum_steps=1"], []),
@@ -62,8 +64,10 @@ EP_LENGTHS = (3, 3, 12, 7)
 
 
 def _requests(layout: str, rank: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """The prompts and params this rank generates for at ``layout`` (all four, or its half)."""
+    """The prompts and params this rank generates for at ``layout`` (all four, its half, or none)."""
     params = sampled(EP_LENGTHS if layout == "ep2" else (NEW_TOKENS,) * 4)
+    if layout == "ep2_one_rank_idle":
+        return ([], []) if rank == 0 else (PROMPTS, params)
     if layout not in SPLIT_BY_RANK:
         return PROMPTS, params
     half = slice(2 * rank, 2 * rank + 2)
@@ -146,9 +150,9 @@ def _generate_at_layouts(layouts: dict) -> dict:
         else:
             results = generator.generate(batch, params)
         probe["sp_after"] = any(getattr(m, "sequence_parallel", False) is True for m in chunk.modules())
-        cache = generator.last_cache
-        probe["cache_layers"] = len(cache.layers)
-        probe["kv_heads"] = cache.layers[0].keys.shape[2]
+        cache = generator.last_cache  # None on a rank without requests
+        probe["cache_layers"] = len(cache.layers) if cache else 0
+        probe["kv_heads"] = cache.layers[0].keys.shape[2] if cache else None
         probe["head"], probe["embedding"] = hasattr(chunk, "lm_head"), hasattr(chunk, "embed_tokens")
         moe = [m for m in chunk.modules() if isinstance(m, MoELayer)]
         probe["experts"] = sorted(int(e) for e in moe[0].experts) if moe else None
@@ -207,6 +211,8 @@ def layouts() -> tuple[dict, list[dict]]:
 
 
 def _expected(reference: dict, layout: str, rank: int) -> list:
+    if layout == "ep2_one_rank_idle":
+        return [] if rank == 0 else reference[layout]
     return reference[layout][2 * rank : 2 * rank + 2] if layout in SPLIT_BY_RANK else reference[layout]
 
 
@@ -257,6 +263,10 @@ def test_each_layout_was_in_force(layouts):
     assert (first["ep2"]["experts"], second["ep2"]["experts"]) == ([0, 1], [2, 3])
     assert [len(tokens) for tokens, _, _ in first["ep2"]["results"] + second["ep2"]["results"]] == list(EP_LENGTHS)
     assert (first["ep2"]["idle_steps"], second["ep2"]["idle_steps"]) == (max(EP_LENGTHS) - 3, 0)
+    # a rank without requests idles beside the other's prefill and each of its decode steps
+    idle = (first["ep2_one_rank_idle"], second["ep2_one_rank_idle"])
+    assert (idle[0]["idle_steps"], idle[1]["idle_steps"]) == (NEW_TOKENS, 0)
+    assert idle[0]["results"] == [] and len(idle[1]["results"]) == 4
     # ZeRO-3: sharded before and after, whole during, each bucket gathered once in a call
     for rank in (first, second):
         zero = rank["zero3_dp2"]

@@ -156,9 +156,13 @@ class Generator:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if not prompts and self.lockstep.needed:  # none here, but the expert-parallel group needs this rank
+            return self._idle_until_done()
         lengths = [len(p) for p in prompts]
         if not prompts or min(lengths) == 0:
-            raise ValueError("generation needs at least one prompt, and no empty prompt")
+            raise ValueError(
+                "generation needs at least one prompt (none only under expert parallelism), and no empty prompt"
+            )
         device, longest = self._device(), max(lengths)
         ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
         for row, prompt in enumerate(prompts):
@@ -190,18 +194,28 @@ class Generator:
                 if not self.lockstep.anyone_active(bool(active), device):
                     return results
                 if not active:  # finished here, not everywhere: join the group's all-to-alls
-                    self._idle_step(cache, device)
+                    with self.lockstep.without_cache(cache):
+                        self._idle_step(device)
                     continue
                 logits = self.stages.forward(tokens.unsqueeze(1), next_positions.unsqueeze(1), prefill=False)
                 cache.advance(1)
                 next_positions = next_positions + 1
 
-    def _idle_step(self, cache: KVCache, device: torch.device) -> None:
-        """One forward of a pad token at position 0 without the cache, its output unused (:mod:`.lockstep`)."""
+    def _idle_step(self, device: torch.device, prefill: bool = False) -> None:
+        """One forward of a pad token at position 0, its output unused, with no cache attached
+        (:mod:`.lockstep`); ``prefill``: the first forward of this rank's call."""
         pad = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=device)
-        with self.lockstep.without_cache(cache):
-            self.stages.forward(pad, torch.zeros_like(pad), prefill=False)
+        self.stages.forward(pad, torch.zeros_like(pad), prefill=prefill)
         self.lockstep.idle_steps += 1
+
+    def _idle_until_done(self) -> list[GenerationResult]:
+        """No request on this rank: an idle step beside the group's prefill and each of its decode steps."""
+        device = self._device()
+        with torch.no_grad(), evaluating(self.model), sequence_parallel_off(self.model), weights_gathered(self.model):
+            self._idle_step(device, prefill=True)
+            while self.lockstep.anyone_active(False, device):
+                self._idle_step(device)
+        return []
 
     def _choose(
         self,
