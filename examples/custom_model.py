@@ -6,7 +6,8 @@ residual, ``h = h + attn(norm(h)) + mlp(norm(h))``; RoPE, SwiGLU, RMSNorm, a voc
 Registering its spec (last lines) is all it takes for every layout of the recipe to work: tensor and
 sequence parallel, context parallel (the schedules hand each cp rank its tokens and their global
 ``position_ids``), pipeline stages (also interleaved), data parallel with ZeRO (stage 3 gathers one
-``ParallelBlock`` at a time: the spec's ``sharding_units``), checkpoints and resume.
+``ParallelBlock`` at a time: the spec's ``sharding_units``), checkpoints and resume; and generation with a
+key/value cache (``decode``: megacann.generation), on pipeline stages too.
 The layers take sequence parallelism, dtype, device, the context-parallel algorithm, initialisation and
 recompute from the layer context ``build_chunk`` makes from the recipe: the model code names none of them.
 
@@ -88,7 +89,8 @@ class ParallelLM(torch.nn.Module):
             )
             self.lm_head = LMHead(m.hidden_size, m.vocab_size, tie_to=tie_to, **vocab)
 
-    def forward(self, batch: dict[str, torch.Tensor], hidden_states: Optional[torch.Tensor] = None) -> ChunkOutput:
+    def hidden(self, batch: dict[str, torch.Tensor], hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The hidden states out of this chunk's blocks (the first chunk embeds ``batch["tokens"]``)."""
         tokens = batch["tokens"]
         positions = batch.get("position_ids")
         if positions is None:
@@ -97,6 +99,10 @@ class ParallelLM(torch.nn.Module):
         rotary = self.rotary(positions, dtype=h.dtype)
         for block in self.layers.values():
             h = block(h, rotary, batch.get("segment_ids"))
+        return h
+
+    def forward(self, batch: dict[str, torch.Tensor], hidden_states: Optional[torch.Tensor] = None) -> ChunkOutput:
+        h = self.hidden(batch, hidden_states)
         if not self.post_process:
             return ChunkOutput(hidden_states=h)
         return ChunkOutput(token_loss=self.lm_head(self.norm(h), batch["labels"]))
@@ -112,6 +118,16 @@ def build_chunk(cfg: MegacannConfig, placement: ChunkPlacement, device=None) -> 
         model = ParallelLM(cfg.model, placement)
     initialize_weights(model, cfg.seed)  # each weight drawn from the seed and its name: layout-independent
     return model
+
+
+def decode(
+    chunk: ParallelLM, input_ids: torch.Tensor, position_ids: torch.Tensor, hidden_states: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Generation (megacann.generation): the next token's logits ``[b, 1, vocab]`` out of the last chunk, the
+    hidden states out of the others; the blocks' SelfAttention layers read the key/value caches the generator
+    sets on them, so this is the training forward without the loss."""
+    h = chunk.hidden({"tokens": input_ids, "position_ids": position_ids}, hidden_states)
+    return chunk.lm_head(chunk.norm(h[:, -1:])) if chunk.post_process else h
 
 
 def fill_defaults(m: ModelConfig) -> None:
@@ -135,6 +151,7 @@ PARALLEL_LM = register_model(
         flops_per_token=flops_per_token,
         fill_defaults=fill_defaults,
         sharding_units=(ParallelBlock,),  # ZeRO-3 gathers one block's weights at a time
+        decode=decode,  # megacann.generation generates with it, at every layout but context parallel
     )
 )
 

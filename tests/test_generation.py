@@ -280,6 +280,6 @@ def test_a_prompt_longer_than_the_cache_a_family_without_decoding_and_a_pipeline
     with pytest.raises(ValueError, match="model family 'no_decode' declares no decode path"):
         Generator(llama, no_decode)
     first_stage = LlamaModel(llama.config, layer_ids=[0], post_process=False)
-    with pytest.raises(ValueError, match="needs the whole model on this rank: pipeline stages are not supported"):
+    with pytest.raises(ValueError, match="without pipeline parallelism needs the whole model on this rank"):
         Generator(first_stage, get_model_spec("llama"))
     assert math.isclose(kv_cache_bytes(2, 3, 100, 4, 16, torch.bfloat16, sliding_window=8), 2 * 2 * 3 * 8 * 4 * 16 * 2)

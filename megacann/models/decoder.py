@@ -291,11 +291,17 @@ def decoder_flops_per_token(cfg: ModelConfig, seq_length: int, arch: DecoderArch
     return sizing.palm_flops_per_token(n, cfg, seq_length, extra_layers=mtp_depths(cfg))
 
 
-def decoder_decode_step(chunk: DecoderLM, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def decoder_decode_step(
+    chunk: DecoderLM,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    hidden_states: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """A decoder's decode path (``ModelSpec.decode``): the logits ``[b, 1, vocab]`` of the token after the
     last of ``input_ids``; the attention layers' key/value caches hold the earlier tokens
-    (:class:`~megacann.layers.SelfAttention` ``kv_cache``)."""
-    return chunk(input_ids=input_ids, position_ids=position_ids, last_position_only=True)
+    (:class:`~megacann.layers.SelfAttention` ``kv_cache``). On a pipeline stage without the embedding,
+    ``hidden_states`` come from the previous stage; a stage without the head returns its hidden states."""
+    return chunk(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states, last_position_only=True)
 
 
 def decoder_model_spec(

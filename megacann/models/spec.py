@@ -26,7 +26,9 @@ A family is one :class:`ModelSpec`:
 - ``decode(chunk, input_ids, position_ids)``: what :mod:`megacann.generation` calls to generate: the
   logits ``[b, s', vocab]`` of new tokens at their positions (the last ``s'`` >= 1 of them; the generator
   reads the last), the chunk's attention layers reading earlier tokens from the key/value caches the
-  generator set on them; None: the family cannot generate (refused by name).
+  generator set on them; None: the family cannot generate (refused by name). To generate on pipeline
+  stages it takes ``hidden_states`` too (from the previous stage, None on the first) and returns the
+  stage's hidden states on a stage without the head.
 - ``mixture_of_experts``: the family may hold expert-parallel parameters; for any other family
   ``distributed.expert_parallel_size`` must be 1 (:func:`prepare_model_config` refuses it otherwise).
 - ``sharding_units``: the module classes whose instances ZeRO-3 gathers and frees as one unit each

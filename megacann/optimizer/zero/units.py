@@ -10,17 +10,21 @@ when the gradient reaches them (before its backward, recomputation included) and
 frees them once the gradient has passed through it. What is still gathered when the backward ends (a
 chunk's own weights, a unit whose input needs no gradient) is freed then. With ``prefetch`` the next
 unit's gather (in the order the first forward ran them; the previous one in backward) starts before the
-current unit computes, overlapping the communication.
+current unit computes, overlapping the communication. :meth:`UnitHooks.holding_gathered` (registered for
+each chunk with :func:`megacann.layers.gathered_weights.register_weight_holder`) gathers every unit once and
+keeps them whole through the forwards inside it (generation), freeing them at its end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from megacann.layers.gathered_weights import register_weight_holder
 from megacann.optimizer.zero.sharded_params import ShardedParams
 
 UnitTypes = tuple[type[torch.nn.Module], ...]
@@ -84,7 +88,10 @@ class UnitHooks:
         self.prefetch = prefetch
         self.order: dict[int, list[int]] = {}  # root -> unit indices in the order the forward ran them
         self._callback_queued = False
+        self.held = False  # inside holding_gathered: the forward hooks neither gather nor free
         self._handles = []
+        for root in roots:
+            register_weight_holder(root, self.holding_gathered)
         for unit in self.units:
             module = unit.module
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
@@ -116,9 +123,30 @@ class UnitHooks:
         if 0 <= position < len(order):
             self.start(self.units[order[position]])
 
+    @contextlib.contextmanager
+    def holding_gathered(self) -> Iterator[None]:
+        """Every unit whole inside the block (gathered once at its start), freed at its end: many forwards
+        without a backward in between (generation) gather nothing more."""
+        if self.held:  # nested: the outer block holds them
+            yield
+            return
+        for unit in self.units:
+            self.start(unit)
+        for unit in self.units:
+            self.gather(unit)
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+            for unit in self.units:
+                self.free(unit)
+
     # -- hooks ----------------------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit):
         def hook(module: torch.nn.Module, args) -> None:
+            if self.held:
+                return
             order = self.order.setdefault(unit.root, [])
             if unit.index not in order:
                 order.append(unit.index)
@@ -132,6 +160,8 @@ class UnitHooks:
 
     def _post_forward(self, unit: Unit):
         def hook(module: torch.nn.Module, args, output) -> None:
+            if self.held:
+                return
             if not unit.in_backward:
                 self.free(unit)
             if torch.is_grad_enabled():

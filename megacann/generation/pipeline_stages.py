@@ -1,0 +1,97 @@
+"""Generation on pipeline stages: every forward of a generation (the prefill and each decode step) runs
+stage after stage, and the last stage's choices reach every stage.
+
+A stage receives the hidden states ``[b, s, h]`` of the batch's live rows from the previous stage (the
+project's point-to-point :func:`~megacann.pipeline.p2p.exchange`), runs its chunk with its own share of the
+key/value cache (the attention layers it holds), and sends its output on; the last stage computes the
+logits. The whole batch is one micro-batch: a decode step is one token a row, too little to split. After
+each forward the last stage broadcasts each row's token and log-probabilities over the pipeline group, so
+every stage records the same results and drops the same finished rows: the stages' caches stay in
+lockstep. The hidden size travels once per generation, in the prefill's first transfer (a stage knows only
+its own chunk). Interleaved (virtual) chunks are refused by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megacann import parallel_state as ps
+from megacann.models.spec import ModelSpec
+from megacann.pipeline.p2p import exchange
+
+
+def check_pipeline_generation(model: torch.nn.Module, spec: ModelSpec) -> None:
+    """Refuse what generation on pipeline stages cannot do: interleaved chunks, and a family whose decode
+    path takes no ``hidden_states`` from the previous stage; and a stage's chunk without pipeline stages."""
+    whole = getattr(model, "pre_process", True) and getattr(model, "post_process", True)
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        if not whole:
+            raise ValueError(
+                "generation without pipeline parallelism needs the whole model on this rank: this chunk lacks "
+                "the embedding or the head (a pipeline stage's)"
+            )
+        return
+    virtual = ps.get_virtual_pipeline_model_parallel_world_size()
+    if virtual and virtual > 1:
+        raise ValueError(
+            f"generation with interleaved pipeline chunks (distributed.virtual_pipeline_size {virtual}) is "
+            "refused: generate with one chunk a stage (virtual_pipeline_size 1)"
+        )
+    if "hidden_states" not in inspect.signature(spec.decode).parameters:
+        raise ValueError(
+            f"model family {spec.name!r}: its decode path (ModelSpec.decode) takes no hidden_states, so it "
+            "cannot generate on pipeline stages (pipeline_parallel_size "
+            f"{ps.get_pipeline_model_parallel_world_size()})"
+        )
+
+
+class PipelineStages:
+    """Runs one forward of a generation through this rank's stage (or the whole model without pipeline
+    parallelism) and shares the last stage's per-row choices with every stage."""
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec):
+        self.model, self.spec = model, spec
+        self.size = ps.get_pipeline_model_parallel_world_size()
+        self.stage = ps.get_pipeline_model_parallel_rank() if self.size > 1 else 0
+        self.first, self.last = self.stage == 0, self.stage == self.size - 1
+        self.hidden_size: Optional[int] = None  # learnt from the previous stage in the prefill
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, prefill: bool) -> Optional[torch.Tensor]:
+        """The logits ``[b, vocab]`` of the next token of each row on the last stage; None on the others."""
+        if self.size == 1:
+            return self.spec.decode(self.model, ids, positions)[:, -1]
+        param = next(self.model.parameters())
+        hidden = None
+        if not self.first:
+            if prefill:
+                header = torch.zeros(1, dtype=torch.long, device=param.device)
+                self.hidden_size = int(self._transfer(header, receive=True)[0])
+            shape = (*ids.shape, self.hidden_size)
+            hidden = exchange(shape=shape, dtype=param.dtype, device=param.device, recv_prev=True)[0]
+        out = self.spec.decode(self.model, ids, positions, hidden_states=hidden)
+        if self.last:
+            return out[:, -1]
+        if prefill:
+            self._transfer(torch.tensor([out.shape[-1]], device=out.device), receive=False)
+        exchange(shape=tuple(out.shape), dtype=out.dtype, device=out.device, send_next=out)
+        return None
+
+    def _transfer(self, header: torch.Tensor, receive: bool) -> torch.Tensor:
+        """A small long tensor to the next stage or from the previous one."""
+        kind = {"recv_prev": True} if receive else {"send_next": header}
+        got = exchange(shape=tuple(header.shape), dtype=header.dtype, device=header.device, **kind)[0]
+        return got if receive else header
+
+    def share(self, choices: torch.Tensor) -> torch.Tensor:
+        """``choices`` (``[fields, rows]`` float64 on the last stage, any tensor of that shape elsewhere) as
+        the last stage holds them, on every stage."""
+        if self.size == 1:
+            return choices
+        choices = choices.contiguous()
+        last = ps.get_pipeline_model_parallel_ranks()[-1]
+        dist.broadcast(choices, last, group=ps.get_pipeline_model_parallel_group())
+        return choices
