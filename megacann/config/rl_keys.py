@@ -76,7 +76,9 @@ def check_rl_section(cfg: MegacannConfig, source: str) -> None:
     for key in ("clip_low", "clip_high", "kl_coef", "overlong_penalty"):
         _number(getattr(r, key), key, source, 0.0)
     if r.clip_low >= 1:
-        raise ConfigError(f"{source}: rl.clip_low must be below 1 (the ratio's floor is 1 - clip_low), got {r.clip_low}")
+        raise ConfigError(
+            f"{source}: rl.clip_low must be below 1 (the ratio's floor is 1 - clip_low), got {r.clip_low}"
+        )
     if r.clip_high < r.clip_low:
         raise ConfigError(
             f"{source}: rl.clip_high {r.clip_high} is below rl.clip_low {r.clip_low}: reversed? the ratio is clipped "

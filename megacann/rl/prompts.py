@@ -23,7 +23,6 @@ import torch
 from megacann.data.sft_templates import PromptTemplate
 from megacann.errors import MegacannError
 
-
 ROLES = ("system", "user", "assistant")
 
 
@@ -120,4 +119,3 @@ def hash_seed(*parts: int) -> int:
     """A 62-bit seed mixing ``parts`` (distinct tuples give unrelated seeds)."""
     digest = hashlib.blake2b(repr(tuple(int(p) for p in parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
-

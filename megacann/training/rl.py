@@ -43,7 +43,7 @@ from megacann.layers.lora import adapters_disabled
 from megacann.models import ModelSpec
 from megacann.models.policy_loss import (
     PolicyLoss,
-    count_policy_tokens,
+    count_policy_normalizer,
     policy_figures,
     policy_forward_step,
     token_logps_forward_step,
@@ -90,7 +90,8 @@ class RLTraining:
     def __init__(self, cfg: MegacannConfig, spec: ModelSpec, policy: list[torch.nn.Module], device, tokenizer):
         self.cfg, self.spec, self.policy, self.device = cfg, spec, policy, device
         self.loss = PolicyLoss.from_config(cfg.rl)
-        self.forward_step = policy_forward_step(spec.forward_step, self.loss)
+        self.largest_gaps: list[torch.Tensor] = []  # each micro-batch's largest |trainer - rollout| log-prob gap
+        self.forward_step = policy_forward_step(spec.forward_step, self.loss, self.largest_gaps)
         self.schedule = get_forward_backward_func(cfg, spec.forward_step)
         self.kind = reference_kind(cfg)
         self.reference = build_reference_copy(cfg, spec, device) if self.kind == "copy" else None
@@ -261,13 +262,14 @@ class RLTraining:
 
     def count(self, micro_batches: list[dict]) -> torch.Tensor:
         """The normaliser of ``rl.loss_aggregation`` over the global batch."""
-        return count_policy_tokens(micro_batches, ps.get_data_parallel_group(), self.loss)
+        return count_policy_normalizer(micro_batches, self.loss.loss_aggregation, ps.get_data_parallel_group())
 
     def figures(self, figures: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The policy loss's figures, the phase's rollout figures and the training pass's tokens/s."""
         seconds = max(time.perf_counter() - self.train_started, 1e-9)
         rows = self.cfg.global_batch_size * self.cfg.data.seq_length
-        return {**policy_figures(figures), **self.phase_figures, "training_tokens_per_second": rows / seconds}
+        policy = policy_figures(figures, self.loss, self.largest_gaps)
+        return {**policy, **self.phase_figures, "training_tokens_per_second": rows / seconds}
 
     def evaluate(self, batches, forward_backward, data) -> Optional[dict[str, float]]:
         return None  # no held-out split: the rewards are the figures
