@@ -220,13 +220,18 @@ def policy_forward_step(
     receives each micro-batch's largest ``|lp - roll|`` for :func:`policy_figures`."""
 
     def step(chunk: torch.nn.Module, batch: dict, hidden_states: Optional[torch.Tensor]) -> ChunkOutput:
-        head, seen = _head(chunk), []
+        head, entropies = _head(chunk), []
 
-        def keep_first_input(module: torch.nn.Module, args: tuple) -> None:
-            if not seen:  # the model's own head call (multi-token prediction calls it again)
-                seen.append(args[0])
+        def record_entropy(module: LMHead, args: tuple) -> None:
+            """The entropy at the head's input, while its weight is at hand (ZeRO-3 frees it after the
+            forward); only the model's own head call (multi-token prediction calls it again)."""
+            if not entropies:
+                with torch.no_grad():
+                    entropies.append(
+                        vocab_parallel_entropy(module.logits_shard(args[0]), module.vocab_size, module.group)
+                    )
 
-        hook = head.register_forward_pre_hook(keep_first_input) if head is not None else None
+        hook = head.register_forward_pre_hook(record_entropy) if head is not None else None
         try:
             out = forward_step(chunk, batch, hidden_states)
         finally:
@@ -235,11 +240,7 @@ def policy_forward_step(
         if out.token_loss is None:
             return out
         labels = batch["labels"]
-        entropy = None
-        if seen:
-            with torch.no_grad():
-                entropy = vocab_parallel_entropy(head.logits_shard(seen[0]), head.vocab_size, head.group)
-            entropy = entropy if entropy.shape == labels.shape else None
+        entropy = entropies[0] if entropies and entropies[0].shape == labels.shape else None
         rollout = batch.get("rollout_logps")
         token_loss, stats = loss(
             -out.token_loss,
