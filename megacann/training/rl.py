@@ -60,7 +60,7 @@ from megacann.rl.rollout import (
     response_figures,
     rollout_micro_batches,
 )
-from megacann.training.preference import _eval_mode, build_reference_copy
+from megacann.training.preference import build_reference_copy, forward_only_pass
 
 
 class FilterShortfall(RuntimeError):
@@ -186,14 +186,8 @@ class RLTraining:
         """Per-token log-probabilities ``[b, s]`` of each micro-batch's labels under ``chunks`` (one
         forward-only pass of the step's schedule, eval mode)."""
         sink: list[torch.Tensor] = []
-        with context, _eval_mode(chunks):
-            self.schedule(
-                chunks,
-                micro_batches,
-                loss_normalizer=1.0,
-                forward_only=True,
-                forward_step=token_logps_forward_step(self.spec.forward_step, sink),
-            )
+        step = token_logps_forward_step(self.spec.forward_step, sink)
+        forward_only_pass(self.schedule, chunks, micro_batches, step, context)
         if len(sink) != len(micro_batches):
             raise RuntimeError(f"log-probability pass: {len(sink)} results for {len(micro_batches)} micro-batches")
         return sink
