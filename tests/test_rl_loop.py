@@ -10,7 +10,7 @@ import re
 
 import pytest
 from dist_harness import run_on_ranks
-from finetune_helpers import COMMON, recipe, write_jsonl
+from finetune_helpers import COMMON, LORA, recipe, write_jsonl
 
 from megacann.config import ConfigError
 
@@ -72,6 +72,7 @@ def _run_loop(prompts: str, overrides: list[str], world_size: int = 1) -> dict:
         "layout": (ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()),
         "seq": sorted(set(seen)),
         "mismatch": [s["logprob_mismatch_max"] for s in steps],
+        "reference": trainer.objective.kind,
     }
     ps.destroy_model_parallel()
     return out
@@ -89,8 +90,13 @@ def prompts(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_process(prompts) -> dict:
-    return run_on_ranks(_on_ranks, 1, args=(prompts, {"one": []}), timeout=300)[0]["one"]
+def world1(prompts) -> dict:
+    return run_on_ranks(_on_ranks, 1, args=(prompts, {"one": [], "lora": LORA}), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def one_process(world1) -> dict:
+    return world1["one"]
 
 
 def assert_same_trace(got: dict, ref: dict, rel: float = 1e-5) -> None:
@@ -108,15 +114,22 @@ def test_one_process_loop_learns_from_differing_rewards(one_process):
     assert one_process["layout"] == (1, 1)
 
 
-def test_tp2_sequence_parallel_and_dp2_loops_equal_one_process(prompts, one_process):
+def test_tp2_sequence_parallel_and_dp2_loops_equal_one_process(prompts, world1):
+    tp2 = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
     runs = {
-        "tp2": ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"],
+        "tp2": tp2,
         "dp2": ["optim.grad_accum_steps=1"],  # global batch 8, as one process's 2 x 4
+        "tp2_lora": [*tp2, *LORA],  # the KL's reference: the base with the adapters off
     }
     ranks = run_on_ranks(_on_ranks, 2, args=(prompts, runs), timeout=600)
+    one_process = world1["one"]
     for rank in ranks:
         assert_same_trace(rank["tp2"]["trace"], one_process["trace"])
         assert_same_trace(rank["dp2"]["trace"], one_process["trace"])
+        assert_same_trace(rank["tp2_lora"]["trace"], world1["lora"]["trace"])
+    assert ranks[0]["tp2_lora"]["reference"] == world1["lora"]["reference"] == "adapters_off"
+    assert one_process["reference"] == "copy"
+    assert world1["lora"]["trace"]["kl"][-1] > 0 and world1["lora"]["trace"]["loss"] != one_process["trace"]["loss"]
     assert ranks[0]["tp2"]["layout"] == (2, 1) and ranks[0]["dp2"]["layout"] == (1, 2)
     assert ranks[0]["tp2"]["seq"] == [16] and one_process["seq"] == [32]  # sequence parallel in training
 
