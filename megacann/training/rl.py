@@ -144,12 +144,11 @@ class RLTraining:
         kept: list[list[Rollout]] = []
         dropped: list[list[Rollout]] = []
         sampled: list[Rollout] = []
-        rounds = 0
+        rounds, rows = 0, self.cfg.data.batch_size * self.cfg.optim.grad_accum_steps
         for round_index in range(r.filter_max_rounds + 1 if r.filter_groups else 1):
             rounds += 1
             indices = self.order.step_prompts(phase, round_index, need)
             slots = list(enumerate(indices))[rank * share : (rank + 1) * share]
-            rows = self.cfg.data.batch_size * self.cfg.optim.grad_accum_steps
             mine = generate_groups(self.generator, self.prompts, slots, r, (self.cfg.seed, phase, round_index), rows)
             self._score(mine)
             everyone = gather_rollouts(mine, ps.get_data_parallel_group())
@@ -174,7 +173,7 @@ class RLTraining:
             "reward_std": float(rewards.std(unbiased=False)),
             "reward_accuracy": float((rewards >= 1.0).double().mean()),
             "sampling_rounds": float(rounds),
-            "filtered_groups": float(len(sampled) // size - len(kept)) if r.filter_groups else 0.0,
+            "filtered_groups": float(len(dropped)),
             "filter_filled_groups": float(shortfall),
             "rollout_tokens": float(sum(len(x.tokens) for x in sampled)),
             **response_figures(sampled),
