@@ -124,6 +124,7 @@ setup(
         "fla": ["fla-core"],  # flash-linear-attention: Gated DeltaNet's CUDA kernels
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
+        "math": ["math-verify"],  # rl.reward math: mathematical answers checked symbolically
         "dev": [
             "pytest",
             "hypothesis",
@@ -134,6 +135,7 @@ setup(
             "sentencepiece",
             "wandb",
             "tensorboard",
+            "math-verify",
         ],
     },
     entry_points={

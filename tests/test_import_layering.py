@@ -5,7 +5,8 @@ nesting: a lazy import inside a function ties the packages together just the sam
 (README, "Layout"): the floor (errors, accelerator, host_memory, parallel_state, rank_layout, communication_lanes,
 collectives, constants), then config, ops, layers, models (the contract and the families), data, pipeline, optimizer,
 checkpoint (training state only), interop (weights in and out), generation (which knows models only through
-the contract and the layers), training, and the tools on top. Three rules close the model contract on both
+the contract and the layers), rl (prompts, rollouts by the generator, rewards, advantages), training, and the
+tools on top. Three rules close the model contract on both
 sides: models/ knows no file format (never imports interop/), layers/ need no recipe (never import config's
 recipe class), and pipeline/ knows models only through the contract's modules.
 """
@@ -35,7 +36,7 @@ FLOOR = {
     "lazy_exports",
 }
 TOOLS = {"planning", "dry_run", "launch", "cli", "convert", "generate", "train", "comm_check", "env_report"}
-ABOVE_DATA = {"pipeline", "optimizer", "checkpoint", "interop", "generation", "training"}
+ABOVE_DATA = {"pipeline", "optimizer", "checkpoint", "interop", "generation", "rl", "training"}
 
 # what each package may import from megacann: ALLOWED lists all it may use, FORBIDDEN what it may not
 ALLOWED = {"config": FLOOR | {"config"}}
@@ -46,7 +47,8 @@ FORBIDDEN = {
     "data": {"layers", "models"} | ABOVE_DATA | TOOLS,
     "optimizer": {"pipeline", "models", "data", "checkpoint", "interop", "generation", "training"} | TOOLS,
     "checkpoint": {"data", "models", "interop", "generation", "training", "pipeline"} | TOOLS,
-    "generation": {"data", "optimizer", "checkpoint", "interop", "training"} | TOOLS,
+    "generation": {"data", "optimizer", "checkpoint", "interop", "rl", "training"} | TOOLS,
+    "rl": {"pipeline", "optimizer", "checkpoint", "interop", "training"} | TOOLS,  # rollouts know the generator
 }
 
 # the model contract: what pipeline/ may import of megacann.models (the spec and registry; chunk outputs and loss)

@@ -64,6 +64,31 @@ def test_panels_overlay_runs_under_their_names(tmp_path):
     assert panels["throughput"].get_ylabel() == "tokens/s"
 
 
+def test_a_grpo_run_gets_the_reward_length_kl_and_entropy_panels():
+    pytest.importorskip("matplotlib")
+    records = [
+        {
+            "step": s,
+            "loss": 0.1,
+            "reward_mean": 0.1 * s,
+            "response_length_mean": 9.0 - s,
+            "kl": 0.01 * s,
+            "entropy": 2.0,
+        }
+        for s in (1, 2, 3)
+    ]
+    fig = build_figure([Run("grpo", records)], smoothing=0.6)
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert list(panels)[1:] == [
+        "reward (mean over the rollouts)",
+        "response length (mean)",
+        "KL to the reference",
+        "entropy at response tokens",
+    ]
+    reward = panels["reward (mean over the rollouts)"].get_lines()[0]
+    assert list(reward.get_xdata()) == [1, 2, 3] and list(reward.get_ydata()) == pytest.approx([0.1, 0.2, 0.3])
+
+
 def test_script_writes_one_png_from_two_runs(tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib.image

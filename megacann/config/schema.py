@@ -262,6 +262,37 @@ class DPOConfig:
 
 
 @dataclass
+class RLConfig:
+    """Reinforcement learning on the model's own rollouts (``train_mode: grpo``; megacann.training.rl, docs/rl.md)."""
+
+    prompts: Optional[str] = None  # JSONL: {"prompt": text} or {"messages": [...]} plus the fields the reward reads
+    group_size: int = 4  # responses sampled per prompt (>= 2: advantages compare a group's members)
+    max_new_tokens: int = 64  # rollout sampling: a response's length limit, then temperature, top-p, top-k
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    reward: str = "exact_match"  # exact_match | math | regex:<pattern> | module:function (experiment.imports)
+    advantage_estimator: str = "grpo"  # grpo | rloo
+    scale_rewards: str = "group"  # grpo: divide by the std over the group | the batch | none (Dr. GRPO)
+    clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher: 0.28)
+    clip_high: float = 0.2
+    ratio_level: str = "token"  # token | sequence (GSPO)
+    loss_aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batches: int = 1  # optimizer updates per pass: a rollout phase samples mini_batches global batches
+    kl_coef: float = 0.0  # weight of the KL to the reference policy (0: no KL, no reference)
+    kl_estimator: str = "k3"  # k1 | k3
+    reference: str = "auto"  # auto (kl_coef 0: none; LoRA: adapters_off; else copy) | copy | adapters_off | none
+    filter_groups: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal, sample more
+    filter_max_rounds: int = 4  # extra sampling rounds a step may take to fill its batch
+    filter_shortfall: str = "error"  # when the rounds run out: error | fill (with all-equal groups, counted)
+    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens (0: off)
+    overlong_penalty: float = 1.0  # the penalty reached at max_new_tokens
+    tis_cap: Optional[float] = None  # truncated importance sampling: min(pi_trainer / pi_rollout, cap) per token
+    router_replay: bool = False  # MoE: reuse the rollout's expert choices in the training forward (refused: not yet)
+
+
+@dataclass
 class MegacannConfig:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -272,8 +303,9 @@ class MegacannConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     seed: int = 1234
-    train_mode: str = "pretrain"  # pretrain | sft | dpo
+    train_mode: str = "pretrain"  # pretrain | sft | dpo | grpo
     lora: bool = False  # train LoRA adapters on a frozen base (megacann.training.finetune)
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -304,6 +336,7 @@ _SECTION_CLASSES = {
     "precision": PrecisionConfig,
     "training": TrainingConfig,
     "dpo": DPOConfig,
+    "rl": RLConfig,
 }
 TOP_LEVEL_KEYS = [f.name for f in dataclasses.fields(MegacannConfig) if f.name not in _SECTION_CLASSES]
 
@@ -312,6 +345,7 @@ MODE_DEFAULTS = {
     "pretrain": {"lr": 3.0e-4, "warmup_ratio": 0.0},
     "sft": {"lr": 1.0e-5, "warmup_ratio": 0.05},
     "dpo": {"lr": 1.0e-6, "warmup_ratio": 0.1},
+    "grpo": {"lr": 1.0e-6, "warmup_ratio": 0.0},
 }
 
 CHOICES = {  # a family's own keys give theirs in their field's metadata ("choices")
@@ -321,9 +355,16 @@ CHOICES = {  # a family's own keys give theirs in their field's metadata ("choic
     "optim.scheduler": ("cosine", "linear", "constant"),
     "distributed.parallel_mode": ("data", "tensor", "pipeline", "hybrid"),
     "distributed.context_parallel_algo": ("ring", "allgather", "ulysses"),
-    "train_mode": ("pretrain", "sft", "dpo"),
+    "train_mode": ("pretrain", "sft", "dpo", "grpo"),
     "dpo.loss_type": ("sigmoid", "ipo", "simpo"),
     "dpo.reference": ("auto", "copy", "adapters_off", "precomputed"),
+    "rl.advantage_estimator": ("grpo", "rloo"),
+    "rl.scale_rewards": ("group", "batch", "none"),
+    "rl.ratio_level": ("token", "sequence"),
+    "rl.loss_aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
+    "rl.kl_estimator": ("k1", "k3"),
+    "rl.reference": ("auto", "copy", "adapters_off", "none"),
+    "rl.filter_shortfall": ("error", "fill"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
     "precision.fp8": ("none", "tensorwise", "rowwise", "blockwise", "mxfp8"),
     "precision.fp8_grad_format": ("e5m2", "e4m3"),

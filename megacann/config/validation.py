@@ -11,6 +11,7 @@ import math
 from typing import Any, Callable, Optional
 
 from megacann.config.offload_keys import check_offload_keys
+from megacann.config.rl_keys import check_rl_section
 from megacann.config.schema import CHOICES, MODE_DEFAULTS, ConfigError, MegacannConfig
 from megacann.config.zero import check_zero_keys, check_zero_layout
 
@@ -304,6 +305,7 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
         raise ConfigError(f"{source}: optim.clip_grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
     check_profiler_window(cfg.logging.profiler, o.max_steps, source)
     check_dpo_section(cfg, source)
+    check_rl_section(cfg, source)
     check_fp8_keys(cfg, source)
 
 

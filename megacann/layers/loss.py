@@ -138,3 +138,31 @@ def token_loss(
     return vocab_parallel_cross_entropy(
         logits_shard, labels, ignore_index=IGNORE_INDEX, vocab_size=vocab_size, group=group
     )
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(
+    logits_shard: torch.Tensor, vocab_size: Optional[int] = None, group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
+    """Entropy ``-sum_v p_v log p_v`` (fp32, ``[...]``) of the softmax over vocabulary-parallel logits
+    ``[..., V_padded/tp]``, for logging (no gradient). As the cross entropy, it never gathers the logits:
+    with ``m`` the global max, ``S = sum exp(z - m)`` and ``T = sum exp(z - m) (z - m)`` summed over the
+    TP group, the entropy is ``log S - T / S``; padded columns (ids ``>= vocab_size``) are excluded."""
+    group = mappings.tp_group(group)
+    world = dist.get_world_size(group) if group is not None else 1
+    local_vocab = logits_shard.shape[-1]
+    start = (dist.get_rank(group) if group is not None else 0) * local_vocab
+    valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
+    logits = logits_shard[..., :valid].float()
+    if valid > 0:
+        row_max = logits.amax(dim=-1)
+    else:  # this rank holds only padding columns
+        row_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+    if world > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - row_max.unsqueeze(-1)
+    weights = shifted.exp()
+    sums = torch.stack([weights.sum(dim=-1), (weights * shifted).sum(dim=-1)])
+    if world > 1:
+        dist.all_reduce(sums, group=group)
+    return sums[0].log() - sums[1] / sums[0]

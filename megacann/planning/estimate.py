@@ -179,13 +179,15 @@ def mtp_terms(cfg: MegacannConfig, layout: Layout) -> tuple[int, int, float]:
 
 
 def reference_copy_bytes(cfg: MegacannConfig, params: int) -> float:
-    """Bytes of DPO's frozen reference copy on a device whose policy holds ``params`` parameters: the
-    weights in the model's dtype when the recipe builds a copy, else 0."""
-    if cfg.train_mode != "dpo":
+    """Bytes of DPO's or GRPO's frozen reference copy on a device whose policy holds ``params`` parameters:
+    the weights in the model's dtype when the recipe builds a copy, else 0."""
+    if cfg.train_mode == "grpo":
+        from megacann.config.rl_keys import reference_kind as kind_of
+    elif cfg.train_mode == "dpo":
+        from megacann.training.preference import reference_kind as kind_of
+    else:
         return 0.0
-    from megacann.training.preference import reference_kind
-
-    return float(weight_bytes_per_param(cfg) * params) if reference_kind(cfg) == "copy" else 0.0
+    return float(weight_bytes_per_param(cfg) * params) if kind_of(cfg) == "copy" else 0.0
 
 
 def estimate_stage(

@@ -48,7 +48,11 @@ def stage_table(stages: list[StageEstimate]) -> list[str]:
 
 
 def reference_line(cfg: MegacannConfig, stages: list[StageEstimate]) -> Optional[str]:
-    """What DPO's reference policy costs the devices (None outside train_mode dpo)."""
+    """What DPO's reference policy costs the devices (GRPO: and its generation cache; None outside them)."""
+    if cfg.train_mode == "grpo":
+        from megacann.planning.rl import rl_memory_lines
+
+        return "\n".join(rl_memory_lines(cfg, _gb(max(s.reference for s in stages))))
     if cfg.train_mode != "dpo":
         return None
     from megacann.training.preference import reference_kind

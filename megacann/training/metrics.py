@@ -22,6 +22,8 @@ def format_step_line(record: dict[str, Any], max_steps: int, eta_seconds: Option
         parts.append(f"mtp_loss {record['mtp_loss']:.4f}")
     if record.get("reward_margin") is not None:  # preference optimisation (train_mode dpo)
         parts.append(f"margin {record['reward_margin']:.3f} acc {record['reward_accuracy']:.2f}")
+    if record.get("reward_mean") is not None:  # reinforcement learning (train_mode grpo)
+        parts.append(f"reward {record['reward_mean']:.3f} len {record['response_length_mean']:.1f}")
     if record.get("grad_norm") is not None:
         parts.append(f"grad_norm {record['grad_norm']:.3f}")
     parts.append(f"lr {record['lr']:.3e}")

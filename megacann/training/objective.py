@@ -5,7 +5,9 @@ reference policy's log-probabilities), :meth:`count` is the global normaliser of
 ``forward_step`` (possibly wrapped) runs in the schedule, :meth:`figures` turns the reduced sums into the
 logged figures, and :meth:`evaluate` scores held-out batches. :class:`TokenObjective` is pretraining's
 and SFT's per-token loss; ``train_mode: dpo`` gets
-:class:`~megacann.training.preference.PreferenceTraining`, which has the same methods.
+:class:`~megacann.training.preference.PreferenceTraining`, which has the same methods, and ``train_mode: grpo``
+:class:`~megacann.training.rl.RLTraining`, whose :meth:`prepare` replaces the step's micro-batches by rollouts
+and whose ``data_factory`` is the trainer's data (a step counter).
 """
 
 from __future__ import annotations
@@ -64,8 +66,13 @@ class TokenObjective:
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
 
-def build_objective(cfg: MegacannConfig, spec: ModelSpec, policy: list[torch.nn.Module], device):
-    """The objective of ``train_mode``: DPO's (with its reference policy) or the per-token one."""
+def build_objective(cfg: MegacannConfig, spec: ModelSpec, policy: list[torch.nn.Module], device, tokenizer=None):
+    """The objective of ``train_mode``: DPO's (with its reference policy), GRPO's (rollouts of the policy
+    itself, scored with ``tokenizer``'s text) or the per-token one."""
+    if cfg.train_mode == "grpo":
+        from megacann.training.rl import RLTraining
+
+        return RLTraining(cfg, spec, policy, device, tokenizer)
     if cfg.train_mode == "dpo":
         from megacann.training.preference import PreferenceTraining
 

@@ -19,6 +19,14 @@ PANELS = (
     ("grad_norm", "grad norm (before clipping)", "norm"),
     ("tokens_per_second", "throughput", "tokens/s"),
 )
+# runs of train_mode grpo (their records hold reward_mean): what the rollouts earn and how they change
+RL_PANELS = (
+    ("loss", "training loss", "loss"),
+    ("reward_mean", "reward (mean over the rollouts)", "reward"),
+    ("response_length_mean", "response length (mean)", "tokens"),
+    ("kl", "KL to the reference", "kl"),
+    ("entropy", "entropy at response tokens", "nats"),
+)
 
 
 @dataclass
@@ -82,7 +90,8 @@ def smooth(values: Sequence[float], weight: float = 0.6) -> list[float]:
 
 
 def build_figure(runs: Sequence[Run], smoothing: float = 0.6):
-    """The figure: a 2 x 3 grid of the PANELS, each run in its own colour on every panel."""
+    """The figure: a 2 x 3 grid of the PANELS (RL_PANELS when a run holds rewards), each run in its own
+    colour on every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,7 +101,8 @@ def build_figure(runs: Sequence[Run], smoothing: float = 0.6):
     fig, grid = plt.subplots(2, 3, figsize=(15, 8))
     axes = list(grid.flat)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (key, title, ylabel) in zip(axes, PANELS):
+    rl = any(run.series("reward_mean")[0] for run in runs)
+    for ax, (key, title, ylabel) in zip(axes, RL_PANELS if rl else PANELS):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)

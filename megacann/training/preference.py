@@ -84,6 +84,15 @@ def _eval_mode(chunks: list[torch.nn.Module]):
             chunk.train(mode)
 
 
+def forward_only_pass(
+    schedule, chunks: list[torch.nn.Module], micro_batches: list[dict], forward_step, context
+) -> None:
+    """One forward-only pass of ``schedule`` over ``micro_batches`` through ``chunks`` in eval mode, inside
+    ``context`` (e.g. adapters disabled): a reference or old policy's values, collected by ``forward_step``."""
+    with context, _eval_mode(chunks):
+        schedule(chunks, micro_batches, loss_normalizer=1.0, forward_only=True, forward_step=forward_step)
+
+
 def _computes_loss(cfg: MegacannConfig) -> bool:
     """Whether this rank's pipeline stage computes the loss, hence a reference pass's log-probabilities."""
     stages = ps.get_pipeline_model_parallel_world_size()
@@ -131,14 +140,9 @@ class PreferenceTraining:
         if chunks is None:
             chunks, context = self._reference_chunks()
         sink: list[torch.Tensor] = []
-        with context, _eval_mode(chunks):
-            self.schedule(
-                chunks,
-                micro_batches,
-                loss_normalizer=1.0,
-                forward_only=True,
-                forward_step=reference_forward_step(self.spec.forward_step, sink),
-            )
+        forward_only_pass(
+            self.schedule, chunks, micro_batches, reference_forward_step(self.spec.forward_step, sink), context
+        )
         if not sink:  # not the stage that computes the loss
             sink = [torch.zeros(mb["labels"].shape[0], device=mb["labels"].device) for mb in micro_batches]
         if len(sink) != len(micro_batches):

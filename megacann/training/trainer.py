@@ -119,7 +119,7 @@ class Trainer:
         )
         self.schedule = LRSchedule.from_config(cfg.optim)
         # what a step optimises: the per-token loss, or (train_mode dpo) per-pair losses and a reference policy
-        self.objective = build_objective(cfg, self.model_spec, self.model_chunks, self.device)
+        self.objective = build_objective(cfg, self.model_spec, self.model_chunks, self.device, self.tokenizer)
         self.forward_backward = get_forward_backward_func(cfg, self.objective.forward_step)
         # logging.timers: per-stage forward/backward/transfer-wait seconds of each step, in the metrics
         timed = cfg.logging.timers or cfg.logging.profile_breakdown
@@ -132,7 +132,8 @@ class Trainer:
         self.flops_per_token = self.model_spec.flops_per_token(cfg.model, cfg.data.seq_length)
         self.peak_flops = self.runtime.accelerator.peak_bf16_flops()
         self._data = data
-        self._data_factory = data_factory
+        # grpo: the objective samples its own data (rollouts); the trainer's data only counts the steps
+        self._data_factory = data_factory or (getattr(self.objective, "data_factory", None) if data is None else None)
         self._own_data = data is None
         self._checkpointer = None
         self.guard = StepGuard(cfg.training, log=self.metrics.print)  # non-finite / spiking steps are skipped

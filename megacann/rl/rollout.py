@@ -1,0 +1,131 @@
+"""Rollouts: a group of sampled responses per prompt, drawn by the training model itself, and the
+micro-batches a policy step trains on.
+
+Each response is drawn with its own seed, mixed from (run seed, phase, round, the prompt's slot in the
+phase, the sample's index in its group), so the same rollout comes out of any layout, batch or resumed run.
+The generator returns each token's log-probability under the model's own distribution (what the trainer
+recomputes); they travel with the micro-batch as ``rollout_logps`` for the mismatch figures and TIS.
+
+A training row is ``prompt + response``, right-padded to ``data.seq_length``; its labels are the
+response's tokens (the EOS that ended it included), shifted like any language-model label, and the ignore
+index elsewhere, so only response tokens carry the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megacann.constants import IGNORE_INDEX
+from megacann.generation import Generator, SamplingParams
+from megacann.rl.prompts import Prompt, hash_seed
+
+
+@dataclass
+class Rollout:
+    """One sampled response: which prompt (index into the file's list) and which member of its group, the
+    new tokens with their log-probabilities, why it ended (``eos``, ``stop``, ``length``) and its rewards."""
+
+    prompt: int
+    sample: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    raw_reward: float = 0.0  # the reward function's
+    reward: float = 0.0  # with the overlong penalty: what the advantages are computed from
+
+
+def sampling_params(rl, seed: int) -> SamplingParams:
+    """The recipe's rollout sampling (``rl.max_new_tokens``, temperature, top-p, top-k) with ``seed``."""
+    return SamplingParams(
+        max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p, seed=seed
+    )
+
+
+def generate_groups(
+    generator: Generator,
+    prompts: Sequence[Prompt],
+    slots: Sequence[tuple[int, int]],
+    rl,
+    seed_key: tuple[int, ...],
+    rows_per_call: int,
+) -> list[Rollout]:
+    """``rl.group_size`` responses for each ``(slot, prompt index)``, in slot then sample order; each
+    response's seed is ``hash_seed(*seed_key, slot, sample)``. At most ``rows_per_call`` rows a generation."""
+    requests = [(slot, index, k) for slot, index in slots for k in range(rl.group_size)]
+    rollouts: list[Rollout] = []
+    for first in range(0, len(requests), rows_per_call):
+        chunk = requests[first : first + rows_per_call]
+        params = [sampling_params(rl, hash_seed(*seed_key, slot, k)) for slot, _, k in chunk]
+        results = generator.generate([prompts[index].ids for _, index, _ in chunk], params)
+        for (_, index, k), result in zip(chunk, results):
+            rollouts.append(Rollout(index, k, result.tokens, result.logprobs, result.finish_reason or "length"))
+    return rollouts
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong penalty: 0 up to ``max_new_tokens - buffer`` tokens, then falling linearly to
+    ``-penalty`` at ``max_new_tokens`` (0 when ``buffer`` is 0)."""
+    start = max_new_tokens - buffer
+    if buffer == 0 or length <= start:
+        return 0.0
+    return -penalty * min(length - start, buffer) / buffer
+
+
+def gather_rollouts(rollouts: list[Rollout], group) -> list[Rollout]:
+    """Every rank's rollouts of ``group`` (data parallel), in rank order (each rank's own list when alone)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return rollouts
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, rollouts, group=group)
+    return [r for part in everyone for r in part]
+
+
+def rollout_micro_batches(
+    prompts: Sequence[Prompt],
+    rollouts: Sequence[Rollout],
+    advantages: Sequence[float],
+    seq_length: int,
+    batch_size: int,
+    pad_id: int,
+) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of ``batch_size`` rows: ``tokens``, ``labels`` (the response's tokens), ``position_ids``,
+    ``advantages`` [b] and the generator's ``rollout_logps`` [b, s] (aligned with the labels, 0 elsewhere)."""
+    batches = []
+    for first in range(0, len(rollouts), batch_size):
+        rows = rollouts[first : first + batch_size]
+        tokens = torch.full((len(rows), seq_length), pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), seq_length), IGNORE_INDEX, dtype=torch.long)
+        logps = torch.zeros((len(rows), seq_length), dtype=torch.float32)
+        for row, rollout in enumerate(rows):
+            prompt = prompts[rollout.prompt].ids
+            sequence = list(prompt) + list(rollout.tokens)
+            if len(sequence) > seq_length:
+                raise ValueError(f"a rollout of {len(sequence)} tokens is longer than data.seq_length {seq_length}")
+            tokens[row, : len(sequence)] = torch.tensor(sequence)
+            start, end = len(prompt) - 1, len(sequence) - 1  # label j predicts token j + 1
+            labels[row, start:end] = torch.tensor(rollout.tokens)
+            logps[row, start:end] = torch.tensor(rollout.logprobs, dtype=torch.float32)
+        batches.append(
+            {
+                "tokens": tokens,
+                "labels": labels,
+                "position_ids": torch.arange(seq_length).expand(len(rows), seq_length).clone(),
+                "advantages": torch.tensor(advantages[first : first + batch_size], dtype=torch.float32),
+                "rollout_logps": logps,
+            }
+        )
+    return batches
+
+
+def response_figures(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Response length mean and max (tokens) and the share cut at ``max_new_tokens`` (``truncation_rate``)."""
+    lengths = [len(r.tokens) for r in rollouts]
+    return {
+        "response_length_mean": sum(lengths) / len(lengths),
+        "response_length_max": float(max(lengths)),
+        "truncation_rate": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+    }
