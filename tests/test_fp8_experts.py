@@ -17,6 +17,7 @@ on two ranks' batches scales as on each alone; tensorwise dense scales would spa
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_on_ranks
 from layers_reference import full_grad, rel_err
+from test_fp8_training import STEPS, _close, _run_all
+from tiny_recipes import TINY_MOE
 
 from megacann import parallel_state as ps
 from megacann.layers import LayerContext, MoEConfig, MoELayer
@@ -201,3 +204,40 @@ def test_grouped_experts_are_checked_when_built():
         pytest.raises(Fp8Error, match=r"GroupedExperts\(4 experts\): precision.fp8_scaling=delayed"),
     ):
         MoELayer(MoEConfig(hidden_size=HIDDEN, num_experts=EXPERTS, ffn_hidden_size=FFN, top_k=2))
+
+
+# the trainer: ep 2 (dp 2, micro-batches of 2) against one process whose micro-batches are both ranks'
+# (SyntheticData puts rank 0's samples, then rank 1's, in the one-process micro-batch); no balancing loss,
+# which each rank would compute over its own batch
+MOE = [*TINY_MOE, "model.moe_aux_loss_coeff=0", "optim.lr=1e-3", "optim.clip_grad=0.5", "data.seq_length=64"]
+TRAINER_RUNS = {
+    "blockwise": (1, [*MOE, "precision.fp8=blockwise", "data.batch_size=4"]),
+    "blockwise_ep2": (2, [*MOE, "precision.fp8=blockwise", "distributed.expert_parallel_size=2"]),
+    "mxfp8": (1, [*MOE, "precision.fp8=mxfp8", "data.batch_size=4"]),
+    "mxfp8_ep2": (2, [*MOE, "precision.fp8=mxfp8", "distributed.expert_parallel_size=2"]),
+}
+
+
+def _expert_indices(names) -> set[str]:
+    """The expert indices among parameter names ``layers.<i>.mlp.experts.<e>.<projection>.weight``."""
+    return {m.group(1) for m in (re.search(r"\.experts\.(\d+)\.", n) for n in names) if m}
+
+
+@pytest.fixture(scope="module")
+def trainer_runs() -> dict:
+    return _run_all(TRAINER_RUNS)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_moe_trainer_under_expert_parallelism_equals_one_process(trainer_runs, recipe):
+    got, ref = trainer_runs[f"{recipe}_ep2"], trainer_runs[recipe]
+    # the bounds of tests/test_fp8_training.py (its docstring: why whole traces are not held to 1e-5)
+    assert _close(got["losses"][:1], ref["losses"][:1], 1e-5), (got["losses"], ref["losses"])
+    assert _close(got["losses"], ref["losses"], 1e-3) and _close(got["norms"], ref["norms"], 1e-2)
+    # expert parallelism was in force: 2 of the 4 experts of each block here, all 4 in one process
+    experts, all_experts = (_expert_indices(run["weight_shapes"]) for run in (got, ref))
+    assert len(experts) == 2 and all_experts == {"0", "1", "2", "3"}
+    # the experts multiplied in FP8 on every rank: beyond the attention's 4 products per block and micro-batch
+    assert got["fp8_layers"] == ref["fp8_layers"] and any(n.endswith("experts") for n in got["fp8_layers"])
+    attention_calls = STEPS * 2 * 4 * 2
+    assert all(calls > attention_calls for calls in got["fp8_calls"]), got["fp8_calls"]

@@ -31,7 +31,7 @@ DELAYED = ["precision.fp8=tensorwise", "precision.fp8_scaling=delayed", "precisi
 RUNS = {
     "tensorwise": (1, ["precision.fp8=tensorwise"]),
     "tensorwise_tp2_sp": (2, ["precision.fp8=tensorwise", *TP2_SP]),
-    "tensorwise_tp2_sp_unreduced": (2, ["precision.fp8=tensorwise", *TP2_SP]),
+    "tensorwise_tp2_sp_tp_unreduced": (2, ["precision.fp8=tensorwise", *TP2_SP]),
     "rowwise": (1, ["precision.fp8=rowwise", "precision.fp8_grad_format=e4m3"]),
     "rowwise_tp2": (
         2,
@@ -90,13 +90,15 @@ def _train(runs: dict, names: list[str]) -> dict:
         world, overrides = runs[name]
         if world != dist.get_world_size():
             continue
-        calls = {"fp8": 0}
+        calls = {"fp8": 0, "rows": 0}  # rows: the tokens of the first FP8 product's input
         scales: list[float] = []  # the first forward's tensorwise scales, operand by operand
         real_op, real_group, real_quantize = ops.fp8_linear, fp8_impl._operand_group, fp8_impl.quantize
+        real_token_group = fp8_impl._token_group
 
-        def counting(*args, calls=calls, real_op=real_op, **kwargs):
+        def counting(x, *args, calls=calls, real_op=real_op, **kwargs):
             calls["fp8"] += 1
-            return real_op(*args, **kwargs)
+            calls["rows"] = calls["rows"] or x.numel() // x.shape[-1]
+            return real_op(x, *args, **kwargs)
 
         def recording(*args, scales=scales, real_quantize=real_quantize, **kwargs):
             q = real_quantize(*args, **kwargs)
@@ -105,8 +107,10 @@ def _train(runs: dict, names: list[str]) -> dict:
             return q
 
         ops.fp8_linear, fp8_impl.quantize = counting, recording
-        if name.endswith("_unreduced"):  # the classic bug: each rank scales its shard by its own amax
+        if name.endswith("_tp_unreduced"):  # the classic bug: each rank scales its shard by its own amax
             fp8_impl._operand_group = lambda block, split_dim, group: None
+        if name.endswith("_tokens_unreduced"):  # each context-parallel rank scales its tokens by its own amax
+            fp8_impl._token_group = lambda block, token_dim, token_group: None
         try:
             cfg = tiny_config(COMMON + overrides, world_size=world)
             runtime = setup_runtime(cfg)
@@ -128,12 +132,14 @@ def _train(runs: dict, names: list[str]) -> dict:
             }
         finally:
             ops.fp8_linear, fp8_impl._operand_group, fp8_impl.quantize = real_op, real_group, real_quantize
+            fp8_impl._token_group = real_token_group
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, calls["fp8"])
         results[name] = {
             "losses": losses,
             "norms": norms,
             "fp8_calls": every,
+            "first_rows": calls["rows"],
             "fp8_layers": fp8_layers,
             "weight_shapes": weight_shapes,
             "scales": scales,
@@ -193,7 +199,7 @@ def test_fp8_changes_the_run_and_a_skipped_amax_reduction_breaks_parity(runs):
     plain, fp8 = runs["plain"]["norms"], runs["tensorwise"]["norms"]
     assert not _close(fp8, plain, 1e-3) and _close(fp8, plain, 5e-2), (fp8, plain)
     # each rank quantising its shard with its own scale no longer equals one process
-    broken, ref = runs["tensorwise_tp2_sp_unreduced"], runs["tensorwise"]
+    broken, ref = runs["tensorwise_tp2_sp_tp_unreduced"], runs["tensorwise"]
     assert len(broken["scales"]) == 48
     assert max(abs(a - b) / b for a, b in zip(broken["scales"], ref["scales"])) > 0.1
     assert not _close(broken["losses"][:1], ref["losses"][:1], 1e-5)
