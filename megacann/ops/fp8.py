@@ -174,7 +174,7 @@ def check_history(recipe: str, history: Optional[torch.Tensor]) -> None:
         raise Fp8Error(f"fp8_linear: amax_history must be [1 + history length, 3], got {tuple(history.shape)}")
 
 
-def _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, history, gemm, tokens=None):
+def run_with_gemm(x, weight, bias, recipe, forward_format, grad_format, parallel, group, history, gemm, tokens=None):
     check_parallel(parallel)
     check_history(recipe, history)
     x2 = x.reshape(-1, x.shape[-1])
@@ -198,7 +198,7 @@ def fp8_linear(
     token_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     options = (recipe, forward_format, grad_format, parallel, group, amax_history)
-    return _run(x, weight, bias, *options, reference_gemm, token_group)
+    return run_with_gemm(x, weight, bias, *options, reference_gemm, token_group)
 
 
 def _has_scaled_mm() -> bool:
@@ -221,7 +221,7 @@ def fp8_linear_scaled_mm(
 ) -> torch.Tensor:
     gemm = scaled_mm_gemm if recipe in SCALED_MM_RECIPES else reference_gemm
     options = (recipe, forward_format, grad_format, parallel, group, amax_history)
-    return _run(x, weight, bias, *options, gemm, token_group)
+    return run_with_gemm(x, weight, bias, *options, gemm, token_group)
 
 
 @dataclass(frozen=True)
