@@ -82,6 +82,7 @@ def _train(runs: dict, names: list[str]) -> dict:
     import megacann.ops as ops
     from megacann import parallel_state as ps
     from megacann.ops import fp8 as fp8_impl
+    from megacann.ops.weight_grad import active_store, weight_grad_stats
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -90,7 +91,9 @@ def _train(runs: dict, names: list[str]) -> dict:
         world, overrides = runs[name]
         if world != dist.get_world_size():
             continue
-        calls = {"fp8": 0, "rows": 0}  # rows: the tokens of the first FP8 product's input
+        # rows: the tokens of the first FP8 product's input; weight_grad_in_b / _w: the weight gradients'
+        # quantisations while a split backward's B collects (none: they wait for W) and elsewhere
+        calls = {"fp8": 0, "rows": 0, "weight_grad_in_b": 0, "weight_grad_elsewhere": 0}
         scales: list[float] = []  # the first forward's tensorwise scales, operand by operand
         real_op, real_group, real_quantize = ops.fp8_linear, fp8_impl._operand_group, fp8_impl.quantize
         real_token_group = fp8_impl._token_group
@@ -100,13 +103,16 @@ def _train(runs: dict, names: list[str]) -> dict:
             calls["rows"] = calls["rows"] or x.numel() // x.shape[-1]
             return real_op(x, *args, **kwargs)
 
-        def recording(*args, scales=scales, real_quantize=real_quantize, **kwargs):
+        def recording(*args, scales=scales, real_quantize=real_quantize, calls=calls, **kwargs):
             q = real_quantize(*args, **kwargs)
+            if "weight_grad operand A" in kwargs["what"]:
+                calls["weight_grad_in_b" if active_store() is not None else "weight_grad_elsewhere"] += 1
             if "forward operand" in kwargs["what"] and q.scale.numel() == 1 and len(scales) < 48:
                 scales.append(q.scale.item())
             return q
 
         ops.fp8_linear, fp8_impl.quantize = counting, recording
+        deferred_before = weight_grad_stats()["deferred"]
         if name.endswith("_tp_unreduced"):  # the classic bug: each rank scales its shard by its own amax
             fp8_impl._operand_group = lambda block, split_dim, group: None
         if name.endswith("_tokens_unreduced"):  # each context-parallel rank scales its tokens by its own amax
@@ -135,11 +141,16 @@ def _train(runs: dict, names: list[str]) -> dict:
             fp8_impl._token_group = real_token_group
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, calls["fp8"])
+        # per rank: (weight gradients quantised in a split backward's B, elsewhere, closures deferred to W)
+        deferred = weight_grad_stats()["deferred"] - deferred_before
+        weight_grads = [None] * dist.get_world_size()
+        dist.all_gather_object(weight_grads, (calls["weight_grad_in_b"], calls["weight_grad_elsewhere"], deferred))
         results[name] = {
             "losses": losses,
             "norms": norms,
             "fp8_calls": every,
             "first_rows": calls["rows"],
+            "weight_grads": weight_grads,
             "fp8_layers": fp8_layers,
             "weight_shapes": weight_shapes,
             "scales": scales,
@@ -222,10 +233,7 @@ def test_bad_fp8_keys_are_refused_by_name(overrides, message):
         tiny_config(overrides)
 
 
-def test_fp8_with_a_split_backward_or_overlap_is_refused():
-    pipeline = ["distributed.pipeline_parallel_size=2", "distributed.pipeline_schedule=zb1p"]
-    with pytest.raises(ConfigError, match="precision.fp8=tensorwise with distributed.pipeline_schedule 'zb1p'"):
-        tiny_config(["precision.fp8=tensorwise", *pipeline], world_size=2)
+def test_fp8_with_tp_overlap_is_refused():
     overlap = [*TP2_SP, "distributed.tp_comm_overlap=true"]
     with pytest.raises(ConfigError, match="precision.fp8 with distributed.tp_comm_overlap"):
         tiny_config(["precision.fp8=tensorwise", *overlap], world_size=2)

@@ -35,6 +35,7 @@ from megacann.ops.fp8_formats import (
     quantize,
 )
 from megacann.ops.registry import REFERENCE, register
+from megacann.ops.weight_grad import defer_or_compute, deferrable
 
 # which dimension of each product's operand view ([rows, reduction]) is split over the group
 _SPLIT_DIMS = {
@@ -125,7 +126,9 @@ def scaled_mm_gemm(a: Quantized, b: Quantized) -> torch.Tensor:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm, history, tokens):
+    def forward(
+        ctx, x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm, history, tokens, defer
+    ):
         # evaluation (no autograd) scales by the history without adding to it
         formats = (forward_format, forward_format)
         xq, wq = _quantize_pair(
@@ -135,6 +138,7 @@ class _Fp8Linear(torch.autograd.Function):
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x2, weight)
+        ctx.weight, ctx.defer = weight, defer  # a split backward's W differentiates into ``weight``
         ctx.options = (recipe, forward_format, grad_format, parallel, group, gemm, bias is not None, history, tokens)
         return y.to(x2.dtype)
 
@@ -151,13 +155,17 @@ class _Fp8Linear(torch.autograd.Function):
             )
             dx = gemm(a, b).to(x2.dtype)
         if ctx.needs_input_grad[1]:
-            a, b = _quantize_pair(
-                dy2.t(), x2.t(), "weight_grad", recipe, formats, parallel, group, history, True, tokens
-            )
-            dw = gemm(a, b).to(weight.dtype)
+
+            def weight_grad(dtype=weight.dtype):
+                a, b = _quantize_pair(
+                    dy2.t(), x2.t(), "weight_grad", recipe, formats, parallel, group, history, True, tokens
+                )
+                return (gemm(a, b).to(dtype),)
+
+            (dw,) = defer_or_compute((ctx.weight,), weight_grad) if ctx.defer else weight_grad()
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def check_parallel(parallel: Optional[str]) -> None:
@@ -178,7 +186,8 @@ def run_with_gemm(x, weight, bias, recipe, forward_format, grad_format, parallel
     check_parallel(parallel)
     check_history(recipe, history)
     x2 = x.reshape(-1, x.shape[-1])
-    options = (recipe, forward_format, grad_format, parallel, group, gemm, history, tokens)
+    # under a split backward (zb1p, zbv, dualpipev) the weight-gradient product waits for the W pass
+    options = (recipe, forward_format, grad_format, parallel, group, gemm, history, tokens, deferrable(weight))
     y = _Fp8Linear.apply(x2, weight, bias, *options)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
