@@ -192,45 +192,41 @@ def run_with_gemm(x, weight, bias, recipe, forward_format, grad_format, parallel
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-@register("fp8_linear", REFERENCE)
-def fp8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    recipe: str = "tensorwise",
-    forward_format: str = "e4m3",
-    grad_format: str = "e5m2",
-    parallel: Optional[str] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    amax_history: Optional[torch.Tensor] = None,
-    token_group: Optional[dist.ProcessGroup] = None,
-) -> torch.Tensor:
-    options = (recipe, forward_format, grad_format, parallel, group, amax_history)
-    return run_with_gemm(x, weight, bias, *options, reference_gemm, token_group)
+def implementation(gemm_for: Callable[[str], Gemm]) -> Callable[..., torch.Tensor]:
+    """An implementation of the ``fp8_linear`` op (its declared signature) whose products run by
+    ``gemm_for(recipe)``: the implementations differ only in their GEMM."""
+
+    def fp8_linear(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        recipe: str = "tensorwise",
+        forward_format: str = "e4m3",
+        grad_format: str = "e5m2",
+        parallel: Optional[str] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        amax_history: Optional[torch.Tensor] = None,
+        token_group: Optional[dist.ProcessGroup] = None,
+    ) -> torch.Tensor:
+        options = (recipe, forward_format, grad_format, parallel, group, amax_history)
+        return run_with_gemm(x, weight, bias, *options, gemm_for(recipe), token_group)
+
+    return fp8_linear
+
+
+def _scaled_mm_for(recipe: str) -> Gemm:
+    return scaled_mm_gemm if recipe in SCALED_MM_RECIPES else reference_gemm
 
 
 def _has_scaled_mm() -> bool:
     return hasattr(torch, "_scaled_mm")
 
 
-@register("fp8_linear", "scaled_mm", priority=10, device_types=("cpu", "cuda"), available=_has_scaled_mm)
-def fp8_linear_scaled_mm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    recipe: str = "tensorwise",
-    forward_format: str = "e4m3",
-    grad_format: str = "e5m2",
-    parallel: Optional[str] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    amax_history: Optional[torch.Tensor] = None,
-    token_group: Optional[dist.ProcessGroup] = None,
-) -> torch.Tensor:
-    gemm = scaled_mm_gemm if recipe in SCALED_MM_RECIPES else reference_gemm
-    options = (recipe, forward_format, grad_format, parallel, group, amax_history)
-    return run_with_gemm(x, weight, bias, *options, gemm, token_group)
+fp8_linear = register("fp8_linear", REFERENCE)(implementation(lambda recipe: reference_gemm))
+fp8_linear_scaled_mm = register(
+    "fp8_linear", "scaled_mm", priority=10, device_types=("cpu", "cuda"), available=_has_scaled_mm
+)(implementation(_scaled_mm_for))
 
 
 @dataclass(frozen=True)

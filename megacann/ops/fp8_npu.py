@@ -16,14 +16,12 @@ Without ``npu_quant_matmul`` the op resolves to the reference, said once by :mod
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megacann.accelerator import import_torch_npu
 from megacann.ops import npu_api
-from megacann.ops.fp8 import reference_gemm, run_with_gemm
+from megacann.ops.fp8 import implementation, reference_gemm
 from megacann.ops.fp8_formats import Quantized
 from megacann.ops.npu import NPU, PRIORITY
 from megacann.ops.registry import register
@@ -64,22 +62,9 @@ def _available() -> bool:
     return npu_api.supports("fp8_linear", NPU, "npu_quant_matmul")
 
 
-@register("fp8_linear", NPU, priority=PRIORITY, device_types=("npu",), available=_available)
-def fp8_linear_npu(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    recipe: str = "tensorwise",
-    forward_format: str = "e4m3",
-    grad_format: str = "e5m2",
-    parallel: Optional[str] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    amax_history: Optional[torch.Tensor] = None,
-    token_group: Optional[dist.ProcessGroup] = None,
-) -> torch.Tensor:
-    options = (recipe, forward_format, grad_format, parallel, group, amax_history)
-    return run_with_gemm(x, weight, bias, *options, _gemm_for(recipe), token_group)
+fp8_linear_npu = register("fp8_linear", NPU, priority=PRIORITY, device_types=("npu",), available=_available)(
+    implementation(_gemm_for)
+)
 
 
 def forget() -> None:
