@@ -35,9 +35,9 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import fake_npu_quant
 import torch
 import torch.nn.functional as F
-from fake_npu_quant import npu_quant_matmul
 
 COMPRESSED = 2048
 NEW_VERSION, OLD_VERSION = "2.6.0", "2.1.0"
@@ -396,7 +396,7 @@ def make_fake_torch_npu(old_api: Union[bool, str] = False) -> types.ModuleType:
         gmm,
         npu_moe_token_permute,
         npu_moe_token_unpermute,
-        npu_quant_matmul,
+        *fake_npu_quant.kernels(npu, release),
     ):
         setattr(npu, fn.__name__, _strict(npu, fn))
     return npu
