@@ -8,11 +8,23 @@
 #   2. the CUDA-only tests (~1 min);
 #   3. the tiny recipe through the launcher on CUDA in bf16 with compiled blocks (last: cut short if time is out).
 #   bash benchmarks/gpu_check.sh        (OUT defaults to /tmp/megacann-gpu-check)
+# A second device call, `bash benchmarks/gpu_check.sh fp8` (budgeted at 9 minutes, timeout_s 590), runs only the FP8
+# lines: the 1.1B trainer step in bf16 and with each precision.fp8 recipe, compiled blocks then eager, each
+# row in a process of its own (a row that fails shows its error in the table and costs the others nothing).
+# tensorwise / rowwise multiply by torch._scaled_mm, blockwise / mxfp8 by the reference products
+# (dequantise, fp32 GEMM), so those two measure the cost of the numerics, not FP8 speed.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MEGACANN_CACHE=${MEGACANN_CACHE:-/tmp/mc}
 export OUT=${OUT:-/tmp/megacann-gpu-check}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
+if [ "${1:-}" = fp8 ]; then
+  echo "== FP8 speed: the 1.1B step, bf16 vs precision.fp8 tensorwise / rowwise / blockwise / mxfp8"
+  timeout 560 python3 benchmarks/gpu_train_step.py --preset 1.1B --variants compile eager --no-anchors \
+    --fp8 tensorwise rowwise blockwise mxfp8 --steps 5 --warmup 2 --budget-s 540 --min-row-s 40 \
+    --out "$OUT/gpu_fp8_step.json" --log-dir "$OUT/fp8_rows" 2>&1 | grep -v "^{" | tail -16
+  exit 0
+fi
 ls .devbench 2>/dev/null | sed 's/^/devbench: /'
 echo "== speed: megacann vs transformers vs a hand-written LLaMA (1.1B, then 125M)"
 timeout 440 python3 benchmarks/gpu_train_step.py --budget-s 420 --out "$OUT/gpu_train_step_cuda.json" \

@@ -19,6 +19,12 @@ within ``--budget-s``; rows that no longer fit are listed as skipped.
 
     python benchmarks/gpu_train_step.py                                 # CUDA: the rows that fit in --budget-s (420)
     python benchmarks/gpu_train_step.py --device cpu --preset tiny      # dry run on a CPU, seconds
+    python benchmarks/gpu_train_step.py --preset 1.1B --variants eager --fp8 tensorwise rowwise \
+        --no-anchors                      # + a row per FP8 recipe (precision.fp8) after each bf16 row
+
+FP8 rows (``--fp8``) keep the bf16 parameters and fp32 masters and multiply every linear layer of the
+blocks through ``ops.fp8_linear`` (docs/ops.md); their step time against the bf16 row of the same variant
+is the FP8 speed-up or cost.
 
 Writes ``benchmarks/results/gpu_train_step_<device>.json`` (or ``--out``) and prints a markdown table.
 """
@@ -109,14 +115,15 @@ def count_host_syncs(step, device: str) -> dict:
 
 def run_megacann_row(args) -> dict:
     """One megacann row, in this process: build, warm up (compiles), time ``--steps`` steps."""
-    preset, variant = args.row.split(":")[1:]
+    preset, variant, *fp8 = args.row.split(":")[1:]
+    recipe = fp8[0] if fp8 else "none"
     shape = argparse.Namespace(**{**PRESETS[preset], "device": args.device})
     backend = (args.compile_backend or True) if variant.startswith("compile") else None
     if variant == "compile-head":  # before the trainer resolves ops (compiled blocks cache the choice)
         ops.pin("vocab_parallel_head_loss", "compiled")
     torch.manual_seed(0)
     start = time.perf_counter()
-    trainer = megacann_trainer(shape, "bf16", compile_backend=backend)
+    trainer = megacann_trainer(shape, "bf16", compile_backend=backend, fp8=recipe)
     build_s = time.perf_counter() - start
 
     def step():
@@ -135,7 +142,7 @@ def run_megacann_row(args) -> dict:
     step_s = (time.perf_counter() - start) / args.steps
     memory = trainer.runtime.accelerator.memory_stats()
     row = {
-        "name": f"megacann-{variant}",
+        "name": f"megacann-{variant}" + ("" if recipe == "none" else f"-fp8-{recipe}"),
         "size": preset,
         "tokens_per_s": shape.micro_batch * shape.seq / step_s,
         "step_s": step_s,
@@ -197,11 +204,14 @@ def plan_rows(args) -> list[tuple[str, str, list[str]]]:
             if isinstance(entry, str):
                 if entry not in args.variants:
                     continue
-                cmd = [sys.executable, os.path.abspath(__file__), "--row", f"megacann:{preset}:{entry}"]
-                cmd += ["--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-                if args.compile_backend:
-                    cmd += ["--compile-backend", args.compile_backend]
-                rows.append((preset, f"megacann-{entry}:{preset}", cmd))
+                for recipe in ["none", *args.fp8]:  # the bf16 row, then one per FP8 recipe
+                    row = f"megacann:{preset}:{entry}" + ("" if recipe == "none" else f":{recipe}")
+                    cmd = [sys.executable, os.path.abspath(__file__), "--row", row]
+                    cmd += ["--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                    if args.compile_backend:
+                        cmd += ["--compile-backend", args.compile_backend]
+                    label = f"megacann-{entry}" + ("" if recipe == "none" else f"-fp8-{recipe}")
+                    rows.append((preset, f"{label}:{preset}", cmd))
             elif args.device == "cuda" and not args.no_anchors:
                 script, arg = entry
                 path = os.path.join(DEVBENCH, script)
@@ -238,6 +248,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log-dir", default=None, help="write each row's full output here")
     parser.add_argument("--matmul-size", type=int, default=None, help="default 8192 on CUDA, 512 on CPU")
     parser.add_argument("--no-anchors", action="store_true", help="skip the .devbench comparison rows")
+    parser.add_argument(
+        "--fp8",
+        nargs="+",
+        default=[],
+        choices=["tensorwise", "rowwise", "blockwise", "mxfp8"],
+        help="after each megacann row, one row per FP8 recipe (precision.fp8)",
+    )
     parser.add_argument(
         "--out", default=None, help="JSON path (default benchmarks/results/gpu_train_step_<device>.json)"
     )

@@ -43,9 +43,9 @@ def llama_model_section(args, precision: str, max_positions: int) -> dict:
     }
 
 
-def megacann_trainer(args, precision: str, compile_backend=None):
+def megacann_trainer(args, precision: str, compile_backend=None, fp8: str = "none"):
     """megacann's Trainer for the shape in ``args`` on synthetic data (one fixed batch); ``compile_backend``
-    sets precision.compile (torch.compile per transformer block)."""
+    sets precision.compile (torch.compile per transformer block), ``fp8`` precision.fp8 (a recipe, or none)."""
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -54,7 +54,11 @@ def megacann_trainer(args, precision: str, compile_backend=None):
         "data": {"seq_length": args.seq, "batch_size": args.micro_batch},
         "optim": {"lr": 1e-4, "max_steps": 10_000, "clip_grad": 1.0, "weight_decay": 0.1},
         "distributed": {"device": args.device},
-        "precision": {"compile": compile_backend or False, "fused_ops": not getattr(args, "reference_ops", False)},
+        "precision": {
+            "compile": compile_backend or False,
+            "fused_ops": not getattr(args, "reference_ops", False),
+            "fp8": fp8,
+        },
     }
     cfg = config_from_dict(raw)
     validate(cfg, world_size=1)

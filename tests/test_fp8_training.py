@@ -31,7 +31,7 @@ DELAYED = ["precision.fp8=tensorwise", "precision.fp8_scaling=delayed", "precisi
 RUNS = {
     "tensorwise": (1, ["precision.fp8=tensorwise"]),
     "tensorwise_tp2_sp": (2, ["precision.fp8=tensorwise", *TP2_SP]),
-    "tensorwise_tp2_sp_unreduced": (2, ["precision.fp8=tensorwise", *TP2_SP]),
+    "tensorwise_tp2_sp_tp_unreduced": (2, ["precision.fp8=tensorwise", *TP2_SP]),
     "rowwise": (1, ["precision.fp8=rowwise", "precision.fp8_grad_format=e4m3"]),
     "rowwise_tp2": (
         2,
@@ -82,6 +82,7 @@ def _train(runs: dict, names: list[str]) -> dict:
     import megacann.ops as ops
     from megacann import parallel_state as ps
     from megacann.ops import fp8 as fp8_impl
+    from megacann.ops.weight_grad import active_store, weight_grad_stats
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
@@ -90,23 +91,32 @@ def _train(runs: dict, names: list[str]) -> dict:
         world, overrides = runs[name]
         if world != dist.get_world_size():
             continue
-        calls = {"fp8": 0}
+        # rows: the tokens of the first FP8 product's input; weight_grad_in_b / _w: the weight gradients'
+        # quantisations while a split backward's B collects (none: they wait for W) and elsewhere
+        calls = {"fp8": 0, "rows": 0, "weight_grad_in_b": 0, "weight_grad_elsewhere": 0}
         scales: list[float] = []  # the first forward's tensorwise scales, operand by operand
         real_op, real_group, real_quantize = ops.fp8_linear, fp8_impl._operand_group, fp8_impl.quantize
+        real_token_group = fp8_impl._token_group
 
-        def counting(*args, calls=calls, real_op=real_op, **kwargs):
+        def counting(x, *args, calls=calls, real_op=real_op, **kwargs):
             calls["fp8"] += 1
-            return real_op(*args, **kwargs)
+            calls["rows"] = calls["rows"] or x.numel() // x.shape[-1]
+            return real_op(x, *args, **kwargs)
 
-        def recording(*args, scales=scales, real_quantize=real_quantize, **kwargs):
+        def recording(*args, scales=scales, real_quantize=real_quantize, calls=calls, **kwargs):
             q = real_quantize(*args, **kwargs)
+            if "weight_grad operand A" in kwargs["what"]:
+                calls["weight_grad_in_b" if active_store() is not None else "weight_grad_elsewhere"] += 1
             if "forward operand" in kwargs["what"] and q.scale.numel() == 1 and len(scales) < 48:
                 scales.append(q.scale.item())
             return q
 
         ops.fp8_linear, fp8_impl.quantize = counting, recording
-        if name.endswith("_unreduced"):  # the classic bug: each rank scales its shard by its own amax
+        deferred_before = weight_grad_stats()["deferred"]
+        if name.endswith("_tp_unreduced"):  # the classic bug: each rank scales its shard by its own amax
             fp8_impl._operand_group = lambda block, split_dim, group: None
+        if name.endswith("_tokens_unreduced"):  # each context-parallel rank scales its tokens by its own amax
+            fp8_impl._token_group = lambda block, token_dim, token_group: None
         try:
             cfg = tiny_config(COMMON + overrides, world_size=world)
             runtime = setup_runtime(cfg)
@@ -128,12 +138,19 @@ def _train(runs: dict, names: list[str]) -> dict:
             }
         finally:
             ops.fp8_linear, fp8_impl._operand_group, fp8_impl.quantize = real_op, real_group, real_quantize
+            fp8_impl._token_group = real_token_group
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, calls["fp8"])
+        # per rank: (weight gradients quantised in a split backward's B, elsewhere, closures deferred to W)
+        deferred = weight_grad_stats()["deferred"] - deferred_before
+        weight_grads = [None] * dist.get_world_size()
+        dist.all_gather_object(weight_grads, (calls["weight_grad_in_b"], calls["weight_grad_elsewhere"], deferred))
         results[name] = {
             "losses": losses,
             "norms": norms,
             "fp8_calls": every,
+            "first_rows": calls["rows"],
+            "weight_grads": weight_grads,
             "fp8_layers": fp8_layers,
             "weight_shapes": weight_shapes,
             "scales": scales,
@@ -193,7 +210,7 @@ def test_fp8_changes_the_run_and_a_skipped_amax_reduction_breaks_parity(runs):
     plain, fp8 = runs["plain"]["norms"], runs["tensorwise"]["norms"]
     assert not _close(fp8, plain, 1e-3) and _close(fp8, plain, 5e-2), (fp8, plain)
     # each rank quantising its shard with its own scale no longer equals one process
-    broken, ref = runs["tensorwise_tp2_sp_unreduced"], runs["tensorwise"]
+    broken, ref = runs["tensorwise_tp2_sp_tp_unreduced"], runs["tensorwise"]
     assert len(broken["scales"]) == 48
     assert max(abs(a - b) / b for a, b in zip(broken["scales"], ref["scales"])) > 0.1
     assert not _close(broken["losses"][:1], ref["losses"][:1], 1e-5)
@@ -216,10 +233,7 @@ def test_bad_fp8_keys_are_refused_by_name(overrides, message):
         tiny_config(overrides)
 
 
-def test_fp8_with_a_split_backward_or_overlap_is_refused():
-    pipeline = ["distributed.pipeline_parallel_size=2", "distributed.pipeline_schedule=zb1p"]
-    with pytest.raises(ConfigError, match="precision.fp8=tensorwise with distributed.pipeline_schedule 'zb1p'"):
-        tiny_config(["precision.fp8=tensorwise", *pipeline], world_size=2)
+def test_fp8_with_tp_overlap_is_refused():
     overlap = [*TP2_SP, "distributed.tp_comm_overlap=true"]
     with pytest.raises(ConfigError, match="precision.fp8 with distributed.tp_comm_overlap"):
         tiny_config(["precision.fp8=tensorwise", *overlap], world_size=2)
@@ -236,8 +250,7 @@ def test_split_pieces_that_break_the_recipes_blocks_are_refused_naming_the_layer
     check_fp8_layer(Fp8Settings("rowwise"), "RowParallelLinear(64 -> 64)", (64,), 1, 2)  # whole rows: fine
 
 
-def test_excluded_blocks_and_moe_experts():
-    from megacann.layers import LayerContext
+def test_excluded_blocks():
     from megacann.models.spec import ChunkPlacement, get_model_spec
 
     cfg = tiny_config(
@@ -247,12 +260,6 @@ def test_excluded_blocks_and_moe_experts():
     model = spec.build_chunk(cfg, ChunkPlacement(layer_ids=tuple(range(4)), pre_process=True, post_process=True), "cpu")
     covered = sorted({n.split(".")[1] for n, m in model.named_modules() if getattr(m, "fp8", None) is not None})
     assert covered == ["1"]
-    with pytest.raises(Fp8Error, match=r"GroupedExperts\(4 experts\): precision.fp8 does not cover MoE experts yet"):
-        from megacann.layers.init import init_normal
-        from megacann.layers.moe.experts import GroupedExperts
-
-        with LayerContext(fp8=Fp8Settings("tensorwise")):
-            GroupedExperts(4, 16, 32, init_normal(), init_normal(), layer_seed=1)
     assert torch.finfo(torch.float8_e4m3fn).max == 448.0
 
 

@@ -65,6 +65,7 @@ def linear_product(
         parallel=parallel,
         group=group,
         amax_history=amax_history,
+        token_group=settings.token_group,
     )
 
 

@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from megacann import parallel_state as ps
 from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import ConfigError, MegacannConfig, ModelConfig, register_model_config
 from megacann.config.families import family_of_hf_model_type, hf_model_types
@@ -102,6 +103,7 @@ def fp8_settings(cfg: MegacannConfig) -> Optional[Fp8Settings]:
         cfg.model.num_layers,
         p.fp8_scaling,
         p.fp8_amax_history_len,
+        token_group=ps.get_context_parallel_group() if cfg.distributed.context_parallel_size > 1 else None,
     )
 
 

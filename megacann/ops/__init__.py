@@ -7,7 +7,7 @@ here picks, by the device type of its first tensor, the best available implement
 ============  =========================================================================  ============
 name          what                                                                       device types
 ============  =========================================================================  ============
-npu           torch_npu's CANN kernels (:mod:`megacann.ops.npu`)                         npu
+npu           torch_npu's CANN kernels (:mod:`megacann.ops.npu`, ``ops.fp8_npu``)        npu
 flash_varlen  packed attention by flash-attention's varlen kernel (``ops.varlen``)       cuda
 cpp           megacann's C++ kernels from ``csrc/`` (:mod:`megacann.ops.cpp`)            cpu
 varlen        packed / windowed attention per document, no mask (``ops.varlen``)         cpu, cuda
@@ -59,6 +59,7 @@ from megacann.ops import cpp as _cpp  # noqa: F401
 from megacann.ops import cuda as _cuda  # noqa: F401
 from megacann.ops import decode as _decode  # noqa: F401
 from megacann.ops import fp8 as _fp8  # noqa: F401
+from megacann.ops import fp8_npu as _fp8_npu  # noqa: F401
 from megacann.ops import gated_delta as _gated_delta  # noqa: F401
 from megacann.ops import head_loss as _head_loss  # noqa: F401
 from megacann.ops import moe as _moe  # noqa: F401

@@ -9,6 +9,9 @@ and the accumulation stay in fp32; the result has ``x``'s dtype.
 Under tensor parallelism the layer says how its weight is split (``parallel``: ``column`` splits the
 output features, ``row`` the input features) and over which ``group``; each operand's blocks that span a
 split dimension get their amax reduced over that group, so every layout quantises exactly as one process.
+Under context parallelism the tokens (the rows of ``x`` and of the output gradient) are split over a
+``token_group``: a block spanning the tokens (every tensorwise scale, the rows of the weight gradient's
+operands under rowwise) has its amax reduced over that group too; 1 x N tiles along the tokens need none.
 
 Two ways to run the products, registered as implementations of the op: ``reference`` (dequantise, fp32
 GEMM: exact to the format, any device) and ``scaled_mm`` (``torch._scaled_mm`` on the FP8 data with the
@@ -17,7 +20,7 @@ scales, for the tensorwise and rowwise recipes; the others go the reference way)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -32,6 +35,7 @@ from megacann.ops.fp8_formats import (
     quantize,
 )
 from megacann.ops.registry import REFERENCE, register
+from megacann.ops.weight_grad import defer_or_compute, deferrable
 
 # which dimension of each product's operand view ([rows, reduction]) is split over the group
 _SPLIT_DIMS = {
@@ -40,6 +44,8 @@ _SPLIT_DIMS = {
     "row": {"forward": (1, 1), "input_grad": (None, 0), "weight_grad": (None, 0)},
     None: {"forward": (None, None), "input_grad": (None, None), "weight_grad": (None, None)},
 }
+# which dimension of each product's operand view holds the tokens (split over a token group)
+_TOKEN_DIMS = {"forward": (0, None), "input_grad": (0, None), "weight_grad": (1, 1)}
 _ROLES = {
     "forward": ("activation", "weight"),
     "input_grad": ("gradient", "weight"),
@@ -61,6 +67,13 @@ def _operand_group(block, split_dim: Optional[int], group: Optional[dist.Process
     return group if block[split_dim] is None else None
 
 
+def _token_group(block, token_dim: Optional[int], token_group: Optional[dist.ProcessGroup]):
+    """The group to reduce an operand's amax over for its tokens: when a block spans the tokens whole."""
+    if token_dim is None or token_group is None:
+        return None
+    return token_group if block[token_dim] is None else None
+
+
 def _delayed_amax(t, operand: int, history: torch.Tensor, group, record: bool) -> torch.Tensor:
     """Delayed scaling of a tensorwise operand: record this use's amax in row 0 of ``history`` (the step's
     maximum so far) and return the earlier steps' maximum (rows 1..), or this amax while they are all 0."""
@@ -72,7 +85,7 @@ def _delayed_amax(t, operand: int, history: torch.Tensor, group, record: bool) -
 
 
 def _quantize_pair(
-    a, b, product: str, recipe: str, formats: tuple[str, str], parallel, group, history=None, record=True
+    a, b, product: str, recipe: str, formats: tuple[str, str], parallel, group, history=None, record=True, tokens=None
 ) -> tuple:
     a_role, b_role = _ROLES[product]
     a_split, b_split = _SPLIT_DIMS[parallel][product]
@@ -81,7 +94,8 @@ def _quantize_pair(
     pairs = ((a, a_role, a_split, formats[0], "A", 0), (b, b_role, b_split, formats[1], "B", 1))
     for t, role, split, fmt, name, side in pairs:
         block = block_shape(recipe, role)
-        amax_group = _operand_group(block, split, group)
+        groups = (_operand_group(block, split, group), _token_group(block, _TOKEN_DIMS[product][side], tokens))
+        amax_group = tuple(g for g in groups if g is not None) or None
         amax = None
         if history is not None:
             amax = _delayed_amax(t, _OPERANDS[product][side], history, amax_group, record)
@@ -112,35 +126,46 @@ def scaled_mm_gemm(a: Quantized, b: Quantized) -> torch.Tensor:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm, history):
+    def forward(
+        ctx, x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm, history, tokens, defer
+    ):
         # evaluation (no autograd) scales by the history without adding to it
         formats = (forward_format, forward_format)
         xq, wq = _quantize_pair(
-            x2, weight, "forward", recipe, formats, parallel, group, history, torch.is_grad_enabled()
+            x2, weight, "forward", recipe, formats, parallel, group, history, torch.is_grad_enabled(), tokens
         )
         y = gemm(xq, wq)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x2, weight)
-        ctx.options = (recipe, forward_format, grad_format, parallel, group, gemm, bias is not None, history)
+        ctx.weight, ctx.defer = weight, defer  # a split backward's W differentiates into ``weight``
+        ctx.options = (recipe, forward_format, grad_format, parallel, group, gemm, bias is not None, history, tokens)
         return y.to(x2.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
-        recipe, forward_format, grad_format, parallel, group, gemm, has_bias, history = ctx.options
+        recipe, forward_format, grad_format, parallel, group, gemm, has_bias, history, tokens = ctx.options
         dy2 = dy
         formats = (grad_format, forward_format)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            a, b = _quantize_pair(dy2, weight.t(), "input_grad", recipe, formats, parallel, group, history)
+            a, b = _quantize_pair(
+                dy2, weight.t(), "input_grad", recipe, formats, parallel, group, history, True, tokens
+            )
             dx = gemm(a, b).to(x2.dtype)
         if ctx.needs_input_grad[1]:
-            a, b = _quantize_pair(dy2.t(), x2.t(), "weight_grad", recipe, formats, parallel, group, history)
-            dw = gemm(a, b).to(weight.dtype)
+
+            def weight_grad(dtype=weight.dtype):
+                a, b = _quantize_pair(
+                    dy2.t(), x2.t(), "weight_grad", recipe, formats, parallel, group, history, True, tokens
+                )
+                return (gemm(a, b).to(dtype),)
+
+            (dw,) = defer_or_compute((ctx.weight,), weight_grad) if ctx.defer else weight_grad()
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def check_parallel(parallel: Optional[str]) -> None:
@@ -157,49 +182,51 @@ def check_history(recipe: str, history: Optional[torch.Tensor]) -> None:
         raise Fp8Error(f"fp8_linear: amax_history must be [1 + history length, 3], got {tuple(history.shape)}")
 
 
-def _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, history, gemm):
+def run_with_gemm(x, weight, bias, recipe, forward_format, grad_format, parallel, group, history, gemm, tokens=None):
     check_parallel(parallel)
     check_history(recipe, history)
     x2 = x.reshape(-1, x.shape[-1])
-    y = _Fp8Linear.apply(x2, weight, bias, recipe, forward_format, grad_format, parallel, group, gemm, history)
+    # under a split backward (zb1p, zbv, dualpipev) the weight-gradient product waits for the W pass
+    options = (recipe, forward_format, grad_format, parallel, group, gemm, history, tokens, deferrable(weight))
+    y = _Fp8Linear.apply(x2, weight, bias, *options)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-@register("fp8_linear", REFERENCE)
-def fp8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    recipe: str = "tensorwise",
-    forward_format: str = "e4m3",
-    grad_format: str = "e5m2",
-    parallel: Optional[str] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    amax_history: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    return _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, amax_history, reference_gemm)
+def implementation(gemm_for: Callable[[str], Gemm]) -> Callable[..., torch.Tensor]:
+    """An implementation of the ``fp8_linear`` op (its declared signature) whose products run by
+    ``gemm_for(recipe)``: the implementations differ only in their GEMM."""
+
+    def fp8_linear(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        recipe: str = "tensorwise",
+        forward_format: str = "e4m3",
+        grad_format: str = "e5m2",
+        parallel: Optional[str] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        amax_history: Optional[torch.Tensor] = None,
+        token_group: Optional[dist.ProcessGroup] = None,
+    ) -> torch.Tensor:
+        options = (recipe, forward_format, grad_format, parallel, group, amax_history)
+        return run_with_gemm(x, weight, bias, *options, gemm_for(recipe), token_group)
+
+    return fp8_linear
+
+
+def _scaled_mm_for(recipe: str) -> Gemm:
+    return scaled_mm_gemm if recipe in SCALED_MM_RECIPES else reference_gemm
 
 
 def _has_scaled_mm() -> bool:
     return hasattr(torch, "_scaled_mm")
 
 
-@register("fp8_linear", "scaled_mm", priority=10, device_types=("cpu", "cuda"), available=_has_scaled_mm)
-def fp8_linear_scaled_mm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    recipe: str = "tensorwise",
-    forward_format: str = "e4m3",
-    grad_format: str = "e5m2",
-    parallel: Optional[str] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    amax_history: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    gemm = scaled_mm_gemm if recipe in SCALED_MM_RECIPES else reference_gemm
-    return _run(x, weight, bias, recipe, forward_format, grad_format, parallel, group, amax_history, gemm)
+fp8_linear = register("fp8_linear", REFERENCE)(implementation(lambda recipe: reference_gemm))
+fp8_linear_scaled_mm = register(
+    "fp8_linear", "scaled_mm", priority=10, device_types=("cpu", "cuda"), available=_has_scaled_mm
+)(implementation(_scaled_mm_for))
 
 
 @dataclass(frozen=True)
@@ -215,6 +242,8 @@ class Fp8Settings:
     num_layers: Optional[int] = None
     scaling: str = "current"  # current | delayed (tensorwise: scales from the amax of earlier steps)
     amax_history_len: int = 16
+    # context parallelism: the group over which every layer's tokens are split (None: not split)
+    token_group: Optional[dist.ProcessGroup] = field(default=None, compare=False)
 
     def new_history(self, device=None) -> Optional[torch.Tensor]:
         """A layer's delayed-scaling buffer (``fp8_linear``'s ``amax_history``), or None for current scaling."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -124,11 +124,16 @@ def block_amax(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return t.detach().abs().float().reshape(rows // br, br, cols // bc, bc).amax(dim=(1, 3))
 
 
-def measured_amax(t: torch.Tensor, block: tuple[int, int], group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """:func:`block_amax`, reduced to the maximum over ``group`` (the ranks holding other pieces of the blocks)."""
+AmaxGroups = Union[dist.ProcessGroup, tuple[dist.ProcessGroup, ...], None]
+
+
+def measured_amax(t: torch.Tensor, block: tuple[int, int], group: AmaxGroups = None) -> torch.Tensor:
+    """:func:`block_amax`, reduced to the maximum over ``group`` (the ranks holding other pieces of the blocks;
+    a tuple of groups: over each in turn, e.g. tensor- and context-parallel ranks, which the maximum composes)."""
     amax = block_amax(t, block)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    for g in group if isinstance(group, tuple) else (group,):
+        if g is not None and dist.get_world_size(g) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g)
     return amax
 
 
@@ -148,7 +153,7 @@ def quantize(
     block: tuple[Optional[int], Optional[int]],
     *,
     power_of_two: bool = False,
-    amax_group: Optional[dist.ProcessGroup] = None,
+    amax_group: AmaxGroups = None,
     amax: Optional[torch.Tensor] = None,
     pad: tuple[bool, bool] = (False, False),
     what: str = "tensor",

@@ -122,12 +122,15 @@ def fp8_linear(
     parallel: Optional[str] = None,
     group: Optional[dist.ProcessGroup] = None,
     amax_history: Optional[torch.Tensor] = None,
+    token_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its three products on FP8 operands (:mod:`megacann.ops.fp8`):
     ``recipe`` tensorwise | rowwise | blockwise | mxfp8 (:mod:`megacann.ops.fp8_formats`), ``x`` and
     ``weight`` in ``forward_format``, the output gradient in ``grad_format``, fp32 accumulation, the result
     in ``x``'s dtype. ``parallel`` (``column`` | ``row`` | None) says which of the weight's dimensions is
     split over ``group``; a block spanning a split dimension has its amax reduced over the group.
+    ``token_group``: the ranks holding the other tokens (rows) of ``x`` (context parallelism); a block
+    spanning the tokens has its amax reduced over it.
     ``amax_history`` (tensorwise only): delayed scaling from a ``[1 + length, 3]`` buffer of the amax of ``x``,
     the weight and the output gradient: row 0 collects this step's (updated in place), rows 1.. hold earlier
     steps', whose maximum gives the scale (this use's own amax while they are all zero)."""

@@ -113,11 +113,6 @@ def validate_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> N
     error = spec.micro_batch_error(d.pipeline_parallel_size, d.virtual_pipeline_size, cfg.optim.grad_accum_steps)
     if error:
         raise ConfigError(f"{source}: {error}")
-    if spec.split_backward and cfg.precision.fp8 != "none":
-        raise ConfigError(
-            f"{source}: precision.fp8={cfg.precision.fp8} with distributed.pipeline_schedule {spec.name!r}: "
-            "FP8 products cannot defer their weight gradients to a split backward's W pass yet; use 1f1b or interleaved"
-        )
 
 
 def check_pipeline_config(cfg: MegacannConfig, source: str = "<recipe>") -> list[str]:

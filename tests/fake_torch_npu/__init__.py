@@ -29,6 +29,8 @@ import sys
 import types
 from typing import Union
 
+import fake_npu_quant
+
 from . import attention, decode, elementwise, moe
 from .contract import (
     COMPRESSED,
@@ -55,7 +57,7 @@ __all__ = [
     "route_cpu_to_npu",
     "uninstall",
 ]
-AREAS = (elementwise, attention, moe, decode)
+AREAS = (elementwise, attention, moe, decode, fake_npu_quant)
 
 
 def make_fake_torch_npu(old_api: Union[bool, str] = False) -> types.ModuleType:

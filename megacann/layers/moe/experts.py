@@ -37,12 +37,12 @@ from megacann import ops
 from megacann.layers import mappings
 from megacann.layers.context import current_layer_context
 from megacann.layers.eager_regions import eager_under_compile
-from megacann.layers.fp8 import Fp8Error
 from megacann.layers.init import init_zeros, make_parameter
 from megacann.layers.linear import add_adapter_output
 from megacann.layers.lora.adapter import AdapterLayout
 from megacann.layers.lora.experts import add_grouped_lora, expert_lora_layout
 from megacann.layers.moe.activation import SWIGLU, ExpertActivation
+from megacann.layers.moe.fp8 import check_fp8_experts, fp8_grouped_linear
 from megacann.layers.sharding import InitMethod
 
 
@@ -196,13 +196,14 @@ class GroupedExperts(torch.nn.ModuleDict):
     ):
         if num_experts % ep_size:
             raise ValueError(f"num_experts {num_experts} is not divisible by expert_model_parallel_size {ep_size}")
-        if current_layer_context().fp8 is not None:
-            raise Fp8Error(
-                f"GroupedExperts({num_experts} experts): precision.fp8 does not cover MoE experts yet "
-                "(set precision.fp8=none, or exclude the MoE blocks with precision.fp8_exclude_first_layers / _last_layers)"
-            )
-        super().__init__()
         tp_size = mappings.tp_world_size(group)
+        fp8 = current_layer_context().fp8  # precision.fp8: per-expert FP8 products (megacann.layers.moe.fp8)
+        check_fp8_experts(fp8, f"GroupedExperts({num_experts} experts)", ffn_hidden_size, tensor_parallel, tp_size)
+        super().__init__()
+        self.fp8 = fp8
+        split = tensor_parallel and tp_size > 1  # each expert's weights split over the TP group
+        self.fp8_group = mappings.tp_group(group) if split else None  # the ranks sharing each expert's tensors
+        self.fp8_parallel = ("column", "row") if split else (None, None)
         local = num_experts // ep_size
         self.num_experts = num_experts
         self.first_expert = ep_rank * local
@@ -232,14 +233,20 @@ class GroupedExperts(torch.nn.ModuleDict):
         """Global indices of the experts this rank holds."""
         return range(self.first_expert, self.first_expert + len(self))
 
+    def _grouped_product(self, x, projections, tokens_per_expert, parallel: Optional[str]) -> torch.Tensor:
+        weights = [p.weight for p in projections]
+        if self.fp8 is None:
+            return ops.grouped_matmul(x, weights, tokens_per_expert)
+        return fp8_grouped_linear(self.fp8, x, weights, tokens_per_expert, parallel, self.fp8_group)
+
     @eager_under_compile  # group sizes are host integers that change every step: eager under torch.compile
     def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
         experts = list(self.values())
         projections = [e.gate_up_proj for e in experts]
-        gate_up = ops.grouped_matmul(x, [p.weight for p in projections], tokens_per_expert)
+        gate_up = self._grouped_product(x, projections, tokens_per_expert, self.fp8_parallel[0])
         gate_up = add_grouped_lora(gate_up, x, projections, tokens_per_expert)
         gate_up = add_expert_biases(gate_up, projections, tokens_per_expert)
         hidden, projections = self.activation(gate_up), [e.down_proj for e in experts]
-        out = ops.grouped_matmul(hidden, [p.weight for p in projections], tokens_per_expert)
+        out = self._grouped_product(hidden, projections, tokens_per_expert, self.fp8_parallel[1])
         out = add_grouped_lora(out, hidden, projections, tokens_per_expert)
         return add_expert_biases(out, projections, tokens_per_expert)
