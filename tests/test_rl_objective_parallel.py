@@ -46,6 +46,17 @@ def _losses():
     }
 
 
+def write_long_answers(path: str) -> None:
+    """Short prompts with answers of 16-24 bytes: under cp 2 each response straddles both ranks' shares
+    (of 32 tokens, rank 0 holds 0-7 and 24-31), so per-sequence sums need the cp reduction."""
+    import random
+
+    from finetune_helpers import random_words, write_jsonl
+
+    words = random_words(random.Random(0), 64)
+    write_jsonl(path, [{"instruction": w, "output": " ".join([w[::-1]] * 4)} for w in words])
+
+
 def _moved(logp, batch: dict, amplitude: float, phase: float):
     """``logp`` plus a fixed pattern of each token's id and position, 0 off the response."""
     import torch
@@ -88,7 +99,7 @@ class FixedRollouts:
         if not sink:  # a stage without the head: the values are not read there
             sink = [torch.zeros(mb["labels"].shape, dtype=torch.float32) for mb in micro_batches]
         for mb, logp in zip(micro_batches, sink):
-            mb["advantages"] = (mb["tokens"].sum(-1) % 5).float() / 2.0 - 1.0
+            mb["advantages"] = (mb["tokens"].sum(-1) % 7).float() / 3.0 - 1.0
             mb["old_logps"] = _moved(logp, mb, 0.3, 0.0)
             mb["ref_logps"] = _moved(logp, mb, 0.5, 1.0)
             mb["rollout_logps"] = _moved(logp, mb, 0.05, 2.0)
@@ -107,7 +118,7 @@ class FixedRollouts:
 
 def _runs(runs: dict, tmp: str) -> dict:
     import torch.distributed as dist
-    from finetune_helpers import COMMON, recipe, sft_overrides, write_reverse_task
+    from finetune_helpers import COMMON, recipe, sft_overrides
     from test_training_parity import ModeProbes
     from zero3_checks import storages
 
@@ -120,7 +131,7 @@ def _runs(runs: dict, tmp: str) -> dict:
 
     path = os.path.join(tmp, "task.jsonl")
     if dist.get_rank() == 0:
-        write_reverse_task(path)
+        write_long_answers(path)
     dist.barrier()
     losses = _losses()
     results = {}
