@@ -2,8 +2,9 @@
 trainer whose objective is the policy loss on SFT micro-batches completed with advantages and old / reference
 / rollout log-probabilities that depend only on each sequence's tokens (so any layout sees the same ones).
 At tp 2 + SP, pp 2, ep 2 (an MoE model), dp 2 + ZeRO-1, dp 2 + ZeRO-3, LoRA at tp 2 and (GSPO) cp 2, the
-loss, the global gradient norm and every figure of 3 steps equal one process's, with probes that each
-layout was in force (weight shards, tokens per block, layers per stage, experts per rank, sharded weights)."""
+loss, the global gradient norm and every figure of 3 steps equal one process's, and so does each tensor's
+first-step gradient where a rank holds whole gradients (no ZeRO, no expert parallelism); probes show that
+each layout was in force (weight shards, tokens per block, layers per stage, experts per rank, shards)."""
 
 from __future__ import annotations
 
@@ -123,7 +124,9 @@ def _runs(runs: dict, tmp: str) -> dict:
     from zero3_checks import storages
 
     from megacann import parallel_state as ps
+    from megacann.interop.full_state import gather_full_tensor
     from megacann.layers.moe.layer import MoELayer
+    from megacann.layers.sharding import get_sharding, set_sharding
     from megacann.layers.transformer import TransformerBlock
     from megacann.pipeline import get_forward_backward_func
     from megacann.training.runtime import setup_runtime
@@ -142,10 +145,21 @@ def _runs(runs: dict, tmp: str) -> dict:
         trainer.objective = FixedRollouts(trainer, losses[loss_name])
         trainer.forward_backward = get_forward_backward_func(cfg, trainer.objective.forward_step)
         modes = ModeProbes(trainer)
-        steps = [trainer.train_step() for _ in range(STEPS)]
+        steps, grads = [trainer.train_step()], None
+        if not cfg.distributed.zero_stage and ps.get_expert_model_parallel_world_size() == 1:
+            # the first step's (clipped) gradients, whole (ZeRO leaves each rank a reduced shard only; expert
+            # parallelism holds each rank's experts under local names)
+            grads = {
+                n: gather_full_tensor(set_sharding(p.main_grad, get_sharding(p)))
+                for chunk in trainer.model_chunks
+                for n, p in chunk.named_parameters()
+                if p.requires_grad
+            }
+        steps += [trainer.train_step() for _ in range(STEPS - 1)]
         params = [p for chunk in trainer.model_chunks for p in chunk.parameters()]
         results[name] = {
             "trace": {k: [float(s[k]) for s in steps] for k in FIGURES},
+            "grads": grads,
             "layout": (
                 ps.get_tensor_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_world_size(),
@@ -189,6 +203,8 @@ def world2(tmp_path_factory):
     return run_on_ranks(_runs, 2, args=(RUNS_WORLD2, str(tmp_path_factory.mktemp("w2"))), timeout=900)
 
 
+PER_TENSOR_GRADIENTS = {"tp2_sp", "pp2", "tp2_lora", "cp2_gspo"}  # the others: the global gradient norm
+
 # what each run's probes must show: (tp, pp, dp, cp, ep), q_proj rows, blocks per rank, tokens per block
 # divisor, local experts, weights sharded by ZeRO-3
 EXPECTED = {
@@ -218,6 +234,13 @@ def test_policy_loss_trains_like_one_process(world1, world2, run):
         for key in FIGURES:
             for a, e in zip(got["trace"][key], ref["trace"][key], strict=True):
                 assert abs(a - e) <= 1e-5 * max(abs(e), 1e-2), (run, key, got["trace"][key], ref["trace"][key])
+        if got["grads"] is not None:  # each tensor of this rank's stage, norm-wise
+            assert got["grads"] and set(got["grads"]) <= set(ref["grads"]), run
+            for name, grad in got["grads"].items():
+                want = ref["grads"][name]
+                assert (grad - want).norm() <= 1e-5 * want.norm(), (run, name)
+    compared = [set(rank[run]["grads"] or ()) for rank in world2]
+    assert set().union(*compared) == (set(ref["grads"]) if run in PER_TENSOR_GRADIENTS else set()), run
 
 
 def test_the_one_process_runs_exercise_every_term(world1):
