@@ -125,6 +125,20 @@ class PolicyLoss:
     def needs_reference(self) -> bool:
         return self.kl_coef > 0.0
 
+    def ratio(self, logps: torch.Tensor, old: torch.Tensor, maskf: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each token's importance ratio ``[b, s]``: its own (``token``) or its sequence's geometric mean in
+        the token form (``sequence``, GSPO); ``counts``: each whole sequence's response tokens."""
+        log_ratio = (logps - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        if self.ratio_level == "sequence":
+            mean_log_ratio = _over_context_parallel((log_ratio.detach() * maskf).sum(-1)) / counts.clamp(min=1.0)
+            log_ratio = logps - logps.detach() + mean_log_ratio.unsqueeze(-1)
+        return log_ratio.exp()
+
+    def kl(self, logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """Each token's KL estimate to the reference: ``k1`` or ``k3`` (log-ratios clamped as the ratio's)."""
+        delta = (ref - logps).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        return -delta if self.kl_estimator == "k1" else delta.exp() - delta - 1.0
+
     def __call__(
         self,
         logps: torch.Tensor,
@@ -143,11 +157,7 @@ class PolicyLoss:
         logps = torch.where(mask, logps.float(), 0.0)
         old = torch.where(mask, old_logps.float(), 0.0)
         counts = _over_context_parallel(maskf.sum(-1))  # response tokens of each whole sequence
-        log_ratio = (logps - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        if self.ratio_level == "sequence":
-            mean_log_ratio = _over_context_parallel((log_ratio.detach() * maskf).sum(-1)) / counts.clamp(min=1.0)
-            log_ratio = logps - logps.detach() + mean_log_ratio.unsqueeze(-1)
-        ratio = log_ratio.exp()
+        ratio = self.ratio(logps, old, maskf, counts)
         adv = advantages.to(torch.float32).unsqueeze(-1)
         pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high))
         clipped_low = mask & (adv < 0) & (ratio.detach() < 1.0 - self.clip_low)
@@ -173,8 +183,7 @@ class PolicyLoss:
         loss = pg
         kl_sum = kl_tokens = zero
         if ref_logps is not None:
-            delta = (torch.where(mask, ref_logps.float(), 0.0) - logps).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-            kl = -delta if self.kl_estimator == "k1" else delta.exp() - delta - 1.0
+            kl = self.kl(logps, torch.where(mask, ref_logps.float(), 0.0))
             if self.kl_coef:
                 loss = loss + self.kl_coef * kl
             kl_sum, kl_tokens = (kl.detach() * token_weight).sum(), maskf.sum()
