@@ -171,7 +171,7 @@ def test_kl_estimators_and_tis_weights_equal_their_formulas():
     PolicyLoss(tis_cap=cap)(mine, old, ADVANTAGES, mask, rollout_logps=rollout)[0].sum().backward()
     again = logp.clone().requires_grad_(True)
     (PolicyLoss()(again, old, ADVANTAGES, mask)[0] * (old - rollout).exp().clamp(max=cap)).sum().backward()
-    torch.testing.assert_close(mine.grad, again.grad)  # the weights are constants: no gradient through them
+    torch.testing.assert_close(mine.grad, again.grad)  # each token's gradient scaled by its weight
 
 
 # -- on a transformers model ------------------------------------------------------------------------------
@@ -298,6 +298,25 @@ def test_token_logps_pass_equals_transformers(llama_pair):
     assert len(sink) == 1 and not sink[0].requires_grad and out.token_loss.shape == (4,)
     torch.testing.assert_close(sink[0], want, rtol=1e-5, atol=1e-6)
     assert (sink[0][batch["labels"] == IGNORE_INDEX] == 0).all()
+
+
+def test_entropy_is_taken_a_few_response_tokens_at_a_time(llama_pair, monkeypatch):
+    """Chunks of 7 response tokens give transformers' entropies at the response, 0 elsewhere."""
+    from megacann.models import policy_loss
+
+    ours, theirs, batch = llama_pair
+    monkeypatch.setattr(policy_loss, "ENTROPY_ROWS", 7)
+    seen = []
+    hook = ours.lm_head.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    with torch.no_grad():
+        ours(input_ids=batch["tokens"], labels=batch["labels"])
+    hook.remove()
+    got = policy_loss.response_entropy(ours.lm_head, seen[0], batch["labels"])
+    _, want = hf_logps(theirs, batch, grad=False)
+    mask = batch["labels"] != IGNORE_INDEX
+    assert int(mask.sum()) > 4 * 7  # several chunks, the last one short
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+    assert (got[~mask] == 0).all()
 
 
 # -- configuration and bad input --------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 trainer whose objective is the policy loss on SFT micro-batches completed with advantages and old / reference
 / rollout log-probabilities that depend only on each sequence's tokens (so any layout sees the same ones).
 At tp 2 + SP, pp 2, ep 2 (an MoE model), dp 2 + ZeRO-1, dp 2 + ZeRO-3, LoRA at tp 2 and (GSPO) cp 2, the
-loss, the global gradient norm and every figure of 3 steps equal one process's, with probes that each
-layout was in force (weight shards, tokens per block, layers per stage, experts per rank, sharded weights)."""
+loss, the global gradient norm and every figure of 3 steps equal one process's, and so does each tensor's
+first-step gradient where a rank holds whole gradients (no ZeRO, no expert parallelism); probes show that
+each layout was in force (weight shards, tokens per block, layers per stage, experts per rank, shards)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,17 @@ def _losses():
         "clip": PolicyLoss(0.2, 0.28, loss_aggregation="seq_mean_token_mean", kl_coef=0.1, tis_cap=1.05),
         "gspo": PolicyLoss(0.01, 0.015, ratio_level="sequence", kl_coef=0.1, kl_estimator="k1", tis_cap=1.05),
     }
+
+
+def write_long_answers(path: str) -> None:
+    """Short prompts with answers of 16-24 bytes: under cp 2 each response straddles both ranks' shares
+    (of 32 tokens, rank 0 holds 0-7 and 24-31), so per-sequence sums need the cp reduction."""
+    import random
+
+    from finetune_helpers import random_words, write_jsonl
+
+    words = random_words(random.Random(0), 64)
+    write_jsonl(path, [{"instruction": w, "output": " ".join([w[::-1]] * 4)} for w in words])
 
 
 def _moved(logp, batch: dict, amplitude: float, phase: float):
@@ -88,7 +100,7 @@ class FixedRollouts:
         if not sink:  # a stage without the head: the values are not read there
             sink = [torch.zeros(mb["labels"].shape, dtype=torch.float32) for mb in micro_batches]
         for mb, logp in zip(micro_batches, sink):
-            mb["advantages"] = (mb["tokens"].sum(-1) % 5).float() / 2.0 - 1.0
+            mb["advantages"] = (mb["tokens"].sum(-1) % 7).float() / 3.0 - 1.0
             mb["old_logps"] = _moved(logp, mb, 0.3, 0.0)
             mb["ref_logps"] = _moved(logp, mb, 0.5, 1.0)
             mb["rollout_logps"] = _moved(logp, mb, 0.05, 2.0)
@@ -107,12 +119,14 @@ class FixedRollouts:
 
 def _runs(runs: dict, tmp: str) -> dict:
     import torch.distributed as dist
-    from finetune_helpers import COMMON, recipe, sft_overrides, write_reverse_task
+    from finetune_helpers import COMMON, recipe, sft_overrides
     from test_training_parity import ModeProbes
     from zero3_checks import storages
 
     from megacann import parallel_state as ps
+    from megacann.interop.full_state import gather_full_tensor
     from megacann.layers.moe.layer import MoELayer
+    from megacann.layers.sharding import get_sharding, set_sharding
     from megacann.layers.transformer import TransformerBlock
     from megacann.pipeline import get_forward_backward_func
     from megacann.training.runtime import setup_runtime
@@ -120,7 +134,7 @@ def _runs(runs: dict, tmp: str) -> dict:
 
     path = os.path.join(tmp, "task.jsonl")
     if dist.get_rank() == 0:
-        write_reverse_task(path)
+        write_long_answers(path)
     dist.barrier()
     losses = _losses()
     results = {}
@@ -131,10 +145,21 @@ def _runs(runs: dict, tmp: str) -> dict:
         trainer.objective = FixedRollouts(trainer, losses[loss_name])
         trainer.forward_backward = get_forward_backward_func(cfg, trainer.objective.forward_step)
         modes = ModeProbes(trainer)
-        steps = [trainer.train_step() for _ in range(STEPS)]
+        steps, grads = [trainer.train_step()], None
+        if not cfg.distributed.zero_stage and ps.get_expert_model_parallel_world_size() == 1:
+            # the first step's (clipped) gradients, whole (ZeRO leaves each rank a reduced shard only; expert
+            # parallelism holds each rank's experts under local names)
+            grads = {
+                n: gather_full_tensor(set_sharding(p.main_grad, get_sharding(p)))
+                for chunk in trainer.model_chunks
+                for n, p in chunk.named_parameters()
+                if p.requires_grad
+            }
+        steps += [trainer.train_step() for _ in range(STEPS - 1)]
         params = [p for chunk in trainer.model_chunks for p in chunk.parameters()]
         results[name] = {
             "trace": {k: [float(s[k]) for s in steps] for k in FIGURES},
+            "grads": grads,
             "layout": (
                 ps.get_tensor_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_world_size(),
@@ -178,6 +203,8 @@ def world2(tmp_path_factory):
     return run_on_ranks(_runs, 2, args=(RUNS_WORLD2, str(tmp_path_factory.mktemp("w2"))), timeout=900)
 
 
+PER_TENSOR_GRADIENTS = {"tp2_sp", "pp2", "tp2_lora", "cp2_gspo"}  # the others: the global gradient norm
+
 # what each run's probes must show: (tp, pp, dp, cp, ep), q_proj rows, blocks per rank, tokens per block
 # divisor, local experts, weights sharded by ZeRO-3
 EXPECTED = {
@@ -207,6 +234,13 @@ def test_policy_loss_trains_like_one_process(world1, world2, run):
         for key in FIGURES:
             for a, e in zip(got["trace"][key], ref["trace"][key], strict=True):
                 assert abs(a - e) <= 1e-5 * max(abs(e), 1e-2), (run, key, got["trace"][key], ref["trace"][key])
+        if got["grads"] is not None:  # each tensor of this rank's stage, norm-wise
+            assert got["grads"] and set(got["grads"]) <= set(ref["grads"]), run
+            for name, grad in got["grads"].items():
+                want = ref["grads"][name]
+                assert (grad - want).norm() <= 1e-5 * want.norm(), (run, name)
+    compared = [set(rank[run]["grads"] or ()) for rank in world2]
+    assert set().union(*compared) == (set(ref["grads"]) if run in PER_TENSOR_GRADIENTS else set()), run
 
 
 def test_the_one_process_runs_exercise_every_term(world1):

@@ -30,10 +30,10 @@ the mean over sequences (Dr. GRPO's length-unbiased choice). The chunk returns e
 parallelism a sequence's token count and GSPO's mean log-ratio are summed over the cp group first.
 
 Figures (:func:`policy_figures`): ``pg_loss`` and ``kl`` aggregated as the loss; ``entropy`` of the policy's
-distribution at response tokens (vocabulary-parallel, no gradient: one extra head product per micro-batch);
-``clip_frac_low`` / ``clip_frac_high``, the share of response tokens whose clip is active (``A < 0, r < 1 -
-clip_low`` / ``A > 0, r > 1 + clip_high``); with rollout log-probabilities ``logp_diff_mean`` /
-``logp_diff_max`` of ``|lp - roll|`` and ``tis_weight_mean``.
+distribution at response tokens (vocabulary-parallel, no gradient: one extra head product per response
+token, :data:`ENTROPY_ROWS` tokens at a time); ``clip_frac_low`` / ``clip_frac_high``, the share of
+response tokens whose clip is active (``A < 0, r < 1 - clip_low`` / ``A > 0, r > 1 + clip_high``); with
+rollout log-probabilities ``logp_diff_mean`` / ``logp_diff_max`` of ``|lp - roll|`` and ``tis_weight_mean``.
 """
 
 from __future__ import annotations
@@ -44,11 +44,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megacann import ops
 from megacann import parallel_state as ps
 from megacann.collectives import all_reduce_if_parallel
 from megacann.constants import IGNORE_INDEX
 from megacann.layers.context_parallel import context_parallel_gather
 from megacann.layers.loss import vocab_parallel_entropy
+from megacann.layers.mappings import gather_from_sequence_parallel_region
 from megacann.layers.output import LMHead
 from megacann.models.contract import ChunkOutput, count_target_tokens
 
@@ -70,6 +72,7 @@ STAT_NAMES = (
     "rollout_tokens",
 )
 LOG_RATIO_BOUND = 20.0
+ENTROPY_ROWS = 1024  # response tokens whose logits the entropy figure holds at once
 
 
 def _over_context_parallel(x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +125,20 @@ class PolicyLoss:
     def needs_reference(self) -> bool:
         return self.kl_coef > 0.0
 
+    def ratio(self, logps: torch.Tensor, old: torch.Tensor, maskf: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each token's importance ratio ``[b, s]``: its own (``token``) or its sequence's geometric mean in
+        the token form (``sequence``, GSPO); ``counts``: each whole sequence's response tokens."""
+        log_ratio = (logps - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        if self.ratio_level == "sequence":
+            mean_log_ratio = _over_context_parallel((log_ratio.detach() * maskf).sum(-1)) / counts.clamp(min=1.0)
+            log_ratio = logps - logps.detach() + mean_log_ratio.unsqueeze(-1)
+        return log_ratio.exp()
+
+    def kl(self, logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """Each token's KL estimate to the reference: ``k1`` or ``k3`` (log-ratios clamped as the ratio's)."""
+        delta = (ref - logps).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        return -delta if self.kl_estimator == "k1" else delta.exp() - delta - 1.0
+
     def __call__(
         self,
         logps: torch.Tensor,
@@ -140,11 +157,7 @@ class PolicyLoss:
         logps = torch.where(mask, logps.float(), 0.0)
         old = torch.where(mask, old_logps.float(), 0.0)
         counts = _over_context_parallel(maskf.sum(-1))  # response tokens of each whole sequence
-        log_ratio = (logps - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        if self.ratio_level == "sequence":
-            mean_log_ratio = _over_context_parallel((log_ratio.detach() * maskf).sum(-1)) / counts.clamp(min=1.0)
-            log_ratio = logps - logps.detach() + mean_log_ratio.unsqueeze(-1)
-        ratio = log_ratio.exp()
+        ratio = self.ratio(logps, old, maskf, counts)
         adv = advantages.to(torch.float32).unsqueeze(-1)
         pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high))
         clipped_low = mask & (adv < 0) & (ratio.detach() < 1.0 - self.clip_low)
@@ -170,8 +183,7 @@ class PolicyLoss:
         loss = pg
         kl_sum = kl_tokens = zero
         if ref_logps is not None:
-            delta = (torch.where(mask, ref_logps.float(), 0.0) - logps).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-            kl = -delta if self.kl_estimator == "k1" else delta.exp() - delta - 1.0
+            kl = self.kl(logps, torch.where(mask, ref_logps.float(), 0.0))
             if self.kl_coef:
                 loss = loss + self.kl_coef * kl
             kl_sum, kl_tokens = (kl.detach() * token_weight).sum(), maskf.sum()
@@ -200,6 +212,28 @@ class PolicyLoss:
         return loss * token_weight, stats
 
 
+@torch.no_grad()
+def response_entropy(head: LMHead, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The policy's entropy ``[b, s]`` (fp32) at the response tokens of ``labels``, 0 elsewhere, from the
+    head's input ``hidden`` (``[b, s/tp, h]`` under sequence parallelism): the logits of
+    :data:`ENTROPY_ROWS` response tokens at a time, so the figure never holds a micro-batch's logits (the
+    fused head loss does not either)."""
+    if head.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, head.group)
+    mask = labels != IGNORE_INDEX
+    rows = hidden[mask]
+    values = [
+        vocab_parallel_entropy(
+            ops.linear(rows[i : i + ENTROPY_ROWS], head.output_weight, None), head.vocab_size, head.group
+        )
+        for i in range(0, rows.shape[0], ENTROPY_ROWS)
+    ]
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+    if values:
+        out[mask] = torch.cat(values)
+    return out
+
+
 def _head(chunk: torch.nn.Module) -> Optional[LMHead]:
     """The chunk's language-model head (the last stage's), or None."""
     return next((m for m in chunk.modules() if isinstance(m, LMHead)), None)
@@ -222,16 +256,14 @@ def policy_forward_step(
     def step(chunk: torch.nn.Module, batch: dict, hidden_states: Optional[torch.Tensor]) -> ChunkOutput:
         head, entropies = _head(chunk), []
 
-        def record_entropy(module: LMHead, args: tuple) -> None:
+        def record_entropy(module: LMHead, args: tuple, kwargs: dict) -> None:
             """The entropy at the head's input, while its weight is at hand (ZeRO-3 frees it after the
             forward); only the model's own head call (multi-token prediction calls it again)."""
-            if not entropies:
-                with torch.no_grad():
-                    entropies.append(
-                        vocab_parallel_entropy(module.logits_shard(args[0]), module.vocab_size, module.group)
-                    )
+            labels = args[1] if len(args) > 1 else kwargs.get("labels")
+            if not entropies and labels is not None:
+                entropies.append(response_entropy(module, args[0], labels))
 
-        hook = head.register_forward_pre_hook(record_entropy) if head is not None else None
+        hook = head.register_forward_pre_hook(record_entropy, with_kwargs=True) if head is not None else None
         try:
             out = forward_step(chunk, batch, hidden_states)
         finally:
