@@ -22,6 +22,14 @@ SHAPE = {
     "linear_conv_kernel_dim": 4,
     "max_position_embeddings": 64,
     "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    # as the published configurations write them: multimodal rotary sections, equal to the plain rotary on text
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+        "mrope_interleaved": True,
+    },
 }
 
 
