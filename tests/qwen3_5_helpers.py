@@ -33,14 +33,32 @@ SHAPE = {
 }
 
 
-def tiny_hf_qwen3_5(path: str, seed: int = 3, **settings) -> str:
-    """A tiny Qwen3.5 written by transformers as a Hugging Face directory, with every parameter drawn at
-    random (transformers starts the norms' offsets at zero and dt_bias at one, which would hide a mix-up)."""
+# Qwen3.5-MoE: the same layers, each with 4 experts of top 2 and a shared expert wider than a routed one
+MOE_SHAPE = {
+    **{k: v for k, v in SHAPE.items() if k != "intermediate_size"},
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
+
+
+def hf_classes(moe: bool = False) -> tuple:
+    """(config class, causal-LM class) of transformers for Qwen3.5 (``moe``: Qwen3.5-MoE)."""
     import transformers
 
-    config = transformers.Qwen3_5TextConfig(**{**SHAPE, "attn_implementation": "eager", **settings})
+    prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
+    return getattr(transformers, f"{prefix}TextConfig"), getattr(transformers, f"{prefix}ForCausalLM")
+
+
+def tiny_hf_qwen3_5(path: str, seed: int = 3, moe: bool = False, **settings) -> str:
+    """A tiny Qwen3.5 (``moe``: Qwen3.5-MoE) written by transformers as a Hugging Face directory, with every
+    parameter drawn at random (transformers starts the norms' offsets at zero and dt_bias at one, which
+    would hide a mix-up)."""
+    config_class, model_class = hf_classes(moe)
+    config = config_class(**{**(MOE_SHAPE if moe else SHAPE), "attn_implementation": "eager", **settings})
     torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -53,10 +71,8 @@ def tiny_hf_qwen3_5(path: str, seed: int = 3, **settings) -> str:
     return path
 
 
-def hf_logits(path: str, ids: torch.Tensor) -> torch.Tensor:
+def hf_logits(path: str, ids: torch.Tensor, moe: bool = False) -> torch.Tensor:
     """transformers' logits of the directory ``path`` for ``ids``."""
-    import transformers
-
-    model = transformers.Qwen3_5ForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    model = hf_classes(moe)[1].from_pretrained(path, attn_implementation="eager").eval()
     with torch.no_grad():
         return model(ids).logits

@@ -46,11 +46,9 @@ class LinearAttentionMixer(GatedDeltaNet):
         return super().forward(hidden, segment_ids)
 
 
-class Qwen35Model(LlamaModel):
-    """A Qwen3.5 model: linear or gated full attention by ``layer_types``, dense MLPs (LLaMA's defaults).
-    See :class:`DecoderLM` for forward."""
-
-    ARCH = QWEN3_5_ARCH
+class HybridLayers:
+    """What the Qwen3.5 families' models share (mixed into a :class:`DecoderLM`): the gated full-attention
+    blocks, RoPE on part of each head, and each layer's token mixer by ``layer_types``."""
 
     @staticmethod
     def make_block_config(cfg: ModelConfig, arch: DecoderArch) -> TransformerBlockConfig:
@@ -59,11 +57,12 @@ class Qwen35Model(LlamaModel):
     def rotary_width(self) -> int:
         return rotary_dims(self.config, self.block_config.attention_head_dim)
 
-    def build_layer(self, layer_id: int) -> torch.nn.Module:
+    def token_mixer(self, layer_id: int) -> Optional[torch.nn.Module]:
+        """Layer ``layer_id``'s Gated DeltaNet, or None for a full-attention layer (the block's own)."""
         if qwen3_5_layer_types(self.config)[layer_id] != LINEAR:
-            return TransformerBlock(self.block_config)
+            return None
         cfg, block = self.config, self.block_config
-        mixer = LinearAttentionMixer(
+        return LinearAttentionMixer(
             cfg.hidden_size,
             cfg.linear_num_key_heads,
             cfg.linear_num_value_heads,
@@ -74,7 +73,16 @@ class Qwen35Model(LlamaModel):
             init_method=init_normal(block.init_method_std),
             output_init_method=init_normal(block.output_layer_init_std),
         )
-        return TransformerBlock(block, attention=mixer)
+
+
+class Qwen35Model(HybridLayers, LlamaModel):
+    """A Qwen3.5 model: linear or gated full attention by ``layer_types``, dense MLPs (LLaMA's defaults).
+    See :class:`DecoderLM` for forward."""
+
+    ARCH = QWEN3_5_ARCH
+
+    def build_layer(self, layer_id: int) -> torch.nn.Module:
+        return TransformerBlock(self.block_config, attention=self.token_mixer(layer_id))
 
 
 def check_qwen3_5_config(cfg: MegacannConfig, source: str) -> None:

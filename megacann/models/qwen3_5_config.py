@@ -1,12 +1,14 @@
-"""The keys of the Qwen3.5 family (``model.type: qwen3_5``), on top of those every decoder has. Their
-config.json names are Hugging Face's (``Qwen3_5TextConfig``, ``model_type: qwen3_5_text``)."""
+"""The keys of the Qwen3.5 families (``model.type: qwen3_5``, ``qwen3_5_moe``), on top of those every decoder
+(and MoE model) has. Their config.json names are Hugging Face's (``Qwen3_5TextConfig``,
+``Qwen3_5MoeTextConfig``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Optional
 
 from megacann.config import ConfigError, ModelConfig
+from megacann.models.moe_config import MoEModelConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
 LAYER_TYPES = (LINEAR, FULL)
@@ -14,26 +16,13 @@ FULL_ATTENTION_INTERVAL = 4  # transformers' default: every fourth layer full at
 
 
 @dataclass
-class Qwen35ModelConfig(ModelConfig):
-    """Qwen3.5 (text): ``layer_types`` names each layer's token mixer, ``linear_attention`` (a Gated
+class _HybridKeys:
+    """Qwen3.5's layers: ``layer_types`` names each layer's token mixer, ``linear_attention`` (a Gated
     DeltaNet of ``linear_num_key_heads`` / ``linear_num_value_heads`` heads of width ``linear_key_head_dim``
     / ``linear_value_head_dim``, convolution of ``linear_conv_kernel_dim`` taps) or ``full_attention``
     (heads of width ``head_dim`` with q/k norms, an output gate, and RoPE on the first
     ``partial_rotary_factor`` of each head); None: every fourth layer full, as transformers fills it."""
 
-    HF_KEYS: ClassVar[dict[str, str]] = {
-        **ModelConfig.HF_KEYS,
-        "head_dim": "head_dim",
-        "layer_types": "layer_types",
-        "partial_rotary_factor": "partial_rotary_factor",
-        "linear_conv_kernel_dim": "linear_conv_kernel_dim",
-        "linear_key_head_dim": "linear_key_head_dim",
-        "linear_value_head_dim": "linear_value_head_dim",
-        "linear_num_key_heads": "linear_num_key_heads",
-        "linear_num_value_heads": "linear_num_value_heads",
-    }
-
-    type: str = "qwen3_5"
     head_dim: Optional[int] = field(default=None, metadata={"shape": True})
     layer_types: Optional[list] = field(default=None, metadata={"architecture": True})
     partial_rotary_factor: float = field(default=0.25, metadata={"architecture": True})
@@ -42,6 +31,36 @@ class Qwen35ModelConfig(ModelConfig):
     linear_value_head_dim: int = field(default=128, metadata={"shape": True})
     linear_num_key_heads: int = field(default=16, metadata={"shape": True})
     linear_num_value_heads: int = field(default=32, metadata={"shape": True})
+
+
+_HYBRID_HF_KEYS = {name: name for name in (f.name for f in fields(_HybridKeys))}
+
+
+@dataclass
+class Qwen35ModelConfig(_HybridKeys, ModelConfig):
+    """Qwen3.5 (text, dense): the hybrid layers (above), each with a dense SwiGLU MLP."""
+
+    HF_KEYS: ClassVar[dict[str, str]] = {**ModelConfig.HF_KEYS, **_HYBRID_HF_KEYS}
+
+    type: str = "qwen3_5"
+
+
+@dataclass
+class Qwen35MoeModelConfig(_HybridKeys, MoEModelConfig):
+    """Qwen3.5-MoE (text): the hybrid layers, each with an MoE layer of ``num_experts`` experts of width
+    ``moe_ffn_hidden_size`` (config.json: ``moe_intermediate_size``), softmax over all, top ``moe_top_k``
+    renormalised, and one shared expert of width ``shared_expert_intermediate_size`` gated per token by
+    ``sigmoid(shared_expert_gate(x))``."""
+
+    HF_KEYS: ClassVar[dict[str, str]] = {
+        **MoEModelConfig.HF_KEYS,
+        **_HYBRID_HF_KEYS,
+        "moe_intermediate_size": "moe_ffn_hidden_size",
+        "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    }
+
+    type: str = "qwen3_5_moe"
+    shared_expert_intermediate_size: Optional[int] = field(default=None, metadata={"shape": True})
 
 
 def qwen3_5_layer_types(cfg: ModelConfig) -> list[str]:
