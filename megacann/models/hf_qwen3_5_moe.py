@@ -95,6 +95,7 @@ def qwen3_5_moe_config_from_hf(config_file: str, raw: Optional[dict[str, Any]] =
     for key, field_name in (("num_experts", "num_experts"), ("moe_intermediate_size", "moe_ffn_hidden_size")):
         if getattr(cfg, field_name) is None:
             raise ConfigError(f"{config_file}: {key} is needed for a Qwen3.5-MoE model")
+    cfg.ffn_hidden_size = cfg.moe_ffn_hidden_size  # as the family fills it: no layer has a dense MLP
     check_qwen3_5_keys(cfg, config_file, attention_head_dim(cfg))
     return cfg
 

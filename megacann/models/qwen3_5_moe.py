@@ -52,7 +52,10 @@ class GatedSharedExpert(torch.nn.Module):
 
 
 def qwen3_5_moe_defaults(cfg: ModelConfig) -> None:
-    """The MoE family's defaults; the shared expert as wide as a routed one unless config.json says."""
+    """The MoE family's defaults; ``ffn_hidden_size`` (no layer has a dense MLP) and the shared expert as
+    wide as a routed expert unless set."""
+    if cfg.ffn_hidden_size is None:
+        cfg.ffn_hidden_size = cfg.moe_ffn_hidden_size
     moe_defaults(cfg)
     if cfg.shared_expert_intermediate_size is None:
         cfg.shared_expert_intermediate_size = cfg.moe_ffn_hidden_size
