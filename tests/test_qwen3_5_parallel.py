@@ -34,8 +34,9 @@ LAYOUTS = {
     "ep2": ["distributed.expert_parallel_size=2", "optim.grad_accum_steps=1"],  # dp 2 (ep within it)
 }
 DENSE_LAYOUTS = ("tp2_sp", "pp2", "cp2_ring", "cp2_allgather", "cp2_ulysses")
-# tp 2 + SP and cp 2 of Qwen3.5-MoE are not here: their step-1 gradient norm equals one process's to 1e-5,
-# but by step 2 the norms drift apart by 1e-4 (the losses stay within 1e-5); the cause is not found yet
+# tp 2 + SP and cp 2 of Qwen3.5-MoE are not here: their gradient norms differ from one process's by 3.5e-5 and
+# 9e-6 at step 1 (the gradients below the first MoE layer, with the shared expert's gate), 1e-4 by step 3
+# (docs/models.md); the cause is not found yet
 MOE_LAYOUTS = ("ep2", "pp2")
 
 
