@@ -51,10 +51,10 @@ def hf_classes(moe: bool = False) -> tuple:
     return getattr(transformers, f"{prefix}TextConfig"), getattr(transformers, f"{prefix}ForCausalLM")
 
 
-def tiny_hf_qwen3_5(path: str, seed: int = 3, moe: bool = False, **settings) -> str:
+def tiny_hf_qwen3_5(path: str, seed: int = 3, moe: bool = False, std: float = 0.1, **settings) -> str:
     """A tiny Qwen3.5 (``moe``: Qwen3.5-MoE) written by transformers as a Hugging Face directory, with every
     parameter drawn at random (transformers starts the norms' offsets at zero and dt_bias at one, which
-    would hide a mix-up)."""
+    would hide a mix-up); the projections, embeddings and experts with spread ``std``."""
     config_class, model_class = hf_classes(moe)
     config = config_class(**{**(MOE_SHAPE if moe else SHAPE), "attn_implementation": "eager", **settings})
     torch.manual_seed(seed)
@@ -66,7 +66,7 @@ def tiny_hf_qwen3_5(path: str, seed: int = 3, moe: bool = False, **settings) -> 
             elif name.endswith("dt_bias"):
                 param.normal_(0.0, 1.0)
             elif not name.endswith("A_log"):
-                param.normal_(0.0, 0.1)
+                param.normal_(0.0, std)
     model.save_pretrained(path)
     return path
 
