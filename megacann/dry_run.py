@@ -176,7 +176,9 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
         f"layers {m.num_layers}, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv {m.kv_heads}), "
         f"ffn {m.ffn_size}, precision {m.precision}"
     )
-    if m.vocab_size:
+    if m.vocab_size and spec.architecture is None:
+        lines.append(f"-- memory per device: megacann-plan has no formulas for model.type {m.type!r} yet")
+    elif m.vocab_size:
         lines += describe_memory(cfg, layout.data_parallel_size, spec.total_parameters(m))
     return "\n".join(lines)
 

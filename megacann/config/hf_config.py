@@ -64,8 +64,9 @@ def _parse_hf_config(path: str) -> dict[str, Any]:
     if isinstance(rope, dict):
         raw = {k: v for k, v in raw.items() if k != "rope_parameters"}
         rope = dict(rope)
-        if "rope_theta" in rope:
-            raw.setdefault("rope_theta", rope.pop("rope_theta"))
+        for key in ("rope_theta", "partial_rotary_factor"):  # top-level keys in older files
+            if key in rope:
+                raw.setdefault(key, rope.pop(key))
         if rope.get("rope_type", "default") != "default":
             raw.setdefault("rope_scaling", rope)
     return raw

@@ -77,6 +77,9 @@ class SelfAttention(torch.nn.Module):
     ``qk_norm_eps``) between the projections and RoPE. ``sinks`` (gpt-oss) adds the parameter ``sinks``, one
     learned logit per query head (split over TP with the heads) that joins each query's softmax as a column
     with no value; under context parallelism only ``ulysses`` takes it (ring and all-gather refuse it).
+    ``output_gate`` (Qwen3-Next, Qwen3.5): ``q_proj`` gives each head its queries then as many gate logits,
+    and the attention output is multiplied by ``sigmoid(gate)`` before ``o_proj``. Rotary tables narrower
+    than ``head_dim`` rotate each head's first dims only and leave the rest as they are (partial rotary).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class SelfAttention(torch.nn.Module):
         qk_norm: bool = False,
         qk_norm_eps: float = 1e-6,
         sinks: bool = False,
+        output_gate: bool = False,
     ):
         super().__init__()
         ctx = current_layer_context()
@@ -133,6 +137,8 @@ class SelfAttention(torch.nn.Module):
         # set by megacann.generation while it generates: attention over cached keys and values (None: off)
         self.kv_cache: Optional[KVCacheLayer] = None
         kv_sharded = kv_heads % tp == 0
+        if fused_qkv and output_gate:
+            raise ValueError("output_gate needs fused_qkv=False (the gate comes out of q_proj)")
         if fused_qkv and not kv_sharded:
             raise ValueError(
                 f"fused_qkv needs num_key_value_heads {kv_heads} divisible by tensor_model_parallel_size {tp}; "
@@ -159,7 +165,7 @@ class SelfAttention(torch.nn.Module):
 
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         linear = dict(sequence_parallel=sequence_parallel, group=group, dtype=dtype, device=device)
-        self.fused_qkv = fused_qkv
+        self.fused_qkv, self.output_gate = fused_qkv, output_gate
         if fused_qkv:
             self.qkv_proj = ColumnParallelLinear(
                 hidden_size,
@@ -170,7 +176,8 @@ class SelfAttention(torch.nn.Module):
                 **linear,
             )
         else:
-            self.q_proj = ColumnParallelLinear(hidden_size, q_size, bias=qkv_bias, init_method=init_method, **linear)
+            q_rows = 2 * q_size if output_gate else q_size  # per head: its queries, then its gate logits
+            self.q_proj = ColumnParallelLinear(hidden_size, q_rows, bias=qkv_bias, init_method=init_method, **linear)
             kv = dict(bias=qkv_bias, init_method=init_method, replicated=not kv_sharded, **linear)
             self.k_proj = ColumnParallelLinear(hidden_size, kv_size, **kv)
             self.v_proj = ColumnParallelLinear(hidden_size, kv_size, **kv)
@@ -189,17 +196,36 @@ class SelfAttention(torch.nn.Module):
                 dtype=dtype, device=device,
             )  # fmt: skip
 
-    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v as ``[b, s, heads, head_dim]`` views over the whole sequence."""
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v as ``[b, s, heads, head_dim]`` views over the whole sequence, and the output gate's
+        logits ``[b, s, heads * head_dim]`` (None without ``output_gate``)."""
         heads = "b s (h d) -> b s h d"
         if self.fused_qkv:
             qkv = rearrange(self.qkv_proj(hidden), heads, d=self.head_dim)
-            return qkv.split([self.local_heads, self.local_kv_heads, self.local_kv_heads], dim=2)
+            return (*qkv.split([self.local_heads, self.local_kv_heads, self.local_kv_heads], dim=2), None)
         x = self.q_proj.prepare_input(hidden)
         q = self.q_proj.forward_prepared(x)
         k = self.k_proj.forward_prepared(x, self.kv_rows)
         v = self.v_proj.forward_prepared(x, self.kv_rows)
-        return tuple(rearrange(t, heads, d=self.head_dim) for t in (q, k, v))
+        gate = None
+        if self.output_gate:
+            q, gate = (t.flatten(2) for t in rearrange(q, heads, d=2 * self.head_dim).chunk(2, dim=-1))
+        return (*(rearrange(t, heads, d=self.head_dim) for t in (q, k, v)), gate)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first ``cos.shape[-1]`` dims of each head (all of them unless the tables are narrower)."""
+        width = cos.shape[-1]
+        if width == self.head_dim:
+            return ops.apply_rotary(x, cos, sin, self.rotary_interleaved)
+        rotated = ops.apply_rotary(x[..., :width], cos, sin, self.rotary_interleaved)
+        return torch.cat([rotated, x[..., width:]], dim=-1)
+
+    def _output(self, out: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        """The heads' outputs ``[b, s, heads, head_dim]`` gated (``output_gate``) and projected back."""
+        out = rearrange(out, "b s h d -> b s (h d)")
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
     def expand_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values as this rank's query heads read them: expanded per query head where they read
@@ -256,18 +282,16 @@ class SelfAttention(torch.nn.Module):
     def forward(
         self, hidden: torch.Tensor, rotary: Rotary = None, segment_ids: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        q, k, v = self._project(hidden)
+        q, k, v, gate = self._project(hidden)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
-            cos, sin = rotary
-            q = ops.apply_rotary(q, cos, sin, self.rotary_interleaved)
-            k = ops.apply_rotary(k, cos, sin, self.rotary_interleaved)
+            q, k = self._rotate(q, *rotary), self._rotate(k, *rotary)
         if self.kv_cache is not None:  # generation: earlier tokens' keys and values come from the cache
-            return self.o_proj(rearrange(self.kv_cache.attend(self, q, k, v), "b s h d -> b s (h d)"))
+            return self._output(self.kv_cache.attend(self, q, k, v), gate)
         k, v = self.expand_kv(k, v)
         if self.recompute_core_attention and self.training:
             out = checkpoint(self.core_attention, q, k, v, segment_ids)
         else:
             out = self.core_attention(q, k, v, segment_ids)
-        return self.o_proj(rearrange(out, "b s h d -> b s (h d)"))
+        return self._output(out, gate)

@@ -88,6 +88,7 @@ class TransformerBlockConfig:
     softmax_scale: Optional[float] = None
     sliding_window: Optional[int] = None  # each query sees its last W keys (Mistral); None: all earlier ones
     attention_sinks: bool = False  # a learned softmax sink logit per head (gpt-oss; SelfAttention's sinks)
+    attention_output_gate: bool = False  # output * sigmoid(gate from q_proj) (Qwen3.5; SelfAttention's output_gate)
     recompute: Optional[str] = None
     context_parallel_algo: Optional[str] = None
     params_dtype: Optional[torch.dtype] = None
@@ -175,6 +176,7 @@ class TransformerBlock(torch.nn.Module):
             group=group,
             qk_norm=c.qk_norm,
             sinks=c.attention_sinks,
+            output_gate=c.attention_output_gate,
             qk_norm_eps=c.norm_eps,
             **common,
         )

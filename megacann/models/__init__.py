@@ -1,7 +1,7 @@
 """Model families built only from megacann.layers, and the contract the rest of megacann knows them by.
 
 ``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-DeepSeek-V3 and gpt-oss here; docs/models.md lists them); a script registers its own with :func:`register_model` or
+DeepSeek-V3, gpt-oss, Qwen3.5 and Qwen3.5-MoE here; docs/models.md lists them); a script registers its own with :func:`register_model` or
 hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`: names
 and settings, as data); reading and writing the directories is :mod:`megacann.interop`'s
 (``megacann.interop.from_pretrained_hf`` / ``save_pretrained_hf``), which this package never imports.
@@ -18,6 +18,8 @@ from megacann.models.llama import LLAMA, LlamaModel
 from megacann.models.mistral import MISTRAL, MistralModel, MistralModelConfig
 from megacann.models.moe import MOE, MoEModel
 from megacann.models.qwen import QWEN2, QWEN3, QWEN3_MOE, Qwen2Model, Qwen3Model, Qwen3MoeModel
+from megacann.models.qwen3_5 import QWEN3_5, Qwen35Model
+from megacann.models.qwen3_5_moe import QWEN3_5_MOE, Qwen35MoeModel
 from megacann.models.sizing import padded_vocab_size
 from megacann.models.spec import (
     ChunkPlacement,
@@ -42,6 +44,8 @@ register_model(QWEN3)
 register_model(QWEN3_MOE)
 register_model(DEEPSEEK_V3)
 register_model(GPT_OSS)
+register_model(QWEN3_5)
+register_model(QWEN3_5_MOE)
 
 __all__ = [
     "DEEPSEEK_V3",
@@ -52,6 +56,8 @@ __all__ = [
     "MOE",
     "QWEN2",
     "QWEN3",
+    "QWEN3_5",
+    "QWEN3_5_MOE",
     "QWEN3_MOE",
     "ChunkOutput",
     "ChunkPlacement",
@@ -67,6 +73,8 @@ __all__ = [
     "ModelSpec",
     "MoEModel",
     "Qwen2Model",
+    "Qwen35Model",
+    "Qwen35MoeModel",
     "Qwen3Model",
     "Qwen3MoeModel",
     "count_target_tokens",

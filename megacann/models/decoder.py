@@ -172,9 +172,7 @@ class DecoderLM(torch.nn.Module):
         self.layers = torch.nn.ModuleDict({str(i): self._build_block(i) for i in layer_ids})
         self.rotary = None
         if arch.position_embedding == "rope" and (layer_ids or (post_process and mtp_depths(cfg))):
-            self.rotary = RotaryEmbedding(
-                self.block_config.attention_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_interleaved
-            )
+            self.rotary = RotaryEmbedding(self.rotary_width(), cfg.rope_theta, cfg.rope_scaling, cfg.rotary_interleaved)
         if post_process:
             if arch.normalization == "layernorm":
                 self.norm = LayerNorm(h, cfg.norm_eps, bias=True)
@@ -210,6 +208,10 @@ class DecoderLM(torch.nn.Module):
         """The transformer layer of MTP depth ``depth + 1``: one of the kind of the model's last layer (a
         family whose MTP layers differ overrides this)."""
         return self.build_layer(self.config.num_layers - 1)
+
+    def rotary_width(self) -> int:
+        """How many dims of each head RoPE turns: all of them here (a family with partial rotary, fewer)."""
+        return self.block_config.attention_head_dim
 
     @staticmethod
     def make_block_config(cfg: ModelConfig, arch: DecoderArch) -> TransformerBlockConfig:
