@@ -8,6 +8,8 @@ std, entropy and gradient norm equal one process (1e-5) at
   ranks generate for different prompts, kept in step by the generator's lockstep);
 - ZeRO-3 over data parallel 2 (probe: each rank stores half of the weights, none whole between steps);
 - ZeRO-1 over data parallel 2 (probe: the optimizer's state is sharded);
+- context parallel 2 for the training pass (probes: the training forward sees 16 of the 32 tokens a rank;
+  both cp ranks generate the same rollouts, said at start-up);
 - router replay (``rl.router_replay``) at ep 2 and at pp 2 with a MoE model, against one process with
   replay (probe: the micro-batches carry the recorded choices of this rank's routers: 4 at ep 2, 2 a stage).
 """
@@ -30,6 +32,7 @@ LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "ep2": ([*MOE, *DP2, "distributed.expert_parallel_size=2"], "moe"),
     "zero3": ([*DP2, "distributed.zero_optimization=3"], "dense"),
     "zero1": ([*DP2, "distributed.zero_optimization=1"], "dense"),
+    "cp2": (["distributed.context_parallel_size=2"], "dense"),
     "ep2_replay": ([*MOE, *DP2, "distributed.expert_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
     "pp2_replay": ([*MOE, "distributed.pipeline_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
 }
@@ -73,10 +76,15 @@ def _layout_probe(trainer) -> dict:
 
 def _run(prompts: str, overrides: list[str], world_size: int) -> dict:
     from megacann import parallel_state as ps
+    from megacann.layers import TransformerBlock
 
     trainer = _trainer(rl_overrides(prompts, *overrides), world_size)
+    seen = []  # the sequence length the first block saw in training (seq / cp under context parallelism)
+    block = next(m for m in trainer.model_chunks[0].modules() if isinstance(m, TransformerBlock))
+    block.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]) if m.training else None)
     steps = [trainer.train_step() for _ in range(STEPS)]
-    out = {"trace": _trace(steps), **_layout_probe(trainer)}
+    out = {"trace": _trace(steps), "seq": sorted(set(seen)), "describe": trainer.objective.describe()}
+    out.update(_layout_probe(trainer))
     ps.destroy_model_parallel()
     return out
 
@@ -129,6 +137,13 @@ def test_router_replay_was_on_at_ep2_and_on_each_pipeline_stage(two_ranks):
         assert routers == 4 and tokens > 4 * 6  # every layer's router; a row's prompt and response but one
     assert [rank["pp2_replay"]["replay"][0] for rank in two_ranks] == [2, 2]  # each stage its own 2 routers
     assert "replay" not in two_ranks[0]["ep2"]
+
+
+def test_context_parallel_ranks_generate_the_same_rollouts_and_train_halves(two_ranks, one_process):
+    first, second = (rank["cp2"] for rank in two_ranks)
+    assert first["seq"] == second["seq"] == [16] and one_process["dense"]["seq"] == [32]
+    assert first["digest"] == second["digest"]  # the same rollouts on both cp ranks
+    assert "each of the 2 cp ranks of a data-parallel rank generates the same rollouts" in first["describe"]
 
 
 def test_zero3_shards_the_weights_and_zero1_the_optimizer(two_ranks):

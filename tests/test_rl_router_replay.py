@@ -8,7 +8,7 @@ training forward.
   elsewhere; with replay it routes every recorded token exactly as the rollout did, and the gate weights
   are the perturbed router's own scores of the replayed experts.
 - The whole loop with replay at ep 2 equals one process: tests/test_rl_layouts.py.
-- Refused by name: tensor parallelism, activation recomputation, a policy without routers.
+- Refused by name: tensor and context parallelism, activation recomputation, a policy without routers.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def test_replay_routes_exactly_as_the_rollout_after_the_router_moved(probes):
     "overrides, message",
     [
         (["distributed.tensor_parallel_size=2"], "rl.router_replay with distributed.tensor_parallel_size 2"),
+        (["distributed.context_parallel_size=2"], "rl.router_replay with distributed.context_parallel_size 2"),
         (["model.activation_checkpointing=full"], "rl.router_replay with model.activation_checkpointing 'full'"),
     ],
 )

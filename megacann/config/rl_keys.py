@@ -1,7 +1,8 @@
 """The ``rl`` section (``train_mode: grpo``, docs/rl.md): every key checked before anything is built.
 
-A key megacann cannot honour yet (router replay) or a layout the colocated generator cannot run (interleaved
-pipeline chunks, context parallelism) is refused here by name, with what was expected.
+A layout the colocated generator cannot run (interleaved pipeline chunks) or router replay where it cannot
+match the rollout's tokens (tensor or context parallelism, recomputation) is refused here by name, with what
+was expected.
 """
 
 from __future__ import annotations
@@ -37,11 +38,10 @@ def _integer(value, key: str, source: str, low: int) -> None:
 
 
 def _check_layout(cfg: MegacannConfig, source: str) -> None:
-    """The layouts the colocated generator cannot run: interleaved pipeline chunks and context parallelism
-    (pipeline stages, expert parallelism, ZeRO-1/2/3, tensor and sequence parallelism run)."""
+    """The layout the colocated generator cannot run: interleaved pipeline chunks (pipeline stages, expert
+    parallelism, ZeRO-1/2/3, tensor, sequence and context parallelism run)."""
     d = cfg.distributed
     refused = {
-        "context_parallel_size": (d.context_parallel_size > 1, "the generator decodes without context parallelism"),
         "virtual_pipeline_size": (
             (d.virtual_pipeline_size or 1) > 1,
             "the generator runs one model chunk a pipeline stage, not interleaved chunks",
@@ -60,12 +60,13 @@ def _check_router_replay(cfg: MegacannConfig, source: str) -> None:
     differ (tensor parallelism splits them over ranks; recomputation reroutes outside the replay)."""
     if not isinstance(cfg.rl.router_replay, bool):
         raise ConfigError(f"{source}: rl.router_replay must be true or false, got {cfg.rl.router_replay!r}")
-    tp = cfg.distributed.tensor_parallel_size
-    if tp > 1:
-        raise ConfigError(
-            f"{source}: rl.router_replay with distributed.tensor_parallel_size {tp} is not supported yet: the "
-            "replay matches whole sequences to the routed tokens (tensor_parallel_size 1 expected)"
-        )
+    for key in ("tensor_parallel_size", "context_parallel_size"):
+        size = getattr(cfg.distributed, key)
+        if size > 1:
+            raise ConfigError(
+                f"{source}: rl.router_replay with distributed.{key} {size} is not supported yet: the replay "
+                f"matches whole sequences to the routed tokens ({key} 1 expected)"
+            )
     recompute = cfg.model.activation_checkpointing
     if recompute != "none":
         raise ConfigError(

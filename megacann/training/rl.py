@@ -107,7 +107,10 @@ class RLTraining:
         self.order = PromptOrder(len(self.prompts), cfg.seed)
         self.decode = tokenizer.decode
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-        self.generator = Generator(policy[0], spec, eos_token_ids=[tokenizer.eos_id], pad_token_id=self.pad_id)
+        # under context parallelism the cp ranks of a data-parallel rank each generate the same rollouts
+        self.generator = Generator(
+            policy[0], spec, eos_token_ids=[tokenizer.eos_id], pad_token_id=self.pad_id, context_parallel_replicas=True
+        )
         self.phase: Optional[int] = None
         self.mini_batches: list[list[dict]] = []  # this rank's micro-batches of each mini-batch of the phase
         self.phase_figures: dict[str, float] = {}
@@ -124,7 +127,18 @@ class RLTraining:
             f"reinforcement learning ({r.advantage_estimator}, scale_rewards {r.scale_rewards}): {len(self.prompts)} "
             f"prompts, {r.group_size} responses each, reward {r.reward}, clip [{r.clip_low}, {r.clip_high}], "
             f"kl_coef {r.kl_coef} (reference: {what[self.kind]}); rollouts by the training model itself"
+            f"{self._layout_note()}"
         )
+
+    def _layout_note(self) -> str:
+        cp = ps.get_context_parallel_world_size()
+        note = ", router replay on" if self.replay else ""
+        if cp > 1:
+            note += (
+                f"; generation without context parallelism: each of the {cp} cp ranks of a data-parallel rank "
+                "generates the same rollouts, training splits the sequences over them"
+            )
+        return note
 
     def data_factory(self, consumed_samples: int) -> StepCounter:
         """The step counter from the step ``consumed_samples`` reaches (whole global batches)."""
