@@ -8,7 +8,7 @@ std, entropy and gradient norm equal one process (1e-5) at
   ranks generate for different prompts, kept in step by the generator's lockstep);
 - ZeRO-3 over data parallel 2 (probe: each rank stores half of the weights, none whole between steps);
 - ZeRO-1 over data parallel 2 (probe: the optimizer's state is sharded);
-- context parallel 2 for the training pass (probes: the training forward sees 16 of the 32 tokens a rank;
+- context parallel 2 for the training pass, dense and MoE (probes: the training forward sees 16 of the 32 tokens a rank;
   both cp ranks generate the same rollouts, said at start-up);
 - router replay (``rl.router_replay``) at ep 2 and at pp 2 with a MoE model, against one process with
   replay (probe: the micro-batches carry the recorded choices of this rank's routers: 4 at ep 2, 2 a stage).
@@ -33,6 +33,7 @@ LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "zero3": ([*DP2, "distributed.zero_optimization=3"], "dense"),
     "zero1": ([*DP2, "distributed.zero_optimization=1"], "dense"),
     "cp2": (["distributed.context_parallel_size=2"], "dense"),
+    "cp2_moe": ([*MOE, "distributed.context_parallel_size=2"], "moe"),
     "ep2_replay": ([*MOE, *DP2, "distributed.expert_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
     "pp2_replay": ([*MOE, "distributed.pipeline_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
 }
@@ -139,9 +140,10 @@ def test_router_replay_was_on_at_ep2_and_on_each_pipeline_stage(two_ranks):
     assert "replay" not in two_ranks[0]["ep2"]
 
 
-def test_context_parallel_ranks_generate_the_same_rollouts_and_train_halves(two_ranks, one_process):
-    first, second = (rank["cp2"] for rank in two_ranks)
-    assert first["seq"] == second["seq"] == [16] and one_process["dense"]["seq"] == [32]
+@pytest.mark.parametrize("layout", ["cp2", "cp2_moe"])
+def test_context_parallel_ranks_generate_the_same_rollouts_and_train_halves(layout, two_ranks, one_process):
+    first, second = (rank[layout] for rank in two_ranks)
+    assert first["seq"] == second["seq"] == [16] and one_process[LAYOUTS[layout][1]]["seq"] == [32]
     assert first["digest"] == second["digest"]  # the same rollouts on both cp ranks
     assert "each of the 2 cp ranks of a data-parallel rank generates the same rollouts" in first["describe"]
 
