@@ -10,8 +10,9 @@ std, entropy and gradient norm equal one process (1e-5) at
 - ZeRO-1 over data parallel 2 (probe: the optimizer's state is sharded);
 - context parallel 2 for the training pass, dense and MoE (probes: the training forward sees 16 of the 32 tokens a rank;
   both cp ranks generate the same rollouts, said at start-up);
-- router replay (``rl.router_replay``) at ep 2 and at pp 2 with a MoE model, against one process with
-  replay (probe: the micro-batches carry the recorded choices of this rank's routers: 4 at ep 2, 2 a stage).
+- router replay (``rl.router_replay``) at ep 2, pp 2, tp 2 with and without SP and cp 2 with a MoE model, against one
+  process with replay (probe: the micro-batches carry the recorded choices of this rank's routers: 4 at
+  ep 2, tp 2 and cp 2, 2 a stage at pp 2).
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from test_rl_loop import STEPS, _trace, _trainer, assert_same_trace, rl_override
 from megacann.config import ConfigError
 
 MOE = ["model.type=moe", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
-DP2 = ["optim.grad_accum_steps=1"]  # global batch 8 on 2 ranks, as one process's 2 x 4
+DP2 = ["optim.grad_accum_steps=1"]
+TP2_SP = [
+    "distributed.tensor_parallel_size=2",
+    "distributed.sequence_parallel=true",
+]  # global batch 8 on 2 ranks, as one process's 2 x 4
 LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "pp2": (["distributed.pipeline_parallel_size=2"], "dense"),
     "ep2": ([*MOE, *DP2, "distributed.expert_parallel_size=2"], "moe"),
@@ -36,6 +41,9 @@ LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "cp2_moe": ([*MOE, "distributed.context_parallel_size=2"], "moe"),
     "ep2_replay": ([*MOE, *DP2, "distributed.expert_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
     "pp2_replay": ([*MOE, "distributed.pipeline_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
+    "tp2_sp_replay": ([*MOE, *TP2_SP, "rl.router_replay=true"], "moe_replay"),
+    "tp2_replay": ([*MOE, TP2_SP[0], "rl.router_replay=true"], "moe_replay"),  # the MoE layer scatters
+    "cp2_replay": ([*MOE, "distributed.context_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
 }
 ONE_PROCESS = {"dense": [], "moe": MOE, "moe_replay": [*MOE, "rl.router_replay=true"]}
 
@@ -64,7 +72,7 @@ def _layout_probe(trainer) -> dict:
     }
     first = trainer.objective.mini_batches[0][0]
     if "replay_ids" in first:  # router replay: this stage's routers, and the recorded tokens of a micro-batch
-        probe["replay"] = (first["replay_ids"].shape[0], int(first["replay_mask"].sum()))
+        probe["replay"] = (first["replay_ids"].shape[2], int(first["replay_mask"].sum()))
     if trainer.cfg.distributed.zero_optimization == 3:
         from zero3_checks import storages
 
@@ -137,6 +145,9 @@ def test_router_replay_was_on_at_ep2_and_on_each_pipeline_stage(two_ranks):
         routers, tokens = rank["ep2_replay"]["replay"]
         assert routers == 4 and tokens > 4 * 6  # every layer's router; a row's prompt and response but one
     assert [rank["pp2_replay"]["replay"][0] for rank in two_ranks] == [2, 2]  # each stage its own 2 routers
+    for layout in ("tp2_sp_replay", "tp2_replay", "cp2_replay"):  # each rank replays its slice of the whole recording
+        assert [rank[layout]["replay"][0] for rank in two_ranks] == [4, 4]
+        assert two_ranks[0][layout]["digest"] == two_ranks[1][layout]["digest"]
     assert "replay" not in two_ranks[0]["ep2"]
 
 

@@ -7,8 +7,8 @@ training forward.
 - With the routers perturbed after the rollout, the training forward without replay routes some tokens
   elsewhere; with replay it routes every recorded token exactly as the rollout did, and the gate weights
   are the perturbed router's own scores of the replayed experts.
-- The whole loop with replay at ep 2 equals one process: tests/test_rl_layouts.py.
-- Refused by name: tensor and context parallelism, activation recomputation, a policy without routers.
+- The whole loop with replay at ep 2, pp 2, tp 2 + SP and cp 2 equals one process: tests/test_rl_layouts.py.
+- Refused by name: activation recomputation, a policy without routers.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _gate_error(route: dict) -> float:
 def _agreement(routes: list[dict], batch: dict, sort: bool) -> torch.Tensor:
     """Per router, whether each recorded token was routed to the recorded experts ``[routers, tokens]``."""
     out = []
-    for route, expected in zip(routes, batch["replay_ids"]):
+    for route, expected in zip(routes, batch["replay_ids"].unbind(2)):
         got = route["ids"].sort(-1).values if sort else route["ids"]
         want = expected.sort(-1).values if sort else expected
         out.append((got == want).all(-1)[batch["replay_mask"]])
@@ -73,7 +73,7 @@ def _replay_probes(prompts: str) -> dict:
     objective, chunk, plain = trainer.objective, trainer.model_chunks[0], trainer.model_spec.forward_step
     objective.prepare([{"rl_step": torch.tensor(0)}], None)  # the rollout phase: routing recorded while generating
     batches = objective.mini_batches[0]  # the phase's micro-batches: 2 groups, prompts of different lengths
-    out: dict = {"routers": len(batches[0]["replay_ids"]), "recorded_tokens": [], "last_label_plus_one": []}
+    out: dict = {"routers": batches[0]["replay_ids"].shape[2], "recorded_tokens": [], "last_label_plus_one": []}
     for batch in batches:
         labelled = batch["labels"] != IGNORE_INDEX
         last_label = torch.arange(labelled.shape[1]).expand_as(labelled).masked_fill(~labelled, -1).amax(1)
@@ -117,12 +117,10 @@ def test_replay_routes_exactly_as_the_rollout_after_the_router_moved(probes):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["distributed.tensor_parallel_size=2"], "rl.router_replay with distributed.tensor_parallel_size 2"),
-        (["distributed.context_parallel_size=2"], "rl.router_replay with distributed.context_parallel_size 2"),
         (["model.activation_checkpointing=full"], "rl.router_replay with model.activation_checkpointing 'full'"),
     ],
 )
-def test_router_replay_refuses_layouts_it_cannot_match(overrides, message):
+def test_router_replay_refuses_recomputation(overrides, message):
     with pytest.raises(ConfigError) as err:
         recipe(rl_overrides("prompts.jsonl", *REPLAY, *overrides), world_size=2)
     assert message in str(err.value)

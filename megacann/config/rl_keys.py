@@ -1,8 +1,7 @@
 """The ``rl`` section (``train_mode: grpo``, docs/rl.md): every key checked before anything is built.
 
-A layout the colocated generator cannot run (interleaved pipeline chunks) or router replay where it cannot
-match the rollout's tokens (tensor or context parallelism, recomputation) is refused here by name, with what
-was expected.
+A layout the colocated generator cannot run (interleaved pipeline chunks) or router replay with activation
+recomputation is refused here by name, with what was expected.
 """
 
 from __future__ import annotations
@@ -56,17 +55,10 @@ def _check_layout(cfg: MegacannConfig, source: str) -> None:
 
 
 def _check_router_replay(cfg: MegacannConfig, source: str) -> None:
-    """Router replay matches a rollout's tokens to the training forward's routed rows: refused where these
-    differ (tensor parallelism splits them over ranks; recomputation reroutes outside the replay)."""
+    """Router replay imposes the rollout's choices during the forward: refused with recomputation (the
+    recomputed forward would route outside the replay)."""
     if not isinstance(cfg.rl.router_replay, bool):
         raise ConfigError(f"{source}: rl.router_replay must be true or false, got {cfg.rl.router_replay!r}")
-    for key in ("tensor_parallel_size", "context_parallel_size"):
-        size = getattr(cfg.distributed, key)
-        if size > 1:
-            raise ConfigError(
-                f"{source}: rl.router_replay with distributed.{key} {size} is not supported yet: the replay "
-                f"matches whole sequences to the routed tokens ({key} 1 expected)"
-            )
     recompute = cfg.model.activation_checkpointing
     if recompute != "none":
         raise ConfigError(

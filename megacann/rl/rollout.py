@@ -10,7 +10,8 @@ With router replay (``rl.router_replay``, a MoE policy) each rollout also carrie
 of this rank chose for each of its tokens while generating (:mod:`megacann.layers.moe.routing_replay`):
 the prefill's for the prompt, each decode step's for the token it fed back (the last new token is never
 fed back, so ``prompt + response - 1`` tokens); the micro-batch carries them as ``replay_ids``
-``[routers, b, s, k]`` with ``replay_mask`` ``[b, s]`` (the tokens with a recorded choice).
+``[b, s, routers, k]`` with ``replay_mask`` ``[b, s]`` (the tokens with a recorded choice), both cut along
+``s`` like the tokens under context parallelism.
 
 A training row is ``prompt + response``, right-padded to ``data.seq_length``; its labels are the
 response's tokens (the EOS that ended it included), shifted like any language-model label, and the ignore
@@ -158,7 +159,7 @@ def rollout_micro_batches(
             logps[row, start:end] = torch.tensor(rollout.logprobs, dtype=torch.float32)
             if replay and rollout.routing:
                 routed = len(sequence) - 1
-                replay["replay_ids"][:, row, :routed] = torch.stack(rollout.routing)
+                replay["replay_ids"][row, :routed] = torch.stack(rollout.routing, dim=1)
                 replay["replay_mask"][row, :routed] = True
         batches.append(
             {
@@ -174,13 +175,13 @@ def rollout_micro_batches(
 
 
 def _replay_tensors(rows: Sequence[Rollout], seq_length: int) -> dict[str, torch.Tensor]:
-    """Empty ``replay_ids`` ``[routers, b, s, k]`` and ``replay_mask`` ``[b, s]`` for rollouts that carry
+    """Empty ``replay_ids`` ``[b, s, routers, k]`` and ``replay_mask`` ``[b, s]`` for rollouts that carry
     their routing ({} for those that do not)."""
     if not rows or rows[0].routing is None:
         return {}
     routers, k = len(rows[0].routing), (rows[0].routing[0].shape[-1] if rows[0].routing else 1)
     return {
-        "replay_ids": torch.zeros((routers, len(rows), seq_length, k), dtype=torch.long),
+        "replay_ids": torch.zeros((len(rows), seq_length, routers, k), dtype=torch.long),
         "replay_mask": torch.zeros((len(rows), seq_length), dtype=torch.bool),
     }
 
@@ -190,8 +191,8 @@ def replaying_forward_step(forward_step: Callable) -> Callable:
     ``replay_mask``) where it has them (router replay)."""
 
     def step(chunk: torch.nn.Module, batch: dict, hidden_states: Optional[torch.Tensor]):
-        ids = [per_router.reshape(-1, per_router.shape[-1]) for per_router in batch["replay_ids"]]
-        with routing_replayed(chunk, ids, batch["replay_mask"].reshape(-1)):
+        ids = batch["replay_ids"].unbind(2)  # per router [b, s, k]
+        with routing_replayed(chunk, ids, batch["replay_mask"]):
             return forward_step(chunk, batch, hidden_states)
 
     return step

@@ -8,8 +8,10 @@ the chosen experts' gate weights are its scores of the replayed experts (only th
 
 Both work through :attr:`~megacann.layers.moe.router.TopKRouter.choice_hook` on each router of a module
 tree, in module order (:func:`routers`), so any model built from :class:`~megacann.layers.moe.MoELayer`
-can use them. The routed tokens are those each router sees in a forward: ``[b * s]`` rows, sequence after
-sequence, without tensor parallelism (under it each rank routes its share of the sequence).
+can use them. A recording holds the rows each router routed in a forward (``[b * s]`` tokens, sequence
+after sequence); a replay is given per router ``[b, s, k]`` ids for the sequence as the MoE layer's input
+holds it (this context-parallel rank's share), and under tensor parallelism, where each rank routes its
+contiguous ``s / tp`` slice, each router takes its rank's slice.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from megacann.layers import mappings
 from megacann.layers.moe.router import TopKRouter
 
 
@@ -56,23 +59,31 @@ def routing_recorded(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]
         yield recorded
 
 
+def _routed_share(router: TopKRouter, x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[b, s, ...]`` as ``router`` routes it: its tensor-parallel rank's slice of ``s``, flattened."""
+    if router.tp_size > 1:
+        x = x.chunk(router.tp_size, dim=1)[mappings.tp_rank(router.group)]
+    return x.reshape(-1, *x.shape[2:])
+
+
 @contextlib.contextmanager
 def routing_replayed(model: torch.nn.Module, expert_ids: Sequence[torch.Tensor], mask: torch.Tensor) -> Iterator[None]:
-    """Inside the block router ``j`` of :func:`routers` routes token ``t`` to ``expert_ids[j][t]`` (``[T, k]``)
-    where ``mask[t]`` (``[T]`` bool) is true, and to its own choice elsewhere."""
+    """Inside the block router ``j`` of :func:`routers` routes token ``(i, t)`` to ``expert_ids[j][i, t]``
+    (``[b, s, k]``) where ``mask[i, t]`` (``[b, s]`` bool) is true, and to its own choice elsewhere."""
     found = routers(model)
     if len(expert_ids) != len(found):
         raise ValueError(f"routing replay: {len(expert_ids)} recorded routers for the {len(found)} of this model")
     index = {id(router): i for i, router in enumerate(found)}
 
     def replay(router: TopKRouter, chosen: torch.Tensor) -> torch.Tensor:
-        recorded = expert_ids[index[id(router)]]
-        if recorded.shape != chosen.shape or mask.shape != chosen.shape[:1]:
+        recorded = _routed_share(router, expert_ids[index[id(router)]])
+        where = _routed_share(router, mask)
+        if recorded.shape != chosen.shape or where.shape != chosen.shape[:1]:
             raise ValueError(
                 f"routing replay: the router routes {tuple(chosen.shape)} tokens x experts, the recording holds "
-                f"{tuple(recorded.shape)} (mask {tuple(mask.shape)})"
+                f"{tuple(recorded.shape)} (mask {tuple(where.shape)})"
             )
-        return torch.where(mask.unsqueeze(-1), recorded.to(chosen), chosen)
+        return torch.where(where.unsqueeze(-1), recorded.to(chosen), chosen)
 
     with _hooked(model, replay):
         yield
