@@ -27,11 +27,9 @@ from test_rl_loop import STEPS, _trace, _trainer, assert_same_trace, rl_override
 from megacann.config import ConfigError
 
 MOE = ["model.type=moe", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
-DP2 = ["optim.grad_accum_steps=1"]
-TP2_SP = [
-    "distributed.tensor_parallel_size=2",
-    "distributed.sequence_parallel=true",
-]  # global batch 8 on 2 ranks, as one process's 2 x 4
+DP2 = ["optim.grad_accum_steps=1"]  # global batch 8 on 2 ranks, as one process's 2 x 4
+TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
+SELECTIVE = "model.activation_checkpointing=selective"
 LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "pp2": (["distributed.pipeline_parallel_size=2"], "dense"),
     "ep2": ([*MOE, *DP2, "distributed.expert_parallel_size=2"], "moe"),
@@ -45,7 +43,8 @@ LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "tp2_replay": ([*MOE, TP2_SP[0], "rl.router_replay=true"], "moe_replay"),  # the MoE layer scatters
     "cp2_replay": ([*MOE, "distributed.context_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
 }
-ONE_PROCESS = {"dense": [], "moe": MOE, "moe_replay": [*MOE, "rl.router_replay=true"]}
+REPLAY = [*MOE, "rl.router_replay=true"]
+ONE_PROCESS = {"dense": [], "moe": MOE, "moe_replay": REPLAY, "replay_selective": [*REPLAY, SELECTIVE]}
 
 
 def _micro_batch_digest(objective) -> str:
@@ -69,6 +68,7 @@ def _layout_probe(trainer) -> dict:
         "experts": sorted(int(e) for e in moe[0].experts) if moe else None,
         "digest": _micro_batch_digest(trainer.objective),
         "optimizer": type(trainer.optimizer).__name__,
+        "recomputed_attention": sum(getattr(m, "recompute_core_attention", False) is True for m in chunk.modules()),
     }
     first = trainer.objective.mini_batches[0][0]
     if "replay_ids" in first:  # router replay: this stage's routers, and the recorded tokens of a micro-batch
@@ -157,6 +157,12 @@ def test_context_parallel_ranks_generate_the_same_rollouts_and_train_halves(layo
     assert first["seq"] == second["seq"] == [16] and one_process[LAYOUTS[layout][1]]["seq"] == [32]
     assert first["digest"] == second["digest"]  # the same rollouts on both cp ranks
     assert "each of the 2 cp ranks of a data-parallel rank generates the same rollouts" in first["describe"]
+
+
+def test_router_replay_with_selective_recomputation_trains_the_same_trace(one_process):
+    assert_same_trace(one_process["replay_selective"]["trace"], one_process["moe_replay"]["trace"])
+    assert one_process["replay_selective"]["recomputed_attention"] == 4  # every layer's, and none without it
+    assert one_process["moe_replay"]["recomputed_attention"] == 0
 
 
 def test_zero3_shards_the_weights_and_zero1_the_optimizer(two_ranks):

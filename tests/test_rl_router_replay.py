@@ -8,7 +8,8 @@ training forward.
   elsewhere; with replay it routes every recorded token exactly as the rollout did, and the gate weights
   are the perturbed router's own scores of the replayed experts.
 - The whole loop with replay at ep 2, pp 2, tp 2 + SP and cp 2 equals one process: tests/test_rl_layouts.py.
-- Refused by name: activation recomputation, a policy without routers.
+- Refused by name: full activation recomputation, a policy without routers (selective recomputation, which
+  reruns attention only, trains the trace of no recomputation: tests/test_rl_layouts.py).
 """
 
 from __future__ import annotations
@@ -117,7 +118,10 @@ def test_replay_routes_exactly_as_the_rollout_after_the_router_moved(probes):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.activation_checkpointing=full"], "rl.router_replay with model.activation_checkpointing 'full'"),
+        (
+            ["model.activation_checkpointing=full"],
+            "rl.router_replay with model.activation_checkpointing 'full' is not supported",
+        ),
     ],
 )
 def test_router_replay_refuses_recomputation(overrides, message):

@@ -1,7 +1,7 @@
 """The ``rl`` section (``train_mode: grpo``, docs/rl.md): every key checked before anything is built.
 
-A layout the colocated generator cannot run (interleaved pipeline chunks) or router replay with activation
-recomputation is refused here by name, with what was expected.
+A layout the colocated generator cannot run (interleaved pipeline chunks) or router replay with full
+activation recomputation is refused here by name, with what was expected.
 """
 
 from __future__ import annotations
@@ -55,15 +55,15 @@ def _check_layout(cfg: MegacannConfig, source: str) -> None:
 
 
 def _check_router_replay(cfg: MegacannConfig, source: str) -> None:
-    """Router replay imposes the rollout's choices during the forward: refused with recomputation (the
-    recomputed forward would route outside the replay)."""
+    """Router replay imposes the rollout's choices during the forward: refused with full recomputation (the
+    recomputed blocks would route outside the replay; selective recomputation reruns attention only)."""
     if not isinstance(cfg.rl.router_replay, bool):
         raise ConfigError(f"{source}: rl.router_replay must be true or false, got {cfg.rl.router_replay!r}")
     recompute = cfg.model.activation_checkpointing
-    if recompute != "none":
+    if recompute == "full":
         raise ConfigError(
             f"{source}: rl.router_replay with model.activation_checkpointing {recompute!r} is not supported: the "
-            "recomputed forward would route outside the replay (none expected)"
+            "recomputed forward would route outside the replay (none or selective expected)"
         )
 
 
