@@ -16,7 +16,9 @@ rank's share, which gives the same values too. On pipeline stages each forward r
 and the last stage's choices reach every stage (:mod:`.pipeline_stages`); under expert parallelism the
 ranks of a group stay in step until all of them are done (:mod:`.lockstep`); under ZeRO-3 the weights
 are gathered once for a call and freed after (:mod:`megacann.layers.gathered_weights`). Context
-parallelism is refused.
+parallelism is refused unless the caller asks for ``context_parallel_replicas``: then every cp rank
+generates the whole sequences by itself (attention reads its own cache, never the cp group), the caller
+giving the cp ranks of a data-parallel rank the same requests (the GRPO loop's rollouts).
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class Generator:
 
     ``eos_token_ids`` end every request; ``pad_token_id`` fills the padding (never attended to);
     ``max_len`` (None: as long as the batch needs) is the cache's tokens a row, prompt padding included.
+    ``context_parallel_replicas``: under context parallelism each cp rank generates whole sequences alone
+    (the module's docstring); refused without it.
     """
 
     def __init__(
@@ -109,12 +113,13 @@ class Generator:
         eos_token_ids: Sequence[int] = (),
         pad_token_id: int = 0,
         max_len: Optional[int] = None,
+        context_parallel_replicas: bool = False,
     ):
         if spec.decode is None:
             raise ValueError(
                 f"model family {spec.name!r} declares no decode path (ModelSpec.decode): it cannot generate"
             )
-        if ps.get_context_parallel_world_size() > 1:
+        if ps.get_context_parallel_world_size() > 1 and not context_parallel_replicas:
             raise ValueError(
                 f"generation under context parallelism (distributed.context_parallel_size "
                 f"{ps.get_context_parallel_world_size()}) is refused: decode one token a row with "

@@ -183,7 +183,8 @@ class KVCacheLayer(CacheLayer):
         start, s = self.cache.length, q.shape[1]
         self.store(k, v)
         if start == 0:
-            return attention.core_attention(q, *attention.expand_kv(k, v), self.padding_segments(s, q.device))
+            segments = self.padding_segments(s, q.device)  # whole sequences: never across context-parallel ranks
+            return attention.core_attention(q, *attention.expand_kv(k, v), segments, whole_sequence=True)
         used = self.used(s)
         mask = self.mask(s, used)
         keys, values = attention.expand_kv(self.keys[:, :used], self.values[:, :used])

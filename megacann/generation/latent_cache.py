@@ -54,7 +54,7 @@ class LatentCacheLayer(CacheLayer):
         if start == 0:
             q = torch.cat([q_nope, q_rope], -1)
             k, v = attention.expand_latent(latent, k_rope)
-            return attention.core_attention(q, k, v, self.padding_segments(s, q.device))
+            return attention.core_attention(q, k, v, self.padding_segments(s, q.device), whole_sequence=True)
         used = self.used(s)
         return attention.absorbed_attention(q_nope, q_rope, self.latents[:, :used], self.mask(s, used))
 

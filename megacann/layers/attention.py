@@ -235,15 +235,21 @@ class SelfAttention(torch.nn.Module):
         return k.index_select(2, self.kv_index), v.index_select(2, self.kv_index)
 
     def core_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segment_ids: Optional[torch.Tensor],
+        whole_sequence: bool = False,
     ) -> torch.Tensor:
         """Softmax attention of this rank's heads (dropout from the TP-rank RNG stream), over the whole
-        context-parallel group when there is one."""
+        context-parallel group when there is one, unless ``whole_sequence`` (the caller holds whole
+        sequences, e.g. a generation's prefill: nothing to exchange)."""
         p = self.dropout_p if self.training else 0.0
         cp_group = self.context_parallel_group
         if cp_group is None:
             cp_group = ps.get_context_parallel_group()
-        if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        if not whole_sequence and cp_group is not None and dist.get_world_size(cp_group) > 1:
             if p > 0.0:
                 raise ValueError(
                     f"attention_dropout {self.dropout_p} is not supported under context parallelism "

@@ -251,13 +251,18 @@ class LatentAttention(torch.nn.Module):
         return torch.einsum("bshr,hvr->bshv", out[..., : self.kv_lora_rank], w_uv)
 
     def core_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segment_ids: Optional[torch.Tensor],
+        whole_sequence: bool = False,
     ) -> torch.Tensor:
         """Softmax attention of this rank's heads, q/k and v padded to one width (see the module
         docstring), through SelfAttention's core attention (one process or the context-parallel group)."""
         width = max(self.qk_head_dim, self.v_head_dim)
         q, k, v = (_pad_heads(t, width) for t in (q, k, v))
-        return SelfAttention.core_attention(self, q, k, v, segment_ids)[..., : self.v_head_dim]
+        return SelfAttention.core_attention(self, q, k, v, segment_ids, whole_sequence)[..., : self.v_head_dim]
 
     def forward(
         self, hidden: torch.Tensor, rotary: Rotary = None, segment_ids: Optional[torch.Tensor] = None

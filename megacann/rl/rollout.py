@@ -6,6 +6,13 @@ phase, the sample's index in its group), so the same rollout comes out of any la
 The generator returns each token's log-probability under the model's own distribution (what the trainer
 recomputes); they travel with the micro-batch as ``rollout_logps`` for the mismatch figures and TIS.
 
+With router replay (``rl.router_replay``, a MoE policy) each rollout also carries the experts every router
+of this rank chose for each of its tokens while generating (:mod:`megacann.layers.moe.routing_replay`):
+the prefill's for the prompt, each decode step's for the token it fed back (the last new token is never
+fed back, so ``prompt + response - 1`` tokens); the micro-batch carries them as ``replay_ids``
+``[b, s, routers, k]`` with ``replay_mask`` ``[b, s]`` (the tokens with a recorded choice), both cut along
+``s`` like the tokens under context parallelism.
+
 A training row is ``prompt + response``, right-padded to ``data.seq_length``; its labels are the
 response's tokens (the EOS that ended it included), shifted like any language-model label, and the ignore
 index elsewhere, so only response tokens carry the loss.
@@ -13,14 +20,17 @@ index elsewhere, so only response tokens carry the loss.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megacann.constants import IGNORE_INDEX
-from megacann.generation import Generator, SamplingParams
+from megacann.generation import GenerationResult, Generator, SamplingParams
+from megacann.layers.moe.routing_replay import routing_recorded, routing_replayed
 from megacann.rl.prompts import Prompt, hash_seed
 
 
@@ -36,6 +46,7 @@ class Rollout:
     finish_reason: str
     raw_reward: float = 0.0  # the reward function's
     reward: float = 0.0  # with the overlong penalty: what the advantages are computed from
+    routing: Optional[list[torch.Tensor]] = None  # router replay: each router's chosen ids [tokens - 1, k]
 
 
 def sampling_params(rl, seed: int) -> SamplingParams:
@@ -52,18 +63,54 @@ def generate_groups(
     rl,
     seed_key: tuple[int, ...],
     rows_per_call: int,
+    record_routing: bool = False,
 ) -> list[Rollout]:
     """``rl.group_size`` responses for each ``(slot, prompt index)``, in slot then sample order; each
-    response's seed is ``hash_seed(*seed_key, slot, sample)``. At most ``rows_per_call`` rows a generation."""
+    response's seed is ``hash_seed(*seed_key, slot, sample)``. At most ``rows_per_call`` rows a generation.
+    ``record_routing``: each rollout keeps its tokens' expert choices (router replay)."""
     requests = [(slot, index, k) for slot, index in slots for k in range(rl.group_size)]
     rollouts: list[Rollout] = []
     for first in range(0, len(requests), rows_per_call):
         chunk = requests[first : first + rows_per_call]
         params = [sampling_params(rl, hash_seed(*seed_key, slot, k)) for slot, _, k in chunk]
-        results = generator.generate([prompts[index].ids for _, index, _ in chunk], params)
-        for (_, index, k), result in zip(chunk, results):
-            rollouts.append(Rollout(index, k, result.tokens, result.logprobs, result.finish_reason or "length"))
+        ids = [prompts[index].ids for _, index, _ in chunk]
+        recording = routing_recorded(generator.model) if record_routing else contextlib.nullcontext()
+        with recording as recorded:
+            results = generator.generate(ids, params)
+        routing = request_routing(recorded, [len(p) for p in ids], results) if record_routing else None
+        for row, ((_, index, k), result) in enumerate(zip(chunk, results)):
+            rollout = Rollout(index, k, result.tokens, result.logprobs, result.finish_reason or "length")
+            rollout.routing = routing[row] if routing is not None else None
+            rollouts.append(rollout)
     return rollouts
+
+
+def request_routing(
+    recorded: list[list[torch.Tensor]], prompt_lengths: list[int], results: list[GenerationResult]
+) -> list[list[torch.Tensor]]:
+    """Each request's expert choices ``[prompt + new tokens - 1, k]`` per router, from what each router
+    recorded in one generate call: the prefill ``[rows x longest, k]`` (prompts left-padded), then decode
+    step ``t`` (from 1) one row for each request with more than ``t`` new tokens, in request order, feeding
+    its new token ``t - 1``; a step with no request of this rank is an idle step of the expert-parallel
+    lockstep (skipped)."""
+    rows, longest = len(prompt_lengths), max(prompt_lengths)
+    out: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+    for forwards in recorded:
+        prefill = forwards[0].view(rows, longest, -1)
+        pieces = [[prefill[r, longest - length :]] for r, length in enumerate(prompt_lengths)]
+        for step, ids in enumerate(forwards[1:], start=1):
+            live = [r for r, result in enumerate(results) if len(result.tokens) > step]
+            if not live:
+                continue
+            if ids.shape[0] != len(live):
+                raise RuntimeError(
+                    f"routing record: decode step {step} routed {ids.shape[0]} tokens for {len(live)} rows"
+                )
+            for position, r in enumerate(live):
+                pieces[r].append(ids[position : position + 1])
+        for r in range(rows):
+            out[r].append(torch.cat(pieces[r]).cpu())
+    return out
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
@@ -100,6 +147,7 @@ def rollout_micro_batches(
         tokens = torch.full((len(rows), seq_length), pad_id, dtype=torch.long)
         labels = torch.full((len(rows), seq_length), IGNORE_INDEX, dtype=torch.long)
         logps = torch.zeros((len(rows), seq_length), dtype=torch.float32)
+        replay = _replay_tensors(rows, seq_length)
         for row, rollout in enumerate(rows):
             prompt = prompts[rollout.prompt].ids
             sequence = list(prompt) + list(rollout.tokens)
@@ -109,6 +157,10 @@ def rollout_micro_batches(
             start, end = len(prompt) - 1, len(sequence) - 1  # label j predicts token j + 1
             labels[row, start:end] = torch.tensor(rollout.tokens)
             logps[row, start:end] = torch.tensor(rollout.logprobs, dtype=torch.float32)
+            if replay and rollout.routing:
+                routed = len(sequence) - 1
+                replay["replay_ids"][row, :routed] = torch.stack(rollout.routing, dim=1)
+                replay["replay_mask"][row, :routed] = True
         batches.append(
             {
                 "tokens": tokens,
@@ -116,9 +168,34 @@ def rollout_micro_batches(
                 "position_ids": torch.arange(seq_length).expand(len(rows), seq_length).clone(),
                 "advantages": torch.tensor(advantages[first : first + batch_size], dtype=torch.float32),
                 "rollout_logps": logps,
+                **replay,
             }
         )
     return batches
+
+
+def _replay_tensors(rows: Sequence[Rollout], seq_length: int) -> dict[str, torch.Tensor]:
+    """Empty ``replay_ids`` ``[b, s, routers, k]`` and ``replay_mask`` ``[b, s]`` for rollouts that carry
+    their routing ({} for those that do not)."""
+    if not rows or rows[0].routing is None:
+        return {}
+    routers, k = len(rows[0].routing), (rows[0].routing[0].shape[-1] if rows[0].routing else 1)
+    return {
+        "replay_ids": torch.zeros((len(rows), seq_length, routers, k), dtype=torch.long),
+        "replay_mask": torch.zeros((len(rows), seq_length), dtype=torch.bool),
+    }
+
+
+def replaying_forward_step(forward_step: Callable) -> Callable:
+    """``forward_step`` whose chunk's routers reuse the micro-batch's recorded choices (``replay_ids``,
+    ``replay_mask``) where it has them (router replay)."""
+
+    def step(chunk: torch.nn.Module, batch: dict, hidden_states: Optional[torch.Tensor]):
+        ids = batch["replay_ids"].unbind(2)  # per router [b, s, k]
+        with routing_replayed(chunk, ids, batch["replay_mask"]):
+            return forward_step(chunk, batch, hidden_states)
+
+    return step
 
 
 def response_figures(rollouts: Sequence[Rollout]) -> dict[str, float]:

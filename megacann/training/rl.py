@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.collectives import all_reduce_if_parallel
 from megacann.config import MegacannConfig
 from megacann.config.rl_keys import reference_kind, update_phase_steps
 from megacann.constants import IGNORE_INDEX
 from megacann.data.sft_templates import get_template
 from megacann.generation import Generator
 from megacann.layers.lora import adapters_disabled
+from megacann.layers.moe.routing_replay import routers
 from megacann.models import ModelSpec
 from megacann.models.policy_loss import (
     PolicyLoss,
@@ -57,6 +57,7 @@ from megacann.rl.rollout import (
     gather_rollouts,
     generate_groups,
     overlong_penalty,
+    replaying_forward_step,
     response_figures,
     rollout_micro_batches,
 )
@@ -91,7 +92,12 @@ class RLTraining:
         self.cfg, self.spec, self.policy, self.device = cfg, spec, policy, device
         self.loss = PolicyLoss.from_config(cfg.rl)
         self.largest_gaps: list[torch.Tensor] = []  # each micro-batch's largest |trainer - rollout| log-prob gap
-        self.forward_step = policy_forward_step(spec.forward_step, self.loss, self.largest_gaps)
+        self.replay = bool(cfg.rl.router_replay)
+        if self.replay:
+            _check_routers(policy, cfg.model.type, device)
+        # the policy's forwards (old log-probabilities and training) route as the rollout with router replay
+        self.policy_step = replaying_forward_step(spec.forward_step) if self.replay else spec.forward_step
+        self.forward_step = policy_forward_step(self.policy_step, self.loss, self.largest_gaps)
         self.schedule = get_forward_backward_func(cfg, spec.forward_step)
         self.kind = reference_kind(cfg)
         self.reference = build_reference_copy(cfg, spec, device) if self.kind == "copy" else None
@@ -101,7 +107,10 @@ class RLTraining:
         self.order = PromptOrder(len(self.prompts), cfg.seed)
         self.decode = tokenizer.decode
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-        self.generator = Generator(policy[0], spec, eos_token_ids=[tokenizer.eos_id], pad_token_id=self.pad_id)
+        # under context parallelism the cp ranks of a data-parallel rank each generate the same rollouts
+        self.generator = Generator(
+            policy[0], spec, eos_token_ids=[tokenizer.eos_id], pad_token_id=self.pad_id, context_parallel_replicas=True
+        )
         self.phase: Optional[int] = None
         self.mini_batches: list[list[dict]] = []  # this rank's micro-batches of each mini-batch of the phase
         self.phase_figures: dict[str, float] = {}
@@ -118,7 +127,18 @@ class RLTraining:
             f"reinforcement learning ({r.advantage_estimator}, scale_rewards {r.scale_rewards}): {len(self.prompts)} "
             f"prompts, {r.group_size} responses each, reward {r.reward}, clip [{r.clip_low}, {r.clip_high}], "
             f"kl_coef {r.kl_coef} (reference: {what[self.kind]}); rollouts by the training model itself"
+            f"{self._layout_note()}"
         )
+
+    def _layout_note(self) -> str:
+        cp = ps.get_context_parallel_world_size()
+        note = ", router replay on" if self.replay else ""
+        if cp > 1:
+            note += (
+                f"; generation without context parallelism: each of the {cp} cp ranks of a data-parallel rank "
+                "generates the same rollouts, training splits the sequences over them"
+            )
+        return note
 
     def data_factory(self, consumed_samples: int) -> StepCounter:
         """The step counter from the step ``consumed_samples`` reaches (whole global batches)."""
@@ -136,6 +156,20 @@ class RLTraining:
             penalty = overlong_penalty(len(rollout.tokens), r.max_new_tokens, r.overlong_buffer, r.overlong_penalty)
             rollout.reward = rollout.raw_reward + penalty
 
+    def _score_on_last_stage(self, rollouts: list[Rollout]) -> None:
+        """:meth:`_score` here, or on pipeline stages by the last stage alone (the reward runs once), its
+        rewards then broadcast: every stage keeps and drops the same groups and builds the same micro-batches."""
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            self._score(rollouts)
+            return
+        if ps.is_pipeline_last_stage():
+            self._score(rollouts)
+        rewards = torch.tensor([[x.raw_reward, x.reward] for x in rollouts], dtype=torch.float64, device=self.device)
+        last = ps.get_pipeline_model_parallel_ranks()[-1]
+        dist.broadcast(rewards, last, group=ps.get_pipeline_model_parallel_group())
+        for rollout, (raw, reward) in zip(rollouts, rewards.tolist()):
+            rollout.raw_reward, rollout.reward = raw, reward
+
     def _sample_groups(self, phase: int, need: int) -> tuple[list[list[Rollout]], dict[str, float]]:
         """``need`` groups for the phase (every rank gets all of them), and the sampling's figures."""
         r, size = self.cfg.rl, self.cfg.rl.group_size
@@ -149,8 +183,10 @@ class RLTraining:
             rounds += 1
             indices = self.order.step_prompts(phase, round_index, need)
             slots = list(enumerate(indices))[rank * share : (rank + 1) * share]
-            mine = generate_groups(self.generator, self.prompts, slots, r, (self.cfg.seed, phase, round_index), rows)
-            self._score(mine)
+            mine = generate_groups(
+                self.generator, self.prompts, slots, r, (self.cfg.seed, phase, round_index), rows, self.replay
+            )
+            self._score_on_last_stage(mine)
             everyone = gather_rollouts(mine, ps.get_data_parallel_group())
             sampled += everyone
             for first in range(0, len(everyone), size):
@@ -181,12 +217,15 @@ class RLTraining:
         return groups, figures
 
     @torch.no_grad()
-    def _token_logps(self, micro_batches: list[dict], chunks, context) -> list[torch.Tensor]:
+    def _token_logps(self, micro_batches: list[dict], chunks, context, forward_step) -> Optional[list[torch.Tensor]]:
         """Per-token log-probabilities ``[b, s]`` of each micro-batch's labels under ``chunks`` (one
-        forward-only pass of the step's schedule, eval mode)."""
+        forward-only pass of the step's schedule, eval mode); None on a pipeline stage that computes no loss
+        (it needs none: only the loss reads them)."""
         sink: list[torch.Tensor] = []
-        step = token_logps_forward_step(self.spec.forward_step, sink)
+        step = token_logps_forward_step(forward_step, sink)
         forward_only_pass(self.schedule, chunks, micro_batches, step, context)
+        if not sink and ps.get_pipeline_model_parallel_world_size() > 1:
+            return None
         if len(sink) != len(micro_batches):
             raise RuntimeError(f"log-probability pass: {len(sink)} results for {len(micro_batches)} micro-batches")
         return sink
@@ -217,7 +256,9 @@ class RLTraining:
                 self.prompts, rollouts, values, cfg.data.seq_length, cfg.data.batch_size, self.pad_id
             )
             batches = [{k: v.to(self.device) for k, v in mb.items()} for mb in batches]
-            for mb, logps in zip(batches, self._token_logps(batches, self.policy, contextlib.nullcontext())):
+            for mb, logps in zip(
+                batches, self._token_logps(batches, self.policy, contextlib.nullcontext(), self.policy_step) or []
+            ):
                 mb["old_logps"] = logps
                 mask = mb["labels"] != IGNORE_INDEX
                 gap = (logps - mb["rollout_logps"]).abs()[mask]
@@ -225,12 +266,14 @@ class RLTraining:
                 diff_max = max(diff_max, float(gap.max()) if gap.numel() else 0.0)
             if self.kind != "none":
                 chunks, context = self._reference_chunks()
-                for mb, logps in zip(batches, self._token_logps(batches, chunks, context)):
+                for mb, logps in zip(
+                    batches, self._token_logps(batches, chunks, context, self.spec.forward_step) or []
+                ):
                     mb["ref_logps"] = logps
             self.mini_batches.append(batches)
-        gaps = torch.cat(diffs) if diffs else torch.zeros(1, dtype=torch.float64)
-        figures["logprob_mismatch_mean"] = _mean_over_data_parallel(gaps.sum(), gaps.numel(), self.device)
-        figures["logprob_mismatch_max"] = _max_over_data_parallel(diff_max, self.device)
+        gaps = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
+        figures["logprob_mismatch_mean"] = _mean_over_ranks(gaps.sum(), gaps.numel(), self.device)
+        figures["logprob_mismatch_max"] = _max_over_ranks(diff_max, self.device)
         self.phase, self.phase_figures = phase, figures
 
     def _reference_chunks(self) -> tuple[list[torch.nn.Module], Any]:
@@ -268,12 +311,26 @@ class RLTraining:
         return None  # no held-out split: the rewards are the figures
 
 
-def _mean_over_data_parallel(total: torch.Tensor, count: int, device) -> float:
+def _check_routers(policy: list[torch.nn.Module], model_type: str, device) -> None:
+    """Router replay needs a MoE policy: some rank (pipeline stage) must hold a router."""
+    count = torch.tensor([float(sum(len(routers(chunk)) for chunk in policy))], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    if count.item() == 0:
+        raise ValueError(f"rl.router_replay needs a mixture-of-experts policy: model.type {model_type!r} has no router")
+
+
+def _mean_over_ranks(total: torch.Tensor, count: int, device) -> float:
+    """``total / count`` summed over every rank (the stages without a loss bring 0 of 0; tensor-parallel
+    copies scale both alike)."""
     both = torch.tensor([float(total), float(count)], dtype=torch.float64, device=device)
-    both = all_reduce_if_parallel(both, ps.get_data_parallel_group())
+    if dist.is_initialized():
+        dist.all_reduce(both)
     return float(both[0] / both[1].clamp(min=1))
 
 
-def _max_over_data_parallel(value: float, device) -> float:
+def _max_over_ranks(value: float, device) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    return float(all_reduce_if_parallel(tensor, ps.get_data_parallel_group(), op=dist.ReduceOp.MAX)[0])
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor[0])

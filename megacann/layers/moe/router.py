@@ -31,6 +31,9 @@ holds the whole value and gradients are summed over the cp ranks, so each share'
 theirs). The sequence-wise loss does the same per sequence: every rank holds a share of each of the ``b``
 sequences, and the ``[b, E]`` counts are summed over both groups.
 
+``choice_hook`` (None by default) sees each forward's chosen expert ids and may replace them: the gate
+weights are then the router's own scores of the experts it returns (router replay, :mod:`.routing_replay`).
+
 Bias-based balancing (DeepSeek-V3): in training the router adds up how many tokens each expert was
 chosen for; :meth:`TopKRouter.update_expert_bias` (after the optimizer step) moves each bias by
 ``bias_update_rate`` towards balance: ``bias_e += rate · sign(mean load − load_e)``.
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -223,6 +226,8 @@ class TopKRouter(torch.nn.Module):
             self.register_buffer("expert_bias", bias)
         load = None if bias is None else torch.zeros(num_experts, dtype=torch.int64, device=device)  # exact counts
         self.register_buffer("load_since_update", load, persistent=False)
+        # (router, chosen ids [T, k]) -> the ids used: sees or overrides each forward's choice (None: off)
+        self.choice_hook: Optional[Callable[[TopKRouter, torch.Tensor], torch.Tensor]] = None
 
     def extra_repr(self) -> str:
         return (
@@ -257,6 +262,8 @@ class TopKRouter(torch.nn.Module):
         if self.num_groups > 1:
             choice = self.limit_to_groups(choice)
         expert_ids = torch.topk(choice, self.top_k, dim=-1).indices
+        if self.choice_hook is not None:  # record or replace the choice (megacann.layers.moe.routing_replay)
+            expert_ids = self.choice_hook(self, expert_ids)
         probs = scores.gather(1, expert_ids)
         if self.normalize_top_k and self.top_k > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)

@@ -1,0 +1,183 @@
+"""The GRPO loop (``train_mode: grpo``) at the layouts whose rollouts need the generator's layout support,
+on 2 gloo ranks (CPU, fp32, seeded sampling): 3 steps of loss, policy-gradient loss, KL, rewards, advantage
+std, entropy and gradient norm equal one process (1e-5) at
+
+- pipeline parallel 2 (probes: the stages hold layers 0-1 and 2-3; both stages train on the same
+  micro-batches, the last stage's rewards);
+- expert parallel 2 over data parallel 2, a MoE model (probe: 2 of the 4 experts of a layer a rank; the
+  ranks generate for different prompts, kept in step by the generator's lockstep);
+- ZeRO-3 over data parallel 2 (probe: each rank stores half of the weights, none whole between steps);
+- ZeRO-1 over data parallel 2 (probe: the optimizer's state is sharded);
+- context parallel 2 for the training pass, dense and MoE (probes: the training forward sees 16 of the 32 tokens a rank;
+  both cp ranks generate the same rollouts, said at start-up);
+- router replay (``rl.router_replay``) at ep 2, pp 2, tp 2 with and without SP and cp 2 with a MoE model, against one
+  process with replay (probe: the micro-batches carry the recorded choices of this rank's routers: 4 at
+  ep 2, tp 2 and cp 2, 2 a stage at pp 2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from dist_harness import run_on_ranks
+from finetune_helpers import recipe
+from test_rl_loop import STEPS, _trace, _trainer, assert_same_trace, rl_overrides, write_prompts
+
+from megacann.config import ConfigError
+
+MOE = ["model.type=moe", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
+DP2 = ["optim.grad_accum_steps=1"]  # global batch 8 on 2 ranks, as one process's 2 x 4
+TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
+SELECTIVE = "model.activation_checkpointing=selective"
+LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
+    "pp2": (["distributed.pipeline_parallel_size=2"], "dense"),
+    "ep2": ([*MOE, *DP2, "distributed.expert_parallel_size=2"], "moe"),
+    "zero3": ([*DP2, "distributed.zero_optimization=3"], "dense"),
+    "zero1": ([*DP2, "distributed.zero_optimization=1"], "dense"),
+    "cp2": (["distributed.context_parallel_size=2"], "dense"),
+    "cp2_moe": ([*MOE, "distributed.context_parallel_size=2"], "moe"),
+    "ep2_replay": ([*MOE, *DP2, "distributed.expert_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
+    "pp2_replay": ([*MOE, "distributed.pipeline_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
+    "tp2_sp_replay": ([*MOE, *TP2_SP, "rl.router_replay=true"], "moe_replay"),
+    "tp2_replay": ([*MOE, TP2_SP[0], "rl.router_replay=true"], "moe_replay"),  # the MoE layer scatters
+    "cp2_replay": ([*MOE, "distributed.context_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
+}
+REPLAY = [*MOE, "rl.router_replay=true"]
+ONE_PROCESS = {"dense": [], "moe": MOE, "moe_replay": REPLAY, "replay_selective": [*REPLAY, SELECTIVE]}
+
+
+def _micro_batch_digest(objective) -> str:
+    """A digest of the tokens, labels and advantages of every micro-batch of the phase on this rank."""
+    digest = hashlib.sha256()
+    for mini_batch in objective.mini_batches:
+        for mb in mini_batch:
+            for key in ("tokens", "labels", "advantages"):
+                digest.update(mb[key].cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _layout_probe(trainer) -> dict:
+    """What shows the layout was in force: this rank's layers, experts, weight and optimizer shards."""
+    from megacann.layers import MoELayer
+
+    chunk = trainer.model_chunks[0]
+    moe = [m for m in chunk.modules() if isinstance(m, MoELayer)]
+    probe = {
+        "layers": sorted(int(i) for i in chunk.layers),
+        "experts": sorted(int(e) for e in moe[0].experts) if moe else None,
+        "digest": _micro_batch_digest(trainer.objective),
+        "optimizer": type(trainer.optimizer).__name__,
+        "recomputed_attention": sum(getattr(m, "recompute_core_attention", False) is True for m in chunk.modules()),
+    }
+    first = trainer.objective.mini_batches[0][0]
+    if "replay_ids" in first:  # router replay: this stage's routers, and the recorded tokens of a micro-batch
+        probe["replay"] = (first["replay_ids"].shape[2], int(first["replay_mask"].sum()))
+    if trainer.cfg.distributed.zero_optimization == 3:
+        from zero3_checks import storages
+
+        stores = storages(trainer.optimizer)
+        probe["whole_between_steps"] = sum(s.gathered_numel() for s in stores)
+        probe["stored"] = sum(s.shard.numel() for s in stores)
+        probe["total"] = sum(s.layout.numel for s in stores)
+    return probe
+
+
+def _run(prompts: str, overrides: list[str], world_size: int) -> dict:
+    from megacann import parallel_state as ps
+    from megacann.layers import TransformerBlock
+
+    trainer = _trainer(rl_overrides(prompts, *overrides), world_size)
+    seen = []  # the sequence length the first block saw in training (seq / cp under context parallelism)
+    block = next(m for m in trainer.model_chunks[0].modules() if isinstance(m, TransformerBlock))
+    block.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]) if m.training else None)
+    steps = [trainer.train_step() for _ in range(STEPS)]
+    out = {"trace": _trace(steps), "seq": sorted(set(seen)), "describe": trainer.objective.describe()}
+    out.update(_layout_probe(trainer))
+    ps.destroy_model_parallel()
+    return out
+
+
+def _runs(prompts: str, runs: dict[str, list[str]]) -> dict:
+    import torch.distributed as dist
+
+    return {name: _run(prompts, overrides, dist.get_world_size()) for name, overrides in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> str:
+    return write_prompts(str(tmp_path_factory.mktemp("rl_layouts") / "prompts.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def one_process(prompts) -> dict:
+    return run_on_ranks(_runs, 1, args=(prompts, ONE_PROCESS), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(prompts) -> list[dict]:
+    runs = {name: overrides for name, (overrides, _) in LAYOUTS.items()}
+    return run_on_ranks(_runs, 2, args=(prompts, runs), timeout=600)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_loop_at_layout_equals_one_process(layout, one_process, two_ranks):
+    reference = one_process[LAYOUTS[layout][1]]["trace"]
+    for rank in two_ranks:
+        assert_same_trace(rank[layout]["trace"], reference)
+
+
+def test_pipeline_stages_hold_their_layers_and_train_the_same_rollouts(two_ranks, one_process):
+    first, last = (rank["pp2"] for rank in two_ranks)
+    assert first["layers"] == [0, 1] and last["layers"] == [2, 3]
+    assert one_process["dense"]["layers"] == [0, 1, 2, 3]
+    assert first["digest"] == last["digest"]  # the same micro-batches, advantages included, on both stages
+
+
+def test_expert_parallel_ranks_hold_half_the_experts_and_their_own_prompts(two_ranks, one_process):
+    assert [rank["ep2"]["experts"] for rank in two_ranks] == [[0, 1], [2, 3]]
+    assert one_process["moe"]["experts"] == [0, 1, 2, 3]
+    assert two_ranks[0]["ep2"]["digest"] != two_ranks[1]["ep2"]["digest"]  # data parallel: different rollouts
+
+
+def test_router_replay_was_on_at_ep2_and_on_each_pipeline_stage(two_ranks):
+    for rank in two_ranks:
+        routers, tokens = rank["ep2_replay"]["replay"]
+        assert routers == 4 and tokens > 4 * 6  # every layer's router; a row's prompt and response but one
+    assert [rank["pp2_replay"]["replay"][0] for rank in two_ranks] == [2, 2]  # each stage its own 2 routers
+    for layout in ("tp2_sp_replay", "tp2_replay", "cp2_replay"):  # each rank replays its slice of the whole recording
+        assert [rank[layout]["replay"][0] for rank in two_ranks] == [4, 4]
+        assert two_ranks[0][layout]["digest"] == two_ranks[1][layout]["digest"]
+    assert "replay" not in two_ranks[0]["ep2"]
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp2_moe"])
+def test_context_parallel_ranks_generate_the_same_rollouts_and_train_halves(layout, two_ranks, one_process):
+    first, second = (rank[layout] for rank in two_ranks)
+    assert first["seq"] == second["seq"] == [16] and one_process[LAYOUTS[layout][1]]["seq"] == [32]
+    assert first["digest"] == second["digest"]  # the same rollouts on both cp ranks
+    assert "each of the 2 cp ranks of a data-parallel rank generates the same rollouts" in first["describe"]
+
+
+def test_router_replay_with_selective_recomputation_trains_the_same_trace(one_process):
+    assert_same_trace(one_process["replay_selective"]["trace"], one_process["moe_replay"]["trace"])
+    assert one_process["replay_selective"]["recomputed_attention"] == 4  # every layer's, and none without it
+    assert one_process["moe_replay"]["recomputed_attention"] == 0
+
+
+def test_zero3_shards_the_weights_and_zero1_the_optimizer(two_ranks):
+    for rank in two_ranks:
+        zero3 = rank["zero3"]
+        assert zero3["whole_between_steps"] == 0
+        assert zero3["stored"] * 2 == zero3["total"]
+    assert {rank["zero1"]["optimizer"] for rank in two_ranks} == {"DistributedOptimizer"}
+    assert two_ranks[0]["zero1"]["digest"] != two_ranks[1]["zero1"]["digest"]
+
+
+def test_interleaved_pipeline_chunks_are_refused_by_name():
+    overrides = rl_overrides(
+        "prompts.jsonl", "distributed.pipeline_parallel_size=2", "distributed.virtual_pipeline_size=2"
+    )
+    with pytest.raises(ConfigError) as err:
+        recipe(overrides, world_size=2)
+    assert "train_mode grpo with distributed.virtual_pipeline_size 2 is not supported yet" in str(err.value)
