@@ -124,6 +124,7 @@ setup(
         "fla": ["fla-core"],  # flash-linear-attention: Gated DeltaNet's CUDA kernels
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
+        "eval": ["lm-eval"],  # lm-evaluation-harness: the megacann model adapter (megacann.evaluation)
         "dev": [
             "pytest",
             "hypothesis",
@@ -134,6 +135,7 @@ setup(
             "sentencepiece",
             "wandb",
             "tensorboard",
+            "lm-eval",
         ],
     },
     entry_points={
