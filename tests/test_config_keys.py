@@ -164,6 +164,11 @@ READ_BY = {
     "dpo.simpo_gamma": "models/preference_loss.py",
     "dpo.sft_loss_weight": "models/preference_loss.py",
     "dpo.reference": "training/preference.py",
+    **{
+        f"generation_eval.{key}": "evaluation/generation_eval.py"
+        for key in ("interval", "prompts", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed")
+        + ("batch_size", "scorer")
+    },
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
     "precision.compile": "training/recipe.py",

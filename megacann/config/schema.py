@@ -8,6 +8,7 @@ from typing import ClassVar, Optional, Union
 
 import yaml
 
+from megacann.config.generation_eval import GenerationEvalConfig
 from megacann.errors import MegacannError
 
 
@@ -272,6 +273,7 @@ class MegacannConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    generation_eval: GenerationEvalConfig = field(default_factory=GenerationEvalConfig)
     seed: int = 1234
     train_mode: str = "pretrain"  # pretrain | sft | dpo
     lora: bool = False  # train LoRA adapters on a frozen base (megacann.training.finetune)
@@ -304,6 +306,7 @@ _SECTION_CLASSES = {
     "precision": PrecisionConfig,
     "training": TrainingConfig,
     "dpo": DPOConfig,
+    "generation_eval": GenerationEvalConfig,
 }
 TOP_LEVEL_KEYS = [f.name for f in dataclasses.fields(MegacannConfig) if f.name not in _SECTION_CLASSES]
 

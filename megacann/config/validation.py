@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
+from megacann.config.generation_eval import check_generation_eval
 from megacann.config.offload_keys import check_offload_keys
 from megacann.config.schema import CHOICES, MODE_DEFAULTS, ConfigError, MegacannConfig
 from megacann.config.zero import check_zero_keys, check_zero_layout
@@ -305,6 +306,7 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
     check_profiler_window(cfg.logging.profiler, o.max_steps, source)
     check_dpo_section(cfg, source)
     check_fp8_keys(cfg, source)
+    check_generation_eval(cfg.generation_eval, cfg.experiment.imports, d.pipeline_parallel_size, source)
 
 
 def check_fp8_keys(cfg: MegacannConfig, source: str) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.config.offload_keys import offloaded_layer_ids
+from megacann.evaluation.generation_eval import GenerationEval
 from megacann.layers.activation_offload import offload_layer_activations
 from megacann.layers.compile import compile_blocks
 from megacann.layers.fp8 import roll_amax_histories
@@ -137,6 +138,7 @@ class Trainer:
         self._checkpointer = None
         self.guard = StepGuard(cfg.training, log=self.metrics.print)  # non-finite / spiking steps are skipped
         self.hf_saves = HFSaves(cfg, self.metrics.print)  # logging.hf_save_interval: hf_<step>/ beside checkpoints
+        self.generation_eval = GenerationEval(cfg, self.tokenizer, self.model_spec)  # the recipe's generation_eval
 
     # -- data ---------------------------------------------------------------------------------------
     @property
@@ -294,6 +296,8 @@ class Trainer:
                     if result is not None:
                         self.metrics.log({"step": step, **result})
                         history.append({"step": step, **result})
+                if result := self.generation_eval.after_step(step, self.model_chunks, watchdog, self.metrics.log):
+                    history.append(result)
                 due = (log.ckpt_interval and step % log.ckpt_interval == 0) or step == cfg.optim.max_steps
                 if due and step_metrics["skipped"] is None:  # a skipped step saves nothing new
                     with watchdog.watch(f"checkpoint save at step {step}"):
