@@ -10,13 +10,15 @@ import json
 import os
 
 import pytest
+import torch
 from dist_harness import run_on_ranks
 from training_helpers import synthetic_data_factory, tiny_config
 
 from megacann.config import ConfigError
 from megacann.config.generation_eval import find_scorer
 
-PROMPTS = ["abc", "hello wor", "x", "1 2 3 4", "the end is", "qq"]
+PROMPTS = ["abc", "hello wor", "x", "1 2 3 4", "the end is", "qq", "a longer prompt", "zz top"]
+CACHE_ROWS, NEW_TOKENS, SEQ = 4, 6, 32  # 8 prompts in full batches of 4 on one rank and on each of 2
 SCORER = '''
 def spread(completion, record):
     """A score that moves with every character of the completion."""
@@ -37,7 +39,7 @@ def write_inputs(root: str) -> tuple[str, str]:
 
 def recipe(root: str, overrides: list[str] = (), world_size: int = 1, **section):
     prompts, module = write_inputs(root)
-    settings = {"interval": 2, "prompts": prompts, "max_new_tokens": 6, "batch_size": 4}
+    settings = {"interval": 2, "prompts": prompts, "max_new_tokens": NEW_TOKENS, "batch_size": CACHE_ROWS}
     settings["scorer"] = "my_scorers:spread"
     return tiny_config(
         [f"experiment.output_dir={root}/run", "model.vocab_size=260", "logging.log_interval=5", *overrides],
@@ -47,8 +49,9 @@ def recipe(root: str, overrides: list[str] = (), world_size: int = 1, **section)
     )
 
 
-def _train(root: str, overrides: list[str], world_size: int) -> tuple[int, int, int]:
-    """Train; (tensor parallel size, data parallel size, rows of this rank's first q_proj)."""
+def _train(root: str, overrides: list[str], world_size: int) -> tuple[int, int, int, int]:
+    """Train; (tensor parallel size, data parallel size, rows of this rank's first q_proj, bytes of the
+    generation cache last allocated)."""
     from megacann import parallel_state as ps
     from megacann.data.tokenizer import load_tokenizer
     from megacann.training.runtime import setup_runtime
@@ -60,7 +63,8 @@ def _train(root: str, overrides: list[str], world_size: int) -> tuple[int, int, 
     )
     trainer.fit()
     q = next(p for n, p in trainer.model_chunks[0].named_parameters() if n.endswith("q_proj.weight"))
-    return ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size(), q.shape[0]
+    sizes = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
+    return *sizes, q.shape[0], trainer.generation_eval.last_cache_bytes
 
 
 def logged(root: str) -> dict[int, dict]:
@@ -85,15 +89,22 @@ def checkpoint_figures(root: str) -> tuple[float, float]:
     )
     records = read_prompts(cfg.generation_eval.prompts)
     scorer = find_scorer(cfg.generation_eval.scorer, cfg.experiment.imports)
+    prompts = [tokenizer.encode(r["prompt"]) for r in records]
     score, length, count = score_completions(
-        generator, tokenizer, records, list(range(len(records))), cfg.generation_eval, scorer
+        generator, tokenizer, records, prompts, list(range(len(records))), cfg.generation_eval, scorer
     )
     return score / count, length / count
 
 
+def cache_formula(kv_heads_per_rank: int) -> int:
+    """Keys and values of the tiny llama's 4 layers, head dim 16, fp32, for CACHE_ROWS rows of the longest
+    prompt allowed (data.seq_length) plus the new tokens but the last."""
+    return 2 * 4 * CACHE_ROWS * (SEQ + NEW_TOKENS - 1) * kv_heads_per_rank * 16 * 4
+
+
 def test_a_run_logs_the_checkpoints_generation_score(tmp_path, capsys):
     root = str(tmp_path)
-    _train(root, [], 1)
+    assert _train(root, [], 1)[3] == cache_formula(2)  # the generator allocated what --dry_run reports
     records = logged(root)
     assert sorted(records) == [2, 4, 5]  # every 2 steps and the last (max_steps 5)
     score, length = checkpoint_figures(root)
@@ -110,12 +121,39 @@ def test_at_the_training_layout(tmp_path, layout):
     overrides = ["distributed.tensor_parallel_size=2"] if layout == "tp2" else ["optim.grad_accum_steps=1"]
     probes = run_on_ranks(_train, 2, args=(root, overrides, 2), timeout=240)
     # the layout was in force: tp 2 halves q_proj's 64 rows on each rank; dp 2 keeps them whole
-    assert probes == ([(2, 1, 32)] * 2 if layout == "tp2" else [(1, 2, 64)] * 2)
+    expected = [(2, 1, 32, cache_formula(1))] * 2 if layout == "tp2" else [(1, 2, 64, cache_formula(2))] * 2
+    assert probes == expected
     records = logged(root)
     assert sorted(records) == [2, 4, 5]
     score, length = checkpoint_figures(root)
     assert records[5]["generation_score"] == pytest.approx(score, rel=1e-12)
     assert records[5]["generation_length"] == length
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dry_run_and_plan_print_the_cache_bytes(tmp_path, tp):
+    from megacann.dry_run import describe
+    from megacann.generation import kv_cache_bytes
+    from megacann.planning import plan_report
+
+    cfg = recipe(str(tmp_path), [f"distributed.tensor_parallel_size={tp}"], world_size=tp)
+    expected = cache_formula(2 // tp)
+    assert expected == kv_cache_bytes(4, CACHE_ROWS, SEQ + NEW_TOKENS - 1, 2 // tp, 16, torch.float32)
+    line = f"generation_eval key/value cache per rank: {expected:,} bytes"
+    assert line in describe(cfg)
+    assert line in plan_report(cfg, None, tp, None)
+    off = recipe(str(tmp_path), interval=0)
+    assert "key/value cache" not in describe(off) + plan_report(off, None, 1, None)
+
+
+def test_a_prompt_longer_than_the_sequence_is_refused(tmp_path):
+    from megacann.data.tokenizer import load_tokenizer
+    from megacann.evaluation.generation_eval import GenerationEval
+    from megacann.models import get_model_spec
+
+    cfg = recipe(str(tmp_path), ["data.seq_length=9"])
+    with pytest.raises(ValueError, match=r"prompt 5 has 10 tokens; expected 1 to data.seq_length \(9\)"):
+        GenerationEval(cfg, load_tokenizer("byte"), get_model_spec("llama"))
 
 
 def test_built_in_scorers():

@@ -39,6 +39,12 @@ class GenerationEvalConfig:
     scorer: str = "exact_match"  # exact_match | regex:<pattern> | module:function (see the module docstring)
 
 
+def generation_cache_slots(cfg: Any) -> int:
+    """Cache slots a row of the recipe ``cfg``'s generation_eval: the longest prompt allowed
+    (``data.seq_length`` tokens) plus the new tokens but the last (never fed back)."""
+    return cfg.data.seq_length + cfg.generation_eval.max_new_tokens - 1
+
+
 def find_scorer(spec: str, imports: list[str], where: str = "generation_eval.scorer") -> Scorer:
     """The scoring function ``spec`` names; a ValueError naming ``where`` when there is none."""
     if spec == "exact_match":

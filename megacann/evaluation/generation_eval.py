@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
-from megacann.config.generation_eval import GenerationEvalConfig, Scorer, find_scorer
+from megacann.config.generation_eval import GenerationEvalConfig, Scorer, find_scorer, generation_cache_slots
 from megacann.generation import Generator, SamplingParams
 from megacann.models.spec import ModelSpec
 
@@ -45,18 +45,20 @@ def score_completions(
     generator: Generator,
     tokenizer: Any,
     records: list[dict[str, Any]],
+    prompts: list[list[int]],
     lines: list[int],
     section: GenerationEvalConfig,
     scorer: Scorer,
 ) -> tuple[float, float, int]:
-    """(sum of scores, sum of response lengths in tokens, number of prompts) of ``records`` (at the
-    0-based ``lines`` of the file, which seed their draws), generated in batches of ``section.batch_size``."""
+    """(sum of scores, sum of response lengths in tokens, number of prompts) of ``records`` (their
+    ``prompts`` encoded, at the 0-based ``lines`` of the file, which seed their draws), generated in
+    batches of ``section.batch_size``."""
     eos = set(generator.eos_token_ids)
     score = length = 0.0
     for start in range(0, len(records), section.batch_size):
         batch = records[start : start + section.batch_size]
         params = [sampling_params(section, line) for line in lines[start : start + section.batch_size]]
-        results = generator.generate([tokenizer.encode(r["prompt"]) for r in batch], params)
+        results = generator.generate(prompts[start : start + section.batch_size], params)
         for record, result in zip(batch, results):
             completion = tokenizer.decode([t for t in result.tokens if t not in eos])
             score += float(scorer(completion, record))
@@ -87,6 +89,14 @@ class GenerationEval:
             raise ValueError("generation_eval needs the run's tokenizer (data.tokenizer), to encode its prompts")
         self.tokenizer = tokenizer
         self.records = read_prompts(self.section.prompts)
+        self.prompts = [tokenizer.encode(record["prompt"]) for record in self.records]
+        for number, prompt in enumerate(self.prompts, 1):
+            if not 0 < len(prompt) <= cfg.data.seq_length:
+                raise ValueError(
+                    f"generation_eval.prompts {self.section.prompts}: prompt {number} has {len(prompt)} tokens; "
+                    f"expected 1 to data.seq_length ({cfg.data.seq_length})"
+                )
+        self.max_len = generation_cache_slots(cfg)  # the cache --dry_run and megacann-plan report
         self.scorer = find_scorer(self.section.scorer, cfg.experiment.imports)
 
     def due(self, step: int) -> bool:
@@ -107,11 +117,13 @@ class GenerationEval:
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         eos = self.tokenizer.eos_id
         pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
-        generator = Generator(model, self.spec, eos_token_ids=[] if eos is None else [eos], pad_token_id=pad)
-        lines = list(range(dp_rank, len(self.records), dp_size))
-        totals = score_completions(
-            generator, self.tokenizer, [self.records[i] for i in lines], lines, self.section, self.scorer
+        generator = Generator(
+            model, self.spec, eos_token_ids=[] if eos is None else [eos], pad_token_id=pad, max_len=self.max_len
         )
+        lines = list(range(dp_rank, len(self.records), dp_size))
+        records, prompts = [self.records[i] for i in lines], [self.prompts[i] for i in lines]
+        totals = score_completions(generator, self.tokenizer, records, prompts, lines, self.section, self.scorer)
+        self.last_cache_bytes = generator.last_cache.nbytes if generator.last_cache is not None else 0
         sums = torch.tensor(totals, dtype=torch.float64)
         if dp_size > 1:
             device = next(model.parameters()).device
