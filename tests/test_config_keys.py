@@ -165,7 +165,7 @@ READ_BY = {
     "dpo.sft_loss_weight": "models/preference_loss.py",
     "dpo.reference": "training/preference.py",
     **{
-        f"generation_eval.{key}": "evaluation/generation_eval.py"
+        f"generation_eval.{key}": "training/generation_eval.py"
         for key in ("interval", "prompts", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed")
         + ("batch_size", "scorer")
     },

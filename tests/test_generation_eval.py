@@ -76,10 +76,10 @@ def logged(root: str) -> dict[int, dict]:
 def checkpoint_figures(root: str) -> tuple[float, float]:
     """The mean score and response length the generator gives on the run's last checkpoint, one process."""
     from megacann.data.tokenizer import load_tokenizer
-    from megacann.evaluation.generation_eval import read_prompts, score_completions
     from megacann.generate import load_model
     from megacann.generation import Generator
     from megacann.models import get_model_spec
+    from megacann.training.generation_eval import read_prompts, score_completions
 
     cfg = recipe(root)
     model = load_model(os.path.join(root, "run"))
@@ -148,8 +148,8 @@ def test_dry_run_and_plan_print_the_cache_bytes(tmp_path, tp):
 
 def test_a_prompt_longer_than_the_sequence_is_refused(tmp_path):
     from megacann.data.tokenizer import load_tokenizer
-    from megacann.evaluation.generation_eval import GenerationEval
     from megacann.models import get_model_spec
+    from megacann.training.generation_eval import GenerationEval
 
     cfg = recipe(str(tmp_path), ["data.seq_length=9"])
     with pytest.raises(ValueError, match=r"prompt 5 has 10 tokens; expected 1 to data.seq_length \(9\)"):
@@ -197,7 +197,7 @@ def test_pipeline_stages_are_refused(tmp_path):
 
 
 def test_a_prompts_line_without_a_prompt_is_named(tmp_path):
-    from megacann.evaluation.generation_eval import read_prompts
+    from megacann.training.generation_eval import read_prompts
 
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a"}\n{"question": "b"}\n')

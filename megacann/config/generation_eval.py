@@ -1,5 +1,5 @@
 """The recipe's ``generation_eval`` section: a small generation evaluation every ``interval`` steps during
-training (run by :mod:`megacann.evaluation.generation_eval`), its checks, and the scorer it names.
+training (run by :mod:`megacann.training.generation_eval`), its checks, and the scorer it names.
 
 A scorer is ``exact_match`` (the completion, stripped, equals the line's ``answer``, stripped),
 ``regex:<pattern>`` (the pattern's first match in the completion — its first group when it has one —

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.config.offload_keys import offloaded_layer_ids
-from megacann.evaluation.generation_eval import GenerationEval
 from megacann.layers.activation_offload import offload_layer_activations
 from megacann.layers.compile import compile_blocks
 from megacann.layers.fp8 import roll_amax_histories
@@ -28,6 +27,7 @@ from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, get_forward_backward_func
 from megacann.training import finetune
 from megacann.training.failure import guarded
+from megacann.training.generation_eval import GenerationEval
 from megacann.training.guards import StepGuard
 from megacann.training.hf_save import HFSaves
 from megacann.training.host_values import step_values_on_host
