@@ -20,6 +20,8 @@ import pytest
 import torch
 import yaml
 
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks read local JSONL files: never the network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("lm_eval")
 
 from generation_helpers import one_thread, tiny_hf_llama  # noqa: E402,F401  (one_thread: autouse fixture)
