@@ -125,6 +125,7 @@ setup(
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
         "math": ["math-verify"],  # rl.reward math: mathematical answers checked symbolically
+        "eval": ["lm-eval"],  # lm-evaluation-harness: the megacann model adapter (megacann.evaluation)
         "dev": [
             "pytest",
             "hypothesis",
@@ -136,6 +137,7 @@ setup(
             "wandb",
             "tensorboard",
             "math-verify",
+            "lm-eval",
         ],
     },
     entry_points={

@@ -180,6 +180,9 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
         lines.append(f"-- memory per device: megacann-plan has no formulas for model.type {m.type!r} yet")
     elif m.vocab_size:
         lines += describe_memory(cfg, layout.data_parallel_size, spec.total_parameters(m))
+    from megacann.planning.generation import generation_cache_lines
+
+    lines += generation_cache_lines(cfg, d.tensor_parallel_size)
     return "\n".join(lines)
 
 

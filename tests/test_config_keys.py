@@ -189,6 +189,11 @@ READ_BY = {
     "rl.overlong_penalty": "training/rl.py",
     "rl.tis_cap": "models/policy_loss.py",
     "rl.router_replay": "config/rl_keys.py",
+    **{
+        f"generation_eval.{key}": "training/generation_eval.py"
+        for key in ("interval", "prompts", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed")
+        + ("batch_size", "scorer")
+    },
     "precision.fp32_ops": "training/runtime.py",
     "precision.fused_ops": "training/runtime.py",
     "precision.compile": "training/recipe.py",

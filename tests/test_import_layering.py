@@ -35,7 +35,18 @@ FLOOR = {
     "constants",
     "lazy_exports",
 }
-TOOLS = {"planning", "dry_run", "launch", "cli", "convert", "generate", "train", "comm_check", "env_report"}
+TOOLS = {
+    "planning",
+    "dry_run",
+    "launch",
+    "cli",
+    "convert",
+    "generate",
+    "evaluation",
+    "train",
+    "comm_check",
+    "env_report",
+}
 ABOVE_DATA = {"pipeline", "optimizer", "checkpoint", "interop", "generation", "rl", "training"}
 
 # what each package may import from megacann: ALLOWED lists all it may use, FORBIDDEN what it may not

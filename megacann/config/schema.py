@@ -8,6 +8,7 @@ from typing import ClassVar, Optional, Union
 
 import yaml
 
+from megacann.config.generation_eval import GenerationEvalConfig
 from megacann.errors import MegacannError
 
 
@@ -304,6 +305,7 @@ class MegacannConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    generation_eval: GenerationEvalConfig = field(default_factory=GenerationEvalConfig)
     seed: int = 1234
     train_mode: str = "pretrain"  # pretrain | sft | dpo | grpo
     lora: bool = False  # train LoRA adapters on a frozen base (megacann.training.finetune)
@@ -337,6 +339,7 @@ _SECTION_CLASSES = {
     "training": TrainingConfig,
     "dpo": DPOConfig,
     "rl": RLConfig,
+    "generation_eval": GenerationEvalConfig,
 }
 TOP_LEVEL_KEYS = [f.name for f in dataclasses.fields(MegacannConfig) if f.name not in _SECTION_CLASSES]
 

@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
+from megacann.config.generation_eval import check_generation_eval
 from megacann.config.offload_keys import check_offload_keys
 from megacann.config.rl_keys import check_rl_section
 from megacann.config.schema import CHOICES, MODE_DEFAULTS, ConfigError, MegacannConfig
@@ -307,6 +308,7 @@ def validate(cfg: MegacannConfig, world_size: Optional[int] = None, source: str 
     check_dpo_section(cfg, source)
     check_rl_section(cfg, source)
     check_fp8_keys(cfg, source)
+    check_generation_eval(cfg.generation_eval, cfg.experiment.imports, d.pipeline_parallel_size, source)
 
 
 # the recipes that scale a weight gradient's operands in 1 x N tiles along the tokens (megacann.ops.fp8_formats)

@@ -17,6 +17,7 @@ from megacann.planning.formulas import (
     optimizer_bytes_per_param,
     unsharded_bytes,
 )
+from megacann.planning.generation import generation_cache_lines
 from megacann.planning.search import HEADROOM, rank_layouts
 
 GB = 1e9
@@ -191,6 +192,7 @@ def plan_report(
     lines.append("-- on one device, nothing sharded")
     lines += unsharded_lines(cfg, params)
     lines += layout_lines(cfg, layout, params)
+    lines += generation_cache_lines(cfg, layout.tp)
     if device_memory_gb is None:
         lines.append("-- give --device_memory_gb (and --world_size) to list the layouts that fit")
         return "\n".join(lines)

@@ -27,6 +27,7 @@ from megacann.optimizer import LRSchedule, build_optimizer
 from megacann.pipeline import Timeline, get_forward_backward_func
 from megacann.training import finetune
 from megacann.training.failure import guarded
+from megacann.training.generation_eval import GenerationEval
 from megacann.training.guards import StepGuard
 from megacann.training.hf_save import HFSaves
 from megacann.training.host_values import step_values_on_host
@@ -138,6 +139,7 @@ class Trainer:
         self._checkpointer = None
         self.guard = StepGuard(cfg.training, log=self.metrics.print)  # non-finite / spiking steps are skipped
         self.hf_saves = HFSaves(cfg, self.metrics.print)  # logging.hf_save_interval: hf_<step>/ beside checkpoints
+        self.generation_eval = GenerationEval(cfg, self.tokenizer, self.model_spec)  # the recipe's generation_eval
 
     # -- data ---------------------------------------------------------------------------------------
     @property
@@ -295,6 +297,8 @@ class Trainer:
                     if result is not None:
                         self.metrics.log({"step": step, **result})
                         history.append({"step": step, **result})
+                if result := self.generation_eval.after_step(step, self.model_chunks, watchdog, self.metrics.log):
+                    history.append(result)
                 due = (log.ckpt_interval and step % log.ckpt_interval == 0) or step == cfg.optim.max_steps
                 if due and step_metrics["skipped"] is None:  # a skipped step saves nothing new
                     with watchdog.watch(f"checkpoint save at step {step}"):

@@ -1,0 +1,225 @@
+"""megacann's lm-evaluation-harness model against lm-eval's own Hugging Face backend, offline.
+
+A tiny random LLaMA and a byte-level tokenizer are written by transformers; megacann loads that directory,
+lm-eval's ``hf`` model loads megacann's export of it (``save_pretrained_hf``). Task YAMLs and JSONL data are
+written into tmp: a multiple-choice task (loglikelihood), a rolling-perplexity task (loglikelihood_rolling,
+windows of 32 tokens) and a generate_until task whose stop string is cut from what the model really says.
+Both backends run the same tasks with batches of 3; each request's log-likelihood, each generated text and
+each score must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks read local JSONL files: never the network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("lm_eval")
+
+from generation_helpers import one_thread, tiny_hf_llama  # noqa: E402,F401  (one_thread: autouse fixture)
+
+SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+MAX_LENGTH, BATCH, NEW_TOKENS = 32, 3, 12
+
+QUESTIONS = [
+    {"question": "Two plus two is", "choices": [" four", " five", " a fish"], "answer": 0},
+    {"question": "The sky at noon looks", "choices": [" blue", " green"], "answer": 0},
+    {"question": "Cats say", "choices": [" woof", " meow", " moo", " quack"], "answer": 1},
+    {"question": "Water freezes at zero", "choices": [" degrees", " apples"], "answer": 0},
+]
+TEXTS = [
+    "A short line.",
+    "A longer paragraph that needs more than one window of thirty-two tokens to be scored in full.",
+    "Numbers 0123456789 and symbols !?",
+]
+PROMPTS = ["def f(x):", "Once upon a time, a", "Q: 3+4=? A:", "The quick brown fox jumps over", "x"]
+
+
+def byte_tokenizer(path: str) -> None:
+    """A byte-level tokenizer (one token per byte, no merges) plus 4 special tokens: 260 ids."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIALS.values()))
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, **SPECIALS
+    )
+    fast.save_pretrained(path)
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(path)
+
+
+def task(directory, name: str, data: str, **settings) -> None:
+    spec = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": data}},
+        "test_split": "test",
+        **settings,
+    }
+    (directory / f"{name}.yaml").write_text(yaml.safe_dump(spec, allow_unicode=True))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(megacann's directory, the export lm-eval's hf backend reads, the task directory, the stop string)."""
+    from megacann.evaluation.lm_eval_adapter import MegacannLM
+    from megacann.interop import from_pretrained_hf, save_pretrained_hf
+
+    root = tmp_path_factory.mktemp("lm_eval")
+    source = str(root / "hf")
+    tiny_hf_llama(source, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    byte_tokenizer(source)
+    export = str(root / "export")
+    model = from_pretrained_hf(source)
+    save_pretrained_hf([model], export, model.config)
+    for name in os.listdir(source):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            shutil.copy(os.path.join(source, name), export)
+    # the stop string: a character from the middle of what the model says to the second prompt
+    lm = MegacannLM(model, tokenizer=source)
+    said = lm.tok_decode(lm.generator.generate([lm.tok_encode(PROMPTS[1])], max_new_tokens(NEW_TOKENS))[0].tokens)
+    stop = said[len(said) // 2]
+    tasks = root / "tasks"
+    tasks.mkdir()
+    task(
+        tasks,
+        "tiny_choice",
+        write_jsonl(root / "choice.jsonl", QUESTIONS),
+        output_type="multiple_choice",
+        doc_to_text="{{question}}",
+        doc_to_choice="{{choices}}",
+        doc_to_target="{{answer}}",
+        metric_list=[{"metric": "acc"}, {"metric": "acc_norm"}],
+    )
+    task(
+        tasks,
+        "tiny_rolling",
+        write_jsonl(root / "texts.jsonl", [{"text": t} for t in TEXTS]),
+        output_type="loglikelihood_rolling",
+        doc_to_text="",
+        doc_to_target="{{text}}",
+        metric_list=[{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}],
+    )
+    task(
+        tasks,
+        "tiny_generate",
+        write_jsonl(root / "prompts.jsonl", [{"prompt": p, "target": said[: len(said) // 2]} for p in PROMPTS]),
+        output_type="generate_until",
+        doc_to_text="{{prompt}}",
+        doc_to_target="{{target}}",
+        generation_kwargs={"until": [stop], "max_gen_toks": NEW_TOKENS, "do_sample": False},
+        metric_list=[{"metric": "exact_match"}],
+    )
+    return source, export, str(tasks), stop
+
+
+def max_new_tokens(n: int):
+    from megacann.generation import SamplingParams
+
+    return SamplingParams(max_new_tokens=n)
+
+
+def evaluate(model: str, model_args: dict, tasks_dir: str) -> dict:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    import megacann.evaluation.lm_eval_adapter  # noqa: F401  (registers "megacann")
+
+    return simple_evaluate(
+        model=model,
+        model_args={**model_args, "max_length": MAX_LENGTH},
+        tasks=["tiny_choice", "tiny_rolling", "tiny_generate"],
+        batch_size=BATCH,
+        task_manager=TaskManager(include_path=tasks_dir),
+        bootstrap_iters=0,
+        log_samples=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def both(setup):
+    source, export, tasks, _ = setup
+    ours = evaluate("megacann", {"model": source}, tasks)
+    reference = evaluate("hf", {"pretrained": export, "dtype": "float32", "device": "cpu"}, tasks)
+    return ours, reference
+
+
+def responses(results: dict, name: str) -> list:
+    return [sample["resps"] for sample in sorted(results["samples"][name], key=lambda s: s["doc_id"])]
+
+
+def test_loglikelihoods_equal_the_hf_backend(both):
+    ours, reference = both
+    mine, theirs = responses(ours, "tiny_choice"), responses(reference, "tiny_choice")
+    assert [len(r) for r in mine] == [len(q["choices"]) for q in QUESTIONS]
+    scores = torch.tensor([c[0][0] for d in mine for c in d])
+    expected = torch.tensor([c[0][0] for d in theirs for c in d])
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
+    assert [c[0][1] for d in mine for c in d] == [c[0][1] for d in theirs for c in d]  # is_greedy
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["tiny_choice"][metric] == reference["results"]["tiny_choice"][metric]
+
+
+def test_rolling_loglikelihoods_equal_the_hf_backend(both):
+    ours, reference = both
+    mine = torch.tensor([r[0] for r in responses(ours, "tiny_rolling")])
+    theirs = torch.tensor([r[0] for r in responses(reference, "tiny_rolling")])
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    for metric in ("word_perplexity,none", "bits_per_byte,none"):
+        assert ours["results"]["tiny_rolling"][metric] == pytest.approx(
+            reference["results"]["tiny_rolling"][metric], rel=1e-5
+        )
+
+
+def test_generations_equal_the_hf_backend_and_stop_at_until(both, setup):
+    ours, reference = both
+    stop = setup[3]
+    mine, theirs = responses(ours, "tiny_generate"), responses(reference, "tiny_generate")
+    assert mine == theirs
+    texts = [r[0] for r in mine]
+    assert all(stop not in text for text in texts)
+    assert len(texts[1]) < NEW_TOKENS  # the second prompt's text was cut at the stop string
+    metric = "exact_match,none"
+    assert ours["results"]["tiny_generate"][metric] == reference["results"]["tiny_generate"][metric]
+
+
+def test_the_command_runs_the_megacann_model(setup, both):
+    source, _, tasks, _ = setup
+    command = [sys.executable, "-m", "megacann.evaluation", "--model", "megacann", "--model_args"]
+    command += [f"model={source},max_length={MAX_LENGTH}", "--tasks", "tiny_choice", "--include_path", tasks]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = {}  # metric -> value, from lm-eval's results table
+    for line in done.stdout.splitlines():
+        cells = [cell.strip() for cell in line.split("|")]
+        if len(cells) > 7 and cells[5] in ("acc", "acc_norm"):
+            printed[cells[5]] = float(cells[7])
+    results = both[0]["results"]["tiny_choice"]
+    assert printed == {"acc": round(results["acc,none"], 4), "acc_norm": round(results["acc_norm,none"], 4)}, (
+        done.stdout
+    )
+
+
+def test_unknown_generation_option_is_refused_by_name(setup):
+    from megacann.evaluation.lm_eval_adapter import MegacannLM
+
+    lm = MegacannLM(setup[0])
+    with pytest.raises(ValueError, match="gen_kwargs key 'beams' is not supported"):
+        lm._sampling({"until": ["\n"], "beams": 4})
