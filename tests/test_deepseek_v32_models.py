@@ -32,7 +32,7 @@ V32_SHAPE = {
 
 def tiny_hf_deepseek_v32(path: str, seed: int = 3, **settings) -> str:
     """A tiny DeepseekV32ForCausalLM written by transformers, its norms (the indexers' LayerNorm biases too)
-    and routing biases randomised."""
+    and routing biases randomised, its indexers' projections drawn wider."""
     config = transformers.DeepseekV32Config(**{**V32_SHAPE, **settings})
     torch.manual_seed(seed)
     model = transformers.DeepseekV32ForCausalLM(config)
@@ -42,6 +42,8 @@ def tiny_hf_deepseek_v32(path: str, seed: int = 3, **settings) -> str:
                 param.uniform_(0.5, 1.5)
             elif "k_norm.bias" in name:
                 param.uniform_(-0.5, 0.5)
+            elif ".indexer.w" in name:  # sharper index scores than the 0.02 draw: a loss far from 0
+                param.normal_(0.0, 0.3)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.05, 0.05)
