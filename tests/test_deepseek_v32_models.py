@@ -128,7 +128,10 @@ def test_indexer_loss_is_kl_from_attention_to_index_distribution_over_chosen_key
     indexer = SparseIndexer(h, 16, heads, width, rope, k_top)
     attn = LatentAttention(h, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=rope, v_head_dim=4,
                            q_lora_rank=16, indexer=indexer, indexer_loss_coeff=0.5).train()  # fmt: skip
-    with torch.no_grad():
+    with torch.no_grad():  # weights wide enough that both distributions are far from uniform and each other
+        for name, param in attn.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.5)
         indexer.k_norm.bias.uniform_(-0.5, 0.5)
     rotary = RotaryEmbedding(rope, 10000.0)
     x = torch.randn(b, s, h)
@@ -156,6 +159,7 @@ def test_indexer_loss_is_kl_from_attention_to_index_distribution_over_chosen_key
         log_q = torch.log_softmax(scores.masked_fill(~chosen, float("-inf")), -1)
         kl = torch.where(chosen, p * (torch.log(p) - log_q), torch.zeros(())).sum(-1).mean()
     assert chosen[:, k_top:].sum(-1).eq(k_top).all() and (~chosen & causal).any()  # keys were left out
+    assert kl > 0.1
     torch.testing.assert_close(loss, 0.5 * kl, atol=1e-6, rtol=1e-5)
 
     loss.backward()
