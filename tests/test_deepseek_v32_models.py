@@ -245,3 +245,43 @@ def test_decoding_with_the_cache_is_refused(tmp_path):
     attn.kv_cache = object()
     with pytest.raises(ValueError, match="decoding with a sparse indexer"):
         attn(torch.randn(1, 3, SHAPE["hidden_size"]))
+
+
+# -- sizes ---------------------------------------------------------------------------------------------
+
+# deepseek-ai/DeepSeek-V3.2-Exp's config.json (the keys that decide shapes), as on the Hugging Face Hub
+PUBLISHED = {
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "vocab_size": 129280,
+    "max_position_embeddings": 163840, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    "num_nextn_predict_layers": 1, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+}  # fmt: skip
+EXPECTED = (
+    683_501_956_608,
+    39_105_867_264,
+)  # what the dry run prints: total, active (transformers' counts, with the MTP depth)
+
+
+def test_published_recipe_counts_what_transformers_counts(tmp_path):
+    """transformers' DeepseekV32ForCausalLM on the meta device (no MTP module: the depth, stored as one more
+    decoder layer, is a layer like the last, indexer included, plus enorm, hnorm, eh_proj and its norm)."""
+    from published_config_checks import check_recipe_matches_published
+
+    with torch.device("meta"):
+        model = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**PUBLISHED))
+    h, total = PUBLISHED["hidden_size"], sum(p.numel() for p in model.parameters())
+    total += sum(p.numel() for p in model.model.layers[-1].parameters()) + 3 * h + 2 * h * h
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    idle = (256 - 8) * sum(p.numel() for p in experts[0].parameters()) // 256
+    active = total - (len(experts) + 1) * idle
+    assert (total, active) == EXPECTED
+    cfg, from_hf = check_recipe_matches_published(
+        tmp_path, "deepseek_v32/deepseek_v32_671b.yaml", PUBLISHED, total, active
+    )
+    assert (from_hf.index_n_heads, from_hf.index_head_dim, from_hf.index_topk) == (64, 128, 2048)
+    assert from_hf.rope_scaling["factor"] == cfg.model.rope_scaling["factor"] == 40
