@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from deepseek_helpers import SHAPE, VARIANTS
+from test_deepseek_models import PUBLISHED as PUBLISHED_V3
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError
@@ -249,18 +250,14 @@ def test_decoding_with_the_cache_is_refused(tmp_path):
 
 # -- sizes ---------------------------------------------------------------------------------------------
 
-# deepseek-ai/DeepSeek-V3.2-Exp's config.json (the keys that decide shapes), as on the Hugging Face Hub
+# deepseek-ai/DeepSeek-V3.2-Exp's config.json (the keys that decide shapes, as on the Hugging Face Hub):
+# DeepSeek-V3's and the indexer's
 PUBLISHED = {
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "vocab_size": 129280,
-    "max_position_embeddings": 163840, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
-                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
-    "num_nextn_predict_layers": 1, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
-}  # fmt: skip
+    **PUBLISHED_V3["deepseek/deepseek_v3_671b.yaml"],
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+}
 EXPECTED = (
     683_501_956_608,
     39_105_867_264,
