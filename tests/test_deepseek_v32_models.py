@@ -282,3 +282,24 @@ def test_published_recipe_counts_what_transformers_counts(tmp_path):
     )
     assert (from_hf.index_n_heads, from_hf.index_head_dim, from_hf.index_topk) == (64, 128, 2048)
     assert from_hf.rope_scaling["factor"] == cfg.model.rope_scaling["factor"] == 40
+
+
+def test_multi_token_prediction_depth_has_an_indexer_whose_loss_counts():
+    """A depth's layer is one like the last, indexer included, and its loss joins the layers' in
+    ``indexer_kl`` (DeepSeek's checkpoints store that indexer as decoder layer ``num_hidden_layers``)."""
+    from megacann.models import DeepseekV32Model
+    from megacann.models.deepseek_v32 import indexer_loss
+    from megacann.models.deepseek_v32_config import DeepseekV32ModelConfig
+
+    sizes = dict(hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=96, num_experts=4,
+                 moe_ffn_hidden_size=32, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                 v_head_dim=8, index_n_heads=4, index_head_dim=16, index_topk=6, first_k_dense_replace=1,
+                 mtp_num_layers=1, vocab_size=260, precision="fp32")  # fmt: skip
+    torch.manual_seed(0)
+    model = DeepseekV32Model(DeepseekV32ModelConfig(**sizes)).train()
+    ids = torch.randint(0, 260, (2, 12))
+    model(input_ids=ids, labels=ids)
+    depth = model.mtp.layers[0].transformer_layer.self_attn
+    losses = [model.layers[i].self_attn.last_indexer_loss for i in ("0", "1")] + [depth.last_indexer_loss]
+    assert depth.indexer is not None and all(loss is not None and loss > 0 for loss in losses)
+    torch.testing.assert_close(indexer_loss(model), sum(losses), atol=0, rtol=0)
