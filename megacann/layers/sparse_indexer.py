@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from megacann import ops
+from megacann.layers.attention import Rotary
 from megacann.layers.init import init_normal, make_parameter
 from megacann.layers.norm import LayerNorm
 from megacann.layers.sharding import InitMethod
-
-Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
 
 
 class _Projection(torch.nn.Module):
