@@ -33,7 +33,7 @@ latent and the rotary key of each new token; over cached tokens it decodes with 
 into the query and the output (:meth:`LatentAttention.absorbed_attention`), never expanding them into
 every head's keys and values.
 
-Sparse attention (DeepSeek-V3.2's DSA): with ``indexer`` (a :class:`~megacann.layers.SparseIndexer`) each
+Sparse attention (DeepSeek-V3.2's DSA): with ``indexer`` (a :class:`~megacann.layers.sparse_indexer.SparseIndexer`) each
 query reads only the ``top_k`` keys its index scores pick (a mask of the chosen keys on the one-process
 path; context parallelism and decoding are refused), and while training with ``indexer_loss_coeff`` > 0
 the layer keeps the indexer's KL loss against its own (detached) attention in ``last_indexer_loss``.
