@@ -32,6 +32,13 @@ While generating (``kv_cache`` set by :mod:`megacann.generation`), the layer han
 latent and the rotary key of each new token; over cached tokens it decodes with ``kv_b_proj`` absorbed
 into the query and the output (:meth:`LatentAttention.absorbed_attention`), never expanding them into
 every head's keys and values.
+
+Sparse attention (DeepSeek-V3.2's DSA): with ``indexer`` (a :class:`~megacann.layers.sparse_indexer.SparseIndexer`) each
+query reads only the ``top_k`` keys its index scores pick (a mask of the chosen keys on the one-process
+path; context parallelism and decoding are refused), and while training with ``indexer_loss_coeff`` > 0
+the layer keeps the indexer's KL loss against its own (detached) attention in ``last_indexer_loss``.
+``indexer_dense`` (the indexer's warm-up) attends densely and trains the indexer on the dense attention.
+When ``top_k`` reaches the sequence length every key is read: the dense path, exactly.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from megacann import ops
+from megacann import parallel_state as ps
 from megacann.layers import mappings
 from megacann.layers.attention import Rotary, SelfAttention
 from megacann.layers.context import current_layer_context
@@ -53,6 +61,8 @@ from megacann.layers.norm import RMSNorm
 from megacann.layers.random import checkpoint
 from megacann.layers.rotary import yarn_mscale
 from megacann.layers.sharding import InitMethod, mark_partial_grad
+from megacann.layers.sparse_indexer import SparseIndexer, attention_distribution, indexer_kl_loss
+from megacann.ops.reference import attention_mask
 
 
 class LatentCacheLayer(Protocol):
@@ -115,6 +125,9 @@ class LatentAttention(torch.nn.Module):
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
+        indexer: Optional[SparseIndexer] = None,
+        indexer_dense: bool = False,
+        indexer_loss_coeff: float = 0.0,
     ):
         super().__init__()
         ctx = current_layer_context()
@@ -132,7 +145,15 @@ class LatentAttention(torch.nn.Module):
                 f"LatentAttention: qk_rope_head_dim must be a positive even number (RoPE pairs) and "
                 f"qk_nope_head_dim >= 0, got {qk_rope_head_dim} and {qk_nope_head_dim}"
             )
+        if indexer is not None and (q_lora_rank is None or attention_dropout):
+            raise ValueError(
+                f"LatentAttention: a sparse indexer needs q_lora_rank (its queries read the query latent) and "
+                f"attention_dropout 0, got {q_lora_rank} and {attention_dropout}"
+            )
         init_method, output_init_method = default_init_methods(init_method, output_init_method)
+        self.indexer, self.indexer_dense, self.indexer_loss_coeff = indexer, indexer_dense, indexer_loss_coeff
+        self.last_indexer_loss: Optional[torch.Tensor] = None  # the weighted loss of the last training forward
+        self.group = group
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
@@ -185,13 +206,17 @@ class LatentAttention(torch.nn.Module):
             f"qk_nope_head_dim={self.nope}, qk_rope_head_dim={self.rope}, v_head_dim={self.v_head_dim}"
         )
 
-    def _queries(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    def _queries(
+        self, x: torch.Tensor, rotary: Rotary, query_latent: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The query heads' parts without and with positions (RoPE applied), ``[b, s, local heads, qk_nope_head_dim]``
-        and ``[b, s, local heads, qk_rope_head_dim]``, from a prepared input."""
+        and ``[b, s, local heads, qk_rope_head_dim]``, from a prepared input (or its query latent)."""
         if self.q_proj is not None:
             q = self.q_proj.forward_prepared(x)
         else:
-            q = self.q_b_proj.forward_prepared(self.q_a_layernorm(self.q_a_proj.forward_prepared(x)))
+            if query_latent is None:
+                query_latent = self.q_a_layernorm(self.q_a_proj.forward_prepared(x))
+            q = self.q_b_proj.forward_prepared(query_latent)
         q_nope, q_rope = rearrange(q, "b s (h d) -> b s h d", d=self.qk_head_dim).split([self.nope, self.rope], -1)
         q_rope = q_rope.contiguous()
         if rotary is not None:
@@ -264,18 +289,62 @@ class LatentAttention(torch.nn.Module):
         q, k, v = (_pad_heads(t, width) for t in (q, k, v))
         return SelfAttention.core_attention(self, q, k, v, segment_ids, whole_sequence)[..., : self.v_head_dim]
 
+    def sparse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of this rank's heads over the keys ``read`` (``[b, 1, s, t]``, True = read)."""
+        width = max(self.qk_head_dim, self.v_head_dim)
+        q, k, v = (_pad_heads(t, width) for t in (q, k, v))
+        out = ops.scaled_dot_product_attention(q, k, v, causal=False, attn_mask=read, scale=self.softmax_scale)
+        return out[..., : self.v_head_dim]
+
+    def indexed_attention(
+        self, hidden: torch.Tensor, rotary: Rotary, segment_ids: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """Attention over the keys the indexer picks (see the module docstring), ``[b, s, local heads,
+        v_head_dim]``; records the indexer's loss while training."""
+        cp_group = self.context_parallel_group or ps.get_context_parallel_group()
+        if cp_group is not None and dist.get_world_size(cp_group) > 1:
+            raise ValueError("LatentAttention: a sparse indexer (DeepSeek-V3.2) does not run under context parallelism")
+        x = self.kv_a_proj_with_mqa.prepare_input(hidden)
+        query_latent = self.q_a_layernorm(self.q_a_proj.forward_prepared(x))
+        q = torch.cat(self._queries(x, rotary, query_latent), -1)
+        k, v = self.expand_latent(*self._latent(x, rotary))
+        seq = q.shape[1]
+        learn = self.training and torch.is_grad_enabled() and self.indexer_loss_coeff > 0
+        sparse = not self.indexer_dense and self.indexer.top_k < seq
+        self.last_indexer_loss = None
+        if not (learn or sparse):  # every key read: the dense path
+            return self.dense_attention(q, k, v, segment_ids)
+        allowed = attention_mask(seq, True, segment_ids, q.device)
+        # the indexer reads detached inputs: its own loss alone trains it
+        scores = self.indexer.scores(x.detach(), query_latent.detach(), rotary, self.rotary_interleaved)
+        read = self.indexer.select(scores, allowed) if sparse else allowed
+        out = self.sparse_attention(q, k, v, read) if sparse else self.dense_attention(q, k, v, segment_ids)
+        if learn:
+            target = attention_distribution(q, k, read, self.softmax_scale, mappings.tp_group(self.group))
+            self.last_indexer_loss = self.indexer_loss_coeff * indexer_kl_loss(scores, target, read)
+        return out
+
+    def dense_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """The core attention over every causal key, recomputed in backward when asked."""
+        if self.recompute_core_attention and self.training:
+            return checkpoint(self.core_attention, q, k, v, segment_ids)
+        return self.core_attention(q, k, v, segment_ids)
+
     def forward(
         self, hidden: torch.Tensor, rotary: Rotary = None, segment_ids: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
+        if self.kv_cache is not None and self.indexer is not None:
+            raise ValueError("LatentAttention: decoding with a sparse indexer (DeepSeek-V3.2) is not implemented")
         if self.kv_cache is not None:  # generation: earlier tokens' latents come from the cache
             x = self.kv_a_proj_with_mqa.prepare_input(hidden)
             out = self.kv_cache.attend(self, *self._queries(x, rotary), *self._latent(x, rotary))
             return self.o_proj(rearrange(out, "b s h d -> b s (h d)"))
-        q, k, v = self._project(hidden, rotary)
-        if self.recompute_core_attention and self.training:
-            out = checkpoint(self.core_attention, q, k, v, segment_ids)
+        if self.indexer is not None:
+            out = self.indexed_attention(hidden, rotary, segment_ids)
         else:
-            out = self.core_attention(q, k, v, segment_ids)
+            out = self.dense_attention(*self._project(hidden, rotary), segment_ids)
         return self.o_proj(rearrange(out, "b s h d -> b s (h d)"))
 
 

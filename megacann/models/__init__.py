@@ -12,6 +12,7 @@ from __future__ import annotations
 from megacann.models.contract import ChunkOutput, count_target_tokens
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.deepseek import DEEPSEEK_V3, DeepseekV3Model
+from megacann.models.deepseek_v32 import DEEPSEEK_V32, DeepseekV32Model
 from megacann.models.gpt import GPT, GPTModel
 from megacann.models.gpt_oss import GPT_OSS, GptOssModel
 from megacann.models.llama import LLAMA, LlamaModel
@@ -43,12 +44,14 @@ register_model(QWEN2)
 register_model(QWEN3)
 register_model(QWEN3_MOE)
 register_model(DEEPSEEK_V3)
+register_model(DEEPSEEK_V32)
 register_model(GPT_OSS)
 register_model(QWEN3_5)
 register_model(QWEN3_5_MOE)
 
 __all__ = [
     "DEEPSEEK_V3",
+    "DEEPSEEK_V32",
     "GPT",
     "GPT_OSS",
     "LLAMA",
@@ -64,6 +67,7 @@ __all__ = [
     "DecoderArch",
     "DecoderLM",
     "DeepseekV3Model",
+    "DeepseekV32Model",
     "GPTModel",
     "GptOssModel",
     "HFAdapter",

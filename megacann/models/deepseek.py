@@ -85,6 +85,11 @@ class DeepseekV3Model(MoEModel):
             expert_bias=True,
         )
 
+    def attention_options(self) -> dict:
+        """More keyword arguments of each layer's :class:`LatentAttention` (a family built on this one adds
+        its own; new modules on every call)."""
+        return {}
+
     def build_layer(self, layer_id: int) -> TransformerBlock:
         c, b = self.config, self.block_config
         attention = LatentAttention(
@@ -102,6 +107,7 @@ class DeepseekV3Model(MoEModel):
             recompute_core_attention=c.activation_checkpointing == "selective",
             init_method=init_normal(b.init_method_std),
             output_init_method=init_normal(b.output_layer_init_std),
+            **self.attention_options(),
         )
         mlp = MoELayer(self.moe_config()) if is_moe_layer(c, layer_id) else None
         return TransformerBlock(b, mlp=mlp, attention=attention)

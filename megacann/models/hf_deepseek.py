@@ -176,11 +176,11 @@ def balancing_keys(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = None) -> ModelConfig:
-    """A deepseek_v3 ModelConfig from config.json (``raw``: the file already parsed, else read here; its
-    MoE layers derived from ``first_k_dense_replace``)."""
+def config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = None, family: str = "deepseek_v3") -> ModelConfig:
+    """A deepseek_v3 ModelConfig (or one of ``family``, built on it) from config.json (``raw``: the file
+    already parsed, else read here; its MoE layers derived from ``first_k_dense_replace``)."""
     raw = read_hf_config(config_file) if raw is None else raw
-    cfg = hf_llama.model_config_from_hf(config_file, family="deepseek_v3", raw=raw)
+    cfg = hf_llama.model_config_from_hf(config_file, family=family, raw=raw)
     if cfg.num_experts is None or cfg.moe_ffn_hidden_size is None:
         raise ConfigError(f"{config_file}: n_routed_experts and moe_intermediate_size are needed for DeepSeek-V3")
     for key, (field, value) in HF_DEFAULTS.items():  # what transformers assumes where config.json is silent
