@@ -1,8 +1,8 @@
 """Model families built only from megacann.layers, and the contract the rest of megacann knows them by.
 
 ``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-DeepSeek-V3, gpt-oss, Qwen3.5 and Qwen3.5-MoE here; docs/models.md lists them); a script registers its own with :func:`register_model` or
-hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`: names
+DeepSeek-V3, DeepSeek-V3.2, gpt-oss, Qwen3.5 and Qwen3.5-MoE here; docs/models.md lists them); a script
+registers its own with :func:`register_model` or hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`: names
 and settings, as data); reading and writing the directories is :mod:`megacann.interop`'s
 (``megacann.interop.from_pretrained_hf`` / ``save_pretrained_hf``), which this package never imports.
 """
