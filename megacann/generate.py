@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from megacann.data.jsonl_records import prompt_records
 from megacann.errors import MegacannError
 from megacann.generation import Generator, SamplingParams, StopStrings
 
@@ -67,22 +68,13 @@ def load_model_tokenizer(path: str, spec: Optional[str], vocab_size: int) -> Any
 
 def read_requests(path: str, defaults: SamplingParams) -> Iterator[tuple[str, SamplingParams]]:
     """(prompt, its sampling params) of each line of the JSONL file ``path``."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not a JSON object ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f'{path}:{number}: expected an object with a "prompt" string')
-            own = {key: record[key] for key in SAMPLING_KEYS if key in record}
-            own.setdefault("seed", defaults.seed + number)
-            try:
-                yield record["prompt"], dataclasses.replace(defaults, **own)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"{path}:{number}: {err}") from None
+    for number, record in prompt_records(path):
+        own = {key: record[key] for key in SAMPLING_KEYS if key in record}
+        own.setdefault("seed", defaults.seed + number)
+        try:
+            yield record["prompt"], dataclasses.replace(defaults, **own)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}:{number}: {err}") from None
 
 
 def _batches(items: Iterator[Any], size: int) -> Iterator[list[Any]]:

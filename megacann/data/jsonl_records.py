@@ -84,6 +84,24 @@ def read_records(
             yield line_no, parsed
 
 
+def prompt_records(path: str, label: str = "") -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) of each non-empty line of the JSONL file ``path``, every record an object with
+    a ``prompt`` string (generation requests, evaluation prompts); otherwise a ValueError naming ``label``
+    (e.g. the recipe key), the file and the line."""
+    prefix = f"{label} " if label else ""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{prefix}{path}:{number}: not a JSON object ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f'{prefix}{path}:{number}: expected an object with a "prompt" string')
+            yield number, record
+
+
 def truncate(sample: Sample, seq_length: int) -> tuple[Optional[Sample], bool]:
     """(the sample's first ``seq_length`` tokens, whether it was cut); None for the sample when no trained
     token is left to predict (a trained token after the first)."""

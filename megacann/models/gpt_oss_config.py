@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from megacann.config import ConfigError, ModelConfig
+from megacann.models.layer_types import check_layer_types
 from megacann.models.moe_config import MoEModelConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -54,18 +55,7 @@ def check_gpt_oss_keys(cfg: ModelConfig, source: str) -> None:
     """Refuse, naming the key and value, what megacann's gpt-oss does not implement: a layer type other
     than sliding / full attention, a rotary scaling other than YaRN, a layer_types list of the wrong length,
     a non-positive window or clamp."""
-    types = cfg.layer_types
-    if types is not None:
-        if not isinstance(types, list) or len(types) != cfg.num_layers:
-            raise ConfigError(
-                f"{source}: layer_types must list one attention kind per layer ({cfg.num_layers}), got {types!r}"
-            )
-        for i, kind in enumerate(types):
-            if kind not in LAYER_TYPES:
-                raise ConfigError(
-                    f"{source}: layer_types[{i}] {kind!r} is not implemented by megacann's gpt_oss "
-                    f"(expected one of {LAYER_TYPES})"
-                )
+    check_layer_types(cfg.layer_types, cfg.num_layers, LAYER_TYPES, "gpt_oss", "attention kind", source)
     rope = (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type", "default"))
     if rope not in ROPE_TYPES:
         raise ConfigError(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar, Optional
 
 from megacann.config import ConfigError, ModelConfig
+from megacann.models.layer_types import check_layer_types
 from megacann.models.moe_config import MoEModelConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -79,18 +80,7 @@ def check_qwen3_5_keys(cfg: ModelConfig, source: str, head_dim: int) -> None:
     """Refuse, naming the key and value, what megacann's qwen3_5 does not implement: a layer type other
     than linear / full attention, a layer_types list of the wrong length, a rotary scaling, a partial
     rotary width that is not a positive even number of dims, biases, value heads not a multiple of key heads."""
-    types = cfg.layer_types
-    if types is not None:
-        if not isinstance(types, list) or len(types) != cfg.num_layers:
-            raise ConfigError(
-                f"{source}: layer_types must list one token mixer per layer ({cfg.num_layers}), got {types!r}"
-            )
-        for i, kind in enumerate(types):
-            if kind not in LAYER_TYPES:
-                raise ConfigError(
-                    f"{source}: layer_types[{i}] {kind!r} is not implemented by megacann's qwen3_5 "
-                    f"(expected one of {LAYER_TYPES})"
-                )
+    check_layer_types(cfg.layer_types, cfg.num_layers, LAYER_TYPES, "qwen3_5", "token mixer", source)
     if cfg.rope_scaling:
         rope = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
         raise ConfigError(f"{source}: rope_type {rope!r} is not implemented by megacann's qwen3_5 (expected 'default')")

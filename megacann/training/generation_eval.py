@@ -9,7 +9,6 @@ data-parallel group give the means, so the figures do not depend on the layout. 
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 import torch
@@ -18,24 +17,14 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.config.generation_eval import GenerationEvalConfig, Scorer, find_scorer, generation_cache_slots
+from megacann.data.jsonl_records import prompt_records
 from megacann.generation import Generator, SamplingParams
 from megacann.models.spec import ModelSpec
 
 
 def read_prompts(path: str, key: str = "generation_eval.prompts") -> list[dict[str, Any]]:
     """The JSON object of each non-empty line of ``path``; each needs a ``prompt`` string."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{key} {path}:{number}: not a JSON object ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f'{key} {path}:{number}: expected an object with a "prompt" string')
-            records.append(record)
+    records = [record for _, record in prompt_records(path, key)]
     if not records:
         raise ValueError(f"{key} {path}: holds no prompt")
     return records
