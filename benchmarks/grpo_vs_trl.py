@@ -7,7 +7,9 @@ string-reversal prompts with an exact-match reward, the same group size, prompts
 the same number of threads. A step is one optimizer step: generate ``group x prompts`` responses, score
 them, train on them. The first ``--warmup`` steps of each are left out of the timing; megacann's step time
 is its trainer's own (``step_time`` in metrics.jsonl: rollout included), TRL's the time between two
-``on_step_end`` callbacks. The ratio is printed, never asserted.
+``on_step_end`` callbacks. Each run is a process of its own; ``--rounds`` alternate them (megacann, TRL,
+then TRL, megacann ...) so that both meet the same machine load, and the medians of the pooled step times
+give the steps/s. The ratio is printed, never asserted.
 
     python benchmarks/grpo_vs_trl.py                      # d64 x 2 layers, 4 prompts x 8, 8 new tokens, 2 threads
     python benchmarks/grpo_vs_trl.py --steps 20 --hidden 128 --threads 1
@@ -23,6 +25,7 @@ import os
 import random
 import statistics
 import string
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +38,8 @@ if ROOT not in sys.path:
 
 from benchmarks.bench_common import add_int_args  # noqa: E402
 from megacann.rl.rewards import exact_match  # noqa: E402
+
+RESULT = "RESULT "  # the line a child run prints its step times on
 
 
 def write_model_and_prompts(args, workdir: str) -> tuple[str, str]:
@@ -192,6 +197,21 @@ def trl_step_times(args, model_dir: str, prompts_path: str, workdir: str) -> tup
     return times, statistics.mean(lengths[args.warmup :] or lengths)
 
 
+RUNNERS = {"megacann": megacann_step_times, "trl": trl_step_times}
+
+
+def run_in_subprocess(name: str, argv: list[str], workdir: str, round_index: int) -> tuple[list[float], float]:
+    """One framework's run in a fresh process (no state shared between rounds): its step times and mean length."""
+    out = os.path.join(workdir, f"{name}_{round_index}")
+    command = [sys.executable, os.path.abspath(__file__), *argv, "--only", name, "--workdir", out]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    results = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if proc.returncode != 0 or not results:
+        raise SystemExit(f"grpo_vs_trl: the {name} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    times, length = json.loads(results[-1][len(RESULT) :])
+    return times, length
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_int_args(
@@ -204,30 +224,43 @@ def main() -> None:
         prompts_per_step=4,
         max_new_tokens=8,
         prompts=512,
-        steps=10,
+        steps=8,
         warmup=2,
         threads=2,
+        rounds=3,
         seed=0,
     )
+    parser.add_argument("--only", choices=sorted(RUNNERS), help=argparse.SUPPRESS)  # one run, in a child process
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.only:
+        torch.set_num_threads(args.threads)
+        os.makedirs(args.workdir)
+        model_dir, prompts_path = write_model_and_prompts(args, args.workdir)
+        print(RESULT + json.dumps(RUNNERS[args.only](args, model_dir, prompts_path, args.workdir)))
+        return
+    argv = sys.argv[1:]
+    pooled: dict[str, list[float]] = {name: [] for name in RUNNERS}
+    lengths: dict[str, list[float]] = {name: [] for name in RUNNERS}
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_") as workdir:
-        model_dir, prompts_path = write_model_and_prompts(args, workdir)
-        rows = {
-            "megacann": megacann_step_times(args, model_dir, prompts_path, workdir),
-            "trl": trl_step_times(args, model_dir, prompts_path, workdir),
-        }
+        for round_index in range(args.rounds):  # alternating, so that both meet the same machine load
+            order = list(RUNNERS) if round_index % 2 == 0 else list(RUNNERS)[::-1]
+            for name in order:
+                times, length = run_in_subprocess(name, argv, workdir, round_index)
+                pooled[name] += times
+                lengths[name].append(length)
+                print(f"round {round_index + 1}/{args.rounds} {name}: median step {statistics.median(times):.3f} s")
     print(
         f"\nllama d{args.hidden} x {args.layers} layers, ffn {args.ffn}, {args.prompts_per_step} prompts x "
         f"{args.group} responses a step, <= {args.max_new_tokens} new tokens, {args.threads} threads, "
-        f"{args.steps} timed steps after {args.warmup}:"
+        f"{args.rounds} alternating rounds of {args.steps} timed steps after {args.warmup}:"
     )
     rates = {}
-    for name, (times, length) in rows.items():
+    for name, times in pooled.items():
         rates[name] = 1.0 / statistics.median(times)
         print(
             f"  {name:9s} {rates[name]:6.2f} steps/s (median step {statistics.median(times) * 1e3:7.1f} ms), "
-            f"mean response {length:.1f} tokens"
+            f"mean response {statistics.mean(lengths[name]):.1f} tokens"
         )
     print(f"  megacann / trl: {rates['megacann'] / rates['trl']:.2f}x steps/s")
 
