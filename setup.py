@@ -136,6 +136,7 @@ setup(
             "wandb",
             "tensorboard",
             "math-verify",
+            "trl",  # benchmarks/grpo_vs_trl.py only (imported there, lazily)
         ],
     },
     entry_points={

@@ -118,5 +118,9 @@ def test_demo_script_help_prints_its_usage_and_runs_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "bash examples/rl/demo.sh [OUT_DIR] [SEED]" in proc.stdout
     assert proc.stdout.startswith("# The GRPO demonstration of docs/rl.md")
+    assert (
+        proc.stdout.splitlines()[-1]
+        == "# Run from the repository root with megacann installed (make test fills .venv)."
+    )
     assert "set -euo pipefail" not in proc.stdout  # the comment block only
     assert os.listdir(tmp_path) == []
