@@ -138,6 +138,7 @@ setup(
             "tensorboard",
             "math-verify",
             "lm-eval",
+            "trl",  # benchmarks/grpo_vs_trl.py only (imported there, lazily)
         ],
     },
     entry_points={
