@@ -156,3 +156,27 @@ def test_tp2_with_sequence_parallelism_generates_what_one_process_does(tmp_path,
         for kind in ("greedy", "sampled"):
             _assert_same(rank[kind], [r.tokens for r in reference[kind]], [r.logprobs for r in reference[kind]])
     assert len({token for result in reference["sampled"] for token in result.tokens}) > 20  # really sampled
+
+
+def test_the_planned_generation_cache_equals_the_measured_one():
+    """``--dry_run`` / ``megacann-plan``'s generation_eval cache for the qwen3_5 tiny recipe (three Gated
+    DeltaNet layers, one full attention) equals the bytes a generation of that size allocates."""
+    from megacann.config import load_config
+    from megacann.models import ChunkPlacement
+    from megacann.planning.generation import generation_cache_bytes, generation_cache_lines
+
+    overrides = ["data.seq_length=6", "generation_eval.batch_size=3", "generation_eval.max_new_tokens=4"]
+    cfg = load_config("examples/configs/qwen3_5/tiny.yaml", overrides + ["model.vocab_size=260"])
+    model = get_model_spec("qwen3_5").build_chunk(cfg, ChunkPlacement(tuple(range(4))), "cpu").eval()
+    generator = Generator(model, get_model_spec("qwen3_5"))
+    generator.generate(prompts((6, 2, 6)), SamplingParams(max_new_tokens=4))
+    states = recurrent_cache_bytes(3, 3, 8, 32, 32, 2 * 4 * 32 + 8 * 32, 4, torch.float32)
+    assert (
+        generation_cache_bytes(cfg, 1)
+        == generator.last_cache.nbytes
+        == states + kv_cache_bytes(1, 3, 6 + 3, 2, 64, torch.float32)
+    )
+    cfg.generation_eval.interval = 5
+    (line,) = generation_cache_lines(cfg, 2)
+    assert "x 1 layers x 1 kv heads (tp 2)" in line
+    assert f"and 3 Gated DeltaNet layers' states ({states // 2:,} bytes)" in line
