@@ -20,6 +20,7 @@ import torch
 from dist_harness import run_on_ranks
 from generation_helpers import (
     NEW_TOKENS,
+    assert_same_results,
     hf_greedy,
     one_thread,  # noqa: F401 (an autouse fixture)
     prompts,
@@ -154,7 +155,7 @@ def test_tp2_with_sequence_parallelism_generates_what_one_process_does(tmp_path,
         assert rank["sp_before"] and rank["sp_after"]
         assert rank["shapes"] == [(half_state, (4, TAIL, CHANNELS // 2))] * 3  # this rank's heads only
         for kind in ("greedy", "sampled"):
-            _assert_same(rank[kind], [r.tokens for r in reference[kind]], [r.logprobs for r in reference[kind]])
+            assert_same_results(rank[kind], reference[kind])
     assert len({token for result in reference["sampled"] for token in result.tokens}) > 20  # really sampled
 
 
