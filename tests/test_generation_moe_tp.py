@@ -1,13 +1,13 @@
-"""deepseek_v3 and gpt_oss generating at tensor parallel 2, with and without sequence parallelism (gloo,
-CPU, fp32): their MoE layers take the decode step's whole, replicated input as their rank's share (the
-generator's MoE-under-TP path), and greedy and seeded sampling give the tokens and log-probabilities
-(1e-5) of one process for 4 prompts of different lengths in one batch.
+"""deepseek_v3, deepseek_v32 and gpt_oss generating at tensor parallel 2, with and without sequence
+parallelism (gloo, CPU, fp32): their MoE layers take the decode step's whole, replicated input as their
+rank's share (the generator's MoE-under-TP path), and greedy and seeded sampling give the tokens and
+log-probabilities (1e-5) of one process for 4 prompts of different lengths in one batch.
 
 Probes: each model was built with sequence parallelism or without it (and has the same after generating),
-its MoE layers split over the 2 ranks; every rank holds half the query heads; DeepSeek-V3's latent caches
-hold the whole latent (``kv_lora_rank + qk_rope_head_dim`` values a token) on every rank, gpt-oss's key
-caches half the kv heads, a rolling window on its sliding layers; each rank's cache bytes equal the
-formulas.
+its MoE layers split over the 2 ranks; every rank holds half the query heads; DeepSeek-V3's and V3.2's
+latent caches hold the whole latent (``kv_lora_rank + qk_rope_head_dim`` values a token) on every rank,
+V3.2's the indexer's keys beside it, gpt-oss's key caches half the kv heads, a rolling window on its
+sliding layers; each rank's cache bytes equal the formulas.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from generation_helpers import (
 )
 from gpt_oss_helpers import SHAPE as GPT_OSS_SHAPE
 from gpt_oss_helpers import tiny_hf_gpt_oss
+from test_deepseek_v32_models import tiny_hf_deepseek_v32
 
 from megacann.generation import Generator, SamplingParams, kv_cache_bytes, latent_cache_bytes
 from megacann.interop import from_pretrained_hf
@@ -35,7 +36,7 @@ SAMPLED = [
     SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=50, top_p=0.9, seed=seed, processed_logprobs=True)
     for seed in (5, 6, 7, 8)
 ]
-FAMILIES = ("deepseek_v3", "gpt_oss")
+FAMILIES = ("deepseek_v3", "deepseek_v32", "gpt_oss")
 
 
 def _cache_shapes(generator: Generator) -> list[tuple]:
@@ -69,15 +70,18 @@ def _on_tp2(path: str, family: str, sequence_parallel: bool) -> dict:
 def _tiny(family: str, path: str) -> str:
     if family == "deepseek_v3":
         return tiny_hf_deepseek(path, "yarn", max_position_embeddings=128)
+    if family == "deepseek_v32":
+        return tiny_hf_deepseek_v32(path, max_position_embeddings=128)
     return tiny_hf_gpt_oss(path)
 
 
 def _expected_cache(family: str, model, tp: int) -> tuple[list[tuple], int]:
     """The cache shapes and bytes one rank of ``tp`` holds, from the formulas."""
     c = model.config
-    if family == "deepseek_v3":
+    if family.startswith("deepseek"):  # v3.2: the indexer's keys (one head) beside the latents
         width = c.kv_lora_rank + c.qk_rope_head_dim
-        return [(4, SLOTS, width)] * 4, latent_cache_bytes(
+        index_keys = 4 * 4 * SLOTS * c.index_head_dim * 4 if family == "deepseek_v32" else 0
+        return [(4, SLOTS, width)] * 4, index_keys + latent_cache_bytes(
             4, 4, SLOTS, c.kv_lora_rank, c.qk_rope_head_dim, torch.float32
         )
     window, heads, head_dim = (
