@@ -78,3 +78,16 @@ def hf_greedy(path: str, batch: list[list[int]], new_tokens: int = NEW_TOKENS) -
     tokens = out.sequences[:, longest:]
     logprobs = torch.stack(out.logits, 1).float().log_softmax(-1).gather(2, tokens.unsqueeze(2)).squeeze(2)
     return tokens, logprobs
+
+
+def assert_same_results(ours: list, expected: list, atol: float = 1e-5) -> None:
+    """Two runs' GenerationResults agree: the same tokens a request, log-probabilities (and processed ones,
+    where the expected run has them) within ``atol``."""
+    assert len(ours) == len(expected)
+    for row, (result, reference) in enumerate(zip(ours, expected)):
+        assert result.tokens == reference.tokens, f"row {row}"
+        pairs = [(result.logprobs, reference.logprobs)]
+        if reference.processed_logprobs is not None:
+            pairs.append((result.processed_logprobs, reference.processed_logprobs))
+        for got, want in pairs:
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=atol)

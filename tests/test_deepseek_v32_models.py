@@ -242,14 +242,6 @@ def test_config_json_the_family_does_not_implement_is_refused(tmp_path, change, 
         get_model_spec("deepseek_v32").hf.config_from_hf(str(tmp_path / "config.json"))
 
 
-def test_decoding_with_the_cache_is_refused(tmp_path):
-    ours = from_pretrained_hf(tiny_hf_deepseek_v32(str(tmp_path / "hf"))).eval()
-    attn = ours.layers["0"].self_attn
-    attn.kv_cache = object()
-    with pytest.raises(ValueError, match="decoding with a sparse indexer"):
-        attn(torch.randn(1, 3, SHAPE["hidden_size"]))
-
-
 # -- sizes ---------------------------------------------------------------------------------------------
 
 # deepseek-ai/DeepSeek-V3.2-Exp's config.json (the keys that decide shapes, as on the Hugging Face Hub):

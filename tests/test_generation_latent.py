@@ -156,8 +156,8 @@ def _on_tp2(path: str, hidden: torch.Tensor) -> dict:
 
 
 def test_latent_attention_decoding_at_tp2_equals_one_process_and_the_whole_forward(tmp_path):
-    """The generator refuses MoE models under tensor parallelism (every deepseek_v3 model has MoE layers),
-    so the latent cache's tp 2 decoding is proven on the attention layer itself."""
+    """The latent cache's tp 2 decoding on the attention layer itself, against its whole forward (the
+    whole models at tp 2 through the generator: tests/test_generation_moe_tp.py)."""
     pytest.importorskip("transformers")
     path = tiny_hf_deepseek(str(tmp_path / "hf"), "yarn", **LONG)
     hidden = torch.randn(2, TOTAL, 64, generator=torch.Generator().manual_seed(4))

@@ -1,11 +1,12 @@
 """Generation at the training layout: prefill plus key/value-cache decoding of batches of requests,
 sampling with a seed per request, and each token's log-probability (:mod:`.generator`,
-:mod:`.kv_cache`, :mod:`.latent_cache`, :mod:`.sampling`, :mod:`.stops`, :mod:`.chat`). Knows models only
+:mod:`.kv_cache`, :mod:`.latent_cache`, :mod:`.recurrent_cache`, :mod:`.sampling`, :mod:`.stops`, :mod:`.chat`). Knows models only
 through the contract (``ModelSpec.decode``) and the layers; see docs/generation.md."""
 
 from megacann.generation.generator import GenerationResult, Generator, sequence_parallel_off
 from megacann.generation.kv_cache import KVCache, kv_cache_bytes, register_cache_layer
 from megacann.generation.latent_cache import LatentCacheLayer, latent_cache_bytes
+from megacann.generation.recurrent_cache import RecurrentCacheLayer, recurrent_cache_bytes
 from megacann.generation.sampling import SamplingParams, processed_logits
 from megacann.generation.stops import StopStrings
 
@@ -14,11 +15,13 @@ __all__ = [
     "Generator",
     "KVCache",
     "LatentCacheLayer",
+    "RecurrentCacheLayer",
     "SamplingParams",
     "StopStrings",
     "kv_cache_bytes",
     "latent_cache_bytes",
     "processed_logits",
+    "recurrent_cache_bytes",
     "register_cache_layer",
     "sequence_parallel_off",
 ]

@@ -18,6 +18,8 @@ import torch
 
 from megacann.generation.kv_cache import CacheLayer, KVCache, register_cache_layer
 from megacann.layers import LatentAttention
+from megacann.layers.latent_attention import IndexInputs
+from megacann.ops.reference import attention_mask
 
 
 def latent_cache_bytes(
@@ -39,6 +41,11 @@ class LatentCacheLayer(CacheLayer):
     def latents(self) -> Optional[torch.Tensor]:
         return self.entries[0] if self.entries else None
 
+    @property
+    def index_keys(self) -> Optional[torch.Tensor]:
+        """``[batch, slots, index_head_dim]``: a sparse indexer's keys (DeepSeek-V3.2), None without one."""
+        return self.entries[1] if len(self.entries) > 1 else None
+
     def attend(
         self,
         attention: LatentAttention,
@@ -46,17 +53,32 @@ class LatentCacheLayer(CacheLayer):
         q_rope: torch.Tensor,
         latent: torch.Tensor,
         k_rope: torch.Tensor,
+        index: Optional[IndexInputs] = None,
     ) -> torch.Tensor:
-        """Store this step's latents and rotary keys, then attend: the prefill over itself with expanded
-        keys and values, a later step over the cache with the up-projections absorbed."""
+        """Store this step's latents and rotary keys (and index keys), then attend: the prefill over itself
+        with expanded keys and values, a later step over the cache with the up-projections absorbed; with
+        an indexer each query reads only its ``top_k`` best-scored tokens of its row."""
         start, s = self.cache.length, q_nope.shape[1]
-        self.store(torch.cat([latent, k_rope.squeeze(2)], -1))
+        stored = [torch.cat([latent, k_rope.squeeze(2)], -1)]
+        if index is not None:
+            stored.append(index.keys(attention))
+        self.store(*stored)
+        sparse = index is not None and not attention.indexer_dense
         if start == 0:
             q = torch.cat([q_nope, q_rope], -1)
             k, v = attention.expand_latent(latent, k_rope)
-            return attention.core_attention(q, k, v, self.padding_segments(s, q.device), whole_sequence=True)
+            segments = self.padding_segments(s, q.device)
+            if not (sparse and attention.indexer.top_k < s):
+                return attention.core_attention(q, k, v, segments, whole_sequence=True)
+            read = attention.indexer.select(
+                index.scores(attention, stored[1]), attention_mask(s, True, segments, q.device)
+            )
+            return attention.sparse_attention(q, k, v, read)
         used = self.used(s)
-        return attention.absorbed_attention(q_nope, q_rope, self.latents[:, :used], self.mask(s, used))
+        mask = self.mask(s, used)
+        if sparse:
+            mask = attention.indexer.select(index.scores(attention, self.index_keys[:, :used]), mask)
+        return attention.absorbed_attention(q_nope, q_rope, self.latents[:, :used], mask)
 
 
 register_cache_layer(LatentAttention, LatentCacheLayer)

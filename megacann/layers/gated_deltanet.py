@@ -23,7 +23,9 @@ the ranks in sequence order (:mod:`megacann.layers.context_parallel.recurrent_st
 
 Decoding: :meth:`GatedDeltaNet.new_cache` makes a :class:`GatedDeltaNetCache` (the recurrent state and the
 convolution's last inputs); ``forward(hidden, cache=cache)`` runs a prompt or one new token from it and
-leaves the cache at the last token.
+leaves the cache at the last token. While generating, ``kv_cache`` (set by :mod:`megacann.generation`, as
+on the attention layers) runs the rule from each row's cache (:meth:`GatedDeltaNet.cached_rule`, left
+padding kept out of the state), whichever family the layer is in.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class GatedDeltaNet(torch.nn.Module):
             init_method=output_init_method, **made,
         )  # fmt: skip
         note_npu_route(self.A_log.device.type)
+        self.kv_cache = None  # while generating: the cache layer that keeps this layer's state (megacann.generation)
 
     def _cp_group(self) -> Optional[dist.ProcessGroup]:
         group = self.context_parallel_group or ps.get_context_parallel_group()
@@ -200,26 +203,49 @@ class GatedDeltaNet(torch.nn.Module):
         x = self.in_proj_qkv.prepare_input(hidden)
         mixed = self.in_proj_qkv.forward_prepared(x)
         z, b, a = (proj.forward_prepared(x) for proj in (self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        if self.kv_cache is not None:  # generation: the cache layer runs the rule from its rows' states
+            return self._output(self.kv_cache.mix(self, mixed, b, a), z)
         cp_group = self._cp_group()
         if cache is not None and (cp_group is not None or segment_ids is not None):
             raise ValueError("GatedDeltaNet: a decoding cache takes one sequence per row, without context parallelism")
         if cp_group is not None:
             return self._output(self._context_parallel_rule(mixed, b, a, segment_ids, cp_group), z)
-        left = cache.conv_state if cache is not None else None
-        q, k, v, g, beta = self._rule_inputs(self.conv1d(mixed, segment_ids, left), b, a)
-        rule = dict(scale=self.key_head_dim**-0.5, output_final_state=cache is not None)
+        if cache is not None:
+            return self._output(self.cached_rule(mixed, b, a, cache), z)
+        q, k, v, g, beta = self._rule_inputs(self.conv1d(mixed, segment_ids), b, a)
+        rule = dict(scale=self.key_head_dim**-0.5)
         if segment_ids is not None:
             cu_seqlens = documents(segment_ids)[0]
             flat = (t.flatten(0, 1).unsqueeze(0) for t in (q, k, v, g, beta))
             core, _ = ops.gated_delta_rule(*flat, cu_seqlens=cu_seqlens, **rule)
             core = core.view(v.shape)
         else:
-            initial = cache.recurrent_state if cache is not None else None
-            core, state = ops.gated_delta_rule(q, k, v, g, beta, initial_state=initial, **rule)
-        if cache is not None:
-            cache.conv_state = self.conv1d.last_inputs(mixed, left).detach()
-            cache.recurrent_state = state.detach()
+            core, _ = ops.gated_delta_rule(q, k, v, g, beta, **rule)
         return self._output(core, z)
+
+    def cached_rule(
+        self,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        cache: GatedDeltaNetCache,
+        real: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """The delta rule's output ``[b, s, heads, dv]`` for the projections of ``s`` tokens a row, started
+        from ``cache`` and leaving it at the last token. ``real`` ``[b, s]`` (bool, None: all) marks the
+        tokens after a row's left padding: a padded token's inputs become zeros, so the convolution reads
+        zeros before the row's first real token and the zero keys and values leave the state zero."""
+        if real is not None:
+            mixed = mixed * real.unsqueeze(-1).to(mixed.dtype)
+        left = cache.conv_state
+        q, k, v, g, beta = self._rule_inputs(self.conv1d(mixed, left=left), b, a)
+        core, state = ops.gated_delta_rule(
+            q, k, v, g, beta, scale=self.key_head_dim**-0.5, initial_state=cache.recurrent_state,
+            output_final_state=True,
+        )  # fmt: skip
+        cache.conv_state = self.conv1d.last_inputs(mixed, left).detach()
+        cache.recurrent_state = state.detach()
+        return core
 
     def _context_parallel_rule(
         self,

@@ -35,7 +35,8 @@ every head's keys and values.
 
 Sparse attention (DeepSeek-V3.2's DSA): with ``indexer`` (a :class:`~megacann.layers.sparse_indexer.SparseIndexer`) each
 query reads only the ``top_k`` keys its index scores pick (a mask of the chosen keys on the one-process
-path; context parallelism and decoding are refused), and while training with ``indexer_loss_coeff`` > 0
+path; context parallelism is refused; while generating the cache keeps each token's index key beside its
+latent and each new query reads its ``top_k`` best cached tokens), and while training with ``indexer_loss_coeff`` > 0
 the layer keeps the indexer's KL loss against its own (detached) attention in ``last_indexer_loss``.
 ``indexer_dense`` (the indexer's warm-up) attends densely and trains the indexer on the dense attention.
 When ``top_k`` reaches the sequence length every key is read: the dense path, exactly.
@@ -43,6 +44,7 @@ When ``top_k`` reaches the sequence length every key is read: the dense path, ex
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
 import torch
@@ -67,8 +69,9 @@ from megacann.ops.reference import attention_mask
 
 class LatentCacheLayer(Protocol):
     """One latent attention layer's cache while generating (:mod:`megacann.generation`): ``attend(attention,
-    q_nope, q_rope, latent, k_rope)`` stores this step's normed latents and rotary keys and returns the
-    attention of the queries over every cached token of its row, ``[b, s, local heads, v_head_dim]``."""
+    q_nope, q_rope, latent, k_rope, index=None)`` stores this step's normed latents and rotary keys (and,
+    with ``index``, the indexer's keys) and returns the attention of the queries over the cached tokens of
+    its row they read, ``[b, s, local heads, v_head_dim]``."""
 
     def attend(
         self,
@@ -77,6 +80,7 @@ class LatentCacheLayer(Protocol):
         q_rope: torch.Tensor,
         latent: torch.Tensor,
         k_rope: torch.Tensor,
+        index: Optional[IndexInputs] = None,
     ) -> torch.Tensor: ...
 
 
@@ -335,17 +339,38 @@ class LatentAttention(torch.nn.Module):
     def forward(
         self, hidden: torch.Tensor, rotary: Rotary = None, segment_ids: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        if self.kv_cache is not None and self.indexer is not None:
-            raise ValueError("LatentAttention: decoding with a sparse indexer (DeepSeek-V3.2) is not implemented")
-        if self.kv_cache is not None:  # generation: earlier tokens' latents come from the cache
+        if self.kv_cache is not None:  # generation: earlier tokens' latents (and index keys) come from the cache
             x = self.kv_a_proj_with_mqa.prepare_input(hidden)
-            out = self.kv_cache.attend(self, *self._queries(x, rotary), *self._latent(x, rotary))
+            query_latent, index = None, None
+            if self.indexer is not None:
+                query_latent = self.q_a_layernorm(self.q_a_proj.forward_prepared(x))
+                index = IndexInputs(x, query_latent, rotary)
+            queries = self._queries(x, rotary, query_latent)
+            out = self.kv_cache.attend(self, *queries, *self._latent(x, rotary), index=index)
             return self.o_proj(rearrange(out, "b s h d -> b s (h d)"))
         if self.indexer is not None:
             out = self.indexed_attention(hidden, rotary, segment_ids)
         else:
             out = self.dense_attention(*self._project(hidden, rotary), segment_ids)
         return self.o_proj(rearrange(out, "b s h d -> b s (h d)"))
+
+
+@dataclass
+class IndexInputs:
+    """What a sparse indexer reads of one forward while generating: the prepared input, the query latent and
+    the rotary tables (the main attention's)."""
+
+    hidden: torch.Tensor
+    query_latent: torch.Tensor
+    rotary: Rotary
+
+    def keys(self, attention: LatentAttention) -> torch.Tensor:
+        """This forward's index keys ``[b, s, index_head_dim]``."""
+        return attention.indexer.keys(self.hidden, self.rotary, attention.rotary_interleaved)
+
+    def scores(self, attention: LatentAttention, keys: torch.Tensor) -> torch.Tensor:
+        """This forward's queries' index scores ``[b, s, t]`` over ``keys`` ``[b, t, index_head_dim]``."""
+        return attention.indexer.scores(self.hidden, self.query_latent, self.rotary, attention.rotary_interleaved, keys)
 
 
 def latent_attention_parameters(

@@ -88,18 +88,37 @@ class SparseIndexer(torch.nn.Module):
         rot, rest = x.split([self.rope_head_dim, self.head_dim - self.rope_head_dim], -1)
         return torch.cat([ops.apply_rotary(rot.contiguous(), rotary[0], rotary[1], False), rest], -1)
 
-    def scores(
-        self, hidden: torch.Tensor, query_latent: torch.Tensor, rotary: Rotary, tables_interleaved: bool = False
-    ) -> torch.Tensor:
-        """Index scores ``[b, s, t]`` (fp32) of every query of ``hidden`` ``[b, s, h]`` over every key of it;
-        ``rotary`` ``(cos, sin)`` of width ``rope_head_dim``, laid out for interleaved pairs when
-        ``tables_interleaved`` (the main attention's tables; re-laid for rotate-half here)."""
-        b, s, _ = hidden.shape
+    @staticmethod
+    def _tables(rotary: Rotary, tables_interleaved: bool) -> Rotary:
+        """The rotary tables laid out for rotate-half (the main attention's interleaved ones re-laid)."""
         if rotary is not None and tables_interleaved:
-            rotary = tuple(torch.cat([t[..., 0::2], t[..., 0::2]], -1) for t in rotary)
-        q = self._rotate(self.wq_b(query_latent).view(b, s, self.num_heads, self.head_dim), rotary)
-        k = self._rotate(self.k_norm(self.wk(hidden)).unsqueeze(2), rotary).squeeze(2)
-        per_head = F.relu(torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * self.softmax_scale)
+            return tuple(torch.cat([t[..., 0::2], t[..., 0::2]], -1) for t in rotary)
+        return rotary
+
+    def keys(self, hidden: torch.Tensor, rotary: Rotary, tables_interleaved: bool = False) -> torch.Tensor:
+        """The index keys ``[b, s, head_dim]`` of ``hidden`` ``[b, s, h]`` (one head, shared by the index
+        heads): what a decoding cache keeps of each token for later queries."""
+        k = self.k_norm(self.wk(hidden)).unsqueeze(2)
+        return self._rotate(k, self._tables(rotary, tables_interleaved)).squeeze(2)
+
+    def scores(
+        self,
+        hidden: torch.Tensor,
+        query_latent: torch.Tensor,
+        rotary: Rotary,
+        tables_interleaved: bool = False,
+        keys: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Index scores ``[b, s, t]`` (fp32) of every query of ``hidden`` ``[b, s, h]`` over ``keys``
+        ``[b, t, head_dim]`` (None: its own, :meth:`keys`); ``rotary`` ``(cos, sin)`` of the queries, of
+        width ``rope_head_dim``, laid out for interleaved pairs when ``tables_interleaved`` (the main
+        attention's tables; re-laid for rotate-half here)."""
+        b, s, _ = hidden.shape
+        if keys is None:
+            keys = self.keys(hidden, rotary, tables_interleaved)
+        q = self.wq_b(query_latent).view(b, s, self.num_heads, self.head_dim)
+        q = self._rotate(q, self._tables(rotary, tables_interleaved))
+        per_head = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * self.softmax_scale)
         weights = self.weights_proj(hidden).float() * self.num_heads**-0.5  # [b, s, heads]
         return torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)
 

@@ -11,7 +11,8 @@ dense path). Training follows DeepSeek's two stages: ``indexer_warmup: true`` at
 every weight but the indexers', which learn the dense attention's distribution; after it, sparse attention
 trains the model on the language loss and the indexers on their KL loss over the chosen keys (inputs
 detached), weighted by ``indexer_loss_coeff`` and summed over layers as the auxiliary loss
-``indexer_kl``. Context parallelism and decoding with the cache are refused.
+``indexer_kl``. Context parallelism is refused. Generation caches each token's index key beside its latent
+and selects each new token's ``index_topk`` over the cached ones.
 """
 
 from __future__ import annotations

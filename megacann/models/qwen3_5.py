@@ -10,8 +10,9 @@ Gated DeltaNet linear attention with gated full attention.
   adapter adding or removing the 1 (:mod:`megacann.models.hf_qwen3_5`), so the same function is computed.
 
 Under context parallelism the full-attention layers run the recipe's algorithm and the DeltaNet layers
-hand their recurrent state and convolution inputs from rank to rank. Generation is not wired yet (the
-generator caches SelfAttention layers only).
+hand their recurrent state and convolution inputs from rank to rank. Generation decodes as every decoder
+does: the Gated DeltaNet layers keep a recurrent state and convolution tail a row
+(:mod:`megacann.generation.recurrent_cache`), the full-attention layers keys and values.
 """
 
 from __future__ import annotations
@@ -138,5 +139,4 @@ QWEN3_5 = dataclasses.replace(
     num_parameters=qwen3_5_num_parameters,
     flops_per_token=qwen3_5_flops_per_token,
     architecture=None,  # the memory planner's formulas know softmax-attention layers only
-    decode=None,  # the generator caches SelfAttention layers only
 )

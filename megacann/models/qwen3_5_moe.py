@@ -133,5 +133,4 @@ QWEN3_5_MOE = dataclasses.replace(
         structure=_structure,
     ),
     architecture=None,  # the memory planner's formulas know softmax-attention layers only
-    decode=None,  # the generator caches SelfAttention layers only
 )
