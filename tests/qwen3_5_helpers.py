@@ -81,3 +81,25 @@ def hf_logits(path: str, ids: torch.Tensor, moe: bool = False, model_class: Opti
     model = (model_class or hf_classes(moe)[1]).from_pretrained(path, attn_implementation="eager").eval()
     with torch.no_grad():
         return model(ids).logits
+
+
+def check_hf_round_trips(
+    model, hf_dir: str, root, ids: torch.Tensor, expected: torch.Tensor, model_class: type
+) -> None:
+    """``model`` written back by save_pretrained_hf, and ``hf_dir`` through megacann-convert from-hf then
+    to-hf, both give transformers' logits ``expected`` (1e-4) and every tensor of ``hf_dir`` exactly
+    (the norms' offsets and any fused projections included); ``root``: a scratch directory."""
+    from megacann.convert import main as convert
+    from megacann.interop import save_pretrained_hf
+
+    save_pretrained_hf([model], str(root / "back"), model.config)
+    assert convert(["from-hf", hf_dir, str(root / "whole")]) == 0
+    assert convert(["to-hf", str(root / "whole"), str(root / "converted")]) == 0
+    reference_state = model_class.from_pretrained(hf_dir).state_dict()
+    for out in ("back", "converted"):
+        got = hf_logits(str(root / out), ids, model_class=model_class)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        again = model_class.from_pretrained(str(root / out)).state_dict()
+        assert again.keys() == reference_state.keys()
+        for name, tensor in reference_state.items():
+            torch.testing.assert_close(again[name], tensor, atol=1e-7, rtol=0, msg=(out, name))

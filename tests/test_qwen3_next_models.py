@@ -13,11 +13,12 @@ import math
 import pytest
 import torch
 from published_config_checks import check_recipe_matches_published
+from qwen3_5_helpers import check_hf_round_trips
 from qwen3_next_helpers import SHAPE, hf_classes, hf_next_logits, tiny_hf_qwen3_next
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError
-from megacann.interop import from_pretrained_hf, save_pretrained_hf
+from megacann.interop import from_pretrained_hf
 from megacann.layers.sharding import get_sharding
 from megacann.models import ChunkPlacement, get_model_spec
 
@@ -58,8 +59,6 @@ def _fused_rows_by_hand(model, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_hf_logits_parity_both_ways_and_through_convert(tmp_path, variant):
-    from megacann.convert import main as convert
-
     settings, mlps, renormalised = VARIANTS[variant]
     hf_dir = tiny_hf_qwen3_next(str(tmp_path / "hf"), **settings)
     expected = hf_next_logits(hf_dir, IDS)
@@ -69,10 +68,8 @@ def test_hf_logits_parity_both_ways_and_through_convert(tmp_path, variant):
     assert [type(block.mlp).__name__ for block in ours.layers.values()] == mlps
     moe = next(block.mlp for block in ours.layers.values() if type(block.mlp).__name__ == "MoELayer")
     assert moe.config.normalize_top_k is renormalised and sorted(moe.experts) == ["0", "1", "2", "3"]
-    assert moe.shared_experts.expert.gate_up_proj.weight.shape == (96, 64) and moe.shared_experts.gate_weight.shape == (
-        1,
-        64,
-    )
+    shared = moe.shared_experts
+    assert shared.expert.gate_up_proj.weight.shape == (96, 64) and shared.gate_weight.shape == (1, 64)
     dense = next(block.mlp for block in ours.layers.values() if type(block.mlp).__name__ == "SwiGLUMLP")
     assert dense.gate_up_proj.weight.shape == (80, 64)  # intermediate_size 40
     hf_state = hf_classes()[1].from_pretrained(hf_dir).state_dict()
@@ -83,15 +80,7 @@ def test_hf_logits_parity_both_ways_and_through_convert(tmp_path, variant):
         torch.testing.assert_close(ours(input_ids=IDS), expected, atol=1e-4, rtol=0)
     assert expected.std() > 0.5  # logits that differ enough to tell a mix-up
 
-    save_pretrained_hf([ours], str(tmp_path / "back"), ours.config)
-    assert convert(["from-hf", hf_dir, str(tmp_path / "whole")]) == 0
-    assert convert(["to-hf", str(tmp_path / "whole"), str(tmp_path / "converted")]) == 0
-    for out in ("back", "converted"):
-        torch.testing.assert_close(hf_next_logits(str(tmp_path / out), IDS), expected, atol=1e-4, rtol=0)
-        again = hf_classes()[1].from_pretrained(str(tmp_path / out)).state_dict()
-        assert again.keys() == hf_state.keys()
-        for name, tensor in hf_state.items():  # the fused projections and the norms' offsets come back exactly
-            torch.testing.assert_close(again[name], tensor, atol=1e-7, rtol=0, msg=(out, name))
+    check_hf_round_trips(ours, hf_dir, tmp_path, IDS, expected, hf_classes()[1])
 
 
 # -- config.json ---------------------------------------------------------------------------------------
