@@ -102,7 +102,7 @@ def test_full_attention_interval_gives_the_layers_transformers_gives(tmp_path):
     "change,message",
     [
         ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "full_attention"]},
-         r"layer_types\[1\] 'sliding_attention' is not implemented by megacann's qwen3_next"),
+         r"layer_types\[1\] 'sliding_attention' is not implemented by megacann's"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not implemented by megacann's qwen3_next \(expected silu\)"),
         ({"num_experts": 0}, r"num_experts 0: a Qwen3-Next model needs experts"),
         ({"layer_types": None, "full_attention_interval": 0}, r"full_attention_interval must be a positive integer, got 0"),

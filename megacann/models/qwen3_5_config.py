@@ -88,14 +88,12 @@ def check_qwen3_5_keys(cfg: ModelConfig, source: str, head_dim: int) -> None:
         for i, kind in enumerate(types):
             if kind not in LAYER_TYPES:
                 raise ConfigError(
-                    f"{source}: layer_types[{i}] {kind!r} is not implemented by megacann's {cfg.type} "
+                    f"{source}: layer_types[{i}] {kind!r} is not implemented by megacann's qwen3_5 "
                     f"(expected one of {LAYER_TYPES})"
                 )
     if cfg.rope_scaling:
         rope = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
-        raise ConfigError(
-            f"{source}: rope_type {rope!r} is not implemented by megacann's {cfg.type} (expected 'default')"
-        )
+        raise ConfigError(f"{source}: rope_type {rope!r} is not implemented by megacann's qwen3_5 (expected 'default')")
     width = rotary_dims(cfg, head_dim)
     if not 0 < cfg.partial_rotary_factor <= 1 or width < 2 or width % 2:
         raise ConfigError(
