@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 # 4 layers (linear, linear, full, linear: a full layer on each pipeline stage would hide a stage that
@@ -51,11 +53,14 @@ def hf_classes(moe: bool = False) -> tuple:
     return getattr(transformers, f"{prefix}TextConfig"), getattr(transformers, f"{prefix}ForCausalLM")
 
 
-def tiny_hf_qwen3_5(path: str, seed: int = 3, moe: bool = False, std: float = 0.1, **settings) -> str:
+def tiny_hf_qwen3_5(
+    path: str, seed: int = 3, moe: bool = False, std: float = 0.1, classes: Optional[tuple] = None, **settings
+) -> str:
     """A tiny Qwen3.5 (``moe``: Qwen3.5-MoE) written by transformers as a Hugging Face directory, with every
     parameter drawn at random (transformers starts the norms' offsets at zero and dt_bias at one, which
-    would hide a mix-up); the projections, embeddings and experts with spread ``std``."""
-    config_class, model_class = hf_classes(moe)
+    would hide a mix-up); the projections, embeddings and experts with spread ``std``. ``classes``: another
+    family's (config class, causal-LM class) built from the same shape and ``settings``."""
+    config_class, model_class = classes or hf_classes(moe)
     config = config_class(**{**(MOE_SHAPE if moe else SHAPE), "attn_implementation": "eager", **settings})
     torch.manual_seed(seed)
     model = model_class(config)
@@ -71,8 +76,30 @@ def tiny_hf_qwen3_5(path: str, seed: int = 3, moe: bool = False, std: float = 0.
     return path
 
 
-def hf_logits(path: str, ids: torch.Tensor, moe: bool = False) -> torch.Tensor:
-    """transformers' logits of the directory ``path`` for ``ids``."""
-    model = hf_classes(moe)[1].from_pretrained(path, attn_implementation="eager").eval()
+def hf_logits(path: str, ids: torch.Tensor, moe: bool = False, model_class: Optional[type] = None) -> torch.Tensor:
+    """transformers' logits of the directory ``path`` for ``ids`` (``model_class``: another family's)."""
+    model = (model_class or hf_classes(moe)[1]).from_pretrained(path, attn_implementation="eager").eval()
     with torch.no_grad():
         return model(ids).logits
+
+
+def check_hf_round_trips(
+    model, hf_dir: str, root, ids: torch.Tensor, expected: torch.Tensor, model_class: type
+) -> None:
+    """``model`` written back by save_pretrained_hf, and ``hf_dir`` through megacann-convert from-hf then
+    to-hf, both give transformers' logits ``expected`` (1e-4) and every tensor of ``hf_dir`` exactly
+    (the norms' offsets and any fused projections included); ``root``: a scratch directory."""
+    from megacann.convert import main as convert
+    from megacann.interop import save_pretrained_hf
+
+    save_pretrained_hf([model], str(root / "back"), model.config)
+    assert convert(["from-hf", hf_dir, str(root / "whole")]) == 0
+    assert convert(["to-hf", str(root / "whole"), str(root / "converted")]) == 0
+    reference_state = model_class.from_pretrained(hf_dir).state_dict()
+    for out in ("back", "converted"):
+        got = hf_logits(str(root / out), ids, model_class=model_class)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        again = model_class.from_pretrained(str(root / out)).state_dict()
+        assert again.keys() == reference_state.keys()
+        for name, tensor in reference_state.items():
+            torch.testing.assert_close(again[name], tensor, atol=1e-7, rtol=0, msg=(out, name))

@@ -181,3 +181,18 @@ def test_the_planned_generation_cache_equals_the_measured_one():
     (line,) = generation_cache_lines(cfg, 2)
     assert "x 1 layers x 1 kv heads (tp 2)" in line
     assert f"and 3 Gated DeltaNet layers' states ({states // 2:,} bytes)" in line
+
+
+def test_qwen3_next_generates_through_the_same_layer_cache(tmp_path):
+    """Qwen3-Next builds on the same Gated DeltaNet layer (its checkpoint's fused projections regrouped on
+    load), so it generates through the layer's cache with no code of its own: greedy equals transformers."""
+    pytest.importorskip("transformers")
+    from qwen3_next_helpers import tiny_hf_qwen3_next
+
+    path = tiny_hf_qwen3_next(str(tmp_path / "hf"), **LONG)
+    model = from_pretrained_hf(path).eval()
+    generator = Generator(model, get_model_spec("qwen3_next"))
+    results = generator.generate(prompts(), SamplingParams(max_new_tokens=NEW_TOKENS))
+    tokens, logprobs = hf_greedy(path, prompts())
+    _assert_same(results, tokens.tolist(), logprobs)
+    assert sum(isinstance(layer, RecurrentCacheLayer) for layer in generator.last_cache.layers) == 3

@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 from published_config_checks import check_recipe_matches_published
-from qwen3_5_helpers import SHAPE, hf_classes, hf_logits, tiny_hf_qwen3_5
+from qwen3_5_helpers import SHAPE, check_hf_round_trips, hf_classes, hf_logits, tiny_hf_qwen3_5
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError
-from megacann.interop import from_pretrained_hf, save_pretrained_hf
+from megacann.interop import from_pretrained_hf
 from megacann.layers import SelfAttention
 from megacann.layers.sharding import get_sharding
 from megacann.models import ChunkPlacement, get_model_spec
@@ -53,8 +53,6 @@ def test_gated_attention_with_partial_rotary_equals_the_formula():
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
 def test_hf_logits_parity_both_ways_and_through_convert(tmp_path, moe):
-    from megacann.convert import main as convert
-
     hf_dir = tiny_hf_qwen3_5(str(tmp_path / "hf"), moe=moe)
     expected = hf_logits(hf_dir, IDS, moe)
     ours = from_pretrained_hf(hf_dir).eval()
@@ -72,17 +70,7 @@ def test_hf_logits_parity_both_ways_and_through_convert(tmp_path, moe):
         torch.testing.assert_close(ours(input_ids=IDS), expected, atol=1e-4, rtol=0)
     assert expected.std() > 0.5  # logits that differ enough to tell a mix-up
 
-    save_pretrained_hf([ours], str(tmp_path / "back"), ours.config)
-    assert convert(["from-hf", hf_dir, str(tmp_path / "whole")]) == 0
-    assert convert(["to-hf", str(tmp_path / "whole"), str(tmp_path / "converted")]) == 0
-    model_class = hf_classes(moe)[1]
-    reference_state = model_class.from_pretrained(hf_dir).state_dict()
-    for out in ("back", "converted"):
-        torch.testing.assert_close(hf_logits(str(tmp_path / out), IDS, moe), expected, atol=1e-4, rtol=0)
-        again = model_class.from_pretrained(str(tmp_path / out)).state_dict()
-        assert again.keys() == reference_state.keys()
-        for name, tensor in reference_state.items():  # the norms' offsets come back exactly
-            torch.testing.assert_close(again[name], tensor, atol=1e-7, rtol=0, msg=(out, name))
+    check_hf_round_trips(ours, hf_dir, tmp_path, IDS, expected, hf_classes(moe)[1])
 
 
 # -- what the family refuses ---------------------------------------------------------------------------

@@ -40,6 +40,11 @@ MOE_LAYOUTS = ("tp2_sp", "ep2", "pp2", "cp2_ring", "cp2_allgather", "cp2_ulysses
 MOE_WEIGHT_STD = 0.05
 
 
+def _gate_up_rows(mlp: torch.nn.Module) -> int:
+    """Rows of a dense MLP's gate_up_proj on this rank (0 for an MoE layer)."""
+    return mlp.gate_up_proj.weight.shape[0] if hasattr(mlp, "gate_up_proj") else 0
+
+
 def _run(layouts: tuple[str, ...], hf_dir: str, root: str, family: str) -> dict:
     import torch.distributed as dist
     from finetune_helpers import recipe
@@ -82,6 +87,7 @@ def _run(layouts: tuple[str, ...], hf_dir: str, root: str, family: str) -> dict:
             "qkv": [tuple(m.in_proj_qkv.weight.shape) for m in linear],
             "algo": [m.context_parallel_algo for m in full],
             "linear_cp": [m._cp_group() is not None for m in linear],
+            "mlps": {int(i): (type(b.mlp).__name__, _gate_up_rows(b.mlp)) for i, b in chunk.layers.items()},
             "experts": sorted(int(e) for e in getattr(chunk.layers[min(chunk.layers, key=int)].mlp, "experts", {})),
         }
     return results

@@ -1,7 +1,7 @@
 """Model families built only from megacann.layers, and the contract the rest of megacann knows them by.
 
 ``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-DeepSeek-V3, DeepSeek-V3.2, gpt-oss, Qwen3.5 and Qwen3.5-MoE here; docs/models.md lists them); a script
+DeepSeek-V3, DeepSeek-V3.2, gpt-oss, Qwen3.5, Qwen3.5-MoE and Qwen3-Next here; docs/models.md lists them); a script
 registers its own with :func:`register_model` or hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`: names
 and settings, as data); reading and writing the directories is :mod:`megacann.interop`'s
 (``megacann.interop.from_pretrained_hf`` / ``save_pretrained_hf``), which this package never imports.
@@ -21,6 +21,7 @@ from megacann.models.moe import MOE, MoEModel
 from megacann.models.qwen import QWEN2, QWEN3, QWEN3_MOE, Qwen2Model, Qwen3Model, Qwen3MoeModel
 from megacann.models.qwen3_5 import QWEN3_5, Qwen35Model
 from megacann.models.qwen3_5_moe import QWEN3_5_MOE, Qwen35MoeModel
+from megacann.models.qwen3_next import QWEN3_NEXT, Qwen3NextModel
 from megacann.models.sizing import padded_vocab_size
 from megacann.models.spec import (
     ChunkPlacement,
@@ -48,6 +49,7 @@ register_model(DEEPSEEK_V32)
 register_model(GPT_OSS)
 register_model(QWEN3_5)
 register_model(QWEN3_5_MOE)
+register_model(QWEN3_NEXT)
 
 __all__ = [
     "DEEPSEEK_V3",
@@ -61,6 +63,7 @@ __all__ = [
     "QWEN3",
     "QWEN3_5",
     "QWEN3_5_MOE",
+    "QWEN3_NEXT",
     "QWEN3_MOE",
     "ChunkOutput",
     "ChunkPlacement",
@@ -78,6 +81,7 @@ __all__ = [
     "MoEModel",
     "Qwen2Model",
     "Qwen35Model",
+    "Qwen3NextModel",
     "Qwen35MoeModel",
     "Qwen3Model",
     "Qwen3MoeModel",

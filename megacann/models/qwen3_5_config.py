@@ -80,10 +80,12 @@ def check_qwen3_5_keys(cfg: ModelConfig, source: str, head_dim: int) -> None:
     """Refuse, naming the key and value, what megacann's qwen3_5 does not implement: a layer type other
     than linear / full attention, a layer_types list of the wrong length, a rotary scaling, a partial
     rotary width that is not a positive even number of dims, biases, value heads not a multiple of key heads."""
-    check_layer_types(cfg.layer_types, cfg.num_layers, LAYER_TYPES, "qwen3_5", "token mixer", source)
+    check_layer_types(cfg.layer_types, cfg.num_layers, LAYER_TYPES, cfg.type, "token mixer", source)
     if cfg.rope_scaling:
         rope = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
-        raise ConfigError(f"{source}: rope_type {rope!r} is not implemented by megacann's qwen3_5 (expected 'default')")
+        raise ConfigError(
+            f"{source}: rope_type {rope!r} is not implemented by megacann's {cfg.type} (expected 'default')"
+        )
     width = rotary_dims(cfg, head_dim)
     if not 0 < cfg.partial_rotary_factor <= 1 or width < 2 or width % 2:
         raise ConfigError(

@@ -12,7 +12,7 @@ Hugging Face checkpoints convert both ways (:mod:`megacann.models.hf_qwen3_5_moe
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -95,24 +95,31 @@ def check_qwen3_5_moe_config(cfg: MegacannConfig, source: str) -> None:
     check_moe_config(cfg, source)
 
 
+def gated_moe_layer_extra_parameters(m: ModelConfig, active: bool = False) -> int:
+    """What one MoE layer adds over a dense MLP of width ``ffn_size``: the router, the experts (all, or the
+    top ``moe_top_k``), the shared expert and its gate, less the dense MLP (``m``'s defaults filled)."""
+    h, experts = m.hidden_size, m.moe_top_k if active else m.num_experts
+    moe = m.num_experts * h + 3 * h * (experts * m.moe_ffn_hidden_size + m.shared_expert_intermediate_size) + h
+    return moe - QWEN3_5_ARCH.mlp_matrices * h * m.ffn_size
+
+
 def qwen3_5_moe_num_parameters(m: ModelConfig, active: bool = False) -> int:
     """Parameters of the whole model (``active``: those one token meets): Qwen3.5's count with each dense
     MLP replaced by the router, the experts (all, or the top ``moe_top_k``), the shared expert and its gate."""
     m = dataclasses.replace(m)
     qwen3_5_moe_defaults(m)
-    h, experts = m.hidden_size, m.moe_top_k if active else m.num_experts
-    moe = m.num_experts * h + 3 * h * (experts * m.moe_ffn_hidden_size + m.shared_expert_intermediate_size) + h
-    dense_mlp = QWEN3_5_ARCH.mlp_matrices * h * m.ffn_size
-    return qwen3_5_num_parameters(m) + m.num_layers * (moe - dense_mlp)
+    return qwen3_5_num_parameters(m) + m.num_layers * gated_moe_layer_extra_parameters(m, active)
 
 
-def qwen3_5_moe_flops_per_token(m: ModelConfig, seq_length: int) -> float:
-    """6 N (N: the parameters a token meets, its top-k experts and the shared one; the embedding, norms and
-    vectors, a small part, counted too) plus the full-attention layers' 12 H Q T; the delta rule's own
-    work is not counted."""
+def qwen3_5_moe_flops_per_token(
+    m: ModelConfig, seq_length: int, num_parameters: Callable[..., int] = qwen3_5_moe_num_parameters
+) -> float:
+    """6 N (N: the parameters a token meets by ``num_parameters``, its top-k experts and the shared one; the
+    embedding, norms and vectors, a small part, counted too) plus the full-attention layers' 12 H Q T; the
+    delta rule's own work is not counted."""
     full = m.num_layers - qwen3_5_layer_types(m).count(LINEAR)
     attention = 12.0 * full * m.num_attention_heads * sizing.attention_head_dim(m) * seq_length
-    return 6.0 * qwen3_5_moe_num_parameters(m, active=True) + attention
+    return 6.0 * num_parameters(m, active=True) + attention
 
 
 def _structure(m: ModelConfig) -> MoEStructure:
