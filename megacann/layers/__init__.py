@@ -20,6 +20,7 @@ from megacann.layers.compile import compile_blocks
 from megacann.layers.context import LayerContext, current_layer_context
 from megacann.layers.embedding import VocabParallelEmbedding
 from megacann.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
+from megacann.layers.hyper_connections import HyperConnection, HyperHead
 from megacann.layers.init import (
     deferred_initialization,
     init_normal,
@@ -70,6 +71,8 @@ __all__ = [
     "LatentAttention",
     "GatedDeltaNet",
     "GatedDeltaNetCache",
+    "HyperConnection",
+    "HyperHead",
     "SwiGLUMLP",
     "GeluMLP",
     "TransformerBlock",
