@@ -20,6 +20,7 @@ from megacann.layers.compile import compile_blocks
 from megacann.layers.context import LayerContext, current_layer_context
 from megacann.layers.embedding import VocabParallelEmbedding
 from megacann.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
+from megacann.layers.grouped_output_projection import GroupedOutputProjection
 from megacann.layers.hyper_connections import HyperConnection, HyperHead
 from megacann.layers.init import (
     deferred_initialization,
@@ -71,6 +72,7 @@ __all__ = [
     "LatentAttention",
     "GatedDeltaNet",
     "GatedDeltaNetCache",
+    "GroupedOutputProjection",
     "HyperConnection",
     "HyperHead",
     "SwiGLUMLP",
