@@ -49,6 +49,7 @@ from megacann.layers.output import LMHead, tie_embedding_across_stages
 from megacann.layers.random import checkpoint, dropout, get_rng_tracker, model_parallel_manual_seed
 from megacann.layers.rotary import RotaryEmbedding
 from megacann.layers.transformer import TransformerBlock, TransformerBlockConfig
+from megacann.layers.window_compressor import WindowCompressor, compressed_causal_bias
 
 __all__ = [
     # how this process builds layers: sequence parallel, dtype, device, CP algorithm, init, recompute
@@ -74,6 +75,8 @@ __all__ = [
     "GatedDeltaNetCache",
     "GroupedOutputProjection",
     "HyperConnection",
+    "WindowCompressor",
+    "compressed_causal_bias",
     "HyperHead",
     "SwiGLUMLP",
     "GeluMLP",

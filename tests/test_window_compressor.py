@@ -1,0 +1,60 @@
+"""DeepSeek-V4's heavily compressed attention compressor against transformers' ``DeepseekV4HCACompressor``
+(stateless: no cache) with the same weights: the compressed entries, their gradients and the causal bias
+that says which entries each query may read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megacann.layers.rotary import RotaryEmbedding
+from megacann.layers.window_compressor import WindowCompressor, compressed_causal_bias
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf  # noqa: E402
+
+HIDDEN, HEAD_DIM, ROPE_DIM, RATE, THETA = 16, 8, 4, 4, 160000.0
+
+
+def _pair() -> tuple[torch.nn.Module, WindowCompressor]:
+    config = transformers.DeepseekV4Config(
+        hidden_size=HIDDEN, head_dim=HEAD_DIM, qk_rope_head_dim=ROPE_DIM, num_hidden_layers=2,
+        compress_rope_theta=THETA,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": RATE},
+    )  # fmt: skip
+    reference = hf.DeepseekV4HCACompressor(config).float()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    ours = WindowCompressor(HIDDEN, HEAD_DIM, RATE)
+    ours.load_state_dict(reference.state_dict())  # copied by name
+    return reference, ours
+
+
+def test_matches_transformers_entries_gradients_and_causal_bias():
+    reference, ours = _pair()
+    rotary = RotaryEmbedding(ROPE_DIM, theta=THETA, interleaved=True)
+    x = torch.randn(2, 11, HIDDEN, generator=torch.Generator().manual_seed(1))  # 2 windows and 3 tokens left
+    position_ids = torch.arange(11).unsqueeze(0)
+    x_ref, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    entries_ref, bias_ref = reference(x_ref, None, position_ids, None, 0)
+    entries = ours(x_ours, rotary)
+    assert entries.shape == (2, 2, HEAD_DIM)
+    torch.testing.assert_close(entries, entries_ref.squeeze(1), rtol=1e-5, atol=1e-6)
+    assert torch.equal(compressed_causal_bias(position_ids.expand(2, -1), 2, RATE), bias_ref)
+    probe = torch.randn(entries.shape, generator=torch.Generator().manual_seed(2))
+    (entries_ref.squeeze(1) * probe).sum().backward()
+    (entries * probe).sum().backward()
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    theirs = dict(reference.named_parameters())
+    for name, param in ours.named_parameters():
+        torch.testing.assert_close(param.grad, theirs[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_causal_bias_exact_and_bad_rate_refused():
+    bias = compressed_causal_bias(torch.arange(9).unsqueeze(0), 2, 4)[0, 0]
+    readable = [[int(v == 0) for v in row] for row in bias.tolist()]
+    assert readable == [[0, 0]] * 3 + [[1, 0]] * 4 + [[1, 1]] * 2  # window w readable from token 4w + 3 on
+    with pytest.raises(ValueError, match="compress_rate must be >= 1, got 0"):
+        WindowCompressor(HIDDEN, HEAD_DIM, 0)
