@@ -1,6 +1,6 @@
-"""DeepSeek-V4's heavily compressed attention compressor against transformers' ``DeepseekV4HCACompressor``
-(stateless: no cache) with the same weights: the compressed entries, their gradients and the causal bias
-that says which entries each query may read."""
+"""DeepSeek-V4's KV compressors against transformers' ``DeepseekV4HCACompressor`` (non-overlapping windows)
+and ``DeepseekV4CSACompressor`` (overlapping windows; its indexer left aside), stateless (no cache), with the
+same weights: the compressed entries, their gradients, and the causal bias of the heavily compressed one."""
 
 from __future__ import annotations
 
@@ -16,33 +16,37 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf  # noqa: 
 HIDDEN, HEAD_DIM, ROPE_DIM, RATE, THETA = 16, 8, 4, 4, 160000.0
 
 
-def _pair() -> tuple[torch.nn.Module, WindowCompressor]:
+def _pair(overlap: bool) -> tuple[torch.nn.Module, WindowCompressor]:
     config = transformers.DeepseekV4Config(
         hidden_size=HIDDEN, head_dim=HEAD_DIM, qk_rope_head_dim=ROPE_DIM, num_hidden_layers=2,
-        compress_rope_theta=THETA,
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": RATE},
+        compress_rope_theta=THETA, q_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=4,
+        compress_rates={"compressed_sparse_attention": RATE, "heavily_compressed_attention": RATE},
     )  # fmt: skip
-    reference = hf.DeepseekV4HCACompressor(config).float()
+    reference = (hf.DeepseekV4CSACompressor if overlap else hf.DeepseekV4HCACompressor)(config).float()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in reference.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    ours = WindowCompressor(HIDDEN, HEAD_DIM, RATE)
-    ours.load_state_dict(reference.state_dict())  # copied by name
+    ours = WindowCompressor(HIDDEN, HEAD_DIM, RATE, overlap=overlap)
+    weights = {k: v for k, v in reference.state_dict().items() if not k.startswith("indexer.")}
+    ours.load_state_dict(weights)  # copied by name
     return reference, ours
 
 
-def test_matches_transformers_entries_gradients_and_causal_bias():
-    reference, ours = _pair()
+@pytest.mark.parametrize("overlap", [False, True], ids=["heavily_compressed", "compressed_sparse"])
+def test_matches_transformers_entries_and_gradients(overlap):
+    reference, ours = _pair(overlap)
     rotary = RotaryEmbedding(ROPE_DIM, theta=THETA, interleaved=True)
     x = torch.randn(2, 11, HIDDEN, generator=torch.Generator().manual_seed(1))  # 2 windows and 3 tokens left
     position_ids = torch.arange(11).unsqueeze(0)
     x_ref, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    entries_ref, bias_ref = reference(x_ref, None, position_ids, None, 0)
+    q_residual = torch.randn(2, 11, 8, generator=torch.Generator().manual_seed(4))  # read by the indexer only
+    entries_ref, bias_ref = reference(x_ref, q_residual, position_ids.expand(2, -1), None, 0)
     entries = ours(x_ours, rotary)
-    assert entries.shape == (2, 2, HEAD_DIM)
+    assert entries.shape == (2, 2, HEAD_DIM) and ours(x[:, :3], rotary).shape == (2, 0, HEAD_DIM)
     torch.testing.assert_close(entries, entries_ref.squeeze(1), rtol=1e-5, atol=1e-6)
-    assert torch.equal(compressed_causal_bias(position_ids.expand(2, -1), 2, RATE), bias_ref)
+    if not overlap:  # the compressed sparse one's bias is its indexer's choice
+        assert torch.equal(compressed_causal_bias(position_ids.expand(2, -1), 2, RATE), bias_ref)
     probe = torch.randn(entries.shape, generator=torch.Generator().manual_seed(2))
     (entries_ref.squeeze(1) * probe).sum().backward()
     (entries * probe).sum().backward()
