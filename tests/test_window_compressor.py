@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megacann.layers.compressed_indexer import CompressedIndexer
 from megacann.layers.rotary import RotaryEmbedding
 from megacann.layers.window_compressor import WindowCompressor, compressed_causal_bias
 
@@ -62,3 +63,35 @@ def test_causal_bias_exact_and_bad_rate_refused():
     assert readable == [[0, 0]] * 3 + [[1, 0]] * 4 + [[1, 1]] * 2  # window w readable from token 4w + 3 on
     with pytest.raises(ValueError, match="compress_rate must be >= 1, got 0"):
         WindowCompressor(HIDDEN, HEAD_DIM, 0)
+
+
+def test_indexer_matches_transformers_scores_and_choices():
+    config = transformers.DeepseekV4Config(
+        hidden_size=HIDDEN, head_dim=HEAD_DIM, qk_rope_head_dim=ROPE_DIM, num_hidden_layers=2,
+        compress_rope_theta=THETA, q_lora_rank=8, index_n_heads=8, index_head_dim=8, index_topk=3,
+        compress_rates={"compressed_sparse_attention": RATE, "heavily_compressed_attention": RATE},
+    )  # fmt: skip
+    reference = hf.DeepseekV4Indexer(config).float()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    ours = CompressedIndexer(HIDDEN, 8, 8, 8, RATE, topk=3)
+    ours.load_state_dict(reference.state_dict())  # copied by name
+    captured = {}
+    scorer = reference.scorer.forward
+    reference.scorer.forward = lambda *args: captured.setdefault("scores", scorer(*args))
+    x, q_residual = torch.randn(2, 23, HIDDEN, generator=gen), torch.randn(2, 23, 8, generator=gen)
+    position_ids = torch.arange(23).unsqueeze(0).expand(2, -1)
+    rotary = RotaryEmbedding(ROPE_DIM, theta=THETA, interleaved=True)
+    with torch.no_grad():
+        chosen_ref = reference(x, q_residual, position_ids, None, 0)
+        scores, chosen = (
+            ours.index_scores(x, q_residual, position_ids, rotary),
+            ours(x, q_residual, position_ids, rotary),
+        )
+    readable = scores.isfinite()
+    assert readable.sum() == 2 * sum(min((t + 1) // RATE, 5) for t in range(23))  # 5 entries from 23 tokens
+    torch.testing.assert_close(scores[readable], captured["scores"][readable], rtol=1e-5, atol=1e-6)
+    assert torch.equal(chosen.sort(-1).values, chosen_ref.sort(-1).values)
+    assert (chosen == -1).any() and (chosen >= 0).any()  # both kinds of pick occur
