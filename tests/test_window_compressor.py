@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacann.layers.compressed_indexer import CompressedIndexer
+from megacann.layers.compressed_indexer import CompressedIndexer, chosen_entries_bias
 from megacann.layers.rotary import RotaryEmbedding
 from megacann.layers.window_compressor import WindowCompressor, compressed_causal_bias
 
@@ -46,8 +46,14 @@ def test_matches_transformers_entries_and_gradients(overlap):
     entries = ours(x_ours, rotary)
     assert entries.shape == (2, 2, HEAD_DIM) and ours(x[:, :3], rotary).shape == (2, 0, HEAD_DIM)
     torch.testing.assert_close(entries, entries_ref.squeeze(1), rtol=1e-5, atol=1e-6)
-    if not overlap:  # the compressed sparse one's bias is its indexer's choice
+    if not overlap:
         assert torch.equal(compressed_causal_bias(position_ids.expand(2, -1), 2, RATE), bias_ref)
+    else:  # the compressed sparse one's bias opens the entries its indexer picked
+        indexer = CompressedIndexer(HIDDEN, 8, 2, 8, RATE, topk=4)
+        indexer.load_state_dict({k[8:]: v for k, v in reference.state_dict().items() if k.startswith("indexer.")})
+        chosen = indexer(x, q_residual, position_ids.expand(2, -1), rotary)
+        assert torch.equal(chosen_entries_bias(chosen, 2), bias_ref)
+        assert bias_ref.isinf().any() and (bias_ref == 0).any()
     probe = torch.randn(entries.shape, generator=torch.Generator().manual_seed(2))
     (entries_ref.squeeze(1) * probe).sum().backward()
     (entries * probe).sum().backward()

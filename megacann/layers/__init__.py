@@ -17,7 +17,7 @@ across the cp group and attention by ring, all-gather or all-to-all; docs/contex
 
 from megacann.layers.attention import SelfAttention
 from megacann.layers.compile import compile_blocks
-from megacann.layers.compressed_indexer import CompressedIndexer
+from megacann.layers.compressed_indexer import CompressedIndexer, chosen_entries_bias
 from megacann.layers.context import LayerContext, current_layer_context
 from megacann.layers.embedding import VocabParallelEmbedding
 from megacann.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
@@ -78,6 +78,7 @@ __all__ = [
     "HyperConnection",
     "WindowCompressor",
     "CompressedIndexer",
+    "chosen_entries_bias",
     "compressed_causal_bias",
     "HyperHead",
     "SwiGLUMLP",

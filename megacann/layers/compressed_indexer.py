@@ -23,6 +23,15 @@ from megacann.layers.rotary import RotaryEmbedding
 from megacann.layers.window_compressor import WindowCompressor, compressed_causal_bias
 
 
+def chosen_entries_bias(chosen: torch.Tensor, num_entries: int) -> torch.Tensor:
+    """``[b, 1, s, num_entries]`` attention bias from the indexer's picks ``chosen`` ``[b, s, k]``: 0 for the
+    entries a query picked, ``-inf`` for the rest (a ``-1`` pick opens nothing)."""
+    b, s, _ = chosen.shape
+    slots = torch.where(chosen >= 0, chosen, num_entries)  # -1 -> a spare column, cut off below
+    bias = torch.full((b, 1, s, num_entries + 1), float("-inf"), device=chosen.device)
+    return bias.scatter(-1, slots.unsqueeze(1), 0.0)[..., :num_entries]
+
+
 class CompressedIndexer(WindowCompressor):
     """``forward(hidden [b, s, h], q_residual [b, s, q_rank], position_ids [b, s], rotary) -> [b, s, k]`` entry
     ids (``-1``: none), ``k = min(topk, entries)``. Parameters: the overlapping compressor's (transformers'
