@@ -17,9 +17,12 @@ across the cp group and attention by ring, all-gather or all-to-all; docs/contex
 
 from megacann.layers.attention import SelfAttention
 from megacann.layers.compile import compile_blocks
+from megacann.layers.compressed_indexer import CompressedIndexer, chosen_entries_bias
 from megacann.layers.context import LayerContext, current_layer_context
 from megacann.layers.embedding import VocabParallelEmbedding
 from megacann.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
+from megacann.layers.grouped_output_projection import GroupedOutputProjection
+from megacann.layers.hyper_connections import HyperConnection, HyperHead
 from megacann.layers.init import (
     deferred_initialization,
     init_normal,
@@ -47,6 +50,7 @@ from megacann.layers.output import LMHead, tie_embedding_across_stages
 from megacann.layers.random import checkpoint, dropout, get_rng_tracker, model_parallel_manual_seed
 from megacann.layers.rotary import RotaryEmbedding
 from megacann.layers.transformer import TransformerBlock, TransformerBlockConfig
+from megacann.layers.window_compressor import WindowCompressor, compressed_causal_bias
 
 __all__ = [
     # how this process builds layers: sequence parallel, dtype, device, CP algorithm, init, recompute
@@ -70,6 +74,13 @@ __all__ = [
     "LatentAttention",
     "GatedDeltaNet",
     "GatedDeltaNetCache",
+    "GroupedOutputProjection",
+    "HyperConnection",
+    "WindowCompressor",
+    "CompressedIndexer",
+    "chosen_entries_bias",
+    "compressed_causal_bias",
+    "HyperHead",
     "SwiGLUMLP",
     "GeluMLP",
     "TransformerBlock",

@@ -10,8 +10,9 @@ import torch
 
 from megacann.layers.moe.activation import ExpertActivation
 from megacann.layers.moe.router import LOAD_BALANCING_TYPES
+from megacann.layers.moe.router import SCORE_FUNCTIONS as ROUTER_SCORE_FUNCTIONS
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SCORE_FUNCTIONS = tuple(ROUTER_SCORE_FUNCTIONS)  # the names MoEConfig.score_function takes
 
 
 @dataclass
@@ -20,10 +21,13 @@ class MoEConfig:
     sent to ``top_k`` of them, plus optional shared experts every token passes through.
 
     Routing: ``score_function`` turns the router logits into scores (``softmax`` over the experts, as
-    Mixtral; ``sigmoid`` per expert, as DeepSeek-V3); the ``top_k`` highest are chosen and their scores,
+    Mixtral; ``sigmoid`` per expert, as DeepSeek-V3; ``sqrtsoftplus``, ``sqrt(softplus(logit))`` per expert,
+    as DeepSeek-V4); the ``top_k`` highest are chosen and their scores,
     divided by their sum when ``normalize_top_k`` (and ``top_k > 1``: for one expert it would make the
     weight 1 and leave the router without gradient), times ``routed_scaling_factor``, weight the experts'
-    outputs.
+    outputs. ``hash_vocab_size > 0`` routes by token id instead (DeepSeek-V4's hash-routed layers): a fixed
+    table of that many rows gives each token id its ``top_k`` experts, the scores still weight them, and
+    the layer's forward needs the tokens' ids (``MoELayer.forward(hidden, token_ids)``).
 
     Balancing: ``aux_loss_coeff`` weights the switch-transformer load-balancing loss, taken over the
     micro-batch (``load_balancing_type="aux_loss"``) or over each sequence and averaged (``"seq_aux_loss"``,
@@ -83,6 +87,7 @@ class MoEConfig:
     router_bias: bool = False
     expert_linear_bias: bool = False
     activation: ExpertActivation = field(default_factory=ExpertActivation)
+    hash_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         for key in ("hidden_size", "num_experts", "ffn_hidden_size"):
@@ -121,6 +126,13 @@ class MoEConfig:
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(
                 f"MoEConfig.capacity_factor must be > 0 (or None for dropless routing), got {self.capacity_factor}"
+            )
+        if self.hash_vocab_size < 0:
+            raise ValueError(f"MoEConfig.hash_vocab_size must be >= 0 (0: learned routing), got {self.hash_vocab_size}")
+        if self.hash_vocab_size and (self.bias_update_rate > 0 or self.expert_bias or self.num_groups > 1):
+            raise ValueError(
+                f"MoEConfig.hash_vocab_size={self.hash_vocab_size}: hash routing fixes each token's experts, so "
+                "bias_update_rate, expert_bias and num_groups > 1 must be left off"
             )
         if self.num_shared_experts < 0:
             raise ValueError(f"MoEConfig.num_shared_experts must be >= 0, got {self.num_shared_experts}")

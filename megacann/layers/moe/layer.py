@@ -106,6 +106,7 @@ class MoELayer(torch.nn.Module):
             expert_bias=c.expert_bias,
             load_balancing_type=c.load_balancing_type,
             logit_bias=c.router_bias,
+            hash_vocab_size=c.hash_vocab_size,
             init_method=init,
             group=group,
             dtype=c.params_dtype,
@@ -146,12 +147,16 @@ class MoELayer(torch.nn.Module):
         self.gather_tokens = self.tp_size > 1 and c.expert_tensor_parallel
         self.last_stats: Optional[MoEStats] = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden`` ``[b, s, h]`` (a sequence shard under sequence parallelism); ``token_ids`` ``[b, s]`` the
+        ids of the same tokens, which hash routing (``hash_vocab_size > 0``) needs."""
         c = self.config
         split_here = self.tp_size > 1 and not c.sequence_parallel
         x = mappings.scatter_to_sequence_parallel_region(hidden, self.group) if split_here else hidden
+        if split_here and token_ids is not None:
+            token_ids = mappings.scatter_to_sequence_parallel_region(token_ids, self.group)
         b, s, h = x.shape
-        routing = self.router(x.reshape(-1, h), num_sequences=b)  # the rows: sequence after sequence
+        routing = self.router(x.reshape(-1, h), num_sequences=b, token_ids=token_ids)  # rows: sequence by sequence
         probs, ids, scores = (t.view(b, s, c.top_k) for t in (routing.probs, routing.expert_ids, routing.scores))
         if self.gather_tokens:  # the TP group's tokens, in sequence order, on every TP rank
             x = mappings.gather_from_sequence_parallel_region(x, self.group)

@@ -1,7 +1,7 @@
 """The top-k router: scores, expert choice, auxiliary losses, capacity and bias-based balancing.
 
-For tokens ``x [T, h]`` the router computes logits ``x Wᵀ`` (in fp32 at least), scores (softmax over the experts
-or a sigmoid per expert), picks the ``top_k`` experts with the highest ``score + expert_bias`` (the bias,
+For tokens ``x [T, h]`` the router computes logits ``x Wᵀ`` (in fp32 at least), scores (``SCORE_FUNCTIONS``:
+softmax over the experts, a sigmoid per expert, or DeepSeek-V4's ``sqrt(softplus(logit))`` per expert), picks the ``top_k`` experts with the highest ``score + expert_bias`` (the bias,
 zero unless bias-based balancing is on or a checkpoint brought one, only steers the choice) and weights
 them with their scores, optionally normalised to sum to one and scaled.
 
@@ -31,6 +31,12 @@ holds the whole value and gradients are summed over the cp ranks, so each share'
 theirs). The sequence-wise loss does the same per sequence: every rank holds a share of each of the ``b``
 sequences, and the ``[b, E]`` counts are summed over both groups.
 
+Hash routing (DeepSeek-V4's first MoE layers; ``hash_vocab_size > 0``): the experts of a token are fixed by
+its id, row ``token_id`` of the ``[hash_vocab_size, top_k]`` table ``token_to_experts`` (a persistent buffer,
+transformers' ``tid2eid``; until a checkpoint brings its table, token ``t`` goes to experts ``(t·k + j) mod
+E``). ``forward`` then needs the tokens' ids; the scores still weight the chosen experts (and give the
+router its gradient), and the balancing losses count the table's choices.
+
 ``choice_hook`` (None by default) sees each forward's chosen expert ids and may replace them: the gate
 weights are then the router's own scores of the experts it returns (router replay, :mod:`.routing_replay`).
 
@@ -57,6 +63,19 @@ from megacann.layers.random import is_recomputing
 from megacann.layers.sharding import InitMethod
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss")  # Megatron-Core's moe_router_load_balancing_type names
+
+
+def sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's per-expert score ``sqrt(softplus(logit))``: positive, growing like ``sqrt(logit)``."""
+    return F.softplus(logits).sqrt()
+
+
+# the score of each expert from the router logits [T, E]; every one but softmax scores experts independently
+SCORE_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "softmax": lambda logits: torch.softmax(logits, dim=-1),
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": sqrt_softplus,
+}
 
 
 @dataclass
@@ -137,7 +156,7 @@ class TopKRouter(torch.nn.Module):
     the count of this tensor-parallel group's tokens. ``load_balancing_type`` (one of
     ``LOAD_BALANCING_TYPES``) says which balancing loss ``aux_loss_coeff`` weights: the micro-batch's
     (``aux_loss``) or each sequence's (``seq_aux_loss``). ``logit_bias`` adds the learned parameter ``bias``
-    to the logits (gpt-oss)."""
+    to the logits (gpt-oss). ``hash_vocab_size > 0`` routes by token id (see the module's docstring)."""
 
     def __init__(
         self,
@@ -160,8 +179,11 @@ class TopKRouter(torch.nn.Module):
         context_group: Optional[dist.ProcessGroup] = None,
         load_balancing_type: str = "aux_loss",
         logit_bias: bool = False,
+        hash_vocab_size: int = 0,
     ):
         super().__init__()
+        if score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"TopKRouter: score_function {score_function!r} is not one of {tuple(SCORE_FUNCTIONS)}")
         if load_balancing_type not in LOAD_BALANCING_TYPES:
             raise ValueError(
                 f"TopKRouter: load_balancing_type {load_balancing_type!r} is not one of {LOAD_BALANCING_TYPES}"
@@ -190,6 +212,7 @@ class TopKRouter(torch.nn.Module):
             )
         self.group = group
         self.tp_size = mappings.tp_world_size(group)
+        self._check_hash_routing(hash_vocab_size, bias_update_rate, expert_bias)
         self.weight = make_parameter(
             (num_experts, hidden_size),
             init_method or default_init_methods()[0],
@@ -226,6 +249,11 @@ class TopKRouter(torch.nn.Module):
             self.register_buffer("expert_bias", bias)
         load = None if bias is None else torch.zeros(num_experts, dtype=torch.int64, device=device)  # exact counts
         self.register_buffer("load_since_update", load, persistent=False)
+        table = None
+        if hash_vocab_size:  # a spread over the experts until a checkpoint brings the trained table
+            slots = torch.arange(hash_vocab_size * top_k, device=device).view(hash_vocab_size, top_k)
+            table = slots % num_experts
+        self.register_buffer("token_to_experts", table)
         # (router, chosen ids [T, k]) -> the ids used: sees or overrides each forward's choice (None: off)
         self.choice_hook: Optional[Callable[[TopKRouter, torch.Tensor], torch.Tensor]] = None
 
@@ -235,7 +263,19 @@ class TopKRouter(torch.nn.Module):
             f"normalize_top_k={self.normalize_top_k}, load_balancing_type={self.load_balancing_type}, "
             f"bias_update_rate={self.bias_update_rate}, "
             f"num_groups={self.num_groups}, top_k_groups={self.top_k_groups}"
+            + (f", hash_vocab_size={self.token_to_experts.shape[0]}" if self.token_to_experts is not None else "")
         )
+
+    def _check_hash_routing(self, hash_vocab_size: int, bias_update_rate: float, expert_bias: Optional[bool]) -> None:
+        """Refuse what hash routing leaves without meaning: a choice steered by biases or limited to groups."""
+        if hash_vocab_size < 0:
+            raise ValueError(f"TopKRouter: hash_vocab_size must be >= 0 (0: learned routing), got {hash_vocab_size}")
+        if hash_vocab_size and (bias_update_rate > 0 or expert_bias or self.num_groups > 1):
+            raise ValueError(
+                "TopKRouter: hash routing (hash_vocab_size > 0) fixes each token's experts; it takes no expert bias, "
+                f"bias_update_rate or num_groups > 1 (got expert_bias={expert_bias}, bias_update_rate="
+                f"{bias_update_rate}, num_groups={self.num_groups})"
+            )
 
     def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """``choice`` ``[T, E]`` with the experts outside each token's ``top_k_groups`` best groups set to
@@ -247,21 +287,22 @@ class TopKRouter(torch.nn.Module):
         keep = torch.zeros_like(rating, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, self.num_experts)
 
-    def forward(self, x: torch.Tensor, num_sequences: int = 1) -> Routing:
+    def forward(self, x: torch.Tensor, num_sequences: int = 1, token_ids: Optional[torch.Tensor] = None) -> Routing:
         """Route the tokens ``x`` ``[T, h]``: ``num_sequences`` sequences of ``T / num_sequences`` tokens
-        each, one after the other (what the sequence-wise loss balances)."""
+        each, one after the other (what the sequence-wise loss balances). ``token_ids`` (``T`` ids, any
+        shape): the tokens' ids, which hash routing needs and other routing ignores."""
         if num_sequences < 1 or x.shape[0] % num_sequences:
             raise ValueError(f"TopKRouter: {x.shape[0]} tokens do not split into num_sequences={num_sequences}")
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
         logits = F.linear(x.to(dtype), self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype))
-        if self.score_function == "softmax":
-            scores = torch.softmax(logits, dim=-1)
+        scores = SCORE_FUNCTIONS[self.score_function](logits)
+        if self.token_to_experts is not None:
+            expert_ids = self._hashed_choice(token_ids, x.shape[0])
         else:
-            scores = torch.sigmoid(logits)
-        choice = scores.detach() if self.expert_bias is None else scores.detach() + self.expert_bias
-        if self.num_groups > 1:
-            choice = self.limit_to_groups(choice)
-        expert_ids = torch.topk(choice, self.top_k, dim=-1).indices
+            choice = scores.detach() if self.expert_bias is None else scores.detach() + self.expert_bias
+            if self.num_groups > 1:
+                choice = self.limit_to_groups(choice)
+            expert_ids = torch.topk(choice, self.top_k, dim=-1).indices
         if self.choice_hook is not None:  # record or replace the choice (megacann.layers.moe.routing_replay)
             expert_ids = self.choice_hook(self, expert_ids)
         probs = scores.gather(1, expert_ids)
@@ -294,6 +335,13 @@ class TopKRouter(torch.nn.Module):
         if self.z_loss_coeff > 0:
             routing.aux_losses["z_loss"] = self._sum_over_sequence(z_loss(logits, num_tokens, self.z_loss_coeff))
         return routing
+
+    def _hashed_choice(self, token_ids: Optional[torch.Tensor], num_tokens: int) -> torch.Tensor:
+        """The experts ``[T, k]`` the table fixes for the tokens ``token_ids``."""
+        if token_ids is None or token_ids.numel() != num_tokens:
+            got = "none" if token_ids is None else f"{token_ids.numel()}"
+            raise ValueError(f"TopKRouter: hash routing needs the ids of the {num_tokens} tokens it routes, got {got}")
+        return self.token_to_experts[token_ids.reshape(-1).long()]
 
     def _count_choices(self, expert_ids: torch.Tensor, num_sequences: Optional[int]) -> torch.Tensor:
         """Assignments per expert over the TP group's tokens: ``[E]``, or ``[num_sequences, E]`` per sequence
