@@ -1,5 +1,5 @@
 """megacann-plan on Gated DeltaNet layers (model.type qwen3_5: linear and gated full attention mixed by
-layer_types): the planner's weight, gradient and optimizer bytes and its activation bytes against the
+layer_types; qwen3_5_moe: with MoE layers and a gated shared expert): the planner's weight, gradient and optimizer bytes and its activation bytes against the
 tensors a run holds and autograd saves, with the chunked delta rule (sequences of whole chunks and a padded
 one), on one rank and under tensor + sequence parallelism; and Qwen3's per-head q/k norms."""
 
@@ -25,14 +25,29 @@ QWEN3_5 = [
     "precision.fused_ops=[vocab_parallel_head_loss,gated_delta_rule]",
     "precision.fp32_ops=[]",
 ]
+QWEN3_5_MOE = [  # every layer an MoE layer with a gated shared expert
+    "model.type=qwen3_5_moe",
+    *(key for key in QWEN3_5 if not key.startswith(("model.type=", "model.ffn_hidden_size="))),
+    "model.num_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_ffn_hidden_size=32",
+    "model.shared_expert_intermediate_size=48",
+]
 RUNS_1 = {
     "qwen3 q/k norms fp32": [*COMMON, "model.type=qwen3", "model.head_dim=24", "optim.grad_accum_steps=2"],
     "qwen3_5 fp32 two chunks": [*QWEN3_5, "data.seq_length=128"],
     "qwen3_5 fp32 padded to two chunks": [*QWEN3_5, "data.seq_length=100"],
+    "qwen3_5_moe fp32": [*QWEN3_5_MOE, "data.seq_length=128"],
 }
 RUNS_2 = {
     "qwen3_5 tp2 sp fp32": [
         *QWEN3_5,
+        "data.seq_length=128",
+        "distributed.tensor_parallel_size=2",
+        "distributed.sequence_parallel=true",
+    ],
+    "qwen3_5_moe tp2 sp fp32": [
+        *QWEN3_5_MOE,
         "data.seq_length=128",
         "distributed.tensor_parallel_size=2",
         "distributed.sequence_parallel=true",

@@ -118,7 +118,8 @@ def qwen3_5_moe_flops_per_token(m: ModelConfig, seq_length: int) -> float:
 def _structure(m: ModelConfig) -> MoEStructure:
     m = dataclasses.replace(m)
     qwen3_5_moe_defaults(m)
-    return dataclasses.replace(moe_structure(m), shared_ffn_hidden_size=m.shared_expert_intermediate_size)
+    shared = m.shared_expert_intermediate_size
+    return dataclasses.replace(moe_structure(m), shared_ffn_hidden_size=shared, shared_expert_gate=True)
 
 
 QWEN3_5_MOE = dataclasses.replace(
@@ -132,6 +133,6 @@ QWEN3_5_MOE = dataclasses.replace(
         flops_per_token=qwen3_5_moe_flops_per_token,
         structure=_structure,
     ),
-    architecture=None,  # the memory planner's formulas know softmax-attention layers only
+    architecture=QWEN3_5_ARCH,
     decode=None,  # the generator caches SelfAttention layers only
 )
