@@ -1,7 +1,7 @@
 """megacann-plan on Gated DeltaNet layers (model.type qwen3_5: linear and gated full attention mixed by
 layer_types; qwen3_5_moe: with MoE layers and a gated shared expert): the planner's weight, gradient and optimizer bytes and its activation bytes against the
 tensors a run holds and autograd saves, with the chunked delta rule (sequences of whole chunks and a padded
-one), on one rank and under tensor + sequence parallelism; and Qwen3's per-head q/k norms."""
+one, fp32 and bf16), on one rank and under tensor + sequence parallelism; and Qwen3's per-head q/k norms."""
 
 import pytest
 from dist_harness import run_on_ranks
@@ -37,6 +37,12 @@ RUNS_1 = {
     "qwen3 q/k norms fp32": [*COMMON, "model.type=qwen3", "model.head_dim=24", "optim.grad_accum_steps=2"],
     "qwen3_5 fp32 two chunks": [*QWEN3_5, "data.seq_length=128"],
     "qwen3_5 fp32 padded to two chunks": [*QWEN3_5, "data.seq_length=100"],
+    "qwen3_5 bf16 selective": [
+        *QWEN3_5,
+        "data.seq_length=128",
+        "model.precision=bf16",
+        "model.activation_checkpointing=selective",
+    ],
     "qwen3_5_moe fp32": [*QWEN3_5_MOE, "data.seq_length=128"],
 }
 RUNS_2 = {
