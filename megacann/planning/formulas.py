@@ -199,7 +199,9 @@ def attention_parameters_per_rank(m: ModelConfig, tp: int) -> int:
     (latent attention: :mod:`megacann.planning.mla`), and an output gate's rows of q_proj."""
     arch = architecture(m)
     if arch.latent_attention:
-        return mla.latent_attention_parameters_per_rank(m, tp)
+        return mla.latent_attention_parameters_per_rank(m, tp) + (
+            mla.indexer_parameters(m) if arch.sparse_indexer else 0
+        )
     h, q, kv = m.hidden_size, query_width(m) // tp, local_kv_rows(m, tp)
     qkv_bias = m.use_bias if arch.qkv_bias is None else arch.qkv_bias
     total = h * q + 2 * kv * h + q * h + (h * q if arch.attention_output_gate else 0)
