@@ -2,44 +2,26 @@
 every TP rank, so the planner's parameters per device equal the built model's, at tp 1 and tp 2."""
 
 import torch
+from test_planner_mla import MLA
 from training_helpers import tiny_config
 
 from megacann.models import get_model_spec
 from megacann.models.spec import ChunkPlacement
 from megacann.planning import estimate_stages, layout_of
 
-V32 = [
-    "model.type=deepseek_v32",
-    "model.rotary_interleaved=true",
-    "model.num_key_value_heads=4",
-    "model.q_lora_rank=24",
-    "model.kv_lora_rank=16",
-    "model.qk_nope_head_dim=8",
-    "model.qk_rope_head_dim=4",
-    "model.v_head_dim=6",
-    "model.num_experts=4",
-    "model.moe_top_k=2",
-    "model.n_group=2",
-    "model.topk_group=1",
-    "model.moe_ffn_hidden_size=32",
-    "model.moe_shared_experts=1",
-    "model.first_k_dense_replace=2",
-    "model.index_n_heads=2",
-    "model.index_head_dim=8",
-    "model.index_topk=8",
-]
+INDEXER = ["model.index_n_heads=2", "model.index_head_dim=8", "model.index_topk=8"]
+V32 = ["model.type=deepseek_v32", "model.rotary_interleaved=true", *MLA[1:], *INDEXER]  # MLA[0]: its type
 
 
 def test_indexer_parameters_are_planned_whole_on_every_tp_rank():
     """At tp 1 the planner's count equals the built model's trainable parameters; at tp 1 and tp 2 it is
     DeepSeek-V3's of the same keys plus the indexers whole (wq_b, wk, k_norm's weight and bias, weights_proj)."""
     indexers = 4 * (24 * 2 * 8 + 64 * 8 + 2 * 8 + 64 * 2)  # 4 layers
-    v3 = [key.replace("deepseek_v32", "deepseek_v3") for key in V32 if not key.startswith("model.index_")]
     for tp in (1, 2):
         layout = [f"distributed.tensor_parallel_size={tp}"]
         cfg = tiny_config([*V32, *layout], world_size=tp)
         planned = estimate_stages(cfg, layout_of(cfg))[0].params
-        dense = tiny_config([*v3, *layout], world_size=tp)
+        dense = tiny_config([*MLA, *layout], world_size=tp)
         assert planned == estimate_stages(dense, layout_of(dense))[0].params + indexers, tp
         if tp == 1:
             with torch.device("meta"):
