@@ -11,7 +11,11 @@ heads); per transformer layer, per token (q = n x head_dim, = h when heads are h
 - an MoE layer: the norms and attention as above, its feed-forward block as :mod:`megacann.planning.moe`
   says (router, routed token copies, shared experts) instead of the MLP's.
 
-Not counted: the tensors the per-head q/k norms (Qwen3) save. Latent attention (DeepSeek-V3) replaces the q, k, v
+Per-head q/k norms (Qwen3, Qwen3.5) add their input and 1/rms (a (q + n)/t + a (k + kv heads) per token); an
+output gate (Qwen3.5) its sigmoid and the gated output o_proj reads (2aq/t); partial RoPE makes the rotary
+tables the rotated width; a Gated DeltaNet layer (:mod:`megacann.planning.gated_deltanet`) saves its own
+terms instead of attention's q, k, v, output and log-sum-exp, and a chunk of DeltaNet layers only no rotary
+tables. Latent attention (DeepSeek-V3) replaces the q, k, v
 terms by those of :mod:`megacann.planning.mla`.
 
 Sequence parallelism divides only the norms' part by t: the column-parallel projections save the input
