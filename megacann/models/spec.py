@@ -177,6 +177,8 @@ class MoEStructure:
     capacity_factor: Optional[float] = None
     normalize_top_k: bool = True
     shared_expert_gate: bool = False
+    router_bias: bool = False  # a bias on the router's scores (gpt-oss): E parameters, dense
+    expert_bias: bool = False  # biases on every expert's projections (gpt-oss): 2 f_e + h per expert
 
 
 def _no_defaults(cfg: ModelConfig) -> None:

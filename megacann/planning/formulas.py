@@ -205,6 +205,7 @@ def attention_parameters_per_rank(m: ModelConfig, tp: int) -> int:
     h, q, kv = m.hidden_size, query_width(m) // tp, local_kv_rows(m, tp)
     qkv_bias = m.use_bias if arch.qkv_bias is None else arch.qkv_bias
     total = h * q + 2 * kv * h + q * h + (h * q if arch.attention_output_gate else 0)
+    total += m.num_attention_heads // tp if arch.attention_sinks else 0  # split with the heads
     total += (q + 2 * kv) if qkv_bias else 0  # split like their rows
     total += h if m.use_bias else 0  # o_proj's, replicated
     return total + (2 * attention_head_dim(m) if arch.qk_norm else 0)  # per-head norms, whole on every rank

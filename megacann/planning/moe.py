@@ -3,10 +3,11 @@
 **Parameters** of one MoE layer on one rank (t = TP size, ep = expert-parallel size, h hidden, E routed
 experts of width f_e, shared-expert width f_s): attention and norms as a dense layer, plus
 
-- the router: E x h, whole on every rank (dense: data-parallel);
+- the router: E x h (+ E with a router bias, gpt-oss), whole on every rank (dense: data-parallel);
 - the shared experts: one SwiGLU MLP of width f_s, split over TP like a dense MLP: 3 h f_s / t (dense);
 - the routed experts: E / ep experts on each expert-parallel rank, each split over TP like a dense MLP:
-  (E / ep) x 3 h f_e / t (expert parameters).
+  (E / ep) x 3 h f_e / t (expert parameters); with expert biases (gpt-oss) each expert also has
+  2 f_e / t (gate|up, split) + h (down, whole on every TP rank).
 
 Expert parallelism is carved out of data parallelism (ep divides dp): dense parameters are replicated
 over the dp (x cp) ranks, expert parameters only over the dp / ep (x cp) ranks of the expert-data-parallel
@@ -48,7 +49,10 @@ def moe_parameters_per_rank(h: int, tp: int, ep: int, moe: MoEStructure) -> tupl
     """(dense, expert) parameters of one MoE layer's feed-forward block on one rank: the router and shared
     experts (dense), this expert-parallel rank's routed experts (expert)."""
     dense = moe.num_experts * h + 3 * h * moe.shared_ffn_hidden_size // tp + (h if moe.shared_expert_gate else 0)
-    experts = moe.num_experts // ep * 3 * h * moe.expert_ffn_hidden_size // tp
+    dense += moe.num_experts if moe.router_bias else 0
+    per_expert = 3 * h * moe.expert_ffn_hidden_size // tp
+    per_expert += 2 * moe.expert_ffn_hidden_size // tp + h if moe.expert_bias else 0  # gate|up split, down whole
+    experts = moe.num_experts // ep * per_expert
     return dense, experts
 
 
