@@ -64,6 +64,12 @@ class DecoderArch:
     qkv_bias: Optional[bool] = None  # q, k, v biases; None: as the other projections (model.add_bias_linear)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     latent_attention: bool = False  # multi-head latent attention (DeepSeek-V3): its keys are the family's
+    sparse_indexer: bool = False  # a lightning indexer picks each query's keys (DeepSeek-V3.2; the family's keys)
+    attention_sinks: bool = False  # one learned sink logit per head joins the softmax (gpt-oss)
+    attention_output_gate: bool = False  # q_proj also gives a gate; the heads' output times its sigmoid (Qwen3.5)
+    partial_rotary: bool = False  # RoPE on the first ``partial_rotary_factor`` of each head (the family's key)
+    # which layers are Gated DeltaNet linear attention (reading the family's ``linear_*`` keys); None: none
+    linear_attention_layers: Optional[Callable[[ModelConfig], list[bool]]] = None
 
     @property
     def mlp_matrices(self) -> int:

@@ -156,6 +156,7 @@ DEEPSEEK_V32 = dataclasses.replace(
         structure=deepseek_structure,
     ),
     forward_step=deepseek_v32_forward_step,
+    architecture=dataclasses.replace(DeepseekV32Model.ARCH, sparse_indexer=True),
 )
 
 __all__ = ["DEEPSEEK_V32", "DeepseekV32Model", "deepseek_v32_num_parameters"]

@@ -31,9 +31,12 @@ from megacann.models.moe import (
     moe_defaults,
     moe_model_spec,
     moe_num_parameters,
+    moe_structure,
 )
 
-GPT_OSS_ARCH = DecoderArch(normalization="rmsnorm", activation="swiglu", position_embedding="rope")
+GPT_OSS_ARCH = DecoderArch(
+    normalization="rmsnorm", activation="swiglu", position_embedding="rope", attention_sinks=True
+)
 
 
 def gpt_oss_defaults(cfg: ModelConfig) -> None:
@@ -105,4 +108,5 @@ GPT_OSS = moe_model_spec(  # decodes as every decoder: the cache's attention tak
     check_config=check_gpt_oss_config,
     hf=GPT_OSS_HF,
     num_parameters=gpt_oss_num_parameters,
+    structure=lambda m: dataclasses.replace(moe_structure(m), router_bias=True, expert_bias=True),
 )

@@ -36,7 +36,21 @@ from megacann.models.qwen3_5_config import (
     rotary_dims,
 )
 
-QWEN3_5_ARCH = DecoderArch(normalization="rmsnorm", activation="swiglu", position_embedding="rope", qk_norm=True)
+
+def linear_attention_layers(cfg: ModelConfig) -> list[bool]:
+    """Whether each layer is a Gated DeltaNet (``layer_types``), for the memory planner."""
+    return [kind == LINEAR for kind in qwen3_5_layer_types(cfg)]
+
+
+QWEN3_5_ARCH = DecoderArch(
+    normalization="rmsnorm",
+    activation="swiglu",
+    position_embedding="rope",
+    qk_norm=True,
+    attention_output_gate=True,
+    partial_rotary=True,
+    linear_attention_layers=linear_attention_layers,
+)
 
 
 class LinearAttentionMixer(GatedDeltaNet):
@@ -138,5 +152,5 @@ QWEN3_5 = dataclasses.replace(
     config_class=Qwen35ModelConfig,
     num_parameters=qwen3_5_num_parameters,
     flops_per_token=qwen3_5_flops_per_token,
-    architecture=None,  # the memory planner's formulas know softmax-attention layers only
+    architecture=QWEN3_5_ARCH,
 )

@@ -125,7 +125,8 @@ def qwen3_5_moe_flops_per_token(
 def _structure(m: ModelConfig) -> MoEStructure:
     m = dataclasses.replace(m)
     qwen3_5_moe_defaults(m)
-    return dataclasses.replace(moe_structure(m), shared_ffn_hidden_size=m.shared_expert_intermediate_size)
+    shared = m.shared_expert_intermediate_size
+    return dataclasses.replace(moe_structure(m), shared_ffn_hidden_size=shared, shared_expert_gate=True)
 
 
 QWEN3_5_MOE = dataclasses.replace(
@@ -139,5 +140,5 @@ QWEN3_5_MOE = dataclasses.replace(
         flops_per_token=qwen3_5_moe_flops_per_token,
         structure=_structure,
     ),
-    architecture=None,  # the memory planner's formulas know softmax-attention layers only
+    architecture=QWEN3_5_ARCH,
 )

@@ -166,7 +166,8 @@ class MoEStructure:
     token routed to ``top_k`` of them (their weights renormalised when ``normalize_top_k``; at most
     ``capacity_factor`` times the even share per expert, None: dropless), a router of
     ``num_experts x hidden`` weights, and one shared SwiGLU MLP of width ``shared_ffn_hidden_size``
-    (0: none) every token passes through."""
+    (0: none) every token passes through, its output weighed per token by ``sigmoid(x · g)`` of a learned
+    row g when ``shared_expert_gate`` (Qwen3.5-MoE)."""
 
     moe_layers: tuple[bool, ...]
     num_experts: int
@@ -175,6 +176,9 @@ class MoEStructure:
     shared_ffn_hidden_size: int = 0
     capacity_factor: Optional[float] = None
     normalize_top_k: bool = True
+    shared_expert_gate: bool = False
+    router_bias: bool = False  # a bias on the router's scores (gpt-oss): E parameters, dense
+    expert_bias: bool = False  # biases on every expert's projections (gpt-oss): 2 f_e + h per expert
 
 
 def _no_defaults(cfg: ModelConfig) -> None:

@@ -11,7 +11,11 @@ heads); per transformer layer, per token (q = n x head_dim, = h when heads are h
 - an MoE layer: the norms and attention as above, its feed-forward block as :mod:`megacann.planning.moe`
   says (router, routed token copies, shared experts) instead of the MLP's.
 
-Not counted: the tensors the per-head q/k norms (Qwen3) save. Latent attention (DeepSeek-V3) replaces the q, k, v
+Per-head q/k norms (Qwen3, Qwen3.5) add their input and 1/rms (a (q + n)/t + a (k + kv heads) per token); an
+output gate (Qwen3.5) its sigmoid and the gated output o_proj reads (2aq/t); partial RoPE makes the rotary
+tables the rotated width; a Gated DeltaNet layer (:mod:`megacann.planning.gated_deltanet`) saves its own
+terms instead of attention's q, k, v, output and log-sum-exp, and a chunk of DeltaNet layers only no rotary
+tables. Latent attention (DeepSeek-V3) replaces the q, k, v
 terms by those of :mod:`megacann.planning.mla`.
 
 Sequence parallelism divides only the norms' part by t: the column-parallel projections save the input
@@ -59,6 +63,7 @@ from megacann.planning.formulas import (
     padded_vocab,
     query_width,
 )
+from megacann.planning.gated_deltanet import gated_deltanet_activation_terms
 from megacann.planning.moe import moe_activation_terms
 
 
@@ -79,9 +84,11 @@ def tokens_per_rank(cfg: MegacannConfig, layout: Layout) -> float:
     return layout.micro_batch * cfg.data.seq_length / layout.cp
 
 
-def layer_activation_terms(cfg: MegacannConfig, layout: Layout, moe_layer: bool = False) -> dict[str, float]:
-    """Bytes one transformer layer (``moe_layer``: an MoE layer) saves for one micro-batch, by what saves
-    them (recompute: none)."""
+def layer_activation_terms(
+    cfg: MegacannConfig, layout: Layout, moe_layer: bool = False, linear_layer: bool = False
+) -> dict[str, float]:
+    """Bytes one transformer layer (``moe_layer``: an MoE layer; ``linear_layer``: a Gated DeltaNet's) saves
+    for one micro-batch, by what saves them (recompute: none)."""
     m = cfg.model
     a, t = DTYPE_BYTES[m.precision], layout.tp
     h, f, kv, q = m.hidden_size, m.ffn_size, kv_read_width(m, t), query_width(m)
@@ -100,6 +107,12 @@ def layer_activation_terms(cfg: MegacannConfig, layout: Layout, moe_layer: bool 
     if arch.latent_attention:
         del terms["attention q k v out"]
         terms.update(mla.latent_attention_activation_terms(m, tokens, a, t))
+    if linear_layer:
+        del terms["attention q k v out"], terms["attention log-sum-exp"]
+        seq = cfg.data.seq_length // layout.cp
+        terms.update(gated_deltanet_activation_terms(m, layout.micro_batch, seq, a, t))
+    else:
+        terms.update(attention_extra_terms(m, tokens, a, t, kv))
     if moe_layer:  # the router reads the MLP's input: its own term counts it
         terms["projection inputs"] = tokens * a * h
         del terms["mlp"]
@@ -110,6 +123,18 @@ def layer_activation_terms(cfg: MegacannConfig, layout: Layout, moe_layer: bool 
 
 
 ULYSSES_TERM = "attention: Ulysses' head-sharded copies"
+
+
+def attention_extra_terms(m: ModelConfig, tokens: float, a: int, t: int, kv: int) -> dict[str, float]:
+    """What the optional parts of softmax attention save: the per-head q/k norms (their input and 1/rms),
+    an output gate (its sigmoid and the gated output o_proj reads)."""
+    arch, head_dim, heads = architecture(m), attention_head_dim(m), m.num_attention_heads // t
+    terms = {}
+    if arch.qk_norm:
+        terms["attention q/k norms"] = tokens * a * (query_width(m) // t + heads + kv + kv // head_dim)
+    if arch.attention_output_gate:
+        terms["attention output gate"] = tokens * a * 2 * query_width(m) // t
+    return terms
 
 
 def ulysses_extra_bytes(cfg: MegacannConfig, layout: Layout, tokens: float) -> float:
@@ -125,11 +150,11 @@ def ulysses_extra_bytes(cfg: MegacannConfig, layout: Layout, tokens: float) -> f
 
 
 def layer_activation_bytes(
-    cfg: MegacannConfig, layout: Layout, recompute: str = "none", moe_layer: bool = False
+    cfg: MegacannConfig, layout: Layout, recompute: str = "none", moe_layer: bool = False, linear_layer: bool = False
 ) -> float:
-    """Bytes one layer (``moe_layer``: an MoE layer) keeps between its forward and backward for one
-    micro-batch."""
-    terms = layer_activation_terms(cfg, layout, moe_layer)
+    """Bytes one layer (``moe_layer``: an MoE layer; ``linear_layer``: a Gated DeltaNet's) keeps between
+    its forward and backward for one micro-batch."""
+    terms = layer_activation_terms(cfg, layout, moe_layer, linear_layer)
     if recompute == "full":
         tokens = tokens_per_rank(cfg, layout)
         return (
@@ -146,7 +171,8 @@ def layer_activation_bytes(
 def chunk_extra_terms(
     cfg: MegacannConfig, layout: Layout, first: bool, last: bool, has_layers: bool
 ) -> dict[str, float]:
-    """Bytes a model chunk saves besides its layers, for one micro-batch."""
+    """Bytes a model chunk saves besides its layers, for one micro-batch (``has_layers``: layers that read
+    the rotary tables, i.e. other than Gated DeltaNet)."""
     m = cfg.model
     a, t = DTYPE_BYTES[m.precision], layout.tp
     tokens = tokens_per_rank(cfg, layout)
@@ -161,6 +187,7 @@ def chunk_extra_terms(
         terms["token ids"] = tokens * (8 + (t > 1)) + (positions if learned else 0)
     if has_layers and arch.position_embedding == "rope":
         width = m.qk_rope_head_dim if arch.latent_attention else attention_head_dim(m)
+        width = int(width * m.partial_rotary_factor) if arch.partial_rotary else width
         terms["rotary tables"] = tokens * 2 * width * a
     if last:
         stats = 2 if arch.normalization == "layernorm" else 1

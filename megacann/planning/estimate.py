@@ -41,7 +41,7 @@ from megacann.planning.deferred import chunk_held_bytes
 from megacann.planning.formulas import (
     Layout,
     chunk_parameters_per_rank,
-    is_moe_layer,
+    layer_kind,
     layer_parameters_per_rank,
     padded_vocab,
     query_width,
@@ -173,7 +173,7 @@ def mtp_terms(cfg: MegacannConfig, layout: Layout) -> tuple[int, int, float]:
     params += depths * (3 * h + 2 * h * h // tp)
     if layout.pp > 1 and not m.tie_word_embeddings:
         params += padded_vocab(cfg, tp) // tp * h
-    layer = layer_activation_bytes(cfg, layout, layout.recompute, is_moe_layer(m, last))
+    layer = layer_activation_bytes(cfg, layout, layout.recompute, *layer_kind(m, last))
     head = sum(chunk_extra_terms(cfg, layout, False, True, False).values())
     return params, experts, depths * (layer + head)
 
@@ -213,23 +213,25 @@ def estimate_stage(
         first, last = placement.is_model_first(stage, chunk), placement.is_model_last(pp, stage, chunk, vpp)
         chunk_params, chunk_experts = chunk_parameters_per_rank(cfg, layout.tp, ids, first, last, pp, layout.ep)
         params, experts = params + chunk_params, experts + chunk_experts
-        kinds = [is_moe_layer(m, i) for i in ids]
-        layers = {moe: layer_activation_bytes(cfg, layout, layout.recompute, moe) for moe in set(kinds)}
-        kept = [moe for i, moe in zip(ids, kinds) if i not in offloaded]
-        moved = [moe for i, moe in zip(ids, kinds) if i in offloaded]
+        kinds = [layer_kind(m, i) for i in ids]
+        layers = {kind: layer_activation_bytes(cfg, layout, layout.recompute, *kind) for kind in set(kinds)}
+        reads_rotary = any(not linear for _, linear in kinds)  # a Gated DeltaNet takes no positions
+        kept = [kind for i, kind in zip(ids, kinds) if i not in offloaded]
+        moved = [kind for i, kind in zip(ids, kinds) if i in offloaded]
         saved.append(
-            sum(layers[moe] for moe in kept) + sum(chunk_extra_terms(cfg, layout, first, last, bool(ids)).values())
+            sum(layers[kind] for kind in kept) + sum(chunk_extra_terms(cfg, layout, first, last, reads_rotary).values())
         )
-        host_saved.append(sum(layers[moe] for moe in moved))
+        host_saved.append(sum(layers[kind] for kind in moved))
         if moved:  # an offloaded layer's activations are on the device during its forward and its backward
-            transient = max(transient, *(layers[moe] for moe in moved))
+            transient = max(transient, *(layers[kind] for kind in moved))
         if layout.zero >= 3:  # ZeRO-3 gathers the largest layer whole (one per kind of layer to count)
-            firsts = {is_moe_layer(m, i): i for i in reversed(ids)}.values()
+            firsts = {layer_kind(m, i): i for i in reversed(ids)}.values()
             unit = max([unit] + [sum(layer_parameters_per_rank(m, layout.tp, i, layout.ep)) for i in firsts])
         buffers.append(pipeline_buffer_bytes(cfg, layout, first, last))
-        held.append(chunk_held_bytes(cfg, layout, ids, first, last, held_per_kind, kinds) if split else 0.0)
+        moe_kinds = [moe for moe, _ in kinds]
+        held.append(chunk_held_bytes(cfg, layout, ids, first, last, held_per_kind, moe_kinds) if split else 0.0)
         if layout.recompute == "full" and ids:  # backward re-runs one layer at a time
-            transient = max(transient, *(layer_activation_bytes(cfg, layout, "none", moe) for moe in set(kinds)))
+            transient = max(transient, *(layer_activation_bytes(cfg, layout, "none", *kind) for kind in set(kinds)))
         if last and mtp_depths(m):
             mtp_params, mtp_experts, mtp_saved = mtp_terms(cfg, layout)
             params, experts, saved[-1] = params + mtp_params, experts + mtp_experts, saved[-1] + mtp_saved

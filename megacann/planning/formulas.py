@@ -45,6 +45,7 @@ from megacann.models import DecoderArch, get_model_spec
 from megacann.models.sizing import attention_head_dim
 from megacann.models.spec import MoEStructure
 from megacann.planning import mla
+from megacann.planning.gated_deltanet import gated_deltanet_parameters_per_rank
 from megacann.planning.moe import moe_parameters_per_rank
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in PRECISION_DTYPES.items()}
@@ -175,6 +176,19 @@ def is_moe_layer(m: ModelConfig, layer_id: int) -> bool:
     return moe is not None and moe.moe_layers[layer_id]
 
 
+def is_linear_attention_layer(m: ModelConfig, layer_id: int) -> bool:
+    """Whether layer ``layer_id`` is a Gated DeltaNet (the family's ``DecoderArch.linear_attention_layers``)."""
+    which = architecture(m).linear_attention_layers
+    return which is not None and which(m)[layer_id]
+
+
+LayerKind = tuple[bool, bool]  # (an MoE layer, a Gated DeltaNet layer): layers of one kind count alike
+
+
+def layer_kind(m: ModelConfig, layer_id: int) -> LayerKind:
+    return is_moe_layer(m, layer_id), is_linear_attention_layer(m, layer_id)
+
+
 def query_width(m: ModelConfig) -> int:
     """Rows of the q projection (columns of the output projection): heads x head_dim."""
     return m.num_attention_heads * attention_head_dim(m)
@@ -182,13 +196,16 @@ def query_width(m: ModelConfig) -> int:
 
 def attention_parameters_per_rank(m: ModelConfig, tp: int) -> int:
     """q, k, v and output projections of one layer on one TP rank, with their biases and q/k norms
-    (latent attention: :mod:`megacann.planning.mla`)."""
+    (latent attention: :mod:`megacann.planning.mla`), and an output gate's rows of q_proj."""
     arch = architecture(m)
     if arch.latent_attention:
-        return mla.latent_attention_parameters_per_rank(m, tp)
+        return mla.latent_attention_parameters_per_rank(m, tp) + (
+            mla.indexer_parameters(m) if arch.sparse_indexer else 0
+        )
     h, q, kv = m.hidden_size, query_width(m) // tp, local_kv_rows(m, tp)
     qkv_bias = m.use_bias if arch.qkv_bias is None else arch.qkv_bias
-    total = h * q + 2 * kv * h + q * h
+    total = h * q + 2 * kv * h + q * h + (h * q if arch.attention_output_gate else 0)
+    total += m.num_attention_heads // tp if arch.attention_sinks else 0  # split with the heads
     total += (q + 2 * kv) if qkv_bias else 0  # split like their rows
     total += h if m.use_bias else 0  # o_proj's, replicated
     return total + (2 * attention_head_dim(m) if arch.qk_norm else 0)  # per-head norms, whole on every rank
@@ -197,10 +214,13 @@ def attention_parameters_per_rank(m: ModelConfig, tp: int) -> int:
 def layer_parameters_per_rank(m: ModelConfig, tp: int, layer_id: int = 0, ep: int = 1) -> tuple[int, int]:
     """(dense, expert) parameters of transformer layer ``layer_id`` held by one TP rank (of one
     expert-parallel rank): attention, two norms and the MLP, or an MoE layer's router, shared and routed
-    experts (the only expert parameters)."""
+    experts (the only expert parameters); a Gated DeltaNet layer's token mixer as
+    :mod:`megacann.planning.gated_deltanet` says."""
     arch = architecture(m)
     h, f = m.hidden_size, m.ffn_size
-    dense = attention_parameters_per_rank(m, tp) + 2 * arch.norm_parameters_per_width * h
+    linear = is_linear_attention_layer(m, layer_id)
+    mixer = gated_deltanet_parameters_per_rank(m, tp) if linear else attention_parameters_per_rank(m, tp)
+    dense = mixer + 2 * arch.norm_parameters_per_width * h
     moe = moe_structure(m)
     if moe is not None and moe.moe_layers[layer_id]:
         router_shared, experts = moe_parameters_per_rank(h, tp, ep, moe)
@@ -221,10 +241,10 @@ def chunk_parameters_per_rank(
     chunk of the model) and the final norm and output layer (last chunk)."""
     m = cfg.model
     h, vocab = m.hidden_size, padded_vocab(cfg, tp) // tp
-    by_kind: dict[bool, tuple[int, int]] = {}  # a layer's count depends only on whether it is an MoE layer
+    by_kind: dict[LayerKind, tuple[int, int]] = {}  # a layer's count depends only on its kind
     per_layer = []
     for i in layer_ids:
-        kind = is_moe_layer(m, i)
+        kind = layer_kind(m, i)
         if kind not in by_kind:
             by_kind[kind] = layer_parameters_per_rank(m, tp, i, ep)
         per_layer.append(by_kind[kind])

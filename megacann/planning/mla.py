@@ -13,11 +13,18 @@ sequence on every TP rank, also under sequence parallelism): the q latent's norm
 attention runs on heads padded to one width W = max(d_qk, d_v) and saves q, k, v and its output
 (4 a n W / t) plus a float32 log-sum-exp per head; o_proj saves its input (a n d_v / t). RoPE saves
 nothing (its tables carry no gradient); the rotary tables are of width ``qk_rope_head_dim``.
+
+**DeepSeek-V3.2's lightning indexer** (``DecoderArch.sparse_indexer``): its parameters (wq_b, wk, k_norm,
+weights_proj; whole on every TP rank) are counted. Not counted: its activations (its keys and scores, the
+top-k selection and the indexer loss's fp32 [b, heads, s, s] target of the dense attention's distribution).
 """
 
 from __future__ import annotations
 
 from megacann.config import ModelConfig
+from megacann.models.deepseek_v32 import indexer_parameters
+
+__all__ = ["indexer_parameters", "latent_attention_activation_terms", "latent_attention_parameters_per_rank"]
 
 
 def padded_head_width(m: ModelConfig) -> int:

@@ -3,10 +3,11 @@
 **Parameters** of one MoE layer on one rank (t = TP size, ep = expert-parallel size, h hidden, E routed
 experts of width f_e, shared-expert width f_s): attention and norms as a dense layer, plus
 
-- the router: E x h, whole on every rank (dense: data-parallel);
+- the router: E x h (+ E with a router bias, gpt-oss), whole on every rank (dense: data-parallel);
 - the shared experts: one SwiGLU MLP of width f_s, split over TP like a dense MLP: 3 h f_s / t (dense);
 - the routed experts: E / ep experts on each expert-parallel rank, each split over TP like a dense MLP:
-  (E / ep) x 3 h f_e / t (expert parameters).
+  (E / ep) x 3 h f_e / t (expert parameters); with expert biases (gpt-oss) each expert also has
+  2 f_e / t (gate|up, split) + h (down, whole on every TP rank).
 
 Expert parallelism is carved out of data parallelism (ep divides dp): dense parameters are replicated
 over the dp (x cp) ranks, expert parameters only over the dp / ep (x cp) ranks of the expert-data-parallel
@@ -29,7 +30,8 @@ E x ceil(c T k / E)). Saved for backward, per token or row:
   int64 source index of the permutation (8), the int32 row map (4) and the expert output the weighted
   sum gathers (ah);
 - shared experts: as a dense SwiGLU MLP (4a f_s / t per token), and the MLP input once more (ah) where it
-  is not the router's own input (low-precision weights, or TP).
+  is not the router's own input (low-precision weights, or TP); a gated shared expert (Qwen3.5-MoE) also
+  its output and the gate's sigmoid (a (h + 1)), and holds the gate row (h parameters, dense).
 
 Not counted: the z-loss's logits and log-sum-exp (``moe_z_loss_coeff``), the fp32 copy of a low-precision
 router weight, and load imbalance (an expert-parallel rank receiving more than its share of rows). The
@@ -46,8 +48,11 @@ from megacann.models.spec import MoEStructure
 def moe_parameters_per_rank(h: int, tp: int, ep: int, moe: MoEStructure) -> tuple[int, int]:
     """(dense, expert) parameters of one MoE layer's feed-forward block on one rank: the router and shared
     experts (dense), this expert-parallel rank's routed experts (expert)."""
-    dense = moe.num_experts * h + 3 * h * moe.shared_ffn_hidden_size // tp
-    experts = moe.num_experts // ep * 3 * h * moe.expert_ffn_hidden_size // tp
+    dense = moe.num_experts * h + 3 * h * moe.shared_ffn_hidden_size // tp + (h if moe.shared_expert_gate else 0)
+    dense += moe.num_experts if moe.router_bias else 0
+    per_expert = 3 * h * moe.expert_ffn_hidden_size // tp
+    per_expert += 2 * moe.expert_ffn_hidden_size // tp + h if moe.expert_bias else 0  # gate|up split, down whole
+    experts = moe.num_experts // ep * per_expert
     return dense, experts
 
 
@@ -71,5 +76,6 @@ def moe_activation_terms(tokens: float, a: int, h: int, tp: int, moe: MoEStructu
     terms["routed experts"] = rows * a * (h + 4 * f) + tokens * k * (a * h + 12)
     if moe.shared_ffn_hidden_size:
         again = h if a != 4 or tp > 1 else 0
-        terms["shared experts"] = tokens * a * (4 * moe.shared_ffn_hidden_size // tp + again)
+        gate = routed * a * (h + 1) if moe.shared_expert_gate else 0  # on the router's tokens
+        terms["shared experts"] = tokens * a * (4 * moe.shared_ffn_hidden_size // tp + again) + gate
     return terms

@@ -12,6 +12,7 @@ from megacann.planning.estimate import StageEstimate, bubble_fraction, estimate_
 from megacann.planning.formulas import (
     DTYPE_BYTES,
     Layout,
+    layer_kind,
     layout_of,
     moe_structure,
     optimizer_bytes_per_param,
@@ -134,11 +135,13 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
             f"memory, peak {_gb(max(s.host_activations for s in stages))} GB per device (not in the device total)"
         )
     moe = moe_structure(cfg.model)
-    kinds = sorted(set(moe.moe_layers)) if moe else [False]
-    for kind in kinds:  # dense layers, MoE layers
-        by_recompute = {r: layer_activation_bytes(cfg, layout, r, kind) for r in ("none", "selective", "full")}
+    kinds = sorted({layer_kind(cfg.model, i) for i in range(cfg.model.num_layers)})
+    linear = any(is_linear for _, is_linear in kinds)
+    for kind in kinds:  # dense layers, MoE layers; attention, Gated DeltaNet layers
+        by_recompute = {r: layer_activation_bytes(cfg, layout, r, *kind) for r in ("none", "selective", "full")}
+        mixer = ("Gated DeltaNet " if kind[1] else "attention ") if linear else ""
         lines.append(
-            f"activations per {'MoE ' if kind else 'dense ' if moe else ''}layer and micro-batch: "
+            f"activations per {mixer}{'MoE ' if kind[0] else 'dense ' if moe else ''}layer and micro-batch: "
             + ", ".join(f"{r} {by_recompute[r] / 2**20:,.0f} MiB" for r in by_recompute)
             + f" (recipe: {layout.recompute})"
         )

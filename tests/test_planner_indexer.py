@@ -1,0 +1,29 @@
+"""megacann-plan on DeepSeek-V3.2 (model.type deepseek_v32): every layer's lightning indexer is held whole on
+every TP rank, so the planner's parameters per device equal the built model's, at tp 1 and tp 2."""
+
+import torch
+from test_planner_mla import MLA
+from training_helpers import tiny_config
+
+from megacann.models import get_model_spec
+from megacann.models.spec import ChunkPlacement
+from megacann.planning import estimate_stages, layout_of
+
+INDEXER = ["model.index_n_heads=2", "model.index_head_dim=8", "model.index_topk=8"]
+V32 = ["model.type=deepseek_v32", "model.rotary_interleaved=true", *MLA[1:], *INDEXER]  # MLA[0]: its type
+
+
+def test_indexer_parameters_are_planned_whole_on_every_tp_rank():
+    """At tp 1 the planner's count equals the built model's trainable parameters; at tp 1 and tp 2 it is
+    DeepSeek-V3's of the same keys plus the indexers whole (wq_b, wk, k_norm's weight and bias, weights_proj)."""
+    indexers = 4 * (24 * 2 * 8 + 64 * 8 + 2 * 8 + 64 * 2)  # 4 layers
+    for tp in (1, 2):
+        layout = [f"distributed.tensor_parallel_size={tp}"]
+        cfg = tiny_config([*V32, *layout], world_size=tp)
+        planned = estimate_stages(cfg, layout_of(cfg))[0].params
+        dense = tiny_config([*MLA, *layout], world_size=tp)
+        assert planned == estimate_stages(dense, layout_of(dense))[0].params + indexers, tp
+        if tp == 1:
+            with torch.device("meta"):
+                model = get_model_spec("deepseek_v32").build(cfg, ChunkPlacement((0, 1, 2, 3)), "meta")
+            assert planned == sum(p.numel() for p in model.parameters() if p.requires_grad)
