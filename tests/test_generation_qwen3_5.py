@@ -15,6 +15,8 @@ states and convolution channels.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from dist_harness import run_on_ranks
@@ -38,6 +40,7 @@ from megacann.generation.kv_cache import KVCacheLayer
 from megacann.interop import from_pretrained_hf
 from megacann.models import get_model_spec
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the longest prompt (14) + 64 new tokens; weights of spread 0.05: at the family tests' 0.1, transformers'
 # own fp32 log-probabilities stray up to 1.7e-5 from megacann's fp64 ones (measured), more than the bound
 LONG = {"max_position_embeddings": 128, "std": 0.05}
@@ -167,7 +170,7 @@ def test_the_planned_generation_cache_equals_the_measured_one():
     from megacann.planning.generation import generation_cache_bytes, generation_cache_lines
 
     overrides = ["data.seq_length=6", "generation_eval.batch_size=3", "generation_eval.max_new_tokens=4"]
-    cfg = load_config("examples/configs/qwen3_5/tiny.yaml", overrides + ["model.vocab_size=260"])
+    cfg = load_config(os.path.join(ROOT, "examples/configs/qwen3_5/tiny.yaml"), overrides + ["model.vocab_size=260"])
     model = get_model_spec("qwen3_5").build_chunk(cfg, ChunkPlacement(tuple(range(4))), "cpu").eval()
     generator = Generator(model, get_model_spec("qwen3_5"))
     generator.generate(prompts((6, 2, 6)), SamplingParams(max_new_tokens=4))
