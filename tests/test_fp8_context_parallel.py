@@ -15,6 +15,8 @@ from training_helpers import tiny_config
 
 from megacann.config import ConfigError
 
+pytestmark = pytest.mark.extended  # a slow multi-rank check: `make test-extended` runs it
+
 CP2 = "distributed.context_parallel_size=2"
 TENSORWISE, ROWWISE = ["precision.fp8=tensorwise"], ["precision.fp8=rowwise", "precision.fp8_grad_format=e4m3"]
 MXFP8 = [

@@ -33,6 +33,8 @@ from megacann.layers import LayerContext, MoEConfig, MoELayer
 from megacann.ops.fp8 import Fp8Settings
 from megacann.ops.fp8_formats import Fp8Error
 
+pytestmark = pytest.mark.extended  # a slow multi-rank check: `make test-extended` runs it
+
 SEED, BATCH, SEQ, HIDDEN, FFN, EXPERTS = 5, 2, 16, 64, 64, 4
 TOL, SCALE_TOL = 1e-5, 1e-6
 # name: (recipe, tp, ep, sabotage); world = 2 for ep 2 alone, 4 with tp 2

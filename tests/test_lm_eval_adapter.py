@@ -20,6 +20,8 @@ import pytest
 import torch
 import yaml
 
+pytestmark = pytest.mark.extended  # a slow multi-rank check: `make test-extended` runs it
+
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks read local JSONL files: never the network
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("lm_eval")

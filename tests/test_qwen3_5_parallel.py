@@ -16,6 +16,8 @@ from dist_harness import run_on_ranks
 from qwen3_5_helpers import SHAPE, hf_logits, tiny_hf_qwen3_5
 from test_training_parity import assert_close_trace
 
+pytestmark = pytest.mark.extended  # a slow multi-rank check: `make test-extended` runs it
+
 STEPS = 3
 SEQ = 16
 IDS = torch.randint(0, SHAPE["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(1))

@@ -15,6 +15,8 @@ from dist_harness import run_on_ranks
 from qwen3_next_helpers import hf_next_logits, tiny_hf_qwen3_next
 from test_qwen3_5_parallel import IDS, MOE_LAYOUTS, _check_layout, _run
 
+pytestmark = pytest.mark.extended  # a slow multi-rank check: `make test-extended` runs it
+
 MOE = ("MoELayer", 0)
 # The weights are drawn at 0.03: at Qwen3.5-MoE's 0.05 the third step's gradient norm moved by 8e-6 (tp 2 + SP)
 # to 1.1e-5 (cp 2) from one process's, the same under every layout, rounding grown by Adam's first steps

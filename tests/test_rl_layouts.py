@@ -26,6 +26,8 @@ from test_rl_loop import STEPS, _trace, _trainer, assert_same_trace, rl_override
 
 from megacann.config import ConfigError
 
+pytestmark = pytest.mark.extended  # a slow multi-rank check: `make test-extended` runs it
+
 MOE = ["model.type=moe", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
 DP2 = ["optim.grad_accum_steps=1"]  # global batch 8 on 2 ranks, as one process's 2 x 4
 TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
