@@ -1,6 +1,9 @@
-"""Tiny random gpt-oss checkpoints written by transformers, for the gpt-oss family tests."""
+"""Tiny random gpt-oss checkpoints written by transformers, and attention with sinks written plainly, for the
+gpt-oss family tests."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -62,3 +65,23 @@ def hf_logits(path: str, ids: torch.Tensor) -> torch.Tensor:
     model = transformers.GptOssForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     with torch.no_grad():
         return model(ids).logits
+
+
+def attention_with_sink_column(q, k, v, sinks, keep):
+    """Softmax over each row's allowed scores and the head's sink logit, the sink's weight dropped; GQA by
+    repeating kv heads. ``keep`` [b, s, s] True where a query sees a key. BSND in and out."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~keep.unsqueeze(1), float("-inf"))
+    weights = torch.exp(scores - torch.logaddexp(scores.logsumexp(-1), sinks.view(1, -1, 1)).unsqueeze(-1))
+    return torch.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def visible_keys(segments, window):
+    """[b, s, s] True where a query sees a key: causal, within its document (``segments`` [b, s]) and, with a
+    ``window`` W, among its last W keys."""
+    s = segments.shape[1]
+    i, j = torch.arange(s).view(-1, 1), torch.arange(s).view(1, -1)
+    keep = (j <= i) & (segments.unsqueeze(-1) == segments.unsqueeze(-2))
+    return keep & (i - j < window) if window else keep

@@ -11,14 +11,14 @@ import math
 
 import pytest
 import torch
-from gpt_oss_helpers import SHAPE, hf_logits, tiny_hf_gpt_oss
+from gpt_oss_helpers import SHAPE, attention_with_sink_column, hf_logits, tiny_hf_gpt_oss, visible_keys
 from published_config_checks import check_recipe_matches_published
 from training_helpers import tiny_config
 
 from megacann import ops
 from megacann.config import ConfigError
 from megacann.interop import from_pretrained_hf, save_pretrained_hf
-from megacann.layers.context_parallel import context_parallel_attention
+from megacann.layers.context_parallel import blockwise_attention
 from megacann.layers.moe import clamped_swiglu
 from megacann.layers.sharding import get_sharding
 from megacann.models import ChunkPlacement, get_model_spec
@@ -30,24 +30,6 @@ IDS = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator()
 # -- the attention op with sinks -----------------------------------------------------------------------
 
 
-def _attention_with_sink_column(q, k, v, sinks, keep):
-    """Softmax over each row's allowed scores and the head's sink logit, the sink's weight dropped; GQA by
-    repeating kv heads. ``keep`` [b, s, s] True where a query sees a key. BSND in and out, fp64."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~keep.unsqueeze(1), float("-inf"))
-    weights = torch.exp(scores - torch.logaddexp(scores.logsumexp(-1), sinks.view(1, -1, 1)).unsqueeze(-1))
-    return torch.einsum("bhqk,bkhd->bqhd", weights, v)
-
-
-def _keep(segments, window):
-    s = segments.shape[1]
-    i, j = torch.arange(s).view(-1, 1), torch.arange(s).view(1, -1)
-    keep = (j <= i) & (segments.unsqueeze(-1) == segments.unsqueeze(-2))
-    return keep & (i - j < window) if window else keep
-
-
 @pytest.mark.parametrize("packed,window", [(False, None), (True, None), (False, 3), (True, 4)])
 def test_sinks_on_every_attention_path_equal_the_sink_column_formula(packed, window):
     g = torch.Generator().manual_seed(0)
@@ -55,10 +37,10 @@ def test_sinks_on_every_attention_path_equal_the_sink_column_formula(packed, win
     q, k, v = (torch.randn(b, s, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
     sinks = torch.randn(hq, generator=g, dtype=torch.float64) * 2
     segments = torch.tensor([[0] * 5 + [1] * 7, [0] * 12]) if packed else torch.zeros(b, s, dtype=torch.long)
-    expected = _attention_with_sink_column(q, k, v, sinks, _keep(segments, window))
+    expected = attention_with_sink_column(q, k, v, sinks, visible_keys(segments, window))
     grad_out = torch.randn(expected.shape, generator=g, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    want = torch.autograd.grad(_attention_with_sink_column(*leaves, _keep(segments, window)), leaves, grad_out)
+    want = torch.autograd.grad(attention_with_sink_column(*leaves, visible_keys(segments, window)), leaves, grad_out)
     seg = segments if packed else None
     impls = {
         "reference": lambda *t: reference.scaled_dot_product_attention(
@@ -96,11 +78,11 @@ def test_sinks_are_refused_by_name_where_an_implementation_cannot_take_them():
         npu.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match=r"sinks must hold one logit per query head, shape \(2,\), got \(3,\)"):
         ops.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(3))
-    with pytest.raises(ValueError, match=r"context_parallel_algo 'ring' does not take attention sinks"):
-        context_parallel_attention(q, q, q, algo="ring", sinks=torch.zeros(2))
-    with pytest.raises(ConfigError, match=r"context_parallel_algo 'allgather' is refused for model.type gpt_oss"):
-        cp2 = ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=allgather"]
-        tiny_config(GPT_OSS + cp2, world_size=2)
+    with pytest.raises(ValueError, match=r"sinks must hold one logit per query head, shape \(2,\), got \(3,\)"):
+        blockwise_attention(q, q, q, sinks=torch.zeros(3))
+    for algo in ("ring", "allgather", "ulysses"):  # every context-parallel algorithm takes the sinks
+        cp2 = ["distributed.context_parallel_size=2", f"distributed.context_parallel_algo={algo}"]
+        assert tiny_config(GPT_OSS + cp2, world_size=2).distributed.context_parallel_algo == algo
 
 
 def test_clamped_swiglu_equals_gpt_oss_formula():

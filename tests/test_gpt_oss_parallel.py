@@ -1,10 +1,12 @@
 """gpt-oss started from a Hugging Face checkpoint (``model.init_from``, written by transformers) trains alike
 under tensor + sequence parallelism (the experts split over TP, their down-projection biases added in
-shares), expert parallelism, pipeline stages and context parallelism with Ulysses attention (each rank's block of heads
-with its sinks) as on one process (gloo, CPU, fp32): losses and gradient norms to 1e-5
+shares), expert parallelism, pipeline stages and context parallelism with each algorithm (Ulysses: each
+rank's block of heads with its sinks; ring and all-gather: each query's sink added once after its blocks
+merge, on the sliding layers too) as on one process (gloo, CPU, fp32): losses and gradient norms to 1e-5
 relative. Each layout shows it is on: the query heads and attention sinks per TP rank, tokens per rank
-under SP and CP, each expert's slice per TP rank, the experts of each EP rank, the layers of each stage. Two spawns: world 2 runs
-the layouts, world 1 the one-process reference."""
+under SP and CP (and the algorithm the attention runs), each expert's slice per TP rank, the experts of
+each EP rank, the layers of each stage. Two spawns: world 2 runs the layouts, world 1 the one-process
+reference."""
 
 from __future__ import annotations
 
@@ -23,8 +25,12 @@ LAYOUTS = {
     "tp2_sp": ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true", ACCUM2],
     "ep2": ["distributed.expert_parallel_size=2", "optim.grad_accum_steps=1"],  # dp 2 (ep within it)
     "pp2": ["distributed.pipeline_parallel_size=2", ACCUM2],
-    "cp2_ulysses": ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=ulysses", ACCUM2],
+    **{
+        f"cp2_{algo}": ["distributed.context_parallel_size=2", f"distributed.context_parallel_algo={algo}", ACCUM2]
+        for algo in ("ulysses", "ring", "allgather")
+    },
 }
+WORLD2 = tuple(name for name in LAYOUTS if name != "one")
 
 
 def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
@@ -61,6 +67,7 @@ def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
             "experts": sorted(int(e) for e in moe.experts),
             "layers": [int(i) for i in chunk.layers],
             "windows": [block.self_attn.sliding_window for block in chunk.layers.values()],
+            "cp_algo": attn.context_parallel_algo,
         }
     return results
 
@@ -73,10 +80,10 @@ def runs(tmp_path_factory):
     hf_dir = tiny_hf_gpt_oss(str(tmp_path_factory.mktemp("gpt_oss_hf") / "hf"), swiglu_limit=7.0)
     root = str(tmp_path_factory.mktemp("gpt_oss_runs"))
     one = run_on_ranks(_run, 1, args=(("one",), hf_dir, root + "/w1"), timeout=600)[0]["one"]
-    return one, run_on_ranks(_run, 2, args=(("tp2_sp", "ep2", "pp2", "cp2_ulysses"), hf_dir, root + "/w2"), timeout=600)
+    return one, run_on_ranks(_run, 2, args=(WORLD2, hf_dir, root + "/w2"), timeout=600)
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "ep2", "pp2", "cp2_ulysses"])
+@pytest.mark.parametrize("layout", WORLD2)
 def test_layouts_train_like_one_process(runs, layout):
     one, world2 = runs
     facts = [rank[layout] for rank in world2]
@@ -91,8 +98,9 @@ def test_layouts_train_like_one_process(runs, layout):
         assert {f["tokens"][0] for f in facts} == {SEQ // 2}
     elif layout == "pp2":  # two layers per stage, each with its own kind of attention
         assert [(f["layers"], f["windows"]) for f in facts] == [([0, 1], [5, None]), ([2, 3], [5, None])]
-    elif layout == "cp2_ulysses":  # half the tokens per rank, all heads and their sinks (Ulysses splits them)
+    elif layout.startswith("cp2_"):  # half the tokens per rank, all heads and their sinks, the algorithm asked
         assert {f["tokens"][0] for f in facts} == {SEQ // 2} and {f["sinks"] for f in facts} == {(4,)}
+        assert {f["cp_algo"] for f in facts} == {layout.removeprefix("cp2_")}
     else:  # two experts per rank, whole
         assert [f["experts"] for f in facts] == [[0, 1], [2, 3]] and one["experts"] == [0, 1, 2, 3]
         assert {f["gate_up"] for f in facts} == {((64, 64), (64,))}

@@ -9,7 +9,7 @@
   biases on both projections and the clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``;
   :func:`megacann.layers.moe.clamped_swiglu`).
 
-Under context parallelism the sinks run with Ulysses attention only (ring and all-gather are refused). Hugging Face
+Under context parallelism every algorithm carries the sinks (ring, all-gather and Ulysses). Hugging Face
 checkpoints convert both ways (:mod:`megacann.models.hf_gpt_oss`).
 """
 
@@ -71,17 +71,9 @@ class GptOssModel(MoEModel):
 
 
 def check_gpt_oss_config(cfg: MegacannConfig, source: str) -> None:
-    """gpt-oss's keys, Ulysses alone under context parallelism (sinks), every layer MoE, then the MoE
-    family's checks."""
+    """gpt-oss's keys, every layer MoE, then the MoE family's checks."""
     m = cfg.model
     check_gpt_oss_keys(m, source)
-    d = cfg.distributed
-    if d.context_parallel_size > 1 and d.context_parallel_algo != "ulysses":
-        raise ConfigError(
-            f"{source}: distributed.context_parallel_algo {d.context_parallel_algo!r} is refused for model.type "
-            "gpt_oss: its attention sinks run under context parallelism with 'ulysses' only (ring and all-gather "
-            "blocks have no sink column)"
-        )
     if m.moe_layer_freq != 1 or m.moe_shared_experts or m.moe_router != "softmax" or m.moe_bias_update_rate:
         raise ConfigError(
             f"{source}: model.moe_layer_freq {m.moe_layer_freq!r} / moe_shared_experts {m.moe_shared_experts} / "

@@ -38,16 +38,12 @@ def context_parallel_attention(
     (None: none) lets each query see only its last W keys of the whole sequence, itself included: every
     algorithm carries it (ring and all-gather mask each block by global positions and skip blocks wholly
     outside the window; Ulysses attends over the whole sequence). ``sinks`` ``[heads]`` (gpt-oss's attention
-    sinks, :func:`megacann.ops.scaled_dot_product_attention`): Ulysses takes them (each rank attends with
-    its block of heads, so with their sinks); ring and all-gather refuse them by name.
+    sinks, :func:`megacann.ops.scaled_dot_product_attention`): every algorithm takes them (ring and all-gather
+    add each query's sink once, after merging its blocks; Ulysses gives each rank the sinks of its block of
+    heads); their gradient covers this rank's queries, summed over the group as any replicated weight's.
     """
     if algo not in CONTEXT_PARALLEL_ALGORITHMS:
         raise ValueError(f"context_parallel_algo {algo!r} is not one of {CONTEXT_PARALLEL_ALGORITHMS}")
-    if sinks is not None and algo != "ulysses":
-        raise ValueError(
-            f"context_parallel_algo {algo!r} does not take attention sinks (its blocks have no sink column): "
-            "use context_parallel_algo 'ulysses'"
-        )
     if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(
             f"context_parallel_attention expects q [b, s, heads, d] and k, v [b, s, kv_heads, d]; "
@@ -69,4 +65,4 @@ def context_parallel_attention(
     window = effective_window(sliding_window, q.shape[1] * size, causal=True)
     if algo == "ulysses":
         return ulysses_attention(q, k, v, segment_ids, scale, group, size, window, sinks)
-    return blockwise_attention(q, k, v, segment_ids, scale, group, transport=algo, sliding_window=window)
+    return blockwise_attention(q, k, v, segment_ids, scale, group, transport=algo, sliding_window=window, sinks=sinks)

@@ -19,7 +19,10 @@ sequences (``segment_ids``; the ids of all ranks are all-gathered once, they are
 read from the device once per call) split a step into the rectangles of equal ids (:func:`megacann.ops.varlen.block_attention`, the variable-length path), so
 no mask is built. A sliding window W passes the global positions of the step's rows and columns as the
 op's ``band`` (``0 <= query position - key position < W``), and a step whose keys all lie W or more behind
-its queries is skipped (in backward it hands on a zero gradient).
+its queries is skipped (in backward it hands on a zero gradient). Attention sinks (gpt-oss) join each
+query's softmax once, after the last merge (``L' = logaddexp(L, z)``, ``o' = o · exp(L - L')``,
+:mod:`megacann.ops.attention_sinks`): backward runs the same steps with ``o'`` and ``L'``, and each rank's
+sink gradient covers its own queries (summed over the group with the other replicated weights' gradients).
 
 How the blocks reach a rank is the transport:
 
@@ -50,6 +53,7 @@ import torch.distributed as dist
 from megacann.layers.context_parallel.layout import context_parallel_position_ids
 from megacann.layers.mappings import all_gather_flat, reduce_scatter_flat
 from megacann.ops.attention_blocks import acc_dtype, merge_block
+from megacann.ops.attention_sinks import add_sinks, check_sinks, sinks_grad
 from megacann.ops.varlen import block_attention, block_attention_backward, clip_runs, runs_of
 
 _NEG_INF = float("-inf")
@@ -190,7 +194,7 @@ def _out_of_window(window: Optional[int], blocks: _Ring, source: int, rows: slic
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, scale, group, transport, window):
+    def forward(ctx, q, k, v, segment_ids, scale, group, transport, window, sinks):
         blocks = TRANSPORTS[transport](group)
         chunk = q.shape[1] // 2
         seg_all = _gather_segments(segment_ids, blocks)
@@ -207,16 +211,18 @@ class _BlockwiseAttention(torch.autograd.Function):
             kb, vb = (t[:, cols].transpose(1, 2) for t in kv)
             block_out, block_lse = _block_forward(qh[:, :, rows], kb, vb, scale, segments, causal, band)
             merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        if sinks is not None:  # every block merged: each query's sink column joins its softmax once, here
+            out, lse = add_sinks(out, lse, sinks)
         # contiguous [b, s, heads, d]: the output projection's view of it (b s (h d)) then shares its storage
         # instead of saving a copy of its own for backward
         result = out.transpose(1, 2).to(q.dtype).contiguous()
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
         ctx.scale, ctx.group, ctx.transport, ctx.window, ctx.runs = scale, group, transport, window, runs
         return result
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         blocks, scale = TRANSPORTS[ctx.transport](ctx.group), ctx.scale
         chunk, acc = q.shape[1] // 2, acc_dtype(q.dtype)
         qh, oh, gh = q.transpose(1, 2), out.transpose(1, 2), grad.transpose(1, 2)
@@ -238,7 +244,10 @@ class _BlockwiseAttention(torch.autograd.Function):
             dkv[1][:, cols] = dv_b.transpose(1, 2)
             blocks.add_grad(source, dkv)
         dkv = blocks.own_grad()
-        return dq.transpose(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        # the sinks' gradient from this rank's queries (the caller sums it over the group, as any weight's)
+        dsinks = sinks_grad(oh, lse, gh, sinks) if sinks is not None and ctx.needs_input_grad[8] else None
+        grads = dq.transpose(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return (*grads, None, None, None, None, None, dsinks)
 
 
 def _gather_segments(segment_ids: Optional[torch.Tensor], ring: _Ring) -> Optional[torch.Tensor]:
@@ -282,6 +291,7 @@ def blockwise_attention(
     group: Optional[dist.ProcessGroup] = None,
     transport: str = "ring",
     sliding_window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's two sequence chunks over the whole sequence of ``group``.
 
@@ -289,7 +299,8 @@ def blockwise_attention(
     ``[b, s_local]`` are this rank's tokens in the load-balanced layout; returns ``[b, s_local, heads, d]``
     in ``q``'s dtype. ``transport``: ``ring`` or ``allgather``. ``group`` None or of one rank: plain
     (single block) attention. ``sliding_window`` W: each query sees only its last W keys of the whole
-    sequence (itself included).
+    sequence (itself included). ``sinks`` ``[heads]`` (gpt-oss): each head's sink logit joins every query's
+    softmax once, after the blocks are merged; its gradient covers this rank's queries only.
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r} is not one of {tuple(TRANSPORTS)}")
@@ -298,4 +309,5 @@ def blockwise_attention(
             f"blockwise attention needs this rank's two sequence chunks, an even local length; got {q.shape[1]}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _BlockwiseAttention.apply(q, k, v, segment_ids, scale, group, transport, sliding_window)
+    check_sinks(sinks, q.shape[2])
+    return _BlockwiseAttention.apply(q, k, v, segment_ids, scale, group, transport, sliding_window, sinks)
