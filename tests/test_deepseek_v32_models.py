@@ -209,7 +209,12 @@ DS += ["model.rotary_interleaved=true"]
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (DS + ["distributed.context_parallel_size=2"], r"context_parallel_size 2 is refused for model.type deepseek_v32"),
+        (DS + ["distributed.context_parallel_size=2"],  # the default algorithm, ring
+         r"distributed.context_parallel_algo 'ring' is refused for model.type deepseek_v32 at context_parallel_size 2: "
+         r"its indexer picks each query's keys from the whole sequence, which only 'allgather' holds on every rank"),
+        (DS + ["distributed.context_parallel_algo=ulysses", "distributed.context_parallel_size=2"],
+         r"context_parallel_algo 'ulysses' is refused for model.type deepseek_v32 .*\(set "
+         r"distributed.context_parallel_algo=allgather\)"),
         (DS + ["model.q_lora_rank=null"], r"model.q_lora_rank null is refused"),
         (DS + ["model.rotary_interleaved=false"], r"model.rotary_interleaved false is refused"),
         (DS + ["model.indexer_warmup=true", "model.indexer_loss_coeff=0"], r"indexer_loss_coeff 0.* under indexer_warmup"),

@@ -34,8 +34,8 @@ into the query and the output (:meth:`LatentAttention.absorbed_attention`), neve
 every head's keys and values.
 
 Sparse attention (DeepSeek-V3.2's DSA): with ``indexer`` (a :class:`~megacann.layers.sparse_indexer.SparseIndexer`) each
-query reads only the ``top_k`` keys its index scores pick (a mask of the chosen keys on the one-process
-path; context parallelism is refused; while generating the cache keeps each token's index key beside its
+query reads only the ``top_k`` keys its index scores pick (a mask of the chosen keys; under context
+parallelism with ``allgather`` only, over the all-gathered keys: :mod:`megacann.layers.indexed_attention`; while generating the cache keeps each token's index key beside its
 latent and each new query reads its ``top_k`` best cached tokens), and while training with ``indexer_loss_coeff`` > 0
 the layer keeps the indexer's KL loss against its own (detached) attention in ``last_indexer_loss``.
 ``indexer_dense`` (the indexer's warm-up) attends densely and trains the indexer on the dense attention.
@@ -53,18 +53,17 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from megacann import ops
-from megacann import parallel_state as ps
 from megacann.layers import mappings
 from megacann.layers.attention import Rotary, SelfAttention
 from megacann.layers.context import current_layer_context
+from megacann.layers.indexed_attention import indexed_attention
 from megacann.layers.init import default_init_methods
 from megacann.layers.linear import ColumnParallelLinear, RowParallelLinear, add_adapter_output
 from megacann.layers.norm import RMSNorm
 from megacann.layers.random import checkpoint
 from megacann.layers.rotary import yarn_mscale
 from megacann.layers.sharding import InitMethod, mark_partial_grad
-from megacann.layers.sparse_indexer import SparseIndexer, attention_distribution, indexer_kl_loss
-from megacann.ops.reference import attention_mask
+from megacann.layers.sparse_indexer import SparseIndexer
 
 
 class LatentCacheLayer(Protocol):
@@ -303,30 +302,10 @@ class LatentAttention(torch.nn.Module):
     def indexed_attention(
         self, hidden: torch.Tensor, rotary: Rotary, segment_ids: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        """Attention over the keys the indexer picks (see the module docstring), ``[b, s, local heads,
-        v_head_dim]``; records the indexer's loss while training."""
-        cp_group = self.context_parallel_group or ps.get_context_parallel_group()
-        if cp_group is not None and dist.get_world_size(cp_group) > 1:
-            raise ValueError("LatentAttention: a sparse indexer (DeepSeek-V3.2) does not run under context parallelism")
-        x = self.kv_a_proj_with_mqa.prepare_input(hidden)
-        query_latent = self.q_a_layernorm(self.q_a_proj.forward_prepared(x))
-        q = torch.cat(self._queries(x, rotary, query_latent), -1)
-        k, v = self.expand_latent(*self._latent(x, rotary))
-        seq = q.shape[1]
-        learn = self.training and torch.is_grad_enabled() and self.indexer_loss_coeff > 0
-        sparse = not self.indexer_dense and self.indexer.top_k < seq
-        self.last_indexer_loss = None
-        if not (learn or sparse):  # every key read: the dense path
-            return self.dense_attention(q, k, v, segment_ids)
-        allowed = attention_mask(seq, True, segment_ids, q.device)
-        # the indexer reads detached inputs: its own loss alone trains it
-        scores = self.indexer.scores(x.detach(), query_latent.detach(), rotary, self.rotary_interleaved)
-        read = self.indexer.select(scores, allowed) if sparse else allowed
-        out = self.sparse_attention(q, k, v, read) if sparse else self.dense_attention(q, k, v, segment_ids)
-        if learn:
-            target = attention_distribution(q, k, read, self.softmax_scale, mappings.tp_group(self.group))
-            self.last_indexer_loss = self.indexer_loss_coeff * indexer_kl_loss(scores, target, read)
-        return out
+        """Attention over the keys the indexer picks, ``[b, s, local heads, v_head_dim]``, on one process or
+        across the context-parallel group (:func:`megacann.layers.indexed_attention.indexed_attention`);
+        records the indexer's loss while training."""
+        return indexed_attention(self, hidden, rotary, segment_ids)
 
     def dense_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: Optional[torch.Tensor]

@@ -11,7 +11,9 @@ dense path). Training follows DeepSeek's two stages: ``indexer_warmup: true`` at
 every weight but the indexers', which learn the dense attention's distribution; after it, sparse attention
 trains the model on the language loss and the indexers on their KL loss over the chosen keys (inputs
 detached), weighted by ``indexer_loss_coeff`` and summed over layers as the auxiliary loss
-``indexer_kl``. Context parallelism is refused. Generation caches each token's index key beside its latent
+``indexer_kl``. Under context parallelism the indexer scores and picks over the all-gathered keys
+(``distributed.context_parallel_algo: allgather``; ring and Ulysses are refused), exactly as on one process
+(:mod:`megacann.layers.indexed_attention`). Generation caches each token's index key beside its latent
 and selects each new token's ``index_topk`` over the cached ones.
 """
 
@@ -24,6 +26,7 @@ import torch
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import LatentAttention
+from megacann.layers.indexed_attention import INDEXED_CONTEXT_PARALLEL_ALGO
 from megacann.layers.init import init_normal
 from megacann.layers.sparse_indexer import SparseIndexer
 from megacann.models.contract import ChunkOutput
@@ -87,7 +90,7 @@ def deepseek_v32_forward_step(
 
 def check_deepseek_v32_config(cfg: MegacannConfig, source: str) -> None:
     """What DeepSeek-V3.2 needs beyond DeepSeek-V3 (the indexer's sizes, the low-rank query, interleaved
-    RoPE), what it refuses (context parallelism), then DeepSeek-V3's checks."""
+    RoPE), what it refuses (context parallelism other than all-gather), then DeepSeek-V3's checks."""
     m, d = cfg.model, cfg.distributed
     for key in ("index_n_heads", "index_head_dim", "index_topk"):
         if getattr(m, key) < 1:
@@ -119,10 +122,12 @@ def check_deepseek_v32_config(cfg: MegacannConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: model.attention_dropout {m.attention_dropout} is refused for deepseek_v32 (0 only)"
         )
-    if d.context_parallel_size > 1:
+    if d.context_parallel_size > 1 and d.context_parallel_algo != INDEXED_CONTEXT_PARALLEL_ALGO:
         raise ConfigError(
-            f"{source}: distributed.context_parallel_size {d.context_parallel_size} is refused for model.type "
-            "deepseek_v32: its sparse attention's key selection is not implemented across context-parallel ranks"
+            f"{source}: distributed.context_parallel_algo {d.context_parallel_algo!r} is refused for model.type "
+            f"deepseek_v32 at context_parallel_size {d.context_parallel_size}: its indexer picks each query's keys "
+            f"from the whole sequence, which only {INDEXED_CONTEXT_PARALLEL_ALGO!r} holds on every rank "
+            f"(set distributed.context_parallel_algo={INDEXED_CONTEXT_PARALLEL_ALGO})"
         )
     check_deepseek_config(cfg, source)
 

@@ -120,14 +120,18 @@ def gathered_positions(local_len: int, cp_size: int, device: torch.device) -> to
     return torch.cat([context_parallel_position_ids(seq_len, cp_size, r, device) for r in range(cp_size)])
 
 
-def context_parallel_gather(x: torch.Tensor, dim: int = 1, group: Group = None) -> torch.Tensor:
+def context_parallel_gather(
+    x: torch.Tensor, dim: int = 1, group: Group = None, sum_grads: bool = False
+) -> torch.Tensor:
     """Inverse of :func:`context_parallel_split`: every cp rank's share, back in sequence order.
 
-    Backward keeps this rank's share of the gradient (the consumer must be replicated over the group)."""
+    Backward keeps this rank's share of the gradient (the consumer must be replicated over the group) or,
+    with ``sum_grads``, sums every rank's gradient of this rank's share (each rank's own tokens read the
+    whole sequence differently: the keys its queries attend to)."""
     group, size, _ = cp_group(group)
     if size == 1:
         return x
     dim = dim % x.dim()
-    gathered = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=False, seq_dim=dim)
+    gathered = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=sum_grads, seq_dim=dim)
     order = gathered_positions(x.shape[dim], size, x.device).argsort()
     return gathered.index_select(dim, order)
