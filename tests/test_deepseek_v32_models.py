@@ -220,8 +220,6 @@ DS += ["model.rotary_interleaved=true"]
         (DS + ["model.indexer_warmup=true", "model.indexer_loss_coeff=0"], r"indexer_loss_coeff 0.* under indexer_warmup"),
         (DS + ["model.index_head_dim=4"], r"model.index_head_dim 4 must be >= qk_rope_head_dim 8"),
         (DS + ["model.index_topk=0"], r"model.index_topk must be >= 1, got 0"),
-        (DS + ["model.indexer_warmup=true", "distributed.pipeline_parallel_size=2"],
-         r"model.indexer_warmup true is refused with distributed.pipeline_parallel_size 2"),
     ],
 )  # fmt: skip
 def test_recipe_refusals_name_the_key(overrides, message):

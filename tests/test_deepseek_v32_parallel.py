@@ -4,8 +4,9 @@ sequence parallelism, pipeline stages and expert parallelism as on one process (
 gradient norms and the indexer loss to 1e-5 relative. Probes: the keys each query read (fewer than the
 causal ones: the sparse selection ran), the indexer whole on every TP rank beside the split up-projections,
 tokens per rank under SP, the layers of each stage, the experts of each rank. The dense warm-up too under
-tp 2 + SP (no key chosen, only the indexers trainable). Two spawns: world 2 runs every layout, world 1 the
-references."""
+tp 2 + SP and pp 2 (no key chosen, only the indexers trainable; no gradient crosses the stages, each stage
+backs up its own indexer losses), with 1F1B and with zb1p (weight gradients apart: the W actions ran). Two
+spawns: world 2 runs every layout, world 1 the references."""
 
 from __future__ import annotations
 
@@ -19,15 +20,23 @@ pytestmark = pytest.mark.extended
 
 WARMUP = "model.indexer_warmup=true"
 # the sparse stage under each layout; the dense warm-up (only the indexers train) under tp 2 + SP
-RUNS = {**{k: LAYOUTS[k] for k in ("tp2_sp", "pp2", "ep2")}, "warmup_tp2_sp": [*LAYOUTS["tp2_sp"], WARMUP]}
+RUNS = {
+    **{k: LAYOUTS[k] for k in ("tp2_sp", "pp2", "ep2")},
+    **{f"warmup_{k}": [*LAYOUTS[k], WARMUP] for k in ("tp2_sp", "pp2")},
+    "warmup_pp2_zb1p": [*LAYOUTS["pp2"], "distributed.pipeline_schedule=zb1p", WARMUP],  # split backward
+}
 CAUSAL_KEYS = (SEQ + 1) / 2  # keys per query read by dense causal attention, on average
 KEYS_READ = sum(min(t + 1, 6) for t in range(SEQ)) / SEQ  # ... by index_topk 6
 
 
 def _train(trainer) -> dict:
-    from megacann.layers.moe import moe_layers
+    import functools
 
-    seen, read = [], []
+    from megacann.layers.moe import moe_layers
+    from megacann.pipeline.actions import BackwardWeight
+
+    seen, read, actions = [], [], []
+    trainer.forward_backward = functools.partial(trainer.forward_backward, trace=actions)
     layers = {int(i): block for chunk in trainer.model_chunks for i, block in chunk.layers.items()}
     first = layers[min(layers)]
     first.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
@@ -39,6 +48,7 @@ def _train(trainer) -> dict:
     return {
         "losses": [m["loss"] for m in trace],
         "norms": [m["grad_norm"] for m in trace],
+        "split_backward": any(isinstance(action, BackwardWeight) for action in actions),
         "indexer": [m["indexer_kl"] for m in trace],
         "keys_read": sorted({float(mask.sum(-1).float().mean()) for mask in read}),
         "tokens": sorted(set(seen)),
@@ -96,7 +106,8 @@ def test_layouts_train_like_one_process(world1, world2, layout):
         assert {f["shards"] for f in facts} == {((48, 32), (128, 32), (16, 64))}  # the indexer whole on each rank
         assert {f["tokens"][0] for f in facts} == {SEQ // 2}
         assert {tuple(f["keys_read"]) for f in facts} == {tuple(reference["keys_read"])}
-    elif layout == "pp2":
+    elif layout.startswith("pp2"):  # zb1p: weight gradients apart from the input gradients (W actions)
         assert [f["layers"] for f in facts] == [[0, 1], [2, 3]]
+        assert {f["split_backward"] for f in facts} == {layout.endswith("_zb1p")}
     elif layout == "ep2":
         assert [f["experts"] for f in facts] == [[0, 1, 2, 3], [4, 5, 6, 7]] and reference["experts"] == list(range(8))

@@ -113,11 +113,6 @@ def check_deepseek_v32_config(cfg: MegacannConfig, source: str) -> None:
             f"{source}: model.indexer_loss_coeff {m.indexer_loss_coeff} must be >= 0, and > 0 under "
             "indexer_warmup (the warm-up trains the indexers on that loss alone)"
         )
-    if m.indexer_warmup and d.pipeline_parallel_size > 1:
-        raise ConfigError(
-            f"{source}: model.indexer_warmup true is refused with distributed.pipeline_parallel_size "
-            f"{d.pipeline_parallel_size}: with every weight but the indexers' frozen, no gradient crosses the stages"
-        )
     if m.attention_dropout:
         raise ConfigError(
             f"{source}: model.attention_dropout {m.attention_dropout} is refused for deepseek_v32 (0 only)"

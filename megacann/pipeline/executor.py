@@ -267,14 +267,20 @@ class PlanRunner:
             q.saved[c].append((x, None if last else out.hidden_states, objective))
 
     def backward_start(self, c: int) -> tuple:
-        """(chunk input, outputs, their gradients) of the oldest forward of chunk ``c`` awaiting its backward."""
+        """(chunk input, outputs, their gradients) of the oldest forward of chunk ``c`` awaiting its backward.
+
+        An output that nothing trainable made is left out (its gradient received and dropped): with frozen
+        weights before it (e.g. DeepSeek-V3.2's indexer warm-up, whose indexers read detached inputs) a
+        stage's hidden states carry no graph, and the stage backs up its own losses alone."""
         q = self.queues
         x, hidden, objective = q.take(q.saved[c], "saved forward", c)
         outputs, grads = [], []
         if hidden is not None:
-            outputs.append(hidden)
-            grads.append(q.take(q.grads[c], "received gradient", c))
-        if objective is not None:
+            grad = q.take(q.grads[c], "received gradient", c)
+            if hidden.requires_grad:
+                outputs.append(hidden)
+                grads.append(grad)
+        if objective is not None and objective.requires_grad:
             outputs.append(objective)
             grads.append(None)
         return x, outputs, grads
