@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_on_ranks
-from layers_reference import full_grad, full_param, rel_err
+from layers_reference import parameter_errors, rel_err
 
 from megacann import parallel_state as ps
 from megacann.layers import CompressedSparseAttention
@@ -152,13 +152,7 @@ def _tp2_checks() -> dict[str, dict[str, float]]:
             out = layer(x_mine)
             (out * probe_mine).sum().backward()
             errs = {"out": rel_err(out, out_expected), "dx": rel_err(x_mine.grad, dx_expected)}
-            ours = dict(one.named_parameters())
-            for name, param in layer.named_parameters():
-                errs[f"init.{name}"] = float(not torch.equal(full_param(param), ours[name].detach()))
-                if ours[name].grad is None:
-                    errs[f"grad.{name}"] = float(param.grad is not None)
-                else:
-                    errs[f"grad.{name}"] = rel_err(full_grad(param), ours[name].grad)
+            errs.update(parameter_errors(layer, one))  # the indexer's parameters: no gradient on either side
             # the heads were split: half of them (and their sinks, q_b_proj rows) on this rank
             errs["sharded"] = float(
                 layer.local_heads != HEADS // 2
