@@ -1,7 +1,8 @@
 """DeepSeek-V4's attention block (:class:`CompressedSparseAttention`) against transformers'
 ``DeepseekV4Attention`` with the same weights, for its three layer types (outputs, input and parameter
 gradients, fp32), over a sequence longer than the sliding window and than several compression windows;
-under tensor parallelism 2 (with and without sequence parallelism) equal to one process; refusals."""
+under tensor parallelism 2 (with and without sequence parallelism) equal to one process; refusals (context
+parallelism among them)."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def test_sliding_layer_packed_documents_equal_one_by_one():
     torch.testing.assert_close(packed, alone, rtol=TOL, atol=1e-6)
 
 
-def _tp2_checks() -> dict[str, dict[str, float]]:
+def _tp2_checks() -> tuple[dict[str, dict[str, float]], str]:
     config = _config()
     x = torch.randn(2, 20, HIDDEN, generator=torch.Generator().manual_seed(4))
     probe = torch.randn(2, 20, HIDDEN, generator=torch.Generator().manual_seed(5))
@@ -162,11 +163,26 @@ def _tp2_checks() -> dict[str, dict[str, float]]:
             results[f"{layer_type} sp={sequence_parallel}"] = errs
             ps.destroy_model_parallel()
             dist.barrier()
-    return results
+    return results, _context_parallel_refusal(config)
 
 
-def test_tp2_equals_one_process():
-    for rank, per_rank in enumerate(run_on_ranks(_tp2_checks, world_size=2, timeout=300)):
+def _context_parallel_refusal(config) -> str:
+    """What the layer says when run under context parallelism 2 (it must refuse)."""
+    ps.initialize_model_parallel(context_parallel_size=2)
+    try:
+        _ours(config, "heavily_compressed_attention")(torch.zeros(1, 8, HIDDEN))
+        return "ran"
+    except ValueError as error:
+        return str(error)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_tp2_equals_one_process_and_context_parallel_refused():
+    for rank, (per_rank, cp_refusal) in enumerate(run_on_ranks(_tp2_checks, world_size=2, timeout=300)):
+        assert "(heavily_compressed_attention): context parallelism is not supported (context_parallel_size 2)" in (
+            cp_refusal
+        )
         assert len(per_rank) == 6
         for layout, errs in per_rank.items():
             assert "grad.sinks" in errs and "grad.kv_proj.weight" in errs and "sharded" in errs
