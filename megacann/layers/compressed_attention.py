@@ -48,7 +48,6 @@ from megacann.layers.norm import RMSNorm
 from megacann.layers.rotary import RotaryEmbedding, rotate_trailing
 from megacann.layers.sharding import InitMethod, mark_partial_grad
 from megacann.layers.window_compressor import WindowCompressor, compressed_causal_bias
-from megacann.ops.reference import attention_mask, effective_window
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -179,29 +178,34 @@ class CompressedSparseAttention(torch.nn.Module):
                 sliding_window=self.sliding_window, sinks=self.sinks,
             )  # fmt: skip
         else:
-            keys, readable = self._with_compressed(kv, x, q_residual, position_ids)
-            out = ops.scaled_dot_product_attention(
-                q, keys, keys, causal=False, attn_mask=readable, scale=self.head_dim**-0.5, sinks=self.sinks
-            )
+            out = self._attend_with_compressed(q, kv, x, q_residual, position_ids)
         out = rotate_trailing(out, cos, -sin)  # the values' rotation undone at the query's position
         return self.output_projection(out.flatten(2))
 
-    def _with_compressed(
-        self, kv: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The local KV head with the compressed entries after it on the key axis ``[b, s + T, 1, d]``, and
-        which keys each query reads ``[b, 1, s, s + T]`` (True = read): its window of local keys, then the
-        closed windows (HCA) or the indexer's picks among them (CSA)."""
-        entries = self.compressor(x, self.rotary)  # [b, T, d]
+    def _attend_with_compressed(
+        self, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention over the local window and the compressed entries (HCA: every closed window; CSA: the
+        indexer's picks), one block of ``sliding_window`` queries at a time: a block reads only the local
+        keys its window reaches (its own and the ``sliding_window - 1`` before it) and the entries, so no
+        ``[s, s]`` score matrix is formed. ``q`` ``[b, s, heads, d]``, ``kv`` ``[b, s, 1, d]``."""
+        entries = self.compressor(x, self.rotary).unsqueeze(2)  # [b, T, 1, d]
         b, s, count = x.shape[0], x.shape[1], entries.shape[1]
         if self.compressor.overlap:
             picks = self.compressor.indexer(x, q_residual, position_ids, self.rotary)
-            bias = chosen_entries_bias(picks, count)
+            entries_read = chosen_entries_bias(picks, count) == 0
         else:
-            bias = compressed_causal_bias(position_ids, count, self.compressor.compress_rate)
-        local = attention_mask(s, True, None, x.device, effective_window(self.sliding_window, s, True))
-        readable = torch.cat([local.expand(b, 1, s, s), bias == 0], dim=-1)
-        return torch.cat([kv, entries.unsqueeze(2)], dim=1), readable
+            entries_read = compressed_causal_bias(position_ids, count, self.compressor.compress_rate) == 0
+        window, positions, outputs = self.sliding_window, torch.arange(s, device=x.device), []
+        attend = dict(causal=False, scale=self.head_dim**-0.5, sinks=self.sinks)
+        for start in range(0, s, window):
+            end, first = min(start + window, s), max(0, start - window + 1)
+            queries, keys = positions[start:end].unsqueeze(-1), positions[first:end]
+            local = (keys <= queries) & (keys > queries - window)  # [block, keys]
+            read = torch.cat([local.expand(b, 1, -1, -1), entries_read[:, :, start:end]], dim=-1)
+            block = torch.cat([kv[:, first:end], entries], dim=1)  # keys and values
+            outputs.append(ops.scaled_dot_product_attention(q[:, start:end], block, block, attn_mask=read, **attend))
+        return torch.cat(outputs, dim=1)
 
     def _refuse_unsupported(self, segment_ids: Optional[torch.Tensor]) -> None:
         cp_group = ps.get_context_parallel_group()
