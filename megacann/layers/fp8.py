@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megacann import ops
-from megacann.ops.fp8 import Fp8Settings
+from megacann.ops.fp8 import Fp8Settings, quantize_operand, quantize_pair, selected_gemm, shared_token_amax
 from megacann.ops.fp8_formats import Fp8Error, block_shape
 
 
@@ -69,6 +69,57 @@ def linear_product(
     )
 
 
+def _in_sequence_order(t: torch.Tensor, gathered_shape: torch.Size) -> torch.Tensor:
+    """Rows of ``t`` rank-major (``[tp, b, s/tp]``, as gathered) as ``[b * s, features]`` in sequence order."""
+    world, b, s_local, _ = gathered_shape
+    return t.reshape(world, b, s_local, -1).movedim(0, 1).reshape(b * world * s_local, -1)
+
+
+class Fp8GatheredProducts:
+    """The FP8 products of a column-parallel projection whose sequence-parallel input is all-gathered chunk
+    by chunk behind them (:mod:`megacann.layers.tp_overlap`), by the quantisation and the GEMM of
+    ``ops.fp8_linear``'s selected implementation, so they equal the projection of the gathered input.
+
+    Which group each operand's amax is reduced over: the weight's and the output gradient's as the plain
+    column-parallel layer (the TP group where a block spans the split output features); the input, which
+    each rank holds a sequence shard of until the gather, shares one amax over the TP group where its
+    blocks span the tokens (tensorwise), agreed before the gather starts; per-token blocks (rowwise,
+    blockwise, mxfp8) need none. The backward sees the whole gathered input, as the plain path does; the
+    weight gradient's operands are put back in sequence order first, so tiles along the tokens are the
+    plain path's tiles."""
+
+    def __init__(self, settings: Fp8Settings, history: Optional[torch.Tensor]):
+        self.settings, self.history = settings, history
+
+    def _pair(self, a: torch.Tensor, b: torch.Tensor, product: str) -> torch.Tensor:
+        s = self.settings
+        formats = (s.grad_format, "e4m3")
+        qa, qb = quantize_pair(a, b, product, s.recipe, formats, "column", self.group, self.history, True)
+        return self.gemm(qa, qb)
+
+    def start(self, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.dtype:
+        recipe, record = self.settings.recipe, torch.is_grad_enabled()  # as ops.fp8_linear's forward records
+        self.group, self.gemm = group, selected_gemm(recipe, x.device.type)
+        self.amax = shared_token_amax(x.reshape(-1, x.shape[-1]), recipe, group, self.history, record)
+        self.weight_q = quantize_operand(weight, "forward", 1, recipe, "e4m3", "column", group, self.history, record)
+        return torch.float32
+
+    def forward_rows(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        recipe = self.settings.recipe
+        rows_q = quantize_operand(rows, "forward", 0, recipe, "e4m3", "column", self.group, amax=self.amax)
+        out.copy_(self.gemm(rows_q, self.weight_q))
+
+    def input_grad(self, grad_rm: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._pair(grad_rm, weight.t(), "input_grad").to(dtype)
+
+    def weight_grad(self, grad_rm: torch.Tensor, gathered: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        dy, x = (_in_sequence_order(t, gathered.shape) for t in (grad_rm, gathered))
+        return self._pair(dy.t(), x.t(), "weight_grad").to(weight.dtype)
+
+    def bias_grad(self, grad_rm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return grad_rm.float().sum(0).to(dtype)
+
+
 HISTORY = "fp8_amax_history"  # the buffer a layer under delayed scaling keeps (saved in checkpoints)
 
 
@@ -96,4 +147,12 @@ def roll_amax_histories(chunks: Sequence[torch.nn.Module], group: Optional[dist.
         history[0].zero_()
 
 
-__all__ = ["Fp8Error", "Fp8Settings", "attach_history", "check_fp8_layer", "linear_product", "roll_amax_histories"]
+__all__ = [
+    "Fp8Error",
+    "Fp8GatheredProducts",
+    "Fp8Settings",
+    "attach_history",
+    "check_fp8_layer",
+    "linear_product",
+    "roll_amax_histories",
+]
