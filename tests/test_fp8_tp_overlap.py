@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_on_ranks
-from test_fp8_training import STEPS, TP2_SP, _close, _run_all
+from test_fp8_training import DELAYED, STEPS, TP2_SP, _close, _run_all
 
 OVERLAP = [*TP2_SP, "distributed.tp_comm_overlap=true"]
 MX = ["precision.fp8=mxfp8", "model.hidden_size=128"]  # kv projections of 64 features: 32 per rank, whole MX blocks
@@ -18,6 +18,8 @@ RUNS = {
     "tensorwise_tp2_sp": (2, ["precision.fp8=tensorwise", *TP2_SP]),
     "tensorwise_tp2_overlap": (2, ["precision.fp8=tensorwise", *OVERLAP]),
     "tensorwise_tp2_overlap_unshared": (2, ["precision.fp8=tensorwise", *OVERLAP]),
+    "delayed_tp2_sp": (2, [*DELAYED, *TP2_SP]),
+    "delayed_tp2_overlap": (2, [*DELAYED, *OVERLAP]),
     "mxfp8": (1, MX),
     "mxfp8_tp2_sp": (2, [*MX, *TP2_SP]),
     "mxfp8_tp2_overlap": (2, [*MX, *OVERLAP]),
@@ -120,3 +122,15 @@ def test_chunks_scaled_without_the_shared_amax_break_parity(runs):
     broken, one = runs["tensorwise_tp2_overlap_unshared"], runs["tensorwise"]
     assert broken["overlapped_fp8"] == [STEPS * 2 * 4] * 2
     assert not _close(broken["losses"][:1], one["losses"][:1], 1e-5), (broken["losses"], one["losses"])
+
+
+def test_delayed_scaling_with_tp_overlap_keeps_the_histories_of_the_run_without_it(runs):
+    import torch
+
+    got, plain = runs["delayed_tp2_overlap"], runs["delayed_tp2_sp"]
+    assert got["overlapped_fp8"] == [STEPS * 2 * 4] * 2
+    assert _close(got["losses"], plain["losses"], 1e-5) and _close(got["norms"], plain["norms"], 1e-5)
+    assert got["histories"].keys() == plain["histories"].keys() and len(got["histories"]) == 24
+    for name, want in plain["histories"].items():
+        assert torch.all(want[1:] > 0), name  # every operand's amax recorded for each of the 4 steps
+        torch.testing.assert_close(got["histories"][name], want, rtol=1e-5, atol=0)
