@@ -120,31 +120,41 @@ class Fp8GatheredProducts:
         return grad_rm.float().sum(0).to(dtype)
 
 
-HISTORY = "fp8_amax_history"  # the buffer a layer under delayed scaling keeps (saved in checkpoints)
+# the buffers a layer under delayed scaling keeps (saved in checkpoints): a dense layer's, and each routed
+# expert projection's (rolled over the ranks holding the same experts, not the data-parallel group)
+HISTORY = "fp8_amax_history"
+EXPERT_HISTORY = "fp8_expert_amax_history"
 
 
-def attach_history(layer: torch.nn.Module, settings: Optional[Fp8Settings], device=None) -> None:
-    """Give ``layer`` its delayed-scaling buffer when ``settings`` ask for one (persistent: checkpoints keep
-    it, so a resumed run scales as the run that never stopped)."""
+def attach_history(layer: torch.nn.Module, settings: Optional[Fp8Settings], device=None, name: str = HISTORY) -> None:
+    """Give ``layer`` its delayed-scaling buffer ``name`` when ``settings`` ask for one (persistent:
+    checkpoints keep it, so a resumed run scales as the run that never stopped)."""
     history = settings.new_history(device) if settings is not None else None
     if history is not None:
-        layer.register_buffer(HISTORY, history)
+        layer.register_buffer(name, history)
 
 
-def roll_amax_histories(chunks: Sequence[torch.nn.Module], group: Optional[dist.ProcessGroup]) -> None:
+def roll_amax_histories(
+    chunks: Sequence[torch.nn.Module],
+    group: Optional[dist.ProcessGroup],
+    expert_group: Optional[dist.ProcessGroup] = None,
+) -> None:
     """End of an optimizer step under delayed scaling: each layer's amax of this step (row 0), reduced to the
-    maximum over ``group`` (the data-parallel ranks, which saw other micro-batches), becomes the newest
-    history row; the oldest row drops out and row 0 starts again from zero. One collective for all layers."""
-    histories = [b for chunk in chunks for n, b in chunk.named_buffers() if n.rpartition(".")[2] == HISTORY]
-    if not histories:
-        return
-    newest = torch.stack([h[0] for h in histories])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group)
-    for history, amax in zip(histories, newest):
-        history[2:] = history[1:-1].clone()
-        history[1] = amax
-        history[0].zero_()
+    maximum over the ranks that saw other micro-batches of the same tensors (``group``: the data-parallel
+    ranks for dense layers; ``expert_group``: the expert-data-parallel ranks for routed experts), becomes
+    the newest history row; the oldest row drops out and row 0 starts again from zero. One collective for
+    the dense layers, one for the experts."""
+    for name, ranks in ((HISTORY, group), (EXPERT_HISTORY, expert_group)):
+        histories = [b for chunk in chunks for n, b in chunk.named_buffers() if n.rpartition(".")[2] == name]
+        if not histories:
+            continue
+        newest = torch.stack([h[0] for h in histories])
+        if ranks is not None and dist.get_world_size(ranks) > 1:
+            dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=ranks)
+        for history, amax in zip(histories, newest):
+            history[2:] = history[1:-1].clone()
+            history[1] = amax
+            history[0].zero_()
 
 
 __all__ = [
