@@ -3,9 +3,10 @@ step over the expert-data-parallel ranks only, and kept in checkpoints.
 
 * ep 2 equals one process over three steps (fp32, 1e-5: outputs, input and expert-weight gradients; the
   histories to 1e-6): the one-process reference is the same layer run on both ranks' batches at once, as in
-  tests/test_fp8_experts.py. A probe rolls the experts' histories over the data-parallel group instead (the
-  ranks of the expert-parallel group, which hold *other* experts): the histories and the later steps'
-  outputs then differ.
+  tests/test_fp8_experts.py; extended: ep 2 x expert data parallelism 2 against one process that runs the
+  two expert-parallel groups' tokens as two micro-batches of each step. A probe rolls the experts'
+  histories over the data-parallel group instead (which spans the expert-parallel ranks, holding *other*
+  experts): the histories and the later steps' outputs then differ.
 * A MoE trainer at ep 2 stopped after a checkpoint resumes bit for bit with the experts' histories restored;
   a resume that lost them would differ (the probe).
 """
@@ -37,44 +38,63 @@ def _batch(step: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     return grow * torch.randn(BATCH, SEQ, HIDDEN, generator=gen), torch.randn(BATCH, SEQ, HIDDEN, generator=gen)
 
 
-def _train_layer(batches, expert_group) -> dict:
-    """The delayed-scaling MoE layer for STEPS steps on ``batches(step)``, its histories rolled over
-    ``expert_group``; each step's output, input gradient and expert gradients, and the final histories."""
+def _train_layer(micro_batches, expert_group) -> dict:
+    """The delayed-scaling MoE layer for STEPS steps on ``micro_batches(step)`` (a list of inputs and output
+    gradients, the weight gradients accumulated over them), its histories rolled over ``expert_group``
+    after each step; each step's outputs, input gradients and expert gradients, and the final histories."""
     torch.manual_seed(SEED)
     cfg = MoEConfig(hidden_size=HIDDEN, num_experts=EXPERTS, ffn_hidden_size=FFN, top_k=2)
     with LayerContext(fp8=DELAYED_SETTINGS):
         layer = MoELayer(cfg).train()
     steps = []
     for step in range(STEPS):
-        x, g = batches(step)
-        x = x.clone().requires_grad_()
-        out = layer(x)
-        (out * g).sum().backward()
+        outs, dxs = [], []
+        for x, g in micro_batches(step):
+            x = x.clone().requires_grad_()
+            out = layer(x)
+            (out * g).sum().backward()
+            outs.append(out.detach())
+            dxs.append(x.grad)
         grads = {n: full_grad(p).clone() for n, p in layer.named_parameters() if n.startswith("experts.")}
-        steps.append({"out": out.detach(), "dx": x.grad, "grads": grads})
+        steps.append({"out": outs, "dx": dxs, "grads": grads})
         layer.zero_grad()
         roll_amax_histories([layer], None, expert_group)
     histories = {n: b.clone() for n, b in layer.named_buffers() if n.endswith(EXPERT_HISTORY)}
     return {"steps": steps, "histories": histories}
 
 
-def _ep2_against_one_process() -> dict:
+def _against_one_process() -> dict:
+    """ep 2 (x expert data parallelism 2 at world 4) against one process whose micro-batch ``k`` of a step
+    is every batch of the ranks with expert-data-parallel rank ``k`` (one expert-parallel group's tokens)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    ref = _train_layer(lambda step: [torch.cat(t) for t in zip(*(_batch(step, d) for d in range(world)))], None)
+    ep_rank, edp_rank = rank % 2, rank // 2  # the rank grid's tp-cp-ep-dp-pp order (checked below)
+
+    def one_process(step):
+        return [[torch.cat(t) for t in zip(*(_batch(step, 2 * k + e) for e in range(2)))] for k in range(world // 2)]
+
+    ref = _train_layer(one_process, None)
     ps.initialize_model_parallel(expert_model_parallel_size=2)
     try:
-        rows = slice(rank * BATCH, (rank + 1) * BATCH)
+        assert (ps.get_expert_model_parallel_rank(), ps.get_expert_data_parallel_rank()) == (ep_rank, edp_rank)
+        edp_group = ps.get_expert_data_parallel_group()
+        rows = slice(ep_rank * BATCH, (ep_rank + 1) * BATCH)
         runs = {
-            "ep2": _train_layer(lambda step: _batch(step, rank), ps.get_expert_data_parallel_group()),
+            "ep2": _train_layer(lambda step: [_batch(step, rank)], edp_group),
             # the bug: the experts' histories rolled over the data-parallel group, whose ranks hold other experts
-            "ep2_dp_group": _train_layer(lambda step: _batch(step, rank), ps.get_data_parallel_group()),
+            "ep2_dp_group": _train_layer(lambda step: [_batch(step, rank)], ps.get_data_parallel_group()),
         }
         out = {"expert_data_parallel_size": ps.get_expert_data_parallel_world_size()}
         for name, got in runs.items():
             errs = []
             for mine, want in zip(got["steps"], ref["steps"]):
-                step = {"out": rel_err(mine["out"], want["out"][rows]), "dx": rel_err(mine["dx"], want["dx"][rows])}
-                step.update({n: rel_err(grad, want["grads"][n]) for n, grad in mine["grads"].items()})
+                step = {
+                    "out": rel_err(mine["out"][0], want["out"][edp_rank][rows]),
+                    "dx": rel_err(mine["dx"][0], want["dx"][edp_rank][rows]),
+                }
+                for n, grad in mine["grads"].items():  # summed over the ranks holding the same experts
+                    if dist.get_world_size(edp_group) > 1:
+                        dist.all_reduce(grad, group=edp_group)
+                    step[n] = rel_err(grad, want["grads"][n])
                 errs.append(step)
             history_errs = {n: rel_err(h, ref["histories"][n], floor=0.0) for n, h in got["histories"].items()}
             out[name] = {"errs": errs, "history_errs": history_errs, "histories": got["histories"]}
@@ -85,16 +105,17 @@ def _ep2_against_one_process() -> dict:
 
 @pytest.fixture(scope="module")
 def ep2():
-    return run_on_ranks(_ep2_against_one_process, 2, timeout=300)
+    return run_on_ranks(_against_one_process, 2, timeout=300)
 
 
-def test_delayed_expert_scaling_under_expert_parallelism_equals_one_process(ep2):
-    for rank, got in enumerate(ep2):
+def _check_parity(results: list, edp: int) -> None:
+    for rank, got in enumerate(results):
         run = got["ep2"]
-        assert got["expert_data_parallel_size"] == 1
+        assert got["expert_data_parallel_size"] == edp
         # this rank's 2 experts x 2 projections, each with its own history: [1 + 2, 3], rolled 3 times
         experts = sorted({n.split(".")[1] for n in run["histories"]})
-        assert experts == [str(e) for e in range(2 * rank, 2 * rank + 2)] and len(run["histories"]) == 4
+        first = 2 * (rank % 2)
+        assert experts == [str(e) for e in range(first, first + 2)] and len(run["histories"]) == 4
         for name, history in run["histories"].items():
             assert history.shape == (3, 3) and torch.all(history[0] == 0) and torch.all(history[1:] > 0), name
         assert max(run["history_errs"].values()) <= 1e-6, run["history_errs"]
@@ -103,12 +124,29 @@ def test_delayed_expert_scaling_under_expert_parallelism_equals_one_process(ep2)
             assert not bad and len(errs) == 2 + 4, (rank, step, bad)
 
 
-def test_expert_histories_rolled_over_the_data_parallel_group_break_parity(ep2):
-    broken = [got["ep2_dp_group"] for got in ep2]
+def _check_wrong_group_differs(results: list) -> None:
+    broken = [got["ep2_dp_group"] for got in results]
     assert max(max(run["history_errs"].values()) for run in broken) > 0.05
     # the first step scales by its own amax (no history yet) and still matches; later steps do not
     assert all(max(run["errs"][0].values()) <= 1e-5 for run in broken)
     assert max(run["errs"][-1]["out"] for run in broken) > 1e-5
+
+
+def test_delayed_expert_scaling_under_expert_parallelism_equals_one_process(ep2):
+    _check_parity(ep2, 1)
+
+
+def test_expert_histories_rolled_over_the_data_parallel_group_break_parity(ep2):
+    _check_wrong_group_differs(ep2)
+
+
+@pytest.mark.extended
+def test_delayed_expert_histories_are_reduced_over_the_expert_data_parallel_ranks():
+    # world 4: ep 2 x expert-data-parallel 2, each expert's histories rolled over its 2 holders, equal to one
+    # process that ran both expert-parallel groups' tokens as two micro-batches of a step
+    results = run_on_ranks(_against_one_process, 4, timeout=400)
+    _check_parity(results, 2)
+    _check_wrong_group_differs(results)
 
 
 def test_delayed_scaling_is_accepted_for_experts():
