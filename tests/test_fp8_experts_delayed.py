@@ -9,6 +9,8 @@ step over the expert-data-parallel ranks only, and kept in checkpoints.
   experts): the histories and the later steps' outputs then differ.
 * A MoE trainer at ep 2 stopped after a checkpoint resumes bit for bit with the experts' histories restored;
   a resume that lost them would differ (the probe).
+
+The multi-rank checks are in the extended tier, with the other FP8 expert layouts (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -132,10 +134,12 @@ def _check_wrong_group_differs(results: list) -> None:
     assert max(run["errs"][-1]["out"] for run in broken) > 1e-5
 
 
+@pytest.mark.extended  # FP8 experts' multi-rank checks are in the extended tier (docs/testing.md)
 def test_delayed_expert_scaling_under_expert_parallelism_equals_one_process(ep2):
     _check_parity(ep2, 1)
 
 
+@pytest.mark.extended  # FP8 experts' multi-rank checks are in the extended tier (docs/testing.md)
 def test_expert_histories_rolled_over_the_data_parallel_group_break_parity(ep2):
     _check_wrong_group_differs(ep2)
 
@@ -195,6 +199,7 @@ def resumed(tmp_path_factory):
     return run_on_ranks(_resume, 2, args=(str(tmp_path_factory.mktemp("moe_delayed")),), timeout=400)
 
 
+@pytest.mark.extended  # FP8 experts' multi-rank checks are in the extended tier (docs/testing.md)
 def test_moe_trainer_with_delayed_expert_scaling_resumes_bit_for_bit(resumed):
     for rank, got in enumerate(resumed):
         # 2 MoE blocks x this rank's 2 of the 4 experts x 2 projections, each history restored as saved
