@@ -139,3 +139,14 @@ def test_delayed_scaling_with_tp_overlap_keeps_the_histories_of_the_run_without_
     for name, want in plain["histories"].items():
         assert torch.all(want[1:] > 0), name  # every operand's amax recorded for each of the 4 steps
         torch.testing.assert_close(got["histories"][name], want, rtol=1e-5, atol=0)
+
+
+def test_the_overlapped_products_multiply_by_the_selected_implementations_gemm(monkeypatch):
+    from megacann.ops import fp8 as fp8_impl
+    from megacann.ops.fp8_formats import Fp8Error
+
+    assert fp8_impl.selected_gemm("tensorwise", "cpu") is fp8_impl.scaled_mm_gemm  # torch._scaled_mm on CPU
+    assert fp8_impl.selected_gemm("blockwise", "cpu") is fp8_impl.reference_gemm
+    monkeypatch.setattr(fp8_impl, "resolve", lambda op, device_type: lambda *args, **kwargs: None)
+    with pytest.raises(Fp8Error, match=r"fp8_linear's implementation 'scaled_mm' on cpu was not built by"):
+        fp8_impl.selected_gemm("tensorwise", "cpu")

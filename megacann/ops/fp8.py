@@ -34,7 +34,7 @@ from megacann.ops.fp8_formats import (
     power_of_two_scales,
     quantize,
 )
-from megacann.ops.registry import REFERENCE, register, resolve
+from megacann.ops.registry import REFERENCE, register, resolve, selected
 from megacann.ops.weight_grad import defer_or_compute, deferrable
 
 # which dimension of each product's operand view ([rows, reduction]) is split over the group
@@ -246,7 +246,13 @@ def implementation(gemm_for: Callable[[str], Gemm]) -> Callable[..., torch.Tenso
 def selected_gemm(recipe: str, device_type: str) -> Gemm:
     """The GEMM by which the ``fp8_linear`` implementation selected for ``device_type`` multiplies ``recipe``'s
     products: for FP8 products arranged elsewhere (the tp-overlapped projection's chunks)."""
-    return resolve("fp8_linear", device_type).gemm_for(recipe)
+    gemm_for = getattr(resolve("fp8_linear", device_type), "gemm_for", None)
+    if gemm_for is None:
+        raise Fp8Error(
+            f"fp8_linear's implementation {selected('fp8_linear', device_type)!r} on {device_type} was not built by "
+            "megacann.ops.fp8.implementation, so the tp-overlapped projection cannot multiply by its GEMM"
+        )
+    return gemm_for(recipe)
 
 
 def _scaled_mm_for(recipe: str) -> Gemm:
