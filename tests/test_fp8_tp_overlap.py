@@ -150,3 +150,26 @@ def test_the_overlapped_products_multiply_by_the_selected_implementations_gemm(m
     monkeypatch.setattr(fp8_impl, "resolve", lambda op, device_type: lambda *args, **kwargs: None)
     with pytest.raises(Fp8Error, match=r"fp8_linear's implementation 'scaled_mm' on cpu was not built by"):
         fp8_impl.selected_gemm("tensorwise", "cpu")
+
+
+CP2 = "distributed.context_parallel_size=2"
+ROWWISE = ["precision.fp8=rowwise", "precision.fp8_grad_format=e4m3"]
+CP_RUNS = {  # world 4: tp 2 + SP x cp 2, the tokens split over both groups
+    "tensorwise_tp2_cp2": (4, ["precision.fp8=tensorwise", *TP2_SP, CP2]),
+    "tensorwise_tp2_cp2_overlap": (4, ["precision.fp8=tensorwise", *OVERLAP, CP2]),
+    "rowwise_tp2_cp2": (4, [*ROWWISE, *TP2_SP, CP2]),
+    "rowwise_tp2_cp2_overlap": (4, [*ROWWISE, *OVERLAP, CP2]),
+}
+
+
+@pytest.mark.extended
+def test_fp8_with_tp_overlap_under_context_parallelism_equals_it_without_overlap():
+    # the input's shared amax and the output gradient's spans the context-parallel ranks' tokens too
+    # (tensorwise; rowwise: the weight gradient's rows run along the tokens)
+    from test_fp8_training import _train
+
+    runs = run_on_ranks(_train, 4, args=(CP_RUNS, list(CP_RUNS)), timeout=500)[0]
+    for recipe in ("tensorwise", "rowwise"):
+        got, plain = runs[f"{recipe}_tp2_cp2_overlap"], runs[f"{recipe}_tp2_cp2"]
+        assert _close(got["losses"], plain["losses"], 1e-5) and _close(got["norms"], plain["norms"], 1e-5), recipe
+        assert got["overlapped_fp8"] == [STEPS * 2 * 4] * 4 and plain["overlapped_fp8"] == [0] * 4

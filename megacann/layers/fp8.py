@@ -84,9 +84,10 @@ class Fp8GatheredProducts:
     column-parallel layer (the TP group where a block spans the split output features); the input, which
     each rank holds a sequence shard of until the gather, shares one amax over the TP group where its
     blocks span the tokens (tensorwise), agreed before the gather starts; per-token blocks (rowwise,
-    blockwise, mxfp8) need none. The backward sees the whole gathered input, as the plain path does; the
-    weight gradient's operands are put back in sequence order first, so tiles along the tokens are the
-    plain path's tiles."""
+    blockwise, mxfp8) need none. Under context parallelism the tokens are split over the settings'
+    ``token_group`` too, which every reduction over the tokens then also spans, as in ``fp8_linear``. The
+    backward sees the whole gathered input, as the plain path does; the weight gradient's operands are put
+    back in sequence order first, so tiles along the tokens are the plain path's tiles."""
 
     def __init__(self, settings: Fp8Settings, history: Optional[torch.Tensor]):
         self.settings, self.history = settings, history
@@ -94,13 +95,17 @@ class Fp8GatheredProducts:
     def _pair(self, a: torch.Tensor, b: torch.Tensor, product: str) -> torch.Tensor:
         s = self.settings
         formats = (s.grad_format, "e4m3")
-        qa, qb = quantize_pair(a, b, product, s.recipe, formats, "column", self.group, self.history, True)
+        qa, qb = quantize_pair(
+            a, b, product, s.recipe, formats, "column", self.group, self.history, True, s.token_group
+        )
         return self.gemm(qa, qb)
 
     def start(self, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.dtype:
         recipe, record = self.settings.recipe, torch.is_grad_enabled()  # as ops.fp8_linear's forward records
         self.group, self.gemm = group, selected_gemm(recipe, x.device.type)
-        self.amax = shared_token_amax(x.reshape(-1, x.shape[-1]), recipe, group, self.history, record)
+        # the ranks holding the input's other tokens: the TP group's shards, and under CP the other chunks
+        tokens = group if self.settings.token_group is None else (group, self.settings.token_group)
+        self.amax = shared_token_amax(x.reshape(-1, x.shape[-1]), recipe, tokens, self.history, record)
         self.weight_q = quantize_operand(weight, "forward", 1, recipe, "e4m3", "column", group, self.history, record)
         return torch.float32
 

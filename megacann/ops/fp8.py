@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megacann.ops.fp8_formats import (
+    AmaxGroups,
     Fp8Error,
     Quantized,
     block_shape,
@@ -129,7 +130,7 @@ def quantize_pair(
 
 
 def shared_token_amax(
-    x2: torch.Tensor, recipe: str, token_group: dist.ProcessGroup, history=None, record=True
+    x2: torch.Tensor, recipe: str, token_group: AmaxGroups, history=None, record=True
 ) -> Optional[torch.Tensor]:
     """The forward's activation ``x2`` holds this rank's tokens of an input whose pieces are multiplied one by
     one (the tp-overlapped projection): the amax its blocks spanning the tokens share, the maximum over
