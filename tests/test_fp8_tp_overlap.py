@@ -3,7 +3,9 @@ all-gathered chunk by chunk behind its FP8 products) equals ``ops.fp8_linear`` o
 (values and gradients, 1e-5) for every recipe, and a trainer at tp 2 + SP with the overlap equals the one
 without it and one process (tensorwise and mxfp8, at the bounds of tests/test_fp8_training.py, whose
 docstring says why whole traces are held to 1e-3 / 1e-2), with probes that the overlapped FP8 products ran
-and that chunks scaled without the amax shared over the TP group break the parity."""
+and that chunks scaled without the amax shared over the TP group break the parity. Also: delayed scaling
+keeps the histories of the run without the overlap, and (extended) tp 2 + SP x cp 2 equals the same
+without the overlap."""
 
 from __future__ import annotations
 
