@@ -1,7 +1,7 @@
 """``precision.fp8`` with ``distributed.tp_comm_overlap``: the overlapped column projection (its input
 all-gathered chunk by chunk behind its FP8 products) equals ``ops.fp8_linear`` on the gathered input at tp 2
-(values and gradients, 1e-5) for every recipe, and a trainer at tp 2 + SP with the overlap equals the one
-without it and one process (tensorwise and mxfp8, at the bounds of tests/test_fp8_training.py, whose
+(values and gradients, 1e-5) for every recipe, with its weight gradient left to a split backward's W; a
+trainer at tp 2 + SP with the overlap equals the one without it and one process (tensorwise and mxfp8, at the bounds of tests/test_fp8_training.py, whose
 docstring says why whole traces are held to 1e-3 / 1e-2), with probes that the overlapped FP8 products ran
 and that chunks scaled without the amax shared over the TP group break the parity. Also: delayed scaling
 keeps the histories of the run without the overlap, and (extended) tp 2 + SP x cp 2 equals the same
@@ -39,6 +39,7 @@ def _layer_parity() -> dict:
     from megacann.layers import mappings
     from megacann.layers.tp_overlap import overlapped_gather_linear
     from megacann.ops.fp8 import Fp8Settings
+    from megacann.ops.weight_grad import WeightGradStore, collecting
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
@@ -73,6 +74,15 @@ def _layer_parity() -> dict:
                 y = ops.fp8_linear(gathered, w, b, recipe=recipe, parallel="column", group=group)
             y.backward(grad)
             results.append((y.detach(), x.grad, w.grad, b.grad))
+        # a split backward's B leaves the FP8 weight gradient (its quantisations and GEMM) to W
+        x, w = shard.clone().requires_grad_(), weight.clone().requires_grad_()
+        y = overlapped_gather_linear(x, w, None, group, layer_fp8.Fp8GatheredProducts(settings, None))
+        store = WeightGradStore()
+        with collecting(store):
+            y.backward(grad)
+        left_to_w = w.grad is None and store.num_closures == 1
+        store.run()
+        results.append((left_to_w, x.grad, w.grad))
         out[recipe] = results
     ps.destroy_model_parallel()
     return out
@@ -88,7 +98,8 @@ def test_overlapped_fp8_projection_equals_fp8_linear_on_the_gathered_input(layer
     import torch
 
     for rank_out in layer:
-        plain, overlapped, unshared = rank_out[recipe]
+        plain, overlapped, unshared, (left_to_w, split_dx, split_dw) = rank_out[recipe]
+        assert left_to_w and torch.equal(split_dx, overlapped[1]) and torch.equal(split_dw, overlapped[2])
         assert overlapped[0].shape == (2, 48, 128) and overlapped[1].shape == (2, 24, 128)
         for want, got in zip(plain, overlapped):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -98,7 +109,7 @@ def test_overlapped_fp8_projection_equals_fp8_linear_on_the_gathered_input(layer
             assert torch.equal(unshared[0], overlapped[0])
     # tensorwise, each rank scaling the gathered chunks by its own shard's amax: rank 0 (the smaller values)
     # saturates rank 1's chunk; rank 1's own amax is the whole input's
-    (_, rank0, unshared0), (_, rank1, unshared1) = (r["tensorwise"] for r in layer)
+    (_, rank0, unshared0, _), (_, rank1, unshared1, _) = (r["tensorwise"] for r in layer)
     assert not torch.allclose(unshared0[0], rank0[0], rtol=1e-3, atol=1e-3) and torch.equal(unshared1[0], rank1[0])
 
 
