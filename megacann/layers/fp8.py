@@ -92,13 +92,10 @@ class Fp8GatheredProducts:
     def __init__(self, settings: Fp8Settings, history: Optional[torch.Tensor]):
         self.settings, self.history = settings, history
 
-    def _pair(self, a: torch.Tensor, b: torch.Tensor, product: str) -> torch.Tensor:
+    def _pair(self, a: torch.Tensor, b: torch.Tensor, product: str) -> tuple:
         s = self.settings
         formats = (s.grad_format, "e4m3")
-        qa, qb = quantize_pair(
-            a, b, product, s.recipe, formats, "column", self.group, self.history, True, s.token_group
-        )
-        return self.gemm(qa, qb)
+        return quantize_pair(a, b, product, s.recipe, formats, "column", self.group, self.history, True, s.token_group)
 
     def start(self, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.dtype:
         recipe, record = self.settings.recipe, torch.is_grad_enabled()  # as ops.fp8_linear's forward records
@@ -115,11 +112,21 @@ class Fp8GatheredProducts:
         out.copy_(self.gemm(rows_q, self.weight_q))
 
     def input_grad(self, grad_rm: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._pair(grad_rm, weight.t(), "input_grad").to(dtype)
+        return self.gemm(*self._pair(grad_rm, weight.t(), "input_grad")).to(dtype)
+
+    def prepare_weight_grad(self, grad_rm: torch.Tensor, gathered: torch.Tensor) -> None:
+        # the operands' amax reductions before the reduce-scatter: on a GPU they would queue behind it
+        self.weight_grad_operands = self._weight_grad_pair(grad_rm, gathered)
+
+    def _weight_grad_pair(self, grad_rm: torch.Tensor, gathered: torch.Tensor) -> tuple:
+        dy, x = (_in_sequence_order(t, gathered.shape) for t in (grad_rm, gathered))
+        return self._pair(dy.t(), x.t(), "weight_grad")
 
     def weight_grad(self, grad_rm: torch.Tensor, gathered: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        dy, x = (_in_sequence_order(t, gathered.shape) for t in (grad_rm, gathered))
-        return self._pair(dy.t(), x.t(), "weight_grad").to(weight.dtype)
+        prepared = getattr(self, "weight_grad_operands", None)
+        self.weight_grad_operands = None
+        operands = prepared if prepared is not None else self._weight_grad_pair(grad_rm, gathered)
+        return self.gemm(*operands).to(weight.dtype)
 
     def bias_grad(self, grad_rm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return grad_rm.float().sum(0).to(dtype)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megacann.collectives import all_gather_flat, reduce_scatter_flat
 from megacann.layers.eager_regions import eager_under_compile
 from megacann.ops.bf16_matmul import gemm_dtype
-from megacann.ops.weight_grad import defer_or_compute
+from megacann.ops.weight_grad import active_store, defer_or_compute
 
 
 class GatheredProducts(Protocol):
@@ -50,6 +50,10 @@ class GatheredProducts(Protocol):
 
     def input_grad(self, grad_rm: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The input's gradient ``grad_rm @ weight`` (rows rank-major, like the gathered input), in ``dtype``."""
+
+    def prepare_weight_grad(self, grad_rm: torch.Tensor, gathered: torch.Tensor) -> None:
+        """Before the input gradient's reduce-scatter, when the weight gradient follows at once (no split
+        backward): whatever of it needs collectives of its own, so none queues behind the reduce-scatter."""
 
     def weight_grad(self, grad_rm: torch.Tensor, gathered: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The weight's gradient from the output gradient ``grad_rm`` (rows rank-major) and ``gathered``."""
@@ -71,6 +75,9 @@ class PlainProducts:
 
     def input_grad(self, grad_rm, weight, dtype):
         return torch.mm(grad_rm.to(self.mm), weight.to(self.mm)).to(dtype)
+
+    def prepare_weight_grad(self, grad_rm, gathered):  # plain matmuls need no collective
+        pass
 
     def weight_grad(self, grad_rm, gathered, weight):  # upcasts here: a deferred closure holds the model dtype
         return grad_rm.to(self.mm).t().mm(gathered.view(-1, gathered.shape[-1]).to(self.mm)).to(weight.dtype)
@@ -115,6 +122,8 @@ class _OverlappedGatherLinear(torch.autograd.Function):
         work = None
         if ctx.needs_input_grad[0]:
             staged = products.input_grad(grad_rm, weight, gathered.dtype)  # [tp * b * s/tp, h]: rank-major
+            if ctx.needs_input_grad[1] and active_store() is None:
+                products.prepare_weight_grad(grad_rm, gathered)
             grad_x = staged.new_empty((b, s_local, h))
             work = reduce_scatter_flat(grad_x.view(-1), staged.view(-1), ctx.group, async_op=True)
         grad_w = None
