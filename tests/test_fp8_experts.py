@@ -186,7 +186,6 @@ def test_a_wrong_group_amax_reduction_breaks_parity(results, layout):
 @pytest.mark.parametrize(
     "settings, tensor_parallel, tp, message",
     [
-        (Fp8Settings("tensorwise", scaling="delayed"), True, 1, r"E\): precision.fp8_scaling=delayed does not cover"),
         (Fp8Settings("tensorwise", token_group=object()), True, 1, r"E\): .* MoE experts under context parallelism"),
         (Fp8Settings("tensorwise"), False, 2, r"E\): precision.fp8 with whole experts on every tensor-parallel rank"),
         (Fp8Settings("mxfp8"), True, 4, r"E\) gate_up_proj: precision.fp8=mxfp8 .* multiple of 32.*16 per rank"),
@@ -202,8 +201,8 @@ def test_fp8_expert_layouts_that_cannot_match_one_process_are_refused(settings, 
 
 def test_grouped_experts_are_checked_when_built():
     with (
-        LayerContext(fp8=Fp8Settings("tensorwise", scaling="delayed")),
-        pytest.raises(Fp8Error, match=r"GroupedExperts\(4 experts\): precision.fp8_scaling=delayed"),
+        LayerContext(fp8=Fp8Settings("tensorwise", token_group=object())),
+        pytest.raises(Fp8Error, match=r"GroupedExperts\(4 experts\): precision.fp8 does not cover MoE experts under"),
     ):
         MoELayer(MoEConfig(hidden_size=HIDDEN, num_experts=EXPERTS, ffn_hidden_size=FFN, top_k=2))
 

@@ -81,6 +81,7 @@ def _train(runs: dict, names: list[str]) -> dict:
 
     import megacann.ops as ops
     from megacann import parallel_state as ps
+    from megacann.layers import fp8 as layer_fp8
     from megacann.ops import fp8 as fp8_impl
     from megacann.ops.weight_grad import active_store, weight_grad_stats
     from megacann.training.runtime import setup_runtime
@@ -93,10 +94,15 @@ def _train(runs: dict, names: list[str]) -> dict:
             continue
         # rows: the tokens of the first FP8 product's input; weight_grad_in_b / _w: the weight gradients'
         # quantisations while a split backward's B collects (none: they wait for W) and elsewhere
-        calls = {"fp8": 0, "rows": 0, "weight_grad_in_b": 0, "weight_grad_elsewhere": 0}
+        calls = {"fp8": 0, "rows": 0, "weight_grad_in_b": 0, "weight_grad_elsewhere": 0, "overlapped": 0}
         scales: list[float] = []  # the first forward's tensorwise scales, operand by operand
         real_op, real_group, real_quantize = ops.fp8_linear, fp8_impl._operand_group, fp8_impl.quantize
         real_token_group = fp8_impl._token_group
+        real_start, real_shared = layer_fp8.Fp8GatheredProducts.start, layer_fp8.shared_token_amax
+
+        def overlapped(self, *args, calls=calls, real_start=real_start):  # tp_comm_overlap's FP8 projection
+            calls["overlapped"] += 1
+            return real_start(self, *args)
 
         def counting(x, *args, calls=calls, real_op=real_op, **kwargs):
             calls["fp8"] += 1
@@ -112,6 +118,11 @@ def _train(runs: dict, names: list[str]) -> dict:
             return q
 
         ops.fp8_linear, fp8_impl.quantize = counting, recording
+        layer_fp8.Fp8GatheredProducts.start = overlapped
+        if name.endswith("_unshared"):  # each rank scales its chunk of the overlapped input by its own amax
+            layer_fp8.shared_token_amax = lambda x2, recipe, group, *rest, shared=real_shared: shared(
+                x2, recipe, None, *rest
+            )
         deferred_before = weight_grad_stats()["deferred"]
         if name.endswith("_tp_unreduced"):  # the classic bug: each rank scales its shard by its own amax
             fp8_impl._operand_group = lambda block, split_dim, group: None
@@ -139,13 +150,17 @@ def _train(runs: dict, names: list[str]) -> dict:
         finally:
             ops.fp8_linear, fp8_impl._operand_group, fp8_impl.quantize = real_op, real_group, real_quantize
             fp8_impl._token_group = real_token_group
+            layer_fp8.Fp8GatheredProducts.start, layer_fp8.shared_token_amax = real_start, real_shared
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, calls["fp8"])
         # per rank: (weight gradients quantised in a split backward's B, elsewhere, closures deferred to W)
         deferred = weight_grad_stats()["deferred"] - deferred_before
         weight_grads = [None] * dist.get_world_size()
         dist.all_gather_object(weight_grads, (calls["weight_grad_in_b"], calls["weight_grad_elsewhere"], deferred))
+        overlapped_calls = [None] * dist.get_world_size()
+        dist.all_gather_object(overlapped_calls, calls["overlapped"])
         results[name] = {
+            "overlapped_fp8": overlapped_calls,
             "losses": losses,
             "norms": norms,
             "fp8_calls": every,
@@ -231,12 +246,6 @@ def test_recipes_in_the_config_are_the_ops_recipes():
 def test_bad_fp8_keys_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(overrides)
-
-
-def test_fp8_with_tp_overlap_is_refused():
-    overlap = [*TP2_SP, "distributed.tp_comm_overlap=true"]
-    with pytest.raises(ConfigError, match="precision.fp8 with distributed.tp_comm_overlap"):
-        tiny_config(["precision.fp8=tensorwise", *overlap], world_size=2)
 
 
 def test_split_pieces_that_break_the_recipes_blocks_are_refused_naming_the_layer():

@@ -27,6 +27,7 @@ import torch
 from megacann import parallel_state as ps
 from megacann.checkpoint.pieces import Piece, range_pieces, tensor_pieces
 from megacann.checkpoint.planner import TensorPieces
+from megacann.layers.fp8 import EXPERT_HISTORY
 from megacann.layers.sharding import INIT_NAME_ATTR, ParamSharding, get_sharding
 
 if TYPE_CHECKING:
@@ -134,6 +135,12 @@ def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
         if leaf not in module.get_submodule(owner)._non_persistent_buffers_set:
             found.append((name, buffer))
     return found
+
+
+def is_expert_buffer(name: str) -> bool:
+    """Whether buffer ``name`` belongs to a routed expert (its delayed-scaling history): held, like the
+    expert's weights, by the ranks of the expert-parallel group that hold that expert."""
+    return name.rpartition(".")[2] == EXPERT_HISTORY
 
 
 def model_entries(parts: CheckpointParts) -> dict[str, TensorPieces]:

@@ -14,8 +14,6 @@ def check_fp8_keys(cfg: MegacannConfig, source: str) -> None:
     if cfg.precision.fp8 == "none":
         return
     d = cfg.distributed
-    if d.tp_comm_overlap:
-        raise ConfigError(f"{source}: precision.fp8 with distributed.tp_comm_overlap is not supported yet")
     tile = FP8_TOKEN_TILES.get(cfg.precision.fp8)
     chunk = cfg.data.seq_length // (2 * d.context_parallel_size)
     if d.context_parallel_size > 1 and tile is not None and chunk % tile:

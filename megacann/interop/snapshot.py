@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.checkpoint.state import persistent_buffers, storage_name
+from megacann.checkpoint.state import is_expert_buffer, persistent_buffers, storage_name
 from megacann.config import ModelConfig
 from megacann.interop.export import write_hf_export
 from megacann.interop.full_state import gather_full_tensor
@@ -44,8 +44,8 @@ def _held_here(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
             whole = gather_full_tensor(param)  # every tensor-parallel rank takes part
             if expert if get_sharding(param).expert else dense:
                 held[storage_name(name, param)] = whole
-        if dense:
-            for name, buffer in persistent_buffers(chunk):
+        for name, buffer in persistent_buffers(chunk):
+            if expert if is_expert_buffer(name) else dense:
                 held[name] = buffer.detach().to("cpu", copy=True)
     return held
 

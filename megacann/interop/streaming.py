@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.checkpoint.state import persistent_buffers, storage_name
+from megacann.checkpoint.state import is_expert_buffer, persistent_buffers, storage_name
 from megacann.config import ModelConfig
 from megacann.interop.full_state import gather_full_tensor
 from megacann.interop.hf import hf_adapter
@@ -73,7 +73,8 @@ def _local_tensors(chunks: Sequence[torch.nn.Module]) -> dict[str, tuple[torch.T
             copy = expert_copy if get_sharding(param).expert else dense_copy
             found.setdefault(storage_name(name, param), (param, copy, copy and tp_first))
         for name, buffer in persistent_buffers(chunk):
-            found.setdefault(name, (buffer, False, dense_copy and tp_first))
+            copy = expert_copy if is_expert_buffer(name) else dense_copy
+            found.setdefault(name, (buffer, False, copy and tp_first))
     return found
 
 

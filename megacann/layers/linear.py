@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megacann.layers import mappings
 from megacann.layers.context import current_layer_context, resolve_sequence_parallel
-from megacann.layers.fp8 import Fp8Error, attach_history, check_fp8_layer, linear_product
+from megacann.layers.fp8 import Fp8Error, Fp8GatheredProducts, attach_history, check_fp8_layer, linear_product
 from megacann.layers.init import default_init_methods, init_zeros, make_parameter
 from megacann.layers.sharding import InitMethod, ParamSharding, unshard_tensors
 from megacann.layers.tp_overlap import overlapped_gather_linear
@@ -116,9 +116,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.comm_overlap = current_layer_context().tp_comm_overlap and sequence_parallel and not replicated
         self.fp8 = current_layer_context().fp8  # precision.fp8: the product by ops.fp8_linear (megacann.layers.fp8)
         what = f"ColumnParallelLinear({input_size} -> {output_size})"
-        if self.fp8 is not None and (replicated or self.comm_overlap):
-            reason = "a replicated kv projection" if replicated else "distributed.tp_comm_overlap"
-            raise Fp8Error(f"{what}: precision.fp8 does not support {reason} yet")
+        if self.fp8 is not None and replicated:
+            raise Fp8Error(f"{what}: precision.fp8 does not support a replicated kv projection yet")
         check_fp8_layer(self.fp8, what, self.tp_blocks or (output_size,), 0, tp_size)
         attach_history(self, self.fp8, self.weight.device)
 
@@ -165,7 +164,9 @@ class ColumnParallelLinear(torch.nn.Module):
         ``[..., output_size/tp]`` (or ``[..., output_size]`` with ``gather_output``)."""
         if self.comm_overlap and self.tp_size > 1 and self.adapter is None and not self.gather_output and x.dim() == 3:
             bias = None if self.skip_bias_add else self.bias
-            y = overlapped_gather_linear(x, self.weight, bias, mappings.tp_group(self.group))
+            history = getattr(self, "fp8_amax_history", None)
+            products = Fp8GatheredProducts(self.fp8, history) if self.fp8 is not None else None
+            y = overlapped_gather_linear(x, self.weight, bias, mappings.tp_group(self.group), products)
             return (y, self.bias) if self.skip_bias_add else y
         return self.forward_prepared(self.prepare_input(x))
 

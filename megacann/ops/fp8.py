@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megacann.ops.fp8_formats import (
+    AmaxGroups,
     Fp8Error,
     Quantized,
     block_shape,
@@ -34,7 +35,7 @@ from megacann.ops.fp8_formats import (
     power_of_two_scales,
     quantize,
 )
-from megacann.ops.registry import REFERENCE, register
+from megacann.ops.registry import REFERENCE, register, resolve, selected
 from megacann.ops.weight_grad import defer_or_compute, deferrable
 
 # which dimension of each product's operand view ([rows, reduction]) is split over the group
@@ -84,34 +85,63 @@ def _delayed_amax(t, operand: int, history: torch.Tensor, group, record: bool) -
     return torch.where(past > 0, past, measured.reshape(())).reshape(1, 1)
 
 
-def _quantize_pair(
+def quantize_operand(
+    t,
+    product: str,
+    side: int,
+    recipe: str,
+    fmt: str,
+    parallel,
+    group,
+    history=None,
+    record=True,
+    tokens=None,
+    amax=None,
+) -> Quantized:
+    """Operand ``side`` (0: A, 1: B) of ``product`` (``A @ B.T``) in FP8 by the recipe's block for its role,
+    its amax reduced over the groups that hold other pieces of its blocks (the split dimension's ``group``,
+    the tokens' ``tokens``), from ``history`` under delayed scaling, or the given per-block ``amax``."""
+    role = _ROLES[product][side]
+    split = _SPLIT_DIMS[parallel][product][side]
+    block = block_shape(recipe, role)
+    groups = (_operand_group(block, split, group), _token_group(block, _TOKEN_DIMS[product][side], tokens))
+    amax_group = tuple(g for g in groups if g is not None) or None
+    if amax is None and history is not None:
+        amax = _delayed_amax(t, _OPERANDS[product][side], history, amax_group, record)
+    return quantize(
+        t,
+        fmt,
+        block,
+        power_of_two=power_of_two_scales(recipe),
+        amax_group=amax_group,
+        amax=amax,
+        pad=(split != 0, split != 1),  # a split dimension must hold whole blocks on every rank
+        what=f"fp8_linear {product} operand {'AB'[side]} ({role})",
+    )
+
+
+def quantize_pair(
     a, b, product: str, recipe: str, formats: tuple[str, str], parallel, group, history=None, record=True, tokens=None
-) -> tuple:
-    a_role, b_role = _ROLES[product]
-    a_split, b_split = _SPLIT_DIMS[parallel][product]
-    pow2 = power_of_two_scales(recipe)
-    out = []
-    pairs = ((a, a_role, a_split, formats[0], "A", 0), (b, b_role, b_split, formats[1], "B", 1))
-    for t, role, split, fmt, name, side in pairs:
-        block = block_shape(recipe, role)
-        groups = (_operand_group(block, split, group), _token_group(block, _TOKEN_DIMS[product][side], tokens))
-        amax_group = tuple(g for g in groups if g is not None) or None
-        amax = None
-        if history is not None:
-            amax = _delayed_amax(t, _OPERANDS[product][side], history, amax_group, record)
-        out.append(
-            quantize(
-                t,
-                fmt,
-                block,
-                power_of_two=pow2,
-                amax_group=amax_group,
-                amax=amax,
-                pad=(split != 0, split != 1),  # a split dimension must hold whole blocks on every rank
-                what=f"fp8_linear {product} operand {name} ({role})",
-            )
-        )
-    return tuple(out)
+) -> tuple[Quantized, Quantized]:
+    """Both operands of ``product`` (:func:`quantize_operand`), A first (the order of their collectives)."""
+    qa = quantize_operand(a, product, 0, recipe, formats[0], parallel, group, history, record, tokens)
+    qb = quantize_operand(b, product, 1, recipe, formats[1], parallel, group, history, record, tokens)
+    return qa, qb
+
+
+def shared_token_amax(
+    x2: torch.Tensor, recipe: str, token_group: AmaxGroups, history=None, record=True
+) -> Optional[torch.Tensor]:
+    """The forward's activation ``x2`` holds this rank's tokens of an input whose pieces are multiplied one by
+    one (the tp-overlapped projection): the amax its blocks spanning the tokens share, the maximum over
+    ``token_group`` (from ``history`` under delayed scaling), so each piece is scaled as the whole; None
+    where the recipe's activation blocks hold single tokens (each piece then scales itself alike)."""
+    block = block_shape(recipe, "activation")
+    if block[0] is not None:
+        return None
+    if history is not None:
+        return _delayed_amax(x2, X, history, token_group, record)
+    return measured_amax(x2, (x2.shape[0], x2.shape[1] if block[1] is None else block[1]), token_group)
 
 
 def reference_gemm(a: Quantized, b: Quantized) -> torch.Tensor:
@@ -131,7 +161,7 @@ class _Fp8Linear(torch.autograd.Function):
     ):
         # evaluation (no autograd) scales by the history without adding to it
         formats = (forward_format, forward_format)
-        xq, wq = _quantize_pair(
+        xq, wq = quantize_pair(
             x2, weight, "forward", recipe, formats, parallel, group, history, torch.is_grad_enabled(), tokens
         )
         y = gemm(xq, wq)
@@ -150,14 +180,12 @@ class _Fp8Linear(torch.autograd.Function):
         formats = (grad_format, forward_format)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            a, b = _quantize_pair(
-                dy2, weight.t(), "input_grad", recipe, formats, parallel, group, history, True, tokens
-            )
+            a, b = quantize_pair(dy2, weight.t(), "input_grad", recipe, formats, parallel, group, history, True, tokens)
             dx = gemm(a, b).to(x2.dtype)
         if ctx.needs_input_grad[1]:
 
             def weight_grad(dtype=weight.dtype):
-                a, b = _quantize_pair(
+                a, b = quantize_pair(
                     dy2.t(), x2.t(), "weight_grad", recipe, formats, parallel, group, history, True, tokens
                 )
                 return (gemm(a, b).to(dtype),)
@@ -212,7 +240,20 @@ def implementation(gemm_for: Callable[[str], Gemm]) -> Callable[..., torch.Tenso
         options = (recipe, forward_format, grad_format, parallel, group, amax_history)
         return run_with_gemm(x, weight, bias, *options, gemm_for(recipe), token_group)
 
+    fp8_linear.gemm_for = gemm_for  # type: ignore[attr-defined]  # for products the op's autograd does not run
     return fp8_linear
+
+
+def selected_gemm(recipe: str, device_type: str) -> Gemm:
+    """The GEMM by which the ``fp8_linear`` implementation selected for ``device_type`` multiplies ``recipe``'s
+    products: for FP8 products arranged elsewhere (the tp-overlapped projection's chunks)."""
+    gemm_for = getattr(resolve("fp8_linear", device_type), "gemm_for", None)
+    if gemm_for is None:
+        raise Fp8Error(
+            f"fp8_linear's implementation {selected('fp8_linear', device_type)!r} on {device_type} was not built by "
+            "megacann.ops.fp8.implementation, so the tp-overlapped projection cannot multiply by its GEMM"
+        )
+    return gemm_for(recipe)
 
 
 def _scaled_mm_for(recipe: str) -> Gemm:

@@ -224,7 +224,11 @@ class Trainer:
             self.guard.check_loss(host["loss"])
         if updated and self.model_spec.after_optimizer_step is not None:
             self.model_spec.after_optimizer_step(self.model_chunks)
-        roll_amax_histories(self.model_chunks, ps.get_data_parallel_group(with_context_parallel=True))
+        roll_amax_histories(
+            self.model_chunks,
+            ps.get_data_parallel_group(with_context_parallel=True),
+            ps.get_expert_data_parallel_group(with_context_parallel=True),
+        )
         self.profiling.lap("optimizer")
         self.state.step += 1
         first_sample = self.state.consumed_samples

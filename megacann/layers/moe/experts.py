@@ -37,6 +37,7 @@ from megacann import ops
 from megacann.layers import mappings
 from megacann.layers.context import current_layer_context
 from megacann.layers.eager_regions import eager_under_compile
+from megacann.layers.fp8 import EXPERT_HISTORY, attach_history
 from megacann.layers.init import init_zeros, make_parameter
 from megacann.layers.linear import add_adapter_output
 from megacann.layers.lora.adapter import AdapterLayout
@@ -227,6 +228,9 @@ class GroupedExperts(torch.nn.ModuleDict):
             for e in range(self.first_expert, self.first_expert + local)
         }
         self.update(experts)
+        for expert in experts.values():  # delayed scaling: a history per expert projection (megacann.layers.moe.fp8)
+            for projection in (expert.gate_up_proj, expert.down_proj):
+                attach_history(projection, fp8, projection.weight.device, EXPERT_HISTORY)
 
     @property
     def expert_indices(self) -> range:
@@ -237,7 +241,8 @@ class GroupedExperts(torch.nn.ModuleDict):
         weights = [p.weight for p in projections]
         if self.fp8 is None:
             return ops.grouped_matmul(x, weights, tokens_per_expert)
-        return fp8_grouped_linear(self.fp8, x, weights, tokens_per_expert, parallel, self.fp8_group)
+        histories = [getattr(p, EXPERT_HISTORY, None) for p in projections]
+        return fp8_grouped_linear(self.fp8, x, weights, tokens_per_expert, parallel, self.fp8_group, histories)
 
     @eager_under_compile  # group sizes are host integers that change every step: eager under torch.compile
     def forward(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:

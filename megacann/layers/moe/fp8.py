@@ -11,10 +11,16 @@ Which ranks share an expert's tensors, and so reduce its amax:
   weight (output features), ``down`` like a row-parallel one (input features), and ``fp8_linear`` reduces
   the amax of each split tensor over that group.
 
+Delayed scaling keeps one history per expert projection (``experts.<e>.gate_up_proj.fp8_expert_amax_history``,
+``[1 + length, 3]``: the amax of the expert's input, its weight and its output gradient), named by the
+expert's global index like its weights, so checkpoints move between expert-parallel sizes. After each
+optimizer step a history's newest row is reduced over the expert-data-parallel ranks (those holding the same
+experts, which saw other tokens), never the data-parallel group, whose other expert-parallel ranks hold
+other experts (:func:`megacann.layers.fp8.roll_amax_histories`).
+
 Refused by name: whole experts on every TP rank (each rank would scale its own share of an expert's tokens,
-which no one-process scale matches), context parallelism (an expert's tokens spread over the context-parallel
-ranks), and delayed scaling (the history of an expert would have to be rolled over the expert-data-parallel
-ranks only).
+which no one-process scale matches) and context parallelism (an expert's tokens spread over the
+context-parallel ranks).
 """
 
 from __future__ import annotations
@@ -44,8 +50,6 @@ def check_fp8_experts(
         )
     if settings.token_group is not None:
         raise Fp8Error(f"{what}: precision.fp8 does not cover MoE experts under context parallelism yet")
-    if settings.scaling != "current":
-        raise Fp8Error(f"{what}: precision.fp8_scaling={settings.scaling} does not cover MoE experts yet")
     split = tp_size if tensor_parallel else 1
     check_fp8_layer(settings, f"{what} gate_up_proj", (ffn_hidden_size, ffn_hidden_size), 0, split)
     check_fp8_layer(settings, f"{what} down_proj", (ffn_hidden_size,), 1, split)
@@ -58,17 +62,19 @@ def fp8_grouped_linear(
     tokens_per_expert: Sequence[int],
     parallel: Optional[str],
     group: Optional[dist.ProcessGroup],
+    histories: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
     """``ops.grouped_matmul`` in FP8: expert ``i``'s ``tokens_per_expert[i]`` rows of ``x`` times
-    ``weights[i].T`` by ``fp8_linear``, scaled per expert. An expert without tokens multiplies nothing
-    (a plain product of no rows: its weight gets a zero gradient, and every rank of an expert-TP group,
-    which shares the token counts, skips it alike)."""
+    ``weights[i].T`` by ``fp8_linear``, scaled per expert (by ``histories[i]`` under delayed scaling). An
+    expert without tokens multiplies nothing (a plain product of no rows: its weight gets a zero gradient,
+    its history no amax, and every rank of an expert-TP group, which shares the token counts, skips it alike)."""
     rows = torch.split(x, [int(n) for n in tokens_per_expert])
+    histories = histories if histories is not None else [None] * len(weights)
     outputs = [
-        linear_product(settings, part, w, None, parallel=parallel, group=group)
+        linear_product(settings, part, w, None, parallel=parallel, group=group, amax_history=history)
         if part.shape[0]
         else ops.linear(part, w)
-        for part, w in zip(rows, weights)
+        for part, w, history in zip(rows, weights, histories)
     ]
     return torch.cat(outputs)
 
