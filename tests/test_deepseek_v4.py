@@ -1,0 +1,236 @@
+"""DeepSeek-V4 on one process (CPU, fp32): config.json read and written back as transformers' own, the
+refusals of what megacann does not implement, the checkpoint's tensor names both ways, the decoder layer
+(hyper-connections, norms, hash and top-k routed experts with the clamped SwiGLU) against transformers'
+``DeepseekV4DecoderLayer`` with the same weights, and the parameter count against transformers' model on
+the meta device."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from deepseek_v4_helpers import SHAPE, tiny_hf_v4_model
+
+from megacann.config import ConfigError
+from megacann.layers import MoELayer
+from megacann.layers.moe import clamped_swiglu
+from megacann.models.deepseek_v4 import DeepseekV4Block, deepseek_v4_num_parameters, v4_moe_config
+from megacann.models.hf_deepseek_v4 import (
+    checkpoint_parts,
+    config_from_hf,
+    from_hf_tensors,
+    hf_config_dict,
+    to_hf_tensors,
+)
+from megacann.models.moe import moe_layer_config
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return tiny_hf_v4_model()
+
+
+def _config_file(tmp_path, **changes) -> str:
+    raw = tiny_hf_v4_model().config.to_dict()
+    raw.update(changes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+# -- config.json ----------------------------------------------------------------------------------------
+
+
+def test_config_json_read_and_written_as_transformers(tmp_path, hf_model):
+    hf_model.config.save_pretrained(tmp_path)
+    cfg = config_from_hf(str(tmp_path / "config.json"))
+    assert (cfg.num_experts, cfg.moe_top_k, cfg.moe_ffn_hidden_size, cfg.moe_shared_experts) == (4, 2, 16, 1)
+    assert cfg.layer_types == SHAPE["layer_types"] and cfg.mlp_layer_types == SHAPE["mlp_layer_types"]
+    assert (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.head_dim, cfg.partial_rotary_factor) == (2, 3, 16, 0.5)
+    assert (cfg.rope_theta, cfg.compress_rope_theta, cfg.moe_router) == (10000.0, 160000.0, "sqrtsoftplus")
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 4.0
+    written = hf_config_dict(cfg, torch.float32)
+    again = transformers.DeepseekV4Config(
+        **{k: v for k, v in written.items() if k not in ("architectures", "model_type")}
+    )
+    ours, theirs = again.to_dict(), hf_model.config.to_dict()
+    assert {
+        k: (v, theirs.get(k)) for k, v in ours.items() if theirs.get(k) != v and k not in ("architectures", "dtype")
+    } == {}
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]},
+         "layer_types[1] 'full_attention' is not implemented"),
+        ({"mlp_layer_types": ["moe", "dense", "moe", "moe"]}, "mlp_layer_types[1] 'dense' is not implemented"),
+        ({"mlp_layer_types": ["moe"]}, "mlp_layer_types must list one routing kind per layer (4)"),
+        ({"scoring_func": "sparsemax"}, "scoring_func (model.moe_router) 'sparsemax' is not"),
+        ({"compress_rates": {"sliding_attention": 4}}, "compress_rates {'sliding_attention': 4} is refused"),
+        ({"n_shared_experts": 2}, "n_shared_experts (model.moe_shared_experts) 2 is refused"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads 2 is refused"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is refused"),
+        ({"num_experts_per_tok": 1}, "with num_experts_per_tok 1 is refused"),
+        ({"mlp_bias": True}, "mlp_bias True is not supported"),
+        ({"rope_parameters": {"main": {"rope_type": "yarn", "factor": 2.0}, "compress": {}}},
+         "rope_parameters.main.rope_type 'yarn' is refused"),
+        ({"rope_parameters": {"main": {}, "compress": {"rope_type": "llama3", "factor": 2.0}}},
+         "rope_parameters.compress.rope_type 'llama3' is not implemented"),
+        ({"rope_parameters": {"main": {}, "compress": {}, "local": {}}}, "rope_parameters.local is not a rotary kind"),
+    ],
+)  # fmt: skip
+def test_config_json_refusals_name_the_key_and_value(tmp_path, changes, message):
+    path = _config_file(tmp_path, **changes)
+    with pytest.raises(ConfigError) as err:
+        config_from_hf(path)
+    assert path in str(err.value) and message in str(err.value)
+
+
+def test_legacy_keys_fold_as_transformers_folds_them(tmp_path):
+    raw = {
+        k: v for k, v in tiny_hf_v4_model().config.to_dict().items() if k not in ("mlp_layer_types", "compress_rates")
+    }
+    raw.update(num_hash_layers=1, compress_rate_csa=2, compress_rate_hca=16)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    cfg = config_from_hf(str(path))
+    assert cfg.mlp_layer_types == ["hash_moe", "moe", "moe", "moe"]
+    assert cfg.compress_rates == {"compressed_sparse_attention": 2, "heavily_compressed_attention": 16}
+
+
+# -- the checkpoint's names -----------------------------------------------------------------------------
+
+
+def test_checkpoint_names_both_ways(tmp_path, hf_model):
+    hf_model.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    written = load_file(str(tmp_path / "model.safetensors"))
+    cfg = config_from_hf(str(tmp_path / "config.json"))
+    module_names = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
+    ours = [n for n in module_names if not n.startswith("layers.") or ".mlp." not in n]
+    ours += [f"layers.{i}.mlp.{n}" for i in range(4) for n in _moe_names(i)]
+    tensors = from_hf_tensors(ours, lambda name: written[name], cfg)
+    for name in ours:  # every non-MoE tensor is the module's own, under its module name
+        if name in module_names:
+            assert torch.equal(tensors[name], module_names[name]), name
+    experts = hf_model.model.layers[1].mlp.experts
+    assert torch.equal(tensors["layers.1.mlp.experts.3.gate_up_proj.weight"], experts.gate_up_proj[3])
+    assert torch.equal(tensors["layers.1.mlp.experts.3.down_proj.weight"], experts.down_proj[3])
+    assert torch.equal(tensors["layers.0.mlp.router.token_to_experts"], hf_model.model.layers[0].mlp.gate.tid2eid)
+    back = to_hf_tensors(tensors, cfg)
+    assert sorted(back) == sorted(written)
+    assert all(torch.equal(back[k], written[k]) for k in written)
+    assert checkpoint_parts("layers.1.self_attn.compressor.indexer.kv_proj.weight") == [
+        "model.layers.1.attn.indexer.compressor.wkv.weight"
+    ]
+
+
+def _moe_names(layer: int) -> list[str]:
+    hashed = SHAPE["mlp_layer_types"][layer] == "hash_moe"
+    names = ["router.weight", "router.token_to_experts" if hashed else "router.expert_bias"]
+    names += [f"experts.{e}.{p}.weight" for e in range(4) for p in ("gate_up_proj", "down_proj")]
+    return names + ["shared_experts.gate_up_proj.weight", "shared_experts.down_proj.weight"]
+
+
+# -- the decoder layer ----------------------------------------------------------------------------------
+
+
+def test_v4_clamped_swiglu_is_silu_of_the_clamped_gate_times_the_clamped_up():
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(2, 5, 6, generator=g) * 3, torch.randn(2, 5, 6, generator=g) * 3
+    expected = torch.nn.functional.silu(gate.clamp(max=1.5)) * up.clamp(-1.5, 1.5)
+    torch.testing.assert_close(clamped_swiglu(torch.cat([gate, up], -1), 1.5, 1.0, up_shift=0.0), expected)
+
+
+class _TransformersAttention(torch.nn.Module):
+    """transformers' attention of one layer called the way DeepseekV4Block calls megacann's: the rotary
+    tables and the sliding-window causal mask made here as ``DeepseekV4Model`` makes them."""
+
+    def __init__(self, attention: torch.nn.Module, rotary: torch.nn.Module, window: int):
+        super().__init__()
+        self.attention, self.rotary, self.window = attention, rotary, window
+
+    def forward(self, x, position_ids, segment_ids):
+        s = x.shape[1]
+        i, j = torch.arange(s).view(-1, 1), torch.arange(s).view(1, -1)
+        mask = torch.zeros(s, s).masked_fill(~((j <= i) & (i - j < self.window)), float("-inf"))
+        tables = {kind: self.rotary(x, position_ids=position_ids, layer_type=kind) for kind in ("main", "compress")}
+        return self.attention(x, tables, position_ids, mask.expand(x.shape[0], 1, s, s))[0]
+
+
+def _block_like(layer: torch.nn.Module, layer_id: int, cfg, rotary) -> DeepseekV4Block:
+    """A DeepseekV4Block around transformers' attention, holding copies of the layer's other weights."""
+    base = moe_layer_config(
+        cfg,
+        SimpleNamespace(sequence_parallel=False, init_method_std=0.02, output_layer_init_std=0.02, params_dtype=None),
+    )
+    moe = MoELayer(v4_moe_config(cfg, layer_id, base))
+    block = DeepseekV4Block(
+        _TransformersAttention(layer.self_attn, rotary, cfg.sliding_window),
+        moe, cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, 0.02,
+    )  # fmt: skip
+    own = {k: v for k, v in layer.state_dict().items() if not k.startswith(("mlp.", "self_attn."))}
+    mlp = layer.mlp
+    own["mlp.router.weight"] = mlp.gate.weight
+    if hasattr(mlp.gate, "tid2eid"):
+        own["mlp.router.token_to_experts"] = mlp.gate.tid2eid
+    else:
+        own["mlp.router.expert_bias"] = mlp.gate.e_score_correction_bias
+    for e in range(cfg.num_experts):
+        own[f"mlp.experts.{e}.gate_up_proj.weight"] = mlp.experts.gate_up_proj[e]
+        own[f"mlp.experts.{e}.down_proj.weight"] = mlp.experts.down_proj[e]
+    shared = mlp.shared_experts
+    own["mlp.shared_experts.gate_up_proj.weight"] = torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
+    own["mlp.shared_experts.down_proj.weight"] = shared.down_proj.weight
+    missing, unexpected = block.load_state_dict(own, strict=False)
+    assert unexpected == [] and all(k.startswith("self_attn.") for k in missing)
+    return block
+
+
+@pytest.mark.parametrize("layer_id", [0, 1, 2, 3])
+def test_decoder_layer_equals_transformers_layer(tmp_path, hf_model, layer_id):
+    hf_model.config.save_pretrained(tmp_path)
+    cfg = config_from_hf(str(tmp_path / "config.json"))
+    layer = hf_model.model.layers[layer_id]
+    block = _block_like(layer, layer_id, cfg, hf_model.model.rotary_emb)
+    g = torch.Generator().manual_seed(layer_id)
+    b, s = 2, 24
+    streams = torch.randn(b, s, cfg.hc_mult, cfg.hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
+    positions = torch.arange(s).expand(b, s)
+    theirs_in, ours_in = streams.clone().requires_grad_(), streams.clone().requires_grad_()
+    s_ = theirs_in.shape[1]
+    i, j = torch.arange(s_).view(-1, 1), torch.arange(s_).view(1, -1)
+    mask = torch.zeros(s_, s_).masked_fill(~((j <= i) & (i - j < cfg.sliding_window)), float("-inf"))
+    tables = {k: hf_model.model.rotary_emb(streams, position_ids=positions, layer_type=k) for k in ("main", "compress")}
+    theirs = layer(theirs_in, input_ids=ids, position_embeddings=tables, position_ids=positions,
+                   attention_mask=mask.expand(b, 1, s, s))  # fmt: skip
+    ours = block(ours_in, ids, positions, None)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(ours.shape, generator=g)
+    theirs.backward(grad)
+    ours.backward(grad)
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-5)
+    for name in ("attn_hc.fn", "ffn_hc.fn", "input_layernorm.weight"):
+        ours_grad = block.get_parameter(name).grad
+        torch.testing.assert_close(ours_grad, layer.get_parameter(name).grad, rtol=1e-5, atol=1e-5)
+
+
+# -- sizes ----------------------------------------------------------------------------------------------
+
+
+def test_parameter_count_equals_transformers_on_meta(tmp_path, hf_model):
+    hf_model.config.save_pretrained(tmp_path)
+    cfg = config_from_hf(str(tmp_path / "config.json"))
+    assert deepseek_v4_num_parameters(cfg) == sum(p.numel() for p in hf_model.parameters())
+    per_expert = 3 * cfg.hidden_size * cfg.moe_ffn_hidden_size
+    active = deepseek_v4_num_parameters(cfg) - cfg.num_layers * (cfg.num_experts - cfg.moe_top_k) * per_expert
+    assert deepseek_v4_num_parameters(cfg, active=True) == active
+    assert hf is not None
