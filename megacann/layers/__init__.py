@@ -17,6 +17,7 @@ across the cp group and attention by ring, all-gather or all-to-all; docs/contex
 
 from megacann.layers.attention import SelfAttention
 from megacann.layers.compile import compile_blocks
+from megacann.layers.compressed_attention import CompressedSparseAttention
 from megacann.layers.compressed_indexer import CompressedIndexer, chosen_entries_bias
 from megacann.layers.context import LayerContext, current_layer_context
 from megacann.layers.embedding import VocabParallelEmbedding
@@ -74,6 +75,7 @@ __all__ = [
     "LatentAttention",
     "GatedDeltaNet",
     "GatedDeltaNetCache",
+    "CompressedSparseAttention",
     "GroupedOutputProjection",
     "HyperConnection",
     "WindowCompressor",

@@ -17,9 +17,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from megacann import ops
 from megacann.layers.init import init_normal, make_parameter
-from megacann.layers.rotary import RotaryEmbedding
+from megacann.layers.rotary import RotaryEmbedding, rotate_trailing
 from megacann.layers.window_compressor import WindowCompressor, compressed_causal_bias
 
 
@@ -73,8 +72,7 @@ class CompressedIndexer(WindowCompressor):
         b, s, _ = hidden.shape
         q = F.linear(q_residual, self.q_b_proj.weight).view(b, s, self.num_heads, self.head_dim)
         cos, sin = rotary(position_ids, dtype=q.dtype)
-        rope_dim = rotary.head_dim
-        q = torch.cat([q[..., :-rope_dim], ops.apply_rotary(q[..., -rope_dim:], cos, sin, rotary.interleaved)], -1)
+        q = rotate_trailing(q, cos, sin, rotary.interleaved)
         scores = F.relu(torch.einsum("bshd,btd->bsht", q.float(), keys)) * self.head_dim**-0.5
         weights = F.linear(hidden, self.scorer.weights_proj.weight).float() * self.num_heads**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2)

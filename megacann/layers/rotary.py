@@ -104,6 +104,15 @@ def _llama3_scale(inv_freq: torch.Tensor, factor: float, low: float, high: float
     return torch.where(medium, smoothed, scaled)
 
 
+def rotate_trailing(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """RoPE on the trailing ``cos.shape[-1]`` channels of each head of ``x`` ``[b, s, heads, d]``, the leading
+    ones left as they are (DeepSeek-V4's partial rotary: a head is ``[nope | rope]``)."""
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return ops.apply_rotary(x, cos, sin, interleaved)
+    return torch.cat([x[..., :-width], ops.apply_rotary(x[..., -width:], cos, sin, interleaved)], dim=-1)
+
+
 class RotaryEmbedding(torch.nn.Module):
     """``forward(position_ids [b, s] or [s]) -> (cos, sin)``, each ``[b, s, head_dim]`` (or ``[s, head_dim]``),
     computed in fp32 and returned in ``dtype`` (default fp32)."""

@@ -25,10 +25,9 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from megacann import ops
 from megacann.layers.init import init_normal, init_zeros, make_parameter
 from megacann.layers.norm import RMSNorm
-from megacann.layers.rotary import RotaryEmbedding
+from megacann.layers.rotary import RotaryEmbedding, rotate_trailing
 
 
 def compressed_causal_bias(position_ids: torch.Tensor, num_entries: int, compress_rate: int) -> torch.Tensor:
@@ -89,9 +88,7 @@ class WindowCompressor(torch.nn.Module):
         entries = self.kv_norm((candidates * weights).sum(dim=2))  # [b, windows, head_dim]
         starts = (torch.arange(windows, device=hidden.device) * self.compress_rate).expand(b, -1)
         cos, sin = rotary(starts, dtype=entries.dtype)
-        rope_dim = rotary.head_dim
-        rotated = ops.apply_rotary(entries[..., -rope_dim:].unsqueeze(2), cos, sin, rotary.interleaved).squeeze(2)
-        return torch.cat([entries[..., :-rope_dim], rotated], dim=-1)
+        return rotate_trailing(entries.unsqueeze(2), cos, sin, rotary.interleaved).squeeze(2)
 
     def _overlapping(self, series: torch.Tensor, empty: float) -> torch.Tensor:
         """``[b, n, r, 2·d]`` -> ``[b, n, 2·r, d]``: window ``w - 1``'s first halves (``empty`` before window 0)
