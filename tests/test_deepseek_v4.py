@@ -1,21 +1,27 @@
 """DeepSeek-V4 on one process (CPU, fp32): config.json read and written back as transformers' own, the
 refusals of what megacann does not implement, the checkpoint's tensor names both ways, the decoder layer
 (hyper-connections, norms, hash and top-k routed experts with the clamped SwiGLU) against transformers'
-``DeepseekV4DecoderLayer`` with the same weights, and the parameter count against transformers' model on
-the meta device."""
+``DeepseekV4DecoderLayer`` with the same weights, the whole model's logits against transformers'
+``DeepseekV4ForCausalLM`` through from_pretrained_hf, save_pretrained_hf and megacann-convert both ways,
+the recipe refusals, and the parameter count against transformers' model on the meta device."""
 
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
-from deepseek_v4_helpers import SHAPE, tiny_hf_v4_model
+from deepseek_v4_helpers import SHAPE, hf_v4_logits, tiny_hf_v4, tiny_hf_v4_model
+from training_helpers import tiny_config
 
 from megacann.config import ConfigError
+from megacann.interop import from_pretrained_hf, save_pretrained_hf
 from megacann.layers import MoELayer
 from megacann.layers.moe import clamped_swiglu
+from megacann.layers.sharding import get_sharding
+from megacann.models import ChunkPlacement, get_model_spec
 from megacann.models.deepseek_v4 import DeepseekV4Block, deepseek_v4_num_parameters, v4_moe_config
 from megacann.models.hf_deepseek_v4 import (
     checkpoint_parts,
@@ -223,6 +229,67 @@ def test_decoder_layer_equals_transformers_layer(tmp_path, hf_model, layer_id):
         torch.testing.assert_close(ours_grad, layer.get_parameter(name).grad, rtol=1e-5, atol=1e-5)
 
 
+# -- the whole model ------------------------------------------------------------------------------------
+
+IDS = torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def test_logits_equal_transformers_both_ways(tmp_path):
+    from megacann.convert import main as convert
+
+    hf_dir = tiny_hf_v4(str(tmp_path / "hf"))
+    expected = hf_v4_logits(hf_dir, IDS)
+    assert expected.std() > 0.1  # logits that differ enough to tell a mix-up
+    ours = from_pretrained_hf(hf_dir).eval()
+    kinds = [block.self_attn.layer_type for block in ours.layers.values()]
+    assert kinds == SHAPE["layer_types"]  # every kind present, and both routings:
+    assert [block.mlp.router.token_to_experts is not None for block in ours.layers.values()] == [1, 0, 0, 1]
+    reference = transformers.DeepseekV4ForCausalLM.from_pretrained(hf_dir)
+    table = reference.model.layers[3].mlp.gate.tid2eid
+    assert torch.equal(ours.layers["3"].mlp.router.token_to_experts, table)  # the checkpoint's, not the spread
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=IDS), expected, atol=1e-4, rtol=0)
+
+    save_pretrained_hf([ours], str(tmp_path / "back"), ours.config)
+    assert convert(["from-hf", hf_dir, str(tmp_path / "whole")]) == 0
+    assert convert(["to-hf", str(tmp_path / "whole"), str(tmp_path / "converted")]) == 0
+    reference_state = reference.state_dict()
+    for out in ("back", "converted"):
+        torch.testing.assert_close(hf_v4_logits(str(tmp_path / out), IDS), expected, atol=1e-4, rtol=0)
+        again = transformers.DeepseekV4ForCausalLM.from_pretrained(str(tmp_path / out)).state_dict()
+        assert again.keys() == reference_state.keys()
+        for name, tensor in reference_state.items():
+            assert torch.equal(again[name], tensor), (out, name)
+
+
+V4 = [
+    "model.type=deepseek_v4", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32",
+    "model.moe_shared_experts=1", "model.num_key_value_heads=1", "model.head_dim=16", "model.q_lora_rank=16",
+    "model.o_groups=2", "model.o_lora_rank=8", "model.index_n_heads=2", "model.index_head_dim=16",
+    "model.index_topk=3", "model.hc_mult=2", "model.sliding_window=8", "model.partial_rotary_factor=0.5",
+    "model.compress_rates={compressed_sparse_attention: 4, heavily_compressed_attention: 8}",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["distributed.pipeline_parallel_size=2"], "distributed.pipeline_parallel_size 2 is refused for model.type deepseek_v4"),
+        (["distributed.context_parallel_size=2"], "distributed.context_parallel_size 2 is refused"),
+        (["model.mtp_num_layers=1"], "model.mtp_num_layers 1 is refused"),
+        (["model.activation_checkpointing=full"], "model.activation_checkpointing 'full' is refused"),
+        (["model.o_groups=1", "model.o_lora_rank=16", "distributed.tensor_parallel_size=2"],
+         "model.o_groups 1 is not divisible by distributed.tensor_parallel_size 2"),
+        (["model.mlp_layer_types=[moe, moe, hash, moe]"], "mlp_layer_types[2] 'hash' is not implemented"),
+    ],
+)  # fmt: skip
+def test_recipe_refusals_name_the_key(overrides, message):
+    world = 4 if any("parallel_size=2" in o for o in overrides) else 1
+    with pytest.raises(ConfigError) as err:
+        tiny_config(V4 + overrides, world_size=world)
+    assert message in str(err.value)
+
+
 # -- sizes ----------------------------------------------------------------------------------------------
 
 
@@ -234,3 +301,13 @@ def test_parameter_count_equals_transformers_on_meta(tmp_path, hf_model):
     active = deepseek_v4_num_parameters(cfg) - cfg.num_layers * (cfg.num_experts - cfg.moe_top_k) * per_expert
     assert deepseek_v4_num_parameters(cfg, active=True) == active
     assert hf is not None
+
+
+def test_parameter_formula_counts_the_built_model():
+    cfg = tiny_config(V4)
+    spec = get_model_spec("deepseek_v4")
+    with torch.device("meta"):
+        model = spec.build(cfg, ChunkPlacement(tuple(range(cfg.model.num_layers))), "meta")
+    # the vocabulary unpadded; the routing bias is a frozen parameter here, a buffer in transformers
+    counted = [p for name, p in model.named_parameters() if not name.endswith("router.expert_bias")]
+    assert spec.total_parameters(cfg.model) == sum(math.prod(get_sharding(p).logical_shape) for p in counted)

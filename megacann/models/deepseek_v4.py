@@ -20,10 +20,26 @@ from typing import Optional
 
 import torch
 
-from megacann.config import ModelConfig
-from megacann.layers import HyperConnection, MoEConfig, MoELayer, RMSNorm
+from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.layers import HyperConnection, HyperHead, MoEConfig, MoELayer, RMSNorm, init_normal, mappings
+from megacann.layers.compressed_attention import CompressedSparseAttention
+from megacann.layers.hyper_connections import expand_streams
 from megacann.layers.moe import ExpertActivation
-from megacann.models.deepseek_v4_config import CSA, HASH_MOE, HCA, v4_compress_rates, v4_layer_types, v4_mlp_layer_types
+from megacann.models.decoder import DecoderArch
+from megacann.models.deepseek_v4_config import (
+    CSA,
+    HASH_MOE,
+    HCA,
+    SLIDING,
+    DeepseekV4ModelConfig,
+    check_deepseek_v4_keys,
+    rope_head_dim,
+    v4_compress_rates,
+    v4_layer_types,
+    v4_mlp_layer_types,
+)
+from megacann.models.hf_deepseek_v4 import DEEPSEEK_V4_HF
+from megacann.models.moe import MoEModel, check_moe_config, moe_defaults, moe_model_spec
 
 
 def v4_expert_activation(cfg: ModelConfig) -> ExpertActivation:
@@ -134,3 +150,134 @@ def deepseek_v4_num_parameters(m: ModelConfig, active: bool = False) -> int:
         total += v4_attention_parameters(m, kind) + 2 * _mixing_parameters(m) + 2 * h + per_layer_moe
     head = n * (n * h + 1) + 1  # HyperHead
     return total + head + h + (m.vocab_size or 0) * h * (1 if m.tie_word_embeddings else 2)
+
+
+# -- the model ----------------------------------------------------------------------------------------
+
+
+def deepseek_v4_defaults(cfg: ModelConfig) -> None:
+    """One shared key/value head; no dense MLP (its width set to the experts'); the MoE family's defaults."""
+    if cfg.num_key_value_heads is None:
+        cfg.num_key_value_heads = 1
+    if cfg.ffn_hidden_size is None:
+        cfg.ffn_hidden_size = cfg.moe_ffn_hidden_size
+    moe_defaults(cfg)
+
+
+class DeepseekV4Model(MoEModel):
+    """One DeepSeek-V4 model (see the module docstring; :class:`DecoderLM` for the arguments of
+    ``forward``). Parameters carry transformers' module names (``layers.<i>.self_attn.*``,
+    ``layers.<i>.attn_hc.*``, ``hc_head.*``); the MoE layers' are the MoE family's."""
+
+    ARCH = DecoderArch(normalization="rmsnorm", activation="swiglu", position_embedding="none")
+    fill_defaults = staticmethod(deepseek_v4_defaults)
+
+    def _build(self, layer_ids: list[int]) -> None:
+        super()._build(layer_ids)
+        if self.post_process:
+            c = self.config
+            self.hc_head = HyperHead(
+                c.hidden_size, c.hc_mult, eps=c.hc_eps, norm_eps=c.norm_eps, init_std=c.init_method_std,
+                dtype=torch.float32,
+            )  # fmt: skip
+
+    def build_attention(self, layer_id: int) -> CompressedSparseAttention:
+        c, b = self.config, self.block_config
+        kind = v4_layer_types(c)[layer_id]
+        compressed = {}
+        if kind != SLIDING:
+            compressed = dict(
+                compress_rate=v4_compress_rates(c)[kind],
+                index_n_heads=c.index_n_heads,
+                index_head_dim=c.index_head_dim,
+                index_topk=c.index_topk,
+            )
+        return CompressedSparseAttention(
+            c.hidden_size, c.num_attention_heads, c.head_dim, layer_type=kind, q_lora_rank=c.q_lora_rank,
+            qk_rope_head_dim=rope_head_dim(c), o_groups=c.o_groups, o_lora_rank=c.o_lora_rank,
+            sliding_window=c.sliding_window, rope_theta=c.rope_theta, compress_rope_theta=c.compress_rope_theta,
+            rope_scaling=c.rope_scaling, norm_eps=c.norm_eps, init_std=c.init_method_std,
+            init_method=init_normal(b.init_method_std), output_init_method=init_normal(b.output_layer_init_std),
+            **compressed,
+        )  # fmt: skip
+
+    def build_layer(self, layer_id: int) -> DeepseekV4Block:
+        c = self.config
+        mlp = MoELayer(v4_moe_config(c, layer_id, self.moe_config()))
+        return DeepseekV4Block(
+            self.build_attention(layer_id), mlp, c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
+            c.init_method_std,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        segment_ids: Optional[torch.Tensor] = None,
+        hidden_states: Optional[torch.Tensor] = None,
+        last_position_only: bool = False,
+    ) -> torch.Tensor:
+        if input_ids is None:
+            raise ValueError("DeepseekV4Model.forward needs input_ids: its hash-routed layers route by them")
+        streams = expand_streams(self._embed(input_ids, position_ids), self.config.hc_mult)
+        # each rank's share of the sequence under sequence parallelism, as its MoE layers route it
+        token_ids = mappings.scatter_to_sequence_parallel_region(input_ids) if self.sequence_parallel else input_ids
+        for layer in self.layers.values():
+            streams = layer(streams, token_ids, position_ids, segment_ids)
+        if last_position_only:
+            streams = streams[:, -1:]
+        return self.lm_head(self.norm(self.hc_head(streams)), labels)
+
+
+def check_deepseek_v4_config(cfg: MegacannConfig, source: str) -> None:
+    """DeepSeek-V4's keys, what its layers cannot run yet (refused by name), then the MoE family's checks."""
+    m, d = cfg.model, cfg.distributed
+    check_deepseek_v4_keys(m, source)
+    refused = {
+        "distributed.pipeline_parallel_size": (
+            d.pipeline_parallel_size, 1, "the stages pass [b, s, h] hidden states; DeepSeek-V4's residual is hc_mult streams"
+        ),
+        "distributed.context_parallel_size": (d.context_parallel_size, 1, "its compressed attention reads the whole sequence"),
+        "model.mtp_num_layers": (m.mtp_num_layers, 0, "multi-token prediction is not built for DeepSeek-V4 (as in transformers)"),
+        "model.activation_checkpointing": (m.activation_checkpointing, "none", "its blocks do not recompute"),
+        "model.moe_layer_freq": (m.moe_layer_freq, 1, "every DeepSeek-V4 layer is an MoE layer"),
+    }  # fmt: skip
+    for key, (value, allowed, why) in refused.items():
+        if value != allowed:
+            raise ConfigError(
+                f"{source}: {key} {value!r} is refused for model.type deepseek_v4 ({allowed!r} only): {why}"
+            )
+    for key, count in (("num_attention_heads", m.num_attention_heads), ("o_groups", m.o_groups)):
+        if count % d.tensor_parallel_size:
+            raise ConfigError(
+                f"{source}: model.{key} {count} is not divisible by distributed.tensor_parallel_size "
+                f"{d.tensor_parallel_size} (whole heads and output groups per rank)"
+            )
+    check_moe_config(cfg, source)
+
+
+def deepseek_v4_flops_per_token(m: ModelConfig, seq_length: int) -> float:
+    """6N (N: the weights a token meets but the input embedding) plus the attention's scores and values,
+    12 L H d T: an upper bound (each query reads its window and the compressed entries, fewer than T)."""
+    n = deepseek_v4_num_parameters(m, active=True) - (m.vocab_size or 0) * m.hidden_size
+    return 6.0 * n + 12.0 * m.num_layers * m.num_attention_heads * m.head_dim * seq_length
+
+
+DEEPSEEK_V4 = dataclasses.replace(
+    moe_model_spec(
+        "deepseek_v4",
+        DeepseekV4Model,
+        config_class=DeepseekV4ModelConfig,
+        check_config=check_deepseek_v4_config,
+        hf=DEEPSEEK_V4_HF,
+        num_parameters=deepseek_v4_num_parameters,
+        flops_per_token=deepseek_v4_flops_per_token,
+    ),
+    decode=None,  # no cache of the compressors and indexers yet: generation refuses the family by name
+    architecture=None,  # no memory plan
+    moe_structure=None,
+    sharding_units=(DeepseekV4Block,),
+)
+
+__all__ = ["DEEPSEEK_V4", "DeepseekV4Block", "DeepseekV4Model", "deepseek_v4_num_parameters"]

@@ -261,4 +261,5 @@ DEEPSEEK_V4_HF = HFAdapter(
     config_to_hf=hf_config_dict,
     to_hf=to_hf_tensors,
     from_hf=from_hf_tensors,
+    checkpoint_buffers=lambda name: name.endswith(".mlp.router.token_to_experts"),
 )
