@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from deepseek_v4_helpers import SHAPE, hf_v4_logits, tiny_hf_v4, tiny_hf_v4_model
+from published_config_checks import check_recipe_matches_published
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError
@@ -23,6 +24,7 @@ from megacann.layers.moe import clamped_swiglu
 from megacann.layers.sharding import get_sharding
 from megacann.models import ChunkPlacement, get_model_spec
 from megacann.models.deepseek_v4 import DeepseekV4Block, deepseek_v4_num_parameters, v4_moe_config
+from megacann.models.deepseek_v4_config import v4_layer_types, v4_mlp_layer_types
 from megacann.models.hf_deepseek_v4 import (
     checkpoint_parts,
     config_from_hf,
@@ -311,3 +313,31 @@ def test_parameter_formula_counts_the_built_model():
     # the vocabulary unpadded; the routing bias is a frozen parameter here, a buffer in transformers
     counted = [p for name, p in model.named_parameters() if not name.endswith("router.expert_bias")]
     assert spec.total_parameters(cfg.model) == sum(math.prod(get_sharding(p).logical_shape) for p in counted)
+
+
+# transformers 5.25's DeepseekV4Config defaults (its docstring names deepseek-ai/DeepSeek-V4-Flash-Base), the
+# keys that decide shapes; the layer schedules are its defaults too (two heavily compressed layers, then
+# compressed sparse and heavily compressed alternating; the first three layers hash-routed)
+FLASH = {
+    "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "partial_rotary_factor": 0.125,
+    "vocab_size": 129280, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048, "hc_mult": 4, "index_n_heads": 64, "index_head_dim": 128, "sliding_window": 128,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "tie_word_embeddings": False, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+EXPECTED_FLASH = (284_325_869_015, 13_793_261_015)  # transformers' count below: total, active per token
+
+
+def test_flash_recipe_counts_what_transformers_counts(tmp_path):
+    config = transformers.DeepseekV4Config()
+    assert {k: getattr(config, k) for k in FLASH} == FLASH
+    with torch.device("meta"):
+        model = transformers.DeepseekV4ForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+    active = total - config.num_hidden_layers * (config.n_routed_experts - config.num_experts_per_tok) * per_expert
+    assert (total, active) == EXPECTED_FLASH
+    cfg, _ = check_recipe_matches_published(tmp_path, "deepseek_v4/deepseek_v4_flash.yaml", FLASH, total, active)
+    assert v4_layer_types(cfg.model) == config.layer_types
+    assert v4_mlp_layer_types(cfg.model) == config.mlp_layer_types

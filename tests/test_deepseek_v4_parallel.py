@@ -13,6 +13,8 @@ from deepseek_v4_helpers import tiny_hf_v4
 from dist_harness import run_on_ranks
 from test_training_parity import assert_close_trace
 
+pytestmark = pytest.mark.extended  # a slow multi-rank check: `make test-extended` runs it
+
 STEPS = 3
 SEQ = 24  # past the sliding window (8); 6 compressed sparse entries (rate 4) and 3 heavily compressed (rate 8)
 COMMON = ["optim.clip_grad=0.5", "optim.lr=1e-3", f"data.seq_length={SEQ}", "data.batch_size=2", "data.tokenizer=byte"]
