@@ -50,6 +50,20 @@ def full_grad(p: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+def parameter_errors(layer: torch.nn.Module, one: torch.nn.Module) -> dict[str, float]:
+    """Per parameter of a TP ``layer`` against the one-process ``one`` (same names): ``init.<name>`` 1 unless
+    the whole tensors are equal, ``grad.<name>`` the gradients' relative error (1 where only one of them has
+    a gradient, 0 where neither has)."""
+    theirs, errs = dict(one.named_parameters()), {}
+    for name, param in layer.named_parameters():
+        errs[f"init.{name}"] = float(not torch.equal(full_param(param), theirs[name].detach()))
+        if theirs[name].grad is None or param.grad is None:
+            errs[f"grad.{name}"] = float((theirs[name].grad is None) != (param.grad is None))
+        else:
+            errs[f"grad.{name}"] = rel_err(full_grad(param), theirs[name].grad)
+    return errs
+
+
 def gather_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(_gather_tp(t.detach()), dim=dim)
 

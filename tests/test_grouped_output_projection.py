@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_on_ranks
-from layers_reference import full_grad, full_param, rel_err
+from layers_reference import parameter_errors, rel_err
 
 from megacann import parallel_state as ps
 from megacann.layers.grouped_output_projection import GroupedOutputProjection
@@ -80,10 +80,7 @@ def _tp2_checks() -> dict[str, dict[str, float]]:
             out_expected, grad_mine = out_expected.chunk(2, dim=1)[tp_rank], grad.chunk(2, dim=1)[tp_rank]
         (out * grad_mine).sum().backward()
         errs = {"out": rel_err(out, out_expected), "dx": rel_err(x_mine.grad, x_one.grad.chunk(2, dim=-1)[tp_rank])}
-        ours = dict(one.named_parameters())
-        for name, param in layer.named_parameters():
-            errs[f"init.{name}"] = float(not torch.equal(full_param(param), ours[name].detach()))
-            errs[f"grad.{name}"] = rel_err(full_grad(param), ours[name].grad)
+        errs.update(parameter_errors(layer, one))
         # the split was in force: half the groups' rows and columns here
         errs["sharded"] = float(
             layer.o_a_proj.weight.shape != (GROUPS // 2 * RANK, WIDTH // GROUPS)

@@ -25,14 +25,15 @@ picks are not differentiable: its parameters get no gradient from this layer (as
 Parameter names are transformers' ``DeepseekV4Attention``'s, so weights map by name. Tensor parallelism
 splits the heads (``q_b_proj`` by rows, ``sinks``, whole groups of the output projection); the down
 projection, the KV head, the norms and the compressor are whole on every rank and see the whole sequence
-(gathered under sequence parallelism), their gradients partial per rank (``tp_partial_grad``). Context
-parallelism is refused; so are packed documents (``segment_ids``) on the compressed types, whose windows
-would pool tokens of neighbouring documents.
+(gathered under sequence parallelism), their gradients partial per rank (``tp_partial_grad``). While
+generating, the layer's ``kv_cache`` (:mod:`megacann.generation.compressed_cache`) keeps each token's
+rotated KV head and compressor projections. Context parallelism is refused; so are packed documents
+(``segment_ids``) on the compressed types, whose windows would pool tokens of neighbouring documents.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,23 @@ from megacann.layers.norm import RMSNorm
 from megacann.layers.rotary import RotaryEmbedding, rotate_trailing
 from megacann.layers.sharding import InitMethod, mark_partial_grad
 from megacann.layers.window_compressor import WindowCompressor, compressed_causal_bias
-from megacann.ops.reference import attention_mask, effective_window
+
+
+class CompressedCacheLayer(Protocol):
+    """One layer's cache while generating: ``attend(attention, q, kv, x, q_residual, position_ids)`` stores
+    this forward's tokens and returns the attention of ``q`` ``[b, s, local heads, d]`` over its row's
+    window of local keys and compressed entries (before the inverse rotation)."""
+
+    def attend(
+        self,
+        attention: CompressedSparseAttention,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> torch.Tensor: ...
+
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -107,6 +124,8 @@ class CompressedSparseAttention(torch.nn.Module):
         self.layer_type, self.head_dim, self.norm_eps = layer_type, head_dim, norm_eps
         self.local_heads, self.sliding_window = num_attention_heads // tp, sliding_window
         self.group = group
+        # set by megacann.generation while it generates (megacann.generation.compressed_cache); None: off
+        self.kv_cache: Optional[CompressedCacheLayer] = None
         if layer_type == SLIDING:
             self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=True)
         else:
@@ -173,35 +192,54 @@ class CompressedSparseAttention(torch.nn.Module):
         q = self.q_b_proj.forward_prepared(q_residual).unflatten(-1, (self.local_heads, self.head_dim))
         q = rotate_trailing(unweighted_rms_norm(q, self.norm_eps), cos, sin)
         kv = rotate_trailing(self.kv_norm(self.kv_proj.forward_prepared(x)).unsqueeze(2), cos, sin)
-        if self.compressor is None:
+        if self.kv_cache is not None:  # generation: earlier tokens' keys and projections come from the cache
+            out = self.kv_cache.attend(self, q, kv, x, q_residual, position_ids)
+        elif self.compressor is None:
             out = ops.scaled_dot_product_attention(
                 q, kv, kv, causal=True, segment_ids=segment_ids, scale=self.head_dim**-0.5,
                 sliding_window=self.sliding_window, sinks=self.sinks,
             )  # fmt: skip
         else:
-            keys, readable = self._with_compressed(kv, x, q_residual, position_ids)
-            out = ops.scaled_dot_product_attention(
-                q, keys, keys, causal=False, attn_mask=readable, scale=self.head_dim**-0.5, sinks=self.sinks
-            )
+            out = self._attend_with_compressed(q, kv, x, q_residual, position_ids)
         out = rotate_trailing(out, cos, -sin)  # the values' rotation undone at the query's position
         return self.output_projection(out.flatten(2))
 
-    def _with_compressed(
-        self, kv: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The local KV head with the compressed entries after it on the key axis ``[b, s + T, 1, d]``, and
-        which keys each query reads ``[b, 1, s, s + T]`` (True = read): its window of local keys, then the
-        closed windows (HCA) or the indexer's picks among them (CSA)."""
-        entries = self.compressor(x, self.rotary)  # [b, T, d]
-        b, s, count = x.shape[0], x.shape[1], entries.shape[1]
-        if self.compressor.overlap:
-            picks = self.compressor.indexer(x, q_residual, position_ids, self.rotary)
-            bias = chosen_entries_bias(picks, count)
-        else:
-            bias = compressed_causal_bias(position_ids, count, self.compressor.compress_rate)
-        local = attention_mask(s, True, None, x.device, effective_window(self.sliding_window, s, True))
-        readable = torch.cat([local.expand(b, 1, s, s), bias == 0], dim=-1)
-        return torch.cat([kv, entries.unsqueeze(2)], dim=1), readable
+    def _attend_with_compressed(
+        self, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention over the local window and the compressed entries (HCA: every closed window; CSA: the
+        indexer's picks), one block of ``sliding_window`` queries at a time: a block reads only the local
+        keys its window reaches (its own and the ``sliding_window - 1`` before it) and the entries, so no
+        ``[s, s]`` score matrix is formed. ``q`` ``[b, s, heads, d]``, ``kv`` ``[b, s, 1, d]``."""
+        entries = self.compressor(x, self.rotary).unsqueeze(2)  # [b, T, 1, d]
+        b, s = x.shape[0], x.shape[1]
+        entries_read = self.entries_read(entries.shape[1], x, q_residual, position_ids)
+        window, positions, outputs = self.sliding_window, torch.arange(s, device=x.device), []
+        attend = dict(causal=False, scale=self.head_dim**-0.5, sinks=self.sinks)
+        for start in range(0, s, window):
+            end, first = min(start + window, s), max(0, start - window + 1)
+            queries, keys = positions[start:end].unsqueeze(-1), positions[first:end]
+            local = (keys <= queries) & (keys > queries - window)  # [block, keys]
+            read = torch.cat([local.expand(b, 1, -1, -1), entries_read[:, :, start:end]], dim=-1)
+            block = torch.cat([kv[:, first:end], entries], dim=1)  # keys and values
+            outputs.append(ops.scaled_dot_product_attention(q[:, start:end], block, block, attn_mask=read, **attend))
+        return torch.cat(outputs, dim=1)
+
+    def entries_read(
+        self,
+        count: int,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        position_ids: torch.Tensor,
+        index_keys: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``[b, 1, s, count]``, True where a query reads a compressed entry: every closed window (HCA),
+        or the indexer's picks among them (CSA; ``index_keys``: its compressed keys when a decoding cache
+        has them, else compressed from ``x``)."""
+        if not self.compressor.overlap:
+            return compressed_causal_bias(position_ids, count, self.compressor.compress_rate) == 0
+        picks = self.compressor.indexer(x, q_residual, position_ids, self.rotary, index_keys)
+        return chosen_entries_bias(picks, count) == 0
 
     def _refuse_unsupported(self, segment_ids: Optional[torch.Tensor]) -> None:
         cp_group = ps.get_context_parallel_group()

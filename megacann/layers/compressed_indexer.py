@@ -65,10 +65,17 @@ class CompressedIndexer(WindowCompressor):
             setattr(self, name, holder)
 
     def index_scores(
-        self, hidden: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor, rotary: RotaryEmbedding
+        self,
+        hidden: torch.Tensor,
+        q_residual: torch.Tensor,
+        position_ids: torch.Tensor,
+        rotary: RotaryEmbedding,
+        keys: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``[b, s, entries]`` fp32 scores, ``-inf`` for the entries query ``t`` may not read yet."""
-        keys = super().forward(hidden, rotary).float()  # [b, T, d]
+        """``[b, s, entries]`` fp32 scores, ``-inf`` for the entries query ``t`` may not read yet. ``keys``
+        ``[b, T, head_dim]``: the compressed keys when the caller has them (a decoding cache), else
+        compressed from ``hidden``."""
+        keys = (super().forward(hidden, rotary) if keys is None else keys).float()  # [b, T, d]
         b, s, _ = hidden.shape
         q = F.linear(q_residual, self.q_b_proj.weight).view(b, s, self.num_heads, self.head_dim)
         cos, sin = rotary(position_ids, dtype=q.dtype)
@@ -79,9 +86,14 @@ class CompressedIndexer(WindowCompressor):
         return scores + compressed_causal_bias(position_ids, keys.shape[1], self.compress_rate)[:, 0]
 
     def forward(  # type: ignore[override]
-        self, hidden: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor, rotary: RotaryEmbedding
+        self,
+        hidden: torch.Tensor,
+        q_residual: torch.Tensor,
+        position_ids: torch.Tensor,
+        rotary: RotaryEmbedding,
+        keys: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        scores = self.index_scores(hidden, q_residual, position_ids, rotary)
+        scores = self.index_scores(hidden, q_residual, position_ids, rotary, keys)
         picked = scores.topk(min(self.topk, scores.shape[-1]), dim=-1)
         return picked.indices.masked_fill(picked.values == float("-inf"), -1)
 

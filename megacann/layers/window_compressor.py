@@ -40,7 +40,8 @@ def compressed_causal_bias(position_ids: torch.Tensor, num_entries: int, compres
 
 
 class WindowCompressor(torch.nn.Module):
-    """``forward(hidden [b, s, h], rotary) -> [b, s // compress_rate, head_dim]``. Parameters (transformers'
+    """``forward(hidden [b, s, h], rotary) -> [b, s // compress_rate, head_dim]`` (``pool(*project(hidden),
+    rotary)``: a decoding cache keeps the projections and pools them again). Parameters (transformers'
     names): ``kv_proj.weight`` and ``gate_proj.weight`` ``[head_dim, h]``, ``position_bias``
     ``[compress_rate, head_dim]`` (fp32), ``kv_norm.weight`` ``[head_dim]``. ``rotary`` gives the tables of
     the trailing ``rotary.head_dim`` channels (interleaved pairs, DeepSeek-V4's ``compress`` rotary).
@@ -76,17 +77,26 @@ class WindowCompressor(torch.nn.Module):
         self.kv_norm = RMSNorm(head_dim, norm_eps, sequence_parallel=False, dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        b, s, _ = hidden.shape
+        usable = hidden[:, : hidden.shape[1] // self.compress_rate * self.compress_rate]
+        return self.pool(*self.project(usable), rotary)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's candidates and gates ``[b, s, width]``: what a decoding cache keeps of a token."""
+        return F.linear(hidden, self.kv_proj.weight), F.linear(hidden, self.gate_proj.weight)
+
+    def pool(self, candidates: torch.Tensor, gates: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """The entries ``[b, s // compress_rate, head_dim]`` of the closed windows of tokens projected by
+        :meth:`project` (``[b, s, width]``, the first at position 0)."""
+        b, s, _ = candidates.shape
         windows = s // self.compress_rate
-        usable = hidden[:, : windows * self.compress_rate]
-        candidates = F.linear(usable, self.kv_proj.weight).unflatten(1, (windows, self.compress_rate))
-        gates = F.linear(usable, self.gate_proj.weight).unflatten(1, (windows, self.compress_rate))
+        candidates = candidates[:, : windows * self.compress_rate].unflatten(1, (windows, self.compress_rate))
+        gates = gates[:, : windows * self.compress_rate].unflatten(1, (windows, self.compress_rate))
         gates = gates + self.position_bias
         if self.overlap:
             candidates, gates = self._overlapping(candidates, 0.0), self._overlapping(gates, float("-inf"))
         weights = gates.softmax(dim=2, dtype=torch.float32).to(candidates.dtype)
         entries = self.kv_norm((candidates * weights).sum(dim=2))  # [b, windows, head_dim]
-        starts = (torch.arange(windows, device=hidden.device) * self.compress_rate).expand(b, -1)
+        starts = (torch.arange(windows, device=entries.device) * self.compress_rate).expand(b, -1)
         cos, sin = rotary(starts, dtype=entries.dtype)
         return rotate_trailing(entries.unsqueeze(2), cos, sin, rotary.interleaved).squeeze(2)
 
