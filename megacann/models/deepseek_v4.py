@@ -274,7 +274,7 @@ DEEPSEEK_V4 = dataclasses.replace(
         num_parameters=deepseek_v4_num_parameters,
         flops_per_token=deepseek_v4_flops_per_token,
     ),
-    decode=None,  # no cache of the compressors and indexers yet: generation refuses the family by name
+    decode=None,  # no decode path declared yet (greedy tokens against transformers' not tested): refused by name
     architecture=None,  # no memory plan
     moe_structure=None,
     sharding_units=(DeepseekV4Block,),
