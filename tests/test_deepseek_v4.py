@@ -264,6 +264,28 @@ def test_logits_equal_transformers_both_ways(tmp_path):
             assert torch.equal(again[name], tensor), (out, name)
 
 
+def test_init_from_reads_the_hash_tables_of_a_hugging_face_and_a_consolidated_directory(tmp_path):
+    from megacann.convert import main as convert
+    from megacann.interop.reading import load_source_weights
+    from megacann.interop.sources import resolve_weight_source
+
+    hf_dir = tiny_hf_v4(str(tmp_path / "hf"))
+    assert convert(["from-hf", hf_dir, str(tmp_path / "whole")]) == 0
+    reference = from_pretrained_hf(hf_dir)
+    cfg = tiny_config(V4 + [f"model.vocab_size={SHAPE['vocab_size']}"])
+    cfg.model = reference.config
+    for source in ("hf", "whole"):
+        model = get_model_spec("deepseek_v4").build(cfg, ChunkPlacement(tuple(range(4))))  # drawn, not loaded
+        assert not torch.equal(
+            model.layers["0"].mlp.router.token_to_experts, reference.layers["0"].mlp.router.token_to_experts
+        )
+        load_source_weights([model], resolve_weight_source(str(tmp_path / source)), cfg.model)
+        for layer in ("0", "3"):  # the hash-routed layers
+            ours, theirs = model.layers[layer].mlp.router, reference.layers[layer].mlp.router
+            assert torch.equal(ours.token_to_experts, theirs.token_to_experts), (source, layer)
+        assert torch.equal(model.layers["1"].attn_hc.fn, reference.layers["1"].attn_hc.fn)
+
+
 V4 = [
     "model.type=deepseek_v4", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32",
     "model.moe_shared_experts=1", "model.num_key_value_heads=1", "model.head_dim=16", "model.q_lora_rank=16",
