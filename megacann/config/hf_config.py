@@ -61,6 +61,8 @@ def _parse_hf_config(path: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object of model settings")
     rope = raw.get("rope_parameters")  # transformers >= 5 keeps rope_theta and the scaling here
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        return raw  # one set per rotary kind (DeepSeek-V4's main / compress): the family reads them
     if isinstance(rope, dict):
         raw = {k: v for k, v in raw.items() if k != "rope_parameters"}
         rope = dict(rope)

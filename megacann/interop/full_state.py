@@ -8,14 +8,16 @@ exports, tests. Names are the model's own (global layer indices), so a layout ne
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
+from megacann.checkpoint.state import persistent_buffers
 from megacann.config import MegacannConfig, ModelConfig
 from megacann.layers.sharding import ParamSharding, get_sharding, shard_tensor, unshard_tensors
-from megacann.models.spec import ChunkPlacement, ModelSpec
+from megacann.models.spec import ChunkPlacement, HFAdapter, ModelSpec
 
 
 def _strip_padding(full: torch.Tensor, sharding: ParamSharding) -> torch.Tensor:
@@ -104,5 +106,28 @@ def whole_model_on_meta(spec: ModelSpec, model_cfg: ModelConfig) -> torch.nn.Mod
 
 
 def model_parameter_names(spec: ModelSpec, model_cfg: ModelConfig) -> list[str]:
-    """The parameter names of a family's whole model."""
-    return [name for name, _ in whole_model_on_meta(spec, model_cfg).named_parameters()]
+    """The names of a family's whole model that its Hugging Face checkpoint holds: every parameter and
+    the buffers the adapter stores (:func:`checkpoint_buffers`)."""
+    model = whole_model_on_meta(spec, model_cfg)
+    return [name for name, _ in model.named_parameters()] + [name for name, _ in checkpoint_buffers(spec.hf, model)]
+
+
+def checkpoint_buffers(adapter: Optional[HFAdapter], module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The persistent buffers of ``module`` that its family's Hugging Face checkpoint (``adapter``) stores
+    beside the weights (``HFAdapter.checkpoint_buffers``; none for most families)."""
+    stored = adapter.checkpoint_buffers if adapter is not None else None
+    if stored is None:
+        return []
+    return [(name, buffer) for name, buffer in persistent_buffers(module) if stored(name)]
+
+
+@torch.no_grad()
+def load_checkpoint_buffers_(
+    adapter: Optional[HFAdapter], module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], source: str = "state"
+) -> None:
+    """Copy the buffers the checkpoint stores (:func:`checkpoint_buffers`) from ``tensors`` (whole, by
+    megacann name) into ``module``; an error names a missing one."""
+    for name, buffer in checkpoint_buffers(adapter, module):
+        if name not in tensors:
+            raise KeyError(f"{source}: missing tensor {name!r} (expected shape {list(buffer.shape)})")
+        load_full_tensor_(buffer, tensors[name], name, source)

@@ -19,7 +19,12 @@ from megacann import parallel_state as ps
 from megacann.accelerator import PRECISION_DTYPES
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.config.hf_config import read_hf_config
-from megacann.interop.full_state import full_state_dict, load_full_state_dict_
+from megacann.interop.full_state import (
+    checkpoint_buffers,
+    full_state_dict,
+    load_checkpoint_buffers_,
+    load_full_state_dict_,
+)
 from megacann.interop.names import HF_CONFIG, SAFETENSORS_INDEX, WEIGHTS_FILE
 from megacann.interop.quantized import DequantizingReader, quantization_of, stored_dtype
 from megacann.interop.safetensors_file import SafetensorsFile
@@ -116,9 +121,11 @@ def from_pretrained_hf(
     prepare_model_config(cfg, spec, source=path)
     with deferred_initialization(weights_loaded=True):  # every weight is loaded below: none is drawn
         model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
-    names = [name for name, _ in model.named_parameters()]
+    names = [name for name, _ in model.named_parameters()] + [name for name, _ in checkpoint_buffers(spec.hf, model)]
     reader = hf_weights_reader(path, PRECISION_DTYPES[precision], raw)
-    load_full_state_dict_([model], spec.hf.from_hf(names, reader, model_cfg), source=path)
+    tensors = spec.hf.from_hf(names, reader, model_cfg)
+    load_full_state_dict_([model], tensors, source=path)
+    load_checkpoint_buffers_(spec.hf, model, tensors, source=path)
     return model
 
 
@@ -151,6 +158,11 @@ def save_safetensors(tensors: dict[str, torch.Tensor], file: str, metadata: dict
     os.chmod(file, 0o666 & ~_umask())
 
 
+def weights_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype config.json names: that of the first floating-point tensor (not an integer table's)."""
+    return next(t.dtype for t in tensors.values() if t.is_floating_point())
+
+
 def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfig) -> None:
     """Write a Hugging Face directory from this rank's model chunks. Collective over the tensor-parallel
     group; with pipeline stages every stage writes its own safetensors shard and the first the index."""
@@ -159,8 +171,10 @@ def save_pretrained_hf(chunks: list[torch.nn.Module], path: str, cfg: ModelConfi
             "save_pretrained_hf: under expert parallelism each rank holds only its experts; save a checkpoint "
             "and write the Hugging Face directory with megacann-convert to-hf (any layout)"
         )
-    tensors = hf_adapter(cfg).to_hf(full_state_dict(chunks), cfg)
-    dtype = next(iter(tensors.values())).dtype
+    adapter, whole = hf_adapter(cfg), full_state_dict(chunks)
+    whole.update((name, buffer.detach()) for chunk in chunks for name, buffer in checkpoint_buffers(adapter, chunk))
+    tensors = adapter.to_hf(whole, cfg)
+    dtype = weights_dtype(tensors)
     pp_size, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     writes = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
     file = WEIGHTS_FILE if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
@@ -189,7 +203,7 @@ def save_hf_tensors(
     directory with a single safetensors file (``extra_config`` goes into config.json); ``fp8_block``:
     projection weights in block-scaled fp8 with blocks of that [rows, cols]."""
     hf = hf_adapter(cfg).to_hf(tensors, cfg)
-    dtype = next(iter(hf.values())).dtype
+    dtype = weights_dtype(hf)
     if fp8_block is not None:  # DeepSeek-V3's block-scaled fp8 (megacann.interop.quantized)
         from megacann.interop.quantized import QUANTIZATION_KEY, quantize_hf_tensors
 

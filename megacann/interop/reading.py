@@ -33,7 +33,7 @@ from megacann.checkpoint.planner import PieceLoadPlanner, TensorPieces
 from megacann.checkpoint.state import MODEL_PREFIX, CheckpointParts, model_entries, storage_name
 from megacann.config import ModelConfig
 from megacann.config.families import model_config_from_dict
-from megacann.interop.full_state import load_full_tensor_, model_parameter_names
+from megacann.interop.full_state import checkpoint_buffers, load_full_tensor_, model_parameter_names
 from megacann.interop.hf import SafetensorsReader, hf_family, hf_weights_reader
 from megacann.interop.names import CONSOLIDATED_CONFIG, WEIGHTS_FILE
 from megacann.interop.quantized import DequantizingReader
@@ -45,7 +45,7 @@ from megacann.interop.sources import (
     refuse_adapter_checkpoint,
     resolve_weight_source,
 )
-from megacann.models.spec import ModelSpec
+from megacann.models.spec import ModelSpec, get_model_spec
 
 
 def _dcp_load(entries: dict, path: str) -> None:
@@ -135,11 +135,16 @@ def load_source_weights(chunks: Sequence[torch.nn.Module], source: WeightSource,
     spec, reader = (
         _hf_source(source, model_cfg) if source.kind == HUGGINGFACE else (None, SafetensorsReader(source.path))
     )
+
+    def whole(name: str) -> torch.Tensor:
+        try:
+            return spec.hf.from_hf([name], reader, model_cfg)[name] if spec else reader(name)
+        except KeyError as err:
+            raise CheckpointError(f"cannot load {what}: {err.args[0]}") from None
+
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             stored = storage_name(name, param)  # a pipeline stage's tied copy is stored as what it copies
-            try:
-                full = spec.hf.from_hf([stored], reader, model_cfg)[stored] if spec else reader(stored)
-            except KeyError as err:
-                raise CheckpointError(f"cannot load {what}: {err.args[0]}") from None
-            load_full_tensor_(param, full, stored, what)
+            load_full_tensor_(param, whole(stored), stored, what)
+        for name, buffer in checkpoint_buffers(get_model_spec(model_cfg.type).hf, chunk):  # hash tables, say
+            load_full_tensor_(buffer, whole(name), name, what)

@@ -8,7 +8,7 @@ Arguments left None (``sequence_parallel``, the init methods, ``dtype``, ``devic
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,9 @@ GELU_APPROXIMATIONS = ("none", "tanh")
 
 
 class SwiGLUMLP(torch.nn.Module):
-    """``down(silu(gate(x)) * up(x))`` (LLaMA). ``fused_gate_up`` computes gate and up in one matmul."""
+    """``down(silu(gate(x)) * up(x))`` (LLaMA). ``fused_gate_up`` computes gate and up in one matmul.
+    ``activation`` (fused form only): another gated activation of the ``gate|up`` tensor, e.g. the clamped
+    SwiGLU of an MoE layer's shared experts (:class:`~megacann.layers.moe.activation.ExpertActivation`)."""
 
     def __init__(
         self,
@@ -37,11 +39,14 @@ class SwiGLUMLP(torch.nn.Module):
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
+        activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     ):
         super().__init__()
+        if activation is not None and not fused_gate_up:
+            raise ValueError("SwiGLUMLP: an activation other than SwiGLU needs fused_gate_up=True")
         linear = dict(bias=bias, sequence_parallel=sequence_parallel, group=group, dtype=dtype, device=device)
         init_method, output_init_method = default_init_methods(init_method, output_init_method)
-        self.fused_gate_up = fused_gate_up
+        self.fused_gate_up, self.activation = fused_gate_up, activation
         if fused_gate_up:
             self.gate_up_proj = ColumnParallelLinear(
                 hidden_size,
@@ -56,6 +61,8 @@ class SwiGLUMLP(torch.nn.Module):
         self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, init_method=output_init_method, **linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation is not None:
+            return self.down_proj(self.activation(self.gate_up_proj(x)))
         if self.fused_gate_up:
             # the gate|up projection is read by nothing else: its backward may reuse its memory
             return self.down_proj(ops.swiglu(self.gate_up_proj(x), overwrite_input=True))

@@ -1,7 +1,7 @@
 """Model families built only from megacann.layers, and the contract the rest of megacann knows them by.
 
 ``model.type`` names a registered :class:`ModelSpec` (LLaMA, GPT, MoE, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-DeepSeek-V3, DeepSeek-V3.2, gpt-oss, Qwen3.5, Qwen3.5-MoE and Qwen3-Next here; docs/models.md lists them); a script
+DeepSeek-V3, DeepSeek-V3.2, DeepSeek-V4, gpt-oss, Qwen3.5, Qwen3.5-MoE and Qwen3-Next here; docs/models.md lists them); a script
 registers its own with :func:`register_model` or hands one to ``Trainer(cfg, model_spec=...)``. A family owns its Hugging Face adapter (:class:`HFAdapter`: names
 and settings, as data); reading and writing the directories is :mod:`megacann.interop`'s
 (``megacann.interop.from_pretrained_hf`` / ``save_pretrained_hf``), which this package never imports.
@@ -12,6 +12,7 @@ from __future__ import annotations
 from megacann.models.contract import ChunkOutput, count_target_tokens
 from megacann.models.decoder import DecoderArch, DecoderLM, decoder_model_spec
 from megacann.models.deepseek import DEEPSEEK_V3, DeepseekV3Model
+from megacann.models.deepseek_v4 import DEEPSEEK_V4, DeepseekV4Model
 from megacann.models.deepseek_v32 import DEEPSEEK_V32, DeepseekV32Model
 from megacann.models.gpt import GPT, GPTModel
 from megacann.models.gpt_oss import GPT_OSS, GptOssModel
@@ -46,6 +47,7 @@ register_model(QWEN3)
 register_model(QWEN3_MOE)
 register_model(DEEPSEEK_V3)
 register_model(DEEPSEEK_V32)
+register_model(DEEPSEEK_V4)
 register_model(GPT_OSS)
 register_model(QWEN3_5)
 register_model(QWEN3_5_MOE)
@@ -54,6 +56,7 @@ register_model(QWEN3_NEXT)
 __all__ = [
     "DEEPSEEK_V3",
     "DEEPSEEK_V32",
+    "DEEPSEEK_V4",
     "GPT",
     "GPT_OSS",
     "LLAMA",
@@ -71,6 +74,7 @@ __all__ = [
     "DecoderLM",
     "DeepseekV3Model",
     "DeepseekV32Model",
+    "DeepseekV4Model",
     "GPTModel",
     "GptOssModel",
     "HFAdapter",

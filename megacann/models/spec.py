@@ -147,6 +147,9 @@ class HFAdapter:
     None: the whole weight): what PEFT adapter names need (:mod:`megacann.interop.peft`).
     ``fit_to_weights(cfg, holds, source)`` (optional) adjusts settings the checkpoint's weights decide
     (``holds(hf_name)``: whether it has that tensor; a family's adapter reads no file itself).
+    ``checkpoint_buffers(name)`` (optional): whether the persistent buffer of megacann name ``name`` is
+    stored in the checkpoint beside the weights (DeepSeek-V4's hash-routing tables), so that it is read
+    with them; other buffers keep the values the model is built with.
     """
 
     model_types: tuple[str, ...]
@@ -156,6 +159,7 @@ class HFAdapter:
     from_hf: Callable[[Sequence[str], Callable[[str], torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     linear_parts: Optional[Callable[[str, ModelConfig], list[tuple[str, Optional[int]]]]] = None
     fit_to_weights: Optional[Callable[[ModelConfig, Callable[[str], bool], str], None]] = None
+    checkpoint_buffers: Optional[Callable[[str], bool]] = None
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
-"""The experts' gated activations: SwiGLU, and gpt-oss's clamped SwiGLU.
+"""The experts' gated activations: SwiGLU, and the clamped SwiGLU of gpt-oss and DeepSeek-V4.
 
 Both read a fused ``gate|up`` projection (the gate in the first half of the last dim, the up projection
 in the second, as :func:`megacann.ops.swiglu`), so they work on a tensor-parallel rank's slice alike.
-The clamped form (gpt-oss) bounds the gate above and the up projection on both sides by ``limit``, uses
-``gate · sigmoid(alpha · gate)`` for the gate's nonlinearity and shifts the up projection by one:
-``(clamp(up, -limit, limit) + 1) · g · sigmoid(alpha · g)`` with ``g = min(gate, limit)``.
+The clamped form bounds the gate above and the up projection on both sides by ``limit``, uses
+``gate · sigmoid(alpha · gate)`` for the gate's nonlinearity and shifts the up projection by ``up_shift``:
+``(clamp(up, -limit, limit) + up_shift) · g · sigmoid(alpha · g)`` with ``g = min(gate, limit)``.
+gpt-oss uses ``alpha`` 1.702 and ``up_shift`` 1; DeepSeek-V4 (``swiglu_limit``) ``alpha`` 1 and
+``up_shift`` 0, i.e. ``silu(min(gate, limit)) · clamp(up, ±limit)``.
 """
 
 from __future__ import annotations
@@ -18,22 +20,23 @@ from megacann import ops
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
-def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-    """gpt-oss's activation of a fused ``gate|up`` tensor (see the module docstring)."""
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float, up_shift: float = 1.0) -> torch.Tensor:
+    """The clamped SwiGLU of a fused ``gate|up`` tensor (see the module docstring; the defaults are gpt-oss's)."""
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * gate * torch.sigmoid(alpha * gate)
+    return (up + up_shift) * gate * torch.sigmoid(alpha * gate)
 
 
 @dataclass(frozen=True)
 class ExpertActivation:
     """Which activation the experts apply: ``kind`` one of :data:`EXPERT_ACTIVATIONS`; ``limit`` and
-    ``alpha`` are the clamped SwiGLU's (unused by plain SwiGLU)."""
+    ``alpha`` and ``up_shift`` are the clamped SwiGLU's (unused by plain SwiGLU; the defaults are gpt-oss's)."""
 
     kind: str = "swiglu"
     limit: float = 7.0
     alpha: float = 1.702
+    up_shift: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in EXPERT_ACTIVATIONS:
@@ -43,7 +46,7 @@ class ExpertActivation:
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.kind == "clamped_swiglu":
-            return clamped_swiglu(gate_up, self.limit, self.alpha)
+            return clamped_swiglu(gate_up, self.limit, self.alpha, self.up_shift)
         return ops.swiglu(gate_up, overwrite_input=True)
 
 

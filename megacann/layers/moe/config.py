@@ -55,7 +55,8 @@ class MoEConfig:
 
     gpt-oss: ``router_bias`` adds a learned bias to the router logits, ``expert_linear_bias`` biases to
     both projections of every expert, ``activation`` picks the experts' activation (SwiGLU or the clamped
-    SwiGLU, :class:`~megacann.layers.moe.activation.ExpertActivation`).
+    SwiGLU, :class:`~megacann.layers.moe.activation.ExpertActivation`; the shared experts apply it too, as
+    DeepSeek-V4's do).
 
     ``sequence_parallel``, ``init_method_std``, ``output_layer_init_std`` (the experts' ``down_proj``) and
     ``params_dtype`` left None come from the current :class:`~megacann.layers.context.LayerContext` when

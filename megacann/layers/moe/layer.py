@@ -123,6 +123,7 @@ class MoELayer(torch.nn.Module):
                 group=group,
                 dtype=c.params_dtype,
                 device=device,
+                activation=c.activation if c.activation.kind != "swiglu" else None,  # the routed experts' own
             )
         self.dispatcher = TokenDispatcher(c.num_experts, expert_group)
         ep_rank = dist.get_rank(self.dispatcher.group) if self.dispatcher.ep_size > 1 else 0
