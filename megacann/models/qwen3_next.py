@@ -24,7 +24,7 @@ from megacann.layers import MoEConfig, TransformerBlock
 from megacann.models.hf_qwen3_next import QWEN3_NEXT_HF
 from megacann.models.moe import is_moe_layer, moe_model_spec, moe_structure, num_moe_layers
 from megacann.models.qwen import check_qwen3_moe_config, qwen3_moe_defaults
-from megacann.models.qwen3_5 import check_qwen3_5_config, qwen3_5_num_parameters
+from megacann.models.qwen3_5 import check_qwen3_5_config, qwen3_5_decode_cache, qwen3_5_num_parameters
 from megacann.models.qwen3_5_moe import (
     Qwen35MoeModel,
     gated_moe_layer_extra_parameters,
@@ -101,4 +101,5 @@ QWEN3_NEXT = dataclasses.replace(
         structure=_structure,
     ),
     architecture=None,  # the memory planner's formulas know softmax-attention layers only
+    decode_cache=qwen3_5_decode_cache,
 )
