@@ -89,17 +89,22 @@ def printed_generation_eval_bytes(cfg, tp: int) -> int:
 
     prefix = "generation_eval key/value cache per rank: "
     dry = [line for line in describe(cfg).splitlines() if line.startswith(prefix)]
-    assert len(dry) == 1, dry
-    if get_model_spec(cfg.model.type).architecture is not None:  # a family megacann-plan estimates
-        assert [line for line in plan_report(cfg, None, tp, None).splitlines() if line.startswith(prefix)] == dry
+    plan = [line for line in plan_report(cfg, None, tp, None).splitlines() if line.startswith(prefix)]
+    assert len(dry) == 1 and dry == plan, (dry, plan)
     return int(dry[0][len(prefix) :].split(" bytes")[0].replace(",", ""))
 
 
 def printed_grpo_bytes(cfg) -> int:
-    """The bytes of the GRPO generation cache line (in all, after its layers' summary)."""
-    from megacann.planning.rl import rl_memory_lines
+    """The bytes of the GRPO generation cache line (in all, after its layers' summary), the same in
+    ``--dry_run`` and ``megacann-plan``'s report."""
+    from megacann.dry_run import describe
+    from megacann.planning import plan_report
 
-    (line,) = [line for line in rl_memory_lines(cfg, "0") if line.startswith("GRPO generation cache")]
+    tp = cfg.distributed.tensor_parallel_size
+    dry = [line for line in describe(cfg).splitlines() if line.startswith("GRPO generation cache")]
+    plan = [line for line in plan_report(cfg, None, tp, None).splitlines() if line.startswith("GRPO generation cache")]
+    assert len(dry) == 1 and dry == plan, (dry, plan)
+    (line,) = dry
     return int(line.split(" bytes in all")[0].rsplit("(", 1)[1].replace(",", ""))
 
 

@@ -118,7 +118,9 @@ GPT_OSS = dataclasses.replace(  # decodes as every decoder: the cache's attentio
         check_config=check_gpt_oss_config,
         hf=GPT_OSS_HF,
         num_parameters=gpt_oss_num_parameters,
-        structure=lambda m: dataclasses.replace(moe_structure(m), router_bias=True, expert_bias=True),
+        structure=lambda m: dataclasses.replace(
+            moe_structure(m), router_bias=True, expert_bias=True, clamped_activation=True
+        ),
     ),
     decode_cache=gpt_oss_decode_cache,
 )

@@ -184,6 +184,7 @@ class MoEStructure:
     shared_expert_gate: bool = False
     router_bias: bool = False  # a bias on the router's scores (gpt-oss): E parameters, dense
     expert_bias: bool = False  # biases on every expert's projections (gpt-oss): 2 f_e + h per expert
+    clamped_activation: bool = False  # the clamped SwiGLU (gpt-oss): five f_e-wide tensors saved a row, not two
 
 
 def _no_defaults(cfg: ModelConfig) -> None:

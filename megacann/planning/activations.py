@@ -107,6 +107,9 @@ def layer_activation_terms(
     if arch.latent_attention:
         del terms["attention q k v out"]
         terms.update(mla.latent_attention_activation_terms(m, tokens, a, t))
+    if arch.attention_sinks:  # the reference's softmax over the keys and the sink column, kv heads expanded
+        del terms["attention log-sum-exp"]
+        terms.update(sink_attention_terms(m, tokens, cfg.data.seq_length // layout.cp, a, t, kv))
     if linear_layer:
         del terms["attention q k v out"], terms["attention log-sum-exp"]
         seq = cfg.data.seq_length // layout.cp
@@ -123,6 +126,18 @@ def layer_activation_terms(
 
 
 ULYSSES_TERM = "attention: Ulysses' head-sharded copies"
+SINK_TERMS = ("attention sink probabilities", "attention expanded kv heads")
+
+
+def sink_attention_terms(m: ModelConfig, tokens: float, s: int, a: int, t: int, kv: int) -> dict[str, float]:
+    """What attention with sinks (gpt-oss) saves beyond q, k, v and the output: the reference computes the
+    softmax over each query's s keys and its head's sink column (the probabilities, a (s + 1) per head and
+    token, and the boolean [s, s] mask), on k and v repeated to the query heads."""
+    heads, q = m.num_attention_heads // t, query_width(m) // t
+    return {
+        SINK_TERMS[0]: tokens * a * heads * (s + 1) + s * s,
+        SINK_TERMS[1]: tokens * a * 2 * (q - kv),
+    }
 
 
 def attention_extra_terms(m: ModelConfig, tokens: float, a: int, t: int, kv: int) -> dict[str, float]:
@@ -164,7 +179,7 @@ def layer_activation_bytes(
             / (layout.tp if layout.sequence_parallel else 1)
         )
     if recompute == "selective":  # the core attention (and Ulysses' exchanges) rerun in backward
-        terms = {k: v for k, v in terms.items() if k not in ("attention log-sum-exp", ULYSSES_TERM)}
+        terms = {k: v for k, v in terms.items() if k not in ("attention log-sum-exp", ULYSSES_TERM, *SINK_TERMS)}
     return sum(terms.values())
 
 
