@@ -16,7 +16,9 @@ output gate (Qwen3.5) its sigmoid and the gated output o_proj reads (2aq/t); par
 tables the rotated width; a Gated DeltaNet layer (:mod:`megacann.planning.gated_deltanet`) saves its own
 terms instead of attention's q, k, v, output and log-sum-exp, and a chunk of DeltaNet layers only no rotary
 tables. Latent attention (DeepSeek-V3) replaces the q, k, v
-terms by those of :mod:`megacann.planning.mla`.
+terms by those of :mod:`megacann.planning.mla`, which also has DeepSeek-V3.2's lightning indexer's. Attention
+with sinks (gpt-oss) keeps the reference softmax's probabilities over s + 1 columns and its mask, on k and v
+repeated to the query heads, instead of the log-sum-exp (:func:`sink_attention_terms`).
 
 Sequence parallelism divides only the norms' part by t: the column-parallel projections save the input
 gathered over the sequence (the whole s). ``selective`` recompute drops the log-sum-exp (the attention
@@ -107,6 +109,8 @@ def layer_activation_terms(
     if arch.latent_attention:
         del terms["attention q k v out"]
         terms.update(mla.latent_attention_activation_terms(m, tokens, a, t))
+    if arch.sparse_indexer:
+        terms.update(mla.indexer_activation_terms(m, tokens, cfg.data.seq_length // layout.cp, a))
     if arch.attention_sinks:  # the reference's softmax over the keys and the sink column, kv heads expanded
         del terms["attention log-sum-exp"]
         terms.update(sink_attention_terms(m, tokens, cfg.data.seq_length // layout.cp, a, t, kv))
