@@ -46,8 +46,9 @@ def write_prompts(root: str) -> str:
     return path
 
 
-def recipe(family: str, root: str, tp: int = 1, grpo: bool = False, extra: tuple = ()):
-    """The family's tiny recipe, shrunk, asking for a generation evaluation (or, ``grpo``, GRPO)."""
+def recipe(family: str, root: str, tp: int = 1, grpo: bool = False, extra: tuple = (), world: int = 0):
+    """The family's tiny recipe, shrunk, asking for a generation evaluation (or, ``grpo``, GRPO), on ``world``
+    ranks (0: ``tp``)."""
     folder, overrides = FAMILIES[family]
     prompts = write_prompts(root)
     shape = [f"data.seq_length={SEQ}", "model.vocab_size=260", f"distributed.tensor_parallel_size={tp}"]
@@ -59,7 +60,7 @@ def recipe(family: str, root: str, tp: int = 1, grpo: bool = False, extra: tuple
         asked = ["generation_eval.interval=5", f"generation_eval.prompts={prompts}"]
         asked += [f"generation_eval.batch_size={ROWS}", f"generation_eval.max_new_tokens={NEW}"]
     path = os.path.join(ROOT, "examples", "configs", folder, "tiny.yaml")
-    return load_config(path, shape + overrides + asked + list(extra), world_size=tp)
+    return load_config(path, shape + overrides + asked + list(extra), world_size=world or tp)
 
 
 def measured_cache_bytes(cfg, grpo: bool) -> int:
@@ -133,6 +134,19 @@ def test_the_kinds_are_what_each_family_declares(tmp_path):
     for family in ("qwen3_5", "qwen3_next"):
         assert "3 layers of Gated DeltaNet states of 8 heads x 32 x 32" in lines[family]
         assert "1 layers of keys and values of 2 kv heads x head dim 64" in lines[family]
+
+
+def test_grpo_on_pipeline_stages_counts_the_stage_that_caches_the_most(tmp_path):
+    """qwen3_5's layers are linear, linear, linear, full: at pp 2 stage 0 caches two DeltaNet states a row,
+    stage 1 one state and one full layer's keys and values, fewer bytes; the line counts stage 0's."""
+    from megacann.generation import kv_cache_bytes, recurrent_cache_bytes
+
+    cfg = recipe("qwen3_5", str(tmp_path), grpo=True, extra=("distributed.pipeline_parallel_size=2",), world=2)
+    rows, slots = RL_ROWS[0] * RL_ROWS[1], SEQ - 1
+    state = recurrent_cache_bytes(1, rows, 8, 32, 32, 2 * 4 * 32 + 8 * 32, 4, torch.float32)
+    stage_1 = state + kv_cache_bytes(1, rows, slots, 2, 64, torch.float32)
+    assert 2 * state > stage_1
+    assert printed_grpo_bytes(cfg) == 2 * state
 
 
 def printed_line(cfg) -> str:
