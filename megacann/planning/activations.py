@@ -109,8 +109,8 @@ def layer_activation_terms(
     if arch.latent_attention:
         del terms["attention q k v out"]
         terms.update(mla.latent_attention_activation_terms(m, tokens, a, t))
-    if arch.sparse_indexer:
-        terms.update(mla.indexer_activation_terms(m, tokens, cfg.data.seq_length // layout.cp, a))
+    if arch.sparse_indexer:  # each query scores every key of the sequence (all-gathered under cp)
+        terms.update(mla.indexer_activation_terms(m, tokens, cfg.data.seq_length, a))
     if arch.attention_sinks:  # the reference's softmax over the keys and the sink column, kv heads expanded
         del terms["attention log-sum-exp"]
         terms.update(sink_attention_terms(m, tokens, cfg.data.seq_length // layout.cp, a, t, kv))

@@ -65,7 +65,8 @@ def latent_attention_activation_terms(m: ModelConfig, tokens: float, a: int, tp:
 
 def indexer_activation_terms(m: ModelConfig, tokens: float, s: int, a: int) -> dict[str, float]:
     """Bytes a lightning indexer saves for one micro-batch of ``tokens`` tokens (every TP rank: the whole
-    sequence) of sequences of ``s`` tokens (see the module docstring)."""
+    sequence; under context parallelism the rank's share, not measured) scoring ``s`` keys each (see the
+    module docstring)."""
     d, n, rope = m.index_head_dim, m.index_n_heads, m.qk_rope_head_dim
     return {
         "indexer keys and queries": tokens * (a * (d + 2 + 4 * rope) + 4 * n * (d + 1)),
