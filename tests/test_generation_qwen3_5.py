@@ -182,8 +182,8 @@ def test_the_planned_generation_cache_equals_the_measured_one():
     )
     cfg.generation_eval.interval = 5
     (line,) = generation_cache_lines(cfg, 2)
-    assert "x 1 layers x 1 kv heads (tp 2)" in line
-    assert f"and 3 Gated DeltaNet layers' states ({states // 2:,} bytes)" in line
+    assert "tp 2: 3 layers of Gated DeltaNet states of 4 heads x 32 x 32" in line  # this rank's half of the heads
+    assert f"a row: {states // 2:,} bytes; 1 layers of keys and values of 1 kv heads x head dim 64: " in line
 
 
 def test_qwen3_next_generates_through_the_same_layer_cache(tmp_path):

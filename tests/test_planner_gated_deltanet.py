@@ -1,5 +1,6 @@
 """megacann-plan on Gated DeltaNet layers (model.type qwen3_5: linear and gated full attention mixed by
-layer_types; qwen3_5_moe: with MoE layers and a gated shared expert): the planner's weight, gradient and optimizer bytes and its activation bytes against the
+layer_types; qwen3_5_moe: with MoE layers and a gated shared expert; qwen3_next: the same with a dense MLP
+on its mlp_only_layers): the planner's weight, gradient and optimizer bytes and its activation bytes against the
 tensors a run holds and autograd saves, with the chunked delta rule (sequences of whole chunks and a padded
 one, fp32 and bf16), on one rank and under tensor + sequence parallelism; and Qwen3's per-head q/k norms."""
 
@@ -33,6 +34,12 @@ QWEN3_5_MOE = [  # every layer an MoE layer with a gated shared expert
     "model.moe_ffn_hidden_size=32",
     "model.shared_expert_intermediate_size=48",
 ]
+QWEN3_NEXT = [  # layer 0 a dense MLP, the others MoE layers with the gated shared expert
+    "model.type=qwen3_next",
+    *(key for key in QWEN3_5_MOE if not key.startswith("model.type=")),
+    "model.ffn_hidden_size=96",
+    "model.mlp_only_layers=[0]",
+]
 RUNS_1 = {
     "qwen3 q/k norms fp32": [*COMMON, "model.type=qwen3", "model.head_dim=24", "optim.grad_accum_steps=2"],
     "qwen3_5 fp32 two chunks": [*QWEN3_5, "data.seq_length=128"],
@@ -44,10 +51,17 @@ RUNS_1 = {
         "model.activation_checkpointing=selective",
     ],
     "qwen3_5_moe fp32": [*QWEN3_5_MOE, "data.seq_length=128"],
+    "qwen3_next fp32": [*QWEN3_NEXT, "data.seq_length=128"],
 }
 RUNS_2 = {
     "qwen3_5 tp2 sp fp32": [
         *QWEN3_5,
+        "data.seq_length=128",
+        "distributed.tensor_parallel_size=2",
+        "distributed.sequence_parallel=true",
+    ],
+    "qwen3_next tp2 sp fp32": [
+        *QWEN3_NEXT,
         "data.seq_length=128",
         "distributed.tensor_parallel_size=2",
         "distributed.sequence_parallel=true",

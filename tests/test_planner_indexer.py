@@ -1,7 +1,13 @@
 """megacann-plan on DeepSeek-V3.2 (model.type deepseek_v32): every layer's lightning indexer is held whole on
-every TP rank, so the planner's parameters per device equal the built model's, at tp 1 and tp 2."""
+every TP rank, so the planner's parameters per device equal the built model's, at tp 1 and tp 2; and its
+activations (the indexer's keys, queries and per-key scores over the whole sequence on every TP rank, the
+top-k selection and the indexer loss's log-probabilities and target) against the peak of what autograd
+saves in a run: fp32 to 4 bytes, bf16 within 0.5%, tp 2 + SP within 0.5% (extended tier)."""
 
+import pytest
 import torch
+from dist_harness import run_on_ranks
+from test_planner import COMMON, _compare, _measure
 from test_planner_mla import MLA
 from training_helpers import tiny_config
 
@@ -11,6 +17,10 @@ from megacann.planning import estimate_stages, layout_of
 
 INDEXER = ["model.index_n_heads=2", "model.index_head_dim=8", "model.index_topk=8"]
 V32 = ["model.type=deepseek_v32", "model.rotary_interleaved=true", *MLA[1:], *INDEXER]  # MLA[0]: its type
+RUNS_1 = {"v32 fp32": [*COMMON, *V32], "v32 bf16": [*COMMON, *V32, "model.precision=bf16"]}
+RUNS_2 = {
+    "v32 tp2 sp fp32": [*COMMON, *V32, "distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"],
+}
 
 
 def test_indexer_parameters_are_planned_whole_on_every_tp_rank():
@@ -27,3 +37,12 @@ def test_indexer_parameters_are_planned_whole_on_every_tp_rank():
             with torch.device("meta"):
                 model = get_model_spec("deepseek_v32").build(cfg, ChunkPlacement((0, 1, 2, 3)), "meta")
             assert planned == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_indexer_activations_match_one_rank():
+    _compare(RUNS_1, run_on_ranks(_measure, 1, args=(RUNS_1,), timeout=600), 1)
+
+
+@pytest.mark.extended
+def test_indexer_activations_match_tp2_with_sequence_parallelism():
+    _compare(RUNS_2, run_on_ranks(_measure, 2, args=(RUNS_2,), timeout=600), 2)

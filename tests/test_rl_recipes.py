@@ -27,9 +27,11 @@ def test_real_size_dry_run_counts_the_reference_and_the_generation_cache(capsys)
     assert (
         f"GRPO reference: a frozen copy of the starting weights, sharded like the policy: {2 * params / 1e9:.1f}" in out
     )
-    # keys and values of 36 layers, 4 x 32 rows of 4096 slots, 8 kv heads / tp 4 of 128, bf16
-    cache = 2 * 36 * (4 * 32) * 4096 * (8 // 4) * 128 * 2
-    assert f"GRPO generation cache: {cache / 1e9:.2f} GB per device (128 rows x 4096 slots" in out
+    # keys and values of 36 layers, 4 x 32 rows of 4095 slots (a prompt of 4096 - max_new_tokens, the new
+    # tokens but the last), 8 kv heads / tp 4 of 128, bf16
+    cache = 2 * 36 * (4 * 32) * 4095 * (8 // 4) * 128 * 2
+    assert f"GRPO generation cache: {cache / 1e9:.2f} GB per device (128 rows x 4095 slots" in out
+    assert f"({cache:,} bytes in all)" in out
     assert train_main(["--config", GRPO_8B, "--dry_run", "rl.kl_coef=0", "rl.reference=auto"]) == 0
     assert "GRPO reference: none" in capsys.readouterr().out
 

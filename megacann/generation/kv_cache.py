@@ -27,6 +27,7 @@ import torch
 
 from megacann import ops
 from megacann.layers import SelfAttention
+from megacann.models.decode_cache import KeysValues
 
 
 def kv_cache_bytes(
@@ -39,9 +40,9 @@ def kv_cache_bytes(
     sliding_window: Optional[int] = None,
 ) -> int:
     """Bytes of the keys and values of ``num_layers`` layers for ``batch`` rows of ``max_len`` tokens
-    (``kv_heads``: those one rank holds); a sliding window W keeps ``min(W, max_len)`` tokens a row."""
-    slots = min(max_len, sliding_window) if sliding_window else max_len
-    return 2 * num_layers * batch * slots * kv_heads * head_dim * dtype.itemsize
+    (``kv_heads``: those one rank holds); a sliding window W keeps ``min(W, max_len)`` tokens a row
+    (:class:`~megacann.models.decode_cache.KeysValues`' formula, which the planners use too)."""
+    return num_layers * KeysValues(kv_heads, head_dim, window=sliding_window).nbytes(batch, max_len, dtype)
 
 
 _CACHE_LAYERS: list[tuple[type, type]] = []  # (attention class, the cache layer class serving it)

@@ -19,6 +19,7 @@ import torch
 from megacann.generation.kv_cache import CacheLayer, KVCache, register_cache_layer
 from megacann.layers import LatentAttention
 from megacann.layers.latent_attention import IndexInputs
+from megacann.models.decode_cache import CompressedLatent
 from megacann.ops.reference import attention_mask
 
 
@@ -26,8 +27,9 @@ def latent_cache_bytes(
     num_layers: int, batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype
 ) -> int:
     """Bytes of the latent caches of ``num_layers`` layers for ``batch`` rows of ``max_len`` tokens (the
-    same on every tensor-parallel rank)."""
-    return num_layers * batch * max_len * (kv_lora_rank + qk_rope_head_dim) * dtype.itemsize
+    same on every tensor-parallel rank; :class:`~megacann.models.decode_cache.CompressedLatent`'s formula,
+    which also counts a sparse indexer's keys)."""
+    return num_layers * CompressedLatent(kv_lora_rank, qk_rope_head_dim).nbytes(batch, max_len, dtype)
 
 
 class LatentCacheLayer(CacheLayer):

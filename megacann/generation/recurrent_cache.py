@@ -17,6 +17,7 @@ import torch
 from megacann.generation.kv_cache import KVCache, register_cache_layer
 from megacann.layers import GatedDeltaNet
 from megacann.layers.gated_deltanet import GatedDeltaNetCache
+from megacann.models.decode_cache import RecurrentState
 
 
 def recurrent_cache_bytes(
@@ -31,10 +32,10 @@ def recurrent_cache_bytes(
 ) -> int:
     """Bytes of the caches of ``num_layers`` Gated DeltaNet layers for ``batch`` rows: the fp32 state
     ``value_heads · key_head_dim · value_head_dim`` and ``conv_kernel - 1`` inputs of ``conv_channels``
-    in ``dtype`` a row (``value_heads`` and ``conv_channels``: those one rank holds); no term in the length."""
-    state = value_heads * key_head_dim * value_head_dim * torch.float32.itemsize
-    conv_tail = (conv_kernel - 1) * conv_channels * dtype.itemsize
-    return num_layers * batch * (state + conv_tail)
+    in ``dtype`` a row (``value_heads`` and ``conv_channels``: those one rank holds); no term in the length
+    (:class:`~megacann.models.decode_cache.RecurrentState`'s formula, which the planners use too)."""
+    kind = RecurrentState(value_heads, key_head_dim, value_head_dim, conv_channels, conv_kernel)
+    return num_layers * kind.nbytes(batch, 0, dtype)
 
 
 class RecurrentCacheLayer:

@@ -26,6 +26,7 @@ import dataclasses
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import LatentAttention, MoEConfig, MoELayer, TransformerBlock, init_normal
 from megacann.layers.latent_attention import latent_attention_parameters, mla_softmax_scale
+from megacann.models.decode_cache import CompressedLatent, LayerCache
 from megacann.models.decoder import DecoderArch, block_config
 from megacann.models.deepseek_config import DeepseekV3ModelConfig, deepseek_layer_flags
 from megacann.models.hf_deepseek import DEEPSEEK_V3_HF
@@ -204,15 +205,25 @@ def deepseek_structure(m: ModelConfig) -> MoEStructure:
     return dataclasses.replace(moe_structure(_filled(m)), normalize_top_k=m.norm_topk_prob)
 
 
-DEEPSEEK_V3 = moe_model_spec(  # decodes as every decoder: its latent attention layers read a latent cache
-    "deepseek_v3",
-    DeepseekV3Model,
-    config_class=DeepseekV3ModelConfig,
-    check_config=check_deepseek_config,
-    hf=DEEPSEEK_V3_HF,
-    num_parameters=deepseek_num_parameters,
-    flops_per_token=deepseek_flops_per_token,
-    structure=deepseek_structure,
+def deepseek_decode_cache(m: ModelConfig) -> list[LayerCache]:
+    """Every layer caches its compressed latent and shared rotary key (multi-token prediction's depths
+    do not run while generating)."""
+    m = _filled(m)
+    return [CompressedLatent(m.kv_lora_rank, m.qk_rope_head_dim)] * m.num_layers
+
+
+DEEPSEEK_V3 = dataclasses.replace(  # decodes as every decoder: its latent attention layers read a latent cache
+    moe_model_spec(
+        "deepseek_v3",
+        DeepseekV3Model,
+        config_class=DeepseekV3ModelConfig,
+        check_config=check_deepseek_config,
+        hf=DEEPSEEK_V3_HF,
+        num_parameters=deepseek_num_parameters,
+        flops_per_token=deepseek_flops_per_token,
+        structure=deepseek_structure,
+    ),
+    decode_cache=deepseek_decode_cache,
 )
 
 __all__ = ["DEEPSEEK_V3", "DeepseekV3Model", "deepseek_num_parameters"]

@@ -30,9 +30,11 @@ from megacann.layers.indexed_attention import INDEXED_CONTEXT_PARALLEL_ALGO
 from megacann.layers.init import init_normal
 from megacann.layers.sparse_indexer import SparseIndexer
 from megacann.models.contract import ChunkOutput
+from megacann.models.decode_cache import LayerCache
 from megacann.models.deepseek import (
     DeepseekV3Model,
     check_deepseek_config,
+    deepseek_decode_cache,
     deepseek_flops_per_token,
     deepseek_num_parameters,
     deepseek_structure,
@@ -144,6 +146,11 @@ def deepseek_v32_flops_per_token(m: ModelConfig, seq_length: int) -> float:
     return deepseek_flops_per_token(m, seq_length) + 6.0 * layers * (indexer_parameters(m) - 2 * m.index_head_dim)
 
 
+def deepseek_v32_decode_cache(m: ModelConfig) -> list[LayerCache]:
+    """DeepSeek-V3's latent cache, with each token's index key (one head of ``index_head_dim``) beside it."""
+    return [dataclasses.replace(kind, index_head_dim=m.index_head_dim) for kind in deepseek_decode_cache(m)]
+
+
 DEEPSEEK_V32 = dataclasses.replace(
     moe_model_spec(
         "deepseek_v32",
@@ -157,6 +164,7 @@ DEEPSEEK_V32 = dataclasses.replace(
     ),
     forward_step=deepseek_v32_forward_step,
     architecture=dataclasses.replace(DeepseekV32Model.ARCH, sparse_indexer=True),
+    decode_cache=deepseek_v32_decode_cache,
 )
 
 __all__ = ["DEEPSEEK_V32", "DeepseekV32Model", "deepseek_v32_num_parameters"]

@@ -22,6 +22,8 @@ import torch
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import MoEConfig, MoELayer, TransformerBlock, TransformerBlockConfig
 from megacann.layers.moe import ExpertActivation
+from megacann.models import sizing
+from megacann.models.decode_cache import KeysValues, LayerCache
 from megacann.models.decoder import DecoderArch, block_config
 from megacann.models.gpt_oss_config import SLIDING, GptOssModelConfig, check_gpt_oss_keys, gpt_oss_layer_types
 from megacann.models.hf_gpt_oss import GPT_OSS_HF
@@ -93,12 +95,24 @@ def gpt_oss_num_parameters(m: ModelConfig, active: bool = False) -> int:
     return moe_num_parameters(m, active, GptOssModel) + m.num_layers * extra
 
 
-GPT_OSS = moe_model_spec(  # decodes as every decoder: the cache's attention takes the sinks
-    "gpt_oss",
-    GptOssModel,
-    config_class=GptOssModelConfig,
-    check_config=check_gpt_oss_config,
-    hf=GPT_OSS_HF,
-    num_parameters=gpt_oss_num_parameters,
-    structure=lambda m: dataclasses.replace(moe_structure(m), router_bias=True, expert_bias=True),
+def gpt_oss_decode_cache(m: ModelConfig) -> list[LayerCache]:
+    """Keys and values in every layer, a sliding layer's only for its last ``sliding_window`` tokens."""
+    full = KeysValues(m.kv_heads, sizing.attention_head_dim(m), m.num_attention_heads)
+    sliding = dataclasses.replace(full, window=m.sliding_window)
+    return [sliding if kind == SLIDING else full for kind in gpt_oss_layer_types(m)]
+
+
+GPT_OSS = dataclasses.replace(  # decodes as every decoder: the cache's attention takes the sinks
+    moe_model_spec(
+        "gpt_oss",
+        GptOssModel,
+        config_class=GptOssModelConfig,
+        check_config=check_gpt_oss_config,
+        hf=GPT_OSS_HF,
+        num_parameters=gpt_oss_num_parameters,
+        structure=lambda m: dataclasses.replace(
+            moe_structure(m), router_bias=True, expert_bias=True, clamped_activation=True
+        ),
+    ),
+    decode_cache=gpt_oss_decode_cache,
 )

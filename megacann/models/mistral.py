@@ -13,6 +13,8 @@ from typing import ClassVar, Optional
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import TransformerBlockConfig
+from megacann.models import sizing
+from megacann.models.decode_cache import KeysValues, LayerCache
 from megacann.models.decoder import DecoderArch, block_config, decoder_model_spec
 from megacann.models.hf_mistral import MISTRAL_HF
 from megacann.models.llama import LlamaModel
@@ -57,7 +59,14 @@ class MistralModel(LlamaModel):
         return replace(block_config(cfg, arch), sliding_window=cfg.sliding_window)
 
 
+def mistral_decode_cache(cfg: ModelConfig) -> list[LayerCache]:
+    """Every layer caches keys and values, the last ``sliding_window`` of them when there is a window."""
+    kind = KeysValues(cfg.kv_heads, sizing.attention_head_dim(cfg), cfg.num_attention_heads, cfg.sliding_window)
+    return [kind] * cfg.num_layers
+
+
 MISTRAL = replace(
     decoder_model_spec("mistral", MistralModel, check_config=check_mistral_config, hf=MISTRAL_HF),
     config_class=MistralModelConfig,
+    decode_cache=mistral_decode_cache,
 )

@@ -25,6 +25,7 @@ import torch
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import GatedDeltaNet, TransformerBlock, TransformerBlockConfig, init_normal
 from megacann.models import sizing
+from megacann.models.decode_cache import KeysValues, LayerCache, RecurrentState
 from megacann.models.decoder import DecoderArch, block_config, decoder_model_spec
 from megacann.models.hf_qwen3_5 import QWEN3_5_HF
 from megacann.models.llama import LlamaModel
@@ -147,10 +148,26 @@ def qwen3_5_flops_per_token(m: ModelConfig, seq_length: int) -> float:
     return 6.0 * n + attention
 
 
+def qwen3_5_decode_cache(m: ModelConfig) -> list[LayerCache]:
+    """A Gated DeltaNet layer keeps its recurrent state and convolution tail, a full-attention layer keys
+    and values (the Qwen3.5 families' and Qwen3-Next's layers alike)."""
+    keys, values = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
+    linear = RecurrentState(
+        m.linear_num_value_heads,
+        m.linear_key_head_dim,
+        m.linear_value_head_dim,
+        2 * keys + values,
+        m.linear_conv_kernel_dim,
+    )
+    full = KeysValues(m.kv_heads, sizing.attention_head_dim(m), m.num_attention_heads)
+    return [linear if kind == LINEAR else full for kind in qwen3_5_layer_types(m)]
+
+
 QWEN3_5 = dataclasses.replace(
     decoder_model_spec("qwen3_5", Qwen35Model, check_config=check_qwen3_5_config, hf=QWEN3_5_HF),
     config_class=Qwen35ModelConfig,
     num_parameters=qwen3_5_num_parameters,
     flops_per_token=qwen3_5_flops_per_token,
     architecture=QWEN3_5_ARCH,
+    decode_cache=qwen3_5_decode_cache,
 )

@@ -24,7 +24,13 @@ from megacann.layers.sharding import mark_partial_grad
 from megacann.models import sizing
 from megacann.models.hf_qwen3_5_moe import QWEN3_5_MOE_HF
 from megacann.models.moe import MoEModel, check_moe_config, moe_defaults, moe_model_spec, moe_structure
-from megacann.models.qwen3_5 import QWEN3_5_ARCH, HybridLayers, check_qwen3_5_config, qwen3_5_num_parameters
+from megacann.models.qwen3_5 import (
+    QWEN3_5_ARCH,
+    HybridLayers,
+    check_qwen3_5_config,
+    qwen3_5_decode_cache,
+    qwen3_5_num_parameters,
+)
 from megacann.models.qwen3_5_config import LINEAR, Qwen35MoeModelConfig, qwen3_5_layer_types
 from megacann.models.spec import MoEStructure
 
@@ -141,4 +147,5 @@ QWEN3_5_MOE = dataclasses.replace(
         structure=_structure,
     ),
     architecture=QWEN3_5_ARCH,
+    decode_cache=qwen3_5_decode_cache,
 )

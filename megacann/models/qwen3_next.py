@@ -9,8 +9,9 @@ RoPE on part of each head, norms stored around 0 by Hugging Face) with Qwen3-MoE
   (:class:`~megacann.models.qwen3_5_moe.GatedSharedExpert`).
 
 Only the checkpoint layout of the DeltaNet differs from Qwen3.5's (projections fused per key head), which
-the adapter regroups exactly (:mod:`megacann.models.hf_qwen3_next`). Generation is not wired yet (the
-generator caches SelfAttention layers only).
+the adapter regroups exactly (:mod:`megacann.models.hf_qwen3_next`). It generates through Qwen3.5's caches
+(a recurrent state a DeltaNet layer, keys and values a full-attention layer), and ``megacann-plan`` sizes it
+with Qwen3.5's formulas and the MoE layers' with the gated shared expert.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from megacann.layers import MoEConfig, TransformerBlock
 from megacann.models.hf_qwen3_next import QWEN3_NEXT_HF
 from megacann.models.moe import is_moe_layer, moe_model_spec, moe_structure, num_moe_layers
 from megacann.models.qwen import check_qwen3_moe_config, qwen3_moe_defaults
-from megacann.models.qwen3_5 import check_qwen3_5_config, qwen3_5_num_parameters
+from megacann.models.qwen3_5 import QWEN3_5_ARCH, check_qwen3_5_config, qwen3_5_decode_cache, qwen3_5_num_parameters
 from megacann.models.qwen3_5_moe import (
     Qwen35MoeModel,
     gated_moe_layer_extra_parameters,
@@ -85,7 +86,10 @@ def _structure(m: ModelConfig) -> MoEStructure:
     m = dataclasses.replace(m)
     qwen3_next_defaults(m)
     return dataclasses.replace(
-        moe_structure(m), shared_ffn_hidden_size=m.shared_expert_intermediate_size, normalize_top_k=m.norm_topk_prob
+        moe_structure(m),
+        shared_ffn_hidden_size=m.shared_expert_intermediate_size,
+        normalize_top_k=m.norm_topk_prob,
+        shared_expert_gate=True,
     )
 
 
@@ -100,5 +104,6 @@ QWEN3_NEXT = dataclasses.replace(
         flops_per_token=qwen3_next_flops_per_token,
         structure=_structure,
     ),
-    architecture=None,  # the memory planner's formulas know softmax-attention layers only
+    architecture=QWEN3_5_ARCH,
+    decode_cache=qwen3_5_decode_cache,
 )

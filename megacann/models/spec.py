@@ -29,6 +29,10 @@ A family is one :class:`ModelSpec`:
   generator set on them; None: the family cannot generate (refused by name). To generate on pipeline
   stages it takes ``hidden_states`` too (from the previous stage, None on the first) and returns the
   stage's hidden states on a stage without the head.
+- ``decode_cache(cfg)``: what each layer keeps while generating, one
+  :mod:`~megacann.models.decode_cache` entry a layer (keys and values with their window, a compressed
+  latent, a recurrent state); None: keys and values of the common keys in every layer. The generation
+  cache's byte formulas and the planners' cache lines read it (:meth:`ModelSpec.decode_cache_layout`).
 - ``mixture_of_experts``: the family may hold expert-parallel parameters; for any other family
   ``distributed.expert_parallel_size`` must be 1 (:func:`prepare_model_config` refuses it otherwise).
 - ``sharding_units``: the module classes whose instances ZeRO-3 gathers and frees as one unit each
@@ -63,6 +67,7 @@ from megacann.layers.context import LayerContext
 from megacann.layers.sharding import get_sharding
 from megacann.layers.transformer import TransformerBlock
 from megacann.models.contract import ChunkOutput
+from megacann.models.decode_cache import LayerCache, attention_cache_layout
 from megacann.models.mtp import check_mtp_config
 from megacann.ops.fp8 import Fp8Settings
 
@@ -183,6 +188,7 @@ class MoEStructure:
     shared_expert_gate: bool = False
     router_bias: bool = False  # a bias on the router's scores (gpt-oss): E parameters, dense
     expert_bias: bool = False  # biases on every expert's projections (gpt-oss): 2 f_e + h per expert
+    clamped_activation: bool = False  # the clamped SwiGLU (gpt-oss): five f_e-wide tensors saved a row, not two
 
 
 def _no_defaults(cfg: ModelConfig) -> None:
@@ -213,6 +219,7 @@ class ModelSpec:
     metric_warnings: Optional[Callable[[dict[str, Any]], list[str]]] = None
     mixture_of_experts: bool = False
     decode: Optional[Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    decode_cache: Optional[Callable[[ModelConfig], list[LayerCache]]] = None  # None: keys and values a layer
     config_class: type[ModelConfig] = ModelConfig
     sharding_units: tuple[type[torch.nn.Module], ...] = (TransformerBlock,)
 
@@ -232,6 +239,13 @@ class ModelSpec:
         with torch.device("meta"):  # no memory, no initialisation cost
             model = self.build(recipe, ChunkPlacement(tuple(range(cfg.num_layers))), "meta")
         return sum(math.prod(get_sharding(p).logical_shape) for p in model.parameters())
+
+    def decode_cache_layout(self, cfg: ModelConfig) -> list[LayerCache]:
+        """What each of the model's layers caches while generating (the family's ``decode_cache``, else
+        keys and values of the common keys); a ValueError for a family without a decode path."""
+        if self.decode is None:
+            raise ValueError(f"model family {self.name!r} has no decode path (ModelSpec.decode): it caches nothing")
+        return (self.decode_cache or attention_cache_layout)(cfg)
 
     def parameters_per_token(self, cfg: ModelConfig) -> int:
         """Parameters a token meets (all of them, unless the family says fewer: MoE)."""

@@ -16,7 +16,9 @@ output gate (Qwen3.5) its sigmoid and the gated output o_proj reads (2aq/t); par
 tables the rotated width; a Gated DeltaNet layer (:mod:`megacann.planning.gated_deltanet`) saves its own
 terms instead of attention's q, k, v, output and log-sum-exp, and a chunk of DeltaNet layers only no rotary
 tables. Latent attention (DeepSeek-V3) replaces the q, k, v
-terms by those of :mod:`megacann.planning.mla`.
+terms by those of :mod:`megacann.planning.mla`, which also has DeepSeek-V3.2's lightning indexer's. Attention
+with sinks (gpt-oss) keeps the reference softmax's probabilities over s + 1 columns and its mask, on k and v
+repeated to the query heads, instead of the log-sum-exp (:func:`sink_attention_terms`).
 
 Sequence parallelism divides only the norms' part by t: the column-parallel projections save the input
 gathered over the sequence (the whole s). ``selective`` recompute drops the log-sum-exp (the attention
@@ -107,6 +109,11 @@ def layer_activation_terms(
     if arch.latent_attention:
         del terms["attention q k v out"]
         terms.update(mla.latent_attention_activation_terms(m, tokens, a, t))
+    if arch.sparse_indexer:  # each query scores every key of the sequence (all-gathered under cp)
+        terms.update(mla.indexer_activation_terms(m, tokens, cfg.data.seq_length, a))
+    if arch.attention_sinks:  # the reference's softmax over the keys and the sink column, kv heads expanded
+        del terms["attention log-sum-exp"]
+        terms.update(sink_attention_terms(m, tokens, cfg.data.seq_length // layout.cp, a, t, kv))
     if linear_layer:
         del terms["attention q k v out"], terms["attention log-sum-exp"]
         seq = cfg.data.seq_length // layout.cp
@@ -123,6 +130,18 @@ def layer_activation_terms(
 
 
 ULYSSES_TERM = "attention: Ulysses' head-sharded copies"
+SINK_TERMS = ("attention sink probabilities", "attention expanded kv heads")
+
+
+def sink_attention_terms(m: ModelConfig, tokens: float, s: int, a: int, t: int, kv: int) -> dict[str, float]:
+    """What attention with sinks (gpt-oss) saves beyond q, k, v and the output: the reference computes the
+    softmax over each query's s keys and its head's sink column (the probabilities, a (s + 1) per head and
+    token, and the boolean [s, s] mask), on k and v repeated to the query heads."""
+    heads, q = m.num_attention_heads // t, query_width(m) // t
+    return {
+        SINK_TERMS[0]: tokens * a * heads * (s + 1) + s * s,
+        SINK_TERMS[1]: tokens * a * 2 * (q - kv),
+    }
 
 
 def attention_extra_terms(m: ModelConfig, tokens: float, a: int, t: int, kv: int) -> dict[str, float]:
@@ -164,7 +183,7 @@ def layer_activation_bytes(
             / (layout.tp if layout.sequence_parallel else 1)
         )
     if recompute == "selective":  # the core attention (and Ulysses' exchanges) rerun in backward
-        terms = {k: v for k, v in terms.items() if k not in ("attention log-sum-exp", ULYSSES_TERM)}
+        terms = {k: v for k, v in terms.items() if k not in ("attention log-sum-exp", ULYSSES_TERM, *SINK_TERMS)}
     return sum(terms.values())
 
 

@@ -14,9 +14,14 @@ attention runs on heads padded to one width W = max(d_qk, d_v) and saves q, k, v
 (4 a n W / t) plus a float32 log-sum-exp per head; o_proj saves its input (a n d_v / t). RoPE saves
 nothing (its tables carry no gradient); the rotary tables are of width ``qk_rope_head_dim``.
 
-**DeepSeek-V3.2's lightning indexer** (``DecoderArch.sparse_indexer``): its parameters (wq_b, wk, k_norm,
-weights_proj; whole on every TP rank) are counted. Not counted: its activations (its keys and scores, the
-top-k selection and the indexer loss's fp32 [b, heads, s, s] target of the dense attention's distribution).
+**DeepSeek-V3.2's lightning indexer** (``DecoderArch.sparse_indexer``; ``index_n_heads`` n_I heads of
+``index_head_dim`` d_I): its parameters (wq_b, wk, k_norm, weights_proj) whole on every TP rank, and per
+token of the whole sequence on every TP rank, what it saves as megacann computes it (the indexer loss on,
+sparse attention): its key before k_norm, k_norm's mean and 1/std and the rotate-half tables re-laid twice
+(a (d_I + 2 + 4 rope)), its fp32 queries and head weights (4 n_I (d_I + 1)); per token and key of the s
+keys, the fp32 keys broadcast to every query by the score product and the ReLU'd per-head scores
+(4 (d_I + n_I)), the dense attention's distribution (a), the causal and top-k masks (2 bytes) and the
+indexer loss's fp32 log-probabilities and target (8). Measured against a run in tests/test_planner_indexer.py.
 """
 
 from __future__ import annotations
@@ -24,7 +29,12 @@ from __future__ import annotations
 from megacann.config import ModelConfig
 from megacann.models.deepseek_v32 import indexer_parameters
 
-__all__ = ["indexer_parameters", "latent_attention_activation_terms", "latent_attention_parameters_per_rank"]
+__all__ = [
+    "indexer_activation_terms",
+    "indexer_parameters",
+    "latent_attention_activation_terms",
+    "latent_attention_parameters_per_rank",
+]
 
 
 def padded_head_width(m: ModelConfig) -> int:
@@ -50,4 +60,16 @@ def latent_attention_activation_terms(m: ModelConfig, tokens: float, a: int, tp:
         "attention latents": tokens * a * (latents + norms),
         "attention q k v out": tokens * a * (4 * heads * padded_head_width(m) + heads * m.v_head_dim),
         "attention log-sum-exp": tokens * 4 * heads,
+    }
+
+
+def indexer_activation_terms(m: ModelConfig, tokens: float, s: int, a: int) -> dict[str, float]:
+    """Bytes a lightning indexer saves for one micro-batch of ``tokens`` tokens (every TP rank: the whole
+    sequence; under context parallelism the rank's share, not measured) scoring ``s`` keys each (see the
+    module docstring)."""
+    d, n, rope = m.index_head_dim, m.index_n_heads, m.qk_rope_head_dim
+    return {
+        "indexer keys and queries": tokens * (a * (d + 2 + 4 * rope) + 4 * n * (d + 1)),
+        "indexer scores": tokens * s * 4 * (d + n),
+        "indexer selection and loss": tokens * s * (a + 2 + 8),
     }

@@ -26,7 +26,8 @@ E x ceil(c T k / E)). Saved for backward, per token or row:
   scores (4E), the chosen experts' ids (8k) and weights (4k), with ``normalize_top_k`` their
   unnormalised copy and sum (4k + 4), and the weights in the tokens' dtype where that is not fp32 (ak);
 - routed experts, per row they compute: the input (ah), the gate|up output (2a f_e / t), silu(gate) and
-  the down projection's input (a f_e / t each); per token copy the rank sends (T k, dropped ones too): the
+  the down projection's input (a f_e / t each; the clamped SwiGLU of gpt-oss saves three f_e-wide tensors
+  more: the clamped gate and up, and the gate's sigmoid); per token copy the rank sends (T k, dropped ones too): the
   int64 source index of the permutation (8), the int32 row map (4) and the expert output the weighted
   sum gathers (ah);
 - shared experts: as a dense SwiGLU MLP (4a f_s / t per token), and the MLP input once more (ah) where it
@@ -73,7 +74,8 @@ def moe_activation_terms(tokens: float, a: int, h: int, tp: int, moe: MoEStructu
     terms = {"router": routed * router + (tokens * a * k if a != 4 else 0)}
     rows = routed_rows(tokens, moe)
     f = moe.expert_ffn_hidden_size // tp
-    terms["routed experts"] = rows * a * (h + 4 * f) + tokens * k * (a * h + 12)
+    activation = 7 if moe.clamped_activation else 4  # f-wide tensors a row: gate|up (2) and what it makes
+    terms["routed experts"] = rows * a * (h + activation * f) + tokens * k * (a * h + 12)
     if moe.shared_ffn_hidden_size:
         again = h if a != 4 or tp > 1 else 0
         gate = routed * a * (h + 1) if moe.shared_expert_gate else 0  # on the router's tokens

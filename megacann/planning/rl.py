@@ -1,32 +1,45 @@
 """What ``train_mode: grpo`` adds to a device's memory: the KL's reference policy and the generation cache.
 
 The reference is a frozen copy of the starting weights when ``rl.reference`` resolves to ``copy`` (counted
-in the stage totals, like DPO's); the rollouts' key/value cache is allocated while generating, for the rows
-one generation call holds (``data.batch_size x optim.grad_accum_steps``) and at most ``data.seq_length``
-slots a row (a prompt leaves ``rl.max_new_tokens`` of them), with this rank's share of the kv heads.
+in the stage totals, like DPO's); the rollouts' generation cache is allocated while generating, for the rows
+one generation call holds (``data.batch_size x optim.grad_accum_steps``) and at most ``data.seq_length - 1``
+slots a row (a prompt leaves ``rl.max_new_tokens`` of the sequence; the last new token is never fed back):
+each layer what its family declares it keeps (:mod:`megacann.planning.generation`), this rank's share, on
+the pipeline stage that holds the most.
 """
 
 from __future__ import annotations
 
-import torch
-
 from megacann.config import MegacannConfig
 from megacann.config.rl_keys import reference_kind
-from megacann.generation import kv_cache_bytes
-from megacann.models.sizing import attention_head_dim
-from megacann.planning.formulas import local_kv_rows
+from megacann.models.decode_cache import LayerCache
+from megacann.pipeline import stage_layer_ids
+from megacann.planning.generation import decode_layout, layout_bytes, layout_summary
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+def rollout_cache_shape(cfg: MegacannConfig) -> tuple[int, int]:
+    """(rows, slots) of a rollout generation at most: ``data.batch_size x optim.grad_accum_steps`` rows, and
+    the longest prompt allowed (``data.seq_length - rl.max_new_tokens``) plus the new tokens but the last."""
+    return cfg.data.batch_size * cfg.optim.grad_accum_steps, cfg.data.seq_length - 1
+
+
+def largest_stage_layout(cfg: MegacannConfig) -> list[LayerCache]:
+    """The decode cache layout of the pipeline stage whose cache is the largest (the whole model at pp 1)."""
+    layout, d = decode_layout(cfg), cfg.distributed
+    rows, slots = rollout_cache_shape(cfg)
+    stages = [
+        [
+            layout[i]
+            for i in stage_layer_ids(cfg.model.num_layers, d.pipeline_parallel_size, stage, None, 0, d.pipeline_layers)
+        ]
+        for stage in range(d.pipeline_parallel_size)
+    ]
+    return max(stages, key=lambda kinds: layout_bytes(cfg, kinds, d.tensor_parallel_size, rows, slots))
 
 
 def generation_cache_bytes(cfg: MegacannConfig) -> int:
-    """Bytes of the rollouts' key/value cache on one device (its largest allocation)."""
-    m, d = cfg.model, cfg.distributed
-    head_dim = attention_head_dim(m)
-    rows = cfg.data.batch_size * cfg.optim.grad_accum_steps
-    heads = local_kv_rows(m, d.tensor_parallel_size) // head_dim
-    window = getattr(m, "sliding_window", None)
-    return kv_cache_bytes(m.num_layers, rows, cfg.data.seq_length, heads, head_dim, DTYPES[m.precision], window)
+    """Bytes of the rollouts' generation cache on one device (its largest allocation)."""
+    return layout_bytes(cfg, largest_stage_layout(cfg), cfg.distributed.tensor_parallel_size, *rollout_cache_shape(cfg))
 
 
 def rl_memory_lines(cfg: MegacannConfig, reference_gb: str) -> list[str]:
@@ -38,10 +51,12 @@ def rl_memory_lines(cfg: MegacannConfig, reference_gb: str) -> list[str]:
         "per device (weights only; in the total)",
         "adapters_off": "GRPO reference: the policy's frozen base with the adapters off: no memory of its own",
     }[kind]
-    rows = cfg.data.batch_size * cfg.optim.grad_accum_steps
+    rows, slots = rollout_cache_shape(cfg)
+    stage, tp = largest_stage_layout(cfg), cfg.distributed.tensor_parallel_size
+    total = generation_cache_bytes(cfg)
     cache = (
-        f"GRPO generation cache: {generation_cache_bytes(cfg) / 1e9:.2f} GB per device ({rows} rows x "
-        f"{cfg.data.seq_length} slots, {cfg.model.num_layers} layers, this rank's kv heads, {cfg.model.precision}; "
-        "allocated while generating, when no training activation is held: not in the total)"
+        f"GRPO generation cache: {total / 1e9:.2f} GB per device ({rows} rows x {slots} slots, {cfg.model.precision}, "
+        f"tp {tp}: {layout_summary(cfg, stage, tp, rows, slots)} ({total:,} bytes in all); allocated while "
+        "generating, when no training activation is held: not in the total)"
     )
     return [reference, cache]
