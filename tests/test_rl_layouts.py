@@ -8,8 +8,9 @@ std, entropy and gradient norm equal one process (1e-5) at
   ranks generate for different prompts, kept in step by the generator's lockstep);
 - ZeRO-3 over data parallel 2 (probe: each rank stores half of the weights, none whole between steps);
 - ZeRO-1 over data parallel 2 (probe: the optimizer's state is sharded);
-- context parallel 2 for the training pass, dense and MoE (probes: the training forward sees 16 of the 32 tokens a rank;
-  both cp ranks generate the same rollouts, said at start-up);
+- context parallel 2 for the training pass, dense, MoE and deepseek_v3 (latent attention) (probes: the training
+  forward sees 16 of the 32 tokens a rank; both cp ranks generate the same rollouts, said at start-up; the
+  deepseek_v3 chunk's 4 attentions are latent);
 - router replay (``rl.router_replay``) at ep 2, pp 2, tp 2 with and without SP and cp 2 with a MoE model, against one
   process with replay (probe: the micro-batches carry the recorded choices of this rank's routers: 4 at
   ep 2, tp 2 and cp 2, 2 a stage at pp 2); at ep 2 and at one process also with full activation recomputation
@@ -30,6 +31,16 @@ from megacann.config import ConfigError
 pytestmark = pytest.mark.extended  # a slow multi-rank check: `make test-extended` runs it
 
 MOE = ["model.type=moe", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
+DEEPSEEK = [  # deepseek_v3: latent attention, MoE with a shared expert
+    "model.type=deepseek_v3",
+    "model.num_experts=4",
+    "model.moe_ffn_hidden_size=32",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=8",
+    "model.v_head_dim=8",
+    "model.num_key_value_heads=4",
+]
 DP2 = ["optim.grad_accum_steps=1"]  # global batch 8 on 2 ranks, as one process's 2 x 4
 TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
 SELECTIVE = "model.activation_checkpointing=selective"
@@ -41,6 +52,7 @@ LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "zero1": ([*DP2, "distributed.zero_optimization=1"], "dense"),
     "cp2": (["distributed.context_parallel_size=2"], "dense"),
     "cp2_moe": ([*MOE, "distributed.context_parallel_size=2"], "moe"),
+    "cp2_deepseek": ([*DEEPSEEK, "distributed.context_parallel_size=2"], "deepseek"),
     "ep2_replay": ([*MOE, *DP2, "distributed.expert_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
     "ep2_replay_full": (
         [*MOE, *DP2, "distributed.expert_parallel_size=2", "rl.router_replay=true", FULL],
@@ -55,6 +67,7 @@ REPLAY = [*MOE, "rl.router_replay=true"]
 ONE_PROCESS = {
     "dense": [],
     "moe": MOE,
+    "deepseek": DEEPSEEK,
     "moe_replay": REPLAY,
     "replay_selective": [*REPLAY, SELECTIVE],
     "replay_full": [*REPLAY, FULL],
@@ -74,6 +87,7 @@ def _micro_batch_digest(objective) -> str:
 def _layout_probe(trainer) -> dict:
     """What shows the layout was in force: this rank's layers, experts, weight and optimizer shards."""
     from megacann.layers import MoELayer, TransformerBlock
+    from megacann.layers.latent_attention import LatentAttention
 
     chunk = trainer.model_chunks[0]
     moe = [m for m in chunk.modules() if isinstance(m, MoELayer)]
@@ -85,6 +99,7 @@ def _layout_probe(trainer) -> dict:
         "optimizer": type(trainer.optimizer).__name__,
         "recomputed_attention": sum(getattr(m, "recompute_core_attention", False) is True for m in chunk.modules()),
         "recomputed_blocks": sum(m.config.recompute == "full" for m in blocks),
+        "latent_attention": sum(isinstance(m, LatentAttention) for m in chunk.modules()),
     }
     first = trainer.objective.mini_batches[0][0]
     if "replay_ids" in first:  # router replay: this stage's routers, and the recorded tokens of a micro-batch
@@ -167,12 +182,17 @@ def test_router_replay_was_on_at_ep2_and_on_each_pipeline_stage(two_ranks):
     assert "replay" not in two_ranks[0]["ep2"]
 
 
-@pytest.mark.parametrize("layout", ["cp2", "cp2_moe"])
+@pytest.mark.parametrize("layout", ["cp2", "cp2_moe", "cp2_deepseek"])
 def test_context_parallel_ranks_generate_the_same_rollouts_and_train_halves(layout, two_ranks, one_process):
     first, second = (rank[layout] for rank in two_ranks)
     assert first["seq"] == second["seq"] == [16] and one_process[LAYOUTS[layout][1]]["seq"] == [32]
     assert first["digest"] == second["digest"]  # the same rollouts on both cp ranks
     assert "each of the 2 cp ranks of a data-parallel rank generates the same rollouts" in first["describe"]
+
+
+def test_deepseek_v3_runs_latent_attention(two_ranks, one_process):
+    assert one_process["deepseek"]["latent_attention"] == 4 and one_process["moe"]["latent_attention"] == 0
+    assert [rank["cp2_deepseek"]["latent_attention"] for rank in two_ranks] == [4, 4]
 
 
 def test_router_replay_with_recomputation_trains_the_same_trace(one_process):
