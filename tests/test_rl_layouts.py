@@ -8,11 +8,13 @@ std, entropy and gradient norm equal one process (1e-5) at
   ranks generate for different prompts, kept in step by the generator's lockstep);
 - ZeRO-3 over data parallel 2 (probe: each rank stores half of the weights, none whole between steps);
 - ZeRO-1 over data parallel 2 (probe: the optimizer's state is sharded);
-- context parallel 2 for the training pass, dense and MoE (probes: the training forward sees 16 of the 32 tokens a rank;
-  both cp ranks generate the same rollouts, said at start-up);
+- context parallel 2 for the training pass, dense, MoE and deepseek_v3 (latent attention) (probes: the training
+  forward sees 16 of the 32 tokens a rank; both cp ranks generate the same rollouts, said at start-up; the
+  deepseek_v3 chunk's 4 attentions are latent);
 - router replay (``rl.router_replay``) at ep 2, pp 2, tp 2 with and without SP and cp 2 with a MoE model, against one
   process with replay (probe: the micro-batches carry the recorded choices of this rank's routers: 4 at
-  ep 2, tp 2 and cp 2, 2 a stage at pp 2).
+  ep 2, tp 2 and cp 2, 2 a stage at pp 2); at ep 2 and at one process also with full activation recomputation
+  (probe: every block recomputed), selective recomputation at one process.
 """
 
 from __future__ import annotations
@@ -29,9 +31,20 @@ from megacann.config import ConfigError
 pytestmark = pytest.mark.extended  # a slow multi-rank check: `make test-extended` runs it
 
 MOE = ["model.type=moe", "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
+DEEPSEEK = [  # deepseek_v3: latent attention, MoE with a shared expert
+    "model.type=deepseek_v3",
+    "model.num_experts=4",
+    "model.moe_ffn_hidden_size=32",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=8",
+    "model.v_head_dim=8",
+    "model.num_key_value_heads=4",
+]
 DP2 = ["optim.grad_accum_steps=1"]  # global batch 8 on 2 ranks, as one process's 2 x 4
 TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
 SELECTIVE = "model.activation_checkpointing=selective"
+FULL = "model.activation_checkpointing=full"
 LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "pp2": (["distributed.pipeline_parallel_size=2"], "dense"),
     "ep2": ([*MOE, *DP2, "distributed.expert_parallel_size=2"], "moe"),
@@ -39,14 +52,26 @@ LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "zero1": ([*DP2, "distributed.zero_optimization=1"], "dense"),
     "cp2": (["distributed.context_parallel_size=2"], "dense"),
     "cp2_moe": ([*MOE, "distributed.context_parallel_size=2"], "moe"),
+    "cp2_deepseek": ([*DEEPSEEK, "distributed.context_parallel_size=2"], "deepseek"),
     "ep2_replay": ([*MOE, *DP2, "distributed.expert_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
+    "ep2_replay_full": (
+        [*MOE, *DP2, "distributed.expert_parallel_size=2", "rl.router_replay=true", FULL],
+        "moe_replay",
+    ),
     "pp2_replay": ([*MOE, "distributed.pipeline_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
     "tp2_sp_replay": ([*MOE, *TP2_SP, "rl.router_replay=true"], "moe_replay"),
     "tp2_replay": ([*MOE, TP2_SP[0], "rl.router_replay=true"], "moe_replay"),  # the MoE layer scatters
     "cp2_replay": ([*MOE, "distributed.context_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
 }
 REPLAY = [*MOE, "rl.router_replay=true"]
-ONE_PROCESS = {"dense": [], "moe": MOE, "moe_replay": REPLAY, "replay_selective": [*REPLAY, SELECTIVE]}
+ONE_PROCESS = {
+    "dense": [],
+    "moe": MOE,
+    "deepseek": DEEPSEEK,
+    "moe_replay": REPLAY,
+    "replay_selective": [*REPLAY, SELECTIVE],
+    "replay_full": [*REPLAY, FULL],
+}
 
 
 def _micro_batch_digest(objective) -> str:
@@ -61,16 +86,20 @@ def _micro_batch_digest(objective) -> str:
 
 def _layout_probe(trainer) -> dict:
     """What shows the layout was in force: this rank's layers, experts, weight and optimizer shards."""
-    from megacann.layers import MoELayer
+    from megacann.layers import MoELayer, TransformerBlock
+    from megacann.layers.latent_attention import LatentAttention
 
     chunk = trainer.model_chunks[0]
     moe = [m for m in chunk.modules() if isinstance(m, MoELayer)]
+    blocks = [m for m in chunk.modules() if isinstance(m, TransformerBlock)]
     probe = {
         "layers": sorted(int(i) for i in chunk.layers),
         "experts": sorted(int(e) for e in moe[0].experts) if moe else None,
         "digest": _micro_batch_digest(trainer.objective),
         "optimizer": type(trainer.optimizer).__name__,
         "recomputed_attention": sum(getattr(m, "recompute_core_attention", False) is True for m in chunk.modules()),
+        "recomputed_blocks": sum(m.config.recompute == "full" for m in blocks),
+        "latent_attention": sum(isinstance(m, LatentAttention) for m in chunk.modules()),
     }
     first = trainer.objective.mini_batches[0][0]
     if "replay_ids" in first:  # router replay: this stage's routers, and the recorded tokens of a micro-batch
@@ -153,7 +182,7 @@ def test_router_replay_was_on_at_ep2_and_on_each_pipeline_stage(two_ranks):
     assert "replay" not in two_ranks[0]["ep2"]
 
 
-@pytest.mark.parametrize("layout", ["cp2", "cp2_moe"])
+@pytest.mark.parametrize("layout", ["cp2", "cp2_moe", "cp2_deepseek"])
 def test_context_parallel_ranks_generate_the_same_rollouts_and_train_halves(layout, two_ranks, one_process):
     first, second = (rank[layout] for rank in two_ranks)
     assert first["seq"] == second["seq"] == [16] and one_process[LAYOUTS[layout][1]]["seq"] == [32]
@@ -161,10 +190,24 @@ def test_context_parallel_ranks_generate_the_same_rollouts_and_train_halves(layo
     assert "each of the 2 cp ranks of a data-parallel rank generates the same rollouts" in first["describe"]
 
 
-def test_router_replay_with_selective_recomputation_trains_the_same_trace(one_process):
-    assert_same_trace(one_process["replay_selective"]["trace"], one_process["moe_replay"]["trace"])
+def test_deepseek_v3_runs_latent_attention(two_ranks, one_process):
+    assert one_process["deepseek"]["latent_attention"] == 4 and one_process["moe"]["latent_attention"] == 0
+    assert [rank["cp2_deepseek"]["latent_attention"] for rank in two_ranks] == [4, 4]
+
+
+def test_router_replay_with_recomputation_trains_the_same_trace(one_process):
+    for run in ("replay_selective", "replay_full"):
+        assert_same_trace(one_process[run]["trace"], one_process["moe_replay"]["trace"])
     assert one_process["replay_selective"]["recomputed_attention"] == 4  # every layer's, and none without it
     assert one_process["moe_replay"]["recomputed_attention"] == 0
+    assert one_process["replay_full"]["recomputed_blocks"] == 4  # every block recomputed in backward
+    assert one_process["moe_replay"]["recomputed_blocks"] == one_process["replay_selective"]["recomputed_blocks"] == 0
+
+
+def test_router_replay_with_full_recomputation_at_ep2_recomputes_every_block(two_ranks):
+    for rank in two_ranks:
+        assert rank["ep2_replay_full"]["recomputed_blocks"] == 4
+        assert rank["ep2_replay_full"]["replay"][0] == 4  # the micro-batches carry every router's record
 
 
 def test_zero3_shards_the_weights_and_zero1_the_optimizer(two_ranks):

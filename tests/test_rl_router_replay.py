@@ -8,8 +8,10 @@ training forward.
   elsewhere; with replay it routes every recorded token exactly as the rollout did, and the gate weights
   are the perturbed router's own scores of the replayed experts.
 - The whole loop with replay at ep 2, pp 2, tp 2 + SP and cp 2 equals one process: tests/test_rl_layouts.py.
-- Refused by name: full activation recomputation, a policy without routers (selective recomputation, which
-  reruns attention only, trains the trace of no recomputation: tests/test_rl_layouts.py).
+- With full activation recomputation the blocks recomputed in backward route every recorded token as
+  recorded too (the routers moved after the rollout), and the gradients equal those without recomputation.
+- Refused by name: a policy without routers (selective and full recomputation train the trace of no
+  recomputation: tests/test_rl_layouts.py).
 """
 
 from __future__ import annotations
@@ -17,11 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import run_on_ranks
-from finetune_helpers import recipe
 from test_rl_layouts import MOE
 from test_rl_loop import _trainer, rl_overrides, write_prompts
 
-from megacann.config import ConfigError
 from megacann.constants import IGNORE_INDEX
 
 REPLAY = [*MOE, "rl.router_replay=true"]
@@ -68,7 +68,6 @@ def _agreement(routes: list[dict], batch: dict, sort: bool) -> torch.Tensor:
 
 def _replay_probes(prompts: str) -> dict:
     from megacann import parallel_state as ps
-    from megacann.layers.moe.routing_replay import routers
 
     trainer = _trainer(rl_overrides(prompts, *REPLAY))
     objective, chunk, plain = trainer.objective, trainer.model_chunks[0], trainer.model_spec.forward_step
@@ -81,9 +80,7 @@ def _replay_probes(prompts: str) -> dict:
         out["recorded_tokens"] += batch["replay_mask"].sum(1).tolist()
         out["last_label_plus_one"] += (last_label + 1).tolist()
     own = [_agreement(_routes(chunk, plain, batch), batch, sort=True) for batch in batches]
-    with torch.no_grad():
-        for router in routers(chunk):
-            router.weight.add_(torch.randn_like(router.weight, generator=torch.Generator().manual_seed(5)))
+    _perturb_routers(chunk)
     moved = [_agreement(_routes(chunk, plain, batch), batch, sort=True) for batch in batches]
     replayed_routes = [_routes(chunk, objective.policy_step, batch) for batch in batches]
     replayed = [_agreement(routes, batch, sort=False) for routes, batch in zip(replayed_routes, batches)]
@@ -115,19 +112,74 @@ def test_replay_routes_exactly_as_the_rollout_after_the_router_moved(probes):
     assert probes["replayed_gate_error"] < 1e-6  # the gates: the router's own scores at the replayed experts
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (
-            ["model.activation_checkpointing=full"],
-            "rl.router_replay with model.activation_checkpointing 'full' is not supported",
-        ),
-    ],
-)
-def test_router_replay_refuses_recomputation(overrides, message):
-    with pytest.raises(ConfigError) as err:
-        recipe(rl_overrides("prompts.jsonl", *REPLAY, *overrides), world_size=2)
-    assert message in str(err.value)
+def _perturb_routers(chunk) -> None:
+    """Move every router's weights, so that its own choice differs from the rollout's recorded one."""
+    from megacann.layers.moe.routing_replay import routers
+
+    with torch.no_grad():
+        for router in routers(chunk):
+            router.weight.add_(torch.randn_like(router.weight, generator=torch.Generator().manual_seed(5)))
+
+
+def _recompute_probes(prompts: str) -> dict:
+    """Training forward + backward of the phase's micro-batches with replay, the routers moved after the
+    rollout, with full recomputation and without: the choices of the recomputed routers and the gradients."""
+    from megacann import parallel_state as ps
+    from megacann.layers import TransformerBlock
+    from megacann.layers.moe.routing_replay import routers
+    from megacann.layers.random import is_recomputing
+
+    trainer = _trainer(rl_overrides(prompts, *REPLAY, "model.activation_checkpointing=full"))
+    objective, chunk = trainer.objective, trainer.model_chunks[0]
+    objective.prepare([{"rl_step": torch.tensor(0)}], None)
+    batches = objective.mini_batches[0]
+    _perturb_routers(chunk)
+    found = routers(chunk)
+    recomputed: list[tuple[int, torch.Tensor]] = []  # (router, ids [b * s, k]) of each recomputed forward
+
+    def keep(index):
+        return lambda router, args, out: recomputed.append((index, out.expert_ids)) if is_recomputing() else None
+
+    hooks = [router.register_forward_hook(keep(j)) for j, router in enumerate(found)]
+    blocks = [m for m in chunk.modules() if isinstance(m, TransformerBlock)]
+    chunk.train()
+    grads, agreement = {}, []
+    for mode in ("full", "none"):
+        for block in blocks:
+            block.config.recompute = mode
+        chunk.zero_grad()
+        for batch in batches:
+            recomputed.clear()
+            output = objective.policy_step(chunk, batch, None)
+            (output.token_loss.sum() + sum(output.aux_losses.values())).backward()
+            for index, ids in recomputed:
+                expected = batch["replay_ids"][:, :, index].reshape(ids.shape)
+                agreement.append(
+                    (mode, float((ids == expected).all(-1)[batch["replay_mask"].reshape(-1)].double().mean()))
+                )
+        grads[mode] = [p.grad.clone() for p in chunk.parameters() if p.grad is not None]
+    for hook in hooks:
+        hook.remove()
+    ps.destroy_model_parallel()
+    return {
+        "recomputed": [share for mode, share in agreement if mode == "full"],
+        "recomputed_without": [share for mode, share in agreement if mode == "none"],
+        "routers": len(found),
+        "batches": len(batches),
+        "grad_error": max(float((a - b).abs().max()) for a, b in zip(grads["full"], grads["none"])),
+        "grads": (len(grads["full"]), len(grads["none"])),
+    }
+
+
+def test_full_recomputation_replays_the_recorded_choices(tmp_path):
+    prompts = write_prompts(str(tmp_path / "prompts.jsonl"))
+    probes = run_on_ranks(_recompute_probes, 1, args=(prompts,), timeout=300)[0]
+    # every router of every micro-batch was recomputed in backward, and none without recomputation
+    assert len(probes["recomputed"]) == probes["routers"] * probes["batches"] == 4 * 2
+    assert probes["recomputed_without"] == []
+    assert probes["recomputed"] == [1.0] * 8  # each recomputed router routed every recorded token as recorded
+    assert probes["grads"][0] == probes["grads"][1] > 0
+    assert probes["grad_error"] == 0.0  # the recomputed forward is the forward: the same gradients, bit for bit
 
 
 def _dense_failure(prompts: str) -> str:

@@ -6,6 +6,10 @@ stacked per layer in its Hugging Face format) at tensor parallel 2 x expert para
 0, the buckets hold bit for bit the tensors ``megacann-convert to-hf`` writes from that checkpoint, each
 bucket within its size unless one unit alone is larger, and a transformers model filled by the receiver
 gives the exported directory's logits. The layouts are shown in force (shards, stages, experts per rank).
+
+At data parallel 2 with ZeRO-3 (2 ranks), the streamed buckets equal that run's ``to-hf`` export bit for
+bit too; each rank holds half of the weights before and after the stream, and while streaming at most one
+unit's weights whole (the largest unit's elements), none after.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ import torch
 from dist_harness import run_on_ranks
 from training_helpers import synthetic_data_factory
 
-# a tiny LLaMA layer is about 100 KB, a gpt-oss one about 200 KB: some buckets hold two units, others one
-BUCKET_MB = {"llama": 0.2, "gpt_oss": 0.45}
+# a tiny LLaMA layer is about 120 KB, a gpt-oss one about 200 KB: some buckets hold two units, others one
+BUCKET_MB = {"llama": 0.2, "gpt_oss": 0.45, "llama_zero3": 0.3}
 LLAMA = [
     "distributed.tensor_parallel_size=2",
     "distributed.pipeline_parallel_size=2",
     "model.tie_word_embeddings=true",
 ]
+ZERO3 = ["distributed.zero_optimization=3", "optim.grad_accum_steps=1"]
 GPT_OSS = ["distributed.tensor_parallel_size=2", "distributed.expert_parallel_size=2", "optim.grad_accum_steps=1"]
 
 
@@ -40,15 +45,17 @@ def _stream(name: str, root: str, hf_dir: str) -> dict:
     ps.destroy_model_parallel()
     common = [f"experiment.output_dir={root}/{name}", "optim.max_steps=1", "logging.ckpt_interval=1"]
     common += ["data.seq_length=16", "data.batch_size=2", "data.tokenizer=byte"]
-    if name == "llama":
+    if name.startswith("llama"):
         model = {"type": "llama", "precision": "fp32", "hidden_size": 64, "num_layers": 4, "vocab_size": 260}
         model.update(num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=96, max_position_embeddings=64)
-        cfg = recipe(common + LLAMA, model=model, world_size=dist.get_world_size())
+        layout = LLAMA if name == "llama" else ZERO3
+        cfg = recipe(common + layout, model=model, world_size=dist.get_world_size())
     else:
         model = {"type": "gpt_oss", "precision": "fp32", "init_from": hf_dir}
         cfg = recipe(common + GPT_OSS, model=model, world_size=dist.get_world_size())
     trainer = Trainer(cfg, setup_runtime(cfg), data_factory=synthetic_data_factory(cfg))
     trainer.fit()
+    probe = _Zero3Probe(trainer.optimizer) if name == "llama_zero3" else None
     chunk = trainer.model_chunks[0]
     layout = {
         "layers": sorted(int(i) for i in chunk.layers),
@@ -63,7 +70,46 @@ def _stream(name: str, root: str, hf_dir: str) -> dict:
         )
         if dist.get_rank() == 0:
             torch.save(dict(bucket), os.path.join(root, f"{name}_bucket{len(buckets)}.pt"))
+    if probe is not None:
+        layout.update(probe.figures())
     return {"layout": layout, "buckets": buckets}
+
+
+class _Zero3Probe:
+    """The weight elements whole on this rank after each ZeRO-3 gather (the peak) and the stored shares."""
+
+    def __init__(self, optimizer):
+        from zero3_checks import storages
+
+        self.optimizer, self.storages = optimizer, storages(optimizer)
+        self.kept = self.gathered()  # the checkpoint's save leaves every unit whole until its next forward
+        for storage in self.storages:  # sharded, as between training steps
+            storage.free_all()
+        self.before = self.gathered()
+        self.peak = 0
+        for storage in self.storages:
+            wait = storage.wait_bucket
+
+            def counted(index, wait=wait):
+                wait(index)
+                self.peak = max(self.peak, self.gathered())
+
+            storage.wait_bucket = counted
+
+    def gathered(self) -> int:
+        return sum(s.gathered_numel() for s in self.storages)
+
+    def figures(self) -> dict:
+        units = self.optimizer._unit_hooks.units  # ZeRO-3's units: each unit's buckets
+        return {
+            "unit_sizes": [sum(storage.layout.buckets[index].numel for storage, index in u.pieces) for u in units],
+            "kept_by_the_save": self.kept,
+            "gathered_before": self.before,
+            "gathered_after": self.gathered(),
+            "peak": self.peak,
+            "stored": sum(s.shard.numel() for s in self.storages),
+            "total": sum(s.layout.numel for s in self.storages),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +133,35 @@ def test_the_layouts_are_in_force(streamed):
     assert oss[0]["q_rows"] == 4 * 24 // 2
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
-def test_buckets_equal_the_to_hf_export_bit_for_bit(streamed, name):
+@pytest.fixture(scope="module")
+def streamed_zero3(tmp_path_factory):
+    pytest.importorskip("transformers")
+    root = str(tmp_path_factory.mktemp("stream_zero3"))
+    return root, {"llama_zero3": run_on_ranks(_stream, 2, args=("llama_zero3", root, ""), timeout=300)}
+
+
+def test_zero3_streams_one_unit_whole_at_a_time(streamed_zero3):
+    _, results = streamed_zero3
+    for rank in results["llama_zero3"]:
+        probe = rank["layout"]
+        assert probe["layers"] == [0, 1, 2, 3]
+        assert probe["stored"] * 2 == probe["total"]  # each rank stores half of the weights
+        assert (probe["gathered_before"], probe["gathered_after"]) == (0, 0), (
+            probe
+        )  # none whole between steps, nor after
+        assert len(probe["unit_sizes"]) == 5  # the 4 blocks and the chunk's own weights
+        assert probe["kept_by_the_save"] == probe["total"] > probe["peak"]
+        assert probe["peak"] == max(probe["unit_sizes"])  # while streaming, one unit whole at a time
+    assert results["llama_zero3"][1]["buckets"] == []  # only rank 0 receives
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss", "llama_zero3"])
+def test_buckets_equal_the_to_hf_export_bit_for_bit(streamed, streamed_zero3, name):
     from safetensors.torch import load_file
 
     from megacann.interop import export_hf
 
-    root, results = streamed
+    root, results = streamed_zero3 if name == "llama_zero3" else streamed
     buckets = results[name][0]["buckets"]
     assert all(not r["buckets"] for r in results[name][1:])  # only rank 0 receives
     assert len(buckets) > 2

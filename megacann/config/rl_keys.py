@@ -1,7 +1,7 @@
 """The ``rl`` section (``train_mode: grpo``, docs/rl.md): every key checked before anything is built.
 
-A layout the colocated generator cannot run (interleaved pipeline chunks) or router replay with full
-activation recomputation is refused here by name, with what was expected.
+A layout the colocated generator cannot run (interleaved pipeline chunks) is refused here by name, with
+what was expected.
 """
 
 from __future__ import annotations
@@ -55,16 +55,10 @@ def _check_layout(cfg: MegacannConfig, source: str) -> None:
 
 
 def _check_router_replay(cfg: MegacannConfig, source: str) -> None:
-    """Router replay imposes the rollout's choices during the forward: refused with full recomputation (the
-    recomputed blocks would route outside the replay; selective recomputation reruns attention only)."""
+    """``rl.router_replay`` is a boolean (any recomputation replays too: the recomputed blocks reuse the
+    forward's recorded choices)."""
     if not isinstance(cfg.rl.router_replay, bool):
         raise ConfigError(f"{source}: rl.router_replay must be true or false, got {cfg.rl.router_replay!r}")
-    recompute = cfg.model.activation_checkpointing
-    if recompute == "full":
-        raise ConfigError(
-            f"{source}: rl.router_replay with model.activation_checkpointing {recompute!r} is not supported: the "
-            "recomputed forward would route outside the replay (none or selective expected)"
-        )
 
 
 def check_rl_section(cfg: MegacannConfig, source: str) -> None:
@@ -121,8 +115,7 @@ def check_rl_section(cfg: MegacannConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: rl.overlong_buffer {r.overlong_buffer} must be below rl.max_new_tokens {r.max_new_tokens}"
         )
-    if r.router_replay:
-        _check_router_replay(cfg, source)
+    _check_router_replay(cfg, source)
     if not isinstance(r.filter_groups, bool):
         raise ConfigError(f"{source}: rl.filter_groups must be true or false, got {r.filter_groups!r}")
     _check_layout(cfg, source)

@@ -290,7 +290,7 @@ class RLConfig:
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last N tokens before max_new_tokens (0: off)
     overlong_penalty: float = 1.0  # the penalty reached at max_new_tokens
     tis_cap: Optional[float] = None  # truncated importance sampling: min(pi_trainer / pi_rollout, cap) per token
-    router_replay: bool = False  # MoE: reuse the rollout's expert choices in the training forward (refused: not yet)
+    router_replay: bool = False  # MoE: reuse the rollout's expert choices in the training forward
 
 
 @dataclass

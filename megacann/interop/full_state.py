@@ -26,6 +26,11 @@ def _strip_padding(full: torch.Tensor, sharding: ParamSharding) -> torch.Tensor:
     return full.narrow(sharding.tp_dim, 0, sharding.logical_size)
 
 
+def without_padding(param: torch.Tensor) -> torch.Tensor:
+    """This rank's ``param`` without the padding its sharding adds (a padded vocabulary's rows): a view."""
+    return _strip_padding(param.detach(), get_sharding(param))
+
+
 def _pad(tensor: torch.Tensor, sharding: ParamSharding) -> torch.Tensor:
     if sharding.logical_size is None or sharding.tp_dim is None:
         return tensor

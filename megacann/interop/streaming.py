@@ -9,6 +9,9 @@ rank 0. When a unit is whole, rank 0 names it as the family's Hugging Face adapt
 split, experts of every expert-parallel rank together) and adds it to the bucket; a bucket is handed out
 once it would grow past ``bucket_mb``. So rank 0 holds at most one bucket and one unit beyond the model
 (less: a tensor it holds whole on the CPU is not copied), and the tensors are bit for bit those of ``megacann-convert to-hf`` of a checkpoint of the same weights.
+Under ZeRO-3 each rank gathers the units of its shards one at a time, in the walk's order, as a forward
+does (:func:`~megacann.layers.gathered_weights.parameters_gathered`), and frees each after its turn: one
+unit whole at a time, copied into the bucket on rank 0.
 
 Every rank iterates (the transfers are collective); only rank 0's iterator yields buckets::
 
@@ -32,9 +35,10 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.checkpoint.state import is_expert_buffer, persistent_buffers, storage_name
 from megacann.config import ModelConfig
-from megacann.interop.full_state import gather_full_tensor
+from megacann.interop.full_state import gather_full_tensor, without_padding
 from megacann.interop.hf import hf_adapter
 from megacann.interop.peft import ADAPTER_SLOT
+from megacann.layers.gathered_weights import parameters_gathered
 from megacann.layers.sharding import get_sharding
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -106,8 +110,11 @@ def _split_over_tp(tensor: torch.Tensor) -> bool:
     )
 
 
-def _whole_on_first_rank(entry: _Entry, local: dict[str, tuple[torch.Tensor, bool, bool]]) -> Optional[torch.Tensor]:
-    """The whole tensor of ``entry`` on global rank 0 (None elsewhere); collective over the ranks that hold it."""
+def _whole_on_first_rank(
+    entry: _Entry, local: dict[str, tuple[torch.Tensor, bool, bool]], copy: bool
+) -> Optional[torch.Tensor]:
+    """The whole tensor of ``entry`` on global rank 0 (None elsewhere); collective over the ranks that hold it.
+    ``copy``: never hand out the live tensor (a ZeRO-3 unit's gathered storage is released after it)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     whole = None
     if entry.name in local:
@@ -115,7 +122,11 @@ def _whole_on_first_rank(entry: _Entry, local: dict[str, tuple[torch.Tensor, boo
         if gathers and _split_over_tp(tensor):
             whole = gather_full_tensor(tensor)  # every rank of the sender's tensor-parallel group joins
         elif rank == entry.sender:
+            if isinstance(tensor, torch.nn.Parameter):
+                tensor = without_padding(tensor)  # a padded vocabulary's rows dropped, as to-hf does
             whole = tensor.detach().to("cpu")  # the live tensor itself on a CPU: no copy (see the docstring)
+            if copy and whole.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                whole = whole.clone()
     if entry.sender == 0:
         return whole if rank == 0 else None
     if rank == entry.sender:
@@ -132,7 +143,8 @@ def stream_hf_weights(
 ) -> Iterator[Bucket]:
     """The model's weights under their Hugging Face names, in buckets of about ``bucket_mb`` MiB (a unit
     larger than that is a bucket of its own), yielded on global rank 0. Collective over the world: every
-    rank must exhaust the iterator. ``chunks``: this rank's model chunks at any layout (TP, PP, EP, DP).
+    rank must exhaust the iterator. ``chunks``: this rank's model chunks at any layout (TP, PP, EP, DP,
+    ZeRO-3: each unit gathered for its turn alone and freed after).
     A tensor rank 0 holds whole on the CPU is handed out as the live tensor, not a copy: the receiver copies
     each bucket before the model trains on (as an engine's weight loading does)."""
     if bucket_mb <= 0:
@@ -140,19 +152,19 @@ def stream_hf_weights(
     adapter = hf_adapter(cfg)
     limit = bucket_mb * 2**20
     local = _local_tensors(chunks)
-    plan = _plan(local)
     bucket: Bucket = []
     held = 0
-    for index, entry in enumerate(plan):
-        if index == 0 or unit_of(entry.name) != unit_of(plan[index - 1].name):
-            unit: dict[str, torch.Tensor] = {}
-        whole = _whole_on_first_rank(entry, local)
-        if whole is not None:
-            unit[entry.name] = whole
-        last_of_unit = index + 1 == len(plan) or unit_of(plan[index + 1].name) != unit_of(entry.name)
-        if not last_of_unit or not unit:
+    for entries in _units(_plan(local)):
+        # under ZeRO-3 this unit's weights are gathered for it alone (as a forward does), freed after it
+        with parameters_gathered(chunks, [local[e.name][0] for e in entries if e.name in local]) as sharded:
+            unit = {}
+            for entry in entries:
+                whole = _whole_on_first_rank(entry, local, copy=sharded)
+                if whole is not None:
+                    unit[entry.name] = whole
+            named = sorted(adapter.to_hf(unit, cfg).items()) if unit else []
+        if not named:
             continue
-        named = sorted(adapter.to_hf(unit, cfg).items())
         size = sum(t.nbytes for _, t in named)
         if bucket and held + size > limit:
             yield bucket
@@ -161,6 +173,16 @@ def stream_hf_weights(
         held += size
     if bucket:
         yield bucket
+
+
+def _units(plan: list[_Entry]) -> list[list[_Entry]]:
+    """The plan's entries by unit (the plan is sorted by unit)."""
+    grouped: list[list[_Entry]] = []
+    for index, entry in enumerate(plan):
+        if index == 0 or unit_of(entry.name) != unit_of(plan[index - 1].name):
+            grouped.append([])
+        grouped[-1].append(entry)
+    return grouped
 
 
 @torch.no_grad()

@@ -157,13 +157,31 @@ def is_recomputing() -> bool:
     return getattr(_RECOMPUTING, "depth", 0) > 0
 
 
+_RECOMPUTE_CONTEXTS = threading.local()  # .stack: context factories a recompute re-enters (this thread's)
+
+
+@contextlib.contextmanager
+def recomputed_inside(factory: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """A forward that :func:`checkpoint` runs inside the block is recomputed in backward, after the block
+    has closed, inside ``factory()`` too: state the forward read beside its inputs (the recorded choices
+    of router replay) holds for its recompute as well."""
+    stack = _RECOMPUTE_CONTEXTS.__dict__.setdefault("stack", [])
+    stack.append(factory)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward with
     the RNG states of the forward pass (CPU and device generators, and the tracker's streams), so dropout
-    draws the same masks. Works when no input requires grad (parameters inside still get gradients)."""
+    draws the same masks, and inside the contexts of :func:`recomputed_inside` open at the forward. Works
+    when no input requires grad (parameters inside still get gradients)."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     start_states = _TRACKER.get_states()
+    contexts = tuple(getattr(_RECOMPUTE_CONTEXTS, "stack", ()))
     calls = [0]
 
     def run(*a: Any, **kw: Any) -> Any:
@@ -174,7 +192,10 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         _TRACKER.set_states(start_states)
         _RECOMPUTING.depth = getattr(_RECOMPUTING, "depth", 0) + 1
         try:
-            return function(*a, **kw)
+            with contextlib.ExitStack() as opened:
+                for factory in contexts:
+                    opened.enter_context(factory())
+                return function(*a, **kw)
         finally:
             _RECOMPUTING.depth -= 1
             _TRACKER.set_states(live)

@@ -11,7 +11,9 @@ tree, in module order (:func:`routers`), so any model built from :class:`~megaca
 can use them. A recording holds the rows each router routed in a forward (``[b * s]`` tokens, sequence
 after sequence); a replay is given per router ``[b, s, k]`` ids for the sequence as the MoE layer's input
 holds it (this context-parallel rank's share), and under tensor parallelism, where each rank routes its
-contiguous ``s / tp`` slice, each router takes its rank's slice.
+contiguous ``s / tp`` slice, each router takes its rank's slice. A block that full activation
+checkpointing recomputes in backward, after the replay's block has closed, replays the same choices
+(:func:`~megacann.layers.random.recomputed_inside`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from megacann.layers import mappings
 from megacann.layers.moe.router import TopKRouter
+from megacann.layers.random import recomputed_inside
 
 
 def routers(model: torch.nn.Module) -> list[TopKRouter]:
@@ -85,5 +88,6 @@ def routing_replayed(model: torch.nn.Module, expert_ids: Sequence[torch.Tensor],
             )
         return torch.where(where.unsqueeze(-1), recorded.to(chosen), chosen)
 
-    with _hooked(model, replay):
+    # a block recomputed in backward (full activation checkpointing) replays the same choices
+    with _hooked(model, replay), recomputed_inside(lambda: _hooked(model, replay)):
         yield

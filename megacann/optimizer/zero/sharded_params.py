@@ -132,6 +132,10 @@ class ShardedParams:
         for bucket in self.layout.buckets:
             self.free_bucket(bucket.index)
 
+    def is_free(self, index: int) -> bool:
+        """Whether bucket ``index`` is neither gathered nor being gathered."""
+        return self.status[index] == FREE
+
     def gathered_numel(self) -> int:
         """Elements of full weights held now (gathered or being gathered)."""
         return sum(b.numel for b in self.layout.buckets if self.status[b.index] != FREE)

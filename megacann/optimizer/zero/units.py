@@ -12,7 +12,8 @@ chunk's own weights, a unit whose input needs no gradient) is freed then. With `
 unit's gather (in the order the first forward ran them; the previous one in backward) starts before the
 current unit computes, overlapping the communication. :meth:`UnitHooks.holding_gathered` (registered for
 each chunk with :func:`megacann.layers.gathered_weights.register_weight_holder`) gathers every unit once and
-keeps them whole through the forwards inside it (generation), freeing them at its end.
+keeps them whole through the forwards inside it (generation), freeing them at its end;
+:meth:`UnitHooks.holding_units_of` does so for the units of some parameters (streaming, one part at a time).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class UnitHooks:
         self.held = False  # inside holding_gathered: the forward hooks neither gather nor free
         self._handles = []
         for root in roots:
-            register_weight_holder(root, self.holding_gathered)
+            register_weight_holder(root, self.holding_gathered, self.holding_units_of)
         for unit in self.units:
             module = unit.module
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
@@ -140,6 +141,26 @@ class UnitHooks:
         finally:
             self.held = False
             for unit in self.units:
+                self.free(unit)
+
+    @contextlib.contextmanager
+    def holding_units_of(self, params: Iterable[torch.Tensor]) -> Iterator[None]:
+        """The units holding ``params`` (those of these roots) whole inside the block; those it gathered are
+        freed at its end: a walk over the weights one part at a time (streaming) holds one part gathered."""
+        if self.held:  # inside holding_gathered: everything is whole already
+            yield
+            return
+        wanted = sorted({self.unit_of[id(p)] for p in params if id(p) in self.unit_of})
+        units = [self.units[index] for index in wanted]
+        gathered_here = [unit for unit in units if all(s.is_free(index) for s, index in unit.pieces)]
+        for unit in units:
+            self.start(unit)
+        try:
+            for unit in units:
+                self.gather(unit)
+            yield
+        finally:
+            for unit in gathered_here:
                 self.free(unit)
 
     # -- hooks ----------------------------------------------------------------------------------------
