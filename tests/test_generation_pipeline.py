@@ -215,3 +215,63 @@ def test_expert_and_pipeline_parallel_generation_stays_in_lockstep():
         # 12 rounds (the prefill, 11 decode steps), 2 micro-batches each: replica 0's two idle from round 3
         # on; replica 1's second (7 tokens) from round 7 on
         assert rank["idle_steps"] == [(12 - 3) * 2, 12 - 7][replica]
+
+
+# -- families with their own cached layers, from tiny Hugging Face checkpoints --------------------------
+
+HF_PROMPTS = prompts(lengths=(3, 9, 14, 6, 11), vocab=260)
+
+
+def _hf_family_generations(family: str, hf_dir: str, root: str) -> dict:
+    """Greedy and seeded sampling of the 5 requests by ``family`` built from ``hf_dir`` (``model.init_from``)
+    at this world's layout: pp 2 with 2 micro-batches on 2 ranks, one process with one on 1."""
+    import torch.distributed as dist
+    from finetune_helpers import recipe
+    from training_helpers import synthetic_data_factory
+
+    from megacann import parallel_state as ps
+    from megacann.generation import Generator
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    ps.destroy_model_parallel()
+    world = dist.get_world_size()
+    layout = PP2 if world == 2 else []
+    overrides = ["data.tokenizer=byte", "data.seq_length=16", "optim.grad_accum_steps=2", *layout]
+    model = {"type": family, "precision": "fp32", "init_from": hf_dir}
+    cfg = recipe([*overrides, f"experiment.output_dir={root}/{world}"], model=model, world_size=world)
+    trainer = Trainer(cfg, setup_runtime(cfg), data_factory=synthetic_data_factory(cfg))
+    chunk = trainer.model_chunks[0]
+    generator = Generator(chunk, trainer.model_spec)
+    out = {kind: generator.generate(HF_PROMPTS, _params(kind)) for kind in ("greedy", "sampled")}
+    out["layers"] = sorted(int(i) for i in chunk.layers)
+    out["cached"] = sorted(type(layer).__name__ for layer in generator.last_caches[0].layers)
+    out["microbatches"] = len(generator.last_caches)
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v32"])
+def test_families_with_their_own_caches_generate_on_stages(tmp_path, family):
+    pytest.importorskip("transformers")
+    if family == "qwen3_5":
+        from qwen3_5_helpers import tiny_hf_qwen3_5
+
+        hf_dir = tiny_hf_qwen3_5(str(tmp_path / "hf"), std=0.05)
+        cached = [["RecurrentCacheLayer", "RecurrentCacheLayer"], ["KVCacheLayer", "RecurrentCacheLayer"]]
+    else:
+        from test_deepseek_v32_models import tiny_hf_deepseek_v32
+
+        hf_dir = tiny_hf_deepseek_v32(str(tmp_path / "hf"), index_topk=6)
+        cached = [["LatentCacheLayer"] * 2] * 2
+    args = (family, hf_dir, str(tmp_path / "runs"))
+    reference = run_on_ranks(_hf_family_generations, 1, args=args, timeout=300)[0]
+    ranks = run_on_ranks(_hf_family_generations, 2, args=args, timeout=600)
+    assert reference["layers"] == [0, 1, 2, 3] and reference["microbatches"] == 1
+    for stage, rank in enumerate(ranks):
+        assert rank["layers"] == [[0, 1], [2, 3]][stage] and rank["microbatches"] == 2
+        assert rank["cached"] == cached[stage]
+        for kind in ("greedy", "sampled"):
+            assert_same_results(rank[kind], reference[kind])
+    assert len({t for r in reference["sampled"] for t in r.tokens}) > 20  # really sampled
