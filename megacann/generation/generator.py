@@ -12,8 +12,9 @@ logits (the head gathers the vocabulary), so every rank draws the same token; th
 to the others all the same. Sequence parallelism is switched off while generating: one new token a row
 cannot be split over ranks, and without the split the layers compute the same values (all-reduce in
 place of reduce-scatter plus all-gather); an MoE layer then takes its whole, replicated input as its
-rank's share, which gives the same values too. On pipeline stages each forward runs stage after stage
-and the last stage's choices reach every stage (:mod:`.pipeline_stages`); under expert parallelism the
+rank's share, which gives the same values too. On pipeline stages the requests are split into
+micro-batches that flow through the stages one after another in each forward round, each with its own
+cache rows (:mod:`.micro_batches`), and the last stage's choices reach every stage (:mod:`.pipeline_stages`); under expert parallelism the
 ranks of a group stay in step until all of them are done (:mod:`.lockstep`); under ZeRO-3 the weights
 are gathered once for a call and freed after (:mod:`megacann.layers.gathered_weights`). Context
 parallelism is refused unless the caller asks for ``context_parallel_replicas``: then every cp rank
@@ -103,7 +104,9 @@ class Generator:
     ``eos_token_ids`` end every request; ``pad_token_id`` fills the padding (never attended to);
     ``max_len`` (None: as long as the batch needs) is the cache's tokens a row, prompt padding included.
     ``context_parallel_replicas``: under context parallelism each cp rank generates whole sequences alone
-    (the module's docstring); refused without it.
+    (the module's docstring); refused without it. ``num_microbatches`` (None: the pipeline size): the
+    groups the requests are split into, each forward round running them one after another (on pipeline
+    stages, overlapped); the results are the same for any number.
     """
 
     def __init__(
