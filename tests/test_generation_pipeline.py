@@ -10,7 +10,7 @@ prefill, then each decode step), each group with its own padding and cache rows.
   until the first stage has started ``m + 1``, which it can only do without waiting for the last stage.
 - ep 2 + pp 2 (world 4, a MoE model over data parallel 2, each replica its own requests and lengths): the
   one-process results; the replica that finishes first, and each replica's micro-batch that finishes
-  first, idle in step (counted) instead of hanging.
+  first, idle in step (counted) instead of hanging; so does a replica with no request at all.
 - qwen3_5 (Gated DeltaNet layers) and deepseek_v32 (sparse latent attention) from tiny Hugging Face
   checkpoints at pp 2 (extended tier): the one-process results.
 """
@@ -190,6 +190,10 @@ def _ep2_pp2() -> dict:
         "idle_steps": generator.lockstep.idle_steps,
         "microbatches": len(generator.last_caches),
     }
+    # replica 0 without requests: it idles beside replica 1's 2 micro-batches, round by round
+    idle_before = generator.lockstep.idle_steps
+    out["alone"] = generator.generate(*((EP_PROMPTS[2:], _params("sampled", EP_LENGTHS)[2:]) if replica else ([], [])))
+    out["alone_idle_steps"] = generator.lockstep.idle_steps - idle_before
     ps.destroy_model_parallel()
     return out
 
@@ -215,6 +219,9 @@ def test_expert_and_pipeline_parallel_generation_stays_in_lockstep():
         # 12 rounds (the prefill, 11 decode steps), 2 micro-batches each: replica 0's two idle from round 3
         # on; replica 1's second (7 tokens) from round 7 on
         assert rank["idle_steps"] == [(12 - 3) * 2, 12 - 7][replica]
+        # a replica with no request at all: both its micro-batches idle in each of the other's 12 rounds
+        assert_same_results(rank["alone"], reference[2:] if replica else [])
+        assert rank["alone_idle_steps"] == [12 * 2, 12 - 7][replica]
 
 
 # -- families with their own cached layers, from tiny Hugging Face checkpoints --------------------------
