@@ -156,12 +156,14 @@ def test_each_micro_batch_flows_through_the_stages_with_its_own_cache(pp2, micro
     assert first[microbatches, "greedy"]["overlapped"] == []
 
 
-def test_num_microbatches_below_one_is_refused():
+def test_num_microbatches_not_a_positive_integer_is_refused():
     from megacann.generation import Generator
     from megacann.models import get_model_spec
 
-    for bad in (0, -2):
-        with pytest.raises(ValueError, match=rf"generation option num_microbatches must be an integer >= 1, got {bad}"):
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(
+            ValueError, match=rf"generation option num_microbatches must be an integer >= 1, got {bad}$"
+        ):
             Generator(torch.nn.Linear(2, 2), get_model_spec("llama"), num_microbatches=bad)
 
 

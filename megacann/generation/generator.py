@@ -131,7 +131,9 @@ class Generator:
                 "context_parallel_size 1"
             )
         check_pipeline_generation(model, spec)
-        if num_microbatches is not None and (isinstance(num_microbatches, bool) or num_microbatches < 1):
+        if num_microbatches is not None and (
+            isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1
+        ):
             raise ValueError(f"generation option num_microbatches must be an integer >= 1, got {num_microbatches!r}")
         self.num_microbatches = num_microbatches or ps.get_pipeline_model_parallel_world_size()
         self.model, self.spec = model, spec
