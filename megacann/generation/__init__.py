@@ -1,7 +1,8 @@
 """Generation at the training layout: prefill plus key/value-cache decoding of batches of requests,
-sampling with a seed per request, and each token's log-probability (:mod:`.generator`,
-:mod:`.kv_cache`, :mod:`.latent_cache`, :mod:`.compressed_cache`, :mod:`.recurrent_cache`, :mod:`.sampling`, :mod:`.stops`, :mod:`.chat`). Knows models only
-through the contract (``ModelSpec.decode``) and the layers; see docs/generation.md."""
+sampling with a seed per request, and each token's log-probability (:mod:`.generator`, :mod:`.kv_cache`,
+:mod:`.micro_batches`, :mod:`.latent_cache`, :mod:`.compressed_cache`, :mod:`.recurrent_cache`,
+:mod:`.sampling`, :mod:`.stops`, :mod:`.chat`). Knows models only through the contract
+(``ModelSpec.decode``) and the layers; see docs/generation.md."""
 
 from megacann.generation.compressed_cache import CompressedAttentionCacheLayer, compressed_cache_bytes
 from megacann.generation.generator import GenerationResult, Generator, sequence_parallel_off

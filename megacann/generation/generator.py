@@ -12,8 +12,9 @@ logits (the head gathers the vocabulary), so every rank draws the same token; th
 to the others all the same. Sequence parallelism is switched off while generating: one new token a row
 cannot be split over ranks, and without the split the layers compute the same values (all-reduce in
 place of reduce-scatter plus all-gather); an MoE layer then takes its whole, replicated input as its
-rank's share, which gives the same values too. On pipeline stages each forward runs stage after stage
-and the last stage's choices reach every stage (:mod:`.pipeline_stages`); under expert parallelism the
+rank's share, which gives the same values too. On pipeline stages the requests are split into
+micro-batches that flow through the stages one after another in each forward round, each with its own
+cache rows (:mod:`.micro_batches`), and the last stage's choices reach every stage (:mod:`.pipeline_stages`); under expert parallelism the
 ranks of a group stay in step until all of them are done (:mod:`.lockstep`); under ZeRO-3 the weights
 are gathered once for a call and freed after (:mod:`megacann.layers.gathered_weights`). Context
 parallelism is refused unless the caller asks for ``context_parallel_replicas``: then every cp rank
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.generation.kv_cache import KVCache
 from megacann.generation.lockstep import Lockstep
+from megacann.generation.micro_batches import MicroBatch, split_requests
 from megacann.generation.pipeline_stages import PipelineStages, check_pipeline_generation
 from megacann.generation.sampling import SamplingParams, choose, processed_logprob
 from megacann.layers import MoELayer
@@ -102,7 +104,9 @@ class Generator:
     ``eos_token_ids`` end every request; ``pad_token_id`` fills the padding (never attended to);
     ``max_len`` (None: as long as the batch needs) is the cache's tokens a row, prompt padding included.
     ``context_parallel_replicas``: under context parallelism each cp rank generates whole sequences alone
-    (the module's docstring); refused without it.
+    (the module's docstring); refused without it. ``num_microbatches`` (None: the pipeline size): the
+    groups the requests are split into, each forward round running them one after another (on pipeline
+    stages, overlapped); the results are the same for any number.
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class Generator:
         pad_token_id: int = 0,
         max_len: Optional[int] = None,
         context_parallel_replicas: bool = False,
+        num_microbatches: Optional[int] = None,
     ):
         if spec.decode is None:
             raise ValueError(
@@ -126,11 +131,16 @@ class Generator:
                 "context_parallel_size 1"
             )
         check_pipeline_generation(model, spec)
+        if num_microbatches is not None and (
+            isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1
+        ):
+            raise ValueError(f"generation option num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+        self.num_microbatches = num_microbatches or ps.get_pipeline_model_parallel_world_size()
         self.model, self.spec = model, spec
         self.stages, self.lockstep = PipelineStages(model, spec), Lockstep()
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.pad_token_id, self.max_len = pad_token_id, max_len
-        self.last_cache: Optional[KVCache] = None  # the cache of the last generate call (its bytes, shapes)
+        self.last_caches: list[KVCache] = []  # the last generate call's caches, one a micro-batch (bytes, shapes)
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -167,84 +177,74 @@ class Generator:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if stop_check is None and any(p.stop for p in params):
             raise ValueError("sampling option stop needs the tokenizer: pass stop_check=StopStrings(tokenizer, ...)")
-        if not prompts and self.lockstep.needed:  # none here, but the expert-parallel group needs this rank
-            return self._idle_until_done()
-        lengths = [len(p) for p in prompts]
-        if not prompts or min(lengths) == 0:
+        # none here is allowed under expert parallelism: the group needs this rank's forwards
+        if (not prompts and not self.lockstep.needed) or any(len(p) == 0 for p in prompts):
             raise ValueError(
                 "generation needs at least one prompt (none only under expert parallelism), and no empty prompt"
             )
-        device, longest = self._device(), max(lengths)
-        ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        pad = longest - torch.tensor(lengths)
-        positions = (torch.arange(longest).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)
-        cache = self.last_cache = KVCache(self.model, len(prompts), self._cache_length(lengths, params), pad.to(device))
+        device = self._device()
+        batches = []
+        for requests in split_requests(len(prompts), self.num_microbatches):
+            batch, pad = MicroBatch.of_prompts(requests, prompts, self.pad_token_id, device)
+            if requests:
+                lengths = [len(prompts[r]) for r in requests]
+                slots = self._cache_length(lengths, [params[r] for r in requests])
+                batch.cache = KVCache(self.model, len(requests), slots, pad)
+            batches.append(batch)
+        self.last_caches = [batch.cache for batch in batches if batch.cache is not None]
         results = [GenerationResult(processed_logprobs=[] if p.processed_logprobs else None) for p in params]
-        active = list(range(len(prompts)))  # the request of each batch row
-        next_positions = torch.tensor(lengths, device=device)
+        self.stages.begin()
         with (
             torch.no_grad(),
             evaluating(self.model),
-            cache.attached(),
             sequence_parallel_off(self.model),
             weights_gathered(self.model),  # ZeRO-3: gathered once for the whole call, not once a forward
         ):
-            logits = self.stages.forward(ids.to(device), positions.to(device), prefill=True)
-            cache.advance(longest)
             while True:
-                if active:
-                    tokens = self._choose(logits, active, params, results, on_token, stop_check)
-                    keep = [row for row, request in enumerate(active) if results[request].finish_reason is None]
-                    if keep and len(keep) < len(active):
-                        rows = torch.tensor(keep, device=device)
-                        cache.keep_rows(rows)
-                        tokens, next_positions = tokens.index_select(0, rows), next_positions.index_select(0, rows)
-                    active = [active[row] for row in keep]
-                if not self.lockstep.anyone_active(bool(active), device):
+                self._round(batches, device)
+                live = [batch for batch in batches if batch.requests]
+                for batch, tokens in zip(live, self._choose(live, params, results, on_token, stop_check)):
+                    batch.advance(tokens, [results[request].finish_reason is not None for request in batch.requests])
+                if not self.lockstep.anyone_active(any(batch.requests for batch in batches), device):
                     return results
-                if not active:  # finished here, not everywhere: join the group's all-to-alls
-                    with self.lockstep.without_cache(cache):
-                        self._idle_step(device)
-                    continue
-                logits = self.stages.forward(tokens.unsqueeze(1), next_positions.unsqueeze(1), prefill=False)
-                cache.advance(1)
-                next_positions = next_positions + 1
 
-    def _idle_step(self, device: torch.device, prefill: bool = False) -> None:
-        """One forward of a pad token at position 0, its output unused, with no cache attached
-        (:mod:`.lockstep`); ``prefill``: the first forward of this rank's call."""
-        pad = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=device)
-        self.stages.forward(pad, torch.zeros_like(pad), prefill=prefill)
-        self.lockstep.idle_steps += 1
+    @property
+    def last_cache(self) -> Optional[KVCache]:
+        """The first micro-batch's cache of the last generate call (``last_caches``: every micro-batch's;
+        one at one micro-batch)."""
+        return self.last_caches[0] if self.last_caches else None
 
-    def _idle_until_done(self) -> list[GenerationResult]:
-        """No request on this rank: an idle step beside the group's prefill and each of its decode steps."""
-        device = self._device()
-        with torch.no_grad(), evaluating(self.model), sequence_parallel_off(self.model), weights_gathered(self.model):
-            self._idle_step(device, prefill=True)
-            while self.lockstep.anyone_active(False, device):
-                self._idle_step(device)
-        return []
+    def _round(self, batches: list[MicroBatch], device: torch.device) -> None:
+        """One forward of each micro-batch with live rows, in order, each with its own cache; an empty one
+        runs an idle step where the expert-parallel group needs this rank's forwards (:mod:`.lockstep`)."""
+        for batch in batches:
+            if batch.requests:
+                with batch.cache.attached():
+                    batch.logits = self.stages.forward(batch.inputs, batch.positions)
+            elif self.lockstep.needed:
+                pad = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=device)
+                self.stages.forward(pad, torch.zeros_like(pad))
+                self.lockstep.idle_steps += 1
 
     def _choose(
         self,
-        logits: Optional[torch.Tensor],
-        active: list[int],
+        batches: list[MicroBatch],
         params: list[SamplingParams],
         results: list[GenerationResult],
         on_token: Optional[TokenCallback],
         stop_check: Optional[StopCheck] = None,
-    ) -> torch.Tensor:
-        """Each row's next token, recorded in its request's result (ended where it must). ``logits``: the
-        last pipeline stage's (None on the others, which receive its choices)."""
-        choices = torch.empty(3, len(active), dtype=torch.float64, device=self._device())
-        if logits is not None:
-            choices = self._pick(logits.float(), active, params, results)
+    ) -> list[torch.Tensor]:
+        """Each live row's next token (a ``[rows]`` tensor per micro-batch), recorded in its request's
+        result (ended where it must). The last pipeline stage chooses from its logits; the others receive
+        its choices, every micro-batch's in one broadcast."""
+        requests = [request for batch in batches for request in batch.requests]
+        if not requests:  # every stage of this rank's pipeline holds the same (no) rows
+            return []
+        choices = torch.empty(3, len(requests), dtype=torch.float64, device=self._device())
+        if self.stages.last:
+            choices = torch.cat([self._pick(b.logits.float(), b.requests, params, results) for b in batches], 1)
         tokens_row, logprobs, processed = self.stages.share(choices).tolist()
-        tokens = torch.tensor([int(t) for t in tokens_row], device=choices.device)
-        for row, request in enumerate(active):
+        for row, request in enumerate(requests):
             result, p, token = results[request], params[request], int(tokens_row[row])
             result.tokens.append(token)
             result.logprobs.append(logprobs[row])
@@ -259,7 +259,8 @@ class Generator:
                 result.finish_reason = "stop"
             elif len(result.tokens) >= p.max_new_tokens:
                 result.finish_reason = "length"
-        return tokens
+        tokens = torch.tensor([int(t) for t in tokens_row], dtype=torch.long, device=choices.device)
+        return list(tokens.split([len(batch.requests) for batch in batches]))
 
     def _pick(
         self, logits: torch.Tensor, active: list[int], params: list[SamplingParams], results: list[GenerationResult]

@@ -3,23 +3,20 @@
 Under expert parallelism the group spans data-parallel ranks, so its ranks generate for different prompts
 and finish at different steps; but every MoE layer's forward exchanges tokens with an all-to-all that each
 rank of the group must join. So before each decode step the ranks agree (one all-reduce of "a row is
-still live here" over the expert-parallel group) whether anyone still generates, and a rank with no live
-row runs an idle step: one pad token at position 0, without its cache, its output thrown away, so its
-all-to-alls pair with the others'. Its tensor-parallel and pipeline peers hold the same rows (they share
+still live here" over the expert-parallel group) whether anyone still generates, and a rank runs an idle
+step for each of its micro-batches without a live row: one pad token at position 0, without a cache, its
+output thrown away, so its all-to-alls pair with the others' (every rank runs the same number of
+micro-batches a round). Its tensor-parallel and pipeline peers hold the same rows (they share
 every chosen token), so they reach the same answer and idle together. Without expert parallelism the
 ranks that generate together share their rows, and nothing is exchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
-from megacann.generation.kv_cache import KVCache
 
 
 class Lockstep:
@@ -37,16 +34,3 @@ class Lockstep:
         flag = torch.tensor([int(active_here)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
-
-    @staticmethod
-    @contextlib.contextmanager
-    def without_cache(cache: KVCache) -> Iterator[None]:
-        """The attention layers attend without the cache inside the block (an idle step writes nothing)."""
-        held = [attention.kv_cache for attention in cache.attentions]
-        for attention in cache.attentions:
-            attention.kv_cache = None
-        try:
-            yield
-        finally:
-            for attention, layer in zip(cache.attentions, held):
-                attention.kv_cache = layer

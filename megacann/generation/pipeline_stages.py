@@ -1,14 +1,17 @@
-"""Generation on pipeline stages: every forward of a generation (the prefill and each decode step) runs
-stage after stage, and the last stage's choices reach every stage.
+"""Generation on pipeline stages: every forward round of a generation (the prefill and each decode step)
+runs its micro-batches stage after stage in the pipelined order, and the last stage's choices reach every
+stage.
 
-A stage receives the hidden states ``[b, s, h]`` of the batch's live rows from the previous stage (the
-project's point-to-point :func:`~megacann.pipeline.p2p.exchange`), runs its chunk with its own share of the
-key/value cache (the attention layers it holds), and sends its output on; the last stage computes the
-logits. The whole batch is one micro-batch: a decode step is one token a row, too little to split. After
-each forward the last stage broadcasts each row's token and log-probabilities over the pipeline group, so
-every stage records the same results and drops the same finished rows: the stages' caches stay in
-lockstep. The hidden size travels once per generation, in the prefill's first transfer (a stage knows only
-its own chunk). Interleaved (virtual) chunks are refused by name.
+A stage receives a micro-batch's hidden states ``[rows, s, h]`` from the previous stage (the project's
+point-to-point :func:`~megacann.pipeline.p2p.exchange`), runs its chunk with that micro-batch's share of
+the key/value cache (the attention layers it holds), sends its output on, and goes on to the next
+micro-batch without waiting for the later stages: while stage ``k`` runs micro-batch ``m + 1``, stage
+``k + 1`` runs ``m`` (:mod:`.micro_batches`). The last stage computes the logits. After a round the last
+stage broadcasts every row's token and log-probabilities over the pipeline group (one broadcast a round),
+so every stage records the same results and drops the same finished rows: the stages' caches stay in
+lockstep. The next round waits for that broadcast: a decode step's input is the token the round before
+chose. The hidden size travels once per generation, ahead of the first transfer (a stage knows only its
+own chunk). Interleaved (virtual) chunks are refused by name.
 """
 
 from __future__ import annotations
@@ -50,24 +53,31 @@ def check_pipeline_generation(model: torch.nn.Module, spec: ModelSpec) -> None:
 
 
 class PipelineStages:
-    """Runs one forward of a generation through this rank's stage (or the whole model without pipeline
-    parallelism) and shares the last stage's per-row choices with every stage."""
+    """Runs one forward of a micro-batch through this rank's stage (or the whole model without pipeline
+    parallelism) and shares the last stage's per-row choices with every stage. :meth:`begin` starts a
+    generation (every stage calls it, then the same forwards in the same order)."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec):
         self.model, self.spec = model, spec
         self.size = ps.get_pipeline_model_parallel_world_size()
         self.stage = ps.get_pipeline_model_parallel_rank() if self.size > 1 else 0
         self.first, self.last = self.stage == 0, self.stage == self.size - 1
-        self.hidden_size: Optional[int] = None  # learnt from the previous stage in the prefill
+        self.hidden_size: Optional[int] = None  # learnt from the previous stage in a generation's first forward
+        self._announce = False  # this stage still owes the next one the hidden size
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, prefill: bool) -> Optional[torch.Tensor]:
-        """The logits ``[b, vocab]`` of the next token of each row on the last stage; None on the others."""
+    def begin(self) -> None:
+        """A new generation: the hidden size is (re)announced ahead of its first transfer."""
+        self.hidden_size, self._announce = None, not self.last
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """The logits ``[rows, vocab]`` of the next token of each row of a micro-batch on the last stage;
+        None on the others."""
         if self.size == 1:
             return self.spec.decode(self.model, ids, positions)[:, -1]
         param = next(self.model.parameters())
         hidden = None
         if not self.first:
-            if prefill:
+            if self.hidden_size is None:
                 header = torch.zeros(1, dtype=torch.long, device=param.device)
                 self.hidden_size = int(self._transfer(header, receive=True)[0])
             shape = (*ids.shape, self.hidden_size)
@@ -75,8 +85,9 @@ class PipelineStages:
         out = self.spec.decode(self.model, ids, positions, hidden_states=hidden)
         if self.last:
             return out[:, -1]
-        if prefill:
+        if self._announce:
             self._transfer(torch.tensor([out.shape[-1]], device=out.device), receive=False)
+            self._announce = False
         exchange(shape=tuple(out.shape), dtype=out.dtype, device=out.device, send_next=out)
         return None
 

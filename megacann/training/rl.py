@@ -107,9 +107,15 @@ class RLTraining:
         self.order = PromptOrder(len(self.prompts), cfg.seed)
         self.decode = tokenizer.decode
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-        # under context parallelism the cp ranks of a data-parallel rank each generate the same rollouts
+        # under context parallelism the cp ranks of a data-parallel rank each generate the same rollouts;
+        # router replay reads one routing record a forward round (one micro-batch a round on pipeline stages)
         self.generator = Generator(
-            policy[0], spec, eos_token_ids=[tokenizer.eos_id], pad_token_id=self.pad_id, context_parallel_replicas=True
+            policy[0],
+            spec,
+            eos_token_ids=[tokenizer.eos_id],
+            pad_token_id=self.pad_id,
+            context_parallel_replicas=True,
+            num_microbatches=1 if self.replay else None,
         )
         self.phase: Optional[int] = None
         self.mini_batches: list[list[dict]] = []  # this rank's micro-batches of each mini-batch of the phase
