@@ -138,15 +138,19 @@ def test_recomputed_logprobs_equal_the_rollouts_in_fp32(one_process):
     assert max(one_process["mismatch"]) < 1e-6, one_process["mismatch"]
 
 
-def _resume_runs(prompts: str, tmp: str) -> dict:
+def _resume_runs(prompts: str, tmp: str, layout: tuple[str, ...] = ()) -> dict:
     """6 steps at once (rl.ppo_epochs 2 x rl.mini_batches 2: phases of 4 steps, all but the first of each
     off-policy), and the same run split by checkpoints: one at step 2, inside the first phase, resumed by a
-    fresh trainer for 4 steps, and one at step 4, on the phase boundary, resumed for 2. A mid-phase
-    checkpoint loaded with another micro-batch size is refused."""
+    fresh trainer for 4 steps, and one at step 4, on the phase boundary, resumed for 2 (``layout``: extra
+    overrides, on every rank of the harness). A mid-phase checkpoint loaded with another micro-batch size
+    is refused."""
+    import torch.distributed as dist
+
     from megacann import parallel_state as ps
 
     def run(name: str, *extra: str, **kw):
-        return _trainer(rl_overrides(prompts, *PHASES, f"experiment.output_dir={tmp}/{name}", *extra), **kw)
+        overrides = rl_overrides(prompts, *PHASES, *layout, f"experiment.output_dir={tmp}/{name}", *extra)
+        return _trainer(overrides, dist.get_world_size(), **kw)
 
     whole = run("whole")
     uninterrupted = [whole.train_step() for _ in range(6)]
@@ -158,6 +162,7 @@ def _resume_runs(prompts: str, tmp: str) -> dict:
     [first.train_step() for _ in range(2)]
     boundary = first.save_checkpoint()
     at_boundary = first.checkpoint_parts().objective_state
+    accum = first.cfg.optim.grad_accum_steps
     ps.destroy_model_parallel()
     resumed = {}
     for name, path, steps in (("inside", inside, 4), ("boundary", boundary, 2)):
@@ -165,7 +170,8 @@ def _resume_runs(prompts: str, tmp: str) -> dict:
         trainer.load_checkpoint(path)
         resumed[name] = [trainer.train_step() for _ in range(steps)]
         ps.destroy_model_parallel()
-    other = run("split", "data.batch_size=2", "optim.grad_accum_steps=4", checkpoint_follows=True)
+    halved = [f"data.batch_size={first.cfg.data.batch_size // 2}", f"optim.grad_accum_steps={2 * accum}"]
+    other = run("split", *halved, checkpoint_follows=True)  # the same global batch in smaller micro-batches
     try:
         other.load_checkpoint(inside)
         refused = None
@@ -181,6 +187,7 @@ def _resume_runs(prompts: str, tmp: str) -> dict:
         "inside": strip(resumed["inside"]),
         "boundary": strip(resumed["boundary"]),
         "saved": (saved["phase"], [len(m) for m in saved["mini_batches"]], sorted(saved["mini_batches"][0][0])),
+        "saved_tokens": [mb["tokens"].tolist() for batches in saved["mini_batches"] for mb in batches],
         "at_boundary": at_boundary,
         "refused": refused,
     }
