@@ -12,10 +12,7 @@ std, entropy and gradient norm equal one process (1e-5) at
   both cp ranks generate the same rollouts, said at start-up);
 - router replay (``rl.router_replay``) at ep 2, pp 2, tp 2 with and without SP and cp 2 with a MoE model, against one
   process with replay (probe: the micro-batches carry the recorded choices of this rank's routers: 4 at
-  ep 2, tp 2 and cp 2, 2 a stage at pp 2);
-
-and at ep 2 over dp 2 with router replay, a run resumed from a checkpoint inside a rollout phase repeats
-the uninterrupted one bit for bit on every rank.
+  ep 2, tp 2 and cp 2, 2 a stage at pp 2).
 """
 
 from __future__ import annotations
