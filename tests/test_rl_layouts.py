@@ -24,7 +24,7 @@ import hashlib
 import pytest
 from dist_harness import run_on_ranks
 from finetune_helpers import recipe
-from test_rl_loop import STEPS, _trace, _trainer, assert_same_trace, rl_overrides, write_prompts
+from test_rl_loop import STEPS, _resume_runs, _trace, _trainer, assert_same_trace, rl_overrides, write_prompts
 
 from megacann.config import ConfigError
 
@@ -226,3 +226,16 @@ def test_interleaved_pipeline_chunks_are_refused_by_name():
     with pytest.raises(ConfigError) as err:
         recipe(overrides, world_size=2)
     assert "train_mode grpo with distributed.virtual_pipeline_size 2 is not supported yet" in str(err.value)
+
+
+def test_resume_inside_a_rollout_phase_at_ep2_with_router_replay_is_bitwise(prompts, tmp_path):
+    """Each rank saves and takes back its own share of the phase (its prompts, its routers' choices)."""
+    layout = tuple(LAYOUTS["ep2_replay"][0])
+    ranks = run_on_ranks(_resume_runs, 2, args=(prompts, str(tmp_path), layout), timeout=600)
+    for got in ranks:
+        whole = got["uninterrupted"]
+        assert got["inside"] == whole[2:] and got["boundary"] == whole[4:]
+        phase, counts, keys = got["saved"]
+        assert (phase, counts) == (0, [1, 1]) and {"replay_ids", "replay_mask", "old_logps"} <= set(keys)
+        assert "data.batch_size 4; this run has" in got["refused"]
+    assert ranks[0]["saved_tokens"] != ranks[1]["saved_tokens"]  # data-parallel ranks: their own prompts

@@ -1,7 +1,7 @@
 """The GRPO loop (``train_mode: grpo``) on a tiny random LLaMA with the byte tokenizer (CPU, fp32): seeded
 rollouts by the training model itself, scored, trained. At tp 2 with sequence parallelism and at dp 2 the
-loop trains the one-process trace (losses, rewards, KL, 1e-5) for 3 steps; a run stopped after 2 steps and
-resumed repeats the uninterrupted one bit for bit; without dropout the trainer's recomputed log-probabilities
+loop trains the one-process trace (losses, rewards, KL, 1e-5) for 3 steps; a run stopped inside a rollout
+phase or on its boundary and resumed repeats the uninterrupted one bit for bit; without dropout the trainer's recomputed log-probabilities
 equal the generator's (1e-6); bad input is refused by name."""
 
 from __future__ import annotations
@@ -138,50 +138,76 @@ def test_recomputed_logprobs_equal_the_rollouts_in_fp32(one_process):
     assert max(one_process["mismatch"]) < 1e-6, one_process["mismatch"]
 
 
-def _resume_runs(prompts: str, tmp: str) -> dict:
-    """4 steps at once, and 2 + a checkpoint + a fresh trainer resuming it + 2 (rl.ppo_epochs 2: phases of 2
-    steps, the second step of each off-policy); and a resume from a checkpoint inside a phase."""
+def _resume_runs(prompts: str, tmp: str, layout: tuple[str, ...] = ()) -> dict:
+    """6 steps at once (rl.ppo_epochs 2 x rl.mini_batches 2: phases of 4 steps, all but the first of each
+    off-policy), and the same run split by checkpoints: one at step 2, inside the first phase, resumed by a
+    fresh trainer for 4 steps, and one at step 4, on the phase boundary, resumed for 2 (``layout``: extra
+    overrides, on every rank of the harness). A mid-phase checkpoint loaded with another micro-batch size
+    is refused."""
+    import torch.distributed as dist
+
     from megacann import parallel_state as ps
 
-    def run(name: str, **kw):
-        return _trainer(rl_overrides(prompts, *PHASES, f"experiment.output_dir={tmp}/{name}"), **kw)
+    def run(name: str, *extra: str, **kw):
+        overrides = rl_overrides(prompts, *PHASES, *layout, f"experiment.output_dir={tmp}/{name}", *extra)
+        return _trainer(overrides, dist.get_world_size(), **kw)
 
     whole = run("whole")
-    uninterrupted = [whole.train_step() for _ in range(4)]
+    uninterrupted = [whole.train_step() for _ in range(6)]
     ps.destroy_model_parallel()
     first = run("split")
-    split = [first.train_step() for _ in range(2)]
-    path = first.save_checkpoint()
-    first.train_step()
-    inside = first.save_checkpoint()  # step 3: the middle of the second phase
+    [first.train_step() for _ in range(2)]
+    inside = first.save_checkpoint()
+    saved = first.checkpoint_parts().objective_state
+    [first.train_step() for _ in range(2)]
+    boundary = first.save_checkpoint()
+    at_boundary = first.checkpoint_parts().objective_state
+    accum = first.cfg.optim.grad_accum_steps
     ps.destroy_model_parallel()
-    second = run("split", checkpoint_follows=True)
-    second.load_checkpoint(path)
-    split += [second.train_step() for _ in range(2)]
-    ps.destroy_model_parallel()
-    third = run("split", checkpoint_follows=True)
-    third.load_checkpoint(inside)
+    resumed = {}
+    for name, path, steps in (("inside", inside, 4), ("boundary", boundary, 2)):
+        trainer = run("split", checkpoint_follows=True)
+        trainer.load_checkpoint(path)
+        resumed[name] = [trainer.train_step() for _ in range(steps)]
+        ps.destroy_model_parallel()
+    halved = [f"data.batch_size={first.cfg.data.batch_size // 2}", f"optim.grad_accum_steps={2 * accum}"]
+    other = run("split", *halved, checkpoint_follows=True)  # the same global batch in smaller micro-batches
     try:
-        third.train_step()
+        other.load_checkpoint(inside)
         refused = None
-    except RuntimeError as err:
+    except ValueError as err:
         refused = str(err)
     ps.destroy_model_parallel()
-    strip = [{k: v for k, v in s.items() if k not in TIMINGS} for s in uninterrupted + split]
-    return {"uninterrupted": strip[:4], "split": strip[4:], "refused": refused}
+
+    def strip(steps: list[dict]) -> list[dict]:
+        return [{k: v for k, v in s.items() if k not in TIMINGS} for s in steps]
+
+    return {
+        "uninterrupted": strip(uninterrupted),
+        "inside": strip(resumed["inside"]),
+        "boundary": strip(resumed["boundary"]),
+        "saved": (saved["phase"], [len(m) for m in saved["mini_batches"]], sorted(saved["mini_batches"][0][0])),
+        "saved_tokens": [mb["tokens"].tolist() for batches in saved["mini_batches"] for mb in batches],
+        "at_boundary": at_boundary,
+        "refused": refused,
+    }
 
 
-PHASES = ["optim.max_steps=4", "rl.ppo_epochs=2", "logging.ckpt_interval=2"]
+PHASES = ["optim.max_steps=6", "rl.ppo_epochs=2", "rl.mini_batches=2", "logging.ckpt_interval=100"]
 
 
-def test_resumed_run_repeats_the_uninterrupted_one_bit_for_bit(prompts, tmp_path):
+def test_resume_inside_a_rollout_phase_repeats_the_uninterrupted_run_bit_for_bit(prompts, tmp_path):
     got = run_on_ranks(_resume_runs, 1, args=(prompts, str(tmp_path)), timeout=300)[0]
-    assert got["split"] == got["uninterrupted"]
-    first, second = got["uninterrupted"][:2]
-    assert first["reward_mean"] == second["reward_mean"]  # one phase: the same rollouts, trained twice
-    # the second pass is off-policy: the trainer's log-probs moved away from the rollout's
-    assert second["logp_diff_mean"] > 100 * max(first["logp_diff_mean"], 1e-8), (first, second)
-    assert "step 4 is inside rollout phase 1" in got["refused"]
+    whole = got["uninterrupted"]
+    assert got["inside"] == whole[2:] and got["boundary"] == whole[4:]
+    # the phase's rollouts were saved with the step-2 checkpoint: 2 mini-batches of 2 micro-batches each
+    phase, counts, keys = got["saved"]
+    assert (phase, counts) == (0, [2, 2]) and {"old_logps", "ref_logps", "rollout_logps", "advantages"} <= set(keys)
+    assert got["at_boundary"] is None  # the next step samples afresh: nothing to save
+    assert whole[0]["reward_mean"] == whole[3]["reward_mean"] != whole[4]["reward_mean"]  # one phase, then the next
+    # the later passes are off-policy: the trainer's log-probs moved away from the rollout's
+    assert whole[2]["logp_diff_mean"] > 100 * max(whole[0]["logp_diff_mean"], 1e-8), whole[:3]
+    assert "inside rollout phase 0" in got["refused"] and "data.batch_size 4; this run has" in got["refused"]
 
 
 def _failure(prompts: str, overrides: list[str]) -> str:
@@ -241,7 +267,6 @@ def test_dynamic_sampling_fills_a_short_batch_when_asked_and_counts_it(prompts):
         (["rl.group_size=3"], "(8) must be a multiple of rl.group_size 3"),
         (["rl.temperature=0"], "rl.temperature must be a finite number > 0.0, got 0"),
         (["rl.kl_coef=0.1", "rl.reference=none"], "rl.kl_coef 0.1 needs a reference policy"),
-        (["rl.ppo_epochs=2", "logging.ckpt_interval=3"], "logging.ckpt_interval 3 must be a multiple of"),
         (["rl.overlong_buffer=6"], "rl.overlong_buffer 6 must be below rl.max_new_tokens 6"),
         (["rl.filter_shortfall=skip"], "rl.filter_shortfall: 'skip' is not one of error, fill"),
     ],

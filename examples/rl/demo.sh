@@ -15,7 +15,7 @@
 #   bash examples/rl/demo.sh --help
 #
 # SEED is the `seed` key of all three runs (initial weights, data order, rollout sampling); each seed's runs
-# go to OUT_DIR/seed<SEED>/, beside the task they share. Environment: SFT_STEPS (150), RL_STEPS (400),
+# go to OUT_DIR/seed<SEED>/, beside the task they share. Environment: SFT_STEPS (110), RL_STEPS (400),
 # RL_LR (GRPO's learning rate, 3e-4); OMP_NUM_THREADS defaults to 1 (much faster than 2 on a loaded
 # 2-core machine). docs/rl.md ("Demonstration") gives the results over three seeds and reads them.
 # Run from the repository root with megacann installed (make test fills .venv).
@@ -24,7 +24,7 @@ set -euo pipefail
 case "${1:-}" in -h|--help) sed -n '2,21p' "$0"; exit 0 ;; esac
 OUT=${1:-output/rl_demo}
 SEED=${2:-1234}
-SFT_STEPS=${SFT_STEPS:-150}
+SFT_STEPS=${SFT_STEPS:-110}
 RL_STEPS=${RL_STEPS:-400}
 RL_LR=${RL_LR:-3e-4}
 PYTHON=${PYTHON:-python3}

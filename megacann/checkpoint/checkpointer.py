@@ -63,6 +63,7 @@ from megacann.checkpoint.state import (
     CheckpointParts,
     finish_load,
     load_request,
+    objective_key,
     progress,
     rng_key,
     save_entries,
@@ -162,6 +163,8 @@ class Checkpointer:
         state: dict[str, Any] = dict(save_entries(parts))
         state[PROGRESS_KEY] = progress(parts)
         state[rng_key(self.rank)] = capture_rng(get_accelerator())
+        if parts.objective_state is not None:
+            state[objective_key(self.rank)] = parts.objective_state
         info = checkpoint_info(cfg, step, parts.consumed_samples, parts.base)
         files = []
         for extra in parts.files:
@@ -290,6 +293,9 @@ class Checkpointer:
         objects: dict[str, Any] = {PROGRESS_KEY: None}
         if key in stored:
             objects[key] = None
+        own = objective_key(self.rank)
+        if own in stored:
+            objects[own] = None
         problems = check_entries(metadata, request.entries)
         if PROGRESS_KEY not in stored:
             problems.append(f"'{PROGRESS_KEY}' (step and optimizer counters) is missing")
@@ -315,6 +321,7 @@ class Checkpointer:
         finish_load(parts, request, planner.objects[PROGRESS_KEY])
         if key in planner.objects:
             restore_rng(get_accelerator(), planner.objects[key])
+        parts.objective_state = planner.objects.get(own)
         self._barrier()
         seconds = time.perf_counter() - start
         mb = sum(e.nbytes() for e in request.entries.values()) / 2**20

@@ -9,6 +9,8 @@
     progress                        step, consumed samples (the data position), the loop's own counters,
                                     optimizer scalars (update count, loss scaler)
     rng/rank_<global rank>          every generator of that rank
+    objective/rank_<global rank>    the training objective's own state on that rank, when it has one
+                                    (e.g. the rollouts of a GRPO phase a checkpoint falls inside)
 
 ``<name>`` is the global parameter name (global layer indices); a pipeline stage's copy of a tied
 embedding is stored under the name it copies (``embed_tokens.weight``). Each rank contributes the pieces
@@ -63,6 +65,9 @@ class CheckpointParts:
     ``files``: what else each checkpoint holds beside the weights (:class:`CheckpointFiles`, e.g. the run's
     tokenizer, so that exports carry it); not restored by loading.
 
+    ``objective_state``: this rank's own state of the training objective (any picklable value, e.g. the
+    rollouts of a GRPO phase), or None; loading sets it to what the checkpoint holds for this rank, or None.
+
     ``base`` (a LoRA run's): the frozen parameters come from this base (a JSON-like reference, e.g. path
     and fingerprint of ``model.init_from``) and are not saved; the checkpoint holds the trainable
     parameters and records the base, and loading checks that the base is the same.
@@ -75,6 +80,7 @@ class CheckpointParts:
     progress: dict[str, Any] = field(default_factory=dict)
     files: Sequence[CheckpointFiles] = ()
     base: Optional[dict[str, Any]] = None
+    objective_state: Any = None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The parameters saved and loaded: all, or with a ``base`` only the trainable ones."""
@@ -96,6 +102,10 @@ PROGRESS_KEY = "progress"
 
 def rng_key(rank: int) -> str:
     return f"rng/rank_{rank:05d}"
+
+
+def objective_key(rank: int) -> str:
+    return f"objective/rank_{rank:05d}"
 
 
 def storage_name(name: str, param: torch.Tensor) -> str:

@@ -95,13 +95,6 @@ def check_rl_section(cfg: MegacannConfig, source: str) -> None:
         )
     _integer(r.ppo_epochs, "ppo_epochs", source, 1)
     _integer(r.mini_batches, "mini_batches", source, 1)
-    phase = update_phase_steps(cfg)
-    interval = cfg.logging.ckpt_interval
-    if phase > 1 and interval and interval % phase:
-        raise ConfigError(
-            f"{source}: logging.ckpt_interval {interval} must be a multiple of rl.ppo_epochs x rl.mini_batches "
-            f"({phase}): a checkpoint inside a rollout phase could not resume it (the rollouts are not saved)"
-        )
     kind = reference_kind(cfg)
     if kind == "adapters_off" and not cfg.lora:
         raise ConfigError(f"{source}: rl.reference adapters_off needs lora: true (the base under the adapters)")

@@ -18,8 +18,10 @@ The trainer runs this objective like pretraining's (:mod:`megacann.training.obje
    policy of the ratio, compared with the generator's (``logprob_mismatch_mean`` / ``_max``); the reference
    policy's the same way when the KL is on.
 
-Then each step trains on mini-batch ``step % mini_batches`` of the phase. The rollouts are not saved in
-checkpoints: a phase resumes only from its start (validation keeps checkpoints on phase boundaries).
+Then each step trains on mini-batch ``step % mini_batches`` of the phase. A checkpoint that falls inside a
+phase saves this rank's micro-batches of it (:meth:`RLTraining.checkpoint_state`: tokens, labels,
+advantages, the rollout's, old and reference log-probabilities, router choices) with the phase's figures,
+so a run resumed there trains on the very rollouts the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megacann import parallel_state as ps
+from megacann.checkpoint.metadata import describe_layout, layout_of
 from megacann.config import MegacannConfig
 from megacann.config.rl_keys import reference_kind, update_phase_steps
 from megacann.constants import IGNORE_INDEX
@@ -118,6 +121,7 @@ class RLTraining:
             num_microbatches=1 if self.replay else None,
         )
         self.phase: Optional[int] = None
+        self.next_step = 0  # the step after the last one prepared
         self.mini_batches: list[list[dict]] = []  # this rank's micro-batches of each mini-batch of the phase
         self.phase_figures: dict[str, float] = {}
         self.train_started = 0.0
@@ -296,11 +300,45 @@ class RLTraining:
             self._rollout_phase(phase)
         elif self.phase != phase:
             raise RuntimeError(
-                f"step {step + 1} is inside rollout phase {phase}, whose rollouts this run did not sample (a resume "
-                "inside a phase: checkpoints must fall on multiples of rl.ppo_epochs x rl.mini_batches)"
+                f"step {step + 1} is inside rollout phase {phase}, whose rollouts this run neither sampled nor "
+                "loaded (a resume inside a phase from a checkpoint that holds no rollouts for this rank)"
             )
         micro_batches[:] = self.mini_batches[within % self.cfg.rl.mini_batches]
+        self.next_step = step + 1
         self.train_started = time.perf_counter()
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def _cut(self) -> dict[str, Any]:
+        """What a phase's micro-batches depend on: the layout and the micro-batch size."""
+        return {**layout_of(self.cfg), "micro_batch_size": self.cfg.data.batch_size}
+
+    def checkpoint_state(self) -> Optional[dict[str, Any]]:
+        """The current phase's rollouts when the next step falls inside it (None on a phase boundary, where
+        the next step samples afresh): this rank's micro-batches of every mini-batch (CPU copies), the
+        phase's figures and the layout they were cut for."""
+        if self.phase is None or self.next_step % update_phase_steps(self.cfg) == 0:
+            return None
+        return {
+            "phase": self.phase,
+            "cut": self._cut(),
+            "mini_batches": [[_moved(mb, "cpu") for mb in batches] for batches in self.mini_batches],
+            "figures": dict(self.phase_figures),
+        }
+
+    def restore_state(self, state: Optional[dict[str, Any]]) -> None:
+        """Take back the rollouts :meth:`checkpoint_state` saved (nothing when the checkpoint holds none)."""
+        if state is None:
+            return
+        if state["cut"] != self._cut():
+            saved, now = state["cut"], self._cut()
+            raise ValueError(
+                f"the checkpoint falls inside rollout phase {state['phase']}, whose saved rollouts were cut for "
+                f"{describe_layout(saved)} with data.batch_size {saved['micro_batch_size']}; this run has "
+                f"{describe_layout(now)} with data.batch_size {now['micro_batch_size']}: resume it as it was "
+                "saved, or from a checkpoint on a phase boundary (a multiple of rl.ppo_epochs x rl.mini_batches)"
+            )
+        self.phase, self.phase_figures = state["phase"], dict(state["figures"])
+        self.mini_batches = [[_moved(mb, self.device) for mb in batches] for batches in state["mini_batches"]]
 
     def count(self, micro_batches: list[dict]) -> torch.Tensor:
         """The normaliser of ``rl.loss_aggregation`` over the global batch."""
@@ -324,6 +362,11 @@ def _check_routers(policy: list[torch.nn.Module], model_type: str, device) -> No
         dist.all_reduce(count)
     if count.item() == 0:
         raise ValueError(f"rl.router_replay needs a mixture-of-experts policy: model.type {model_type!r} has no router")
+
+
+def _moved(micro_batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """A copy of a micro-batch's tensors on ``device``."""
+    return {k: v.detach().to(device, copy=True) for k, v in micro_batch.items()}
 
 
 def _mean_over_ranks(total: torch.Tensor, count: int, device) -> float:

@@ -347,6 +347,8 @@ class Trainer:
             {"skipped_steps": s.skipped_steps},
             files=kept,  # the run's tokenizer, saved beside the weights, so exports carry it
             base=self.lora_base,  # a LoRA run saves its adapters and names its base
+            # e.g. the rollouts of a GRPO phase the checkpoint falls inside
+            objective_state=self.objective.checkpoint_state() if hasattr(self.objective, "checkpoint_state") else None,
         )
 
     def save_checkpoint(self) -> str:
@@ -358,6 +360,8 @@ class Trainer:
         parts = self.checkpoint_parts()
         self.checkpointer.load(parts, self.cfg, path, log=self.metrics.print)
         self.state = TrainState(parts.step, parts.consumed_samples, **parts.progress)
+        if hasattr(self.objective, "restore_state"):
+            self.objective.restore_state(parts.objective_state)
         if self._own_data or self._data_factory is not None:
             self._data = None  # rebuilt at the restored consumed_samples
 
