@@ -147,6 +147,10 @@ class HFAdapter:
     None: the whole weight): what PEFT adapter names need (:mod:`megacann.interop.peft`).
     ``fit_to_weights(cfg, holds, source)`` (optional) adjusts settings the checkpoint's weights decide
     (``holds(hf_name)``: whether it has that tensor; a family's adapter reads no file itself).
+    ``lora_b_to_hf(name, b, cfg)`` (optional) lays a LoRA's ``B`` on megacann weight ``name`` out on the
+    rows of the Hugging Face module ``linear_parts`` names for it, where Hugging Face regroups the rows.
+    ``peft_refusal(targets)`` (optional): why PEFT cannot hold LoRAs on those targets of this family (None:
+    it can); a LoRA run with them is refused at start-up.
     """
 
     model_types: tuple[str, ...]
@@ -156,6 +160,8 @@ class HFAdapter:
     from_hf: Callable[[Sequence[str], Callable[[str], torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     linear_parts: Optional[Callable[[str, ModelConfig], list[tuple[str, Optional[int]]]]] = None
     fit_to_weights: Optional[Callable[[ModelConfig, Callable[[str], bool], str], None]] = None
+    lora_b_to_hf: Optional[Callable[[str, torch.Tensor, ModelConfig], torch.Tensor]] = None
+    peft_refusal: Optional[Callable[[Sequence[str]], Optional[str]]] = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,120 @@
+"""LoRA on the families of late 2026 (qwen3_5, qwen3_5_moe, qwen3_next, gpt_oss, deepseek_v32), one process,
+fp32: adapters on each family's projections (Gated DeltaNet's, gated attention's, the MLPs', latent
+attention's, the lightning indexer's), exported with ``save_pretrained_hf`` + ``save_peft_adapter``, load
+with ``peft.PeftModel.from_pretrained`` on transformers' model and give megacann's logits (1e-5), with every
+``B`` nonzero so a wrong row or name would show; Qwen3-Next's ``B`` rows regrouped per key head as its fused
+weights' rows are. Targets PEFT cannot hold are refused by name at start-up (gpt-oss's stacked experts,
+both projections of one Qwen3-Next fused module), and on export. Tensor parallel 2 with sequence
+parallelism trains Qwen3.5's adapters as one process does (README tier: one spawn)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gpt_oss_helpers import tiny_hf_gpt_oss
+from qwen3_5_helpers import hf_classes, tiny_hf_qwen3_5
+from qwen3_next_helpers import tiny_hf_qwen3_next
+from test_deepseek_v32_models import IDS as V32_IDS
+from test_deepseek_v32_models import tiny_hf_deepseek_v32
+
+from megacann.interop.hf import from_pretrained_hf
+from megacann.interop.peft import ADAPTER_CONFIG, PeftFormatError, save_peft_adapter
+from megacann.layers.lora import LoRAConfig, attach_lora, lora_parameters
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+IDS = torch.randint(0, 260, (2, 16), generator=torch.Generator().manual_seed(1))
+DELTANET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+LATENT = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+def _qwen3_5(path, moe=False):
+    return tiny_hf_qwen3_5(path, moe=moe), hf_classes(moe)[1], IDS
+
+
+# family: (tiny checkpoint maker -> (dir, transformers class, ids), megacann targets, modules in adapter_config)
+CASES = {
+    "qwen3_5": (_qwen3_5, (*DELTANET, *ATTENTION, "gate_up_proj", "down_proj"),
+                [*ATTENTION, "gate_proj", "up_proj", "down_proj", *sorted(DELTANET)]),
+    "qwen3_5_moe": (lambda p: _qwen3_5(p, moe=True), (*DELTANET, "q_proj", "o_proj"),
+                    ["q_proj", "o_proj", *sorted(DELTANET)]),
+    "qwen3_next_qkv_b": (lambda p: (tiny_hf_qwen3_next(p), transformers.Qwen3NextForCausalLM, IDS),
+                         ("in_proj_qkv", "in_proj_b", "out_proj", "v_proj"), ["v_proj", "in_proj_ba", "in_proj_qkvz", "out_proj"]),
+    "qwen3_next_z_a": (lambda p: (tiny_hf_qwen3_next(p), transformers.Qwen3NextForCausalLM, IDS),
+                       ("in_proj_z", "in_proj_a", "k_proj"), ["k_proj", "in_proj_ba", "in_proj_qkvz"]),
+    "gpt_oss": (lambda p: (tiny_hf_gpt_oss(p), transformers.GptOssForCausalLM, IDS), ATTENTION, list(ATTENTION)),
+    "deepseek_v32": (lambda p: (tiny_hf_deepseek_v32(p), transformers.DeepseekV32ForCausalLM, V32_IDS),
+                     (*LATENT, "wq_b", "wk", "weights_proj"),
+                     ["o_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj", "weights_proj", "wk", "wq_b"]),
+}  # fmt: skip
+
+
+def _adapted(hf_dir: str, targets) -> tuple[torch.nn.Module, LoRAConfig]:
+    """megacann's model of ``hf_dir`` with LoRAs on ``targets``, every factor drawn at random (B too)."""
+    model = from_pretrained_hf(hf_dir).eval()
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=targets)
+    attach_lora(model, lora)
+    with torch.no_grad():
+        for i, (_, param) in enumerate(lora_parameters(model)):
+            param.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(i))
+    return model, lora
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_peft_loads_the_exported_adapters_with_megacann_logits(tmp_path, case):
+    make, targets, hf_targets = CASES[case]
+    hf_dir, hf_class, ids = make(str(tmp_path / "hf"))
+    model, lora = _adapted(hf_dir, targets)
+    with torch.no_grad():
+        ours = model(input_ids=ids)
+    save_peft_adapter([model], str(tmp_path / "adapter"), lora, base_model_name_or_path=hf_dir)
+    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert config["target_modules"] == hf_targets
+
+    base = hf_class.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        base_logits = base(ids).logits
+    assert (ours - base_logits).abs().max() > 0.05  # the adapters act
+    peft_model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    adapted = {name.rsplit(".", 1)[-1] for name, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == set(hf_targets)  # PEFT put a LoRA on every module the config names
+    with torch.no_grad():
+        theirs = peft_model(ids).logits
+    # relative to the largest logit: the chunked delta rule rounds apart from transformers' by ~1e-5 absolute
+    error = ((theirs - ours).abs().max() / ours.abs().max()).item()
+    assert error < 1e-5, error
+
+
+# -- targets PEFT cannot hold: refused at start-up (the recipe check) and on export ------------------------
+
+REFUSED = {  # case: (family, checkpoint maker, targets, message)
+    "gpt_oss_experts": ("gpt_oss", tiny_hf_gpt_oss, ["q_proj", "gate_up_proj", "down_proj"],
+                        r"\['gate_up_proj', 'down_proj'\] are refused for gpt_oss: its experts are stacked tensors"),
+    "qwen3_next_qkv_and_z": ("qwen3_next", tiny_hf_qwen3_next, ["in_proj_qkv", "in_proj_z", "in_proj_b"],
+                             r"in_proj_qkv \+ in_proj_z are refused for qwen3_next: transformers fuses each pair"),
+    "qwen3_next_experts": ("qwen3_next", tiny_hf_qwen3_next, ["in_proj_qkv", "down_proj"],
+                           r"\['down_proj'\] are refused for qwen3_5_moe and qwen3_next: they reach every routed"),
+    "qwen3_5_moe_experts": ("qwen3_5_moe", lambda p: tiny_hf_qwen3_5(p, moe=True), ["gate_proj"],
+                            r"\['gate_proj'\] are refused for qwen3_5_moe and qwen3_next"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_targets_peft_cannot_hold_are_refused_at_start_up_and_on_export(tmp_path, case):
+    from finetune_helpers import recipe
+
+    from megacann.config import ConfigError
+
+    family, make, targets, message = REFUSED[case]
+    hf_dir = make(str(tmp_path / "hf"))
+    lora = ["lora=true", f"lora_target_modules=[{','.join(targets)}]", "data.tokenizer=byte"]
+    with pytest.raises(ConfigError, match=r"<recipe>: lora_target_modules: " + message):
+        recipe(lora, model={"type": family, "precision": "fp32", "init_from": hf_dir})
+    model, lora_config = _adapted(hf_dir, tuple(targets))  # megacann trains them; PEFT cannot hold them
+    with pytest.raises(PeftFormatError, match=message):
+        save_peft_adapter([model], str(tmp_path / "adapter"), lora_config)
+    assert not (tmp_path / "adapter").exists()
