@@ -118,3 +118,105 @@ def test_targets_peft_cannot_hold_are_refused_at_start_up_and_on_export(tmp_path
     with pytest.raises(PeftFormatError, match=message):
         save_peft_adapter([model], str(tmp_path / "adapter"), lora_config)
     assert not (tmp_path / "adapter").exists()
+
+
+# -- tensor parallel 2 (sequence parallel) trains the adapters as one process ------------------------------
+
+STEPS, SEQ = 3, 16
+TP_RUNS = {  # family: (checkpoint maker, targets, layer 0's adapters split over TP (the rest whole), tier)
+    "qwen3_5": (tiny_hf_qwen3_5, (*DELTANET, "q_proj", "o_proj", "gate_up_proj", "down_proj"),
+                {"in_proj_qkv.lora_B", "in_proj_z.lora_B", "in_proj_b.lora_B", "in_proj_a.lora_B", "out_proj.lora_A",
+                 "gate_up_proj.lora_B", "down_proj.lora_A"}, ()),
+    "deepseek_v32": (tiny_hf_deepseek_v32, (*LATENT, "wq_b", "wk", "weights_proj"),
+                     {"q_b_proj.lora_B", "kv_b_proj.lora_B", "o_proj.lora_A"}, (pytest.mark.extended,)),
+    # weights at half the spread, as test_qwen3_5_parallel draws its MoE model: at 0.1 rounding alone moves the
+    # step-1 gradient norm by ~1e-5 between kernels
+    "qwen3_next": (lambda p: tiny_hf_qwen3_next(p, std=0.05), ("in_proj_z", "in_proj_b", "out_proj", "v_proj"),
+                   {"in_proj_z.lora_B", "in_proj_b.lora_B", "out_proj.lora_A"}, (pytest.mark.extended,)),
+}  # fmt: skip
+
+
+def _train_with_adapters(family: str, hf_dir: str, root: str, targets: tuple[str, ...], steps: int = STEPS) -> dict:
+    """On each rank: ``steps`` LoRA steps of ``family`` from ``hf_dir`` (tp = the world, sequence parallel), the
+    loss and gradient-norm traces, the whole adapters after them, and probes of the layout."""
+    import torch.distributed as dist
+    from finetune_helpers import recipe
+    from training_helpers import synthetic_data_factory
+
+    from megacann.interop.peft import lora_full_tensors
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    tp = dist.get_world_size()
+    layout = [f"distributed.tensor_parallel_size={tp}", f"distributed.sequence_parallel={str(tp > 1).lower()}"]
+    overrides = [
+        "lora=true", "lora_rank=4", "lora_alpha=8.0", f"lora_target_modules=[{','.join(targets)}]",
+        "optim.name=sgd", "optim.lr=0.1", "optim.clip_grad=0.5", f"data.seq_length={SEQ}", "data.batch_size=2",
+        "data.tokenizer=byte", "optim.grad_accum_steps=1", f"optim.max_steps={steps}",
+        f"experiment.output_dir={root}/tp{tp}", *layout,
+    ]  # fmt: skip
+    cfg = recipe(overrides, model={"type": family, "precision": "fp32", "init_from": hf_dir}, world_size=tp)
+    trainer = Trainer(cfg, setup_runtime(cfg), data_factory=synthetic_data_factory(cfg))
+    chunk = trainer.model_chunks[0]
+    trace = [trainer.train_step() for _ in range(steps)]
+    shapes = {name: tuple(p.shape) for name, p in lora_parameters(chunk) if name.startswith("layers.0.")}
+    return {
+        "losses": [m["loss"] for m in trace],
+        "norms": [m["grad_norm"] for m in trace],
+        "adapters": lora_full_tensors([chunk]),
+        "shapes": shapes,
+        "frozen": all(not p.requires_grad for n, p in chunk.named_parameters() if ".adapter." not in n),
+    }
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(name, marks=marks) for name, (_, _, _, marks) in TP_RUNS.items()]
+)  # fmt: skip
+def test_tensor_parallel_trains_the_adapters_as_one_process(tmp_path, family):
+    from dist_harness import run_on_ranks
+    from test_training_parity import assert_close_trace
+
+    make, targets, split, _ = TP_RUNS[family]
+    hf_dir = make(str(tmp_path / "hf"))
+    args = (family, hf_dir, str(tmp_path), targets)
+    one = run_on_ranks(_train_with_adapters, 1, args=args, timeout=600)[0]
+    ranks = run_on_ranks(_train_with_adapters, 2, args=args, timeout=600)
+    trained = [t for name, t in one["adapters"].items() if name.endswith("lora_B")]  # B starts at zero
+    assert one["frozen"] and trained and all(t.abs().max() > 0 for t in trained)  # adapters learn, base frozen
+    for got in ranks:
+        assert_close_trace(got["losses"], one["losses"], 1e-5)
+        assert_close_trace(got["norms"], one["norms"], 1e-5)
+        assert got["adapters"].keys() == one["adapters"].keys()
+        for name, tensor in one["adapters"].items():
+            torch.testing.assert_close(got["adapters"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+    # the mode was on: column layers' B and row layers' A split in two (a DeltaNet's in_proj_qkv per q/k/v
+    # block), the rest (latent down-projections, the indexer, A of column layers) whole on every rank
+    for name, shape in ranks[0]["shapes"].items():
+        whole, leaf = one["shapes"][name], ".".join(name.split(".")[-3::2])
+        dim = 0 if name.endswith("lora_B") else 1
+        expected = (*whole[:dim], whole[dim] // 2, *whole[dim + 1 :]) if leaf in split else whole
+        assert shape == expected, (name, shape, whole)
+
+
+def test_adapters_whole_on_every_rank_have_complete_gradients():
+    """The indexer's adapters, like its weights, are whole on every TP rank with complete gradients, so
+    neither factor is summed over TP (a partial A would count its gradient once per rank); the column-parallel
+    up-projection's A is partial (each rank holds its heads' rows of B)."""
+    from megacann.layers.sharding import get_sharding
+    from megacann.models import DeepseekV32Model
+    from megacann.models.deepseek_v32_config import DeepseekV32ModelConfig
+
+    sizes = dict(hidden_size=64, num_layers=1, num_attention_heads=4, ffn_hidden_size=96, kv_lora_rank=16,
+                 q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_n_heads=4,
+                 index_head_dim=16, index_topk=6, first_k_dense_replace=1, vocab_size=260)  # fmt: skip
+    with torch.device("meta"):
+        model = DeepseekV32Model(DeepseekV32ModelConfig(**sizes))
+    attach_lora(model, LoRAConfig(target_modules=("wq_b", "wk", "weights_proj", "q_b_proj")))
+    partial = {name.split(".", 3)[-1]: get_sharding(p).tp_partial_grad for name, p in lora_parameters(model)
+               if name.startswith("layers.0.")}  # fmt: skip
+    assert partial == {
+        "indexer.wq_b.adapter.lora_A": False, "indexer.wq_b.adapter.lora_B": False,
+        "indexer.wk.adapter.lora_A": False, "indexer.wk.adapter.lora_B": False,
+        "indexer.weights_proj.adapter.lora_A": False, "indexer.weights_proj.adapter.lora_B": False,
+        "q_b_proj.adapter.lora_A": True, "q_b_proj.adapter.lora_B": False,
+    }  # fmt: skip

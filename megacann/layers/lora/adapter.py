@@ -193,8 +193,11 @@ class LoRAAdapter(torch.nn.Module):
             name=layout.what,
         )
         if self.column:
-            self.lora_A = make_parameter(
-                (target.groups * rank, layout.in_size), init_lora_a(layout.in_size), tp_partial_grad=True, **common
+            self.lora_A = make_parameter(  # partial where the rows of B (or the layer's heads) are split over TP
+                (target.groups * rank, layout.in_size),
+                init_lora_a(layout.in_size),
+                tp_partial_grad=layout.shard or layout.partial,
+                **common,
             )
             self.lora_B = make_parameter(
                 (sum(chosen), rank),
