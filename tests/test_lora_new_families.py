@@ -1,11 +1,14 @@
-"""LoRA on the families of late 2026 (qwen3_5, qwen3_5_moe, qwen3_next, gpt_oss, deepseek_v32), one process,
-fp32: adapters on each family's projections (Gated DeltaNet's, gated attention's, the MLPs', latent
-attention's, the lightning indexer's), exported with ``save_pretrained_hf`` + ``save_peft_adapter``, load
-with ``peft.PeftModel.from_pretrained`` on transformers' model and give megacann's logits (1e-5), with every
-``B`` nonzero so a wrong row or name would show; Qwen3-Next's ``B`` rows regrouped per key head as its fused
-weights' rows are. Targets PEFT cannot hold are refused by name at start-up (gpt-oss's stacked experts,
-both projections of one Qwen3-Next fused module), and on export. Tensor parallel 2 with sequence
-parallelism trains Qwen3.5's adapters as one process does (README tier: one spawn)."""
+"""LoRA on the families of late 2026 (qwen3_5, qwen3_5_moe, qwen3_next, gpt_oss, deepseek_v32), fp32: adapters
+on each family's projections (Gated DeltaNet's, gated attention's, the MLPs', latent attention's, the
+lightning indexer's) of megacann's model of a transformers checkpoint, exported with ``save_peft_adapter``,
+load with ``peft.PeftModel.from_pretrained`` on transformers' model of that checkpoint and give megacann's
+logits (within 1e-5 of the largest logit), with every ``B`` nonzero so a wrong row or name would show;
+Qwen3-Next's ``B`` rows regrouped per key head as its fused weights' rows are. Targets PEFT cannot hold are
+refused by name at start-up (gpt-oss's stacked experts, the MoE families' MLPs, both projections of one
+Qwen3-Next fused module) and on export. Tensor parallel 2 with sequence parallelism trains the adapters as
+one process does (README tier: Qwen3.5, one spawn of one rank and one of two; extended tier: DeepSeek-V3.2
+with its indexer's adapters, Qwen3-Next), and adapters whole on every TP rank (the indexer's) keep
+complete gradients that are not summed over TP."""
 
 from __future__ import annotations
 
@@ -123,14 +126,15 @@ def test_targets_peft_cannot_hold_are_refused_at_start_up_and_on_export(tmp_path
 # -- tensor parallel 2 (sequence parallel) trains the adapters as one process ------------------------------
 
 STEPS, SEQ = 3, 16
+# The Gated DeltaNet families' weights are drawn at half the spread, as test_qwen3_5_parallel draws its MoE
+# model: at 0.1 rounding alone (one process against TP 2, every adapter equal to 2e-7) moves Qwen3.5's step-2
+# gradient norm by 2e-5 (measured), and Qwen3-Next's step-1 norm by 8e-6.
 TP_RUNS = {  # family: (checkpoint maker, targets, layer 0's adapters split over TP (the rest whole), tier)
-    "qwen3_5": (tiny_hf_qwen3_5, (*DELTANET, "q_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "qwen3_5": (lambda p: tiny_hf_qwen3_5(p, std=0.05), (*DELTANET, "q_proj", "o_proj", "gate_up_proj", "down_proj"),
                 {"in_proj_qkv.lora_B", "in_proj_z.lora_B", "in_proj_b.lora_B", "in_proj_a.lora_B", "out_proj.lora_A",
                  "gate_up_proj.lora_B", "down_proj.lora_A"}, ()),
     "deepseek_v32": (tiny_hf_deepseek_v32, (*LATENT, "wq_b", "wk", "weights_proj"),
                      {"q_b_proj.lora_B", "kv_b_proj.lora_B", "o_proj.lora_A"}, (pytest.mark.extended,)),
-    # weights at half the spread, as test_qwen3_5_parallel draws its MoE model: at 0.1 rounding alone moves the
-    # step-1 gradient norm by ~1e-5 between kernels
     "qwen3_next": (lambda p: tiny_hf_qwen3_next(p, std=0.05), ("in_proj_z", "in_proj_b", "out_proj", "v_proj"),
                    {"in_proj_z.lora_B", "in_proj_b.lora_B", "out_proj.lora_A"}, (pytest.mark.extended,)),
 }  # fmt: skip
