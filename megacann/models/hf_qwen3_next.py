@@ -105,7 +105,7 @@ def from_hf_tensors(names: Sequence[str], read: Reader, cfg: ModelConfig) -> dic
 def linear_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
     """The Hugging Face names of a megacann linear weight (PEFT adapter names): a DeltaNet's in_proj_qkv and
     in_proj_z live in ``in_proj_qkvz``, its in_proj_b and in_proj_a in ``in_proj_ba``."""
-    parts = hf_qwen3_5.linear_parts(name, cfg)
+    parts = hf_qwen3_5_moe.linear_parts(name, cfg)
     match = _SPLIT.match(parts[0][0].removeprefix("model."))
     if match is None:
         return parts
