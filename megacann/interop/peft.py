@@ -83,6 +83,13 @@ def _linear_parts(cfg: ModelConfig, what: str):
     return spec.hf.linear_parts
 
 
+def peft_refusal(family: str, targets: Iterable[str]) -> Optional[str]:
+    """Why PEFT cannot hold the LoRAs ``targets`` name on model family ``family`` (None: it can), e.g.
+    gpt-oss's stacked experts: such a LoRA run is refused at start-up, its export here."""
+    hf = get_model_spec(family).hf
+    return hf.peft_refusal(tuple(targets)) if hf is not None and hf.peft_refusal is not None else None
+
+
 def layer_parts(layer: str, cfg: ModelConfig, what: str = "PEFT") -> list[tuple[str, Optional[int]]]:
     """(Hugging Face module name, output rows or None) of each part of megacann linear layer ``layer``."""
     parts = _linear_parts(cfg, what)(f"{layer}.weight", cfg)
@@ -136,9 +143,12 @@ def to_peft_tensors(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, lora:
                 f"parts {list(target.selected_parts)} with rows {rows}"
             )
         a_parts = [a] * len(rows) if target.shared else list(a.split(lora.rank, dim=0))
+        regroup = get_model_spec(cfg.type).hf.lora_b_to_hf or (lambda _name, b_rows, _cfg: b_rows)
         for (module, _), a_part, b_part in zip(chosen, a_parts, b.split(rows, dim=0)):
+            if _peft_key(module, "lora_A") in out:
+                raise PeftFormatError(f"{layer}: Hugging Face's {module} holds a LoRA of another layer already")
             out[_peft_key(module, "lora_A")] = a_part.contiguous().clone()
-            out[_peft_key(module, "lora_B")] = b_part.contiguous().clone()
+            out[_peft_key(module, "lora_B")] = regroup(f"{layer}.weight", b_part, cfg).contiguous().clone()
     return out
 
 
@@ -189,6 +199,9 @@ def write_peft_adapter(
 ) -> None:
     """Write whole megacann adapter tensors (held by one process) as a PEFT adapter directory."""
     _linear_parts(cfg, path)
+    refusal = peft_refusal(cfg.type, lora.target_modules)
+    if refusal is not None:
+        raise PeftFormatError(f"{path}: {refusal}")
     peft_tensors = to_peft_tensors(tensors, cfg, lora)
     if not peft_tensors:
         raise PeftFormatError(f"{path}: no LoRA tensors to write (is a LoRA attached to the model?)")
@@ -300,6 +313,11 @@ def from_peft_tensors(
     Keys of layers this model chunk does not hold (other pipeline stages) are ignored; any other unused
     key, or a missing one, is an error. ``cfg`` defaults to ``model.config``."""
     cfg = cfg if cfg is not None else model.config
+    if get_model_spec(cfg.type).hf.lora_b_to_hf is not None:
+        raise PeftFormatError(
+            f"{source}: reading PEFT adapters of model family {cfg.type!r} is not implemented (its Hugging Face "
+            "projections regroup megacann's rows; megacann writes them only)"
+        )
     unused = set(peft_tensors)
     out: dict[str, torch.Tensor] = {}
     for layer, adapter in lora_adapters(model):

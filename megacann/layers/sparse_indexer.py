@@ -26,21 +26,40 @@ import torch.nn.functional as F
 from megacann import ops
 from megacann.layers.attention import Rotary
 from megacann.layers.init import init_normal, make_parameter
+from megacann.layers.linear import add_adapter_output
+from megacann.layers.lora.adapter import AdapterLayout
 from megacann.layers.norm import LayerNorm
 from megacann.layers.sharding import InitMethod
 
 
 class _Projection(torch.nn.Module):
-    """A bias-free linear map whose weight is whole on every rank (its gradient complete on each)."""
+    """A bias-free linear map whose weight is whole on every rank (its gradient complete on each). It takes
+    a LoRA in its ``adapter`` slot, whole on every rank like the weight."""
 
     def __init__(self, in_size: int, out_size: int, init_method: InitMethod, name: str, dtype, device):
         super().__init__()
         self.weight = make_parameter(
             (out_size, in_size), init_method, tp_rank=0, tp_size=1, name=name, dtype=dtype, device=device
         )
+        self.adapter: Optional[torch.nn.Module] = None
+
+    def lora_layout(self) -> AdapterLayout:
+        out_size, in_size = self.weight.shape
+        return AdapterLayout(
+            column=True,
+            in_size=in_size,
+            out_size=out_size,
+            blocks=(out_size,),
+            tp_rank=0,
+            tp_size=1,
+            shard=False,
+            dtype=self.weight.dtype,
+            device=self.weight.device,
+            what=f"LoRA on the indexer's projection ({in_size}, {out_size})",
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return add_adapter_output(self.adapter, F.linear(x, self.weight), x, None)
 
 
 class SparseIndexer(torch.nn.Module):

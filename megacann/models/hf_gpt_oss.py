@@ -21,8 +21,11 @@ import torch
 
 from megacann.config import ConfigError, ModelConfig
 from megacann.config.hf_config import read_hf_config
+from megacann.layers.lora.targets import MLP_PROJECTIONS
 from megacann.models import hf_llama
 from megacann.models.gpt_oss_config import check_gpt_oss_keys, gpt_oss_layer_types
+from megacann.models.hf_mixtral import expert_parts
+from megacann.models.hf_qwen import QWEN3_MOE_LAYOUT
 from megacann.models.sizing import attention_head_dim
 from megacann.models.spec import HFAdapter
 
@@ -132,10 +135,30 @@ def gpt_oss_config_from_hf(config_file: str, raw: Optional[dict[str, Any]] = Non
     return cfg
 
 
+def linear_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
+    """The Hugging Face names of a megacann linear weight (PEFT adapter names): the attention's as LLaMA's; the
+    experts' per-expert names (as Qwen3-MoE's), which no transformers module has (see :func:`peft_refusal`)."""
+    return expert_parts(name, cfg, QWEN3_MOE_LAYOUT, hf_llama.hf_parts)
+
+
+def peft_refusal(targets: Sequence[str]) -> Optional[str]:
+    """Why PEFT cannot hold LoRAs on gpt-oss's experts (None when no expert is targeted)."""
+    named = [t for t in targets if t in MLP_PROJECTIONS]  # every MLP of gpt-oss is its experts
+    if not named:
+        return None
+    return (
+        f"{named} are refused for gpt_oss: its experts are stacked tensors in transformers (gate and up columns "
+        "interleaved; MXFP4 in the published checkpoints), not linear modules PEFT's LoRA can adapt; target the "
+        "attention projections (q_proj, k_proj, v_proj, o_proj)"
+    )
+
+
 GPT_OSS_HF = HFAdapter(
     model_types=("gpt_oss",),
     config_from_hf=gpt_oss_config_from_hf,
     config_to_hf=gpt_oss_config_dict,
     to_hf=to_hf_tensors,
     from_hf=from_hf_tensors,
+    linear_parts=linear_parts,
+    peft_refusal=peft_refusal,
 )

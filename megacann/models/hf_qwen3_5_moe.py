@@ -24,8 +24,9 @@ import torch
 
 from megacann.config import ConfigError, ModelConfig
 from megacann.config.hf_config import read_hf_config
+from megacann.layers.lora.targets import MLP_PROJECTIONS
 from megacann.models import hf_llama, hf_qwen3_5
-from megacann.models.hf_mixtral import experts_from_hf, experts_to_hf
+from megacann.models.hf_mixtral import expert_parts, experts_from_hf, experts_to_hf
 from megacann.models.hf_qwen import QWEN3_MOE_LAYOUT
 from megacann.models.qwen3_5_config import check_qwen3_5_keys
 from megacann.models.sizing import attention_head_dim
@@ -72,6 +73,28 @@ def from_hf_tensors(names: Sequence[str], read: hf_qwen3_5.Reader, cfg: ModelCon
     return out
 
 
+def linear_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
+    """The Hugging Face names (and rows) of a megacann linear weight (PEFT adapter names; the experts' are
+    Qwen3-MoE's per-expert names, which PEFT does not load here: see :func:`peft_refusal`)."""
+    if _kind(name) == "routed":
+        return expert_parts(name, cfg, QWEN3_MOE_LAYOUT, hf_llama.hf_parts)
+    if shared := _shared_parts(name):
+        return [(part, cfg.shared_expert_intermediate_size if len(shared) > 1 else None) for part in shared]
+    return hf_qwen3_5.linear_parts(name, cfg)
+
+
+def peft_refusal(targets: Sequence[str]) -> Optional[str]:
+    """Why PEFT cannot hold LoRAs on the MLP projections of Qwen3.5-MoE / Qwen3-Next (None: none named)."""
+    named = [t for t in targets if t in MLP_PROJECTIONS]
+    if not named:
+        return None
+    return (
+        f"{named} are refused for qwen3_5_moe and qwen3_next: they reach every routed expert, and PEFT (0.21, on "
+        "transformers 5.25) does not load per-expert LoRAs onto these families' fused experts (they come out "
+        "missing or misplaced); target the attention and Gated DeltaNet projections"
+    )
+
+
 def qwen3_5_moe_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """config.json of a ``Qwen3_5MoeForCausalLM``: Qwen3.5's keys without the dense MLP's, and the MoE's."""
     config = hf_qwen3_5.qwen3_5_config_dict(cfg, dtype)
@@ -106,4 +129,6 @@ QWEN3_5_MOE_HF = HFAdapter(
     config_to_hf=qwen3_5_moe_config_dict,
     to_hf=to_hf_tensors,
     from_hf=from_hf_tensors,
+    linear_parts=linear_parts,
+    peft_refusal=peft_refusal,
 )

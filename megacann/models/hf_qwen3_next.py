@@ -22,7 +22,7 @@ import torch
 
 from megacann.config import ConfigError, ModelConfig
 from megacann.config.hf_config import read_hf_config
-from megacann.models import hf_llama, hf_qwen3_5_moe
+from megacann.models import hf_llama, hf_qwen3_5, hf_qwen3_5_moe
 from megacann.models.hf_qwen3_5 import Reader
 from megacann.models.qwen3_5_config import check_qwen3_5_keys
 from megacann.models.qwen3_next_config import FULL_ATTENTION_INTERVAL_KEY, layer_types_from_interval
@@ -102,6 +102,52 @@ def from_hf_tensors(names: Sequence[str], read: Reader, cfg: ModelConfig) -> dic
     return hf_qwen3_5_moe.from_hf_tensors(names, _split_reader(read, cfg), cfg)
 
 
+def linear_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
+    """The Hugging Face names of a megacann linear weight (PEFT adapter names): a DeltaNet's in_proj_qkv and
+    in_proj_z live in ``in_proj_qkvz``, its in_proj_b and in_proj_a in ``in_proj_ba``."""
+    parts = hf_qwen3_5_moe.linear_parts(name, cfg)
+    match = _SPLIT.match(parts[0][0].removeprefix("model."))
+    if match is None:
+        return parts
+    qkvz, ba = _fused_names("model." + match.group(1))
+    return [(ba if match.group(2) in ("b", "a") else qkvz, None)]
+
+
+def lora_b_to_hf(name: str, b: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """A LoRA's ``B`` on megacann's DeltaNet projection ``name`` laid out on the rows of Hugging Face's fused
+    one, regrouped per key head as the weight's rows are, with zero rows for the projections it leaves
+    alone (``B`` as it is for any other weight)."""
+    match = _SPLIT.match(hf_qwen3_5.linear_parts(name, cfg)[0][0].removeprefix("model."))
+    if match is None:
+        return b
+    part, heads = match.group(2), cfg.linear_num_key_heads
+    if part in ("b", "a"):
+        zero = b.new_zeros(b.shape)
+        return _group_by_key_head([b, zero] if part == "b" else [zero, b], heads)
+    qkv_rows = _qkv_rows(cfg)
+    qkv = b.split(qkv_rows) if part == "qkv" else [b.new_zeros(rows, b.shape[1]) for rows in qkv_rows]
+    z = b if part == "z" else b.new_zeros(cfg.linear_num_value_heads * cfg.linear_value_head_dim, b.shape[1])
+    return _group_by_key_head([*qkv, z], heads)
+
+
+_SHARING_A = (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"))  # each pair is one module in transformers
+
+
+def peft_refusal(targets: Sequence[str]) -> Optional[str]:
+    """Why PEFT cannot hold these targets: the MLPs' (as Qwen3.5-MoE's), or both projections of one Hugging
+    Face DeltaNet module (its one LoRA has one ``A``; megacann's two projections would have two). None
+    when it can."""
+    both = [pair for pair in _SHARING_A if all(t in targets for t in pair)]
+    if not both:
+        return hf_qwen3_5_moe.peft_refusal(targets)
+    named = ", ".join(f"{p} + {q}" for p, q in both)
+    return (
+        f"{named} are refused for qwen3_next: transformers fuses each pair into one projection (in_proj_qkvz, "
+        "in_proj_ba), whose PEFT LoRA shares one A that megacann's separate projections do not; target one of "
+        "each pair"
+    )
+
+
 def qwen3_next_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """config.json of a ``Qwen3NextForCausalLM``: Qwen3.5-MoE's keys, the dense layers' width and Qwen3-MoE's
     choice of MoE layers."""
@@ -146,4 +192,7 @@ QWEN3_NEXT_HF = HFAdapter(
     config_to_hf=qwen3_next_config_dict,
     to_hf=to_hf_tensors,
     from_hf=from_hf_tensors,
+    linear_parts=linear_parts,
+    lora_b_to_hf=lora_b_to_hf,
+    peft_refusal=peft_refusal,
 )

@@ -155,6 +155,10 @@ class HFAdapter:
     ``checkpoint_buffers(name)`` (optional): whether the persistent buffer of megacann name ``name`` is
     stored in the checkpoint beside the weights (DeepSeek-V4's hash-routing tables), so that it is read
     with them; other buffers keep the values the model is built with.
+    ``lora_b_to_hf(name, b, cfg)`` (optional) lays a LoRA's ``B`` on megacann weight ``name`` out on the
+    rows of the Hugging Face module ``linear_parts`` names for it, where Hugging Face regroups the rows.
+    ``peft_refusal(targets)`` (optional): why PEFT cannot hold LoRAs on those targets of this family (None:
+    it can); a LoRA run with them is refused at start-up.
     """
 
     model_types: tuple[str, ...]
@@ -165,6 +169,8 @@ class HFAdapter:
     linear_parts: Optional[Callable[[str, ModelConfig], list[tuple[str, Optional[int]]]]] = None
     fit_to_weights: Optional[Callable[[ModelConfig, Callable[[str], bool], str], None]] = None
     checkpoint_buffers: Optional[Callable[[str], bool]] = None
+    lora_b_to_hf: Optional[Callable[[str, torch.Tensor, ModelConfig], torch.Tensor]] = None
+    peft_refusal: Optional[Callable[[Sequence[str]], Optional[str]]] = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from megacann.collectives import all_reduce_if_parallel
 from megacann.config import ConfigError, MegacannConfig
 from megacann.config.advice import advise
 from megacann.interop.full_state import whole_model_on_meta
+from megacann.interop.peft import peft_refusal
 from megacann.layers import parameter_seed
 from megacann.layers.lora import LoRAConfig, attach_lora, count_parameters, init_adapters_
 from megacann.layers.sharding import get_sharding
@@ -61,6 +62,9 @@ def check_finetune_config(cfg: MegacannConfig, spec: ModelSpec, source: str = "<
 def _adapted_on_meta(cfg: MegacannConfig, spec: ModelSpec, source: str = "<recipe>") -> torch.nn.Module:
     """The whole model with the recipe's adapters, on the meta device (names and shapes only)."""
     lora = lora_config(cfg, source)
+    refusal = peft_refusal(spec.name, lora.target_modules)
+    if refusal is not None:
+        raise ConfigError(f"{source}: lora_target_modules: {refusal}")
     model = whole_model_on_meta(spec, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or 128))
     try:
         attach_lora(model, lora, strict=True)

@@ -173,9 +173,13 @@ class LoRAAdapter(torch.nn.Module):
         self.merged = False
         self.disabled = False  # switched off for a while (adapters_disabled): the base layer alone
         blocks = layout.blocks
-        if len(blocks) != len(target.parts):
+        if len(target.parts) == 1:  # one LoRA over the whole layer, whatever its blocks (B split like each)
+            selected = (True,) * len(blocks)
+        elif len(blocks) == len(target.parts):
+            selected = target.selected
+        else:
             raise ValueError(f"LoRA target {target.parts} does not match the layer's {len(blocks)} output blocks")
-        chosen = tuple(b for b, s in zip(blocks, target.selected) if s)
+        chosen = tuple(b for b, s in zip(blocks, selected) if s)
         self.blocks, self.chosen = blocks, chosen  # whole-layer output blocks, and the adapted ones
         shards = self.tp_size if self.column and layout.shard else 1
         self.local_blocks = tuple(b // shards for b in blocks)
@@ -189,8 +193,11 @@ class LoRAAdapter(torch.nn.Module):
             name=layout.what,
         )
         if self.column:
-            self.lora_A = make_parameter(
-                (target.groups * rank, layout.in_size), init_lora_a(layout.in_size), tp_partial_grad=True, **common
+            self.lora_A = make_parameter(  # partial where the rows of B (or the layer's heads) are split over TP
+                (target.groups * rank, layout.in_size),
+                init_lora_a(layout.in_size),
+                tp_partial_grad=layout.shard or layout.partial,
+                **common,
             )
             self.lora_B = make_parameter(
                 (sum(chosen), rank),

@@ -8,8 +8,11 @@ rank-r LoRA (own ``A`` and ``B``) and leaves the other blocks unchanged: exactly
 separate projections. On a model with separate projections, a fused name selects each of its parts.
 
 The same names select MoE experts' ``gate_up_proj`` (gate, up) and ``down_proj``; latent attention's
-projections have names of their own (:data:`LATENT_PROJECTIONS`; ``"all-linear"`` does not include them). :func:`resolve_target`
-is the one place a name becomes a layer's LoRA; attaching, merging and the PEFT writer / reader all use it.
+projections have names of their own (:data:`LATENT_PROJECTIONS`), as have Gated DeltaNet's
+(:data:`DELTANET_PROJECTIONS`) and DeepSeek-V3.2's indexer's (:data:`INDEXER_PROJECTIONS`); ``"all-linear"``
+includes none of them. A layer whose output is several blocks under one name (a DeltaNet's
+``in_proj_qkv``: q, k, v) gets one LoRA over all its blocks. :func:`resolve_target` is the one place a name
+becomes a layer's LoRA; attaching, merging and the PEFT writer / reader all use it.
 """
 
 from __future__ import annotations
@@ -24,10 +27,21 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")  # in an MoE model: every expert too
 # multi-head latent attention's (DeepSeek-V3): the down- and up-projections of its q and kv latents
 LATENT_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 MTP_PROJECTIONS = ("eh_proj",)  # multi-token prediction's projection of [embedding, hidden]
-PROJECTION_NAMES = (*HF_PROJECTIONS, *LATENT_PROJECTIONS, *FUSED_PROJECTIONS, *MTP_PROJECTIONS)
+# Gated DeltaNet's (Qwen3.5's names): q, k, v in one projection, the output gate z, the beta and decay inputs
+DELTANET_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+INDEXER_PROJECTIONS = ("wq_b", "wk", "weights_proj")  # DeepSeek-V3.2's lightning indexer's
+PROJECTION_NAMES = (
+    *HF_PROJECTIONS,
+    *LATENT_PROJECTIONS,
+    *FUSED_PROJECTIONS,
+    *MTP_PROJECTIONS,
+    *DELTANET_PROJECTIONS,
+    *INDEXER_PROJECTIONS,
+)
 ALL_PROJECTIONS = "all-linear"  # PEFT's shorthand: every attention and MLP projection
 
 
@@ -71,7 +85,8 @@ class LoRAConfig:
 @dataclass(frozen=True)
 class LoRATarget:
     """What a LoRA does on one layer: which of its output blocks (``parts``) get a delta (``selected``), and
-    whether those share one ``A`` (a LoRA on the fused matrix) or each has its own."""
+    whether those share one ``A`` (a LoRA on the fused matrix) or each has its own. A single part on a
+    layer of several blocks is one LoRA over all of them."""
 
     parts: tuple[str, ...]
     selected: tuple[bool, ...]
