@@ -296,9 +296,10 @@ def _refusals() -> dict:
             Generator(torch.nn.Linear(2, 2), spec)
         except ValueError as error:
             errors[name] = str(error)
-    # a V-shaped placement on 2 virtual chunks: stage 0's second chunk holds the head
+    # a V-shaped placement (zbv, dualpipev: 2 chunks a stage, no virtual size set): stage 0's second chunk
+    # holds the head
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     stage = ps.get_pipeline_model_parallel_rank()
     for v, chunk in enumerate(chunks):

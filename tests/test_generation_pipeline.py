@@ -11,6 +11,10 @@ prefill, then each decode step), each group with its own padding and cache rows.
 - ep 2 + pp 2 (world 4, a MoE model over data parallel 2, each replica its own requests and lengths): the
   one-process results; the replica that finishes first, and each replica's micro-batch that finishes
   first, idle in step (counted) instead of hanging; so does a replica with no request at all.
+- pp 2 with 2 interleaved chunks a stage, 1 and 2 micro-batches, greedy and seeded sampling: the
+  one-process results. Probes: each rank's chunks hold layers 0 and 2 (stage 0) and 1 and 3 (stage 1);
+  every micro-batch forward runs the rank's chunk 0 then chunk 1 (layer indices of each call); each
+  micro-batch's cache holds one attention layer of each chunk; one chunk alone is refused.
 - qwen3_5 (Gated DeltaNet layers) and deepseek_v32 (sparse latent attention) from tiny Hugging Face
   checkpoints at pp 2 (extended tier): the one-process results.
 """

@@ -35,9 +35,9 @@ from megacann.pipeline.p2p import exchange
 
 
 def check_pipeline_generation(chunks: Sequence[torch.nn.Module], spec: ModelSpec) -> None:
-    """Refuse what generation on pipeline stages cannot do: fewer chunks than this rank holds under
-    interleaving, and a family whose decode path takes no ``hidden_states`` from the previous stage; and a
-    stage's chunk without pipeline stages."""
+    """Refuse what generation on pipeline stages cannot do: not all of this rank's interleaved chunks,
+    chunks placed otherwise than in the loop order (a V-shaped schedule's), a family whose decode path
+    takes no ``hidden_states`` from the previous stage; and a stage's chunk without pipeline stages."""
     whole = getattr(chunks[0], "pre_process", True) and getattr(chunks[-1], "post_process", True)
     if ps.get_pipeline_model_parallel_world_size() == 1:
         if not whole:
@@ -46,16 +46,16 @@ def check_pipeline_generation(chunks: Sequence[torch.nn.Module], spec: ModelSpec
                 "the embedding or the head (a pipeline stage's)"
             )
         return
-    virtual = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    if len(chunks) != virtual:
+    virtual, count = ps.get_virtual_pipeline_model_parallel_world_size() or 1, len(chunks)
+    if virtual > 1 and count != virtual:
         raise ValueError(
             f"generation on pipeline stages with distributed.virtual_pipeline_size {virtual} needs all {virtual} "
             f"model chunks of this rank, in order; got {len(chunks)}"
         )
     stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     ends = [(getattr(c, "pre_process", False), getattr(c, "post_process", False)) for c in chunks]
-    expected = [(stage == 0 and v == 0, stage == stages - 1 and v == virtual - 1) for v in range(virtual)]
-    if virtual > 1 and ends != expected:
+    expected = [(stage == 0 and v == 0, stage == stages - 1 and v == count - 1) for v in range(count)]
+    if count > 1 and ends != expected:
         raise ValueError(
             f"generation runs interleaved chunks in the loop order (chunk v of every stage, then chunk v + 1); "
             f"pipeline stage {stage}'s chunks hold the embedding / head as {ends}, not {expected} "
