@@ -11,6 +11,10 @@ prefill, then each decode step), each group with its own padding and cache rows.
 - ep 2 + pp 2 (world 4, a MoE model over data parallel 2, each replica its own requests and lengths): the
   one-process results; the replica that finishes first, and each replica's micro-batch that finishes
   first, idle in step (counted) instead of hanging; so does a replica with no request at all.
+- pp 2 with 2 interleaved chunks a stage, 1 and 2 micro-batches, greedy and seeded sampling: the
+  one-process results. Probes: each rank's chunks hold layers 0 and 2 (stage 0) and 1 and 3 (stage 1);
+  every micro-batch forward runs the rank's chunk 0 then chunk 1 (layer indices of each call); each
+  micro-batch's cache holds one attention layer of each chunk; one chunk alone is refused.
 - qwen3_5 (Gated DeltaNet layers) and deepseek_v32 (sparse latent attention) from tiny Hugging Face
   checkpoints at pp 2 (extended tier): the one-process results.
 """
@@ -284,3 +288,73 @@ def test_families_with_their_own_caches_generate_on_stages(tmp_path, family):
         for kind in ("greedy", "sampled"):
             assert_same_results(rank[kind], reference[kind])
     assert len({t for r in reference["sampled"] for t in r.tokens}) > 20  # really sampled
+
+
+# -- interleaved chunks: pp 2 x 2 virtual chunks, each rank runs its two chunks in the pipeline's order ---
+
+VPP2 = [*PP2, "distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=2"]
+
+
+def _on_interleaved_chunks() -> dict:
+    """Greedy and seeded sampling with 1 and 2 micro-batches, every forward's chunk (its layer indices)
+    recorded in order."""
+    import dataclasses
+
+    from megacann import parallel_state as ps
+    from megacann.generation import Generator
+
+    trainer = _trainer(VPP2)
+    chunks, ran = trainer.model_chunks, []
+
+    def decode(chunk, ids, positions, hidden_states=None):
+        ran.append(sorted(int(i) for i in chunk.layers))
+        return trainer.model_spec.decode(chunk, ids, positions, hidden_states=hidden_states)
+
+    spec = dataclasses.replace(trainer.model_spec, decode=decode)
+    out = {"chunks": [sorted(int(i) for i in chunk.layers) for chunk in chunks]}
+    for microbatches in (1, 2):
+        generator = Generator(chunks, spec, num_microbatches=microbatches)
+        for kind in ("greedy", "sampled"):
+            ran.clear()
+            results = generator.generate(PROMPTS, _params(kind))
+            cached = [
+                [sum(a in set(c.modules()) for a in cache.attentions) for c in chunks]
+                for cache in generator.last_caches
+            ]
+            out[microbatches, kind] = {"results": results, "ran": list(ran), "cached": cached}
+    try:
+        Generator(chunks[0], trainer.model_spec)
+    except ValueError as error:
+        out["one_chunk"] = str(error)
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def interleaved() -> list[dict]:
+    return run_on_ranks(_on_interleaved_chunks, 2, timeout=600)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_interleaved_chunks_generate_as_one_process(pp2, interleaved, microbatches, kind):
+    reference, _ = pp2
+    for rank in interleaved:
+        assert_same_results(rank[microbatches, kind]["results"], reference[1, kind])
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_each_rank_runs_its_two_chunks_in_turn_with_their_own_caches(interleaved, microbatches):
+    first, last = interleaved
+    # chunk v of stage k holds layer 2v + k: stage 0 layers 0 and 2, stage 1 layers 1 and 3
+    assert (first["chunks"], last["chunks"]) == ([[0], [2]], [[1], [3]])
+    forwards = len(_expected_forwards(microbatches))  # micro-batch forwards in the whole generation
+    for stage in (first, last):
+        for kind in ("greedy", "sampled"):
+            run = stage[microbatches, kind]
+            assert run["ran"] == stage["chunks"] * forwards  # each micro-batch's forward: chunk 0, then chunk 1
+            assert run["cached"] == [[1, 1]] * microbatches  # each micro-batch caches both chunks' layer
+    assert (
+        "distributed.virtual_pipeline_size 2 needs all 2 model chunks of this rank, in order; got 1"
+        in (first["one_chunk"])
+    )

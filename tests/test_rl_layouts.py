@@ -3,7 +3,8 @@ on 2 gloo ranks (CPU, fp32, seeded sampling): 3 steps of loss, policy-gradient l
 std, entropy and gradient norm equal one process (1e-5) at
 
 - pipeline parallel 2 (probes: the stages hold layers 0-1 and 2-3; both stages train on the same
-  micro-batches, the last stage's rewards);
+  micro-batches, the last stage's rewards), and with 2 interleaved chunks a stage (probe: stage 0's chunks
+  hold layers 0 and 2, stage 1's layers 1 and 3; the generator runs both chunks of each rank);
 - expert parallel 2 over data parallel 2, a MoE model (probe: 2 of the 4 experts of a layer a rank; the
   ranks generate for different prompts, kept in step by the generator's lockstep);
 - ZeRO-3 over data parallel 2 (probe: each rank stores half of the weights, none whole between steps);
@@ -47,6 +48,7 @@ SELECTIVE = "model.activation_checkpointing=selective"
 FULL = "model.activation_checkpointing=full"
 LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "pp2": (["distributed.pipeline_parallel_size=2"], "dense"),
+    "pp2_vpp2": (["distributed.pipeline_parallel_size=2", "distributed.virtual_pipeline_size=2"], "dense"),
     "ep2": ([*MOE, *DP2, "distributed.expert_parallel_size=2"], "moe"),
     "zero3": ([*DP2, "distributed.zero_optimization=3"], "dense"),
     "zero1": ([*DP2, "distributed.zero_optimization=1"], "dense"),
@@ -94,6 +96,8 @@ def _layout_probe(trainer) -> dict:
     blocks = [m for m in chunk.modules() if isinstance(m, TransformerBlock)]
     probe = {
         "layers": sorted(int(i) for i in chunk.layers),
+        "chunk_layers": [sorted(int(i) for i in c.layers) for c in trainer.model_chunks],
+        "generator_chunks": len(trainer.objective.generator.chunks),
         "experts": sorted(int(e) for e in moe[0].experts) if moe else None,
         "digest": _micro_batch_digest(trainer.objective),
         "optimizer": type(trainer.optimizer).__name__,
@@ -219,13 +223,27 @@ def test_zero3_shards_the_weights_and_zero1_the_optimizer(two_ranks):
     assert two_ranks[0]["zero1"]["digest"] != two_ranks[1]["zero1"]["digest"]
 
 
-def test_interleaved_pipeline_chunks_are_refused_by_name():
+def test_interleaved_chunks_hold_their_layers_and_the_generator_runs_both(two_ranks):
+    first, second = (rank["pp2_vpp2"] for rank in two_ranks)
+    assert (first["chunk_layers"], second["chunk_layers"]) == ([[0], [2]], [[1], [3]])
+    assert first["generator_chunks"] == second["generator_chunks"] == 2
+    assert first["digest"] == second["digest"]  # both stages train on the same rollouts
+
+
+def test_router_replay_over_interleaved_pipeline_chunks_is_refused_by_name():
     overrides = rl_overrides(
-        "prompts.jsonl", "distributed.pipeline_parallel_size=2", "distributed.virtual_pipeline_size=2"
+        "prompts.jsonl",
+        *MOE,
+        "distributed.pipeline_parallel_size=2",
+        "distributed.virtual_pipeline_size=2",
+        "rl.router_replay=true",
     )
     with pytest.raises(ConfigError) as err:
         recipe(overrides, world_size=2)
-    assert "train_mode grpo with distributed.virtual_pipeline_size 2 is not supported yet" in str(err.value)
+    assert (
+        "train_mode grpo with rl.router_replay and distributed.virtual_pipeline_size 2 is not supported yet: the "
+        "replayed routing is recorded for one model chunk a pipeline stage" in str(err.value)
+    )
 
 
 def test_resume_inside_a_rollout_phase_at_ep2_with_router_replay_is_bitwise(prompts, tmp_path):

@@ -14,8 +14,10 @@ cannot be split over ranks, and without the split the layers compute the same va
 place of reduce-scatter plus all-gather); an MoE layer then takes its whole, replicated input as its
 rank's share, which gives the same values too. On pipeline stages the requests are split into
 micro-batches that flow through the stages one after another in each forward round, each with its own
-cache rows (:mod:`.micro_batches`), and the last stage's choices reach every stage (:mod:`.pipeline_stages`); under expert parallelism the
-ranks of a group stay in step until all of them are done (:mod:`.lockstep`); under ZeRO-3 the weights
+cache rows (:mod:`.micro_batches`), and the last stage's choices reach every stage
+(:mod:`.pipeline_stages`; with interleaved chunks a rank passes all its chunks, run in the pipeline's
+order); under expert parallelism the ranks of a group stay in step until all of them are done
+(:mod:`.lockstep`); under ZeRO-3 the weights
 are gathered once for a call and freed after (:mod:`megacann.layers.gathered_weights`). Context
 parallelism is refused unless the caller asks for ``context_parallel_replicas``: then every cp rank
 generates the whole sequences by itself (attention reads its own cache, never the cp group), the caller
@@ -98,8 +100,9 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
 
 
 class Generator:
-    """Generate from ``model`` (this rank's chunk of a model of family ``spec`` at its layout: the whole
-    model, or its pipeline stage; every rank of the model's groups calls :meth:`generate` together).
+    """Generate from ``model`` (this rank's part of a model of family ``spec`` at its layout: the whole
+    model, its pipeline stage's chunk, or the list of its interleaved chunks in order; every rank of the
+    model's groups calls :meth:`generate` together).
 
     ``eos_token_ids`` end every request; ``pad_token_id`` fills the padding (never attended to);
     ``max_len`` (None: as long as the batch needs) is the cache's tokens a row, prompt padding included.
@@ -111,7 +114,7 @@ class Generator:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
         spec: ModelSpec,
         *,
         eos_token_ids: Sequence[int] = (),
@@ -130,14 +133,17 @@ class Generator:
                 f"{ps.get_context_parallel_world_size()}) is refused: decode one token a row with "
                 "context_parallel_size 1"
             )
-        check_pipeline_generation(model, spec)
+        chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+        check_pipeline_generation(chunks, spec)
         if num_microbatches is not None and (
             isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1
         ):
             raise ValueError(f"generation option num_microbatches must be an integer >= 1, got {num_microbatches!r}")
         self.num_microbatches = num_microbatches or ps.get_pipeline_model_parallel_world_size()
-        self.model, self.spec = model, spec
-        self.stages, self.lockstep = PipelineStages(model, spec), Lockstep()
+        # one module holding every chunk: the cache serves all their attention layers, each its own entries
+        self.model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+        self.chunks, self.spec = chunks, spec
+        self.stages, self.lockstep = PipelineStages(chunks, spec), Lockstep()
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.pad_token_id, self.max_len = pad_token_id, max_len
         self.last_caches: list[KVCache] = []  # the last generate call's caches, one a micro-batch (bytes, shapes)
@@ -198,8 +204,10 @@ class Generator:
             torch.no_grad(),
             evaluating(self.model),
             sequence_parallel_off(self.model),
-            weights_gathered(self.model),  # ZeRO-3: gathered once for the whole call, not once a forward
+            contextlib.ExitStack() as gathered,
         ):
+            for chunk in self.chunks:  # ZeRO-3: gathered once for the whole call, not once a forward
+                gathered.enter_context(weights_gathered(chunk))
             while True:
                 self._round(batches, device)
                 live = [batch for batch in batches if batch.requests]

@@ -113,7 +113,7 @@ class RLTraining:
         # under context parallelism the cp ranks of a data-parallel rank each generate the same rollouts;
         # router replay reads one routing record a forward round (one micro-batch a round on pipeline stages)
         self.generator = Generator(
-            policy[0],
+            policy,  # every chunk of this rank (interleaved pipeline chunks: all of them, in order)
             spec,
             eos_token_ids=[tokenizer.eos_id],
             pad_token_id=self.pad_id,
@@ -172,7 +172,7 @@ class RLTraining:
         if ps.get_pipeline_model_parallel_world_size() == 1:
             self._score(rollouts)
             return
-        if ps.is_pipeline_last_stage():
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
             self._score(rollouts)
         rewards = torch.tensor([[x.raw_reward, x.reward] for x in rollouts], dtype=torch.float64, device=self.device)
         last = ps.get_pipeline_model_parallel_ranks()[-1]
