@@ -232,13 +232,19 @@ class CompressedSparseAttention(torch.nn.Module):
         q_residual: torch.Tensor,
         position_ids: torch.Tensor,
         index_keys: Optional[torch.Tensor] = None,
+        row_entries: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``[b, 1, s, count]``, True where a query reads a compressed entry: every closed window (HCA),
         or the indexer's picks among them (CSA; ``index_keys``: its compressed keys when a decoding cache
-        has them, else compressed from ``x``)."""
+        has them, else compressed from ``x``; ``row_entries`` ``[b]``: how many of them each row owns,
+        when rows own fewer than ``count``: the indexer ranks only those)."""
         if not self.compressor.overlap:
             return compressed_causal_bias(position_ids, count, self.compressor.compress_rate) == 0
-        picks = self.compressor.indexer(x, q_residual, position_ids, self.rotary, index_keys)
+        indexer = self.compressor.indexer
+        if row_entries is None:
+            picks = indexer(x, q_residual, position_ids, self.rotary, index_keys)
+        else:
+            picks = indexer.forward_rows(x, q_residual, position_ids, self.rotary, index_keys, row_entries)
         return chosen_entries_bias(picks, count) == 0
 
     def _refuse_unsupported(self, segment_ids: Optional[torch.Tensor]) -> None:

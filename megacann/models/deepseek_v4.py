@@ -25,7 +25,7 @@ from megacann.layers import HyperConnection, HyperHead, MoEConfig, MoELayer, RMS
 from megacann.layers.compressed_attention import CompressedSparseAttention
 from megacann.layers.hyper_connections import expand_streams
 from megacann.layers.moe import ExpertActivation
-from megacann.models.decoder import DecoderArch
+from megacann.models.decoder import DecoderArch, decoder_decode_step
 from megacann.models.deepseek_v4_config import (
     CSA,
     HASH_MOE,
@@ -274,7 +274,7 @@ DEEPSEEK_V4 = dataclasses.replace(
         num_parameters=deepseek_v4_num_parameters,
         flops_per_token=deepseek_v4_flops_per_token,
     ),
-    decode=None,  # no decode path declared yet (greedy tokens against transformers' not tested): refused by name
+    decode=decoder_decode_step,
     architecture=None,  # no memory plan
     moe_structure=None,
     sharding_units=(DeepseekV4Block,),

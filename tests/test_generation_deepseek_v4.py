@@ -1,0 +1,77 @@
+"""Generation of DeepSeek-V4 (hyper-connected streams; sliding, compressed sparse and heavily compressed
+attention; hash-routed and top-k experts) through its decoding cache (fp32, CPU).
+
+A tiny random DeepseekV4ForCausalLM written by transformers (deepseek_v4_helpers: every layer kind, both
+routings; a window of 8 keys, compression rates 4 and 8; 2 indexer heads, so the indexer's scores often
+tie at 0, every head's ReLU off) generates greedily, in one left-padded batch of 4 prompts of different
+lengths, what transformers' ``generate`` gives each prompt alone, token for token for 64 new tokens,
+log-probabilities within 1e-5. The reference is each prompt alone because transformers' own left-padded
+batch is not: its compressors pool the padding into the rows' windows (checked: its tokens differ from
+the prompts alone). Probes: every layer kind decodes, each through the cache of its kind
+(the rolling window of 8 slots, the compressor projections of the whole row on the compressed kinds, the
+bytes of the formula); the indexer ranked rows owning different numbers of entries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepseek_v4_helpers import SHAPE, tiny_hf_v4
+from generation_helpers import (
+    NEW_TOKENS,
+    hf_greedy,
+    one_thread,  # noqa: F401 (an autouse fixture)
+    prompts,
+)
+
+from megacann.generation import Generator, SamplingParams, compressed_cache_bytes
+from megacann.interop import from_pretrained_hf
+from megacann.layers import CompressedSparseAttention
+from megacann.layers.compressed_indexer import CompressedIndexer
+from megacann.models import get_model_spec
+
+SLOTS = max(map(len, prompts())) + NEW_TOKENS - 1
+HEAD_DIM, WINDOW, INDEX_DIM = SHAPE["head_dim"], SHAPE["sliding_window"], SHAPE["index_head_dim"]
+# each token's compressor projections (candidates and gates; overlapping windows on CSA, with the indexer's)
+PROJECTIONS = {
+    "sliding_attention": 0,
+    "heavily_compressed_attention": 2 * HEAD_DIM,
+    "compressed_sparse_attention": 2 * (2 * HEAD_DIM + 2 * INDEX_DIM),
+}
+
+
+def test_greedy_generation_equals_transformers_generate_of_each_prompt(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    path = tiny_hf_v4(str(tmp_path / "hf"), swiglu_limit=10.0)
+    model = from_pretrained_hf(path).eval()
+    forward_rows, ranked = CompressedIndexer.forward_rows, []
+
+    def recording(self, hidden, q_residual, position_ids, rotary, keys, row_entries):
+        ranked.append(row_entries.tolist())
+        return forward_rows(self, hidden, q_residual, position_ids, rotary, keys, row_entries)
+
+    monkeypatch.setattr(CompressedIndexer, "forward_rows", recording)
+    generator = Generator(model, get_model_spec("deepseek_v4"))
+    results = generator.generate(prompts(), SamplingParams(max_new_tokens=NEW_TOKENS))
+    monkeypatch.undo()
+    alone = []
+    for row, prompt in enumerate(prompts()):
+        tokens, logprobs = hf_greedy(path, [prompt])
+        assert results[row].tokens == tokens[0].tolist(), f"row {row}"
+        torch.testing.assert_close(torch.tensor(results[row].logprobs), logprobs[0], rtol=0, atol=1e-5)
+        alone.append(tokens[0].tolist())
+    assert hf_greedy(path, prompts())[0].tolist() != alone  # transformers' padded batch: not the reference
+
+    kinds = [m.layer_type for m in model.modules() if isinstance(m, CompressedSparseAttention)]
+    assert kinds == SHAPE["layer_types"]  # every kind present
+    cache = generator.last_cache
+    assert [layer.local.entries[0].shape[1] for layer in cache.layers] == [WINDOW] * 4
+    assert [None if layer.history is None else layer.history.entries[0].shape[1] for layer in cache.layers] == [
+        None if kind == "sliding_attention" else SLOTS for kind in kinds
+    ]
+    expected = sum(
+        compressed_cache_bytes(1, 4, SLOTS, HEAD_DIM, WINDOW, PROJECTIONS[kind], torch.float32) for kind in kinds
+    )
+    assert cache.nbytes == expected
+    # two CSA layers a forward (the prefill and 63 steps); the prefill's rows own 0 to 3 entries (rate 4)
+    assert len(ranked) == 2 * NEW_TOKENS and ranked[0] == [len(p) // 4 for p in prompts()]
