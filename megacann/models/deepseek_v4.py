@@ -25,6 +25,7 @@ from megacann.layers import HyperConnection, HyperHead, MoEConfig, MoELayer, RMS
 from megacann.layers.compressed_attention import CompressedSparseAttention
 from megacann.layers.hyper_connections import expand_streams
 from megacann.layers.moe import ExpertActivation
+from megacann.layers.random import checkpoint
 from megacann.models.decoder import DecoderArch, decoder_decode_step
 from megacann.models.deepseek_v4_config import (
     CSA,
@@ -73,7 +74,8 @@ class DeepseekV4Block(torch.nn.Module):
     streams``. ``attention`` is called as ``attention(x, position_ids, segment_ids)``; ``mlp`` as
     ``mlp(x, token_ids)`` (the ids of the tokens of ``x``: this rank's share under sequence parallelism).
     Parameters besides theirs: ``attn_hc.*``, ``ffn_hc.*`` (fp32), ``input_layernorm.weight``,
-    ``post_attention_layernorm.weight`` (transformers' names)."""
+    ``post_attention_layernorm.weight`` (transformers' names). ``recompute="full"``: while training, the
+    block keeps only its input and recomputes the rest in backward."""
 
     def __init__(
         self,
@@ -85,8 +87,10 @@ class DeepseekV4Block(torch.nn.Module):
         hc_eps: float,
         norm_eps: float,
         init_std: float,
+        recompute: str = "none",
     ):
         super().__init__()
+        self.recompute = recompute
         mixing = dict(eps=hc_eps, norm_eps=norm_eps, init_std=init_std, dtype=torch.float32)
         self.attn_hc = HyperConnection(hidden_size, num_streams, sinkhorn_iterations, **mixing)
         self.input_layernorm = RMSNorm(hidden_size, norm_eps)
@@ -101,6 +105,17 @@ class DeepseekV4Block(torch.nn.Module):
         token_ids: Optional[torch.Tensor],
         position_ids: Optional[torch.Tensor] = None,
         segment_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if self.recompute == "full" and self.training:
+            return checkpoint(self._forward, streams, token_ids, position_ids, segment_ids)
+        return self._forward(streams, token_ids, position_ids, segment_ids)
+
+    def _forward(
+        self,
+        streams: torch.Tensor,
+        token_ids: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        segment_ids: Optional[torch.Tensor],
     ) -> torch.Tensor:
         post, comb, x = self.attn_hc(streams)
         attended = self.self_attn(self.input_layernorm(x), position_ids, segment_ids)
@@ -206,7 +221,7 @@ class DeepseekV4Model(MoEModel):
         mlp = MoELayer(v4_moe_config(c, layer_id, self.moe_config()))
         return DeepseekV4Block(
             self.build_attention(layer_id), mlp, c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
-            c.init_method_std,
+            c.init_method_std, recompute=c.activation_checkpointing,
         )  # fmt: skip
 
     def forward(
@@ -240,7 +255,6 @@ def check_deepseek_v4_config(cfg: MegacannConfig, source: str) -> None:
         ),
         "distributed.context_parallel_size": (d.context_parallel_size, 1, "its compressed attention reads the whole sequence"),
         "model.mtp_num_layers": (m.mtp_num_layers, 0, "multi-token prediction is not built for DeepSeek-V4 (as in transformers)"),
-        "model.activation_checkpointing": (m.activation_checkpointing, "none", "its blocks do not recompute"),
         "model.moe_layer_freq": (m.moe_layer_freq, 1, "every DeepSeek-V4 layer is an MoE layer"),
     }  # fmt: skip
     for key, (value, allowed, why) in refused.items():
