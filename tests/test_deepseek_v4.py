@@ -298,7 +298,6 @@ V4 = [
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["distributed.pipeline_parallel_size=2"], "distributed.pipeline_parallel_size 2 is refused for model.type deepseek_v4"),
         (["distributed.context_parallel_size=2"], "distributed.context_parallel_size 2 is refused"),
         (["model.mtp_num_layers=1"], "model.mtp_num_layers 1 is refused"),
         (["model.o_groups=1", "model.o_lora_rank=16", "distributed.tensor_parallel_size=2"],

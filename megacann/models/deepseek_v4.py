@@ -10,7 +10,8 @@ into them. Every layer is an MoE layer: ``mlp_layer_types`` says whether it rout
 ``scoring_func`` top-k with a correction bias, renormalised, times ``routed_scaling_factor``) or by the
 token's id (``hash_moe``: a fixed table, ``router.token_to_experts``), so the token ids go to every layer;
 routed and shared experts apply the clamped SwiGLU of ``swiglu_limit``. A :class:`~megacann.layers.HyperHead`
-collapses the streams before the final norm.
+collapses the streams before the final norm. Pipeline stages pass the streams flattened, ``[b, s, hc_mult ·
+h]`` (``stage_hidden_size``), and every stage reads the token ids.
 """
 
 from __future__ import annotations
@@ -235,11 +236,19 @@ class DeepseekV4Model(MoEModel):
     ) -> torch.Tensor:
         if input_ids is None:
             raise ValueError("DeepseekV4Model.forward needs input_ids: its hash-routed layers route by them")
-        streams = expand_streams(self._embed(input_ids, position_ids), self.config.hc_mult)
+        c = self.config
+        if self.pre_process:
+            streams = expand_streams(self._embed(input_ids, position_ids), c.hc_mult)
+        elif hidden_states is None:
+            raise ValueError("a stage without the embedding needs hidden_states from the previous stage")
+        else:  # the previous stage's streams, flattened [b, s, hc_mult · h] (stage_hidden_size)
+            streams = hidden_states.unflatten(-1, (c.hc_mult, c.hidden_size))
         # each rank's share of the sequence under sequence parallelism, as its MoE layers route it
         token_ids = mappings.scatter_to_sequence_parallel_region(input_ids) if self.sequence_parallel else input_ids
         for layer in self.layers.values():
             streams = layer(streams, token_ids, position_ids, segment_ids)
+        if not self.post_process:
+            return streams.flatten(-2)
         if last_position_only:
             streams = streams[:, -1:]
         return self.lm_head(self.norm(self.hc_head(streams)), labels)
@@ -250,9 +259,6 @@ def check_deepseek_v4_config(cfg: MegacannConfig, source: str) -> None:
     m, d = cfg.model, cfg.distributed
     check_deepseek_v4_keys(m, source)
     refused = {
-        "distributed.pipeline_parallel_size": (
-            d.pipeline_parallel_size, 1, "the stages pass [b, s, h] hidden states; DeepSeek-V4's residual is hc_mult streams"
-        ),
         "distributed.context_parallel_size": (d.context_parallel_size, 1, "its compressed attention reads the whole sequence"),
         "model.mtp_num_layers": (m.mtp_num_layers, 0, "multi-token prediction is not built for DeepSeek-V4 (as in transformers)"),
         "model.moe_layer_freq": (m.moe_layer_freq, 1, "every DeepSeek-V4 layer is an MoE layer"),
