@@ -10,6 +10,10 @@ batch is not: its compressors pool the padding into the rows' windows (checked: 
 the prompts alone). Probes: every layer kind decodes, each through the cache of its kind
 (the rolling window of 8 slots, the compressor projections of the whole row on the compressed kinds, the
 bytes of the formula); the indexer ranked rows owning different numbers of entries.
+
+Extended tier: at tensor parallel 2 with sequence parallelism (gloo) greedy and seeded sampling give one
+process's tokens and log-probabilities (1e-5); every rank holds half the heads and caches what one process
+caches (the one KV head and the compressor projections are whole on every rank).
 """
 
 from __future__ import annotations
@@ -17,16 +21,20 @@ from __future__ import annotations
 import pytest
 import torch
 from deepseek_v4_helpers import SHAPE, tiny_hf_v4
+from dist_harness import run_on_ranks
 from generation_helpers import (
     NEW_TOKENS,
+    assert_same_results,
     hf_greedy,
     one_thread,  # noqa: F401 (an autouse fixture)
     prompts,
 )
+from test_generation_moe_tp import NEW_TOKENS as TP_TOKENS
+from test_generation_moe_tp import SAMPLED
 
 from megacann.generation import Generator, SamplingParams, compressed_cache_bytes
 from megacann.interop import from_pretrained_hf
-from megacann.layers import CompressedSparseAttention
+from megacann.layers import CompressedSparseAttention, MoELayer
 from megacann.layers.compressed_indexer import CompressedIndexer
 from megacann.models import get_model_spec
 
@@ -75,3 +83,35 @@ def test_greedy_generation_equals_transformers_generate_of_each_prompt(tmp_path,
     assert cache.nbytes == expected
     # two CSA layers a forward (the prefill and 63 steps); the prefill's rows own 0 to 3 entries (rate 4)
     assert len(ranked) == 2 * NEW_TOKENS and ranked[0] == [len(p) // 4 for p in prompts()]
+
+
+def _generate_all(model) -> dict:
+    generator = Generator(model, get_model_spec("deepseek_v4"))
+    greedy = generator.generate(prompts(), SamplingParams(max_new_tokens=TP_TOKENS))
+    nbytes = generator.last_cache.nbytes
+    sampled = generator.generate(prompts(), SAMPLED)
+    return {"greedy": greedy, "sampled": sampled, "nbytes": nbytes, "heads": model.layers["1"].self_attn.local_heads}
+
+
+def _on_tp2(path: str) -> dict:
+    from megacann import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    model = from_pretrained_hf(path, sequence_parallel=True).eval()
+    out = {"sp": model.sequence_parallel, "moe_tp": {m.tp_size for m in model.modules() if isinstance(m, MoELayer)}}
+    out.update(_generate_all(model))
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.extended
+def test_tp2_sp_generates_what_one_process_does(tmp_path):
+    pytest.importorskip("transformers")
+    path = tiny_hf_v4(str(tmp_path / "hf"), swiglu_limit=10.0)
+    reference = _generate_all(from_pretrained_hf(path).eval())
+    for rank in run_on_ranks(_on_tp2, world_size=2, args=(path,), timeout=300):
+        assert (rank["sp"], rank["moe_tp"], rank["heads"]) == (True, {2}, reference["heads"] // 2)
+        assert rank["nbytes"] == reference["nbytes"]
+        for kind in ("greedy", "sampled"):
+            assert_same_results(rank[kind], reference[kind])
+    assert len({token for result in reference["sampled"] for token in result.tokens}) > 20  # really sampled
