@@ -11,9 +11,11 @@ the prompts alone). Probes: every layer kind decodes, each through the cache of 
 (the rolling window of 8 slots, the compressor projections of the whole row on the compressed kinds, the
 bytes of the formula); the indexer ranked rows owning different numbers of entries.
 
-Extended tier: at tensor parallel 2 with sequence parallelism (gloo) greedy and seeded sampling give one
-process's tokens and log-probabilities (1e-5); every rank holds half the heads and caches what one process
-caches (the one KV head and the compressor projections are whole on every rank).
+Extended tier (gloo): at tensor parallel 2 with sequence parallelism, and on 2 pipeline stages (a trainer's
+model started from the checkpoint), greedy and seeded sampling give one process's tokens and
+log-probabilities (1e-5); at tp 2 every rank holds half the heads and caches what one process caches (the
+one KV head and the compressor projections are whole on every rank); each stage holds and caches two of
+the four layers.
 """
 
 from __future__ import annotations
@@ -88,9 +90,10 @@ def test_greedy_generation_equals_transformers_generate_of_each_prompt(tmp_path,
 def _generate_all(model) -> dict:
     generator = Generator(model, get_model_spec("deepseek_v4"))
     greedy = generator.generate(prompts(), SamplingParams(max_new_tokens=TP_TOKENS))
-    nbytes = generator.last_cache.nbytes
+    nbytes, cached = generator.last_cache.nbytes, len(generator.last_cache.layers)
     sampled = generator.generate(prompts(), SAMPLED)
-    return {"greedy": greedy, "sampled": sampled, "nbytes": nbytes, "heads": model.layers["1"].self_attn.local_heads}
+    heads = next(iter(model.layers.values())).self_attn.local_heads
+    return {"greedy": greedy, "sampled": sampled, "nbytes": nbytes, "cached": cached, "heads": heads}
 
 
 def _on_tp2(path: str) -> dict:
@@ -115,3 +118,31 @@ def test_tp2_sp_generates_what_one_process_does(tmp_path):
         for kind in ("greedy", "sampled"):
             assert_same_results(rank[kind], reference[kind])
     assert len({token for result in reference["sampled"] for token in result.tokens}) > 20  # really sampled
+
+
+def _on_pp2(path: str, root: str) -> dict:
+    import torch.distributed as dist
+    from finetune_helpers import recipe
+    from training_helpers import synthetic_data_factory
+
+    from megacann.training.runtime import setup_runtime
+    from megacann.training.trainer import Trainer
+
+    model = {"type": "deepseek_v4", "precision": "fp32", "init_from": path}
+    overrides = ["distributed.pipeline_parallel_size=2", f"experiment.output_dir={root}", "data.tokenizer=byte"]
+    cfg = recipe(overrides, model=model, world_size=dist.get_world_size())
+    trainer = Trainer(cfg, setup_runtime(cfg), data_factory=synthetic_data_factory(cfg))
+    chunk = trainer.model_chunks[0].eval()
+    return {**_generate_all(chunk), "layers": sorted(int(i) for i in chunk.layers)}
+
+
+@pytest.mark.extended
+def test_pp2_generates_what_one_process_does(tmp_path):
+    pytest.importorskip("transformers")
+    path = tiny_hf_v4(str(tmp_path / "hf"), swiglu_limit=10.0)
+    reference = _generate_all(from_pretrained_hf(path).eval())
+    stages = run_on_ranks(_on_pp2, world_size=2, args=(path, str(tmp_path / "run")), timeout=300)
+    assert [(stage["layers"], stage["cached"]) for stage in stages] == [([0, 1], 2), ([2, 3], 2)]
+    for stage in stages:
+        for kind in ("greedy", "sampled"):
+            assert_same_results(stage[kind], reference[kind])
