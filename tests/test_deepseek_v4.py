@@ -298,10 +298,8 @@ V4 = [
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["distributed.pipeline_parallel_size=2"], "distributed.pipeline_parallel_size 2 is refused for model.type deepseek_v4"),
         (["distributed.context_parallel_size=2"], "distributed.context_parallel_size 2 is refused"),
         (["model.mtp_num_layers=1"], "model.mtp_num_layers 1 is refused"),
-        (["model.activation_checkpointing=full"], "model.activation_checkpointing 'full' is refused"),
         (["model.o_groups=1", "model.o_lora_rank=16", "distributed.tensor_parallel_size=2"],
          "model.o_groups 1 is not divisible by distributed.tensor_parallel_size 2"),
         (["model.mlp_layer_types=[moe, moe, hash, moe]"], "mlp_layer_types[2] 'hash' is not implemented"),

@@ -1,10 +1,11 @@
 """DeepSeek-V4 started from a Hugging Face checkpoint (``model.init_from``, written by transformers) trains
 alike under tensor parallelism with and without sequence parallelism (heads, sinks and output groups split;
-the hash-routed layers given each rank's share of the token ids) and expert parallelism as on one process
+the hash-routed layers given each rank's share of the token ids), expert parallelism and pipeline
+parallelism (two stages passing the residual streams flattened, the token ids on both) as on one process
 (gloo, CPU, fp32): losses and gradient norms to 1e-5 relative. Each layout shows it is on: the heads and
-sinks per TP rank, the tokens each rank's layers see under SP, the experts of each EP rank; and every
-rank's hash tables are the checkpoint's. Two spawns: world 2 runs the layouts, world 1 the one-process
-reference."""
+sinks per TP rank, the tokens each rank's layers see under SP, the experts of each EP rank, the layers of
+each stage and the streams the second stage receives; and every rank's hash tables are the checkpoint's.
+Two spawns: world 2 runs the layouts, world 1 the one-process reference."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ LAYOUTS = {
     "tp2_sp": ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true", ACCUM2],
     "tp2": ["distributed.tensor_parallel_size=2", ACCUM2],
     "ep2": ["distributed.expert_parallel_size=2", "optim.grad_accum_steps=1"],  # dp 2 (ep within it)
+    "pp2": ["distributed.pipeline_parallel_size=2", ACCUM2],
 }
+HASHED = (0, 3)  # the hash-routed layers
 
 
 def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
@@ -39,7 +42,8 @@ def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
     from megacann.training.runtime import setup_runtime
     from megacann.training.trainer import Trainer
 
-    table = DeepseekV4ForCausalLM.from_pretrained(hf_dir).model.layers[0].mlp.gate.tid2eid
+    hf_layers = DeepseekV4ForCausalLM.from_pretrained(hf_dir).model.layers
+    tables = {layer: hf_layers[layer].mlp.gate.tid2eid for layer in HASHED}
     results = {}
     for layout in layouts:
         ps.destroy_model_parallel()
@@ -48,9 +52,15 @@ def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
         cfg = recipe(COMMON + extra + LAYOUTS[layout], model=model, world_size=dist.get_world_size())
         trainer = Trainer(cfg, setup_runtime(cfg), data_factory=synthetic_data_factory(cfg))
         chunk = trainer.model_chunks[0]
-        first = chunk.layers["0"]
-        seen: list = []
+        first = chunk.layers[min(chunk.layers, key=int)]
+        seen, received = [], []
         first.register_forward_pre_hook(lambda module, args, seen=seen: seen.append(tuple(args[0].shape[1:3])))
+
+        def receiving(module, args, kwargs, received=received):
+            if kwargs.get("hidden_states") is not None:  # from the previous stage
+                received.append(tuple(kwargs["hidden_states"].shape))
+
+        chunk.register_forward_pre_hook(receiving, with_kwargs=True)
         trace = [trainer.train_step() for _ in range(STEPS)]
         results[layout] = {
             "losses": [m["loss"] for m in trace],
@@ -59,7 +69,13 @@ def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
             "q_b_proj": tuple(first.self_attn.q_b_proj.weight.shape),
             "sinks": tuple(first.self_attn.sinks.shape),
             "experts": sorted(int(e) for e in first.mlp.experts),
-            "table": torch.equal(first.mlp.router.token_to_experts, table),
+            "table": all(
+                torch.equal(chunk.layers[str(i)].mlp.router.token_to_experts, tables[i])
+                for i in HASHED
+                if str(i) in chunk.layers
+            ),  # fmt: skip
+            "layers": sorted(int(i) for i in chunk.layers),
+            "received": sorted(set(received)),
         }
     return results
 
@@ -71,10 +87,10 @@ def runs(tmp_path_factory):
     hf_dir = tiny_hf_v4(str(tmp_path_factory.mktemp("deepseek_v4_hf") / "hf"), swiglu_limit=10.0)
     root = str(tmp_path_factory.mktemp("deepseek_v4_runs"))
     one = run_on_ranks(_run, 1, args=(("one",), hf_dir, root + "/w1"), timeout=600)[0]["one"]
-    return one, run_on_ranks(_run, 2, args=(("tp2_sp", "tp2", "ep2"), hf_dir, root + "/w2"), timeout=600)
+    return one, run_on_ranks(_run, 2, args=(tuple(LAYOUTS)[1:], hf_dir, root + "/w2"), timeout=600)
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "tp2", "ep2"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "tp2", "ep2", "pp2"])
 def test_layouts_train_like_one_process(runs, layout):
     one, world2 = runs
     facts = [rank[layout] for rank in world2]
@@ -84,7 +100,11 @@ def test_layouts_train_like_one_process(runs, layout):
         assert got["table"]  # the checkpoint's hash table on every rank
     assert one["table"] and one["streams"] == [(SEQ, 2)]
     assert one["q_b_proj"] == (64, 16) and one["sinks"] == (4,) and one["experts"] == [0, 1, 2, 3]
-    if layout.startswith("tp2"):  # half the heads and their sinks per rank
+    assert one["layers"] == [0, 1, 2, 3] and one["received"] == []
+    if layout == "pp2":  # two layers a stage; the second receives both streams flattened, [b, s, 2 · 32]
+        assert [f["layers"] for f in facts] == [[0, 1], [2, 3]]
+        assert [f["received"] for f in facts] == [[], [(2, SEQ, 64)]]
+    elif layout.startswith("tp2"):  # half the heads and their sinks per rank
         assert {f["q_b_proj"] for f in facts} == {(32, 16)} and {f["sinks"] for f in facts} == {(2,)}
         tokens = SEQ // 2 if layout == "tp2_sp" else SEQ  # each rank's share of the sequence under SP
         assert {f["streams"][0] for f in facts} == {(tokens, 2)}

@@ -97,6 +97,12 @@ class ModelConfig:
     def use_bias(self) -> bool:
         return self._family_default("add_bias_linear")
 
+    @property
+    def stage_hidden_size(self) -> int:
+        """The last dim of the hidden states a pipeline stage passes to the next (``[b, s, this]``): the
+        hidden size; a family whose residual is wider between layers (DeepSeek-V4's streams) says its own."""
+        return self.hidden_size  # type: ignore[return-value]
+
     def _family_default(self, key: str):
         value = getattr(self, key)
         if value is None:

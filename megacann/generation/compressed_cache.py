@@ -8,8 +8,10 @@ later step over the rolling cache) and the compressed entries of its row's close
 from the cached projections. Rows are left-padded, so before pooling each row's projections are shifted
 to start at its first real token: its windows are its own (position 0 at the first real token, as the
 positions the generator gives). Tokens past a row's end fill only windows that close after every query
-of the row, which no query reads. Under tensor parallelism every rank caches the whole KV head and
-projections (one KV head serves all heads) and attends with its own heads.
+of the row, which no query reads; the indexer ranks only a row's own entries, so a padded row picks
+what it picks alone (top-k breaks ties among equal scores by how many entries it ranks). Under tensor
+parallelism every rank caches the whole KV head and projections (one KV head serves all heads) and
+attends with its own heads.
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ class CompressedAttentionCacheLayer:
             keys, read = self.local.entries[0][:, :used], self.local.mask(s, used)
         if self.history is not None:
             entries, index_keys = self._entries(attention, x, start + s)
-            entries_read = attention.entries_read(entries.shape[1], x, q_residual, position_ids, index_keys)
+            row_entries = (start + s - self.cache.pad) // attention.compressor.compress_rate  # closed by each row
+            entries_read = attention.entries_read(
+                entries.shape[1], x, q_residual, position_ids, index_keys, row_entries
+            )
             keys = torch.cat([keys, entries.unsqueeze(2)], dim=1)
             read = torch.cat([read, entries_read], dim=-1)
         scale = attention.head_dim**-0.5

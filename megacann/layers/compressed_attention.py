@@ -42,10 +42,12 @@ from megacann import ops
 from megacann import parallel_state as ps
 from megacann.layers import mappings
 from megacann.layers.compressed_indexer import CompressedIndexer, chosen_entries_bias
+from megacann.layers.context import current_layer_context
 from megacann.layers.grouped_output_projection import GroupedOutputProjection
 from megacann.layers.init import default_init_methods, init_zeros, make_parameter
 from megacann.layers.linear import ColumnParallelLinear
 from megacann.layers.norm import RMSNorm
+from megacann.layers.random import checkpoint
 from megacann.layers.rotary import RotaryEmbedding, rotate_trailing
 from megacann.layers.sharding import InitMethod, mark_partial_grad
 from megacann.layers.window_compressor import WindowCompressor, compressed_causal_bias
@@ -83,8 +85,10 @@ class CompressedSparseAttention(torch.nn.Module):
     is this rank's part of it. ``segment_ids`` (packed documents) only on ``sliding_attention``. Arguments
     are transformers' ``DeepseekV4Config`` keys; ``rope_scaling`` is its ``rope_parameters["compress"]``
     (read by the compressed types only), ``compress_rate`` its ``compress_rates[layer_type]``,
-    ``init_std`` the compressor's and indexer's initial std. Left None, ``sequence_parallel``, the init
-    methods, ``dtype`` and ``device`` come from the current layer context.
+    ``init_std`` the compressor's and indexer's initial std. ``recompute_core_attention`` recomputes in
+    backward, while training, the attention over the window and the compressed entries (the compressor and
+    indexer included; default: the layer context's ``recompute == "selective"``). Left None,
+    ``sequence_parallel``, the init methods, ``dtype`` and ``device`` come from the current layer context.
     """
 
     def __init__(
@@ -111,11 +115,15 @@ class CompressedSparseAttention(torch.nn.Module):
         sequence_parallel: Optional[bool] = None,
         init_method: Optional[InitMethod] = None,
         output_init_method: Optional[InitMethod] = None,
+        recompute_core_attention: Optional[bool] = None,
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
     ):
         super().__init__()
+        if recompute_core_attention is None:
+            recompute_core_attention = current_layer_context().recompute == "selective"
+        self.recompute_core_attention = recompute_core_attention
         _check_arguments(layer_type, num_attention_heads, head_dim, qk_rope_head_dim, sliding_window, group)
         if layer_type != SLIDING:
             _check_compressed(layer_type, compress_rate, index_n_heads, index_head_dim, index_topk)
@@ -194,15 +202,30 @@ class CompressedSparseAttention(torch.nn.Module):
         kv = rotate_trailing(self.kv_norm(self.kv_proj.forward_prepared(x)).unsqueeze(2), cos, sin)
         if self.kv_cache is not None:  # generation: earlier tokens' keys and projections come from the cache
             out = self.kv_cache.attend(self, q, kv, x, q_residual, position_ids)
-        elif self.compressor is None:
-            out = ops.scaled_dot_product_attention(
+        elif self.recompute_core_attention and self.training:
+            out = checkpoint(self.core_attention, q, kv, x, q_residual, position_ids, segment_ids)
+        else:
+            out = self.core_attention(q, kv, x, q_residual, position_ids, segment_ids)
+        out = rotate_trailing(out, cos, -sin)  # the values' rotation undone at the query's position
+        return self.output_projection(out.flatten(2))
+
+    def core_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_ids: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """``[b, s, local heads, d]``: the queries' attention over their window (and, on the compressed
+        types, the compressed entries), before the values' rotation is undone."""
+        if self.compressor is None:
+            return ops.scaled_dot_product_attention(
                 q, kv, kv, causal=True, segment_ids=segment_ids, scale=self.head_dim**-0.5,
                 sliding_window=self.sliding_window, sinks=self.sinks,
             )  # fmt: skip
-        else:
-            out = self._attend_with_compressed(q, kv, x, q_residual, position_ids)
-        out = rotate_trailing(out, cos, -sin)  # the values' rotation undone at the query's position
-        return self.output_projection(out.flatten(2))
+        return self._attend_with_compressed(q, kv, x, q_residual, position_ids)
 
     def _attend_with_compressed(
         self, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor
@@ -232,13 +255,19 @@ class CompressedSparseAttention(torch.nn.Module):
         q_residual: torch.Tensor,
         position_ids: torch.Tensor,
         index_keys: Optional[torch.Tensor] = None,
+        row_entries: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``[b, 1, s, count]``, True where a query reads a compressed entry: every closed window (HCA),
         or the indexer's picks among them (CSA; ``index_keys``: its compressed keys when a decoding cache
-        has them, else compressed from ``x``)."""
+        has them, else compressed from ``x``; ``row_entries`` ``[b]``: how many of them each row owns,
+        when rows own fewer than ``count``: the indexer ranks only those)."""
         if not self.compressor.overlap:
             return compressed_causal_bias(position_ids, count, self.compressor.compress_rate) == 0
-        picks = self.compressor.indexer(x, q_residual, position_ids, self.rotary, index_keys)
+        indexer = self.compressor.indexer
+        if row_entries is None:
+            picks = indexer(x, q_residual, position_ids, self.rotary, index_keys)
+        else:
+            picks = indexer.forward_rows(x, q_residual, position_ids, self.rotary, index_keys, row_entries)
         return chosen_entries_bias(picks, count) == 0
 
     def _refuse_unsupported(self, segment_ids: Optional[torch.Tensor]) -> None:

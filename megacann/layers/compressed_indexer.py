@@ -97,5 +97,26 @@ class CompressedIndexer(WindowCompressor):
         picked = scores.topk(min(self.topk, scores.shape[-1]), dim=-1)
         return picked.indices.masked_fill(picked.values == float("-inf"), -1)
 
+    def forward_rows(
+        self,
+        hidden: torch.Tensor,
+        q_residual: torch.Tensor,
+        position_ids: torch.Tensor,
+        rotary: RotaryEmbedding,
+        keys: torch.Tensor,
+        row_entries: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` for rows that own different numbers of the ``keys`` (a decoding cache's
+        left-padded rows: row ``i``'s first ``row_entries[i]``, the rest pooled past its end): each row
+        ranks only its own, so its picks are those it gets alone (``topk`` breaks ties among equal scores,
+        e.g. every head's ReLU off, by how many entries it ranks). ``[b, s, min(topk, T)]``, ``-1`` padded."""
+        b, s = hidden.shape[:2]
+        picks = torch.full((b, s, min(self.topk, keys.shape[1])), -1, dtype=torch.long, device=hidden.device)
+        for count in row_entries.unique().tolist():
+            rows = (row_entries == count).nonzero().squeeze(1)
+            chosen = self(hidden[rows], q_residual[rows], position_ids[rows], rotary, keys[rows, :count])
+            picks[rows, :, : chosen.shape[-1]] = chosen
+        return picks
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_heads={self.num_heads}, topk={self.topk}"

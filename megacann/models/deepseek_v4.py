@@ -10,7 +10,8 @@ into them. Every layer is an MoE layer: ``mlp_layer_types`` says whether it rout
 ``scoring_func`` top-k with a correction bias, renormalised, times ``routed_scaling_factor``) or by the
 token's id (``hash_moe``: a fixed table, ``router.token_to_experts``), so the token ids go to every layer;
 routed and shared experts apply the clamped SwiGLU of ``swiglu_limit``. A :class:`~megacann.layers.HyperHead`
-collapses the streams before the final norm.
+collapses the streams before the final norm. Pipeline stages pass the streams flattened, ``[b, s, hc_mult ·
+h]`` (``stage_hidden_size``), and every stage reads the token ids.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from megacann.layers import HyperConnection, HyperHead, MoEConfig, MoELayer, RMS
 from megacann.layers.compressed_attention import CompressedSparseAttention
 from megacann.layers.hyper_connections import expand_streams
 from megacann.layers.moe import ExpertActivation
-from megacann.models.decoder import DecoderArch
+from megacann.layers.random import checkpoint
+from megacann.models.decoder import DecoderArch, decoder_decode_step
 from megacann.models.deepseek_v4_config import (
     CSA,
     HASH_MOE,
@@ -73,7 +75,8 @@ class DeepseekV4Block(torch.nn.Module):
     streams``. ``attention`` is called as ``attention(x, position_ids, segment_ids)``; ``mlp`` as
     ``mlp(x, token_ids)`` (the ids of the tokens of ``x``: this rank's share under sequence parallelism).
     Parameters besides theirs: ``attn_hc.*``, ``ffn_hc.*`` (fp32), ``input_layernorm.weight``,
-    ``post_attention_layernorm.weight`` (transformers' names)."""
+    ``post_attention_layernorm.weight`` (transformers' names). ``recompute="full"``: while training, the
+    block keeps only its input and recomputes the rest in backward."""
 
     def __init__(
         self,
@@ -85,8 +88,10 @@ class DeepseekV4Block(torch.nn.Module):
         hc_eps: float,
         norm_eps: float,
         init_std: float,
+        recompute: str = "none",
     ):
         super().__init__()
+        self.recompute = recompute
         mixing = dict(eps=hc_eps, norm_eps=norm_eps, init_std=init_std, dtype=torch.float32)
         self.attn_hc = HyperConnection(hidden_size, num_streams, sinkhorn_iterations, **mixing)
         self.input_layernorm = RMSNorm(hidden_size, norm_eps)
@@ -101,6 +106,17 @@ class DeepseekV4Block(torch.nn.Module):
         token_ids: Optional[torch.Tensor],
         position_ids: Optional[torch.Tensor] = None,
         segment_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if self.recompute == "full" and self.training:
+            return checkpoint(self._forward, streams, token_ids, position_ids, segment_ids)
+        return self._forward(streams, token_ids, position_ids, segment_ids)
+
+    def _forward(
+        self,
+        streams: torch.Tensor,
+        token_ids: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        segment_ids: Optional[torch.Tensor],
     ) -> torch.Tensor:
         post, comb, x = self.attn_hc(streams)
         attended = self.self_attn(self.input_layernorm(x), position_ids, segment_ids)
@@ -206,7 +222,7 @@ class DeepseekV4Model(MoEModel):
         mlp = MoELayer(v4_moe_config(c, layer_id, self.moe_config()))
         return DeepseekV4Block(
             self.build_attention(layer_id), mlp, c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
-            c.init_method_std,
+            c.init_method_std, recompute=c.activation_checkpointing,
         )  # fmt: skip
 
     def forward(
@@ -220,11 +236,19 @@ class DeepseekV4Model(MoEModel):
     ) -> torch.Tensor:
         if input_ids is None:
             raise ValueError("DeepseekV4Model.forward needs input_ids: its hash-routed layers route by them")
-        streams = expand_streams(self._embed(input_ids, position_ids), self.config.hc_mult)
+        c = self.config
+        if self.pre_process:
+            streams = expand_streams(self._embed(input_ids, position_ids), c.hc_mult)
+        elif hidden_states is None:
+            raise ValueError("a stage without the embedding needs hidden_states from the previous stage")
+        else:  # the previous stage's streams, flattened [b, s, hc_mult · h] (stage_hidden_size)
+            streams = hidden_states.unflatten(-1, (c.hc_mult, c.hidden_size))
         # each rank's share of the sequence under sequence parallelism, as its MoE layers route it
         token_ids = mappings.scatter_to_sequence_parallel_region(input_ids) if self.sequence_parallel else input_ids
         for layer in self.layers.values():
             streams = layer(streams, token_ids, position_ids, segment_ids)
+        if not self.post_process:
+            return streams.flatten(-2)
         if last_position_only:
             streams = streams[:, -1:]
         return self.lm_head(self.norm(self.hc_head(streams)), labels)
@@ -235,12 +259,8 @@ def check_deepseek_v4_config(cfg: MegacannConfig, source: str) -> None:
     m, d = cfg.model, cfg.distributed
     check_deepseek_v4_keys(m, source)
     refused = {
-        "distributed.pipeline_parallel_size": (
-            d.pipeline_parallel_size, 1, "the stages pass [b, s, h] hidden states; DeepSeek-V4's residual is hc_mult streams"
-        ),
         "distributed.context_parallel_size": (d.context_parallel_size, 1, "its compressed attention reads the whole sequence"),
         "model.mtp_num_layers": (m.mtp_num_layers, 0, "multi-token prediction is not built for DeepSeek-V4 (as in transformers)"),
-        "model.activation_checkpointing": (m.activation_checkpointing, "none", "its blocks do not recompute"),
         "model.moe_layer_freq": (m.moe_layer_freq, 1, "every DeepSeek-V4 layer is an MoE layer"),
     }  # fmt: skip
     for key, (value, allowed, why) in refused.items():
@@ -274,7 +294,7 @@ DEEPSEEK_V4 = dataclasses.replace(
         num_parameters=deepseek_v4_num_parameters,
         flops_per_token=deepseek_v4_flops_per_token,
     ),
-    decode=None,  # no decode path declared yet (greedy tokens against transformers' not tested): refused by name
+    decode=decoder_decode_step,
     architecture=None,  # no memory plan
     moe_structure=None,
     sharding_units=(DeepseekV4Block,),

@@ -97,6 +97,11 @@ class DeepseekV4ModelConfig(MoEModelConfig):
     qk_rope_head_dim: Optional[int] = None  # what transformers writes beside partial_rotary_factor: checked
     num_nextn_predict_layers: int = 0  # the checkpoint's MTP depths: not built (as transformers)
 
+    @property
+    def stage_hidden_size(self) -> int:
+        """Pipeline stages pass the ``hc_mult`` residual streams, flattened: ``hc_mult · hidden_size``."""
+        return self.hc_mult * self.hidden_size
+
 
 def v4_layer_types(cfg: ModelConfig) -> list[str]:
     """Each layer's attention kind: ``layer_types``, or transformers' default (two heavily compressed

@@ -117,7 +117,7 @@ def get_forward_backward_func(cfg: MegacannConfig, forward_step: ForwardStep = d
     shape = p2p.activation_shape(
         cfg.data.batch_size,
         cfg.data.seq_length,
-        cfg.model.hidden_size,
+        cfg.model.stage_hidden_size,
         d.sequence_parallel_active,
         d.tensor_parallel_size,
         d.context_parallel_size,
