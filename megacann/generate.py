@@ -34,15 +34,19 @@ from megacann.generation import Generator, SamplingParams, StopStrings
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids", "stop")
 
 
-def load_model(path: str, precision: str = "fp32", device: Optional[str] = None) -> torch.nn.Module:
-    """The whole model of any weights directory (a LoRA run's merged into its base), in eval mode."""
+def load_model(
+    path: str, precision: str = "fp32", device: Optional[str] = None, lora: str = "merged"
+) -> torch.nn.Module:
+    """The whole model of any weights directory, in eval mode; a LoRA run's adapters attached and active
+    on its base (``lora="unmerged"``, as PEFT loads them) or merged into it (``"merged"``)."""
     from megacann.interop import from_pretrained_hf
-    from megacann.interop.lora_export import build_full_model
+    from megacann.interop.lora_export import build_adapted_model, build_full_model, is_lora_checkpoint
     from megacann.interop.sources import HUGGINGFACE, resolve_weight_source
 
     if resolve_weight_source(path, "--model").kind == HUGGINGFACE:
         return from_pretrained_hf(path, precision=precision, device=device).eval()
-    return build_full_model(path, precision, device).eval()
+    build = build_adapted_model if lora == "unmerged" and is_lora_checkpoint(path) else build_full_model
+    return build(path, precision, device).eval()
 
 
 def load_model_tokenizer(path: str, spec: Optional[str], vocab_size: int) -> Any:
@@ -114,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--lora",
+        choices=("unmerged", "merged"),
+        default="unmerged",
+        help="a LoRA run's adapters: active on the base, unmerged (as PEFT loads them), or merged into it",
+    )
     return parser
 
 
@@ -199,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.chat:
         _chat_template(args.template)  # a bad --template is refused before the model loads
-    model = load_model(args.model, args.precision, args.device)
+    model = load_model(args.model, args.precision, args.device, args.lora)
     tokenizer = load_model_tokenizer(args.model, args.tokenizer, model.config.vocab_size)
     eos = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
