@@ -13,7 +13,11 @@ the prompt with ``completion`` (cut before a stop string), ``tokens``, ``logprob
 distribution) and ``finish_reason``; lines are written and flushed batch by batch, so an interrupted run
 keeps every batch it finished, in input order. ``--chat`` talks with the model on stdin and stdout, the
 conversation rendered by an SFT chat template, the answer streamed as it is generated; ``/exit`` or the
-end of input ends it.
+end of input ends it. The conversation's cache is kept across turns (``--max_len`` tokens, else the model's
+``max_position_embeddings``), each turn running only its new tokens (``--no_chat_cache``: the whole
+conversation each turn). ``--lora merged`` merges a LoRA run's adapters into its base; by default they stay
+attached and active, unmerged, as PEFT loads them. The command runs on one process (no ``torchrun``: no
+pipeline stages, so no ``num_microbatches``).
 """
 
 from __future__ import annotations
@@ -104,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--chat", action="store_true", help="talk with the model on stdin/stdout (/exit ends)")
     parser.add_argument("--template", default="chatml", help="--chat: an SFT template name (alpaca, chatml, plain)")
     parser.add_argument("--system", default=None, help="--chat: the system message")
+    parser.add_argument(
+        "--no_chat_cache",
+        action="store_true",
+        help="--chat: run the whole conversation each turn (default: keep its cache of --max_len tokens, "
+        "else the model's max_position_embeddings, and run only each turn's new tokens)",
+    )
     parser.add_argument("--output", help="JSONL file of completions")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -170,8 +180,16 @@ def _chat(args: argparse.Namespace, generator: Generator, tokenizer: Any, defaul
     from megacann.generation.chat import ChatSession, chat
 
     template = _chat_template(args.template)
+    cache_len = None if args.no_chat_cache else args.max_len or generator.model.config.max_position_embeddings
     session = ChatSession(
-        generator, tokenizer, template, defaults, lambda text: _encode(tokenizer, text, args.bos), args.system
+        generator,
+        tokenizer,
+        template,
+        defaults,
+        lambda text: _encode(tokenizer, text, args.bos),
+        args.system,
+        cache_len=cache_len,
+        notice=lambda line: print(f"megacann-generate: {line}", file=sys.stderr),
     )
     chat(session, sys.stdin, sys.stdout, "> " if sys.stdin.isatty() else "")
     return 0
