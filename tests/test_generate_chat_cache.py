@@ -3,7 +3,9 @@ tiny Hugging Face LLaMA with the byte tokenizer: over three turns each answer's 
 equal a run from scratch of the conversation's tokens so far; the second and third turns' first forwards
 run only the new tokens (the last answer's last token, then the template's text after the answer) after
 a cache holding everything before them; where the cache would overflow, one line says so and the turn
-runs the whole conversation; and ``megacann-generate --chat`` keeps the cache by default."""
+runs the whole conversation, as does a turn after an answer cut at a stop string of the user's (the rendered
+text no longer continues the cached one); a rolling window's cache is not extended; and
+``megacann-generate --chat`` keeps the cache by default."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from megacann.generate import main
 from megacann.generation import Generator, SamplingParams, StopStrings
 from megacann.generation.chat import ChatSession
 from megacann.interop import from_pretrained_hf
+from megacann.layers import SelfAttention
 from megacann.models import get_model_spec
 
 TOKENIZER = ByteTokenizer()
@@ -139,3 +142,41 @@ def test_the_command_keeps_the_chat_cache_by_default(model_dir, monkeypatch):
     for turn in TURNS:
         session.reply(turn, screen)
     assert shown == screen.getvalue()
+
+
+def test_an_answer_cut_at_a_stop_string_of_its_own_runs_the_next_turn_whole(model_dir, monkeypatch):
+    generator = _generator(model_dir)
+    recorded, notices = Recorded(generator, monkeypatch), []
+    probe = ChatSession(generator, TOKENIZER, TEMPLATES["chatml"], PARAMS, cache_len=512)
+    probe.reply(TURNS[0], io.StringIO())
+    answer = TOKENIZER.decode(recorded.calls[0]["result"].tokens)
+    stop = next(ch for ch in answer[1:] if ch.isprintable() and ch not in "<|im_end>\ufffd")  # not the suffix's
+    params = SamplingParams(max_new_tokens=12, stop=(stop,))
+    session = ChatSession(generator, TOKENIZER, TEMPLATES["chatml"], params, cache_len=512, notice=notices.append)
+    session.reply(TURNS[0], io.StringIO())
+    assert recorded.calls[-1]["result"].finish_reason == "stop"
+    screen = io.StringIO()
+    session.reply(TURNS[1], screen)
+    assert notices == ["the conversation no longer continues the cached tokens: this turn runs it whole"]
+    assert recorded.calls[-1]["cached"] == 0 and recorded.calls[-1]["fed"] == TOKENIZER.encode(session.prompts[1])
+    stops = StopStrings(TOKENIZER, [session.params.stop], skip=[EOS])
+    Generator.generate(generator, [TOKENIZER.encode(session.prompts[1])], session.params, stop_check=stops)
+    assert screen.getvalue() == stops.text(0) + "\n"
+
+
+def test_extend_refuses_a_cache_it_would_overflow_and_a_rolling_one(model_dir):
+    generator = _generator(model_dir)
+    cache = generator.new_cache(8)
+    assert cache.extendable
+    with pytest.raises(ValueError, match=r"^extending a cache of 0 tokens by 5 .* max_new_tokens 12 needs 16 slots"):
+        generator.extend(cache, [1, 2, 3, 4, 5], PARAMS)
+    for attention in generator.model.modules():
+        if isinstance(attention, SelfAttention):
+            attention.sliding_window = 6  # a rolling cache overwrites what a turn's first queries read
+    assert generator.new_cache(6).extendable and not generator.new_cache(40).extendable
+    with pytest.raises(ValueError, match="^extend needs one micro-batch and a one-row cache whose layers take"):
+        generator.extend(generator.new_cache(40), [1, 2], PARAMS)
+    notices = []
+    session = ChatSession(generator, TOKENIZER, TEMPLATES["chatml"], PARAMS, cache_len=40, notice=notices.append)
+    assert session.cache_len is None
+    assert notices == ["the model's cache cannot be kept across turns: each turn runs the whole conversation"]

@@ -20,6 +20,9 @@ are gathered once for a call and freed after (:mod:`megacann.layers.gathered_wei
 parallelism is refused unless the caller asks for ``context_parallel_replicas``: then every cp rank
 generates the whole sequences by itself (attention reads its own cache, never the cp group), the caller
 giving the cp ranks of a data-parallel rank the same requests (the GRPO loop's rollouts).
+
+:meth:`Generator.extend` continues one request on a cache kept from an earlier call (a chat's
+conversation): only the new tokens run, after the cached ones.
 """
 
 from __future__ import annotations
