@@ -13,7 +13,11 @@ the prompt with ``completion`` (cut before a stop string), ``tokens``, ``logprob
 distribution) and ``finish_reason``; lines are written and flushed batch by batch, so an interrupted run
 keeps every batch it finished, in input order. ``--chat`` talks with the model on stdin and stdout, the
 conversation rendered by an SFT chat template, the answer streamed as it is generated; ``/exit`` or the
-end of input ends it.
+end of input ends it. The conversation's cache is kept across turns (``--max_len`` tokens, else the model's
+``max_position_embeddings``), each turn running only its new tokens (``--no_chat_cache``: the whole
+conversation each turn). ``--lora merged`` merges a LoRA run's adapters into its base; by default they stay
+attached and active, unmerged, as PEFT loads them. The command runs on one process (no ``torchrun``: no
+pipeline stages, so no ``num_microbatches``).
 """
 
 from __future__ import annotations
@@ -34,15 +38,19 @@ from megacann.generation import Generator, SamplingParams, StopStrings
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids", "stop")
 
 
-def load_model(path: str, precision: str = "fp32", device: Optional[str] = None) -> torch.nn.Module:
-    """The whole model of any weights directory (a LoRA run's merged into its base), in eval mode."""
+def load_model(
+    path: str, precision: str = "fp32", device: Optional[str] = None, lora: str = "merged"
+) -> torch.nn.Module:
+    """The whole model of any weights directory, in eval mode; a LoRA run's adapters attached and active
+    on its base (``lora="unmerged"``, as PEFT loads them) or merged into it (``"merged"``)."""
     from megacann.interop import from_pretrained_hf
-    from megacann.interop.lora_export import build_full_model
+    from megacann.interop.lora_export import build_adapted_model, build_full_model, is_lora_checkpoint
     from megacann.interop.sources import HUGGINGFACE, resolve_weight_source
 
     if resolve_weight_source(path, "--model").kind == HUGGINGFACE:
         return from_pretrained_hf(path, precision=precision, device=device).eval()
-    return build_full_model(path, precision, device).eval()
+    build = build_adapted_model if lora == "unmerged" and is_lora_checkpoint(path) else build_full_model
+    return build(path, precision, device).eval()
 
 
 def load_model_tokenizer(path: str, spec: Optional[str], vocab_size: int) -> Any:
@@ -100,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--chat", action="store_true", help="talk with the model on stdin/stdout (/exit ends)")
     parser.add_argument("--template", default="chatml", help="--chat: an SFT template name (alpaca, chatml, plain)")
     parser.add_argument("--system", default=None, help="--chat: the system message")
+    parser.add_argument(
+        "--no_chat_cache",
+        action="store_true",
+        help="--chat: run the whole conversation each turn (default: keep its cache of --max_len tokens, "
+        "else the model's max_position_embeddings, and run only each turn's new tokens)",
+    )
     parser.add_argument("--output", help="JSONL file of completions")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -114,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--lora",
+        choices=("unmerged", "merged"),
+        default="unmerged",
+        help="a LoRA run's adapters: active on the base, unmerged (as PEFT loads them), or merged into it",
+    )
     return parser
 
 
@@ -160,8 +180,16 @@ def _chat(args: argparse.Namespace, generator: Generator, tokenizer: Any, defaul
     from megacann.generation.chat import ChatSession, chat
 
     template = _chat_template(args.template)
+    cache_len = None if args.no_chat_cache else args.max_len or generator.model.config.max_position_embeddings
     session = ChatSession(
-        generator, tokenizer, template, defaults, lambda text: _encode(tokenizer, text, args.bos), args.system
+        generator,
+        tokenizer,
+        template,
+        defaults,
+        lambda text: _encode(tokenizer, text, args.bos),
+        args.system,
+        cache_len=cache_len,
+        notice=lambda line: print(f"megacann-generate: {line}", file=sys.stderr),
     )
     chat(session, sys.stdin, sys.stdout, "> " if sys.stdin.isatty() else "")
     return 0
@@ -199,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.chat:
         _chat_template(args.template)  # a bad --template is refused before the model loads
-    model = load_model(args.model, args.precision, args.device)
+    model = load_model(args.model, args.precision, args.device, args.lora)
     tokenizer = load_model_tokenizer(args.model, args.tokenizer, model.config.vocab_size)
     eos = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0

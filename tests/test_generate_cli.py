@@ -182,6 +182,7 @@ def test_chat_keeps_the_conversation_and_streams_each_answer(model_dir, generato
     monkeypatch.setattr("sys.stdin", io.StringIO("hello there\nand then?\n/exit\nnot read\n"))
     monkeypatch.setattr("sys.stdout", screen)
     argv = ["--model", model_dir, "--tokenizer", "byte", "--chat", "--max_new_tokens", "12", "--system", "Be brief."]
+    argv.append("--no_chat_cache")  # each turn runs the whole conversation through generate
     assert main(argv) == 0
     assert len(prompts) == 2  # /exit ended the chat before the last line
     monkeypatch.setattr(Generator, "generate", generate)

@@ -22,6 +22,9 @@ are gathered once for a call and freed after (:mod:`megacann.layers.gathered_wei
 parallelism is refused unless the caller asks for ``context_parallel_replicas``: then every cp rank
 generates the whole sequences by itself (attention reads its own cache, never the cp group), the caller
 giving the cp ranks of a data-parallel rank the same requests (the GRPO loop's rollouts).
+
+:meth:`Generator.extend` continues one request on a cache kept from an earlier call (a chat's
+conversation): only the new tokens run, after the cached ones.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ class GenerationResult:
     logprobs: list[float] = field(default_factory=list)
     processed_logprobs: Optional[list[float]] = None
     finish_reason: Optional[str] = None
+
+
+def _check_stops(params: list[SamplingParams], stop_check: Optional[StopCheck]) -> None:
+    if stop_check is None and any(p.stop for p in params):
+        raise ValueError("sampling option stop needs the tokenizer: pass stop_check=StopStrings(tokenizer, ...)")
 
 
 @contextlib.contextmanager
@@ -181,8 +189,7 @@ class Generator:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if stop_check is None and any(p.stop for p in params):
-            raise ValueError("sampling option stop needs the tokenizer: pass stop_check=StopStrings(tokenizer, ...)")
+        _check_stops(params, stop_check)
         # none here is allowed under expert parallelism: the group needs this rank's forwards
         if (not prompts and not self.lockstep.needed) or any(len(p) == 0 for p in prompts):
             raise ValueError(
@@ -198,6 +205,51 @@ class Generator:
                 batch.cache = KVCache(self.model, len(requests), slots, pad)
             batches.append(batch)
         self.last_caches = [batch.cache for batch in batches if batch.cache is not None]
+        return self._decode(batches, params, on_token, stop_check)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        """An empty one-row cache of ``max_len`` tokens for :meth:`extend` (a conversation kept across
+        turns)."""
+        return KVCache(self.model, 1, max_len, torch.zeros(1, dtype=torch.long, device=self._device()))
+
+    def extend(
+        self,
+        cache: KVCache,
+        tokens: Sequence[int],
+        params: SamplingParams,
+        on_token: Optional[TokenCallback] = None,
+        stop_check: Optional[StopCheck] = None,
+    ) -> GenerationResult:
+        """One request continuing the tokens a one-row ``cache`` holds (empty from :meth:`new_cache`, or
+        filled by an earlier call): ``tokens`` run after them in one forward, then one token a forward as
+        :meth:`generate` does. After it the cache holds every token but the last one chosen, which the
+        next call's ``tokens`` must start with; the tokens chosen equal :meth:`generate`'s on the whole
+        sequence. On one process (or one micro-batch), for caches whose layers take several new tokens
+        after cached ones (``cache.extendable``)."""
+        if self.num_microbatches != 1 or len(cache.pad) != 1 or not cache.extendable:
+            raise ValueError("extend needs one micro-batch and a one-row cache whose layers take several tokens")
+        need = cache.length + len(tokens) + params.max_new_tokens - 1
+        if not tokens or need > cache.max_len:
+            raise ValueError(
+                f"extending a cache of {cache.length} tokens by {len(tokens)} (at least one) and "
+                f"max_new_tokens {params.max_new_tokens} needs {need} slots, more than its {cache.max_len}"
+            )
+        _check_stops([params], stop_check)
+        device = self._device()
+        positions = torch.arange(cache.length, cache.length + len(tokens), device=device).unsqueeze(0)
+        inputs = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        self.last_caches = [cache]
+        return self._decode([MicroBatch([0], inputs, positions, cache)], [params], on_token, stop_check)[0]
+
+    def _decode(
+        self,
+        batches: list[MicroBatch],
+        params: list[SamplingParams],
+        on_token: Optional[TokenCallback],
+        stop_check: Optional[StopCheck],
+    ) -> list[GenerationResult]:
+        """Run ``batches`` (their first forward's inputs and caches set) until every request ended."""
+        device = self._device()
         results = [GenerationResult(processed_logprobs=[] if p.processed_logprobs else None) for p in params]
         self.stages.begin()
         with (

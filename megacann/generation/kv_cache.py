@@ -92,6 +92,13 @@ class KVCache:
             for attention in self.attentions:
                 attention.kv_cache = None
 
+    @property
+    def extendable(self) -> bool:
+        """Whether a forward of several tokens may follow cached ones (:meth:`Generator.extend`): every
+        layer is a key/value cache with each token in its own slot (a rolling window would overwrite the
+        ones the forward's first queries still read; the other cache layers are not checked for it)."""
+        return all(isinstance(layer, KVCacheLayer) and not layer.rolling for layer in self.layers)
+
     def advance(self, tokens: int) -> None:
         """The last forward wrote ``tokens`` slots of every row."""
         self.length += tokens

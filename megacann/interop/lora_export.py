@@ -147,16 +147,48 @@ def read_full_model(source: str, base: Optional[str] = None) -> tuple[dict[str, 
     return read_weights(found.path)
 
 
+def is_lora_checkpoint(source: str) -> bool:
+    """Whether ``source`` resolves to the checkpoint of a LoRA run (adapters on a recorded base)."""
+    found = resolve_weight_source(source, "source")
+    return found.kind == CHECKPOINT and read_info(found.path).get("base") is not None
+
+
+def build_adapted_model(
+    source: str, precision: str = "fp32", device: Optional[str] = None, base: Optional[str] = None
+) -> torch.nn.Module:
+    """The whole model of a LoRA checkpoint with its adapters attached and active, not merged (as
+    ``peft.PeftModel.from_pretrained`` loads them), on one process."""
+    adapters, info = read_lora_checkpoint(source)
+    model_cfg = model_config_of(info)
+    tensors = {**read_base(info, base), **adapters}
+    return _built(tensors, model_cfg, precision, device, source, lora_settings(info))
+
+
 def build_full_model(
     source: str, precision: str = "fp32", device: Optional[str] = None, base: Optional[str] = None
 ) -> torch.nn.Module:
     """The whole model of any source (a LoRA checkpoint merged) built by its family, on one process."""
     tensors, model_cfg = read_full_model(source, base)
+    return _built(tensors, model_cfg, precision, device, source)
+
+
+def _built(
+    tensors: dict[str, torch.Tensor],
+    model_cfg: ModelConfig,
+    precision: str,
+    device: Optional[str],
+    source: str,
+    lora: Optional[LoRAConfig] = None,
+) -> torch.nn.Module:
+    """``model_cfg``'s model built by its family with ``tensors`` loaded (with ``lora``'s adapters, whose
+    tensors ``tensors`` holds)."""
     model_cfg.precision = precision
     spec = get_model_spec(model_cfg.type)
     cfg = MegacannConfig(model=model_cfg)
     spec.fill_defaults(model_cfg)
     with deferred_initialization(weights_loaded=True):  # every weight is loaded below: none is drawn
         model = spec.build(cfg, ChunkPlacement(tuple(range(model_cfg.num_layers))), device)
+        if lora is not None:
+            attach_lora(model, lora, strict=False)
     load_full_state_dict_([model], tensors, source)
     return model
