@@ -2,7 +2,9 @@
 every TP rank, so the planner's parameters per device equal the built model's, at tp 1 and tp 2; and its
 activations (the indexer's keys, queries and per-key scores over the whole sequence on every TP rank, the
 top-k selection and the indexer loss's log-probabilities and target) against the peak of what autograd
-saves in a run: fp32 to 4 bytes, bf16 within 0.5%, tp 2 + SP within 0.5% (extended tier)."""
+saves in a run: fp32 to 4 bytes, bf16 within 0.5%, tp 2 + SP within 0.5% (extended tier); with the indexer
+loss off (only the sparse attention's top-k mask, nothing left saved after the step) within 0.5% too, and
+in the warm-up (only the indexers train: their inputs and their own terms) its activations exactly."""
 
 import pytest
 import torch
@@ -13,11 +15,18 @@ from training_helpers import tiny_config
 
 from megacann.models import get_model_spec
 from megacann.models.spec import ChunkPlacement
+from megacann.pipeline.plan import build_plan
 from megacann.planning import estimate_stages, layout_of
+from megacann.planning.estimate import replay_in_flight
 
 INDEXER = ["model.index_n_heads=2", "model.index_head_dim=8", "model.index_topk=8"]
 V32 = ["model.type=deepseek_v32", "model.rotary_interleaved=true", *MLA[1:], *INDEXER]  # MLA[0]: its type
-RUNS_1 = {"v32 fp32": [*COMMON, *V32], "v32 bf16": [*COMMON, *V32, "model.precision=bf16"]}
+RUNS_1 = {
+    "v32 fp32": [*COMMON, *V32],
+    "v32 bf16": [*COMMON, *V32, "model.precision=bf16"],
+    "v32 indexer loss off": [*COMMON, *V32, "model.indexer_loss_coeff=0"],  # only the top-k mask, nothing left
+}
+WARMUP = {"v32 warm-up": [*COMMON, *V32, "model.indexer_warmup=true"]}  # only the indexers save (their inputs too)
 RUNS_2 = {
     "v32 tp2 sp fp32": [*COMMON, *V32, "distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"],
 }
@@ -41,6 +50,16 @@ def test_indexer_parameters_are_planned_whole_on_every_tp_rank():
 
 def test_indexer_activations_match_one_rank():
     _compare(RUNS_1, run_on_ranks(_measure, 1, args=(RUNS_1,), timeout=600), 1)
+
+
+def test_warmup_activations_are_the_indexers_alone():
+    """The warm-up's peak of saved bytes is the indexers' terms alone (planned before as joint training, 5x
+    the measured peak); its gradients and optimizer states, of the indexers only, are not planned as such."""
+    (_, _, peak, live) = run_on_ranks(_measure, 1, args=(WARMUP,), timeout=600)[0]["v32 warm-up"]
+    cfg = tiny_config(WARMUP["v32 warm-up"], world_size=1)
+    layout = layout_of(cfg)
+    plan = build_plan(layout.pp, 0, layout.num_microbatches, None)
+    assert live == 0 and peak == replay_in_flight(plan, estimate_stages(cfg, layout)[0].chunk_saved)[0]
 
 
 @pytest.mark.extended

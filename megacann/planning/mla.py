@@ -67,9 +67,15 @@ def indexer_activation_terms(m: ModelConfig, tokens: float, s: int, a: int) -> d
     """Bytes a lightning indexer saves for one micro-batch of ``tokens`` tokens (every TP rank: the whole
     sequence; under context parallelism the rank's share, not measured) scoring ``s`` keys each (see the
     module docstring)."""
+    sparse = not m.indexer_warmup and m.index_topk < s  # the attention reads a mask of the chosen keys
+    if m.indexer_loss_coeff == 0:  # the indexer only chooses (no graph): the attention keeps the top-k mask
+        return {"indexer top-k mask": tokens * s * a} if sparse else {}
     d, n, rope = m.index_head_dim, m.index_n_heads, m.qk_rope_head_dim
-    return {
-        "indexer keys and queries": tokens * (a * (d + 2 + 4 * rope) + 4 * n * (d + 1)),
-        "indexer scores": tokens * s * 4 * (d + n),
-        "indexer selection and loss": tokens * s * (a + 2 + 8),
+    terms = {
+        "indexer keys and queries": tokens * (a * (d + 2 + 4 * rope) + 4 * n * (d + 1) + 4 * d),
+        "indexer scores": tokens * s * 4 * n,
+        "indexer selection and loss": tokens * s * (a * sparse + 2 + 8),
     }
+    if m.indexer_warmup:  # the rest of the model frozen: the indexer's own inputs are saved for it alone
+        terms["indexer inputs"] = tokens * a * (m.hidden_size + m.q_lora_rank)
+    return terms
