@@ -5,6 +5,9 @@ keeps, of everything that grows with queries x keys, only the ReLU'd per-head sc
 
 from __future__ import annotations
 
+import os
+import runpy
+
 import torch
 import torch.nn.functional as F
 from test_planner import SavedTensorTracker
@@ -103,3 +106,15 @@ def test_no_indexer_tensor_outlives_a_step_without_the_indexer_loss():
         before = attn(x, tables)
         indexer.wk.weight.normal_(0.0, 1.0)
         assert not torch.allclose(attn(x, tables), before)
+
+
+def test_the_memory_script_measures_the_per_head_scores_at_deepseek_v32_size():
+    """scripts/indexer_memory.py (the figures in docs/models.md): at DeepSeek-V3.2's indexer shape its
+    quadratic coefficient is 4 b n_I = 512 bytes (2 sequences, 64 heads), not 4 b (n_I + d_I) = 1536."""
+    script = runpy.run_path(
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "indexer_memory.py")
+    )
+    indexer = script["SparseIndexer"](*(script[k] for k in ("HIDDEN", "LATENT", "HEADS", "WIDTH", "ROPE")), top_k=8)
+    seq = 16
+    saved = [script["saved_bytes"](indexer, 2, n) for n in (seq, 2 * seq)]
+    assert (saved[1] - 2 * saved[0]) / (2 * seq**2) == 4 * 2 * script["HEADS"]
