@@ -3,8 +3,9 @@ every TP rank, so the planner's parameters per device equal the built model's, a
 activations (the indexer's keys, queries and per-key scores over the whole sequence on every TP rank, the
 top-k selection and the indexer loss's log-probabilities and target) against the peak of what autograd
 saves in a run: fp32 to 4 bytes, bf16 within 0.5%, tp 2 + SP within 0.5% (extended tier); with the indexer
-loss off (only the sparse attention's top-k mask, nothing left saved after the step) within 0.5% too, and
-in the warm-up (only the indexers train: their inputs and their own terms) its activations exactly."""
+loss off (only the sparse attention's top-k mask, nothing left saved after the step) within 0.5% too; the
+warm-up (only the indexers train) exactly: their gradients and optimizer states, and their saved inputs and
+terms alone."""
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ RUNS_1 = {
     "v32 bf16": [*COMMON, *V32, "model.precision=bf16"],
     "v32 indexer loss off": [*COMMON, *V32, "model.indexer_loss_coeff=0"],  # only the top-k mask, nothing left
 }
-WARMUP = {"v32 warm-up": [*COMMON, *V32, "model.indexer_warmup=true"]}  # only the indexers save (their inputs too)
+WARMUP = [*COMMON, *V32, "model.indexer_warmup=true"]  # only the indexers train and save
 RUNS_2 = {
     "v32 tp2 sp fp32": [*COMMON, *V32, "distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"],
 }
@@ -52,14 +53,18 @@ def test_indexer_activations_match_one_rank():
     _compare(RUNS_1, run_on_ranks(_measure, 1, args=(RUNS_1,), timeout=600), 1)
 
 
-def test_warmup_activations_are_the_indexers_alone():
-    """The warm-up's peak of saved bytes is the indexers' terms alone (planned before as joint training, 5x
-    the measured peak); its gradients and optimizer states, of the indexers only, are not planned as such."""
-    (_, _, peak, live) = run_on_ranks(_measure, 1, args=(WARMUP,), timeout=600)[0]["v32 warm-up"]
-    cfg = tiny_config(WARMUP["v32 warm-up"], world_size=1)
+def test_warmup_plans_the_indexers_alone():
+    """The warm-up: gradients and optimizer states of the indexers only (the optimizer holds them alone:
+    4 layers x 1040 parameters) beside the whole model's weights, and a peak of saved bytes that is the
+    indexers' terms alone, exactly (planned before as joint training: 5x the measured peak)."""
+    (_, memory, peak, live) = run_on_ranks(_measure, 1, args=({"warm-up": WARMUP},), timeout=600)[0]["warm-up"]
+    cfg = tiny_config(WARMUP, world_size=1)
     layout = layout_of(cfg)
+    stage = estimate_stages(cfg, layout)[0]
+    assert memory["params"] == 4 * 1040 * 4 and stage.weights == 4 * stage.params
+    assert (memory["grads"], memory["optimizer_states"]) == (stage.grads, stage.optimizer) == (4 * 4160, 8 * 4160)
     plan = build_plan(layout.pp, 0, layout.num_microbatches, None)
-    assert live == 0 and peak == replay_in_flight(plan, estimate_stages(cfg, layout)[0].chunk_saved)[0]
+    assert live == 0 and peak == replay_in_flight(plan, stage.chunk_saved)[0]
 
 
 @pytest.mark.extended

@@ -23,7 +23,8 @@ of the s keys, the ReLU'd per-head scores (4 n_I: the score product never repeat
 sparse attention's mask of the chosen keys (a), the indexer loss's two masks (2 bytes) and its fp32
 log-probabilities and target (8). With ``indexer_loss_coeff`` 0 the indexer builds no graph: the mask alone.
 In the warm-up (``indexer_warmup``: dense attention, every weight but the indexers' frozen) the indexer's
-terms without the mask, plus its own inputs (a (h + r_q)), are all a layer saves. Measured against runs in
+terms without the mask, plus its own inputs (a (h + r_q)), are all a layer saves, and the indexers' parameters
+alone have gradients and optimizer states (:mod:`megacann.planning.estimate`). Measured against runs in
 tests/test_planner_indexer.py.
 """
 
