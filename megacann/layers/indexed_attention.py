@@ -89,9 +89,11 @@ def indexed_attention(
     if not (learn or sparse):  # every key read: the dense path
         return attention.dense_attention(q, k, v, segment_ids)
     allowed = readable_keys(q.shape[1], segment_ids, group, q.device)
-    # the indexer reads detached inputs: its own loss alone trains it
-    index_keys = _whole_sequence(indexer.keys(x.detach(), rotary, attention.rotary_interleaved), group)
-    scores = indexer.scores(x.detach(), query_latent.detach(), rotary, attention.rotary_interleaved, index_keys)
+    # the indexer reads detached inputs: its own loss alone trains it; without that loss no graph is built
+    # (one never run backward would keep the scores' saved tensors alive under saved-tensor hooks)
+    with torch.set_grad_enabled(learn):
+        index_keys = _whole_sequence(indexer.keys(x.detach(), rotary, attention.rotary_interleaved), group)
+        scores = indexer.scores(x.detach(), query_latent.detach(), rotary, attention.rotary_interleaved, index_keys)
     read = indexer.select(scores, allowed) if sparse else allowed
     keys = _whole_sequence(k, group)
     if sparse:

@@ -137,7 +137,9 @@ class SparseIndexer(torch.nn.Module):
             keys = self.keys(hidden, rotary, tables_interleaved)
         q = self.wq_b(query_latent).view(b, s, self.num_heads, self.head_dim)
         q = self._rotate(q, self._tables(rotary, tables_interleaved))
-        per_head = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * self.softmax_scale)
+        # one product of all queries' heads with the keys: the keys are never repeated per query, so backward
+        # keeps only the ReLU'd per-head scores beside the (small) queries and keys
+        per_head = F.relu(torch.einsum("bshd,btd->bsht", q.float(), keys.float()) * self.softmax_scale)
         weights = self.weights_proj(hidden).float() * self.num_heads**-0.5  # [b, s, heads]
         return torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)
 

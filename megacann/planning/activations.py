@@ -110,7 +110,10 @@ def layer_activation_terms(
         del terms["attention q k v out"]
         terms.update(mla.latent_attention_activation_terms(m, tokens, a, t))
     if arch.sparse_indexer:  # each query scores every key of the sequence (all-gathered under cp)
-        terms.update(mla.indexer_activation_terms(m, tokens, cfg.data.seq_length, a))
+        indexer = mla.indexer_activation_terms(m, tokens, cfg.data.seq_length, a)
+        if m.indexer_warmup:  # every weight but the indexers' frozen: nothing else saves
+            return indexer
+        terms.update(indexer)
     if arch.attention_sinks:  # the reference's softmax over the keys and the sink column, kv heads expanded
         del terms["attention log-sum-exp"]
         terms.update(sink_attention_terms(m, tokens, cfg.data.seq_length // layout.cp, a, t, kv))
@@ -198,6 +201,8 @@ def chunk_extra_terms(
     s = cfg.data.seq_length / layout.cp
     terms: dict[str, float] = {}
     arch = architecture(m)
+    if arch.sparse_indexer and m.indexer_warmup:  # only the indexers train, and they read detached inputs
+        return terms
     learned = arch.position_embedding == "learned"
     if first:
         # int64 ids (this shard's, under TP, with a bool mask of the ids outside it), + learned positions' ids

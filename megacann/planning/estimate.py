@@ -14,6 +14,9 @@ weights once more, built and sharded like the policy: its weights only (no gradi
 never ZeRO-sharded). Its forward pass runs under ``no_grad`` before the policy's forward-backward, so it
 saves no activations. ``adapters_off`` reuses the policy; ``precomputed`` holds 4 bytes per sequence of the
 data (not counted: the planner does not read the data).
+
+DeepSeek-V3.2's indexer warm-up (``indexer_warmup``) trains the indexers alone: the stage holds every weight,
+but gradients and optimizer state only for its layers' (and MTP depths') indexers.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from megacann.pipeline.plan import Backward, BackwardInput, BackwardWeight, Forw
 from megacann.pipeline.rules import chunks_per_stage
 from megacann.pipeline.schedule_spec import find_schedule, splits_backward
 from megacann.pipeline.simulate import schedule_summary
+from megacann.planning import mla
 from megacann.planning.activations import (
     boundary_tensor_bytes,
     chunk_extra_terms,
@@ -40,6 +44,7 @@ from megacann.planning.activations import (
 from megacann.planning.deferred import chunk_held_bytes
 from megacann.planning.formulas import (
     Layout,
+    architecture,
     chunk_parameters_per_rank,
     layer_kind,
     layer_parameters_per_rank,
@@ -204,13 +209,14 @@ def estimate_stage(
     recipe_placement = recipe_spec.placement if recipe_spec is not None else LOOP
     same_cut = (pp, vpp, placement) == (d.pipeline_parallel_size, recipe_chunks, recipe_placement)
     pipeline_layers = d.pipeline_layers if same_cut else None
-    params, experts, saved, buffers, holds, transient = 0, 0, [], [], [], 0.0
+    params, experts, saved, buffers, holds, transient, stage_layers = 0, 0, [], [], [], 0.0, 0
     offloaded, host_saved, unit = set(layout.offload_layers), [], 0
     split, held, after, boundary = splits_backward(schedule), [], [], boundary_tensor_bytes(cfg, layout)
     held_per_kind = {} if held_per_kind is None else held_per_kind
     for chunk in range(vpp):
         ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers, placement=placement)
         first, last = placement.is_model_first(stage, chunk), placement.is_model_last(pp, stage, chunk, vpp)
+        stage_layers += len(ids) + (mtp_depths(m) if last else 0)
         chunk_params, chunk_experts = chunk_parameters_per_rank(cfg, layout.tp, ids, first, last, pp, layout.ep)
         params, experts = params + chunk_params, experts + chunk_experts
         kinds = [layer_kind(m, i) for i in ids]
@@ -243,6 +249,9 @@ def estimate_stage(
     peak, in_flight = _peak(profile, [*(a + b for a, b in zip(saved, buffers)), *after])
     host_peak = _peak(profile, host_saved)[0]
     static = placed_static_bytes(cfg, layout, params, experts, unit)
+    if architecture(m).sparse_indexer and m.indexer_warmup:  # the indexers alone have gradients and states
+        trained = placed_static_bytes(cfg, layout, stage_layers * mla.indexer_parameters(m))
+        static.update({key: trained[key] for key in ("grads", "optimizer", "host_optimizer")})
     return StageEstimate(
         stage,
         " | ".join(holds),

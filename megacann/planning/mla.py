@@ -18,10 +18,14 @@ nothing (its tables carry no gradient); the rotary tables are of width ``qk_rope
 ``index_head_dim`` d_I): its parameters (wq_b, wk, k_norm, weights_proj) whole on every TP rank, and per
 token of the whole sequence on every TP rank, what it saves as megacann computes it (the indexer loss on,
 sparse attention): its key before k_norm, k_norm's mean and 1/std and the rotate-half tables re-laid twice
-(a (d_I + 2 + 4 rope)), its fp32 queries and head weights (4 n_I (d_I + 1)); per token and key of the s
-keys, the fp32 keys broadcast to every query by the score product and the ReLU'd per-head scores
-(4 (d_I + n_I)), the dense attention's distribution (a), the causal and top-k masks (2 bytes) and the
-indexer loss's fp32 log-probabilities and target (8). Measured against a run in tests/test_planner_indexer.py.
+(a (d_I + 2 + 4 rope)), its fp32 queries, head weights and keys (4 n_I (d_I + 1) + 4 d_I); per token and key
+of the s keys, the ReLU'd per-head scores (4 n_I: the score product never repeats the keys per query), the
+sparse attention's mask of the chosen keys (a), the indexer loss's two masks (2 bytes) and its fp32
+log-probabilities and target (8). With ``indexer_loss_coeff`` 0 the indexer builds no graph: the mask alone.
+In the warm-up (``indexer_warmup``: dense attention, every weight but the indexers' frozen) the indexer's
+terms without the mask, plus its own inputs (a (h + r_q)), are all a layer saves, and the indexers' parameters
+alone have gradients and optimizer states (:mod:`megacann.planning.estimate`). Measured against runs in
+tests/test_planner_indexer.py.
 """
 
 from __future__ import annotations
@@ -67,9 +71,15 @@ def indexer_activation_terms(m: ModelConfig, tokens: float, s: int, a: int) -> d
     """Bytes a lightning indexer saves for one micro-batch of ``tokens`` tokens (every TP rank: the whole
     sequence; under context parallelism the rank's share, not measured) scoring ``s`` keys each (see the
     module docstring)."""
+    sparse = not m.indexer_warmup and m.index_topk < s  # the attention reads a mask of the chosen keys
+    if m.indexer_loss_coeff == 0:  # the indexer only chooses (no graph): the attention keeps the top-k mask
+        return {"indexer top-k mask": tokens * s * a} if sparse else {}
     d, n, rope = m.index_head_dim, m.index_n_heads, m.qk_rope_head_dim
-    return {
-        "indexer keys and queries": tokens * (a * (d + 2 + 4 * rope) + 4 * n * (d + 1)),
-        "indexer scores": tokens * s * 4 * (d + n),
-        "indexer selection and loss": tokens * s * (a + 2 + 8),
+    terms = {
+        "indexer keys and queries": tokens * (a * (d + 2 + 4 * rope) + 4 * n * (d + 1) + 4 * d),
+        "indexer scores": tokens * s * 4 * n,
+        "indexer selection and loss": tokens * s * (a * sparse + 2 + 8),
     }
+    if m.indexer_warmup:  # the rest of the model frozen: the indexer's own inputs are saved for it alone
+        terms["indexer inputs"] = tokens * a * (m.hidden_size + m.q_lora_rank)
+    return terms
