@@ -1,13 +1,13 @@
 """The implementations of ``decode_attention`` (declared in :mod:`megacann.ops.signatures`): a decoding
 step's queries over the key/value cache, per device.
 
-- ``reference`` (any device; what CPU runs): the masked attention of :func:`megacann.ops.reference.
+- ``reference`` (any device; CPU in fp32): the masked attention of :func:`megacann.ops.reference.
   scaled_dot_product_attention` over the cache, ``[b, 1, s, slots]`` mask, no ``[s, s]`` one.
 - ``fp32_sdpa`` (cpu): the reference, with bfloat16 and float16 queries, keys and values upcast to fp32 for
   the call and the output rounded back. PyTorch's CPU flash kernel handles one query token a row badly in
-  bf16 (it repacks the whole cache per call): upcasting and running its fp32 kernel was 8-13x faster on a
-  16-row step (docs/generation.md, "Measured"), and rounds once instead of after each product. fp32 runs
-  the reference as it is.
+  bf16: upcasting and running its fp32 kernel was 3.5x to 38x faster per call at 1 to 16 rows and 128 to
+  255 cached tokens (``benchmarks/decode_attention_cpu.py``; benchmarks/NOTES.md), and it rounds once
+  instead of after each product. fp32 runs the reference as it is.
 - ``grouped_sdpa`` (cuda): one ``F.scaled_dot_product_attention`` call in which the query heads that share
   a kv head are rows of one head (``[b, hkv, g * s, d]`` against ``[b, hkv, slots, d]``), so grouped-query
   attention reads the cache as it lies, never copied per query head, and a boolean mask keeps PyTorch's
