@@ -9,9 +9,9 @@ A random LLaMA (hidden 512, 4 layers, 8 heads, 4 kv heads, ffn 1408, vocabulary 
 transformers to a temporary directory; transformers reads it back (eager attention, its dynamic cache) and
 megacann loads it through ``from_pretrained_hf``. Every prompt has ``--prompt`` random tokens; both generate
 ``--new_tokens`` greedy tokens a row with no EOS. A time is a whole ``generate`` call (prefill included);
-each way runs ``--repeats`` times, and the best time counts. Ratios are of the same run; the wall seconds
-move with the machine's load (say it: ``uptime``), so the table also gives tokens per CPU-second (the
-process's CPU time, both threads), which other work on the machine moves far less.
+the two ways take turns, ``--repeats`` calls each, and each one's best time counts. Ratios are of the same
+run; the wall seconds move with the machine's load (say it: ``uptime``), so the table also gives tokens per
+CPU-second (the process's CPU time, both threads), which other work on the machine moves less.
 """
 
 from __future__ import annotations
@@ -63,16 +63,23 @@ def megacann_generate(generator: Generator, prompts: list[list[int]], params: Sa
     return torch.tensor([result.tokens for result in generator.generate(prompts, params)])
 
 
-def best_time(repeats: int, way, *args) -> tuple[float, float, torch.Tensor]:
-    """The shortest wall time and the least CPU time (all threads) of ``repeats`` calls of ``way(*args)``,
-    and what it returned."""
-    wall, cpu, tokens = [], [], None
+def timed(way, *args) -> tuple[float, float, torch.Tensor]:
+    """The wall time and the CPU time (all threads) of one call of ``way(*args)``, and what it returned."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    tokens = way(*args)
+    return time.perf_counter() - start, time.process_time() - start_cpu, tokens
+
+
+def best_times(repeats: int, ways: list[tuple]) -> list[tuple[float, float, torch.Tensor]]:
+    """For each ``(way, *args)`` of ``ways``: the shortest wall time and the least CPU time of ``repeats``
+    calls, and what it returned. The ways take turns (one call each a round), so a change of the machine's
+    load falls on all of them alike."""
+    best = [(float("inf"), float("inf"), None)] * len(ways)
     for _ in range(repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        tokens = way(*args)
-        wall.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    return min(wall), min(cpu), tokens
+        for i, (way, *args) in enumerate(ways):
+            wall, cpu, tokens = timed(way, *args)
+            best[i] = (min(best[i][0], wall), min(best[i][1], cpu), tokens)
+    return best
 
 
 def main() -> None:
@@ -111,10 +118,13 @@ def main() -> None:
                 )
                 rows = prompts.tolist()
                 with torch.no_grad():
-                    theirs_s, theirs_cpu, theirs = best_time(
-                        args.repeats, hf_generate, reference, prompts, args.new_tokens
+                    (theirs_s, theirs_cpu, theirs), (ours_s, ours_cpu, mine) = best_times(
+                        args.repeats,
+                        [
+                            (hf_generate, reference, prompts, args.new_tokens),
+                            (megacann_generate, generator, rows, params),
+                        ],
                     )
-                    ours_s, ours_cpu, mine = best_time(args.repeats, megacann_generate, generator, rows, params)
                 made = batch * args.new_tokens
                 same = (mine == theirs).float().mean().item()
                 print(

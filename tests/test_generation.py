@@ -7,7 +7,7 @@ Hugging Face adapter) equals the model itself recomputing each whole unpadded se
 Mistral's window (5 keys) is shorter than every row, so its rolling cache of 5 slots really rolls. Requests
 end at their own max_new_tokens, stop tokens and EOS, their rows leave the batch (the decode batch
 shrinks) and the others' tokens do not change; the decode step attends with a one-row mask per query
-(no ``[s, s]`` mask) and the prefill with none. Seeded sampling is the same alone or in a batch, top-k 1
+(no ``[s, s]`` mask, built once a forward for every layer) and the prefill with none. Seeded sampling is the same alone or in a batch, top-k 1
 is greedy, the processed distribution cuts what top-k / top-p / min-p say, and draws follow the
 distribution. LoRA adapters active (not merged) generate what their merged weights do. The cache's bytes
 equal the formula. Bad options and families without a decode path are
@@ -177,10 +177,11 @@ def test_requests_end_on_their_own_and_leave_the_batch(llama, monkeypatch):
         return attention(q, k, v, **kwargs)
 
     monkeypatch.setattr(ops, "scaled_dot_product_attention", recording_attention)
-    decode_attention, decode_calls = ops.decode_attention, []
+    decode_attention, decode_calls, decode_masks = ops.decode_attention, [], []
 
     def recording_decode_attention(q, k, v, **kwargs):
         decode_calls.append((q.shape[1], tuple(kwargs["attn_mask"].shape)))
+        decode_masks.append(kwargs["attn_mask"])
         return decode_attention(q, k, v, **kwargs)
 
     monkeypatch.setattr(ops, "decode_attention", recording_decode_attention)
@@ -198,6 +199,11 @@ def test_requests_end_on_their_own_and_leave_the_batch(llama, monkeypatch):
     assert attention_calls == [(14, None)] * layers  # the prefill: padding as its own segment, no mask
     assert len(decode_calls) == layers * 19  # every decoding forward reads the cache through decode_attention
     assert all(s == 1 and mask[2] == 1 for s, mask in decode_calls)  # one mask row per query: no [s, s]
+    # the mask is built once a forward, for the live rows, and read by every layer
+    per_forward = [decode_masks[i : i + layers] for i in range(0, len(decode_masks), layers)]
+    assert all(all(mask is masks[0] for mask in masks) for masks in per_forward)
+    assert len({id(masks[0]) for masks in per_forward}) == 19
+    assert [masks[0].shape[0] for masks in per_forward] == batch_sizes[1:]
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llama):

@@ -61,12 +61,27 @@ def every_op_fused():
 @pytest.mark.parametrize("hkv", [HKV, HQ], ids=["gqa", "mha"])
 def test_the_cpu_route_is_the_masked_attention(s, hkv):
     q, k, v, allowed = case(s, hkv)
-    assert registry.selected("decode_attention", "cpu") == "reference"
+    assert registry.selected("decode_attention", "cpu") == "fp32_sdpa"
     out = ops.decode_attention(q, k, v, attn_mask=allowed)  # scale None: 1/sqrt(d)
     assert out.shape == q.shape and rel_err(out, masked_attention(q, k, v, allowed, SCALE)) < 1e-6
     sinks = torch.randn(HQ)
     with_sinks = ops.decode_attention(q, k, v, attn_mask=allowed, scale=0.3, sinks=sinks)
     assert rel_err(with_sinks, masked_attention(q, k, v, allowed, 0.3, sinks)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_the_cpu_route_computes_half_precision_in_fp32_and_rounds_once(dtype, with_sinks):
+    q, k, v, allowed = case(hkv=HKV, dtype=dtype, seed=3)
+    sinks = torch.randn(HQ).to(dtype) if with_sinks else None
+    out = ops.decode_attention(q, k, v, attn_mask=allowed, scale=0.3, sinks=sinks)
+    assert out.dtype == dtype and out.shape == q.shape
+    # one rounding of the exact attention: within half a unit in the last place (bf16 2^-9, fp16 2^-12)
+    half_ulp = 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12
+    assert rel_err(out, masked_attention(q, k, v, allowed, 0.3, sinks)) < half_ulp
+    fp32_sinks = None if sinks is None else sinks.float()
+    fp32 = ops.decode_attention(q.float(), k.float(), v.float(), attn_mask=allowed, scale=0.3, sinks=fp32_sinks)
+    assert torch.equal(out, fp32.to(dtype))  # exactly the fp32 attention, rounded once
 
 
 @pytest.mark.parametrize("s", [1, 2])

@@ -327,10 +327,10 @@ class Generator:
     ) -> torch.Tensor:
         """``[3, rows]`` float64: each row's token (the TP group's first rank's), its log-probability under
         the model's distribution and under the processed one (NaN where its request did not ask)."""
-        chosen = [
-            choose(logits[row], params[request], len(results[request].tokens)) for row, request in enumerate(active)
-        ]
-        tokens = torch.tensor(chosen, device=logits.device)
+        tokens = logits.argmax(-1)  # the greedy rows' choices in one op; the sampled rows drawn one by one
+        for row, request in enumerate(active):
+            if not params[request].greedy:
+                tokens[row] = choose(logits[row], params[request], len(results[request].tokens))
         if ps.get_tensor_model_parallel_world_size() > 1:  # every rank feeds the same tokens back
             group = ps.get_tensor_model_parallel_group()
             dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(), group=group)

@@ -73,6 +73,9 @@ class KVCache:
             known = ", ".join(kind.__name__ for kind, _ in _CACHE_LAYERS)
             raise ValueError(f"the model has no attention layer a cache serves (registered: {known})")
         self.max_len, self.length, self.pad = max_len, 0, pad
+        # masks of this forward (cleared by advance), shared by the layers of one kind: every layer writes
+        # the same positions
+        self.masks: dict[tuple, torch.Tensor] = {}
         self.attentions = [m for m, _ in served]
         self.layers = [layer(self, m, batch) for m, layer in served]
 
@@ -102,6 +105,7 @@ class KVCache:
     def advance(self, tokens: int) -> None:
         """The last forward wrote ``tokens`` slots of every row."""
         self.length += tokens
+        self.masks.clear()
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the current batch): finished requests cost nothing more."""
@@ -138,7 +142,13 @@ class CacheLayer:
         if start + s > self.cache.max_len:
             raise ValueError(f"the key/value cache holds {self.cache.max_len} tokens a row; {start + s} asked")
         keep = min(s, self.slots)  # a rolling cache keeps the last W of a long prompt
+        first = (start + s - keep) % self.slots
         positions = torch.arange(start + s - keep, start + s, device=new[0].device)
+        if first + keep <= self.slots:  # the slots lie in one run: copied in place (a decode step's one slot)
+            for entry, x in zip(self.entries, new):
+                entry[:, first : first + keep].copy_(x[:, s - keep :])
+            self.slot_of[first : first + keep] = positions
+            return
         where = positions % self.slots
         for entry, x in zip(self.entries, new):
             entry[:, where] = x[:, s - keep :].to(entry.dtype)
@@ -160,7 +170,14 @@ class CacheLayer:
 
     def mask(self, s: int, used: int) -> torch.Tensor:
         """``[b, 1, s, used]``, True where one of this forward's ``s`` queries may read a cached entry: one
-        of its own row (not padding), not after it, within the window."""
+        of its own row (not padding), not after it, within the window. Built once a forward for all the
+        layers of the same slots and window."""
+        key = (s, used, self.slots, self.window)
+        if key not in self.cache.masks:
+            self.cache.masks[key] = self._build_mask(s, used)
+        return self.cache.masks[key]
+
+    def _build_mask(self, s: int, used: int) -> torch.Tensor:
         start = self.cache.length
         held = self.slot_of[:used].view(1, 1, -1)
         query = torch.arange(start, start + s, device=held.device).view(1, -1, 1)

@@ -1,8 +1,13 @@
 """The implementations of ``decode_attention`` (declared in :mod:`megacann.ops.signatures`): a decoding
 step's queries over the key/value cache, per device.
 
-- ``reference`` (any device; what CPU runs): the masked attention of :func:`megacann.ops.reference.
+- ``reference`` (any device; CPU in fp32): the masked attention of :func:`megacann.ops.reference.
   scaled_dot_product_attention` over the cache, ``[b, 1, s, slots]`` mask, no ``[s, s]`` one.
+- ``fp32_sdpa`` (cpu): the reference, with bfloat16 and float16 queries, keys and values upcast to fp32 for
+  the call and the output rounded back. PyTorch's CPU flash kernel handles one query token a row badly in
+  bf16: upcasting and running its fp32 kernel was 3.5x to 38x faster per call at 1 to 16 rows and 128 to
+  255 cached tokens (``benchmarks/decode_attention_cpu.py``; benchmarks/NOTES.md), and it rounds once
+  instead of after each product. fp32 runs the reference as it is.
 - ``grouped_sdpa`` (cuda): one ``F.scaled_dot_product_attention`` call in which the query heads that share
   a kv head are rows of one head (``[b, hkv, g * s, d]`` against ``[b, hkv, slots, d]``), so grouped-query
   attention reads the cache as it lies, never copied per query head, and a boolean mask keeps PyTorch's
@@ -28,7 +33,8 @@ from megacann.accelerator import import_torch_npu
 from megacann.ops import npu_api, reference
 from megacann.ops.registry import REFERENCE, register
 
-GROUPED_SDPA, NPU = "grouped_sdpa", "npu"
+GROUPED_SDPA, NPU, FP32_SDPA = "grouped_sdpa", "npu", "fp32_sdpa"
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 INCRE_KERNEL = "npu_incre_flash_attention"
 INCRE_DTYPES = (torch.float16, torch.bfloat16)  # the kernel's documented query dtypes
 
@@ -46,6 +52,22 @@ def decode_attention(
     return reference.scaled_dot_product_attention(
         q, k_cache, v_cache, causal=False, attn_mask=attn_mask, scale=scale, sinks=sinks
     )
+
+
+@register("decode_attention", FP32_SDPA, priority=10, device_types=("cpu",))
+def fp32_decode_attention(q, k_cache, v_cache, *, attn_mask=None, scale=None, sinks=None) -> torch.Tensor:
+    """The reference in fp32 for half-precision inputs, rounded back to their dtype (fp32: the reference)."""
+    if q.dtype not in HALF_DTYPES:
+        return decode_attention(q, k_cache, v_cache, attn_mask=attn_mask, scale=scale, sinks=sinks)
+    out = decode_attention(
+        q.float(),
+        k_cache.float(),
+        v_cache.float(),
+        attn_mask=attn_mask,
+        scale=scale,
+        sinks=None if sinks is None else sinks.float(),
+    )
+    return out.to(q.dtype)
 
 
 @register("decode_attention", GROUPED_SDPA, priority=10, device_types=("cuda",))

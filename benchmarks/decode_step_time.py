@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""CPU time of one decoding step and of the prefill, megacann's generator against transformers'
+``generate``, on benchmarks/generation_vs_transformers.py's model, the two taking turns in one process.
+
+    OMP_NUM_THREADS=1 python benchmarks/decode_step_time.py [--dtype bf16] [--batch 16] [--new_tokens 33]
+        [--repeats 3]
+
+Each library generates 1 and ``--new_tokens`` tokens, ``--repeats`` times in turn; the least CPU time of
+each counts. The prefill's figure is the 1-token call; a step's is the difference divided by the steps
+between them, so the prefill drops out. CPU time of one thread moves less with the machine's load than
+wall time (the load is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import bench_common  # noqa: F401 (puts the checkout on sys.path)
+import torch
+from decode_step_profile import way
+from generation_vs_transformers import DTYPES, SHAPE, write_model
+
+LIBRARIES = ("transformers", "megacann")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new_tokens", type=int, default=33)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    prompts = torch.randint(
+        1, SHAPE["vocab_size"], (args.batch, args.prompt), generator=torch.Generator().manual_seed(args.batch)
+    )
+    best = {}
+    with tempfile.TemporaryDirectory() as directory, torch.no_grad():
+        write_model(directory)
+        ways = {library: way(library, directory, args.dtype, prompts) for library in LIBRARIES}
+        for _ in range(args.repeats):
+            for new_tokens in (1, args.new_tokens):
+                for library, generate in ways.items():
+                    start = time.process_time()
+                    generate(new_tokens)
+                    spent = time.process_time() - start
+                    best[library, new_tokens] = min(best.get((library, new_tokens), spent), spent)
+    print(
+        f"{args.dtype} batch {args.batch}, prompt {args.prompt}, {torch.get_num_threads()} thread(s), "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    step = {lib: (best[lib, args.new_tokens] - best[lib, 1]) / (args.new_tokens - 1) for lib in LIBRARIES}
+    for library in LIBRARIES:
+        print(
+            f"  {library:>12}: prefill {best[library, 1] * 1e3:7.1f} ms, a decoding step {step[library] * 1e3:6.2f} ms"
+        )
+    print(f"  step ratio transformers / megacann: {step['transformers'] / step['megacann']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
