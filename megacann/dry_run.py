@@ -178,6 +178,10 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
     )
     if m.vocab_size and spec.architecture is None:
         lines.append(f"-- memory per device: megacann-plan has no formulas for model.type {m.type!r} yet")
+        if cfg.train_mode == "grpo":  # the rollouts' cache needs only the family's decode cache layout
+            from megacann.planning.rl import generation_cache_line
+
+            lines.append(generation_cache_line(cfg))
     elif m.vocab_size:
         lines += describe_memory(cfg, layout.data_parallel_size, spec.total_parameters(m))
     from megacann.planning.generation import generation_cache_lines

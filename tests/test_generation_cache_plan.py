@@ -1,7 +1,8 @@
 """The generation cache ``--dry_run`` and ``megacann-plan`` print equals what the generator allocates, for every
 kind of layer a family declares (``ModelSpec.decode_cache``): keys and values (llama), a rolling window
 (mistral), sliding and full layers alternating (gpt_oss), compressed latents (deepseek_v3), latents with
-the indexer's keys (deepseek_v32), Gated DeltaNet states beside full attention (qwen3_5, qwen3_next).
+the indexer's keys (deepseek_v32), Gated DeltaNet states beside full attention (qwen3_5, qwen3_next), a
+window of KV heads with compressor and indexer projections (deepseek_v4).
 
 Each family's tiny recipe, shrunk, is built on the CPU (fp32, random weights); a generation of the
 recipe's size runs and the bytes of the cache's tensors (``KVCache.nbytes``) are measured: for
@@ -35,6 +36,7 @@ FAMILIES = {
     "deepseek_v32": ("deepseek_v32", []),
     "qwen3_5": ("qwen3_5", []),
     "qwen3_next": ("qwen3_next", []),
+    "deepseek_v4": ("deepseek_v4", [f"model.sliding_window={WINDOW}"]),
 }
 
 
@@ -83,29 +85,34 @@ def measured_cache_bytes(cfg, grpo: bool) -> int:
     return generator.last_cache.nbytes
 
 
-def printed_generation_eval_bytes(cfg, tp: int) -> int:
-    """The bytes of the generation_eval line, the same in ``--dry_run`` and ``megacann-plan``'s report."""
+def printed(cfg, tp: int, prefix: str) -> str:
+    """The one line starting with ``prefix`` in ``--dry_run``'s description, the same in ``megacann-plan``'s
+    report (deepseek_v4 has no memory plan: the planner refuses it by name, and its dry run is read)."""
+    from megacann.config import ConfigError
     from megacann.dry_run import describe
     from megacann.planning import plan_report
 
-    prefix = "generation_eval key/value cache per rank: "
     dry = [line for line in describe(cfg).splitlines() if line.startswith(prefix)]
-    plan = [line for line in plan_report(cfg, None, tp, None).splitlines() if line.startswith(prefix)]
+    if cfg.model.type == "deepseek_v4":
+        with pytest.raises(ConfigError, match="model.type 'deepseek_v4'"):
+            plan_report(cfg, None, tp, None)
+        plan = dry
+    else:
+        plan = [line for line in plan_report(cfg, None, tp, None).splitlines() if line.startswith(prefix)]
     assert len(dry) == 1 and dry == plan, (dry, plan)
-    return int(dry[0][len(prefix) :].split(" bytes")[0].replace(",", ""))
+    return dry[0]
+
+
+def printed_generation_eval_bytes(cfg, tp: int) -> int:
+    """The bytes of the generation_eval line, the same in ``--dry_run`` and ``megacann-plan``'s report."""
+    prefix = "generation_eval key/value cache per rank: "
+    return int(printed(cfg, tp, prefix)[len(prefix) :].split(" bytes")[0].replace(",", ""))
 
 
 def printed_grpo_bytes(cfg) -> int:
     """The bytes of the GRPO generation cache line (in all, after its layers' summary), the same in
     ``--dry_run`` and ``megacann-plan``'s report."""
-    from megacann.dry_run import describe
-    from megacann.planning import plan_report
-
-    tp = cfg.distributed.tensor_parallel_size
-    dry = [line for line in describe(cfg).splitlines() if line.startswith("GRPO generation cache")]
-    plan = [line for line in plan_report(cfg, None, tp, None).splitlines() if line.startswith("GRPO generation cache")]
-    assert len(dry) == 1 and dry == plan, (dry, plan)
-    (line,) = dry
+    line = printed(cfg, cfg.distributed.tensor_parallel_size, "GRPO generation cache")
     return int(line.split(" bytes in all")[0].rsplit("(", 1)[1].replace(",", ""))
 
 
@@ -131,6 +138,13 @@ def test_the_kinds_are_what_each_family_declares(tmp_path):
     assert "2 layers of keys and values of 4 kv heads x head dim 32: " in lines["gpt_oss"]
     assert "layers of latent " in lines["deepseek_v3"] and "index key" not in lines["deepseek_v3"]
     assert "+ index key 32 a token" in lines["deepseek_v32"]
+    # sliding, CSA (kv and gate 2 x 64 wide, the indexer's 2 x 32), HCA (kv and gate 64), CSA: whole KV head
+    v4 = {width: ROWS * (WINDOW * 64 + (SEQ + NEW - 1) * width) * 4 for width in (0, 2 * 128 + 2 * 64, 2 * 64)}
+    assert lines["deepseek_v4"].endswith(
+        f"tp 1: 1 layers of a KV head of 64, window {WINDOW}: {v4[0]:,} bytes; "
+        f"2 layers of a KV head of 64, window {WINDOW} + compressor projections 384 a token: {2 * v4[384]:,} bytes; "
+        f"1 layers of a KV head of 64, window {WINDOW} + compressor projections 128 a token: {v4[128]:,} bytes"
+    )
     for family in ("qwen3_5", "qwen3_next"):
         assert "3 layers of Gated DeltaNet states of 8 heads x 32 x 32" in lines[family]
         assert "1 layers of keys and values of 2 kv heads x head dim 64" in lines[family]
@@ -156,11 +170,13 @@ def printed_line(cfg) -> str:
     return line
 
 
-TP2_CASES = [  # (family, overrides): kv heads split, a kv head read by both ranks, latents whole, states split
+TP2_CASES = [  # (family, overrides): kv heads split, a kv head read by both ranks, latents whole, states split,
+    # DeepSeek-V4's single KV head and projections whole
     ("gpt_oss", ()),
     ("llama", ("model.num_key_value_heads=1",)),
     ("deepseek_v32", ()),
     ("qwen3_5", ()),
+    ("deepseek_v4", ()),
 ]
 
 
@@ -191,5 +207,7 @@ def test_at_tp2_each_rank_allocates_the_printed_share(tmp_path):
         one = recipe(family, str(tmp_path / family), extra=extra)
         whole = printed_generation_eval_bytes(one, 1)
         # the share is the layout's: halved kv heads and states, one kv head on both ranks, whole latents
-        expected = {"gpt_oss": whole // 2, "llama": whole, "deepseek_v32": whole, "qwen3_5": whole // 2}[family]
+        # and DeepSeek-V4 caches
+        halved = {"gpt_oss", "qwen3_5"}
+        expected = whole // 2 if family in halved else whole
         assert printed == expected, family

@@ -23,6 +23,7 @@ import torch
 from megacann import ops
 from megacann.generation.kv_cache import CacheLayer, KVCache, register_cache_layer
 from megacann.layers import CompressedSparseAttention
+from megacann.models.decode_cache import CompressedWindow
 
 
 def compressed_cache_bytes(
@@ -37,9 +38,11 @@ def compressed_cache_bytes(
     """Bytes of the caches of ``num_layers`` layers of one type for ``batch`` rows of ``max_len`` tokens:
     ``min(sliding_window, max_len)`` KV heads of ``head_dim`` a row, and ``projection_width`` values a
     token of compressor projections (``0`` on sliding layers; ``2·head_dim`` for HCA's candidates and
-    gates, ``2·(2·head_dim + 2·index_head_dim)`` for CSA's and its indexer's)."""
-    local = min(sliding_window, max_len) * head_dim
-    return num_layers * batch * (local + max_len * projection_width) * dtype.itemsize
+    gates, ``2·(2·head_dim + 2·index_head_dim)`` for CSA's and its indexer's): the same on every
+    tensor-parallel rank (:class:`~megacann.models.decode_cache.CompressedWindow`'s formula, which the
+    planners use too)."""
+    kind = CompressedWindow(head_dim, sliding_window, projection_width)
+    return num_layers * kind.nbytes(batch, max_len, dtype)
 
 
 class CompressedAttentionCacheLayer:

@@ -1,11 +1,11 @@
 """What each layer of a model keeps while generating (its decode cache layout), declared by the family
 through ``ModelSpec.decode_cache`` and read by the generation cache's byte formulas and by the planners.
 
-A layout is one entry per layer, of one of three kinds, sized for the whole model (all tensor-parallel
+A layout is one entry per layer, of one of four kinds, sized for the whole model (all tensor-parallel
 ranks together); :meth:`for_rank` gives the largest share one rank of ``tp`` holds, :meth:`nbytes` the
 bytes of a layer for ``batch`` rows of ``slots`` tokens. These are the only byte formulas of a cache:
-:func:`megacann.generation.kv_cache_bytes`, ``latent_cache_bytes`` and ``recurrent_cache_bytes`` are
-them, and ``--dry_run`` / ``megacann-plan`` sum them over a family's layout.
+:func:`megacann.generation.kv_cache_bytes`, ``latent_cache_bytes``, ``recurrent_cache_bytes`` and
+``compressed_cache_bytes`` are them, and ``--dry_run`` / ``megacann-plan`` sum them over a family's layout.
 
 - :class:`KeysValues`: each token's keys and values, ``[batch, slots, kv_heads, head_dim]`` each; a
   sliding window W keeps ``min(W, slots)`` slots. A rank caches the kv heads its query heads read.
@@ -15,6 +15,9 @@ them, and ``--dry_run`` / ``megacann-plan`` sum them over a family's layout.
 - :class:`RecurrentState`: a linear-attention layer's fp32 state ``[value_heads, key_head_dim,
   value_head_dim]`` and its convolution's last ``conv_kernel - 1`` inputs a row, whatever the length;
   split by heads over tensor-parallel ranks.
+- :class:`CompressedWindow`: DeepSeek-V4's compressed attention: a rolling window of each token's rotated
+  KV head (``head_dim``), and on its compressed layers each token's compressor projections (and its
+  indexer's) for every slot; whole on every rank.
 
 A family that declares nothing and can decode gets :func:`attention_cache_layout`: keys and values of the
 common keys (``kv_heads``, the head width, ``num_attention_heads``) in every layer, no window.
@@ -111,7 +114,30 @@ class RecurrentState:
         )
 
 
-LayerCache = Union[KeysValues, CompressedLatent, RecurrentState]
+@dataclass(frozen=True)
+class CompressedWindow:
+    """DeepSeek-V4's attention cache: the single KV head (``head_dim`` values) of the last ``window`` tokens,
+    and ``projection_width`` values a token of compressor projections for every slot (0 on sliding layers;
+    the compressed entries are pooled again from them at each step)."""
+
+    head_dim: int
+    window: int
+    projection_width: int = 0
+
+    def for_rank(self, tp: int) -> CompressedWindow:
+        """One KV head serves every query head: each rank caches all of it and all the projections."""
+        return self
+
+    def nbytes(self, batch: int, slots: int, dtype: torch.dtype) -> int:
+        local = min(self.window, slots) * self.head_dim
+        return batch * (local + slots * self.projection_width) * dtype.itemsize
+
+    def describe(self) -> str:
+        history = f" + compressor projections {self.projection_width} a token" if self.projection_width else ""
+        return f"a KV head of {self.head_dim}, window {self.window}{history}"
+
+
+LayerCache = Union[KeysValues, CompressedLatent, RecurrentState, CompressedWindow]
 
 
 def attention_cache_layout(cfg: ModelConfig) -> list[LayerCache]:

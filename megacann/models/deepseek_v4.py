@@ -27,6 +27,7 @@ from megacann.layers.compressed_attention import CompressedSparseAttention
 from megacann.layers.hyper_connections import expand_streams
 from megacann.layers.moe import ExpertActivation
 from megacann.layers.random import checkpoint
+from megacann.models.decode_cache import CompressedWindow, LayerCache
 from megacann.models.decoder import DecoderArch, decoder_decode_step
 from megacann.models.deepseek_v4_config import (
     CSA,
@@ -128,11 +129,28 @@ class DeepseekV4Block(torch.nn.Module):
 # -- sizes --------------------------------------------------------------------------------------------
 
 
+def _compressor_out(width: int, overlap: bool) -> int:
+    """The width of a window compressor's kv and gate projections each (two series with overlapping windows)."""
+    return 2 * width if overlap else width
+
+
 def _compressor_parameters(h: int, width: int, rate: int, overlap: bool) -> int:
-    """A window compressor of entries ``width`` wide: position bias, kv and gate projections (twice as
-    wide with overlapping windows), the entries' norm."""
-    out = 2 * width if overlap else width
+    """A window compressor of entries ``width`` wide: position bias, kv and gate projections, the entries'
+    norm."""
+    out = _compressor_out(width, overlap)
     return rate * out + 2 * out * h + width
+
+
+def deepseek_v4_decode_cache(m: ModelConfig) -> list[LayerCache]:
+    """Each layer's rolling window of rotated KV heads; a compressed layer's cache also keeps each token's
+    compressor projections (kv and gate), a compressed sparse layer's its indexer's as well."""
+    d, index = m.head_dim, m.index_head_dim
+    widths = {
+        SLIDING: 0,
+        HCA: 2 * _compressor_out(d, overlap=False),
+        CSA: 2 * _compressor_out(d, overlap=True) + 2 * _compressor_out(index, overlap=True),
+    }
+    return [CompressedWindow(d, m.sliding_window, widths[kind]) for kind in v4_layer_types(m)]
 
 
 def v4_attention_parameters(m: ModelConfig, layer_type: str) -> int:
@@ -295,6 +313,7 @@ DEEPSEEK_V4 = dataclasses.replace(
         flops_per_token=deepseek_v4_flops_per_token,
     ),
     decode=decoder_decode_step,
+    decode_cache=deepseek_v4_decode_cache,
     architecture=None,  # no memory plan
     moe_structure=None,
     sharding_units=(DeepseekV4Block,),

@@ -51,12 +51,17 @@ def rl_memory_lines(cfg: MegacannConfig, reference_gb: str) -> list[str]:
         "per device (weights only; in the total)",
         "adapters_off": "GRPO reference: the policy's frozen base with the adapters off: no memory of its own",
     }[kind]
+    return [reference, generation_cache_line(cfg)]
+
+
+def generation_cache_line(cfg: MegacannConfig) -> str:
+    """The rollouts' generation cache on one device, kind by kind (also printed by ``--dry_run`` for a family
+    without a memory plan)."""
     rows, slots = rollout_cache_shape(cfg)
     stage, tp = largest_stage_layout(cfg), cfg.distributed.tensor_parallel_size
     total = generation_cache_bytes(cfg)
-    cache = (
+    return (
         f"GRPO generation cache: {total / 1e9:.2f} GB per device ({rows} rows x {slots} slots, {cfg.model.precision}, "
         f"tp {tp}: {layout_summary(cfg, stage, tp, rows, slots)} ({total:,} bytes in all); allocated while "
         "generating, when no training activation is held: not in the total)"
     )
-    return [reference, cache]
