@@ -96,23 +96,12 @@ def context_parallel_compressed_attention(
         if attention.compressor.overlap:  # the indexer's own compressed keys, of the whole sequence
             index_keys = WindowCompressor.forward(attention.compressor.indexer, whole_x, attention.rotary)
         entries_read = attention.entries_read(entries.shape[1], x, q_residual, position_ids, index_keys)
-    chunk = q.shape[1] // 2
-    outputs = []
+    chunk, window, outputs = q.shape[1] // 2, attention.sliding_window, []
     for half, chunk_id in enumerate(context_parallel_chunk_ids(dist.get_rank(group), dist.get_world_size(group))):
-        mine = slice(half * chunk, (half + 1) * chunk)
+        mine = slice(half * chunk, (half + 1) * chunk)  # this chunk's queries, at token indices from chunk_id·chunk
         read = None if entries_read is None else entries_read[:, :, mine]
-        outputs.append(
-            windowed_attention(
-                q[:, mine],
-                whole_kv,
-                chunk_id * chunk,
-                attention.sliding_window,
-                attention.sinks,
-                entries,
-                read,
-                segments,
-            )  # fmt: skip
-        )
+        attend = dict(entries=entries, entries_read=read, segment_ids=segments)
+        outputs.append(windowed_attention(q[:, mine], whole_kv, chunk_id * chunk, window, attention.sinks, **attend))
     return torch.cat(outputs, dim=1)
 
 
