@@ -2,7 +2,7 @@
 ``DeepseekV4Attention`` with the same weights, for its three layer types (outputs, input and parameter
 gradients, fp32, relative error of the whole tensor), over a sequence longer than the sliding window and
 than several compression windows; under tensor parallelism 2 (with and without sequence parallelism) equal
-to one process; refusals (context parallelism among them)."""
+to one process; refusals (ring context parallelism among them)."""
 
 from __future__ import annotations
 
@@ -167,10 +167,10 @@ def _tp2_checks() -> tuple[dict[str, dict[str, float]], str]:
 
 
 def _context_parallel_refusal(config) -> str:
-    """What the layer says when run under context parallelism 2 (it must refuse)."""
+    """What the layer says when run under ring context parallelism 2 (it must refuse: all-gather only)."""
     ps.initialize_model_parallel(context_parallel_size=2)
     try:
-        _ours(config, "heavily_compressed_attention")(torch.zeros(1, 8, HIDDEN))
+        _ours(config, "heavily_compressed_attention", context_parallel_algo="ring")(torch.zeros(1, 8, HIDDEN))
         return "ran"
     except ValueError as error:
         return str(error)
@@ -180,8 +180,10 @@ def _context_parallel_refusal(config) -> str:
 
 def test_tp2_equals_one_process_and_context_parallel_refused():
     for rank, (per_rank, cp_refusal) in enumerate(run_on_ranks(_tp2_checks, world_size=2, timeout=300)):
-        assert "(heavily_compressed_attention): context parallelism is not supported (context_parallel_size 2)" in (
-            cp_refusal
+        assert cp_refusal == (
+            "CompressedSparseAttention (heavily_compressed_attention): DeepSeek-V4 attention runs under context "
+            "parallelism with context_parallel_algo 'allgather' only (its compressors pool windows of the whole "
+            "sequence), got 'ring'"
         )
         assert len(per_rank) == 6
         for layout, errs in per_rank.items():

@@ -298,7 +298,8 @@ V4 = [
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["distributed.context_parallel_size=2"], "distributed.context_parallel_size 2 is refused"),
+        (["distributed.context_parallel_size=2", "distributed.context_parallel_algo=ring"],
+         "distributed.context_parallel_algo 'ring' is refused for model.type deepseek_v4 at context_parallel_size 2"),
         (["model.mtp_num_layers=1"], "model.mtp_num_layers 1 is refused"),
         (["model.o_groups=1", "model.o_lora_rank=16", "distributed.tensor_parallel_size=2"],
          "model.o_groups 1 is not divisible by distributed.tensor_parallel_size 2"),

@@ -5,6 +5,8 @@ parallelism (two stages passing the residual streams flattened, the token ids on
 (gloo, CPU, fp32): losses and gradient norms to 1e-5 relative. Each layout shows it is on: the heads and
 sinks per TP rank, the tokens each rank's layers see under SP, the experts of each EP rank, the layers of
 each stage and the streams the second stage receives; and every rank's hash tables are the checkpoint's.
+Context parallelism 2 (all-gather; chunks of 6 tokens, so windows of 8, compressed windows of 4 and 8 and
+the indexer's top-k cross the ranks): each rank's layers see half the tokens and run the all-gather path.
 Two spawns: world 2 runs the layouts, world 1 the one-process reference."""
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ LAYOUTS = {
     "tp2": ["distributed.tensor_parallel_size=2", ACCUM2],
     "ep2": ["distributed.expert_parallel_size=2", "optim.grad_accum_steps=1"],  # dp 2 (ep within it)
     "pp2": ["distributed.pipeline_parallel_size=2", ACCUM2],
+    "cp2": ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=allgather", ACCUM2],
 }
 HASHED = (0, 3)  # the hash-routed layers
 
@@ -76,6 +79,8 @@ def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
             ),  # fmt: skip
             "layers": sorted(int(i) for i in chunk.layers),
             "received": sorted(set(received)),
+            "cp_algo": first.self_attn.context_parallel_algo,
+            "cp_path": first.self_attn._context_group() is not None,  # the all-gather path, not one process
         }
     return results
 
@@ -90,7 +95,7 @@ def runs(tmp_path_factory):
     return one, run_on_ranks(_run, 2, args=(tuple(LAYOUTS)[1:], hf_dir, root + "/w2"), timeout=600)
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "tp2", "ep2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "tp2", "ep2", "pp2", "cp2"])
 def test_layouts_train_like_one_process(runs, layout):
     one, world2 = runs
     facts = [rank[layout] for rank in world2]
@@ -104,6 +109,10 @@ def test_layouts_train_like_one_process(runs, layout):
     if layout == "pp2":  # two layers a stage; the second receives both streams flattened, [b, s, 2 · 32]
         assert [f["layers"] for f in facts] == [[0, 1], [2, 3]]
         assert [f["received"] for f in facts] == [[], [(2, SEQ, 64)]]
+    elif layout == "cp2":  # half the tokens per rank, attended by all-gather
+        assert {f["streams"][0] for f in facts} == {(SEQ // 2, 2)}
+        assert {(f["cp_algo"], f["cp_path"]) for f in facts} == {("allgather", True)}
+        assert not one["cp_path"]
     elif layout.startswith("tp2"):  # half the heads and their sinks per rank
         assert {f["q_b_proj"] for f in facts} == {(32, 16)} and {f["sinks"] for f in facts} == {(2,)}
         tokens = SEQ // 2 if layout == "tp2_sp" else SEQ  # each rank's share of the sequence under SP

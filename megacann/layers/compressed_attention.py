@@ -27,8 +27,9 @@ splits the heads (``q_b_proj`` by rows, ``sinks``, whole groups of the output pr
 projection, the KV head, the norms and the compressor are whole on every rank and see the whole sequence
 (gathered under sequence parallelism), their gradients partial per rank (``tp_partial_grad``). While
 generating, the layer's ``kv_cache`` (:mod:`megacann.generation.compressed_cache`) keeps each token's
-rotated KV head and compressor projections. Context parallelism is refused; so are packed documents
-(``segment_ids``) on the compressed types, whose windows would pool tokens of neighbouring documents.
+rotated KV head and compressor projections. Context parallelism runs by all-gather only
+(:mod:`megacann.layers.compressed_context_parallel`). Packed documents (``segment_ids``) are refused on the
+compressed types, whose windows would pool tokens of neighbouring documents.
 """
 
 from __future__ import annotations
@@ -41,8 +42,14 @@ import torch.distributed as dist
 from megacann import ops
 from megacann import parallel_state as ps
 from megacann.layers import mappings
+from megacann.layers.compressed_context_parallel import (
+    check_context_parallel_algo,
+    context_parallel_compressed_attention,
+    windowed_attention,
+)
 from megacann.layers.compressed_indexer import CompressedIndexer, chosen_entries_bias
 from megacann.layers.context import current_layer_context
+from megacann.layers.context_parallel import context_parallel_position_ids
 from megacann.layers.grouped_output_projection import GroupedOutputProjection
 from megacann.layers.init import default_init_methods, init_zeros, make_parameter
 from megacann.layers.linear import ColumnParallelLinear
@@ -116,6 +123,8 @@ class CompressedSparseAttention(torch.nn.Module):
         init_method: Optional[InitMethod] = None,
         output_init_method: Optional[InitMethod] = None,
         recompute_core_attention: Optional[bool] = None,
+        context_parallel_algo: Optional[str] = None,
+        context_parallel_group: Optional[dist.ProcessGroup] = None,
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
@@ -124,6 +133,9 @@ class CompressedSparseAttention(torch.nn.Module):
         if recompute_core_attention is None:
             recompute_core_attention = current_layer_context().recompute == "selective"
         self.recompute_core_attention = recompute_core_attention
+        if context_parallel_algo is None:
+            context_parallel_algo = current_layer_context().context_parallel_algo
+        self.context_parallel_algo, self.context_parallel_group = context_parallel_algo, context_parallel_group
         _check_arguments(layer_type, num_attention_heads, head_dim, qk_rope_head_dim, sliding_window, group)
         if layer_type != SLIDING:
             _check_compressed(layer_type, compress_rate, index_n_heads, index_head_dim, index_topk)
@@ -193,8 +205,10 @@ class CompressedSparseAttention(torch.nn.Module):
         self._refuse_unsupported(segment_ids)
         x = self.q_a_proj.prepare_input(hidden)  # the whole sequence; its gradient summed over TP
         b, s, _ = x.shape
-        if position_ids is None:
-            position_ids = torch.arange(s, device=x.device).expand(b, s)
+        if position_ids is None:  # under context parallelism: the global positions of this rank's tokens
+            group = self._context_group()
+            size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+            position_ids = context_parallel_position_ids(s * size, size, rank, x.device).expand(b, s)
         cos, sin = self.rotary(position_ids, dtype=x.dtype)
         q_residual = self.q_a_norm(self.q_a_proj.forward_prepared(x))
         q = self.q_b_proj.forward_prepared(q_residual).unflatten(-1, (self.local_heads, self.head_dim))
@@ -220,6 +234,9 @@ class CompressedSparseAttention(torch.nn.Module):
     ) -> torch.Tensor:
         """``[b, s, local heads, d]``: the queries' attention over their window (and, on the compressed
         types, the compressed entries), before the values' rotation is undone."""
+        group = self._context_group()
+        if group is not None:
+            return context_parallel_compressed_attention(self, q, kv, x, q_residual, position_ids, segment_ids, group)
         if self.compressor is None:
             return ops.scaled_dot_product_attention(
                 q, kv, kv, causal=True, segment_ids=segment_ids, scale=self.head_dim**-0.5,
@@ -231,22 +248,11 @@ class CompressedSparseAttention(torch.nn.Module):
         self, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
         """Attention over the local window and the compressed entries (HCA: every closed window; CSA: the
-        indexer's picks), one block of ``sliding_window`` queries at a time: a block reads only the local
-        keys its window reaches (its own and the ``sliding_window - 1`` before it) and the entries, so no
-        ``[s, s]`` score matrix is formed. ``q`` ``[b, s, heads, d]``, ``kv`` ``[b, s, 1, d]``."""
+        indexer's picks), block by block (:func:`windowed_attention`). ``q`` ``[b, s, heads, d]``, ``kv``
+        ``[b, s, 1, d]``."""
         entries = self.compressor(x, self.rotary).unsqueeze(2)  # [b, T, 1, d]
-        b, s = x.shape[0], x.shape[1]
         entries_read = self.entries_read(entries.shape[1], x, q_residual, position_ids)
-        window, positions, outputs = self.sliding_window, torch.arange(s, device=x.device), []
-        attend = dict(causal=False, scale=self.head_dim**-0.5, sinks=self.sinks)
-        for start in range(0, s, window):
-            end, first = min(start + window, s), max(0, start - window + 1)
-            queries, keys = positions[start:end].unsqueeze(-1), positions[first:end]
-            local = (keys <= queries) & (keys > queries - window)  # [block, keys]
-            read = torch.cat([local.expand(b, 1, -1, -1), entries_read[:, :, start:end]], dim=-1)
-            block = torch.cat([kv[:, first:end], entries], dim=1)  # keys and values
-            outputs.append(ops.scaled_dot_product_attention(q[:, start:end], block, block, attn_mask=read, **attend))
-        return torch.cat(outputs, dim=1)
+        return windowed_attention(q, kv, 0, self.sliding_window, self.sinks, entries, entries_read)
 
     def entries_read(
         self,
@@ -270,13 +276,14 @@ class CompressedSparseAttention(torch.nn.Module):
             picks = indexer.forward_rows(x, q_residual, position_ids, self.rotary, index_keys, row_entries)
         return chosen_entries_bias(picks, count) == 0
 
+    def _context_group(self) -> Optional[dist.ProcessGroup]:
+        """The context-parallel group when it has more than one rank, else None."""
+        group = self.context_parallel_group or ps.get_context_parallel_group()
+        return None if group is None or dist.get_world_size(group) == 1 else group
+
     def _refuse_unsupported(self, segment_ids: Optional[torch.Tensor]) -> None:
-        cp_group = ps.get_context_parallel_group()
-        if cp_group is not None and dist.get_world_size(cp_group) > 1:
-            raise ValueError(
-                f"CompressedSparseAttention ({self.layer_type}): context parallelism is not supported "
-                f"(context_parallel_size {dist.get_world_size(cp_group)}); DeepSeek-V4 attention needs it 1"
-            )
+        if self._context_group() is not None:
+            check_context_parallel_algo(self.layer_type, self.context_parallel_algo)
         if segment_ids is not None and self.compressor is not None:
             raise ValueError(
                 f"CompressedSparseAttention ({self.layer_type}): packed documents (segment_ids) are not "

@@ -11,7 +11,8 @@ into them. Every layer is an MoE layer: ``mlp_layer_types`` says whether it rout
 token's id (``hash_moe``: a fixed table, ``router.token_to_experts``), so the token ids go to every layer;
 routed and shared experts apply the clamped SwiGLU of ``swiglu_limit``. A :class:`~megacann.layers.HyperHead`
 collapses the streams before the final norm. Pipeline stages pass the streams flattened, ``[b, s, hc_mult ·
-h]`` (``stage_hidden_size``), and every stage reads the token ids.
+h]`` (``stage_hidden_size``), and every stage reads the token ids. Context parallelism runs by all-gather
+only (:mod:`megacann.layers.compressed_context_parallel`); the rest of the block works token by token.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
 from megacann.layers import HyperConnection, HyperHead, MoEConfig, MoELayer, RMSNorm, init_normal, mappings
 from megacann.layers.compressed_attention import CompressedSparseAttention
+from megacann.layers.compressed_context_parallel import COMPRESSED_CONTEXT_PARALLEL_ALGO
 from megacann.layers.hyper_connections import expand_streams
 from megacann.layers.moe import ExpertActivation
 from megacann.layers.random import checkpoint
@@ -277,7 +279,6 @@ def check_deepseek_v4_config(cfg: MegacannConfig, source: str) -> None:
     m, d = cfg.model, cfg.distributed
     check_deepseek_v4_keys(m, source)
     refused = {
-        "distributed.context_parallel_size": (d.context_parallel_size, 1, "its compressed attention reads the whole sequence"),
         "model.mtp_num_layers": (m.mtp_num_layers, 0, "multi-token prediction is not built for DeepSeek-V4 (as in transformers)"),
         "model.moe_layer_freq": (m.moe_layer_freq, 1, "every DeepSeek-V4 layer is an MoE layer"),
     }  # fmt: skip
@@ -286,6 +287,13 @@ def check_deepseek_v4_config(cfg: MegacannConfig, source: str) -> None:
             raise ConfigError(
                 f"{source}: {key} {value!r} is refused for model.type deepseek_v4 ({allowed!r} only): {why}"
             )
+    if d.context_parallel_size > 1 and d.context_parallel_algo != COMPRESSED_CONTEXT_PARALLEL_ALGO:
+        raise ConfigError(
+            f"{source}: distributed.context_parallel_algo {d.context_parallel_algo!r} is refused for model.type "
+            f"deepseek_v4 at context_parallel_size {d.context_parallel_size}: its compressors pool windows of the "
+            f"whole sequence, which only {COMPRESSED_CONTEXT_PARALLEL_ALGO!r} holds on every rank "
+            f"(set distributed.context_parallel_algo={COMPRESSED_CONTEXT_PARALLEL_ALGO})"
+        )
     for key, count in (("num_attention_heads", m.num_attention_heads), ("o_groups", m.o_groups)):
         if count % d.tensor_parallel_size:
             raise ConfigError(
