@@ -1,14 +1,15 @@
 """LoRA on the families of late 2026 (qwen3_5, qwen3_5_moe, qwen3_next, gpt_oss, deepseek_v32, deepseek_v4),
-fp32: adapters on each family's projections (Gated DeltaNet's, gated attention's, the MLPs', latent attention's,
-the lightning indexer's, DeepSeek-V4's compressed attention's) of megacann's model of a transformers checkpoint, exported with ``save_peft_adapter``,
-load with ``peft.PeftModel.from_pretrained`` on transformers' model of that checkpoint and give megacann's
-logits (within 1e-5 of the largest logit), with every ``B`` nonzero so a wrong row or name would show;
-Qwen3-Next's ``B`` rows regrouped per key head as its fused weights' rows are. Targets PEFT cannot hold are
-refused by name at start-up (gpt-oss's and DeepSeek-V4's stacked experts, the MoE families' MLPs, both
-projections of one Qwen3-Next fused module, DeepSeek-V4's grouped ``o_a_proj``) and on export. Tensor parallel 2 with sequence parallelism trains the adapters as
-one process does (README tier: Qwen3.5, one spawn of one rank and one of two; extended tier: DeepSeek-V3.2
-with its indexer's adapters, Qwen3-Next), and adapters whole on every TP rank (the indexer's) keep
-complete gradients that are not summed over TP."""
+fp32: adapters on each family's projections (Gated DeltaNet's, gated attention's, the MLPs', latent
+attention's, the lightning indexer's, DeepSeek-V4's compressed attention's) of megacann's model of a
+transformers checkpoint, exported with ``save_peft_adapter``, load with ``peft.PeftModel.from_pretrained`` on
+transformers' model of that checkpoint and give megacann's logits (within 1e-5 of the largest logit), with
+every ``B`` nonzero so a wrong row or name would show; Qwen3-Next's ``B`` rows regrouped per key head as its
+fused weights' rows are. Targets PEFT cannot hold are refused by name at start-up (gpt-oss's and
+DeepSeek-V4's stacked experts, the MoE families' MLPs, both projections of one Qwen3-Next fused module,
+DeepSeek-V4's grouped ``o_a_proj``) and on export. Tensor parallel 2 with sequence parallelism trains the
+adapters as one process does (README tier: Qwen3.5, one spawn of one rank and one of two; extended tier:
+DeepSeek-V3.2 with its indexer's adapters, Qwen3-Next, DeepSeek-V4), and adapters whole on every TP rank
+(the indexer's) keep complete gradients that are not summed over TP."""
 
 from __future__ import annotations
 
@@ -162,6 +163,8 @@ TP_RUNS = {  # family: (checkpoint maker, targets, layer 0's adapters split over
                      {"q_b_proj.lora_B", "kv_b_proj.lora_B", "o_proj.lora_A"}, (pytest.mark.extended,)),
     "qwen3_next": (lambda p: tiny_hf_qwen3_next(p, std=0.05), ("in_proj_z", "in_proj_b", "out_proj", "v_proj"),
                    {"in_proj_z.lora_B", "in_proj_b.lora_B", "out_proj.lora_A"}, (pytest.mark.extended,)),
+    "deepseek_v4": (tiny_hf_v4, ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"), {"q_b_proj.lora_B", "o_b_proj.lora_A"},
+                    (pytest.mark.extended,)),
 }  # fmt: skip
 
 

@@ -162,21 +162,23 @@ def linear_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]
 
 def peft_refusal(targets: Sequence[str]) -> Optional[str]:
     """Why PEFT cannot hold LoRAs on those DeepSeek-V4 ``targets`` (None: it can): the grouped output
-    projection's first half and the MLP projections (which reach the stacked routed experts)."""
+    projection's first half, and the MLP projections (which reach the stacked routed experts); both said
+    when both are named."""
+    reasons = []
     if "o_a_proj" in targets:
-        return (
+        reasons.append(
             "['o_a_proj'] is refused for deepseek_v4: transformers' o_a_proj is a grouped linear layer (each "
             "group of heads through its own block of rows), which PEFT's LoRA wraps as a plain linear layer of "
-            "the wrong shape; target o_b_proj, q_a_proj, q_b_proj or kv_proj"
+            "the wrong shape"
         )
-    named = [t for t in targets if t in MLP_PROJECTIONS]
-    if not named:
-        return None
-    return (
-        f"{named} are refused for deepseek_v4: they reach every routed expert, which transformers stores stacked "
-        "(DeepseekV4Experts, not linear modules PEFT's LoRA can adapt); target the attention projections "
-        "(q_a_proj, q_b_proj, kv_proj, o_b_proj)"
-    )
+    experts = [t for t in targets if t in MLP_PROJECTIONS]
+    if experts:
+        reasons.append(
+            f"{experts} are refused for deepseek_v4: they reach every routed expert, which transformers stores "
+            "stacked (DeepseekV4Experts, not linear modules PEFT's LoRA can adapt)"
+        )
+    advice = "target the attention projections (q_a_proj, q_b_proj, kv_proj, o_b_proj)"
+    return "; ".join([*reasons, advice]) if reasons else None
 
 
 def _read_rope(rope: dict[str, Any], cfg: ModelConfig, config_file: str) -> None:
