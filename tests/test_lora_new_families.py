@@ -1,14 +1,15 @@
-"""LoRA on the families of late 2026 (qwen3_5, qwen3_5_moe, qwen3_next, gpt_oss, deepseek_v32), fp32: adapters
-on each family's projections (Gated DeltaNet's, gated attention's, the MLPs', latent attention's, the
-lightning indexer's) of megacann's model of a transformers checkpoint, exported with ``save_peft_adapter``,
-load with ``peft.PeftModel.from_pretrained`` on transformers' model of that checkpoint and give megacann's
-logits (within 1e-5 of the largest logit), with every ``B`` nonzero so a wrong row or name would show;
-Qwen3-Next's ``B`` rows regrouped per key head as its fused weights' rows are. Targets PEFT cannot hold are
-refused by name at start-up (gpt-oss's stacked experts, the MoE families' MLPs, both projections of one
-Qwen3-Next fused module) and on export. Tensor parallel 2 with sequence parallelism trains the adapters as
-one process does (README tier: Qwen3.5, one spawn of one rank and one of two; extended tier: DeepSeek-V3.2
-with its indexer's adapters, Qwen3-Next), and adapters whole on every TP rank (the indexer's) keep
-complete gradients that are not summed over TP."""
+"""LoRA on the families of late 2026 (qwen3_5, qwen3_5_moe, qwen3_next, gpt_oss, deepseek_v32, deepseek_v4),
+fp32: adapters on each family's projections (Gated DeltaNet's, gated attention's, the MLPs', latent
+attention's, the lightning indexer's, DeepSeek-V4's compressed attention's) of megacann's model of a
+transformers checkpoint, exported with ``save_peft_adapter``, load with ``peft.PeftModel.from_pretrained`` on
+transformers' model of that checkpoint and give megacann's logits (within 1e-5 of the largest logit), with
+every ``B`` nonzero so a wrong row or name would show; Qwen3-Next's ``B`` rows regrouped per key head as its
+fused weights' rows are. Targets PEFT cannot hold are refused by name at start-up (gpt-oss's and
+DeepSeek-V4's stacked experts, the MoE families' MLPs, both projections of one Qwen3-Next fused module,
+DeepSeek-V4's grouped ``o_a_proj``) and on export. Tensor parallel 2 with sequence parallelism trains the
+adapters as one process does (README tier: Qwen3.5, one spawn of one rank and one of two; extended tier:
+DeepSeek-V3.2 with its indexer's adapters, Qwen3-Next, DeepSeek-V4), and adapters whole on every TP rank
+(the indexer's) keep complete gradients that are not summed over TP."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import json
 
 import pytest
 import torch
+from deepseek_v4_helpers import tiny_hf_v4
 from gpt_oss_helpers import tiny_hf_gpt_oss
 from qwen3_5_helpers import hf_classes, tiny_hf_qwen3_5
 from qwen3_next_helpers import tiny_hf_qwen3_next
+from test_deepseek_v4 import IDS as V4_IDS
 from test_deepseek_v32_models import IDS as V32_IDS
 from test_deepseek_v32_models import tiny_hf_deepseek_v32
 
@@ -53,6 +56,10 @@ CASES = {
     "deepseek_v32": (lambda p: (tiny_hf_deepseek_v32(p), transformers.DeepseekV32ForCausalLM, V32_IDS),
                      (*LATENT, "wq_b", "wk", "weights_proj"),
                      ["o_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj", "weights_proj", "wk", "wq_b"]),
+    # PEFT matches leaf names, so it also puts a LoRA (B zero: no tensors for it) on the compressors' kv_proj
+    # and the indexer's q_b_proj, which megacann does not adapt
+    "deepseek_v4": (lambda p: (tiny_hf_v4(p), transformers.DeepseekV4ForCausalLM, V4_IDS),
+                    ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"), ["kv_proj", "o_b_proj", "q_a_proj", "q_b_proj"]),
 }  # fmt: skip
 
 
@@ -113,7 +120,12 @@ REFUSED = {  # case: (family, checkpoint maker, targets, message)
                            r"\['down_proj'\] are refused for qwen3_5_moe and qwen3_next: they reach every routed"),
     "qwen3_5_moe_experts": ("qwen3_5_moe", lambda p: tiny_hf_qwen3_5(p, moe=True), ["gate_proj"],
                             r"\['gate_proj'\] are refused for qwen3_5_moe and qwen3_next"),
+    "deepseek_v4_experts": ("deepseek_v4", tiny_hf_v4, ["q_a_proj", "down_proj"],
+                            r"\['down_proj'\] are refused for deepseek_v4: they reach every routed expert"),
+    "deepseek_v4_grouped_output": ("deepseek_v4", tiny_hf_v4, ["kv_proj", "o_a_proj"],
+                                   r"\['o_a_proj'\] is refused for deepseek_v4: transformers' o_a_proj is a grouped"),
 }  # fmt: skip
+NOT_ADAPTED = {"deepseek_v4_grouped_output"}  # megacann's grouped o_a_proj carries no LoRA either
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
@@ -127,6 +139,10 @@ def test_targets_peft_cannot_hold_are_refused_at_start_up_and_on_export(tmp_path
     lora = ["lora=true", f"lora_target_modules=[{','.join(targets)}]", "data.tokenizer=byte"]
     with pytest.raises(ConfigError, match=r"<recipe>: lora_target_modules: " + message):
         recipe(lora, model={"type": family, "precision": "fp32", "init_from": hf_dir})
+    if case in NOT_ADAPTED:
+        with pytest.raises(ValueError, match=r"LoRA target_modules \['o_a_proj'\] match no layer of the model"):
+            _adapted(hf_dir, tuple(targets))
+        return
     model, lora_config = _adapted(hf_dir, tuple(targets))  # megacann trains them; PEFT cannot hold them
     with pytest.raises(PeftFormatError, match=message):
         save_peft_adapter([model], str(tmp_path / "adapter"), lora_config)
@@ -147,6 +163,8 @@ TP_RUNS = {  # family: (checkpoint maker, targets, layer 0's adapters split over
                      {"q_b_proj.lora_B", "kv_b_proj.lora_B", "o_proj.lora_A"}, (pytest.mark.extended,)),
     "qwen3_next": (lambda p: tiny_hf_qwen3_next(p, std=0.05), ("in_proj_z", "in_proj_b", "out_proj", "v_proj"),
                    {"in_proj_z.lora_B", "in_proj_b.lora_B", "out_proj.lora_A"}, (pytest.mark.extended,)),
+    "deepseek_v4": (tiny_hf_v4, ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"), {"q_b_proj.lora_B", "o_b_proj.lora_A"},
+                    (pytest.mark.extended,)),
 }  # fmt: skip
 
 

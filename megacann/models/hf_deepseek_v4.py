@@ -31,6 +31,7 @@ import torch
 
 from megacann.config import ConfigError, ModelConfig
 from megacann.config.hf_config import load_hf_model_config, read_hf_config
+from megacann.layers.lora.targets import MLP_PROJECTIONS
 from megacann.models import hf_llama
 from megacann.models.deepseek_v4_config import (
     ROPE_KINDS,
@@ -149,6 +150,37 @@ def from_hf_tensors(names: Sequence[str], read: Reader, cfg: ModelConfig) -> dic
     return out
 
 
+def linear_parts(name: str, cfg: ModelConfig) -> list[tuple[str, Optional[int]]]:
+    """The transformers module names (PEFT adapter names, not the checkpoint's) of a megacann linear weight:
+    megacann's modules carry them, ``model.`` prefixed; a fused ``gate_up_proj`` is ``gate_proj`` then
+    ``up_proj`` (the routed experts' per-expert names have no transformers module: see :func:`peft_refusal`)."""
+    if not name.endswith(".gate_up_proj.weight"):
+        return [("model." + name, None)]
+    width = cfg.moe_ffn_hidden_size * (cfg.moe_shared_experts if ".shared_experts." in name else 1)
+    return [("model." + name.replace("gate_up_proj", part), width) for part in ("gate_proj", "up_proj")]
+
+
+def peft_refusal(targets: Sequence[str]) -> Optional[str]:
+    """Why PEFT cannot hold LoRAs on those DeepSeek-V4 ``targets`` (None: it can): the grouped output
+    projection's first half, and the MLP projections (which reach the stacked routed experts); both said
+    when both are named."""
+    reasons = []
+    if "o_a_proj" in targets:
+        reasons.append(
+            "['o_a_proj'] is refused for deepseek_v4: transformers' o_a_proj is a grouped linear layer (each "
+            "group of heads through its own block of rows), which PEFT's LoRA wraps as a plain linear layer of "
+            "the wrong shape"
+        )
+    experts = [t for t in targets if t in MLP_PROJECTIONS]
+    if experts:
+        reasons.append(
+            f"{experts} are refused for deepseek_v4: they reach every routed expert, which transformers stores "
+            "stacked (DeepseekV4Experts, not linear modules PEFT's LoRA can adapt)"
+        )
+    advice = "target the attention projections (q_a_proj, q_b_proj, kv_proj, o_b_proj)"
+    return "; ".join([*reasons, advice]) if reasons else None
+
+
 def _read_rope(rope: dict[str, Any], cfg: ModelConfig, config_file: str) -> None:
     """``rope_parameters: {main, compress}`` onto ``rope_theta``, ``compress_rope_theta``, ``rope_scaling``
     (the compressed layers' YaRN) and ``partial_rotary_factor``; other kinds or a scaled main refused."""
@@ -261,5 +293,7 @@ DEEPSEEK_V4_HF = HFAdapter(
     config_to_hf=hf_config_dict,
     to_hf=to_hf_tensors,
     from_hf=from_hf_tensors,
+    linear_parts=linear_parts,
     checkpoint_buffers=lambda name: name.endswith(".mlp.router.token_to_experts"),
+    peft_refusal=peft_refusal,
 )

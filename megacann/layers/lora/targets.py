@@ -9,7 +9,8 @@ separate projections. On a model with separate projections, a fused name selects
 
 The same names select MoE experts' ``gate_up_proj`` (gate, up) and ``down_proj``; latent attention's
 projections have names of their own (:data:`LATENT_PROJECTIONS`), as have Gated DeltaNet's
-(:data:`DELTANET_PROJECTIONS`) and DeepSeek-V3.2's indexer's (:data:`INDEXER_PROJECTIONS`); ``"all-linear"``
+(:data:`DELTANET_PROJECTIONS`), DeepSeek-V3.2's indexer's (:data:`INDEXER_PROJECTIONS`) and DeepSeek-V4's
+attention's (:data:`COMPRESSED_ATTENTION_PROJECTIONS`); ``"all-linear"``
 includes none of them. A layer whose output is several blocks under one name (a DeltaNet's
 ``in_proj_qkv``: q, k, v) gets one LoRA over all its blocks. :func:`resolve_target` is the one place a name
 becomes a layer's LoRA; attaching, merging and the PEFT writer / reader all use it.
@@ -34,6 +35,9 @@ MTP_PROJECTIONS = ("eh_proj",)  # multi-token prediction's projection of [embedd
 # Gated DeltaNet's (Qwen3.5's names): q, k, v in one projection, the output gate z, the beta and decay inputs
 DELTANET_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 INDEXER_PROJECTIONS = ("wq_b", "wk", "weights_proj")  # DeepSeek-V3.2's lightning indexer's
+# DeepSeek-V4's compressed sparse attention's (transformers' module names): the one shared KV head's
+# projection, and the two halves of the grouped low-rank output projection
+COMPRESSED_ATTENTION_PROJECTIONS = ("kv_proj", "o_a_proj", "o_b_proj")
 PROJECTION_NAMES = (
     *HF_PROJECTIONS,
     *LATENT_PROJECTIONS,
@@ -41,6 +45,7 @@ PROJECTION_NAMES = (
     *MTP_PROJECTIONS,
     *DELTANET_PROJECTIONS,
     *INDEXER_PROJECTIONS,
+    *COMPRESSED_ATTENTION_PROJECTIONS,
 )
 ALL_PROJECTIONS = "all-linear"  # PEFT's shorthand: every attention and MLP projection
 
