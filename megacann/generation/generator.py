@@ -35,7 +35,7 @@ from megacann import parallel_state as ps
 from megacann.generation.kv_cache import KVCache
 from megacann.generation.lockstep import Lockstep
 from megacann.generation.pipeline_stages import PipelineStages, check_pipeline_generation
-from megacann.generation.sampling import SamplingParams, choose, processed_logprob
+from megacann.generation.sampling import SamplingParams, choose_rows, processed_logprob
 from megacann.layers import MoELayer
 from megacann.layers.gathered_weights import weights_gathered
 from megacann.models.spec import ModelSpec
@@ -266,9 +266,7 @@ class Generator:
     ) -> torch.Tensor:
         """``[3, rows]`` float64: each row's token (the TP group's first rank's), its log-probability under
         the model's distribution and under the processed one (NaN where its request did not ask)."""
-        chosen = [
-            choose(logits[row], params[request], len(results[request].tokens)) for row, request in enumerate(active)
-        ]
+        chosen = choose_rows(logits, [params[r] for r in active], [len(results[r].tokens) for r in active])
         tokens = torch.tensor(chosen, device=logits.device)
         if ps.get_tensor_model_parallel_world_size() > 1:  # every rank feeds the same tokens back
             group = ps.get_tensor_model_parallel_group()
