@@ -123,20 +123,17 @@ def prepare(args, workdir: str) -> dict[str, str]:
     if not args.learn:
         return {"model": base, "prompts": write_random_prompts(args, workdir), "tokenizer": base}
     task = write_task(workdir, args.prompts, args.test, args.seed)
-    out = os.path.join(workdir, "sft")
+    out = args.sft_dir or os.path.join(workdir, "sft")
+    start = {"model": os.path.join(out, f"hf_{args.sft_steps}"), "prompts": task["prompts"], "test": task["test"]}
+    if os.path.isdir(start["model"]):  # kept from an earlier run with --sft-dir (the same seed: the same task)
+        return {**start, "tokenizer": base}
     recipe = sft_recipe(megacann_model_keys(args), base, task["sft"], args.sft_steps, args.seed, out)
     command = [sys.executable, os.path.abspath(__file__), "--sft-recipe", json.dumps(recipe), "--workdir", workdir]
-    proc = subprocess.run(
-        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    )
+    threads = {"OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **threads})
     if proc.returncode != 0:
         raise SystemExit(f"grpo_vs_trl: the SFT start failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {
-        "model": os.path.join(out, f"hf_{args.sft_steps}"),
-        "prompts": task["prompts"],
-        "test": task["test"],
-        "tokenizer": base,
-    }
+    return {**start, "tokenizer": base}
 
 
 def megacann_run(args, start: dict[str, str], workdir: str) -> dict:
@@ -309,6 +306,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--lr", type=float, help="learning rate of both (default 1e-5, with --learn 3e-4)")
     parser.add_argument("--learn", action="store_true", help="start both from a weak SFT model of the task")
+    parser.add_argument("--sft-dir", help="with --learn: where the SFT start is made, or reused if already there")
     parser.add_argument("--only", choices=sorted(RUNNERS), help=argparse.SUPPRESS)  # one run, in a child process
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--start", help=argparse.SUPPRESS)  # the child's start (JSON of prepare's dict)
