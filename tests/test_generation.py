@@ -36,7 +36,7 @@ from training_helpers import tiny_hf_mixtral
 from megacann import ops
 from megacann.config import ModelConfig
 from megacann.generation import Generator, SamplingParams, kv_cache_bytes, processed_logits
-from megacann.generation.sampling import draw
+from megacann.generation.sampling import choose, choose_rows, draw
 from megacann.interop import from_pretrained_hf
 from megacann.layers import initialize_weights
 from megacann.layers.lora import LoRAConfig, adapters_disabled, attach_lora, lora_parameters, merge_lora
@@ -259,6 +259,28 @@ def test_draws_follow_the_distribution():
     torch.testing.assert_close(counts / 4000, probs, rtol=0, atol=0.03)
     assert counts[4] == 0
     assert draw(probs.log(), 3, 7) == draw(probs.log(), 3, 7)
+
+
+def test_rows_drawn_together_get_the_tokens_each_row_draws_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(40, 258) * torch.linspace(0.1, 12.0, 40).unsqueeze(1)  # flat to sharp rows
+    logits[5, 100:] = float("-inf")  # a row whose tokens past 99 have probability 0
+    kinds = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.6),
+        SamplingParams(),  # greedy
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.9, top_p=0.8),
+    ]
+    for trial in range(30):  # seeds and token indices vary the uniforms drawn
+        params = [dataclasses.replace(kinds[i % len(kinds)], seed=trial * 100 + i) for i in range(40)]
+        indices = [(trial + i) % 9 for i in range(40)]
+        alone = [choose(logits[i], params[i], indices[i]) for i in range(40)]
+        assert choose_rows(logits, params, indices) == alone
+        assert alone[5] < 100
+        plain = [dataclasses.replace(kinds[0], seed=trial * 100 + i) for i in range(40)]
+        assert choose_rows(logits, plain, indices) == [choose(logits[i], plain[i], indices[i]) for i in range(40)]
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ from megacann.generation.kv_cache import KVCache
 from megacann.generation.lockstep import Lockstep
 from megacann.generation.micro_batches import MicroBatch, split_requests
 from megacann.generation.pipeline_stages import PipelineStages, check_pipeline_generation
-from megacann.generation.sampling import SamplingParams, choose, processed_logprob
+from megacann.generation.sampling import SamplingParams, choose_rows, processed_logprob
 from megacann.layers import MoELayer
 from megacann.layers.gathered_weights import weights_gathered
 from megacann.models.spec import ModelSpec
@@ -327,10 +327,14 @@ class Generator:
     ) -> torch.Tensor:
         """``[3, rows]`` float64: each row's token (the TP group's first rank's), its log-probability under
         the model's distribution and under the processed one (NaN where its request did not ask)."""
-        tokens = logits.argmax(-1)  # the greedy rows' choices in one op; the sampled rows drawn one by one
-        for row, request in enumerate(active):
-            if not params[request].greedy:
-                tokens[row] = choose(logits[row], params[request], len(results[request].tokens))
+        tokens = logits.argmax(-1)  # the greedy rows' choices in one op; the sampled rows drawn together
+        sampled = [row for row, request in enumerate(active) if not params[request].greedy]
+        if sampled:
+            requests = [active[row] for row in sampled]
+            chosen = choose_rows(
+                logits[sampled], [params[r] for r in requests], [len(results[r].tokens) for r in requests]
+            )
+            tokens[sampled] = torch.tensor(chosen, dtype=tokens.dtype, device=tokens.device)
         if ps.get_tensor_model_parallel_world_size() > 1:  # every rank feeds the same tokens back
             group = ps.get_tensor_model_parallel_group()
             dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(), group=group)

@@ -73,11 +73,16 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return scores
 
 
+def _uniform(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) that token ``index`` of a request seeded ``seed`` is drawn at."""
+    generator = torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % (1 << 63))
+    return torch.rand((), generator=generator, dtype=torch.float64).item()
+
+
 def draw(scores: torch.Tensor, seed: int, index: int) -> int:
     """A token from ``softmax(scores)`` by inverting its distribution at one uniform number of the
     generator seeded by ``seed`` and the token's ``index``."""
-    generator = torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % (1 << 63))
-    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    u = _uniform(seed, index)
     cumulative = scores.double().softmax(-1).cumsum(-1).cpu()
     target = torch.tensor([u * cumulative[-1].item()], dtype=torch.float64)
     token = int(torch.searchsorted(cumulative, target, right=True))  # never a token of probability 0
@@ -90,6 +95,31 @@ def choose(logits: torch.Tensor, params: SamplingParams, index: int) -> int:
     if params.greedy:
         return int(logits.argmax())
     return draw(processed_logits(logits, params), params.seed, index)
+
+
+def choose_rows(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
+    """:func:`choose` for each row of fp32 ``logits`` ``[rows, vocab]`` (row ``i``: ``params[i]``, its
+    ``indices[i]``-th token), the same tokens. Rows that only scale by a temperature (no top-k, top-p or
+    min-p: a rollout's usual settings) are drawn together, one softmax and one search for all of them, since
+    one small op per row and token is what a decode step of many short rows spends its time on."""
+    plain = [i for i, p in enumerate(params) if not p.greedy and not p.top_k and p.top_p == 1 and p.min_p == 0]
+    if len(plain) < 2:
+        plain = []
+    tokens = [0] * len(params)
+    if plain:
+        rows = torch.tensor(plain, device=logits.device)
+        temperatures = torch.tensor([params[i].temperature for i in plain], device=logits.device).unsqueeze(1)
+        cumulative = (logits.float().index_select(0, rows) / temperatures).double().softmax(-1).cumsum(-1).cpu()
+        uniforms = torch.tensor([_uniform(params[i].seed, indices[i]) for i in plain], dtype=torch.float64)
+        targets = (uniforms * cumulative[:, -1]).unsqueeze(1)
+        chosen = torch.searchsorted(cumulative, targets, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+        for i, token in zip(plain, chosen.tolist()):
+            tokens[i] = token
+    batched = set(plain)
+    for i in range(len(params)):
+        if i not in batched:
+            tokens[i] = choose(logits[i], params[i], indices[i])
+    return tokens
 
 
 def processed_logprob(logits: torch.Tensor, params: SamplingParams, token: int) -> float:
