@@ -128,7 +128,7 @@ def test_what_mistral_cannot_express_is_refused(tmp_path):
         hf_config_dict(biased, torch.float32)
     with pytest.raises(
         ConfigError,
-        match=r"'model.sliding_window' for model.type 'llama': it is a key of model family 'gpt_oss' / 'mistral'",
+        match=r"'model.sliding_window' for model.type 'llama': it is a key of model family 'deepseek_v4' / 'gpt_oss' / 'mistral'",
     ):
         tiny_config(["model.sliding_window=8"])
     config = tmp_path / "config.json"  # a LLaMA checkpoint with a window is still refused
