@@ -225,3 +225,34 @@ def test_unknown_generation_option_is_refused_by_name(setup):
     lm = MegacannLM(setup[0])
     with pytest.raises(ValueError, match="gen_kwargs key 'beams' is not supported"):
         lm._sampling({"until": ["\n"], "beams": 4})
+
+
+def test_until_stops_generation_early_with_the_text_cut_after_gives(setup):
+    """``until`` is the generator's stop strings: each text equals the full ``NEW_TOKENS`` generation cut at
+    its first stop string (computed here), and a row that meets one generates fewer tokens."""
+    from types import SimpleNamespace
+
+    from megacann.evaluation.lm_eval_adapter import MegacannLM
+
+    source, _, _, stop = setup
+    lm = MegacannLM(source, batch_size=BATCH)
+    generated: list[int] = []  # tokens each generated row cost, in the order the adapter ran them
+    generate = lm.generator.generate
+
+    def counting_generate(*args, **kwargs):
+        results = generate(*args, **kwargs)
+        generated.extend(len(result.tokens) for result in results)
+        return results
+
+    lm.generator.generate = counting_generate
+    gen_kwargs = {"until": [stop], "max_gen_toks": NEW_TOKENS, "do_sample": False}
+    texts = lm.generate_until([SimpleNamespace(args=(prompt, gen_kwargs)) for prompt in PROMPTS])
+
+    full = generate([lm.tok_encode(p) for p in PROMPTS], max_new_tokens(NEW_TOKENS))
+    expected = []
+    for result in full:
+        text = lm.tok_decode(result.tokens)
+        expected.append(text[: text.find(stop)] if stop in text else text)
+    assert texts == expected
+    assert sum(generated) < sum(len(result.tokens) for result in full)
+    assert min(generated) < NEW_TOKENS  # at least the second prompt's row stopped at the stop string
