@@ -26,6 +26,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from megacann.evaluation.tensor_parallel import start_tensor_parallel
+from megacann.evaluation.tensor_parallel import tensor_parallel_size as tensor_parallel_size_of
 from megacann.generation import Generator, SamplingParams, StopStrings
 
 # generate_until's gen_kwargs the adapter honours (lm-eval's names), and what each becomes
@@ -43,13 +45,15 @@ def _batches(items: list[Any], size: int) -> Iterator[list[Any]]:
 
 @register_model("megacann")
 class MegacannLM(TemplateLM):
-    """lm-eval's ``LM`` on a megacann model at the layout of one process.
+    """lm-eval's ``LM`` on a megacann model, in one process or at tensor parallel size ``tp``.
 
     ``model``: a directory (as ``megacann-generate --model``) or a whole-model module; ``tokenizer``:
     ``byte``, a tokenizer.json or directory, or a megacann tokenizer object (default: the directory's);
     ``batch_size`` requests per forward; ``max_length`` tokens a forward sees (default the model's
     ``max_position_embeddings``); ``max_gen_toks`` the default new tokens of ``generate_until``;
-    ``add_bos_token`` starts every encoding with the tokenizer's BOS.
+    ``add_bos_token`` starts every encoding with the tokenizer's BOS; ``tensor_parallel_size`` (default:
+    ``WORLD_SIZE``, 1 outside a launcher) loads this rank's shards of the model, every rank running every
+    request (:mod:`megacann.evaluation.tensor_parallel`).
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class MegacannLM(TemplateLM):
         precision: str = "fp32",
         device: Optional[str] = None,
         max_batch_size: Optional[int] = None,  # lm-eval passes it; only "auto" batch sizes use it
+        tensor_parallel_size: Optional[int] = None,
     ):
         super().__init__()
         if str(batch_size).startswith("auto"):
@@ -73,6 +78,11 @@ class MegacannLM(TemplateLM):
         if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
             print(f"megacann lm-eval model: device {device!r} is not available here, using the CPU", file=sys.stderr)
             device = "cpu"  # lm-eval's command asks for cuda unless told otherwise; its hf model does the same
+        self.tensor_parallel_size = tensor_parallel_size_of(tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            if isinstance(model, torch.nn.Module):
+                raise ValueError("megacann lm-eval model: tensor_parallel_size > 1 needs a model directory")
+            device = start_tensor_parallel(self.tensor_parallel_size, device)
         self.model, self.tokenizer = _model_and_tokenizer(model, tokenizer, precision, device)
         from megacann.models import get_model_spec
 
