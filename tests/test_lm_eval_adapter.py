@@ -5,7 +5,8 @@ lm-eval's ``hf`` model loads megacann's export of it (``save_pretrained_hf``). T
 written into tmp: a multiple-choice task (loglikelihood), a rolling-perplexity task (loglikelihood_rolling,
 windows of 32 tokens) and a generate_until task whose stop string is cut from what the model really says.
 Both backends run the same tasks with batches of 3; each request's log-likelihood, each generated text and
-each score must agree.
+each score must agree. The adapter's ``until`` ends generation (fewer tokens, the texts of cutting
+after), and at tensor parallel 2 on 2 gloo ranks (half the heads a rank) rank 0 scores as one process.
 """
 
 from __future__ import annotations
@@ -315,3 +316,18 @@ def from_pretrained_hf_shapes(source: str) -> dict:
         "k_rows": attention.k_proj.weight.shape[0],
         "kv_heads": LLAMA_SHAPE["num_key_value_heads"],
     }
+
+
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        (0, "tensor_parallel_size must be >= 1, got 0"),
+        (2, r"tensor_parallel_size 2 needs 2 processes, e.g. torchrun --nproc_per_node 2"),
+    ],
+)
+def test_bad_tensor_parallel_size_is_refused_by_name(setup, monkeypatch, size, message):
+    from megacann.evaluation.lm_eval_adapter import MegacannLM
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match=message):
+        MegacannLM(setup[0], tensor_parallel_size=size)
