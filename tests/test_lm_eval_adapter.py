@@ -5,7 +5,8 @@ lm-eval's ``hf`` model loads megacann's export of it (``save_pretrained_hf``). T
 written into tmp: a multiple-choice task (loglikelihood), a rolling-perplexity task (loglikelihood_rolling,
 windows of 32 tokens) and a generate_until task whose stop string is cut from what the model really says.
 Both backends run the same tasks with batches of 3; each request's log-likelihood, each generated text and
-each score must agree.
+each score must agree. The adapter's ``until`` ends generation (fewer tokens, the texts of cutting
+after), and at tensor parallel 2 on 2 gloo ranks (half the heads a rank) rank 0 scores as one process.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks read local JSONL 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("lm_eval")
 
-from generation_helpers import one_thread, tiny_hf_llama  # noqa: E402,F401  (one_thread: autouse fixture)
+from generation_helpers import LLAMA_SHAPE, one_thread, tiny_hf_llama  # noqa: E402,F401  (one_thread: autouse fixture)
 
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
 MAX_LENGTH, BATCH, NEW_TOKENS = 32, 3, 12
@@ -138,7 +139,8 @@ def max_new_tokens(n: int):
     return SamplingParams(max_new_tokens=n)
 
 
-def evaluate(model: str, model_args: dict, tasks_dir: str) -> dict:
+def evaluate(model, model_args: dict, tasks_dir: str) -> dict:
+    """``simple_evaluate`` of the three tiny tasks on ``model`` (a registered name, or an LM object)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -146,7 +148,7 @@ def evaluate(model: str, model_args: dict, tasks_dir: str) -> dict:
 
     return simple_evaluate(
         model=model,
-        model_args={**model_args, "max_length": MAX_LENGTH},
+        model_args={**model_args, "max_length": MAX_LENGTH} if isinstance(model, str) else None,
         tasks=["tiny_choice", "tiny_rolling", "tiny_generate"],
         batch_size=BATCH,
         task_manager=TaskManager(include_path=tasks_dir),
@@ -225,3 +227,107 @@ def test_unknown_generation_option_is_refused_by_name(setup):
     lm = MegacannLM(setup[0])
     with pytest.raises(ValueError, match="gen_kwargs key 'beams' is not supported"):
         lm._sampling({"until": ["\n"], "beams": 4})
+
+
+def test_until_stops_generation_early_with_the_text_cut_after_gives(setup):
+    """``until`` is the generator's stop strings: each text equals the full ``NEW_TOKENS`` generation cut at
+    its first stop string (computed here), and a row that meets one generates fewer tokens."""
+    from types import SimpleNamespace
+
+    from megacann.evaluation.lm_eval_adapter import MegacannLM
+
+    source, _, _, stop = setup
+    lm = MegacannLM(source, batch_size=BATCH)
+    generated: list[int] = []  # tokens each generated row cost, in the order the adapter ran them
+    generate = lm.generator.generate
+
+    def counting_generate(*args, **kwargs):
+        results = generate(*args, **kwargs)
+        generated.extend(len(result.tokens) for result in results)
+        return results
+
+    lm.generator.generate = counting_generate
+    gen_kwargs = {"until": [stop], "max_gen_toks": NEW_TOKENS, "do_sample": False}
+    texts = lm.generate_until([SimpleNamespace(args=(prompt, gen_kwargs)) for prompt in PROMPTS])
+
+    full = generate([lm.tok_encode(p) for p in PROMPTS], max_new_tokens(NEW_TOKENS))
+    expected = []
+    for result in full:
+        text = lm.tok_decode(result.tokens)
+        expected.append(text[: text.find(stop)] if stop in text else text)
+    assert texts == expected
+    assert sum(generated) < sum(len(result.tokens) for result in full)
+    assert min(generated) < NEW_TOKENS  # at least the second prompt's row stopped at the stop string
+
+
+TASKS = ("tiny_choice", "tiny_rolling", "tiny_generate")
+
+
+def _evaluate_at_tp2(source: str, tasks_dir: str) -> dict:
+    """On each of 2 gloo ranks: the adapter at tp 2 on the tiny tasks; the scores (rank 0 only, as lm-eval
+    returns them) and what this rank held: its query and key rows, its cache's kv heads."""
+    from megacann.evaluation.lm_eval_adapter import MegacannLM
+
+    lm = MegacannLM(source, batch_size=BATCH, max_length=MAX_LENGTH, tensor_parallel_size=2)
+    results = evaluate(lm, {}, tasks_dir)
+    attention = lm.model.layers["0"].self_attn
+    probe = {
+        "q_rows": attention.q_proj.weight.shape[0],
+        "k_rows": attention.k_proj.weight.shape[0],
+        "cache_kv_heads": lm.generator.last_cache.layers[0].keys.shape[2],
+        "rank_seen_by_lm_eval": (lm.rank, lm.world_size),
+    }
+    if results is None:
+        return {"scores": None, **probe}
+    scores = {name: responses(results, name) for name in TASKS}
+    return {"scores": scores, "metrics": {name: results["results"][name] for name in TASKS}, **probe}
+
+
+def test_tensor_parallel_2_scores_equal_one_process(setup, both):
+    """``tensor_parallel_size=2`` on 2 gloo ranks: every rank holds half the query and kv heads and runs
+    every request; rank 0 returns the log-likelihoods, rolling log-likelihoods and texts of one process."""
+    from dist_harness import run_on_ranks
+
+    source, _, tasks, _ = setup
+    ranks = run_on_ranks(_evaluate_at_tp2, 2, args=(source, tasks), timeout=600)
+    whole = from_pretrained_hf_shapes(source)
+    for probe in ranks:
+        assert probe["q_rows"] * 2 == whole["q_rows"] and probe["k_rows"] * 2 == whole["k_rows"]
+        assert probe["cache_kv_heads"] * 2 == whole["kv_heads"]
+        assert probe["rank_seen_by_lm_eval"] == (0, 1)  # lm-eval splits no request across TP ranks
+    assert ranks[1]["scores"] is None  # only LOCAL_RANK 0 returns results
+    one = both[0]
+    assert ranks[0]["scores"]["tiny_generate"] == responses(one, "tiny_generate")
+    choices = lambda docs: torch.tensor([c[0][0] for d in docs for c in d])  # noqa: E731
+    rolling = lambda docs: torch.tensor([r[0] for r in docs])  # noqa: E731
+    for name, values in (("tiny_choice", choices), ("tiny_rolling", rolling)):
+        torch.testing.assert_close(values(ranks[0]["scores"][name]), values(responses(one, name)), rtol=1e-5, atol=1e-6)
+    for name in ("tiny_choice", "tiny_generate"):
+        assert ranks[0]["metrics"][name] == one["results"][name]
+
+
+def from_pretrained_hf_shapes(source: str) -> dict:
+    from megacann.interop import from_pretrained_hf
+
+    model = from_pretrained_hf(source)
+    attention = model.layers["0"].self_attn
+    return {
+        "q_rows": attention.q_proj.weight.shape[0],
+        "k_rows": attention.k_proj.weight.shape[0],
+        "kv_heads": LLAMA_SHAPE["num_key_value_heads"],
+    }
+
+
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        (0, "tensor_parallel_size must be >= 1, got 0"),
+        (2, r"tensor_parallel_size 2 needs 2 processes, e.g. torchrun --nproc_per_node 2"),
+    ],
+)
+def test_bad_tensor_parallel_size_is_refused_by_name(setup, monkeypatch, size, message):
+    from megacann.evaluation.lm_eval_adapter import MegacannLM
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match=message):
+        MegacannLM(setup[0], tensor_parallel_size=size)

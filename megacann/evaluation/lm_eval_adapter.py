@@ -8,7 +8,8 @@ Hugging Face directory); from Python, :class:`MegacannLM` also takes a model mod
 Scores follow lm-eval's Hugging Face backend: a continuation's log-likelihood is the sum of its tokens'
 log-probabilities after its context (right-padded batches, one forward), a rolling log-likelihood sums
 disjoint windows of ``max_length`` tokens, and ``generate_until`` decodes with the KV-cache generator
-(left-padded batches) and cuts the text at the first of ``until`` (the tokenizer's EOS ends a row).
+(left-padded batches) with ``until`` as its stop strings: a row stops generating once its text holds one,
+and its text is cut before it (the tokenizer's EOS ends a row).
 Needs the ``eval`` extra (``pip install megacann[eval]``).
 """
 
@@ -25,7 +26,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from megacann.generation import Generator, SamplingParams
+from megacann.evaluation.tensor_parallel import start_tensor_parallel
+from megacann.evaluation.tensor_parallel import tensor_parallel_size as tensor_parallel_size_of
+from megacann.generation import Generator, SamplingParams, StopStrings
 
 # generate_until's gen_kwargs the adapter honours (lm-eval's names), and what each becomes
 SAMPLING_ARGS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed"}
@@ -40,22 +43,17 @@ def _batches(items: list[Any], size: int) -> Iterator[list[Any]]:
         yield items[start : start + size]
 
 
-def cut_at_stop(text: str, until: Sequence[str]) -> str:
-    """``text`` up to the earliest occurrence of any (non-empty) string of ``until``."""
-    ends = [text.find(stop) for stop in until if stop]
-    ends = [end for end in ends if end >= 0]
-    return text[: min(ends)] if ends else text
-
-
 @register_model("megacann")
 class MegacannLM(TemplateLM):
-    """lm-eval's ``LM`` on a megacann model at the layout of one process.
+    """lm-eval's ``LM`` on a megacann model, in one process or at tensor parallel size ``tp``.
 
     ``model``: a directory (as ``megacann-generate --model``) or a whole-model module; ``tokenizer``:
     ``byte``, a tokenizer.json or directory, or a megacann tokenizer object (default: the directory's);
     ``batch_size`` requests per forward; ``max_length`` tokens a forward sees (default the model's
     ``max_position_embeddings``); ``max_gen_toks`` the default new tokens of ``generate_until``;
-    ``add_bos_token`` starts every encoding with the tokenizer's BOS.
+    ``add_bos_token`` starts every encoding with the tokenizer's BOS; ``tensor_parallel_size`` (default:
+    ``WORLD_SIZE``, 1 outside a launcher) loads this rank's shards of the model, every rank running every
+    request (:mod:`megacann.evaluation.tensor_parallel`).
     """
 
     def __init__(
@@ -69,6 +67,7 @@ class MegacannLM(TemplateLM):
         precision: str = "fp32",
         device: Optional[str] = None,
         max_batch_size: Optional[int] = None,  # lm-eval passes it; only "auto" batch sizes use it
+        tensor_parallel_size: Optional[int] = None,
     ):
         super().__init__()
         if str(batch_size).startswith("auto"):
@@ -79,6 +78,11 @@ class MegacannLM(TemplateLM):
         if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
             print(f"megacann lm-eval model: device {device!r} is not available here, using the CPU", file=sys.stderr)
             device = "cpu"  # lm-eval's command asks for cuda unless told otherwise; its hf model does the same
+        self.tensor_parallel_size = tensor_parallel_size_of(tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            if isinstance(model, torch.nn.Module):
+                raise ValueError("megacann lm-eval model: tensor_parallel_size > 1 needs a model directory")
+            device = start_tensor_parallel(self.tensor_parallel_size, device)
         self.model, self.tokenizer = _model_and_tokenizer(model, tokenizer, precision, device)
         from megacann.models import get_model_spec
 
@@ -120,8 +124,13 @@ class MegacannLM(TemplateLM):
 
     def tok_decode(self, tokens: Sequence[int]) -> str:
         """Text of ``tokens`` without the special tokens (BOS, EOS, padding)."""
-        special = {self.tokenizer.eos_id, self.tokenizer.bos_id, self.tokenizer.pad_id}
+        special = self._special_ids()
         return self.tokenizer.decode([t for t in tokens if t not in special])
+
+    def _special_ids(self) -> set[int]:
+        """The ids that add no text to a generation: EOS, BOS and padding."""
+        ids = (self.tokenizer.eos_id, self.tokenizer.bos_id, self.tokenizer.pad_id)
+        return {t for t in ids if t is not None}
 
     # -- scoring -------------------------------------------------------------------------------------------
 
@@ -184,9 +193,9 @@ class MegacannLM(TemplateLM):
 
     # -- generation ----------------------------------------------------------------------------------------
 
-    def _sampling(self, gen_kwargs: dict[str, Any]) -> tuple[SamplingParams, list[str]]:
-        """The generator's params and the stop strings of one request's ``gen_kwargs``; a key the
-        adapter does not know is refused by name."""
+    def _sampling(self, gen_kwargs: dict[str, Any]) -> SamplingParams:
+        """The generator's params of one request's ``gen_kwargs``, ``until`` (and the EOS text) as its stop
+        strings; a key the adapter does not know is refused by name."""
         kwargs = dict(gen_kwargs)
         until = kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
@@ -194,7 +203,10 @@ class MegacannLM(TemplateLM):
         if eos_text and eos_text not in until:
             until.append(eos_text)
         lengths = [kwargs.pop(name) for name in LENGTH_ARGS if name in kwargs]
-        params: dict[str, Any] = {"max_new_tokens": int(lengths[0]) if lengths else self._max_gen_toks}
+        params: dict[str, Any] = {
+            "max_new_tokens": int(lengths[0]) if lengths else self._max_gen_toks,
+            "stop": tuple(stop for stop in until if stop),  # lm-eval lets an empty string through: it stops nothing
+        }
         for name in IGNORED_ARGS:
             kwargs.pop(name, None)
         for name in list(kwargs):
@@ -205,17 +217,17 @@ class MegacannLM(TemplateLM):
                 )
             params[SAMPLING_ARGS[name]] = kwargs.pop(name)
         params["temperature"] = float(params.get("temperature") or 0.0)
-        return SamplingParams(**params), until
+        return SamplingParams(**params)
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Each request's generated text, cut at its first stop string; requests of the same
+        """Each request's generated text, ended and cut at its first stop string; requests of the same
         ``gen_kwargs`` run in left-padded batches, the longest contexts first."""
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
         texts: list[Optional[str]] = [None] * len(requests)
         for members in groups.values():
-            params, until = self._sampling(requests[members[0]].args[1])
+            params = self._sampling(requests[members[0]].args[1])
             room = self._max_length - params.max_new_tokens
             if room < 1:
                 raise ValueError(
@@ -225,9 +237,10 @@ class MegacannLM(TemplateLM):
             contexts = {i: self.tok_encode(requests[i].args[0], left_truncate_len=room) for i in members}
             order = sorted(members, key=lambda i: -len(contexts[i]))
             for batch in _batches(order, self.batch_size_per_forward):
-                results = self.generator.generate([contexts[i] for i in batch], params)
-                for index, result in zip(batch, results):
-                    texts[index] = cut_at_stop(self.tok_decode(result.tokens), until)
+                stops = StopStrings(self.tokenizer, [params.stop] * len(batch), skip=self._special_ids())
+                self.generator.generate([contexts[i] for i in batch], params, stop_check=stops)
+                for row, index in enumerate(batch):
+                    texts[index] = stops.text(row)
                     self.cache_hook.add_partial("generate_until", requests[index].args, texts[index])
         return texts  # type: ignore[return-value]
 
