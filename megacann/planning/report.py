@@ -184,6 +184,10 @@ def v4_static_lines(cfg: MegacannConfig, layout: Layout, device_memory_gb: Optio
             f"{i:<6}{s['params']:>15,}{_gb(s['weights']):>9}{_gb(s['grads']):>8}{_gb(s['optimizer']):>11}"
             f"{_gb(static):>8}"
         )
+    if cfg.train_mode == "grpo":  # the rollouts' cache, as the dry run prints it
+        from megacann.planning.rl import generation_cache_line
+
+        lines.append(generation_cache_line(cfg))
     lines.append(
         f"activations: not estimated for model.type {cfg.model.type!r} (no formulas yet for its hyper-connections, "
         "compressed attention and compressor / indexer): add them to the static memory above"
