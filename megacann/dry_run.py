@@ -177,7 +177,13 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
         f"ffn {m.ffn_size}, precision {m.precision}"
     )
     if m.vocab_size and spec.architecture is None:
-        lines.append(f"-- memory per device: megacann-plan has no formulas for model.type {m.type!r} yet")
+        static_only = m.type == "deepseek_v4"  # planning.deepseek_v4: weights, gradients, optimizer state
+        lines.append(
+            f"-- memory per device: megacann-plan gives model.type {m.type!r} weights, gradients and optimizer "
+            "state per stage, not its activations"
+            if static_only
+            else f"-- memory per device: megacann-plan has no formulas for model.type {m.type!r} yet"
+        )
         if cfg.train_mode == "grpo":  # the rollouts' cache needs only the family's decode cache layout
             from megacann.planning.rl import generation_cache_line
 

@@ -87,18 +87,12 @@ def measured_cache_bytes(cfg, grpo: bool) -> int:
 
 def printed(cfg, tp: int, prefix: str) -> str:
     """The one line starting with ``prefix`` in ``--dry_run``'s description, the same in ``megacann-plan``'s
-    report (deepseek_v4 has no memory plan: the planner refuses it by name, and its dry run is read)."""
-    from megacann.config import ConfigError
+    report (deepseek_v4's report: its static memory and these lines)."""
     from megacann.dry_run import describe
     from megacann.planning import plan_report
 
     dry = [line for line in describe(cfg).splitlines() if line.startswith(prefix)]
-    if cfg.model.type == "deepseek_v4":
-        with pytest.raises(ConfigError, match="model.type 'deepseek_v4'"):
-            plan_report(cfg, None, tp, None)
-        plan = dry
-    else:
-        plan = [line for line in plan_report(cfg, None, tp, None).splitlines() if line.startswith(prefix)]
+    plan = [line for line in plan_report(cfg, None, tp, None).splitlines() if line.startswith(prefix)]
     assert len(dry) == 1 and dry == plan, (dry, plan)
     return dry[0]
 

@@ -169,23 +169,28 @@ def v4_attention_parameters(m: ModelConfig, layer_type: str) -> int:
     return local
 
 
-def _mixing_parameters(m: ModelConfig) -> int:
+def hyper_connection_parameters(m: ModelConfig) -> int:
     """One HyperConnection's parameters: ``fn``, ``base``, ``scale``."""
     n = m.hc_mult
     return (2 + n) * n * (n * m.hidden_size + 1) + 3
 
 
+def hyper_head_parameters(m: ModelConfig) -> int:
+    """The HyperHead's parameters: ``hc_fn``, ``hc_base``, ``hc_scale``."""
+    n = m.hc_mult
+    return n * (n * m.hidden_size + 1) + 1
+
+
 def deepseek_v4_num_parameters(m: ModelConfig, active: bool = False) -> int:
     """Parameters of the whole model (``active``: those one token meets: its top-k routed experts). The
     routing bias and the hash table are buffers (not counted, as in transformers)."""
-    h, n, ffn = m.hidden_size, m.hc_mult, m.moe_ffn_hidden_size
+    h, ffn = m.hidden_size, m.moe_ffn_hidden_size
     experts = m.moe_top_k if active else m.num_experts
     per_layer_moe = m.num_experts * h + 3 * h * ffn * (experts + m.moe_shared_experts)
     total = 0
     for kind in v4_layer_types(m):
-        total += v4_attention_parameters(m, kind) + 2 * _mixing_parameters(m) + 2 * h + per_layer_moe
-    head = n * (n * h + 1) + 1  # HyperHead
-    return total + head + h + (m.vocab_size or 0) * h * (1 if m.tie_word_embeddings else 2)
+        total += v4_attention_parameters(m, kind) + 2 * hyper_connection_parameters(m) + 2 * h + per_layer_moe
+    return total + hyper_head_parameters(m) + h + (m.vocab_size or 0) * h * (1 if m.tie_word_embeddings else 2)
 
 
 # -- the model ----------------------------------------------------------------------------------------

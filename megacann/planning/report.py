@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megacann.config import MegacannConfig
+from megacann.config import ConfigError, MegacannConfig
 from megacann.models import get_model_spec
 from megacann.pipeline.schedule_spec import splits_backward
 from megacann.planning.activations import layer_activation_bytes
+from megacann.planning.deepseek_v4 import is_deepseek_v4, v4_static_stages
 from megacann.planning.estimate import StageEstimate, bubble_fraction, estimate_stages
 from megacann.planning.formulas import (
     DTYPE_BYTES,
@@ -168,6 +169,32 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
     return lines
 
 
+def v4_static_lines(cfg: MegacannConfig, layout: Layout, device_memory_gb: Optional[float]) -> list[str]:
+    """DeepSeek-V4's layout: weights, gradients and optimizer state per stage; activations refused by name."""
+    if device_memory_gb is not None:
+        raise ConfigError(
+            f"--device_memory_gb is refused for model.type {cfg.model.type!r}: ranking layouts needs activation "
+            "formulas, which this family has not yet (megacann-plan gives its static memory per stage)"
+        )
+    lines = [f"-- the recipe's layout: {layout.describe()} (world {layout.world_size})"]
+    lines.append(f"{'stage':<6}{'params/device':>15}{'weights':>9}{'grads':>8}{'optimizer':>11}{'static':>8}")
+    for i, s in enumerate(v4_static_stages(cfg, layout)):
+        static = s["weights"] + s["grads"] + s["optimizer"]
+        lines.append(
+            f"{i:<6}{s['params']:>15,}{_gb(s['weights']):>9}{_gb(s['grads']):>8}{_gb(s['optimizer']):>11}"
+            f"{_gb(static):>8}"
+        )
+    if cfg.train_mode == "grpo":  # the rollouts' cache, as the dry run prints it
+        from megacann.planning.rl import generation_cache_line
+
+        lines.append(generation_cache_line(cfg))
+    lines.append(
+        f"activations: not estimated for model.type {cfg.model.type!r} (no formulas yet for its hyper-connections, "
+        "compressed attention and compressor / indexer): add them to the static memory above"
+    )
+    return lines
+
+
 def plan_report(
     cfg: MegacannConfig,
     recipe_path: Optional[str],
@@ -194,6 +221,9 @@ def plan_report(
     )
     lines.append("-- on one device, nothing sharded")
     lines += unsharded_lines(cfg, params)
+    if is_deepseek_v4(m):  # static memory only: its activations have no formulas yet
+        lines += v4_static_lines(cfg, layout, device_memory_gb) + generation_cache_lines(cfg, layout.tp)
+        return "\n".join(lines)
     lines += layout_lines(cfg, layout, params)
     lines += generation_cache_lines(cfg, layout.tp)
     if device_memory_gb is None:
