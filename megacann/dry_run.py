@@ -177,7 +177,7 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
         f"ffn {m.ffn_size}, precision {m.precision}"
     )
     if m.vocab_size and spec.architecture is None:
-        static_only = m.type == "deepseek_v4"  # planning.deepseek_v4: weights, gradients, optimizer state
+        static_only = spec.rank_parameters is not None  # planning.static_memory: weights, gradients, optimizer
         lines.append(
             f"-- memory per device: megacann-plan gives model.type {m.type!r} weights, gradients and optimizer "
             "state per stage, not its activations"

@@ -12,8 +12,8 @@ from training_helpers import tiny_config
 
 from megacann.config import ConfigError
 from megacann.planning import layout_of
-from megacann.planning.deepseek_v4 import refuse_activations, v4_static_stages
 from megacann.planning.report import plan_report
+from megacann.planning.static_memory import refuse_activations, static_stages
 
 V4_PLANNED = [
     *COMMON,
@@ -38,7 +38,7 @@ def _compare_static(runs: dict[str, list[str]], world: int) -> dict[str, list[in
     for name, overrides in runs.items():
         cfg = tiny_config(overrides, world_size=world)
         layout = layout_of(cfg)
-        stages = v4_static_stages(cfg, layout)
+        stages = static_stages(cfg, layout)
         assert sorted({r[name][0] for r in results}) == list(range(layout.pp)), name  # every stage ran
         for rank_result in results:
             stage_index, memory, _, _ = rank_result[name]
@@ -57,7 +57,7 @@ def test_deepseek_v4_static_memory_is_exact_on_one_rank():
 def test_deepseek_v4_static_memory_is_exact_under_tp_ep_pp():
     held = _compare_static(RUNS_2, 2)
     cfg = tiny_config(V4_PLANNED, world_size=1)
-    whole = v4_static_stages(cfg, layout_of(cfg))[0]
+    whole = static_stages(cfg, layout_of(cfg))[0]
     for name, per_stage in held.items():  # each layout divides the model: heads, experts or layers
         assert max(per_stage) < whole["params"], (name, per_stage, whole["params"])
     assert sum(held["deepseek_v4 pp2"]) == whole["params"]  # stages partition the model (untied head)
@@ -68,7 +68,7 @@ def test_deepseek_v4_plan_reports_static_memory_and_refuses_activations():
     with pytest.raises(ConfigError, match="model.type 'deepseek_v4': megacann-plan has no activation formulas"):
         refuse_activations(cfg.model)
     report = plan_report(cfg, None, 1, None)
-    stage = v4_static_stages(cfg, layout_of(cfg))[0]
+    stage = static_stages(cfg, layout_of(cfg))[0]
     assert f"{stage['params']:,}" in report
     assert "activations: not estimated for model.type 'deepseek_v4'" in report
     with pytest.raises(ConfigError, match="--device_memory_gb is refused for model.type 'deepseek_v4'"):

@@ -45,6 +45,7 @@ from megacann.models.deepseek_v4_config import (
 )
 from megacann.models.hf_deepseek_v4 import DEEPSEEK_V4_HF
 from megacann.models.moe import MoEModel, check_moe_config, moe_defaults, moe_model_spec
+from megacann.models.spec import RankParameterFormulas
 
 
 def v4_expert_activation(cfg: ModelConfig) -> ExpertActivation:
@@ -315,6 +316,43 @@ def deepseek_v4_flops_per_token(m: ModelConfig, seq_length: int) -> float:
     return 6.0 * n + 12.0 * m.num_layers * m.num_attention_heads * m.head_dim * seq_length
 
 
+def v4_attention_parameters_per_rank(m: ModelConfig, tp: int, layer_type: str) -> int:
+    """One layer's compressed attention on one TP rank: the whole layer less the head-split parts' other
+    ranks' shares (the head-split parts: ``q_b_proj``, the sinks, both parts of the grouped output projection)."""
+    width = m.num_attention_heads * m.head_dim
+    split = (
+        m.q_lora_rank * width
+        + m.num_attention_heads
+        + width * m.o_lora_rank
+        + m.o_groups * m.o_lora_rank * m.hidden_size
+    )
+    return v4_attention_parameters(m, layer_type) - split + split // tp
+
+
+def v4_layer_parameters_per_rank(m: ModelConfig, tp: int, layer_id: int, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters of layer ``layer_id`` on one TP rank of one expert-parallel rank."""
+    h, f = m.hidden_size, m.moe_ffn_hidden_size
+    attention = v4_attention_parameters_per_rank(m, tp, v4_layer_types(m)[layer_id])
+    dense = attention + 2 * hyper_connection_parameters(m) + 2 * h
+    dense += m.num_experts * h + 3 * h * f * m.moe_shared_experts // tp
+    return dense, m.num_experts // ep * 3 * h * f // tp
+
+
+def v4_fp32_parameters_per_rank(m: ModelConfig, tp: int, layer_ids: list[int], last: bool) -> int:
+    """Parameters of these layers (and the hyper-connection head when ``last``) kept in fp32 whatever the
+    model's precision, on one TP rank: hyper-connections, sinks (split), position biases (whole)."""
+    rates, kinds = v4_compress_rates(m), v4_layer_types(m)
+    biases = {CSA: rates[CSA] * 2 * (m.head_dim + m.index_head_dim), HCA: rates[HCA] * m.head_dim}
+    per_layer = 2 * hyper_connection_parameters(m) + m.num_attention_heads // tp
+    fp32 = sum(per_layer + biases.get(kinds[i], 0) for i in layer_ids)
+    return fp32 + (hyper_head_parameters(m) if last else 0)
+
+
+def v4_head_parameters(m: ModelConfig) -> int:
+    """The last stage's hyper-connection head and final norm (the output layer is counted apart)."""
+    return hyper_head_parameters(m) + m.hidden_size
+
+
 DEEPSEEK_V4 = dataclasses.replace(
     moe_model_spec(
         "deepseek_v4",
@@ -327,7 +365,10 @@ DEEPSEEK_V4 = dataclasses.replace(
     ),
     decode=decoder_decode_step,
     decode_cache=deepseek_v4_decode_cache,
-    architecture=None,  # no memory plan
+    architecture=None,  # not a standard decoder: megacann-plan gives static memory only
+    rank_parameters=RankParameterFormulas(
+        v4_layer_parameters_per_rank, v4_head_parameters, v4_fp32_parameters_per_rank
+    ),
     moe_structure=None,
     sharding_units=(DeepseekV4Block,),
 )

@@ -206,6 +206,20 @@ def _no_checks(cfg: MegacannConfig, source: str) -> None:
 
 
 @dataclass(frozen=True)
+class RankParameterFormulas:
+    """Per-rank parameter counts of a family that is not a standard decoder (no ``DecoderArch``):
+    ``megacann-plan`` gives its weights, gradients and optimizer state per pipeline stage from them, and
+    refuses an activation estimate by name. ``layer(m, tp, layer_id, ep)``: (dense, expert) parameters of
+    one layer on one TP rank of one expert-parallel rank; ``head(m)``: the last stage's parameters besides
+    the output layer (final norm and the like); ``fp32(m, tp, layer_ids, last)``: how many of those layers'
+    (and, when ``last``, the head's) parameters stay fp32 in a bf16 / fp16 model (no master copy)."""
+
+    layer: Callable[[ModelConfig, int, int, int], tuple[int, int]]
+    head: Callable[[ModelConfig], int]
+    fp32: Callable[[ModelConfig, int, list[int], bool], int]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family. Only ``name``, ``build_chunk`` and ``flops_per_token`` are required; see the
     module docstring for each field."""
@@ -221,6 +235,7 @@ class ModelSpec:
     hf: Optional[HFAdapter] = None
     architecture: Any = None  # what estimators need of its structure (a DecoderArch); None: no memory plan
     moe_structure: Optional[Callable[[ModelConfig], MoEStructure]] = None  # its MoE layers (MoE families)
+    rank_parameters: Optional[RankParameterFormulas] = None  # no DecoderArch: static memory plan only
     after_optimizer_step: Optional[Callable[[list[torch.nn.Module]], None]] = None
     metric_warnings: Optional[Callable[[dict[str, Any]], list[str]]] = None
     mixture_of_experts: bool = False

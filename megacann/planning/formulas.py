@@ -44,7 +44,7 @@ from megacann.layers.output import HEAD_LOSS
 from megacann.models import DecoderArch, get_model_spec
 from megacann.models.sizing import attention_head_dim
 from megacann.models.spec import MoEStructure
-from megacann.planning import deepseek_v4, mla
+from megacann.planning import mla
 from megacann.planning.gated_deltanet import gated_deltanet_parameters_per_rank
 from megacann.planning.moe import moe_parameters_per_rank
 
@@ -241,12 +241,13 @@ def chunk_parameters_per_rank(
     chunk of the model) and the final norm and output layer (last chunk)."""
     m = cfg.model
     h, vocab = m.hidden_size, padded_vocab(cfg, tp) // tp
-    if deepseek_v4.is_deepseek_v4(m):  # not a standard decoder: its own formulas
-        layers = [deepseek_v4.v4_layer_parameters_per_rank(m, tp, i, ep) for i in layer_ids]
+    formulas = get_model_spec(m.type).rank_parameters
+    if formulas is not None and get_model_spec(m.type).architecture is None:  # not a standard decoder
+        layers = [formulas.layer(m, tp, i, ep) for i in layer_ids]
         experts = sum(e for _, e in layers)
         total = sum(d for d, _ in layers) + experts + (vocab * h if first else 0)
         if last:
-            total += deepseek_v4.v4_head_parameters(m) + (vocab * h if not m.tie_word_embeddings or pp > 1 else 0)
+            total += formulas.head(m) + (vocab * h if not m.tie_word_embeddings or pp > 1 else 0)
         return total, experts
     by_kind: dict[LayerKind, tuple[int, int]] = {}  # a layer's count depends only on its kind
     per_layer = []

@@ -8,7 +8,6 @@ from megacann.config import ConfigError, MegacannConfig
 from megacann.models import get_model_spec
 from megacann.pipeline.schedule_spec import splits_backward
 from megacann.planning.activations import layer_activation_bytes
-from megacann.planning.deepseek_v4 import is_deepseek_v4, v4_static_stages
 from megacann.planning.estimate import StageEstimate, bubble_fraction, estimate_stages
 from megacann.planning.formulas import (
     DTYPE_BYTES,
@@ -21,6 +20,7 @@ from megacann.planning.formulas import (
 )
 from megacann.planning.generation import generation_cache_lines
 from megacann.planning.search import HEADROOM, rank_layouts
+from megacann.planning.static_memory import rank_formulas, static_stages
 
 GB = 1e9
 
@@ -169,8 +169,9 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
     return lines
 
 
-def v4_static_lines(cfg: MegacannConfig, layout: Layout, device_memory_gb: Optional[float]) -> list[str]:
-    """DeepSeek-V4's layout: weights, gradients and optimizer state per stage; activations refused by name."""
+def static_only_lines(cfg: MegacannConfig, layout: Layout, device_memory_gb: Optional[float]) -> list[str]:
+    """A family with static formulas only: weights, gradients and optimizer state per stage; activations
+    refused by name."""
     if device_memory_gb is not None:
         raise ConfigError(
             f"--device_memory_gb is refused for model.type {cfg.model.type!r}: ranking layouts needs activation "
@@ -178,7 +179,7 @@ def v4_static_lines(cfg: MegacannConfig, layout: Layout, device_memory_gb: Optio
         )
     lines = [f"-- the recipe's layout: {layout.describe()} (world {layout.world_size})"]
     lines.append(f"{'stage':<6}{'params/device':>15}{'weights':>9}{'grads':>8}{'optimizer':>11}{'static':>8}")
-    for i, s in enumerate(v4_static_stages(cfg, layout)):
+    for i, s in enumerate(static_stages(cfg, layout)):
         static = s["weights"] + s["grads"] + s["optimizer"]
         lines.append(
             f"{i:<6}{s['params']:>15,}{_gb(s['weights']):>9}{_gb(s['grads']):>8}{_gb(s['optimizer']):>11}"
@@ -189,8 +190,8 @@ def v4_static_lines(cfg: MegacannConfig, layout: Layout, device_memory_gb: Optio
 
         lines.append(generation_cache_line(cfg))
     lines.append(
-        f"activations: not estimated for model.type {cfg.model.type!r} (no formulas yet for its hyper-connections, "
-        "compressed attention and compressor / indexer): add them to the static memory above"
+        f"activations: not estimated for model.type {cfg.model.type!r} (no formulas yet for its blocks): add "
+        "them to the static memory above"
     )
     return lines
 
@@ -221,8 +222,8 @@ def plan_report(
     )
     lines.append("-- on one device, nothing sharded")
     lines += unsharded_lines(cfg, params)
-    if is_deepseek_v4(m):  # static memory only: its activations have no formulas yet
-        lines += v4_static_lines(cfg, layout, device_memory_gb) + generation_cache_lines(cfg, layout.tp)
+    if rank_formulas(m) is not None:  # static memory only: its activations have no formulas yet
+        lines += static_only_lines(cfg, layout, device_memory_gb) + generation_cache_lines(cfg, layout.tp)
         return "\n".join(lines)
     lines += layout_lines(cfg, layout, params)
     lines += generation_cache_lines(cfg, layout.tp)
