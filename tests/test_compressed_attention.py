@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_on_ranks
 from layers_reference import parameter_errors, rel_err
+from test_planner import SavedTensorTracker
 
 from megacann import parallel_state as ps
 from megacann.layers import CompressedSparseAttention
@@ -96,6 +97,28 @@ def test_matches_transformers_outputs_and_gradients(layer_type):
     if layer_type != "sliding_attention":  # the compressed entries were read, and rotated with YaRN
         assert ours.compressor is not None and ours.rotary.scaling["rope_type"] == "yarn"
         assert ours.compressor.kv_proj.weight.grad.abs().sum() > 0
+
+
+def test_the_indexer_saves_nothing_and_nothing_outlives_a_step():
+    """The indexer's picks are indices (no gradient reaches its scores), so a compressed sparse layer's
+    forward and backward under saved-tensor hooks that hold what they pack (as activation offloading does)
+    leave nothing behind, and the indexer's parameters get no gradient; its picks still steer the output."""
+    _, ours, config = _pair("compressed_sparse_attention")
+    x = torch.randn(2, 19, config.hidden_size)
+    tracker = SavedTensorTracker({p.untyped_storage().data_ptr() for p in ours.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        out = ours(x)
+        out.sum().backward()
+    del out
+    assert tracker.peak > 0 and tracker.live == 0, (tracker.peak, tracker.live)
+    indexer = ours.compressor.indexer
+    assert all(p.grad is None for p in indexer.parameters())
+    assert any(p.grad is not None for n, p in ours.compressor.named_parameters() if not n.startswith("indexer."))
+    with torch.no_grad():  # other index keys, other picks: the sparse path ran
+        before = ours(x)
+        for param in indexer.parameters():
+            param.normal_(0.0, 1.0)
+        assert not torch.allclose(ours(x), before)
 
 
 def test_bad_arguments_refused_by_name():

@@ -270,10 +270,11 @@ class CompressedSparseAttention(torch.nn.Module):
         if not self.compressor.overlap:
             return compressed_causal_bias(position_ids, count, self.compressor.compress_rate) == 0
         indexer = self.compressor.indexer
-        if row_entries is None:
-            picks = indexer(x, q_residual, position_ids, self.rotary, index_keys)
-        else:
-            picks = indexer.forward_rows(x, q_residual, position_ids, self.rotary, index_keys, row_entries)
+        with torch.no_grad():  # picks are indices: no gradient reaches the scores, so save nothing for them
+            if row_entries is None:
+                picks = indexer(x, q_residual, position_ids, self.rotary, index_keys)
+            else:
+                picks = indexer.forward_rows(x, q_residual, position_ids, self.rotary, index_keys, row_entries)
         return chosen_entries_bias(picks, count) == 0
 
     def _context_group(self) -> Optional[dist.ProcessGroup]:

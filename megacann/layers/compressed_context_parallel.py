@@ -94,7 +94,8 @@ def context_parallel_compressed_attention(
         entries = attention.compressor(whole_x, attention.rotary).unsqueeze(2)  # [b, T, 1, d]
         index_keys = None
         if attention.compressor.overlap:  # the indexer's own compressed keys, of the whole sequence
-            index_keys = WindowCompressor.forward(attention.compressor.indexer, whole_x, attention.rotary)
+            with torch.no_grad():  # they only rank entries: no gradient reaches them
+                index_keys = WindowCompressor.forward(attention.compressor.indexer, whole_x, attention.rotary)
         entries_read = attention.entries_read(entries.shape[1], x, q_residual, position_ids, index_keys)
     chunk, window, outputs = q.shape[1] // 2, attention.sliding_window, []
     for half, chunk_id in enumerate(context_parallel_chunk_ids(dist.get_rank(group), dist.get_world_size(group))):
