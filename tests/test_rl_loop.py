@@ -2,7 +2,8 @@
 rollouts by the training model itself, scored, trained. At tp 2 with sequence parallelism and at dp 2 the
 loop trains the one-process trace (losses, rewards, KL, 1e-5) for 3 steps; a run stopped inside a rollout
 phase or on its boundary and resumed repeats the uninterrupted one bit for bit; without dropout the trainer's recomputed log-probabilities
-equal the generator's (1e-6); bad input is refused by name."""
+equal the generator's (1e-6); a phase of one update takes the old policy from the training forward and
+trains the forced recompute's run bit for bit; bad input is refused by name."""
 
 from __future__ import annotations
 
