@@ -2,7 +2,8 @@
 rollouts by the training model itself, scored, trained. At tp 2 with sequence parallelism and at dp 2 the
 loop trains the one-process trace (losses, rewards, KL, 1e-5) for 3 steps; a run stopped inside a rollout
 phase or on its boundary and resumed repeats the uninterrupted one bit for bit; without dropout the trainer's recomputed log-probabilities
-equal the generator's (1e-6); bad input is refused by name."""
+equal the generator's (1e-6); a phase of one update takes the old policy from the training forward and
+trains the forced recompute's run bit for bit; bad input is refused by name."""
 
 from __future__ import annotations
 
@@ -289,3 +290,58 @@ def test_the_loop_learns_a_format_reward(prompts):
     curve = run_on_ranks(_learning_curve, 1, args=(prompts,), timeout=300)[0]
     first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
     assert first < 0.4 and last > 0.75 and last > first + 0.4, curve
+
+
+def _skip_or_recompute_run(prompts: str, forced: bool) -> dict:
+    """STEPS steps of the default phase (rl.ppo_epochs 1, one mini-batch) with truncated importance
+    sampling, as the loop chooses or with the old policy's forward-only pass ``forced``: whether the loop
+    chose to skip it, the policy's eval-mode forwards over whole micro-batch rows (generation's are shorter)
+    and the logged figures, timings left out."""
+    from megacann import parallel_state as ps
+    from megacann.layers import TransformerBlock
+    from megacann.training.rl import training_forward_is_old_policy
+
+    trainer = _trainer(rl_overrides(prompts, "rl.tis_cap=2.0"))
+    if forced:
+        trainer.objective.old_from_training = False
+    passes, seq = [], trainer.cfg.data.seq_length
+    block = next(m for m in trainer.model_chunks[0].modules() if isinstance(m, TransformerBlock))
+    block.register_forward_pre_hook(
+        lambda m, args: passes.append(1) if args[0].shape[1] == seq and not m.training else None
+    )
+    steps = [trainer.train_step() for _ in range(STEPS)]
+    ps.destroy_model_parallel()
+    return {
+        "chose_skip": training_forward_is_old_policy(trainer.cfg),
+        "passes": len(passes),
+        "steps": [{k: v for k, v in s.items() if k not in TIMINGS} for s in steps],
+    }
+
+
+def test_one_update_phase_takes_the_old_policy_from_the_training_forward(prompts):
+    skip, recompute = (
+        run_on_ranks(_skip_or_recompute_run, 1, args=(prompts, f), timeout=300)[0] for f in (False, True)
+    )
+    assert skip["chose_skip"] and skip["passes"] == 0, skip["passes"]  # no forward-only pass of the policy
+    assert recompute["passes"] == STEPS * 2, recompute["passes"]  # 2 micro-batches a step
+    for step, (a, b) in enumerate(zip(skip["steps"], recompute["steps"]), start=1):
+        assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+        # bitwise: loss, grad norm, clip fractions, TIS weights, the mismatch's max; its mean is summed in
+        # fp32 by the loss, in fp64 by the recompute
+        differ = {k: (a[k], b[k]) for k in b if a[k] != b[k]}
+        assert set(differ) <= {"logprob_mismatch_mean"}, f"step {step}: {differ}"
+        assert a["logprob_mismatch_mean"] == pytest.approx(b["logprob_mismatch_mean"], rel=1e-6)
+    first = skip["steps"][0]
+    assert first["tis_weight_mean"] > 0 and "logprob_mismatch_max" in first and first["grad_norm"] > 0
+
+
+def test_several_updates_or_dropout_keep_the_recompute():
+    from megacann.training.rl import training_forward_is_old_policy
+
+    def chosen(*extra: str) -> bool:
+        return training_forward_is_old_policy(recipe(rl_overrides("prompts.jsonl", *extra), world_size=1))
+
+    assert chosen()
+    assert not chosen("rl.ppo_epochs=2") and not chosen("rl.mini_batches=2")
+    assert not chosen("model.hidden_dropout=0.1") and not chosen(*LORA, "lora_dropout=0.1")
+    assert chosen(*LORA)

@@ -142,7 +142,7 @@ class PolicyLoss:
     def __call__(
         self,
         logps: torch.Tensor,
-        old_logps: torch.Tensor,
+        old_logps: Optional[torch.Tensor],
         advantages: torch.Tensor,
         mask: torch.Tensor,
         ref_logps: Optional[torch.Tensor] = None,
@@ -151,11 +151,13 @@ class PolicyLoss:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(token losses ``[b, s]`` weighted for the aggregation, 0 off the response; detached sums of
         :data:`STAT_NAMES`) from the policy's log-probabilities ``logps`` ``[b, s]`` and a micro-batch's
-        values. Under context parallelism the inputs are this rank's share of the tokens."""
+        values. ``old_logps`` None: the policy being trained is the old one (one update per rollout phase),
+        so ``sg(logps)`` stands for it: ratio 1 in value, the same gradient. Under context parallelism the
+        inputs are this rank's share of the tokens."""
         mask = mask.bool()
         maskf = mask.to(torch.float32)
         logps = torch.where(mask, logps.float(), 0.0)
-        old = torch.where(mask, old_logps.float(), 0.0)
+        old = logps.detach() if old_logps is None else torch.where(mask, old_logps.float(), 0.0)
         counts = _over_context_parallel(maskf.sum(-1))  # response tokens of each whole sequence
         ratio = self.ratio(logps, old, maskf, counts)
         adv = advantages.to(torch.float32).unsqueeze(-1)
@@ -246,12 +248,15 @@ def _required(batch: dict, key: str) -> torch.Tensor:
 
 
 def policy_forward_step(
-    forward_step: Callable, loss: PolicyLoss, max_sink: Optional[list] = None
+    forward_step: Callable, loss: PolicyLoss, max_sink: Optional[list] = None, old_from_forward: bool = False
 ) -> Callable[[torch.nn.Module, dict, Optional[torch.Tensor]], ChunkOutput]:
     """``forward_step`` whose last chunk returns the policy objective's weighted token losses (as
     ``token_loss``) and its sums (``stats["policy"]``, :data:`STAT_NAMES`); the entropy is taken from the
     head's input when the chunk has an :class:`~megacann.layers.output.LMHead`. ``max_sink`` (a list)
-    receives each micro-batch's largest ``|lp - roll|`` for :func:`policy_figures`."""
+    receives each micro-batch's largest ``|lp - roll|`` for :func:`policy_figures`. With
+    ``old_from_forward`` a micro-batch without ``old_logps`` takes this forward's own detached
+    log-probabilities as the old policy's (the caller's promise: no update since the rollout); without it,
+    such a micro-batch is an error."""
 
     def step(chunk: torch.nn.Module, batch: dict, hidden_states: Optional[torch.Tensor]) -> ChunkOutput:
         head, entropies = _head(chunk), []
@@ -274,9 +279,10 @@ def policy_forward_step(
         labels = batch["labels"]
         entropy = entropies[0] if entropies and entropies[0].shape == labels.shape else None
         rollout = batch.get("rollout_logps")
+        old = batch.get("old_logps") if old_from_forward else _required(batch, "old_logps")
         token_loss, stats = loss(
             -out.token_loss,
-            _required(batch, "old_logps"),
+            old,
             _required(batch, "advantages"),
             labels != IGNORE_INDEX,
             batch.get("ref_logps"),

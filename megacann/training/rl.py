@@ -16,7 +16,9 @@ The trainer runs this objective like pretraining's (:mod:`megacann.training.obje
 4. computes the advantages over the phase's groups, packs each rank's share into micro-batches, and
    recomputes each response token's log-probability with the trainer (forward-only, eval mode): the old
    policy of the ratio, compared with the generator's (``logprob_mismatch_mean`` / ``_max``); the reference
-   policy's the same way when the KL is on.
+   policy's the same way when the KL is on. A phase of one optimizer step without dropout skips the old
+   policy's pass (:func:`training_forward_is_old_policy`): the training forward's detached log-probabilities
+   are the old policy's, and the mismatch figures come from that forward.
 
 Then each step trains on mini-batch ``step % mini_batches`` of the phase. A checkpoint that falls inside a
 phase saves this rank's micro-batches of it (:meth:`RLTraining.checkpoint_state`: tokens, labels,
@@ -100,7 +102,9 @@ class RLTraining:
             _check_routers(policy, cfg.model.type, device)
         # the policy's forwards (old log-probabilities and training) route as the rollout with router replay
         self.policy_step = replaying_forward_step(spec.forward_step) if self.replay else spec.forward_step
-        self.forward_step = policy_forward_step(self.policy_step, self.loss, self.largest_gaps)
+        # one update per phase, no dropout: the training forward is the old policy, no recompute pass
+        self.old_from_training = training_forward_is_old_policy(cfg)
+        self.forward_step = policy_forward_step(self.policy_step, self.loss, self.largest_gaps, old_from_forward=True)
         self.schedule = get_forward_backward_func(cfg, spec.forward_step)
         self.kind = reference_kind(cfg)
         self.reference = build_reference_copy(cfg, spec, device) if self.kind == "copy" else None
@@ -266,9 +270,8 @@ class RLTraining:
                 self.prompts, rollouts, values, cfg.data.seq_length, cfg.data.batch_size, self.pad_id
             )
             batches = [{k: v.to(self.device) for k, v in mb.items()} for mb in batches]
-            for mb, logps in zip(
-                batches, self._token_logps(batches, self.policy, contextlib.nullcontext(), self.policy_step) or []
-            ):
+            recomputed = [] if self.old_from_training else self._old_logps(batches)
+            for mb, logps in zip(batches, recomputed):
                 mb["old_logps"] = logps
                 mask = mb["labels"] != IGNORE_INDEX
                 gap = (logps - mb["rollout_logps"]).abs()[mask]
@@ -281,10 +284,16 @@ class RLTraining:
                 ):
                     mb["ref_logps"] = logps
             self.mini_batches.append(batches)
-        gaps = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
-        figures["logprob_mismatch_mean"] = _mean_over_ranks(gaps.sum(), gaps.numel(), self.device)
-        figures["logprob_mismatch_max"] = _max_over_ranks(diff_max, self.device)
+        if not self.old_from_training:  # else the training forward gives them (:meth:`figures`)
+            gaps = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
+            figures["logprob_mismatch_mean"] = _mean_over_ranks(gaps.sum(), gaps.numel(), self.device)
+            figures["logprob_mismatch_max"] = _max_over_ranks(diff_max, self.device)
         self.phase, self.phase_figures = phase, figures
+
+    def _old_logps(self, batches: list[dict]) -> list[torch.Tensor]:
+        """The old policy's per-token log-probabilities of ``batches`` by a forward-only pass of the policy
+        (none on a pipeline stage without the loss)."""
+        return self._token_logps(batches, self.policy, contextlib.nullcontext(), self.policy_step) or []
 
     def _reference_chunks(self) -> tuple[list[torch.nn.Module], Any]:
         if self.reference is not None:
@@ -349,10 +358,25 @@ class RLTraining:
         seconds = max(time.perf_counter() - self.train_started, 1e-9)
         rows = self.cfg.global_batch_size * self.cfg.data.seq_length
         policy = policy_figures(figures, self.loss, self.largest_gaps)
+        if self.old_from_training:  # the phase is this step: its mismatch is the training forward's
+            policy["logprob_mismatch_mean"] = policy["logp_diff_mean"]
+            policy["logprob_mismatch_max"] = policy["logp_diff_max"]
         return {**policy, **self.phase_figures, "training_tokens_per_second": rows / seconds}
 
     def evaluate(self, batches, forward_backward, data) -> Optional[dict[str, float]]:
         return None  # no held-out split: the rewards are the figures
+
+
+def training_forward_is_old_policy(cfg: MegacannConfig) -> bool:
+    """Whether a step's training forward computes the old policy's log-probabilities itself: one optimizer
+    step per rollout phase (``rl.ppo_epochs`` 1, ``rl.mini_batches`` 1), so no update lies between the
+    rollout and the training forward, and no dropout, so the training forward (train mode) gives what the
+    forward-only pass (eval mode) would. Router replay, the reference and pipeline stages change nothing:
+    the training forward replays the routes as the pass would, the reference has its own pass, and the
+    loss (the only reader) is on the last stage with the training forward."""
+    r, m = cfg.rl, cfg.model
+    dropout = m.hidden_dropout or m.attention_dropout or (cfg.lora and cfg.lora_dropout)
+    return r.ppo_epochs == 1 and r.mini_batches == 1 and not dropout
 
 
 def _check_routers(policy: list[torch.nn.Module], model_type: str, device) -> None:
