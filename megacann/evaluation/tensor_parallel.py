@@ -28,18 +28,19 @@ def tensor_parallel_size(requested: Optional[int]) -> int:
 def start_tensor_parallel(size: int, device: Optional[str]) -> Optional[str]:
     """Make the TP groups of ``size`` ranks (the process group from the launcher's environment when none
     is up); return the device this rank loads on (``cuda`` becomes this rank's GPU)."""
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            raise ValueError(
-                f"megacann lm-eval model: tensor_parallel_size {size} needs {size} processes, e.g. "
-                f"torchrun --nproc_per_node {size} -m megacann.evaluation ..."
-            )
+    if not dist.is_initialized() and "RANK" in os.environ:  # launched by torchrun: its process group
         on_gpu = device is not None and device.startswith("cuda") and torch.cuda.is_available()
         dist.init_process_group("nccl" if on_gpu else "gloo")
-    if dist.get_world_size() != size:
+    processes = dist.get_world_size() if dist.is_initialized() else 1
+    if processes < size:
+        raise ValueError(
+            f"megacann lm-eval model: tensor_parallel_size {size} needs {size} processes, e.g. "
+            f"torchrun --nproc_per_node {size} -m megacann.evaluation ... (this run has {processes})"
+        )
+    if processes > size:
         raise ValueError(
             f"megacann lm-eval model: tensor_parallel_size {size} must equal the number of processes "
-            f"({dist.get_world_size()}): data parallel evaluation is not supported"
+            f"({processes}): data parallel evaluation is not supported"
         )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=size)
