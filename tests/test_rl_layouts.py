@@ -246,14 +246,33 @@ def test_router_replay_over_interleaved_pipeline_chunks_is_refused_by_name():
     )
 
 
-def test_resume_inside_a_rollout_phase_at_ep2_with_router_replay_is_bitwise(prompts, tmp_path):
-    """Each rank saves and takes back its own share of the phase (its prompts, its routers' choices)."""
-    layout = tuple(LAYOUTS["ep2_replay"][0])
-    ranks = run_on_ranks(_resume_runs, 2, args=(prompts, str(tmp_path), layout), timeout=600)
-    for got in ranks:
+RESUME_LAYOUTS = {  # name: (overrides at 2 ranks, the layout the checkpoint's rollouts were cut for)
+    "ep2_replay": (LAYOUTS["ep2_replay"][0], "tp1 pp1 dp2 ep2"),
+    "tp2_sp": (TP2_SP, "tp2 pp1 dp1"),
+    "pp2": (LAYOUTS["pp2"][0], "tp1 pp2 dp1"),
+    "zero3": (LAYOUTS["zero3"][0], "tp1 pp1 dp2 zero3"),
+}
+
+
+@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+def test_resume_inside_a_rollout_phase_at_layout_is_bitwise(layout, prompts, tmp_path):
+    """Each rank saves and takes back its own share of the phase (its prompts; with router replay its
+    routers' choices; at pp 2 the same micro-batches on both stages)."""
+    overrides, cut = RESUME_LAYOUTS[layout]
+    data_parallel = "dp2" in cut
+    ranks = run_on_ranks(_resume_runs, 2, args=(prompts, str(tmp_path), tuple(overrides)), timeout=600)
+    for index, got in enumerate(ranks):
         whole = got["uninterrupted"]
         assert got["inside"] == whole[2:] and got["boundary"] == whole[4:]
         phase, counts, keys = got["saved"]
-        assert (phase, counts) == (0, [1, 1]) and {"replay_ids", "replay_mask", "old_logps"} <= set(keys)
+        # a data-parallel rank holds 1 micro-batch of each mini-batch, a tp / pp rank the phase's 2
+        assert (phase, counts) == (0, [1, 1] if data_parallel else [2, 2]), (phase, counts)
+        assert got["cut"] == cut  # the layout was in force
+        assert {"advantages", "rollout_logps"} <= set(keys)
+        # the old and reference log-probabilities on the stages whose loss reads them (pp 2: the last only)
+        loss_stage = layout != "pp2" or index == 1
+        assert ({"old_logps", "ref_logps"} <= set(keys)) == loss_stage and ("old_logps" in keys) == loss_stage, keys
+        assert ("replay_ids" in keys) == (layout == "ep2_replay")
         assert "data.batch_size 4; this run has" in got["refused"]
-    assert ranks[0]["saved_tokens"] != ranks[1]["saved_tokens"]  # data-parallel ranks: their own prompts
+    # data-parallel ranks save their own prompts; tp ranks and pipeline stages the same rows
+    assert (ranks[0]["saved_tokens"] != ranks[1]["saved_tokens"]) == data_parallel
