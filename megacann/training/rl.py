@@ -101,7 +101,7 @@ class RLTraining:
         if self.replay:
             _check_routers(policy, cfg.model.type, device)
         # the policy's forwards (old log-probabilities and training) route as the rollout with router replay
-        self.policy_step = replaying_forward_step(spec.forward_step) if self.replay else spec.forward_step
+        self.policy_step = replaying_forward_step(spec.forward_step, policy) if self.replay else spec.forward_step
         # one update per phase, no dropout: the training forward is the old policy, no recompute pass
         self.old_from_training = training_forward_is_old_policy(cfg)
         self.forward_step = policy_forward_step(self.policy_step, self.loss, self.largest_gaps, old_from_forward=True)
