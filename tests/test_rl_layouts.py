@@ -3,8 +3,10 @@ on 2 gloo ranks (CPU, fp32, seeded sampling): 3 steps of loss, policy-gradient l
 std, entropy and gradient norm equal one process (1e-5) at
 
 - pipeline parallel 2 (probes: the stages hold layers 0-1 and 2-3; both stages train on the same
-  micro-batches, the last stage's rewards), and with 2 interleaved chunks a stage (probe: stage 0's chunks
-  hold layers 0 and 2, stage 1's layers 1 and 3; the generator runs both chunks of each rank);
+  micro-batches, the last stage's rewards), with 2 interleaved chunks a stage (probe: stage 0's chunks
+  hold layers 0 and 2, stage 1's layers 1 and 3; the generator runs both chunks of each rank), and with the
+  V-shaped schedules zbv (with and without router replay) and dualpipev (probe: stage 0 holds layers 0 and
+  3 and the head, stage 1 layers 1 and 2; the generator runs both chunks of each rank);
 - expert parallel 2 over data parallel 2, a MoE model (probe: 2 of the 4 experts of a layer a rank; the
   ranks generate for different prompts, kept in step by the generator's lockstep);
 - ZeRO-3 over data parallel 2 (probe: each rank stores half of the weights, none whole between steps);
@@ -49,8 +51,14 @@ DP2 = ["optim.grad_accum_steps=1"]  # global batch 8 on 2 ranks, as one process'
 TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
 SELECTIVE = "model.activation_checkpointing=selective"
 FULL = "model.activation_checkpointing=full"
+PP2 = "distributed.pipeline_parallel_size=2"
+ZBV = [PP2, "distributed.pipeline_schedule=zbv"]
+DUALPIPEV = [PP2, "distributed.pipeline_schedule=dualpipev", "data.batch_size=2", "optim.grad_accum_steps=4"]  # m >= 2p
 LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "pp2": (["distributed.pipeline_parallel_size=2"], "dense"),
+    "pp2_zbv": (ZBV, "dense"),  # the V placement: stage 0 holds layers 0 and 3 and the head
+    "pp2_dualpipev": (DUALPIPEV, "dense"),
+    "pp2_zbv_replay": ([*MOE, *ZBV, "rl.router_replay=true"], "moe_replay"),
     "pp2_vpp2": (["distributed.pipeline_parallel_size=2", "distributed.virtual_pipeline_size=2"], "dense"),
     "ep2": ([*MOE, *DP2, "distributed.expert_parallel_size=2"], "moe"),
     "zero3": ([*DP2, "distributed.zero_optimization=3"], "dense"),
@@ -105,6 +113,7 @@ def _layout_probe(trainer) -> dict:
         "layers": sorted(int(i) for i in chunk.layers),
         "chunk_layers": [sorted(int(i) for i in c.layers) for c in trainer.model_chunks],
         "generator_chunks": len(trainer.objective.generator.chunks),
+        "head_stage": trainer.objective.generator.stages.head_stage,
         "experts": sorted(int(e) for e in moe[0].experts) if moe else None,
         "digest": _micro_batch_digest(trainer.objective),
         "optimizer": type(trainer.optimizer).__name__,
@@ -275,6 +284,21 @@ def test_interleaved_chunks_hold_their_layers_and_the_generator_runs_both(two_ra
     assert (first["chunk_layers"], second["chunk_layers"]) == ([[0], [2]], [[1], [3]])
     assert first["generator_chunks"] == second["generator_chunks"] == 2
     assert first["digest"] == second["digest"]  # both stages train on the same rollouts
+
+
+@pytest.mark.parametrize("layout", ["pp2_zbv", "pp2_dualpipev", "pp2_zbv_replay"])
+def test_v_shaped_schedules_generate_and_train_on_both_chunks_of_a_stage(layout, two_ranks):
+    """zbv, dualpipev: stage 0 holds layers 0 and 3 (the embedding and the head: it scores the rollouts),
+    stage 1 layers 1 and 2; the generator runs both chunks of a rank; both stages train the same rollouts."""
+    first, second = (rank[layout] for rank in two_ranks)
+    assert (first["chunk_layers"], second["chunk_layers"]) == ([[0], [3]], [[1], [2]])
+    assert first["generator_chunks"] == second["generator_chunks"] == 2
+    assert first["head_stage"] == second["head_stage"] == 0
+    assert first["digest"] == second["digest"]
+    if layout.endswith("replay"):  # one router a chunk, both in the rank's record, each routed as recorded
+        assert first["replay"][0] == second["replay"][0] == 2
+        for run in (first, second):
+            assert run["replayed_as_recorded"] == [True] * (2 * 2 * STEPS), run["replayed_as_recorded"]
 
 
 def test_router_replay_over_interleaved_chunks_routes_each_chunk_as_its_rollout(two_ranks, one_process):
