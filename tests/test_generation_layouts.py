@@ -296,33 +296,42 @@ def _refusals() -> dict:
             Generator(torch.nn.Linear(2, 2), spec)
         except ValueError as error:
             errors[name] = str(error)
-    # a V-shaped placement (zbv, dualpipev: 2 chunks a stage, no virtual size set): stage 0's second chunk
-    # holds the head
+    # chunks whose ends disagree with their placement: V ends (stage 0's second chunk holds the head) on
+    # chunks not built for the V (no placement mark: the loop), and loop ends on chunks marked for the V
+    from megacann.pipeline.placement import PLACEMENT_ATTR
+
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
-    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     stage = ps.get_pipeline_model_parallel_rank()
-    for v, chunk in enumerate(chunks):
-        chunk.pre_process, chunk.post_process = stage == 0 and v == 0, stage == 0 and v == 1
-    try:
-        Generator(chunks, llama)
-    except ValueError as error:
-        errors["v_shape"] = str(error)
+    for name, marked, v_ends in (("v_ends_unmarked", False, True), ("loop_ends_marked_v", True, False)):
+        chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+        for v, chunk in enumerate(chunks):
+            chunk.pre_process = stage == 0 and v == 0
+            chunk.post_process = stage == 0 and v == 1 if v_ends else stage == 1 and v == 1
+            if marked:
+                setattr(chunk, PLACEMENT_ATTR, "v")
+        try:
+            Generator(chunks, llama)
+        except ValueError as error:
+            errors[name] = str(error)
     ps.destroy_model_parallel()
     return errors
 
 
-def test_missing_or_v_shaped_chunks_and_a_decode_path_without_hidden_states_are_refused_on_stages():
+def test_missing_or_misplaced_chunks_and_a_decode_path_without_hidden_states_are_refused_on_stages():
     errors = run_on_ranks(_refusals, 2, timeout=120)[0]
     assert errors["interleaved"] == (
         "generation on pipeline stages with distributed.virtual_pipeline_size 2 needs all 2 model chunks of this "
         "rank, in order; got 1"
     )
-    assert errors["v_shape"] == (
-        "generation runs interleaved chunks in the loop order (chunk v of every stage, then chunk v + 1); pipeline "
-        "stage 0's chunks hold the embedding / head as [(True, False), (False, True)], not [(True, False), "
-        "(False, False)] (a V-shaped schedule such as zbv or dualpipev): generate with "
-        "distributed.pipeline_schedule interleaved"
+    built_by = "chunks built by megacann.pipeline.build_model_chunks say which"
+    assert errors["v_ends_unmarked"] == (
+        f"generation runs the chunks in their placement's order (loop: {built_by}); pipeline stage 0's chunks "
+        "hold the embedding / head as [(True, False), (False, True)], not [(True, False), (False, False)]"
+    )
+    assert errors["loop_ends_marked_v"] == (
+        f"generation runs the chunks in their placement's order (v: {built_by}); pipeline stage 0's chunks "
+        "hold the embedding / head as [(True, False), (False, False)], not [(True, False), (False, True)]"
     )
     assert (
         "model family 'plain': its decode path (ModelSpec.decode) takes no hidden_states"

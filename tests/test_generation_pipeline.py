@@ -11,10 +11,11 @@ prefill, then each decode step), each group with its own padding and cache rows.
 - ep 2 + pp 2 (world 4, a MoE model over data parallel 2, each replica its own requests and lengths): the
   one-process results; the replica that finishes first, and each replica's micro-batch that finishes
   first, idle in step (counted) instead of hanging; so does a replica with no request at all.
-- pp 2 with 2 interleaved chunks a stage, 1 and 2 micro-batches, greedy and seeded sampling: the
-  one-process results. Probes: each rank's chunks hold layers 0 and 2 (stage 0) and 1 and 3 (stage 1);
-  every micro-batch forward runs the rank's chunk 0 then chunk 1 (layer indices of each call); each
-  micro-batch's cache holds one attention layer of each chunk; one chunk alone is refused.
+- pp 2 with 2 chunks a stage, interleaved (the loop) and in the V of zbv and dualpipev, 1 and 2
+  micro-batches, greedy and seeded sampling: the one-process results. Probes: each rank's chunks hold
+  layers 0 and 2 (stage 0) and 1 and 3 (stage 1) on the loop, 0 and 3, and 1 and 2 in the V, whose stage 0
+  computes the logits; every micro-batch forward runs the rank's chunk 0 then chunk 1 (layer indices of
+  each call); each micro-batch's cache holds one attention layer of each chunk; one chunk alone is refused.
 - qwen3_5 (Gated DeltaNet layers) and deepseek_v32 (sparse latent attention) from tiny Hugging Face
   checkpoints at pp 2 (extended tier): the one-process results.
 """
@@ -293,9 +294,20 @@ def test_families_with_their_own_caches_generate_on_stages(tmp_path, family):
 # -- interleaved chunks: pp 2 x 2 virtual chunks, each rank runs its two chunks in the pipeline's order ---
 
 VPP2 = [*PP2, "distributed.virtual_pipeline_size=2", "optim.grad_accum_steps=2"]
+# the V placement (two chunks a stage: stage 0 holds segments 0 and 3, stage 1 segments 1 and 2)
+TWO_CHUNKS = {
+    "interleaved": VPP2,
+    "zbv": [*PP2, "distributed.pipeline_schedule=zbv", "optim.grad_accum_steps=2"],
+    "dualpipev": [*PP2, "distributed.pipeline_schedule=dualpipev", "optim.grad_accum_steps=4"],
+}
+CHUNK_LAYERS = {  # each stage's chunks' layers, and which stage holds the head
+    "interleaved": (([[0], [2]], [[1], [3]]), [False, True]),
+    "zbv": (([[0], [3]], [[1], [2]]), [True, False]),
+    "dualpipev": (([[0], [3]], [[1], [2]]), [True, False]),
+}
 
 
-def _on_interleaved_chunks() -> dict:
+def _on_two_chunks(overrides: list[str]) -> dict:
     """Greedy and seeded sampling with 1 and 2 micro-batches, every forward's chunk (its layer indices)
     recorded in order."""
     import dataclasses
@@ -303,7 +315,7 @@ def _on_interleaved_chunks() -> dict:
     from megacann import parallel_state as ps
     from megacann.generation import Generator
 
-    trainer = _trainer(VPP2)
+    trainer = _trainer(overrides)
     chunks, ran = trainer.model_chunks, []
 
     def decode(chunk, ids, positions, hidden_states=None):
@@ -322,6 +334,7 @@ def _on_interleaved_chunks() -> dict:
                 for cache in generator.last_caches
             ]
             out[microbatches, kind] = {"results": results, "ran": list(ran), "cached": cached}
+        out["head"] = generator.stages.last
     try:
         Generator(chunks[0], trainer.model_spec)
     except ValueError as error:
@@ -330,31 +343,38 @@ def _on_interleaved_chunks() -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def interleaved() -> list[dict]:
-    return run_on_ranks(_on_interleaved_chunks, 2, timeout=600)
+# the V placements in the extended tier (the README tier is near its budget)
+@pytest.fixture(
+    scope="module", params=["interleaved", *(pytest.param(v, marks=pytest.mark.extended) for v in ("zbv", "dualpipev"))]
+)
+def two_chunks(request) -> tuple[str, list[dict]]:
+    """(placement, each rank's runs): the interleaved schedule's loop, and the V of zbv and dualpipev."""
+    return request.param, run_on_ranks(_on_two_chunks, 2, args=(TWO_CHUNKS[request.param],), timeout=600)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
 @pytest.mark.parametrize("microbatches", [1, 2])
-def test_interleaved_chunks_generate_as_one_process(pp2, interleaved, microbatches, kind):
+def test_two_chunks_a_stage_generate_as_one_process(pp2, two_chunks, microbatches, kind):
     reference, _ = pp2
-    for rank in interleaved:
+    for rank in two_chunks[1]:
         assert_same_results(rank[microbatches, kind]["results"], reference[1, kind])
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
-def test_each_rank_runs_its_two_chunks_in_turn_with_their_own_caches(interleaved, microbatches):
-    first, last = interleaved
-    # chunk v of stage k holds layer 2v + k: stage 0 layers 0 and 2, stage 1 layers 1 and 3
-    assert (first["chunks"], last["chunks"]) == ([[0], [2]], [[1], [3]])
+def test_each_rank_runs_its_two_chunks_in_turn_with_their_own_caches(two_chunks, microbatches):
+    placement, (first, last) = two_chunks
+    # the loop: chunk v of stage k holds layer 2v + k; the V: chunk 0 of stage k layer k, chunk 1 layer 3 - k
+    layers, head = CHUNK_LAYERS[placement]
+    assert (first["chunks"], last["chunks"]) == layers
+    assert [first["head"], last["head"]] == head  # the stage that computes the logits and shares the choices
     forwards = len(_expected_forwards(microbatches))  # micro-batch forwards in the whole generation
     for stage in (first, last):
         for kind in ("greedy", "sampled"):
             run = stage[microbatches, kind]
             assert run["ran"] == stage["chunks"] * forwards  # each micro-batch's forward: chunk 0, then chunk 1
             assert run["cached"] == [[1, 1]] * microbatches  # each micro-batch caches both chunks' layer
-    assert (
-        "distributed.virtual_pipeline_size 2 needs all 2 model chunks of this rank, in order; got 1"
-        in (first["one_chunk"])
-    )
+    refusal = {
+        "interleaved": "distributed.virtual_pipeline_size 2 needs all 2 model chunks of this rank, in order; got 1",
+        "zbv": "generation in the V placement (zbv, dualpipev) needs this rank's 2 chunks; got 1",
+    }
+    assert refusal.get(placement, refusal["zbv"]) in first["one_chunk"], first["one_chunk"]

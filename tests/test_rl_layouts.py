@@ -3,8 +3,10 @@ on 2 gloo ranks (CPU, fp32, seeded sampling): 3 steps of loss, policy-gradient l
 std, entropy and gradient norm equal one process (1e-5) at
 
 - pipeline parallel 2 (probes: the stages hold layers 0-1 and 2-3; both stages train on the same
-  micro-batches, the last stage's rewards), and with 2 interleaved chunks a stage (probe: stage 0's chunks
-  hold layers 0 and 2, stage 1's layers 1 and 3; the generator runs both chunks of each rank);
+  micro-batches, the last stage's rewards), with 2 interleaved chunks a stage (probe: stage 0's chunks
+  hold layers 0 and 2, stage 1's layers 1 and 3; the generator runs both chunks of each rank), and with the
+  V-shaped schedules zbv (with and without router replay) and dualpipev (probe: stage 0 holds layers 0 and
+  3 and the head, stage 1 layers 1 and 2; the generator runs both chunks of each rank);
 - expert parallel 2 over data parallel 2, a MoE model (probe: 2 of the 4 experts of a layer a rank; the
   ranks generate for different prompts, kept in step by the generator's lockstep);
 - ZeRO-3 over data parallel 2 (probe: each rank stores half of the weights, none whole between steps);
@@ -12,22 +14,25 @@ std, entropy and gradient norm equal one process (1e-5) at
 - context parallel 2 for the training pass, dense, MoE and deepseek_v3 (latent attention) (probes: the training
   forward sees 16 of the 32 tokens a rank; both cp ranks generate the same rollouts, said at start-up; the
   deepseek_v3 chunk's 4 attentions are latent);
-- router replay (``rl.router_replay``) at ep 2, pp 2, tp 2 with and without SP and cp 2 with a MoE model, against one
-  process with replay (probe: the micro-batches carry the recorded choices of this rank's routers: 4 at
-  ep 2, tp 2 and cp 2, 2 a stage at pp 2); at ep 2 and at one process also with full activation recomputation
-  (probe: every block recomputed), selective recomputation at one process.
+- router replay (``rl.router_replay``) at ep 2, pp 2, pp 2 x 2 interleaved chunks, tp 2 with and without SP and
+  cp 2 with a MoE model, against one process with replay (probe: the micro-batches carry the recorded choices
+  of this rank's routers: 4 at ep 2, tp 2 and cp 2, 2 a stage at pp 2, one a chunk with interleaved chunks;
+  where whole sequences are routed, every training forward of every router routes each recorded token as the
+  rollout did); at ep 2 and at one process also with full activation recomputation (probe: every block
+  recomputed), selective recomputation at one process;
+- a resume inside a rollout phase at ep 2 with replay, tp 2 + SP, pp 2 and ZeRO-3 repeats the uninterrupted
+  run bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import pytest
+import torch
 from dist_harness import run_on_ranks
-from finetune_helpers import recipe
 from test_rl_loop import STEPS, _resume_runs, _trace, _trainer, assert_same_trace, rl_overrides, write_prompts
-
-from megacann.config import ConfigError
 
 pytestmark = pytest.mark.extended  # a slow multi-rank check: `make test-extended` runs it
 
@@ -46,8 +51,14 @@ DP2 = ["optim.grad_accum_steps=1"]  # global batch 8 on 2 ranks, as one process'
 TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
 SELECTIVE = "model.activation_checkpointing=selective"
 FULL = "model.activation_checkpointing=full"
+PP2 = "distributed.pipeline_parallel_size=2"
+ZBV = [PP2, "distributed.pipeline_schedule=zbv"]
+DUALPIPEV = [PP2, "distributed.pipeline_schedule=dualpipev", "data.batch_size=2", "optim.grad_accum_steps=4"]  # m >= 2p
 LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
     "pp2": (["distributed.pipeline_parallel_size=2"], "dense"),
+    "pp2_zbv": (ZBV, "dense"),  # the V placement: stage 0 holds layers 0 and 3 and the head
+    "pp2_dualpipev": (DUALPIPEV, "dense"),
+    "pp2_zbv_replay": ([*MOE, *ZBV, "rl.router_replay=true"], "moe_replay"),
     "pp2_vpp2": (["distributed.pipeline_parallel_size=2", "distributed.virtual_pipeline_size=2"], "dense"),
     "ep2": ([*MOE, *DP2, "distributed.expert_parallel_size=2"], "moe"),
     "zero3": ([*DP2, "distributed.zero_optimization=3"], "dense"),
@@ -61,6 +72,10 @@ LAYOUTS = {  # name: (overrides at 2 ranks, the one-process run it must equal)
         "moe_replay",
     ),
     "pp2_replay": ([*MOE, "distributed.pipeline_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
+    "pp2_vpp2_replay": (
+        [*MOE, "distributed.pipeline_parallel_size=2", "distributed.virtual_pipeline_size=2", "rl.router_replay=true"],
+        "moe_replay",
+    ),
     "tp2_sp_replay": ([*MOE, *TP2_SP, "rl.router_replay=true"], "moe_replay"),
     "tp2_replay": ([*MOE, TP2_SP[0], "rl.router_replay=true"], "moe_replay"),  # the MoE layer scatters
     "cp2_replay": ([*MOE, "distributed.context_parallel_size=2", "rl.router_replay=true"], "moe_replay"),
@@ -98,6 +113,7 @@ def _layout_probe(trainer) -> dict:
         "layers": sorted(int(i) for i in chunk.layers),
         "chunk_layers": [sorted(int(i) for i in c.layers) for c in trainer.model_chunks],
         "generator_chunks": len(trainer.objective.generator.chunks),
+        "head_stage": trainer.objective.generator.stages.head_stage,
         "experts": sorted(int(e) for e in moe[0].experts) if moe else None,
         "digest": _micro_batch_digest(trainer.objective),
         "optimizer": type(trainer.optimizer).__name__,
@@ -118,6 +134,41 @@ def _layout_probe(trainer) -> dict:
     return probe
 
 
+@contextlib.contextmanager
+def _training_routes(trainer):
+    """Collects ``(router index on this rank, chosen ids [b * s, k])`` of every training forward of a router
+    with router replay and whole sequences routed (no tensor or context parallelism); nothing otherwise."""
+    from megacann import parallel_state as ps
+    from megacann.layers.moe.routing_replay import routers
+
+    routes: list[tuple[int, torch.Tensor]] = []
+    whole = ps.get_tensor_model_parallel_world_size() == ps.get_context_parallel_world_size() == 1
+    found = [router for chunk in trainer.model_chunks for router in routers(chunk)]
+    keep = lambda j: lambda m, args, out: routes.append((j, out.expert_ids)) if m.training else None  # noqa: E731
+    wanted = trainer.cfg.rl.router_replay and whole
+    hooks = [router.register_forward_hook(keep(j)) for j, router in enumerate(found)] if wanted else []
+    try:
+        yield routes
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _replayed_as_recorded(routes: list[tuple[int, torch.Tensor]], micro_batches: list[dict]) -> list[bool]:
+    """For each collected training forward of a router, whether it routed every recorded token of one of the
+    step's micro-batches to that router's recorded experts (``replay_ids[:, :, router]``); clears ``routes``."""
+    out = []
+    for index, ids in routes:
+        matched = False
+        for mb in micro_batches:
+            recorded, mask = mb["replay_ids"][:, :, index], mb["replay_mask"]
+            if ids.numel() == recorded.numel() and mask.any():
+                matched |= bool((ids.view_as(recorded) == recorded)[mask].all())
+        out.append(matched)
+    routes.clear()
+    return out
+
+
 def _run(prompts: str, overrides: list[str], world_size: int) -> dict:
     from megacann import parallel_state as ps
     from megacann.layers import TransformerBlock
@@ -126,8 +177,13 @@ def _run(prompts: str, overrides: list[str], world_size: int) -> dict:
     seen = []  # the sequence length the first block saw in training (seq / cp under context parallelism)
     block = next(m for m in trainer.model_chunks[0].modules() if isinstance(m, TransformerBlock))
     block.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]) if m.training else None)
-    steps = [trainer.train_step() for _ in range(STEPS)]
+    steps, replayed = [], []
+    with _training_routes(trainer) as routes:
+        for _ in range(STEPS):
+            steps.append(trainer.train_step())
+            replayed += _replayed_as_recorded(routes, trainer.objective.mini_batches[0])
     out = {"trace": _trace(steps), "seq": sorted(set(seen)), "describe": trainer.objective.describe()}
+    out["replayed_as_recorded"] = replayed
     out.update(_layout_probe(trainer))
     ps.destroy_model_parallel()
     return out
@@ -230,30 +286,63 @@ def test_interleaved_chunks_hold_their_layers_and_the_generator_runs_both(two_ra
     assert first["digest"] == second["digest"]  # both stages train on the same rollouts
 
 
-def test_router_replay_over_interleaved_pipeline_chunks_is_refused_by_name():
-    overrides = rl_overrides(
-        "prompts.jsonl",
-        *MOE,
-        "distributed.pipeline_parallel_size=2",
-        "distributed.virtual_pipeline_size=2",
-        "rl.router_replay=true",
-    )
-    with pytest.raises(ConfigError) as err:
-        recipe(overrides, world_size=2)
-    assert (
-        "train_mode grpo with rl.router_replay and distributed.virtual_pipeline_size 2 is not supported yet: the "
-        "replayed routing is recorded for one model chunk a pipeline stage" in str(err.value)
-    )
+@pytest.mark.parametrize("layout", ["pp2_zbv", "pp2_dualpipev", "pp2_zbv_replay"])
+def test_v_shaped_schedules_generate_and_train_on_both_chunks_of_a_stage(layout, two_ranks):
+    """zbv, dualpipev: stage 0 holds layers 0 and 3 (the embedding and the head: it scores the rollouts),
+    stage 1 layers 1 and 2; the generator runs both chunks of a rank; both stages train the same rollouts."""
+    first, second = (rank[layout] for rank in two_ranks)
+    assert (first["chunk_layers"], second["chunk_layers"]) == ([[0], [3]], [[1], [2]])
+    assert first["generator_chunks"] == second["generator_chunks"] == 2
+    assert first["head_stage"] == second["head_stage"] == 0
+    assert first["digest"] == second["digest"]
+    if layout.endswith("replay"):  # one router a chunk, both in the rank's record, each routed as recorded
+        assert first["replay"][0] == second["replay"][0] == 2
+        for run in (first, second):
+            assert run["replayed_as_recorded"] == [True] * (2 * 2 * STEPS), run["replayed_as_recorded"]
 
 
-def test_resume_inside_a_rollout_phase_at_ep2_with_router_replay_is_bitwise(prompts, tmp_path):
-    """Each rank saves and takes back its own share of the phase (its prompts, its routers' choices)."""
-    layout = tuple(LAYOUTS["ep2_replay"][0])
-    ranks = run_on_ranks(_resume_runs, 2, args=(prompts, str(tmp_path), layout), timeout=600)
-    for got in ranks:
+def test_router_replay_over_interleaved_chunks_routes_each_chunk_as_its_rollout(two_ranks, one_process):
+    """pp 2 x 2 chunks: a rank's record holds its 2 chunks' routers (layers 0 and 2, or 1 and 3), and every
+    training forward of every router routed each recorded token of its micro-batch as the rollout did."""
+    for rank in two_ranks:
+        run = rank["pp2_vpp2_replay"]
+        assert len(run["chunk_layers"]) == 2 and run["replay"][0] == 2  # 1 router a chunk, both in the record
+        # each router of the rank, each training micro-batch (2 a step), 3 steps
+        assert run["replayed_as_recorded"] == [True] * (2 * 2 * STEPS), run["replayed_as_recorded"]
+    assert [rank["pp2_vpp2_replay"]["chunk_layers"] for rank in two_ranks] == [[[0], [2]], [[1], [3]]]
+    assert one_process["moe_replay"]["replayed_as_recorded"] == [True] * (4 * 2 * STEPS)
+    assert [len(rank["pp2_replay"]["replayed_as_recorded"]) for rank in two_ranks] == [2 * 2 * STEPS] * 2
+    assert all(all(rank["pp2_replay"]["replayed_as_recorded"]) for rank in two_ranks)
+    assert one_process["moe"]["replayed_as_recorded"] == []  # no replay: nothing collected
+
+
+RESUME_LAYOUTS = {  # name: (overrides at 2 ranks, the layout the checkpoint's rollouts were cut for)
+    "ep2_replay": (LAYOUTS["ep2_replay"][0], "tp1 pp1 dp2 ep2"),
+    "tp2_sp": (TP2_SP, "tp2 pp1 dp1"),
+    "pp2": (LAYOUTS["pp2"][0], "tp1 pp2 dp1"),
+    "zero3": (LAYOUTS["zero3"][0], "tp1 pp1 dp2 zero3"),
+}
+
+
+@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+def test_resume_inside_a_rollout_phase_at_layout_is_bitwise(layout, prompts, tmp_path):
+    """Each rank saves and takes back its own share of the phase (its prompts; with router replay its
+    routers' choices; at pp 2 the same micro-batches on both stages)."""
+    overrides, cut = RESUME_LAYOUTS[layout]
+    data_parallel = "dp2" in cut
+    ranks = run_on_ranks(_resume_runs, 2, args=(prompts, str(tmp_path), tuple(overrides)), timeout=600)
+    for index, got in enumerate(ranks):
         whole = got["uninterrupted"]
         assert got["inside"] == whole[2:] and got["boundary"] == whole[4:]
         phase, counts, keys = got["saved"]
-        assert (phase, counts) == (0, [1, 1]) and {"replay_ids", "replay_mask", "old_logps"} <= set(keys)
+        # a data-parallel rank holds 1 micro-batch of each mini-batch, a tp / pp rank the phase's 2
+        assert (phase, counts) == (0, [1, 1] if data_parallel else [2, 2]), (phase, counts)
+        assert got["cut"] == cut  # the layout was in force
+        assert {"advantages", "rollout_logps"} <= set(keys)
+        # the old and reference log-probabilities on the stages whose loss reads them (pp 2: the last only)
+        loss_stage = layout != "pp2" or index == 1
+        assert ({"old_logps", "ref_logps"} <= set(keys)) == loss_stage and ("old_logps" in keys) == loss_stage, keys
+        assert ("replay_ids" in keys) == (layout == "ep2_replay")
         assert "data.batch_size 4; this run has" in got["refused"]
-    assert ranks[0]["saved_tokens"] != ranks[1]["saved_tokens"]  # data-parallel ranks: their own prompts
+    # data-parallel ranks save their own prompts; tp ranks and pipeline stages the same rows
+    assert (ranks[0]["saved_tokens"] != ranks[1]["saved_tokens"]) == data_parallel

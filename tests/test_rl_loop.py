@@ -148,6 +148,7 @@ def _resume_runs(prompts: str, tmp: str, layout: tuple[str, ...] = ()) -> dict:
     import torch.distributed as dist
 
     from megacann import parallel_state as ps
+    from megacann.checkpoint.metadata import describe_layout
 
     def run(name: str, *extra: str, **kw):
         overrides = rl_overrides(prompts, *PHASES, *layout, f"experiment.output_dir={tmp}/{name}", *extra)
@@ -188,6 +189,7 @@ def _resume_runs(prompts: str, tmp: str, layout: tuple[str, ...] = ()) -> dict:
         "inside": strip(resumed["inside"]),
         "boundary": strip(resumed["boundary"]),
         "saved": (saved["phase"], [len(m) for m in saved["mini_batches"]], sorted(saved["mini_batches"][0][0])),
+        "cut": describe_layout(saved["cut"]),
         "saved_tokens": [mb["tokens"].tolist() for batches in saved["mini_batches"] for mb in batches],
         "at_boundary": at_boundary,
         "refused": refused,

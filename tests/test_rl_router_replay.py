@@ -7,7 +7,8 @@ training forward.
 - With the routers perturbed after the rollout, the training forward without replay routes some tokens
   elsewhere; with replay it routes every recorded token exactly as the rollout did, and the gate weights
   are the perturbed router's own scores of the replayed experts.
-- The whole loop with replay at ep 2, pp 2, tp 2 + SP and cp 2 equals one process: tests/test_rl_layouts.py.
+- The whole loop with replay at ep 2, pp 2 (also with 2 interleaved chunks a stage and with zbv), tp 2 + SP and
+  cp 2 equals one process: tests/test_rl_layouts.py.
 - With full activation recomputation the blocks recomputed in backward route every recorded token as
   recorded too (the routers moved after the rollout), and the gradients equal those without recomputation.
 - Refused by name: a policy without routers (selective and full recomputation train the trace of no

@@ -1,8 +1,4 @@
-"""The ``rl`` section (``train_mode: grpo``, docs/rl.md): every key checked before anything is built.
-
-A layout the colocated generator cannot run (router replay over interleaved pipeline chunks) is refused
-here by name, with what was expected.
-"""
+"""The ``rl`` section (``train_mode: grpo``, docs/rl.md): every key checked before anything is built."""
 
 from __future__ import annotations
 
@@ -34,19 +30,6 @@ def _number(value, key: str, source: str, low: float, strict: bool = False) -> N
 def _integer(value, key: str, source: str, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(f"{source}: rl.{key} must be an integer >= {low}, got {value!r}")
-
-
-def _check_layout(cfg: MegacannConfig, source: str) -> None:
-    """The layout the colocated generator cannot run: router replay over interleaved pipeline chunks
-    (pipeline stages, interleaved chunks, expert parallelism, ZeRO-1/2/3, tensor, sequence and context
-    parallelism run)."""
-    d = cfg.distributed
-    if (d.virtual_pipeline_size or 1) > 1 and cfg.rl.router_replay is True:
-        raise ConfigError(
-            f"{source}: train_mode grpo with rl.router_replay and distributed.virtual_pipeline_size "
-            f"{d.virtual_pipeline_size!r} is not supported yet: the replayed routing is recorded for one model "
-            "chunk a pipeline stage (set rl.router_replay false or virtual_pipeline_size 1)"
-        )
 
 
 def _check_router_replay(cfg: MegacannConfig, source: str) -> None:
@@ -106,4 +89,3 @@ def check_rl_section(cfg: MegacannConfig, source: str) -> None:
     _check_router_replay(cfg, source)
     if not isinstance(r.filter_groups, bool):
         raise ConfigError(f"{source}: rl.filter_groups must be true or false, got {r.filter_groups!r}")
-    _check_layout(cfg, source)

@@ -10,7 +10,7 @@ from megacann import parallel_state as ps
 from megacann.config import MegacannConfig
 from megacann.models.spec import ChunkPlacement, ModelSpec, get_model_spec
 from megacann.pipeline.overlap import LANE_ATTR
-from megacann.pipeline.placement import LOOP, Placement, V
+from megacann.pipeline.placement import LOOP, PLACEMENT_ATTR, Placement, V
 from megacann.pipeline.schedule_spec import schedule_for, splits_backward
 from megacann.pipeline.split_backward import prepare_split_backward
 
@@ -86,6 +86,7 @@ def build_model_chunks(
         with ps.communication_lane(lane):
             chunks.append(spec.build(cfg, placement, device))
         setattr(chunks[-1], LANE_ATTR, lane)
+        setattr(chunks[-1], PLACEMENT_ATTR, recipe_placement(cfg).kind)
     if splits_backward(cfg.distributed.pipeline_schedule):
         prepare_split_backward(chunks)
     return chunks

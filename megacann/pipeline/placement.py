@@ -99,3 +99,6 @@ class VPlacement(Placement):
 
 LOOP = Placement()
 V = VPlacement()
+# set by build_model_chunks on each chunk: its placement's kind ("loop" or "v"), for code that runs the
+# chunks outside a schedule (the generator: megacann.generation.pipeline_stages)
+PLACEMENT_ATTR = "_megacann_pipeline_placement"

@@ -11,7 +11,8 @@ of this rank chose for each of its tokens while generating (:mod:`megacann.layer
 the prefill's for the prompt, each decode step's for the token it fed back (the last new token is never
 fed back, so ``prompt + response - 1`` tokens); the micro-batch carries them as ``replay_ids``
 ``[b, s, routers, k]`` with ``replay_mask`` ``[b, s]`` (the tokens with a recorded choice), both cut along
-``s`` like the tokens under context parallelism.
+``s`` like the tokens under context parallelism. With interleaved pipeline chunks the record holds every
+chunk's routers of the rank, chunk after chunk, and each chunk's forward replays its own span.
 
 A training row is ``prompt + response``, right-padded to ``data.seq_length``; its labels are the
 response's tokens (the EOS that ended it included), shifted like any language-model label, and the ignore
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from megacann.constants import IGNORE_INDEX
 from megacann.generation import GenerationResult, Generator, SamplingParams
-from megacann.layers.moe.routing_replay import routing_recorded, routing_replayed
+from megacann.layers.moe.routing_replay import routers, routing_recorded, routing_replayed
 from megacann.rl.prompts import Prompt, hash_seed
 
 
@@ -186,16 +187,31 @@ def _replay_tensors(rows: Sequence[Rollout], seq_length: int) -> dict[str, torch
     }
 
 
-def replaying_forward_step(forward_step: Callable) -> Callable:
+def replaying_forward_step(forward_step: Callable, chunks: Sequence[torch.nn.Module] = ()) -> Callable:
     """``forward_step`` whose chunk's routers reuse the micro-batch's recorded choices (``replay_ids``,
-    ``replay_mask``) where it has them (router replay)."""
+    ``replay_mask``) where it has them (router replay). ``chunks``: this rank's model chunks, in the order the
+    generator recorded their routers (interleaved pipeline chunks: chunk 0's routers, then chunk 1's ...);
+    each chunk replays its own span of the record's routers (all of them when ``chunks`` holds one or none)."""
+    spans = _router_spans(chunks)
 
     def step(chunk: torch.nn.Module, batch: dict, hidden_states: Optional[torch.Tensor]):
         ids = batch["replay_ids"].unbind(2)  # per router [b, s, k]
+        if spans:
+            found = routers(chunk)
+            first = spans[id(found[0])] if found else 0
+            ids = ids[first : first + len(found)]
         with routing_replayed(chunk, ids, batch["replay_mask"]):
             return forward_step(chunk, batch, hidden_states)
 
     return step
+
+
+def _router_spans(chunks: Sequence[torch.nn.Module]) -> dict[int, int]:
+    """For several chunks, each router's index in the rank's whole record (by the router's id); {} for one."""
+    if len(chunks) < 2:
+        return {}
+    found = [router for chunk in chunks for router in routers(chunk)]
+    return {id(router): index for index, router in enumerate(found)}
 
 
 def response_figures(rollouts: Sequence[Rollout]) -> dict[str, float]:

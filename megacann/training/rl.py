@@ -101,7 +101,7 @@ class RLTraining:
         if self.replay:
             _check_routers(policy, cfg.model.type, device)
         # the policy's forwards (old log-probabilities and training) route as the rollout with router replay
-        self.policy_step = replaying_forward_step(spec.forward_step) if self.replay else spec.forward_step
+        self.policy_step = replaying_forward_step(spec.forward_step, policy) if self.replay else spec.forward_step
         # one update per phase, no dropout: the training forward is the old policy, no recompute pass
         self.old_from_training = training_forward_is_old_policy(cfg)
         self.forward_step = policy_forward_step(self.policy_step, self.loss, self.largest_gaps, old_from_forward=True)
@@ -171,16 +171,16 @@ class RLTraining:
             rollout.reward = rollout.raw_reward + penalty
 
     def _score_on_last_stage(self, rollouts: list[Rollout]) -> None:
-        """:meth:`_score` here, or on pipeline stages by the last stage alone (the reward runs once), its
+        """:meth:`_score` here, or on pipeline stages by the stage with the head alone (the reward runs once), its
         rewards then broadcast: every stage keeps and drops the same groups and builds the same micro-batches."""
         if ps.get_pipeline_model_parallel_world_size() == 1:
             self._score(rollouts)
             return
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
+        stages = self.generator.stages  # the stage with the head: the last one, stage 0 in the V (zbv, dualpipev)
+        if stages.last:
             self._score(rollouts)
         rewards = torch.tensor([[x.raw_reward, x.reward] for x in rollouts], dtype=torch.float64, device=self.device)
-        last = ps.get_pipeline_model_parallel_ranks()[-1]
-        dist.broadcast(rewards, last, group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(rewards, stages.head_rank(), group=ps.get_pipeline_model_parallel_group())
         for rollout, (raw, reward) in zip(rollouts, rewards.tolist()):
             rollout.raw_reward, rollout.reward = raw, reward
 
