@@ -5,7 +5,7 @@ answer's last token, then the template's text after the answer) after a cache ho
 them. So for every kind of cache, each on a tiny Hugging Face model: keys and values (LLaMA), rolling windows
 (Mistral; gpt-oss with sinks), latent caches (DeepSeek-V3; V3.2 with its indexer's keys), Gated DeltaNet's
 recurrent state (Qwen3.5, Qwen3-Next) and DeepSeek-V4's window with compressor projections, its turns
-starting with compressed windows left partial (extended tier: 6-9 s). Where the cache would overflow, one
+starting with compressed windows left partial (extended tier). Where the cache would overflow, one
 line says so and the turn runs the whole conversation, as does a turn after an answer cut at a stop string of
 the user's (the rendered text no longer continues the cached one); a cache layer that does not take several
 tokens after cached ones is not extended; and ``megacann-generate --chat`` keeps the cache by default."""
@@ -141,8 +141,8 @@ def _topk_ties_by_position(scores: torch.Tensor, k: int, dim: int = -1, largest:
     return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
 
 
-# DeepSeek-V4's tiny model takes 6-9 s for the three turns and their runs from scratch (the others under 1.5 s,
-# measured on 2 shared cores): extended tier
+# DeepSeek-V4's tiny model takes 6.4 s for the three turns and their runs from scratch (the others 0.2-1.2 s;
+# measured on 2 cores at load 4, ~8 s and up to 5 s at load 8): extended tier
 SLOW = {"compressed_window"}
 
 
