@@ -12,8 +12,11 @@ adds after what the cached tokens stand for (the prompt, the answer as generated
 equal a run of all the conversation's tokens from scratch. An answer ended by EOS stands for the
 template's end of the answer. Where the cache would overflow, or the rendered conversation no longer
 continues the cached text (an answer cut at another stop string), one line says so and the turn runs the
-whole conversation again. Without ``cache_len`` (or for a cache that cannot take several tokens after
-cached ones: a rolling window, latent or recurrent layers) every turn runs the whole conversation.
+whole conversation again. Every built-in cache kind is kept: keys and values, rolling windows (the turn's
+tokens continue the window), latent caches, Gated DeltaNet's state (the cache holds it after every token
+but the last one chosen, which the turn feeds first) and DeepSeek-V4's compressed windows. Without
+``cache_len`` (or for a registered cache layer that cannot take several tokens after cached ones) every turn
+runs the whole conversation.
 """
 
 from __future__ import annotations

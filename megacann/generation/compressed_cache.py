@@ -48,7 +48,11 @@ def compressed_cache_bytes(
 class CompressedAttentionCacheLayer:
     """One :class:`CompressedSparseAttention`'s rows of a :class:`KVCache`: ``local`` (the rotated KV head,
     rolling over ``sliding_window`` slots) and ``history`` (the compressor's projections, every slot;
-    None on sliding layers)."""
+    None on sliding layers). A forward of several tokens after cached ones (``extendable``) reads the
+    window as held before it, then its own tokens, and pools the compressed entries again from every
+    cached projection: a window left partial by the cached tokens closes with the new ones."""
+
+    extendable = True
 
     def __init__(self, cache: KVCache, attention: CompressedSparseAttention, batch: int):
         self.cache = cache
@@ -75,12 +79,11 @@ class CompressedAttentionCacheLayer:
     ) -> torch.Tensor:
         """Store this forward's KV heads (and projections), then attend (see the module docstring)."""
         start, s = self.cache.length, q.shape[1]
-        self.local.store(kv)
         if start == 0:
+            self.local.store(kv)
             keys, read = kv, self._prefill_mask(s, attention.sliding_window, q.device)
         else:
-            used = self.local.used(s)
-            keys, read = self.local.entries[0][:, :used], self.local.mask(s, used)
+            (keys,), read = self.local.store_and_read(kv)
         if self.history is not None:
             entries, index_keys = self._entries(attention, x, start + s)
             row_entries = (start + s - self.cache.pad) // attention.compressor.compress_rate  # closed by each row

@@ -225,7 +225,7 @@ class Generator:
         :meth:`generate` does. After it the cache holds every token but the last one chosen, which the
         next call's ``tokens`` must start with; the tokens chosen equal :meth:`generate`'s on the whole
         sequence. On one process (or one micro-batch), for caches whose layers take several new tokens
-        after cached ones (``cache.extendable``)."""
+        after cached ones (``cache.extendable``: every built-in kind)."""
         if self.num_microbatches != 1 or len(cache.pad) != 1 or not cache.extendable:
             raise ValueError("extend needs one micro-batch and a one-row cache whose layers take several tokens")
         need = cache.length + len(tokens) + params.max_new_tokens - 1

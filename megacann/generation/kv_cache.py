@@ -7,8 +7,10 @@ Rows are left-padded to a common length, so every row writes its token of a step
 forward (the prefill) attends with the training attention (``segment_ids``: padding 0, prompt 1, so no
 ``[s, s]`` mask on CPU); later ones attend over the cache with a ``[b, 1, s, slots]`` mask. A layer with a
 sliding window W keeps a rolling cache of ``min(W, max_len)`` slots: a token at slot ``t`` lives at
-``t mod W`` and overwrites the one that left the window. Under tensor parallelism each rank caches the kv
-heads its query heads read (``SelfAttention.local_kv_heads``): the cache is sharded by heads.
+``t mod W`` and overwrites the one that left the window; a forward of several tokens after cached ones (a
+chat's next turn) reads the window as held before it, then its own tokens. Under tensor parallelism each
+rank caches the kv heads its query heads read (``SelfAttention.local_kv_heads``): the cache is sharded by
+heads.
 
 Which layers a cache serves, and how, is declared per attention class (:func:`register_cache_layer`):
 ``SelfAttention`` caches keys and values (:class:`KVCacheLayer`), latent attention its compressed latent
@@ -98,9 +100,8 @@ class KVCache:
     @property
     def extendable(self) -> bool:
         """Whether a forward of several tokens may follow cached ones (:meth:`Generator.extend`): every
-        layer is a key/value cache with each token in its own slot (a rolling window would overwrite the
-        ones the forward's first queries still read; the other cache layers are not checked for it)."""
-        return all(isinstance(layer, KVCacheLayer) and not layer.rolling for layer in self.layers)
+        layer's class says so (``extendable``; a registered cache layer without it is not)."""
+        return all(getattr(layer, "extendable", False) for layer in self.layers)
 
     def advance(self, tokens: int) -> None:
         """The last forward wrote ``tokens`` slots of every row."""
@@ -117,7 +118,11 @@ class KVCache:
 class CacheLayer:
     """One layer's share of a :class:`KVCache`: ``entries``, tensors of ``[batch, slots, ...]`` (what the
     layer keeps of a token), and the slot each cache position holds (``slot_of``, -1: empty). ``window``
-    W (None: none) makes it a rolling cache of ``min(W, max_len)`` positions. Subclasses add ``attend``."""
+    W (None: none) makes it a rolling cache of ``min(W, max_len)`` positions. Subclasses add ``attend``.
+    A forward of several tokens may follow cached ones (``extendable``): a rolling cache's queries then
+    read what it held before the forward beside the new tokens (:meth:`store_and_read`)."""
+
+    extendable = True
 
     def __init__(self, cache: KVCache, batch: int, window: Optional[int]):
         self.cache, self.window, self.batch = cache, window, batch
@@ -154,6 +159,25 @@ class CacheLayer:
             entry[:, where] = x[:, s - keep :].to(entry.dtype)
         self.slot_of[where] = positions
 
+    def store_and_read(self, *new: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Store this forward's tensors (after cached ones); what its ``s`` queries read, each entry
+        ``[b, t, ...]``, and the mask ``[b, 1, s, t]``. A rolling cache's forward of several tokens would
+        overwrite entries its first queries still read: they read the slots as held before it, then the
+        new tokens (``t = slots + s``), the window's positions going on from the cached ones."""
+        s = new[0].shape[1]
+        if not (self.rolling and s > 1):
+            self.store(*new)
+            used = self.used(s)
+            return [entry[:, :used] for entry in self.entries], self.mask(s, used)
+        start = self.cache.length
+        held = torch.cat([self.slot_of, torch.arange(start, start + s, device=self.slot_of.device)])
+        read = [torch.cat([entry, x.to(entry.dtype)], 1) for entry, x in zip(self.entries, new)]
+        key = ("held then new", s, self.slots, self.window)
+        if key not in self.cache.masks:
+            self.cache.masks[key] = self._build_mask(s, held)
+        self.store(*new)
+        return read, self.cache.masks[key]
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.batch = len(rows)
         self.entries = [entry.index_select(0, rows) for entry in self.entries]
@@ -174,12 +198,13 @@ class CacheLayer:
         layers of the same slots and window."""
         key = (s, used, self.slots, self.window)
         if key not in self.cache.masks:
-            self.cache.masks[key] = self._build_mask(s, used)
+            self.cache.masks[key] = self._build_mask(s, self.slot_of[:used])
         return self.cache.masks[key]
 
-    def _build_mask(self, s: int, used: int) -> torch.Tensor:
+    def _build_mask(self, s: int, held: torch.Tensor) -> torch.Tensor:
+        """The mask of :meth:`mask` over the entries of the positions ``held`` (-1: empty)."""
         start = self.cache.length
-        held = self.slot_of[:used].view(1, 1, -1)
+        held = held.view(1, 1, -1)
         query = torch.arange(start, start + s, device=held.device).view(1, -1, 1)
         allowed = (held >= 0) & (held <= query)
         if self.window:
@@ -204,15 +229,13 @@ class KVCacheLayer(CacheLayer):
 
     def attend(self, attention: SelfAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this step's keys and values, then attend: the prefill over itself (the training kernels,
-        padding as its own segment), a later step over the cache (with the layer's sinks, if any)."""
-        start, s = self.cache.length, q.shape[1]
-        self.store(k, v)
-        if start == 0:
-            segments = self.padding_segments(s, q.device)  # whole sequences: never across context-parallel ranks
+        padding as its own segment), a later forward over the cache (with the layer's sinks, if any)."""
+        if self.cache.length == 0:  # whole sequences: never across context-parallel ranks
+            self.store(k, v)
+            segments = self.padding_segments(q.shape[1], q.device)
             return attention.core_attention(q, *attention.expand_kv(k, v), segments, whole_sequence=True)
-        used = self.used(s)
-        mask = self.mask(s, used)
-        keys, values = attention.expand_kv(self.keys[:, :used], self.values[:, :used])
+        (keys, values), mask = self.store_and_read(k, v)
+        keys, values = attention.expand_kv(keys, values)
         return ops.decode_attention(
             q, keys, values, attn_mask=mask, scale=attention.softmax_scale, sinks=attention.sinks
         )

@@ -40,7 +40,10 @@ def recurrent_cache_bytes(
 
 class RecurrentCacheLayer:
     """One :class:`GatedDeltaNet`'s rows of a :class:`KVCache`: ``state`` (a :class:`GatedDeltaNetCache`,
-    made by the prefill, when the layer's weights are at hand)."""
+    made by the prefill, when the layer's weights are at hand). A forward of several tokens after cached
+    ones (``extendable``) runs them from the state and the convolution's inputs after the last token fed."""
+
+    extendable = True
 
     def __init__(self, cache: KVCache, attention: GatedDeltaNet, batch: int):
         self.cache, self.batch = cache, batch
