@@ -6,7 +6,9 @@ written into tmp: a multiple-choice task (loglikelihood), a rolling-perplexity t
 windows of 32 tokens) and a generate_until task whose stop string is cut from what the model really says.
 Both backends run the same tasks with batches of 3; each request's log-likelihood, each generated text and
 each score must agree. The adapter's ``until`` ends generation (fewer tokens, the texts of cutting
-after), and at tensor parallel 2 on 2 gloo ranks (half the heads a rank) rank 0 scores as one process.
+after), and at tensor parallel 2 on 2 gloo ranks (half the heads a rank) rank 0 scores as one process; at
+data parallel 2 (2 ranks) and data parallel 2 x tensor parallel 2 (4 ranks) each rank is handed only its
+documents' requests and global rank 0 gets one process's scores.
 """
 
 from __future__ import annotations
