@@ -6,7 +6,9 @@ written into tmp: a multiple-choice task (loglikelihood), a rolling-perplexity t
 windows of 32 tokens) and a generate_until task whose stop string is cut from what the model really says.
 Both backends run the same tasks with batches of 3; each request's log-likelihood, each generated text and
 each score must agree. The adapter's ``until`` ends generation (fewer tokens, the texts of cutting
-after), and at tensor parallel 2 on 2 gloo ranks (half the heads a rank) rank 0 scores as one process.
+after), and at tensor parallel 2 on 2 gloo ranks (half the heads a rank) rank 0 scores as one process; at
+data parallel 2 (2 ranks) and data parallel 2 x tensor parallel 2 (4 ranks) each rank is handed only its
+documents' requests and global rank 0 gets one process's scores.
 """
 
 from __future__ import annotations
@@ -306,6 +308,95 @@ def test_tensor_parallel_2_scores_equal_one_process(setup, both):
         assert ranks[0]["metrics"][name] == one["results"][name]
 
 
+TASK_METHODS = {
+    "tiny_choice": "loglikelihood",
+    "tiny_rolling": "loglikelihood_rolling",
+    "tiny_generate": "generate_until",
+}
+SHARE_METHODS = tuple(TASK_METHODS.values())
+
+
+def _evaluate_at_dp2(source: str, tasks_dir: str, tp: int) -> dict:
+    """On each of ``2 x tp`` gloo ranks: the adapter at data parallel 2 (tensor parallel ``tp``) on the tiny
+    tasks; the scores (global rank 0 only, as lm-eval returns them), the distinct request arguments each of
+    lm-eval's calls handed this rank, the rank lm-eval saw and this rank's query rows."""
+    from megacann.evaluation.lm_eval_adapter import MegacannLM
+
+    lm = MegacannLM(source, batch_size=BATCH, max_length=MAX_LENGTH, tensor_parallel_size=tp, data_parallel_size=2)
+    seen: dict[str, set] = {name: set() for name in SHARE_METHODS}
+    for name in SHARE_METHODS:
+        method = getattr(lm, name)
+
+        def recording(requests, *args, _method=method, _name=name, **kwargs):
+            seen[_name].update(_arguments(request.args) for request in requests)
+            return _method(requests, *args, **kwargs)
+
+        setattr(lm, name, recording)
+    results = evaluate(lm, {}, tasks_dir)
+    probe = {
+        "seen": seen,
+        "rank_seen_by_lm_eval": (lm.rank, lm.world_size),
+        "q_rows": lm.model.layers["0"].self_attn.q_proj.weight.shape[0],
+    }
+    if results is None:
+        return {"scores": None, **probe}
+    scores = {name: responses(results, name) for name in TASKS}
+    filtered = {name: filtered_responses(results, name) for name in TASKS}
+    metrics = {name: results["results"][name] for name in TASKS}
+    return {"scores": scores, "filtered": filtered, "metrics": metrics, **probe}
+
+
+def _arguments(args) -> tuple:
+    """A request's arguments as a hashable value (generation's gen_kwargs dict as sorted JSON)."""
+    return tuple(json.dumps(a, sort_keys=True) if isinstance(a, dict) else a for a in args)
+
+
+def filtered_responses(results: dict, name: str) -> list:
+    return [s["filtered_resps"] for s in sorted(results["samples"][name], key=lambda s: s["doc_id"])]
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "dp2xtp2"])
+def test_data_parallel_2_scores_equal_one_process(setup, both, tp):
+    """``data_parallel_size=2`` (at tp 1 on 2 gloo ranks, at tp 2 on 4): each data-parallel rank (both of
+    its TP ranks) is handed the requests of its documents only (lm-eval's ``doc_id % 2``) and lm-eval
+    gathers the rest to global rank 0: the log-likelihoods, rolling log-likelihoods, texts and metrics of
+    one process."""
+    from dist_harness import run_on_ranks
+
+    source, _, tasks, _ = setup
+    ranks = run_on_ranks(_evaluate_at_dp2, 2 * tp, args=(source, tasks, tp), timeout=900)
+    one = both[0]
+    whole_q_rows = from_pretrained_hf_shapes(source)["q_rows"]
+    for global_rank, probe in enumerate(ranks):
+        dp_rank = global_rank // tp  # tp ranks are neighbours in megacann's tp-cp-ep-dp-pp grid
+        assert probe["rank_seen_by_lm_eval"] == (dp_rank, 2)
+        assert probe["q_rows"] * tp == whole_q_rows
+        share = {name: set() for name in SHARE_METHODS}
+        for name, method in TASK_METHODS.items():
+            for sample in one["samples"][name]:
+                if sample["doc_id"] % 2 == dp_rank:
+                    share[method].update(_arguments(args) for args in sample["arguments"])
+        assert probe["seen"] == share, f"rank {global_rank} ran requests outside its share"
+    assert all(probe["scores"] is None for probe in ranks[1:])  # the table is global rank 0's alone
+    mine = ranks[0]
+    first = lambda docs: [[r[0] for r in d] for d in docs]  # noqa: E731  (lm-eval's padding adds copies after)
+    assert first(mine["scores"]["tiny_generate"]) == first(responses(one, "tiny_generate"))
+    assert mine["filtered"]["tiny_generate"] == filtered_responses(one, "tiny_generate")
+    choices = lambda docs: torch.tensor([c[0][0] for d in docs for c in d])  # noqa: E731
+    rolling = lambda docs: torch.tensor([r[0][0] for r in docs])  # noqa: E731
+    for name, values in (("tiny_choice", choices), ("tiny_rolling", rolling)):
+        torch.testing.assert_close(values(mine["scores"][name]), values(responses(one, name)), rtol=1e-5, atol=1e-6)
+    assert [c[0][1] for d in mine["scores"]["tiny_choice"] for c in d] == [
+        c[0][1] for d in responses(one, "tiny_choice") for c in d
+    ]
+    for name in ("tiny_choice", "tiny_generate"):
+        assert mine["metrics"][name] == one["results"][name]
+    for metric in ("word_perplexity,none", "bits_per_byte,none"):
+        assert mine["metrics"]["tiny_rolling"][metric] == pytest.approx(
+            one["results"]["tiny_rolling"][metric], rel=1e-5
+        )
+
+
 def from_pretrained_hf_shapes(source: str) -> dict:
     from megacann.interop import from_pretrained_hf
 
@@ -319,15 +410,24 @@ def from_pretrained_hf_shapes(source: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "size, message",
+    "sizes, message",
     [
-        (0, "tensor_parallel_size must be >= 1, got 0"),
-        (2, r"tensor_parallel_size 2 needs 2 processes, e.g. torchrun --nproc_per_node 2"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
+        ({"data_parallel_size": 0}, "data_parallel_size must be >= 1, got 0"),
+        ({"tensor_parallel_size": 2}, r"tensor_parallel_size 2 needs 2 processes, e.g. torchrun --nproc_per_node 2"),
+        (
+            {"tensor_parallel_size": 2, "data_parallel_size": 2},
+            r"tensor_parallel_size 2 x data_parallel_size 2 needs 4 processes, e.g. torchrun --nproc_per_node 4 "
+            r"-m megacann.evaluation \.\.\. \(this run has 1\)",
+        ),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2 is not supported"),
+        ({"expert_parallel_size": 2}, "expert_parallel_size 2 is not supported"),
     ],
 )
-def test_bad_tensor_parallel_size_is_refused_by_name(setup, monkeypatch, size, message):
+def test_bad_parallel_sizes_are_refused_by_name(setup, monkeypatch, sizes, message):
     from megacann.evaluation.lm_eval_adapter import MegacannLM
 
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match=message):
-        MegacannLM(setup[0], tensor_parallel_size=size)
+        MegacannLM(setup[0], **sizes)

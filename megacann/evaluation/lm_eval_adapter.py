@@ -26,8 +26,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from megacann.evaluation.tensor_parallel import start_tensor_parallel
-from megacann.evaluation.tensor_parallel import tensor_parallel_size as tensor_parallel_size_of
+from megacann.evaluation.layout import PREFIX, DataParallel, parallel_sizes, start_parallel
 from megacann.generation import Generator, SamplingParams, StopStrings
 
 # generate_until's gen_kwargs the adapter honours (lm-eval's names), and what each becomes
@@ -45,15 +44,18 @@ def _batches(items: list[Any], size: int) -> Iterator[list[Any]]:
 
 @register_model("megacann")
 class MegacannLM(TemplateLM):
-    """lm-eval's ``LM`` on a megacann model, in one process or at tensor parallel size ``tp``.
+    """lm-eval's ``LM`` on a megacann model, in one process or on ``dp x tp`` processes.
 
     ``model``: a directory (as ``megacann-generate --model``) or a whole-model module; ``tokenizer``:
     ``byte``, a tokenizer.json or directory, or a megacann tokenizer object (default: the directory's);
     ``batch_size`` requests per forward; ``max_length`` tokens a forward sees (default the model's
     ``max_position_embeddings``); ``max_gen_toks`` the default new tokens of ``generate_until``;
-    ``add_bos_token`` starts every encoding with the tokenizer's BOS; ``tensor_parallel_size`` (default:
-    ``WORLD_SIZE``, 1 outside a launcher) loads this rank's shards of the model, every rank running every
-    request (:mod:`megacann.evaluation.tensor_parallel`).
+    ``add_bos_token`` starts every encoding with the tokenizer's BOS; ``tensor_parallel_size`` loads this
+    rank's shards of the model, every rank of a TP group running every request of its data-parallel rank;
+    ``data_parallel_size`` ranks (or TP groups) each score their share of the documents, lm-eval gathering
+    the results (:mod:`megacann.evaluation.layout`). A size not given fills the launcher's ``WORLD_SIZE``
+    (1 outside a launcher) that the other leaves; neither given: all processes are one TP group.
+    ``pipeline_parallel_size`` and ``expert_parallel_size`` above 1 are refused.
     """
 
     def __init__(
@@ -68,22 +70,37 @@ class MegacannLM(TemplateLM):
         device: Optional[str] = None,
         max_batch_size: Optional[int] = None,  # lm-eval passes it; only "auto" batch sizes use it
         tensor_parallel_size: Optional[int] = None,
+        data_parallel_size: Optional[int] = None,
+        pipeline_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
     ):
         super().__init__()
         if str(batch_size).startswith("auto"):
-            raise ValueError(f"megacann lm-eval model: batch_size {batch_size!r} is not supported, give a number")
+            raise ValueError(f"{PREFIX}: batch_size {batch_size!r} is not supported, give a number")
         self.batch_size_per_forward = int(batch_size)
         if self.batch_size_per_forward < 1:
             raise ValueError(f"megacann lm-eval model: batch_size must be >= 1, got {batch_size}")
         if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
             print(f"megacann lm-eval model: device {device!r} is not available here, using the CPU", file=sys.stderr)
             device = "cpu"  # lm-eval's command asks for cuda unless told otherwise; its hf model does the same
-        self.tensor_parallel_size = tensor_parallel_size_of(tensor_parallel_size)
-        if self.tensor_parallel_size > 1:
+        for name, size in (
+            ("pipeline_parallel_size", pipeline_parallel_size),
+            ("expert_parallel_size", expert_parallel_size),
+        ):
+            if int(size) != 1:
+                raise ValueError(
+                    f"{PREFIX}: {name} {size} is not supported (evaluation runs at tensor and data parallel sizes)"
+                )
+        self.tensor_parallel_size, self.data_parallel_size = parallel_sizes(tensor_parallel_size, data_parallel_size)
+        self.data_parallel = DataParallel()  # one process: lm-eval's no-op collectives
+        if self.tensor_parallel_size * self.data_parallel_size > 1:
             if isinstance(model, torch.nn.Module):
-                raise ValueError("megacann lm-eval model: tensor_parallel_size > 1 needs a model directory")
-            device = start_tensor_parallel(self.tensor_parallel_size, device)
+                raise ValueError(f"{PREFIX}: tensor_parallel_size or data_parallel_size > 1 needs a model directory")
+            device = start_parallel(self.tensor_parallel_size, self.data_parallel_size, device)
+            self.data_parallel = DataParallel.current()
         self.model, self.tokenizer = _model_and_tokenizer(model, tokenizer, precision, device)
+        self._rank, self._world_size = self.data_parallel.rank, self.data_parallel.size
+        self._device = next(self.model.parameters()).device  # lm-eval makes its count tensors there
         from megacann.models import get_model_spec
 
         self._max_length = int(max_length or self.model.config.max_position_embeddings)
@@ -131,6 +148,17 @@ class MegacannLM(TemplateLM):
         """The ids that add no text to a generation: EOS, BOS and padding."""
         ids = (self.tokenizer.eos_id, self.tokenizer.bos_id, self.tokenizer.pad_id)
         return {t for t in ids if t is not None}
+
+    # -- lm-eval's collectives across data-parallel ranks (its evaluator splits and gathers with them) ------
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.data_parallel.all_gather(tensor)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Optional[list[Any]]:
+        return self.data_parallel.gather_object(obj, dst)
+
+    def barrier(self) -> None:
+        self.data_parallel.barrier()
 
     # -- scoring -------------------------------------------------------------------------------------------
 
