@@ -92,6 +92,12 @@ ACTIVATION_RUNS_2 = {
         "model.activation_checkpointing=selective",
     ],
     "v4 cp2": [*V4_KINDS, "distributed.context_parallel_size=2", "distributed.context_parallel_algo=allgather"],
+    "v4 cp2 selective": [
+        *V4_KINDS,
+        "distributed.context_parallel_size=2",
+        "distributed.context_parallel_algo=allgather",
+        "model.activation_checkpointing=selective",
+    ],
     "v4 pp2": [*V4_KINDS, "distributed.pipeline_parallel_size=2"],
 }
 
@@ -103,10 +109,11 @@ def _saved_per_layer(overrides: list[str]) -> dict[str, int]:
     from training_helpers import tiny_config
 
     from megacann import parallel_state as ps
+    from megacann.layers.context_parallel import context_parallel_batch
     from megacann.models import ChunkPlacement, get_model_spec
     from megacann.training.runtime import setup_runtime
 
-    cfg = tiny_config(overrides, world_size=1)
+    cfg = tiny_config(overrides, world_size=torch.distributed.get_world_size())
     setup_runtime(cfg)
     spec = get_model_spec(cfg.model.type)
     model = spec.build(cfg, ChunkPlacement(tuple(range(cfg.model.num_layers))), "cpu")
@@ -129,8 +136,9 @@ def _saved_per_layer(overrides: list[str]) -> dict[str, int]:
 
     b, s = cfg.data.batch_size, cfg.data.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    batch = context_parallel_batch({"tokens": tokens, "labels": tokens.roll(-1, 1)})  # this cp rank's share
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        spec.forward_step(model, {"tokens": tokens, "labels": tokens.roll(-1, 1)}, None)
+        spec.forward_step(model, batch, None)
     ps.destroy_model_parallel()
     return saved
 
@@ -164,21 +172,27 @@ def test_deepseek_v4_layer_activations_equal_saved_bytes():
 
 
 def _compare_activations(runs: dict[str, list[str]], world: int) -> list[tuple[float, float]]:
-    """The whole model's peak of saved bytes over two training steps against the planner's in-flight replay,
-    within 0.5% on every rank; (measured, predicted) of each."""
+    """The whole model's peak of saved bytes over two training steps against the planner's in-flight replay:
+    the largest of a stage's ranks within 0.5% (context-parallel ranks' blocks read different numbers of
+    keys: the planner gives the largest), none above it; (measured, predicted) of each stage."""
     results = run_on_ranks(_measure, world, args=(runs,), timeout=600)
-    ratios = []
+    pairs = []
     for name, overrides in runs.items():
         cfg = tiny_config(overrides, world_size=world)
         layout = layout_of(cfg)
         stages = estimate_stages(cfg, layout)
+        peaks: dict[int, list[float]] = {}
         for rank_result in results:
             stage_index, _, peak, live = rank_result[name]
+            assert live == 0, (name, live)
+            peaks.setdefault(stage_index, []).append(peak)
+        assert sorted(peaks) == list(range(layout.pp)), name  # every stage ran
+        for stage_index, measured in peaks.items():
             plan = build_plan(layout.pp, stage_index, layout.num_microbatches, None)
             predicted = replay_in_flight(plan, stages[stage_index].chunk_saved)[0]
-            assert live == 0 and abs(peak - predicted) / peak < 0.005, (name, stage_index, peak, predicted)
-            ratios.append((peak, predicted))
-    return ratios
+            assert abs(max(measured) - predicted) / max(measured) < 0.005, (name, stage_index, measured, predicted)
+            pairs.append((max(measured), predicted))
+    return pairs
 
 
 def test_deepseek_v4_activations_match_a_run_on_one_rank():
@@ -188,7 +202,30 @@ def test_deepseek_v4_activations_match_a_run_on_one_rank():
 
 @pytest.mark.extended
 def test_deepseek_v4_activations_match_runs_under_tp_cp_pp():
-    _compare_activations(ACTIVATION_RUNS_2, 2)
+    pairs = dict(zip(["tp2 sp", "tp2 sp selective", "cp2", "cp2 selective", "pp2 stage 0", "pp2 stage 1"],
+                     _compare_activations(ACTIVATION_RUNS_2, 2)))  # fmt: skip
+    # cp and pp: exact to the loss's scalar; tp 2 + SP: 1,028 bytes (0.05%) more measured than estimated
+    assert all(0 <= peak - predicted <= 4 for key, (peak, predicted) in pairs.items() if "tp2" not in key), pairs
+
+
+@pytest.mark.extended
+def test_deepseek_v4_layer_activations_under_context_parallelism():
+    """cp 2 (all-gather): each layer's estimate equals the larger of the two ranks' saved bytes (rank 1,
+    whose chunks' blocks read more keys), with and without selective recompute."""
+    from megacann.planning.family_activations import family_chunk_terms, family_layer_bytes
+
+    runs = {name: ACTIVATION_RUNS_2[name] for name in ("v4 cp2", "v4 cp2 selective")}
+    ranks = run_on_ranks(_measure_layers, 2, args=(runs,), timeout=600)
+    for name, overrides in runs.items():
+        cfg = tiny_config(overrides, world_size=2)
+        layout = layout_of(cfg)
+        # the batch's position ids, saved by every layer's checkpoint under selective recompute: the first's
+        shared = sum(family_chunk_terms(cfg, layout, False, False).values())
+        assert shared == (256 if "selective" in name else 0), shared
+        for i in range(cfg.model.num_layers):
+            measured = [rank[name][f"layers.{i}"] for rank in ranks]
+            estimate = family_layer_bytes(cfg, layout, i, layout.recompute) + (shared if i == 0 else 0)
+            assert estimate == max(measured), (name, i, measured, estimate)
 
 
 def test_deepseek_v4_plan_reports_activations_and_ranks_layouts():

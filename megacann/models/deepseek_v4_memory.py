@@ -18,7 +18,7 @@ context-parallel rank holds 1 / cp of both.
   (a (d + 1)), three rotary tables (cos, sin, -sin: 3 a ρ), the grouped output projection's inputs
   (a H_t d + a (o_groups / t) o_lora_rank);
 - the core attention (dropped by ``selective`` recompute, which keeps its rotated q and KV head and the
-  position ids instead: a (H_t d + d) per token and 8 s / cp): the reference softmax with sinks, per block of
+  position ids instead: a (H_t d + d) per token and 8 s; under cp the batch's, 8 b s / cp once a chunk): the reference softmax with sinks, per block of
   queries (sliding layers: one block of s queries over s keys, its mask [s, s]; compressed layers: blocks of
   ``sliding_window`` queries over the keys their window reaches plus every compressed entry, masks per
   sequence), of q queries over k keys: q, k and v expanded to the heads (a b H_t (q + 2 k) d), the
@@ -36,7 +36,8 @@ collapse), the final norm a (h + 1) per T_l token.
 Under context parallelism (all-gather, the only algorithm DeepSeek-V4 runs) a rank holds two chunks of
 s / (2 cp) tokens: its queries read the whole sequence's gathered KV head and compressed entries (each
 compressor pools the whole gathered sequence: W entries, its input b s h a), per block of queries as above;
-the bytes are those of the rank whose blocks read the most keys (the last).
+each gather keeps an int64 index of the s tokens (8 s). The bytes are those of the rank whose blocks
+read the most keys.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _core_attention(m: ModelConfig, shape: ActivationShape, kind: str, a: int) -
         sum(_window_blocks(m, c * chunk, chunk, entries, b, heads, a) for c in (rank, 2 * cp - 1 - rank))
         for rank in range(cp)
     ]
-    return max(per_rank)
+    return max(per_rank) + 8 * s  # the gather's int64 index of the whole sequence's tokens
 
 
 def _compressor(m: ModelConfig, shape: ActivationShape, kind: str, a: int) -> float:
@@ -123,7 +124,7 @@ def _compressor(m: ModelConfig, shape: ActivationShape, kind: str, a: int) -> fl
     width = 2 if kind == CSA else 1
     windows = s // rate
     pooled = b * windows * width * rate * d * (a + FP32 + (a if a != FP32 else 0))
-    gathered = b * s * m.hidden_size * a if shape.cp > 1 else 0
+    gathered = b * s * m.hidden_size * a + 8 * s if shape.cp > 1 else 0  # the gathered input and its index
     return pooled + b * windows * a * (d + 1 + 2 * rope_head_dim(m)) + gathered
 
 
@@ -146,7 +147,8 @@ def v4_layer_activations(m: ModelConfig, shape: ActivationShape, layer_id: int, 
         "rotary tables": tokens * 3 * a * rope_head_dim(m),
     }
     if recompute == "selective":  # the checkpoint keeps the rotated q and KV head, and one row of positions
-        terms["core attention inputs"] = tokens * a * (heads * d + d) + 8 * shape.seq_length / shape.cp
+        positions = 8 * shape.seq_length if shape.cp == 1 else 0  # made by each layer; under cp the batch's
+        terms["core attention inputs"] = tokens * a * (heads * d + d) + positions
         return terms
     terms["core attention"] = _core_attention(m, shape, kind, a)
     if kind != SLIDING:
@@ -180,10 +182,19 @@ def v4_head_activations(m: ModelConfig, shape: ActivationShape) -> dict[str, flo
     return {"hyper-connection head": hyper_head_bytes(m, local, a), "final norm": local * a * (m.hidden_size + 1)}
 
 
+def v4_shared_activations(m: ModelConfig, shape: ActivationShape, recompute: str) -> dict[str, float]:
+    """Under context parallelism with selective recompute, the layers' checkpoints all keep the batch's
+    int64 position ids (this rank's split copy): once a chunk."""
+    if shape.cp == 1 or recompute != "selective":
+        return {}
+    return {"position ids (selective recompute)": 8 * shape.micro_batch * shape.seq_length / shape.cp}
+
+
 V4_ACTIVATIONS = ActivationFormulas(
     kind=v4_layer_kind,
     layer=v4_layer_activations,
     full=v4_full_recompute,
     moe=v4_moe_structure,
     head=v4_head_activations,
+    shared=v4_shared_activations,
 )

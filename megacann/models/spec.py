@@ -236,13 +236,16 @@ class ActivationFormulas:
       ``none`` or ``selective`` (the recipe's ``model.activation_checkpointing``);
     - ``full(m, shape, layer_id)``: what a layer keeps under ``full`` recompute (its input);
     - ``moe(m, layer_id)``: the layer's MoE block (None: none);
-    - ``head(m, shape)``: the last chunk's terms before its output layer (final norm and the like)."""
+    - ``head(m, shape)``: the last chunk's terms before its output layer (final norm and the like);
+    - ``shared(m, shape, recompute)``: what a chunk's layers save once between them (a tensor every layer
+      reads and saves, e.g. the batch's position ids), on any chunk with layers."""
 
     kind: Callable[[ModelConfig, int], str]
     layer: Callable[[ModelConfig, ActivationShape, int, str], dict[str, float]]
     full: Callable[[ModelConfig, ActivationShape, int], float]
     moe: Callable[[ModelConfig, int], Optional[MoEStructure]]
     head: Callable[[ModelConfig, ActivationShape], dict[str, float]]
+    shared: Optional[Callable[[ModelConfig, ActivationShape, str], dict[str, float]]] = None
 
 
 @dataclass(frozen=True)

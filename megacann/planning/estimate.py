@@ -309,7 +309,7 @@ def _layer_formulas(cfg: MegacannConfig, layout: Layout):
         return activation_formulas(m).moe(m, i) is not None, activation_formulas(m).kind(m, i)
 
     def family_extra(ids, kinds, first, last):
-        return sum(family_chunk_terms(cfg, layout, first, last).values())
+        return sum(family_chunk_terms(cfg, layout, first, last, bool(ids)).values())
 
     def family_bytes(i, recompute):
         return family_layer_bytes(cfg, layout, i, recompute)

@@ -53,10 +53,15 @@ def family_layer_bytes(cfg: MegacannConfig, layout: Layout, layer_id: int, recom
     return sum(family_layer_terms(cfg, layout, layer_id, recompute).values())
 
 
-def family_chunk_terms(cfg: MegacannConfig, layout: Layout, first: bool, last: bool) -> dict[str, float]:
-    """Bytes a chunk saves besides its layers: the token ids on the first, the family's head, the output
-    layer's input and the loss on the last."""
+def family_chunk_terms(
+    cfg: MegacannConfig, layout: Layout, first: bool, last: bool, has_layers: bool = True
+) -> dict[str, float]:
+    """Bytes a chunk saves besides its layers' own: what its layers save once between them, the token ids
+    on the first, the family's head, the output layer's input and the loss on the last."""
     terms = {"token ids": token_id_bytes(cfg, layout)} if first else {}
+    formulas = activation_formulas(cfg.model)
+    if has_layers and formulas.shared is not None:
+        terms.update(formulas.shared(cfg.model, activation_shape(cfg, layout), layout.recompute))
     if last:
         terms.update(activation_formulas(cfg.model).head(cfg.model, activation_shape(cfg, layout)))
         terms.update(output_layer_terms(cfg, layout))
