@@ -204,7 +204,8 @@ def test_deepseek_v4_activations_match_a_run_on_one_rank():
 def test_deepseek_v4_activations_match_runs_under_tp_cp_pp():
     pairs = dict(zip(["tp2 sp", "tp2 sp selective", "cp2", "cp2 selective", "pp2 stage 0", "pp2 stage 1"],
                      _compare_activations(ACTIVATION_RUNS_2, 2)))  # fmt: skip
-    # cp and pp: exact to the loss's scalar; tp 2 + SP: 1,028 bytes (0.05%) more measured than estimated
+    # cp and pp: exact to the loss's scalar; tp 2 + SP: 1,028 bytes (0.05%) more measured than estimated (the
+    # MoE dispatcher's fp32 routing weights gathered over TP, 256 bytes a layer, left out by planning/moe.py)
     assert all(0 <= peak - predicted <= 4 for key, (peak, predicted) in pairs.items() if "tp2" not in key), pairs
 
 
@@ -258,3 +259,28 @@ def test_a_family_without_activation_formulas_is_still_refused_by_name():
             plan_report(cfg, None, 1, 80.0)
     finally:
         register_model(spec, replace=True)
+
+
+@pytest.mark.parametrize("recipe", ["deepseek_v4_flash.yaml", "tiny.yaml"])
+def test_megacann_plan_and_dry_run_print_v4_activations_per_stage(recipe, capsys):
+    import os
+
+    from megacann.cli import plan_main
+    from megacann.config import load_config
+    from megacann.dry_run import describe
+    from megacann.training.recipe import prepare_recipe
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples/configs/deepseek_v4", recipe
+    )
+    assert plan_main(["--config", path]) == 0
+    out = capsys.readouterr().out
+    assert "not estimated" not in out and "compressed_sparse_attention + moe layer and micro-batch: none" in out
+    row = next(line for line in out.splitlines() if line.startswith("0 "))
+    assert len(row.split()) >= 8  # params, weights, grads, optimizer, activations (in flight), total
+    cfg = load_config(path)
+    prepare_recipe(cfg)
+    if cfg.model.vocab_size:
+        assert "activations per compressed_sparse_attention + moe layer" in describe(cfg, path)
+    if recipe == "deepseek_v4_flash.yaml":  # figures written in docs/models.md
+        assert "61.9 (1)   152.2" in row and "none 1,680 MiB, selective 928 MiB, full 16 MiB" in out
