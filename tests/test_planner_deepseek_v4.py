@@ -6,8 +6,10 @@ head on the last stage). Its activations (the family's formulas, models/deepseek
 estimate equals the bytes autograd saves in a real forward, exactly in fp32, for every attention kind
 (sliding, heavily compressed, compressed sparse) with hash-routed and score-routed MoE blocks, with no,
 selective and full recompute, and so do the first and last chunks' extras; the whole model's peak over
-training steps within 0.5% (fp32 exact; bf16 512 bytes a layer under: the router weight's fp32 copy is not
-counted), on one rank, under tp 2 + SP, context parallelism and pipeline stages."""
+training steps within 0.5% (fp32 to 4 bytes; bf16 512 bytes a layer under: the router weight's fp32 copy is not
+counted; tp 2 + SP 256 bytes a layer under: the MoE dispatcher's gathered fp32 routing weights), on one rank,
+under tp 2 + SP, context parallelism (all-gather) and pipeline stages; megacann-plan and the dry run print
+them for the Flash and tiny recipes, and --device_memory_gb ranks V4 layouts."""
 
 import pytest
 from dist_harness import run_on_ranks
