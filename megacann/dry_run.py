@@ -176,7 +176,8 @@ def describe(cfg: MegacannConfig, recipe_path: Optional[str] = None) -> str:
         f"layers {m.num_layers}, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv {m.kv_heads}), "
         f"ffn {m.ffn_size}, precision {m.precision}"
     )
-    if m.vocab_size and spec.architecture is None:
+    own_formulas = spec.rank_parameters is not None and spec.rank_parameters.activations is not None
+    if m.vocab_size and spec.architecture is None and not own_formulas:
         static_only = spec.rank_parameters is not None  # planning.static_memory: weights, gradients, optimizer
         lines.append(
             f"-- memory per device: megacann-plan gives model.type {m.type!r} weights, gradients and optimizer "

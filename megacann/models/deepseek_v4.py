@@ -43,6 +43,7 @@ from megacann.models.deepseek_v4_config import (
     v4_layer_types,
     v4_mlp_layer_types,
 )
+from megacann.models.deepseek_v4_memory import V4_ACTIVATIONS
 from megacann.models.hf_deepseek_v4 import DEEPSEEK_V4_HF
 from megacann.models.moe import MoEModel, check_moe_config, moe_defaults, moe_model_spec
 from megacann.models.spec import RankParameterFormulas
@@ -365,9 +366,9 @@ DEEPSEEK_V4 = dataclasses.replace(
     ),
     decode=decoder_decode_step,
     decode_cache=deepseek_v4_decode_cache,
-    architecture=None,  # not a standard decoder: megacann-plan gives static memory only
+    architecture=None,  # not a standard decoder: megacann-plan reads its own formulas
     rank_parameters=RankParameterFormulas(
-        v4_layer_parameters_per_rank, v4_head_parameters, v4_fp32_parameters_per_rank
+        v4_layer_parameters_per_rank, v4_head_parameters, v4_fp32_parameters_per_rank, V4_ACTIVATIONS
     ),
     moe_structure=None,
     sharding_units=(DeepseekV4Block,),

@@ -40,7 +40,9 @@ A family is one :class:`ModelSpec`:
   outside them form one more unit. A family of its own blocks names their class, else its whole chunk is
   one unit and ZeRO-3 holds all of its weights whole during the chunk's forward and backward.
 - ``architecture`` (a ``DecoderArch``) and, for an MoE family, ``moe_structure(cfg)`` (a
-  :class:`MoEStructure`): what estimators such as ``megacann-plan`` need of the family's structure.
+  :class:`MoEStructure`): what estimators such as ``megacann-plan`` need of the family's structure; a
+  family without a ``DecoderArch`` gives ``rank_parameters`` (:class:`RankParameterFormulas`) instead,
+  with its saved activations (:class:`ActivationFormulas`).
 
 Register a family with :func:`register_model` (``model.type`` then names it; a recipe names the module
 that registers it in ``experiment.imports`` so every rank and tool knows it), or hand a spec to
@@ -194,7 +196,9 @@ class MoEStructure:
     shared_expert_gate: bool = False
     router_bias: bool = False  # a bias on the router's scores (gpt-oss): E parameters, dense
     expert_bias: bool = False  # biases on every expert's projections (gpt-oss): 2 f_e + h per expert
-    clamped_activation: bool = False  # the clamped SwiGLU (gpt-oss): five f_e-wide tensors saved a row, not two
+    clamped_activation: bool = False  # the clamped SwiGLU (gpt-oss, DeepSeek-V4; routed and shared experts):
+    # five f-wide tensors saved a row, not two
+    score_function: str = "softmax"  # the router's scores: sqrtsoftplus (DeepSeek-V4) saves its logits too
 
 
 def _no_defaults(cfg: ModelConfig) -> None:
@@ -206,17 +210,58 @@ def _no_checks(cfg: MegacannConfig, source: str) -> None:
 
 
 @dataclass(frozen=True)
+class ActivationShape:
+    """What a layer's saved activations depend on besides the model: ``micro_batch`` sequences of
+    ``seq_length`` tokens (the whole sequence; a context-parallel rank holds ``seq_length / cp`` of each),
+    ``tp`` ranks splitting the heads, ``sequence_parallel`` (the tokens between attention blocks split over
+    them), ``dtype_bytes`` of the weights' dtype."""
+
+    micro_batch: int
+    seq_length: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    dtype_bytes: int = 4
+
+
+@dataclass(frozen=True)
+class ActivationFormulas:
+    """Saved-activation bytes of a family that is not a standard decoder, for ``megacann-plan`` (which adds
+    the pipeline's in-flight micro-batches, the token ids, the output layer's input and the loss, and the
+    MoE feed-forward blocks from :mod:`megacann.planning.moe`). Every count is for one micro-batch on one
+    rank (:class:`ActivationShape`), by what saves them:
+
+    - ``kind(m, layer_id)``: a label of the layer's kind; layers of one kind save the same bytes;
+    - ``layer(m, shape, layer_id, recompute)``: the layer's terms but its MoE block's, with ``recompute``
+      ``none`` or ``selective`` (the recipe's ``model.activation_checkpointing``);
+    - ``full(m, shape, layer_id)``: what a layer keeps under ``full`` recompute (its input);
+    - ``moe(m, layer_id)``: the layer's MoE block (None: none);
+    - ``head(m, shape)``: the last chunk's terms before its output layer (final norm and the like);
+    - ``shared(m, shape, recompute)``: what a chunk's layers save once between them (a tensor every layer
+      reads and saves, e.g. the batch's position ids), on any chunk with layers."""
+
+    kind: Callable[[ModelConfig, int], str]
+    layer: Callable[[ModelConfig, ActivationShape, int, str], dict[str, float]]
+    full: Callable[[ModelConfig, ActivationShape, int], float]
+    moe: Callable[[ModelConfig, int], Optional[MoEStructure]]
+    head: Callable[[ModelConfig, ActivationShape], dict[str, float]]
+    shared: Optional[Callable[[ModelConfig, ActivationShape, str], dict[str, float]]] = None
+
+
+@dataclass(frozen=True)
 class RankParameterFormulas:
     """Per-rank parameter counts of a family that is not a standard decoder (no ``DecoderArch``):
-    ``megacann-plan`` gives its weights, gradients and optimizer state per pipeline stage from them, and
-    refuses an activation estimate by name. ``layer(m, tp, layer_id, ep)``: (dense, expert) parameters of
-    one layer on one TP rank of one expert-parallel rank; ``head(m)``: the last stage's parameters besides
-    the output layer (final norm and the like); ``fp32(m, tp, layer_ids, last)``: how many of those layers'
-    (and, when ``last``, the head's) parameters stay fp32 in a bf16 / fp16 model (no master copy)."""
+    ``megacann-plan`` gives its weights, gradients and optimizer state per pipeline stage from them.
+    ``layer(m, tp, layer_id, ep)``: (dense, expert) parameters of one layer on one TP rank of one
+    expert-parallel rank; ``head(m)``: the last stage's parameters besides the output layer (final norm
+    and the like); ``fp32(m, tp, layer_ids, last)``: how many of those layers' (and, when ``last``, the
+    head's) parameters stay fp32 in a bf16 / fp16 model (no master copy). ``activations``: its saved
+    activations (:class:`ActivationFormulas`); None: ``megacann-plan`` refuses an activation estimate by name."""
 
     layer: Callable[[ModelConfig, int, int, int], tuple[int, int]]
     head: Callable[[ModelConfig], int]
     fp32: Callable[[ModelConfig, int, list[int], bool], int]
+    activations: Optional[ActivationFormulas] = None
 
 
 @dataclass(frozen=True)
@@ -235,7 +280,7 @@ class ModelSpec:
     hf: Optional[HFAdapter] = None
     architecture: Any = None  # what estimators need of its structure (a DecoderArch); None: no memory plan
     moe_structure: Optional[Callable[[ModelConfig], MoEStructure]] = None  # its MoE layers (MoE families)
-    rank_parameters: Optional[RankParameterFormulas] = None  # no DecoderArch: static memory plan only
+    rank_parameters: Optional[RankParameterFormulas] = None  # no DecoderArch: its own memory formulas
     after_optimizer_step: Optional[Callable[[list[torch.nn.Module]], None]] = None
     metric_warnings: Optional[Callable[[dict[str, Any]], list[str]]] = None
     mixture_of_experts: bool = False

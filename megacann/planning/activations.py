@@ -208,7 +208,7 @@ def chunk_extra_terms(
         # int64 ids (this shard's, under TP, with a bool mask of the ids outside it), + learned positions' ids
         # (one row 0..s-1 shared by the batch; under cp the split copy of every sample's share)
         positions = (s if layout.cp == 1 else tokens) * 8
-        terms["token ids"] = tokens * (8 + (t > 1)) + (positions if learned else 0)
+        terms["token ids"] = token_id_bytes(cfg, layout) + (positions if learned else 0)
     if has_layers and arch.position_embedding == "rope":
         width = m.qk_rope_head_dim if arch.latent_attention else attention_head_dim(m)
         width = int(width * m.partial_rotary_factor) if arch.partial_rotary else width
@@ -216,11 +216,30 @@ def chunk_extra_terms(
     if last:
         stats = 2 if arch.normalization == "layernorm" else 1
         norm = tokens * a * (m.hidden_size + stats) / (t if layout.sequence_parallel else 1)
-        terms["final norm + output input"] = norm + tokens * a * m.hidden_size
-        if fused_head_loss(cfg):  # chunked: the targets (int64) and a float32 log-sum-exp per token
-            terms["loss (targets, log-sum-exp)"] = tokens * 12
-        else:
-            terms["loss (fp32 exponentials)"] = tokens * (4 * padded_vocab(cfg, t) // t + 18)
+        output = output_layer_terms(cfg, layout)
+        terms["final norm + output input"] = norm + output.pop(OUTPUT_INPUT)
+        terms.update(output)
+    return terms
+
+
+OUTPUT_INPUT = "output layer input"
+
+
+def token_id_bytes(cfg: MegacannConfig, layout: Layout) -> float:
+    """The first chunk's int64 token ids (under TP: this shard's, with a bool mask of the ids outside it)."""
+    return tokens_per_rank(cfg, layout) * (8 + (layout.tp > 1))
+
+
+def output_layer_terms(cfg: MegacannConfig, layout: Layout) -> dict[str, float]:
+    """What the output layer and the loss save: the layer's input (the whole sequence's tokens under
+    sequence parallelism), and the fused loss's targets and log-sum-exp or the vocabulary-parallel loss's
+    float32 exponentials."""
+    t, tokens = layout.tp, tokens_per_rank(cfg, layout)
+    terms = {OUTPUT_INPUT: tokens * DTYPE_BYTES[cfg.model.precision] * cfg.model.hidden_size}
+    if fused_head_loss(cfg):  # chunked: the targets (int64) and a float32 log-sum-exp per token
+        terms["loss (targets, log-sum-exp)"] = tokens * 12
+    else:
+        terms["loss (fp32 exponentials)"] = tokens * (4 * padded_vocab(cfg, t) // t + 18)
     return terms
 
 

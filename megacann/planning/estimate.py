@@ -25,7 +25,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megacann.config import MegacannConfig
+from megacann.config import ConfigError, MegacannConfig
 from megacann.models import get_model_spec
 from megacann.models.mtp import mtp_depths
 from megacann.pipeline import pipeline_bubble_fraction, stage_layer_ids
@@ -42,6 +42,7 @@ from megacann.planning.activations import (
     pipeline_buffer_bytes,
 )
 from megacann.planning.deferred import chunk_held_bytes
+from megacann.planning.family_activations import activation_formulas, family_chunk_terms, family_layer_bytes
 from megacann.planning.formulas import (
     Layout,
     architecture,
@@ -53,6 +54,7 @@ from megacann.planning.formulas import (
     weight_bytes_per_param,
 )
 from megacann.planning.placement import placed_static_bytes
+from megacann.planning.static_memory import rank_formulas, refuse_activations, static_stage
 
 
 @dataclass
@@ -213,31 +215,30 @@ def estimate_stage(
     offloaded, host_saved, unit = set(layout.offload_layers), [], 0
     split, held, after, boundary = splits_backward(schedule), [], [], boundary_tensor_bytes(cfg, layout)
     held_per_kind = {} if held_per_kind is None else held_per_kind
+    kind_of, layer_bytes, chunk_extra, layer_parameters = _layer_formulas(cfg, layout)
     for chunk in range(vpp):
         ids = stage_layer_ids(m.num_layers, pp, stage, vpp, chunk, pipeline_layers, placement=placement)
         first, last = placement.is_model_first(stage, chunk), placement.is_model_last(pp, stage, chunk, vpp)
         stage_layers += len(ids) + (mtp_depths(m) if last else 0)
         chunk_params, chunk_experts = chunk_parameters_per_rank(cfg, layout.tp, ids, first, last, pp, layout.ep)
         params, experts = params + chunk_params, experts + chunk_experts
-        kinds = [layer_kind(m, i) for i in ids]
-        layers = {kind: layer_activation_bytes(cfg, layout, layout.recompute, *kind) for kind in set(kinds)}
-        reads_rotary = any(not linear for _, linear in kinds)  # a Gated DeltaNet takes no positions
+        kinds = [kind_of(i) for i in ids]
+        firsts = {kind: i for i, kind in zip(reversed(ids), reversed(kinds))}  # one layer of each kind
+        layers = {kind: layer_bytes(i, layout.recompute) for kind, i in firsts.items()}
         kept = [kind for i, kind in zip(ids, kinds) if i not in offloaded]
         moved = [kind for i, kind in zip(ids, kinds) if i in offloaded]
-        saved.append(
-            sum(layers[kind] for kind in kept) + sum(chunk_extra_terms(cfg, layout, first, last, reads_rotary).values())
-        )
+        saved.append(sum(layers[kind] for kind in kept) + chunk_extra(ids, kinds, first, last))
         host_saved.append(sum(layers[kind] for kind in moved))
         if moved:  # an offloaded layer's activations are on the device during its forward and its backward
             transient = max(transient, *(layers[kind] for kind in moved))
         if layout.zero >= 3:  # ZeRO-3 gathers the largest layer whole (one per kind of layer to count)
-            firsts = {layer_kind(m, i): i for i in reversed(ids)}.values()
-            unit = max([unit] + [sum(layer_parameters_per_rank(m, layout.tp, i, layout.ep)) for i in firsts])
+            unit = max([unit] + [sum(layer_parameters(m, layout.tp, i, layout.ep)) for i in firsts.values()])
         buffers.append(pipeline_buffer_bytes(cfg, layout, first, last))
-        moe_kinds = [moe for moe, _ in kinds]
-        held.append(chunk_held_bytes(cfg, layout, ids, first, last, held_per_kind, moe_kinds) if split else 0.0)
+        held.append(
+            chunk_held_bytes(cfg, layout, ids, first, last, held_per_kind, [k[0] for k in kinds]) if split else 0.0
+        )
         if layout.recompute == "full" and ids:  # backward re-runs one layer at a time
-            transient = max(transient, *(layer_activation_bytes(cfg, layout, "none", *kind) for kind in set(kinds)))
+            transient = max(transient, *(layer_bytes(i, "none") for i in firsts.values()))
         if last and mtp_depths(m):
             mtp_params, mtp_experts, mtp_saved = mtp_terms(cfg, layout)
             params, experts, saved[-1] = params + mtp_params, experts + mtp_experts, saved[-1] + mtp_saved
@@ -248,8 +249,15 @@ def estimate_stage(
     profile = _stage_profile(pp, stage, layout.num_microbatches, layout.vpp if layout.vpp > 1 else None, schedule)
     peak, in_flight = _peak(profile, [*(a + b for a, b in zip(saved, buffers)), *after])
     host_peak = _peak(profile, host_saved)[0]
-    static = placed_static_bytes(cfg, layout, params, experts, unit)
-    if architecture(m).sparse_indexer and m.indexer_warmup:  # the indexers alone have gradients and states
+    formulas = rank_formulas(m)
+    static = (
+        placed_static_bytes(cfg, layout, params, experts, unit)
+        if formulas is None
+        else static_stage(cfg, layout, stage)
+    )
+    if (
+        formulas is None and architecture(m).sparse_indexer and m.indexer_warmup
+    ):  # the indexers alone have gradients and states
         trained = placed_static_bytes(cfg, layout, stage_layers * mla.indexer_parameters(m))
         static.update({key: trained[key] for key in ("grads", "optimizer", "host_optimizer")})
     return StageEstimate(
@@ -270,6 +278,43 @@ def estimate_stage(
         reference_copy_bytes(cfg, params),
         held,
     )
+
+
+def _layer_formulas(cfg: MegacannConfig, layout: Layout):
+    """(a layer's kind, its saved bytes under a recompute mode, a chunk's bytes besides its layers, its
+    parameters per rank) from the decoder formulas, or from the family's own
+    (:mod:`megacann.planning.family_activations`)."""
+    m = cfg.model
+    formulas = rank_formulas(m)
+    if formulas is None:
+
+        def chunk_extra(ids, kinds, first, last):
+            reads_rotary = any(not linear for _, linear in kinds)  # a Gated DeltaNet takes no positions
+            return sum(chunk_extra_terms(cfg, layout, first, last, reads_rotary).values())
+
+        def layer_bytes(i, recompute):
+            return layer_activation_bytes(cfg, layout, recompute, *layer_kind(m, i))
+
+        return functools.partial(layer_kind, m), layer_bytes, chunk_extra, layer_parameters_per_rank
+    if activation_formulas(m) is None:
+        refuse_activations(m)
+    if splits_backward(layout.schedule):
+        raise ConfigError(
+            f"model.type {m.type!r}: megacann-plan has no formulas for what a split backward's B leaves for W "
+            f"in this family's layers (distributed.pipeline_schedule {layout.schedule!r}); plan it with 1f1b or "
+            "interleaved"
+        )
+
+    def family_kind(i):  # (MoE layer, kind): the first element as the decoders' (split backward's key)
+        return activation_formulas(m).moe(m, i) is not None, activation_formulas(m).kind(m, i)
+
+    def family_extra(ids, kinds, first, last):
+        return sum(family_chunk_terms(cfg, layout, first, last, bool(ids)).values())
+
+    def family_bytes(i, recompute):
+        return family_layer_bytes(cfg, layout, i, recompute)
+
+    return family_kind, family_bytes, family_extra, formulas.layer
 
 
 def estimate_stages(cfg: MegacannConfig, layout: Layout) -> list[StageEstimate]:

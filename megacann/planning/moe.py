@@ -23,14 +23,14 @@ copies as it sends, so its experts compute R = T k rows (with a capacity factor 
 E x ceil(c T k / E)). Saved for backward, per token or row:
 
 - router: its input in fp32 (4h per routed token; in fp32 training the norm's output itself), the
-  scores (4E), the chosen experts' ids (8k) and weights (4k), with ``normalize_top_k`` their
+  scores (4E; DeepSeek-V4's ``sqrtsoftplus`` also its logits, 4E more), the chosen experts' ids (8k) and weights (4k), with ``normalize_top_k`` their
   unnormalised copy and sum (4k + 4), and the weights in the tokens' dtype where that is not fp32 (ak);
 - routed experts, per row they compute: the input (ah), the gate|up output (2a f_e / t), silu(gate) and
   the down projection's input (a f_e / t each; the clamped SwiGLU of gpt-oss saves three f_e-wide tensors
   more: the clamped gate and up, and the gate's sigmoid); per token copy the rank sends (T k, dropped ones too): the
   int64 source index of the permutation (8), the int32 row map (4) and the expert output the weighted
   sum gathers (ah);
-- shared experts: as a dense SwiGLU MLP (4a f_s / t per token), and the MLP input once more (ah) where it
+- shared experts: as a dense SwiGLU MLP (4a f_s / t per token; clamped, as DeepSeek-V4's: 7a f_s / t), and the MLP input once more (ah) where it
   is not the router's own input (low-precision weights, or TP); a gated shared expert (Qwen3.5-MoE) also
   its output and the gate's sigmoid (a (h + 1)), and holds the gate row (h parameters, dense).
 
@@ -70,7 +70,8 @@ def moe_activation_terms(tokens: float, a: int, h: int, tp: int, moe: MoEStructu
     """Bytes an MoE feed-forward block saves for one micro-batch of ``tokens`` tokens on the rank, by what
     saves them (see the module docstring); the layer's norms and attention are a dense layer's."""
     k, routed = moe.top_k, tokens / tp
-    router = 4 * h + 4 * moe.num_experts + 12 * k + (4 * k + 4 if moe.normalize_top_k and k > 1 else 0)
+    scores = (8 if moe.score_function == "sqrtsoftplus" else 4) * moe.num_experts  # sqrt(softplus): its logits too
+    router = 4 * h + scores + 12 * k + (4 * k + 4 if moe.normalize_top_k and k > 1 else 0)
     terms = {"router": routed * router + (tokens * a * k if a != 4 else 0)}
     rows = routed_rows(tokens, moe)
     f = moe.expert_ffn_hidden_size // tp
@@ -79,5 +80,6 @@ def moe_activation_terms(tokens: float, a: int, h: int, tp: int, moe: MoEStructu
     if moe.shared_ffn_hidden_size:
         again = h if a != 4 or tp > 1 else 0
         gate = routed * a * (h + 1) if moe.shared_expert_gate else 0  # on the router's tokens
-        terms["shared experts"] = tokens * a * (4 * moe.shared_ffn_hidden_size // tp + again) + gate
+        width = activation * moe.shared_ffn_hidden_size // tp
+        terms["shared experts"] = tokens * a * (width + again) + gate
     return terms

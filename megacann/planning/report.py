@@ -9,6 +9,7 @@ from megacann.models import get_model_spec
 from megacann.pipeline.schedule_spec import splits_backward
 from megacann.planning.activations import layer_activation_bytes
 from megacann.planning.estimate import StageEstimate, bubble_fraction, estimate_stages
+from megacann.planning.family_activations import activation_formulas, family_layer_bytes
 from megacann.planning.formulas import (
     DTYPE_BYTES,
     Layout,
@@ -135,15 +136,10 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
             f"activation offload: layers {list(layout.offload_layers)} keep their saved activations in host "
             f"memory, peak {_gb(max(s.host_activations for s in stages))} GB per device (not in the device total)"
         )
-    moe = moe_structure(cfg.model)
-    kinds = sorted({layer_kind(cfg.model, i) for i in range(cfg.model.num_layers)})
-    linear = any(is_linear for _, is_linear in kinds)
-    for kind in kinds:  # dense layers, MoE layers; attention, Gated DeltaNet layers
-        by_recompute = {r: layer_activation_bytes(cfg, layout, r, *kind) for r in ("none", "selective", "full")}
-        mixer = ("Gated DeltaNet " if kind[1] else "attention ") if linear else ""
+    for label, by_recompute in layer_kind_activations(cfg, layout).items():
         lines.append(
-            f"activations per {mixer}{'MoE ' if kind[0] else 'dense ' if moe else ''}layer and micro-batch: "
-            + ", ".join(f"{r} {by_recompute[r] / 2**20:,.0f} MiB" for r in by_recompute)
+            f"activations per {label}layer and micro-batch: "
+            + ", ".join(f"{r} {by_recompute[r] / 2**20:,.{_digits(by_recompute)}f} MiB" for r in by_recompute)
             + f" (recipe: {layout.recompute})"
         )
     if layout.cp > 1:
@@ -167,6 +163,33 @@ def layout_lines(cfg: MegacannConfig, layout: Layout, params: int) -> list[str]:
     else:
         lines.append("pipeline: none (no bubble)")
     return lines
+
+
+def _digits(by_recompute: dict[str, float]) -> int:
+    """MiB with no decimals, or three when the smallest is under 10 MiB (small models stay readable)."""
+    return 0 if min(by_recompute.values()) >= 10 * 2**20 else 3
+
+
+def layer_kind_activations(cfg: MegacannConfig, layout: Layout) -> dict[str, dict[str, float]]:
+    """{a kind of layer's label (ending in a space): its bytes per micro-batch under none, selective and full
+    recompute}: dense and MoE, attention and Gated DeltaNet layers, or the kinds a family's own formulas name."""
+    m, modes = cfg.model, ("none", "selective", "full")
+    formulas = activation_formulas(m)
+    if formulas is not None:
+        firsts = {formulas.kind(m, i): i for i in reversed(range(m.num_layers))}
+        return {
+            f"{kind} ": {r: family_layer_bytes(cfg, layout, i, r) for r in modes}
+            for kind, i in sorted(firsts.items(), key=lambda item: item[1])
+        }
+    moe = moe_structure(m)
+    kinds = sorted({layer_kind(m, i) for i in range(m.num_layers)})
+    linear = any(is_linear for _, is_linear in kinds)
+    out = {}
+    for kind in kinds:  # dense layers, MoE layers; attention, Gated DeltaNet layers
+        mixer = ("Gated DeltaNet " if kind[1] else "attention ") if linear else ""
+        label = f"{mixer}{'MoE ' if kind[0] else 'dense ' if moe else ''}"
+        out[label] = {r: layer_activation_bytes(cfg, layout, r, *kind) for r in modes}
+    return out
 
 
 def static_only_lines(cfg: MegacannConfig, layout: Layout, device_memory_gb: Optional[float]) -> list[str]:
@@ -222,7 +245,7 @@ def plan_report(
     )
     lines.append("-- on one device, nothing sharded")
     lines += unsharded_lines(cfg, params)
-    if rank_formulas(m) is not None:  # static memory only: its activations have no formulas yet
+    if rank_formulas(m) is not None and activation_formulas(m) is None:  # static memory only: no activation formulas
         lines += static_only_lines(cfg, layout, device_memory_gb) + generation_cache_lines(cfg, layout.tp)
         return "\n".join(lines)
     lines += layout_lines(cfg, layout, params)

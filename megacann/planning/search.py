@@ -236,7 +236,8 @@ def fastest_schedule(
 
     Best first, each step as late as it can be: a variant is validated and its memory estimated only when
     no other could be faster, and a split-backward schedule's bubble simulated only once it fits (until
-    then it is timed with :func:`_bubble_bound`)."""
+    then it is timed with :func:`_bubble_bound`). A schedule the trainer refuses, or whose memory the
+    planner has no formulas for (a family's own layers under a split backward), is left out."""
     extra = recompute_extra_flops(candidate, base.recompute)
     variants = enumerate(schedule_variants(base))
     queue = [_Variant(v, k, _time(extra, v, _bubble_bound(v) if _simulated(v) else None)) for k, v in variants]
@@ -251,7 +252,11 @@ def fastest_schedule(
                 queue.pop(0)  # the trainer's pipeline rules refuse this schedule here
             continue
         if head.stages is None:
-            head.stages = estimate_stages(head.config, head.layout)
+            try:
+                head.stages = estimate_stages(head.config, head.layout)
+            except ConfigError:  # no formulas for this schedule (a family's own layers under a split backward)
+                queue.pop(0)
+                continue
             if max(s.total for s in head.stages) > budget:
                 tried.append(queue.pop(0))
             continue
