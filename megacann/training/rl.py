@@ -67,6 +67,7 @@ from megacann.rl.rollout import (
     response_figures,
     rollout_micro_batches,
 )
+from megacann.training.objective import Objective
 from megacann.training.preference import build_reference_copy, forward_only_pass
 
 
@@ -91,8 +92,8 @@ class StepCounter:
             step += 1
 
 
-class RLTraining:
-    """The objective of ``train_mode: grpo`` (the interface of :class:`~megacann.training.objective.TokenObjective`)."""
+class RLTraining(Objective):
+    """The objective of ``train_mode: grpo`` (see the module docstring)."""
 
     def __init__(self, cfg: MegacannConfig, spec: ModelSpec, policy: list[torch.nn.Module], device, tokenizer):
         self.cfg, self.spec, self.policy, self.device = cfg, spec, policy, device
