@@ -2,10 +2,11 @@
 
     python tests/shutdown_cycles.py PORT [PORT ...]
 
-with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR) set. For each port it starts the runtime of a
+with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_USE_AGENT_STORE) set: each PORT is a
+rendezvous store the caller hosts, as torchrun's agent does. For each port it starts the runtime of a
 tp 2 x pp 2 x dp 2 recipe (process groups, failure monitor with its store clients), sends traffic through
-every group, and shuts it down; each group must carry the recipe's collective timeout; the last cycle goes through megacann-train's run_training with a recipe
-that fails after the runtime started. After each cycle no megacann thread may be alive and no process
+every group, and shuts it down; each group must carry the recipe's collective timeout; the last cycle goes
+through megacann-train's run_training with a recipe that fails after the runtime started. After each cycle no megacann thread may be alive and no process
 group initialised; the process must then exit 0, without any C++ "terminate called" on stderr.
 """
 

@@ -300,8 +300,8 @@ def _skip_or_recompute_run(prompts: str, forced: bool) -> dict:
     chose to skip it, the policy's eval-mode forwards over whole micro-batch rows (generation's are shorter)
     and the logged figures, timings left out."""
     from megacann import parallel_state as ps
+    from megacann.config.rl_keys import training_forward_is_old_policy
     from megacann.layers import TransformerBlock
-    from megacann.training.rl import training_forward_is_old_policy
 
     trainer = _trainer(rl_overrides(prompts, "rl.tis_cap=2.0"))
     if forced:
@@ -338,7 +338,7 @@ def test_one_update_phase_takes_the_old_policy_from_the_training_forward(prompts
 
 
 def test_several_updates_or_dropout_keep_the_recompute():
-    from megacann.training.rl import training_forward_is_old_policy
+    from megacann.config.rl_keys import training_forward_is_old_policy
 
     def chosen(*extra: str) -> bool:
         return training_forward_is_old_policy(recipe(rl_overrides("prompts.jsonl", *extra), world_size=1))

@@ -20,6 +20,18 @@ def update_phase_steps(cfg: MegacannConfig) -> int:
     return cfg.rl.ppo_epochs * cfg.rl.mini_batches
 
 
+def training_forward_is_old_policy(cfg: MegacannConfig) -> bool:
+    """Whether a step's training forward computes the old policy's log-probabilities itself: one optimizer
+    step per rollout phase (``rl.ppo_epochs`` 1, ``rl.mini_batches`` 1), so no update lies between the
+    rollout and the training forward, and no dropout, so the training forward (train mode) gives what the
+    forward-only pass (eval mode) would. Router replay, the reference and pipeline stages change nothing:
+    the training forward replays the routes as the pass would, the reference has its own pass, and the
+    loss (the only reader) is on the last stage with the training forward."""
+    r, m = cfg.rl, cfg.model
+    dropout = m.hidden_dropout or m.attention_dropout or (cfg.lora and cfg.lora_dropout)
+    return r.ppo_epochs == 1 and r.mini_batches == 1 and not dropout
+
+
 def _number(value, key: str, source: str, low: float, strict: bool = False) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < low or (strict and value == low):

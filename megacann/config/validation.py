@@ -158,6 +158,18 @@ def check_context_parallel(cfg: MegacannConfig, source: str) -> None:
         )
 
 
+def require_context_parallel_algo(cfg: MegacannConfig, source: str, algo: str, needs: str) -> None:
+    """A family whose layers run under context parallelism with ``algo`` only refuses any other, naming
+    ``model.type`` and why (``needs``: what its layers read that only ``algo`` holds on every rank)."""
+    d = cfg.distributed
+    if d.context_parallel_size > 1 and d.context_parallel_algo != algo:
+        raise ConfigError(
+            f"{source}: distributed.context_parallel_algo {d.context_parallel_algo!r} is refused for model.type "
+            f"{cfg.model.type} at context_parallel_size {d.context_parallel_size}: {needs}, which only {algo!r} "
+            f"holds on every rank (set distributed.context_parallel_algo={algo})"
+        )
+
+
 def _check_choice(cfg: MegacannConfig, dotted: str, source: str) -> None:
     obj = _value_of(cfg, dotted)
     if obj not in CHOICES[dotted]:

@@ -19,13 +19,18 @@ import torch
 import torch.distributed as dist
 
 from megacann import ops
-from megacann.layers.context_parallel import context_parallel_chunk_ids, context_parallel_gather
+from megacann.layers.context_parallel import (
+    WHOLE_SEQUENCE_ALGO,
+    context_parallel_chunk_ids,
+    context_parallel_gather,
+    require_whole_sequence_algo,
+)
 from megacann.layers.window_compressor import WindowCompressor
 
 if TYPE_CHECKING:
     from megacann.layers.compressed_attention import CompressedSparseAttention
 
-COMPRESSED_CONTEXT_PARALLEL_ALGO = "allgather"  # the one algorithm DeepSeek-V4's attention runs under
+COMPRESSED_CONTEXT_PARALLEL_ALGO = WHOLE_SEQUENCE_ALGO  # the one algorithm DeepSeek-V4's attention runs under
 
 
 def windowed_attention(
@@ -64,12 +69,8 @@ def windowed_attention(
 
 def check_context_parallel_algo(layer: str, algo: Optional[str]) -> None:
     """Refuse, naming it, a context-parallel algorithm other than all-gather."""
-    if algo != COMPRESSED_CONTEXT_PARALLEL_ALGO:
-        raise ValueError(
-            f"CompressedSparseAttention ({layer}): DeepSeek-V4 attention runs under context parallelism with "
-            f"context_parallel_algo {COMPRESSED_CONTEXT_PARALLEL_ALGO!r} only (its compressors pool windows of "
-            f"the whole sequence), got {algo!r}"
-        )
+    where = f"CompressedSparseAttention ({layer}): DeepSeek-V4 attention"
+    require_whole_sequence_algo(where, algo, "its compressors pool windows of the whole sequence")
 
 
 def context_parallel_compressed_attention(

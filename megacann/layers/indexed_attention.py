@@ -24,14 +24,19 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.layers import mappings
 from megacann.layers.attention import Rotary
-from megacann.layers.context_parallel import context_parallel_gather, context_parallel_position_ids
+from megacann.layers.context_parallel import (
+    WHOLE_SEQUENCE_ALGO,
+    context_parallel_gather,
+    context_parallel_position_ids,
+    require_whole_sequence_algo,
+)
 from megacann.layers.sparse_indexer import attention_distribution, indexer_kl_loss
 from megacann.ops.reference import attention_mask
 
 if TYPE_CHECKING:
     from megacann.layers.latent_attention import LatentAttention
 
-INDEXED_CONTEXT_PARALLEL_ALGO = "allgather"  # the one context-parallel algorithm sparse attention runs under
+INDEXED_CONTEXT_PARALLEL_ALGO = WHOLE_SEQUENCE_ALGO  # the one context-parallel algorithm sparse attention runs under
 
 
 def _context_group(attention: LatentAttention) -> Optional[dist.ProcessGroup]:
@@ -40,12 +45,9 @@ def _context_group(attention: LatentAttention) -> Optional[dist.ProcessGroup]:
     group = attention.context_parallel_group or ps.get_context_parallel_group()
     if group is None or dist.get_world_size(group) == 1:
         return None
-    if attention.context_parallel_algo != INDEXED_CONTEXT_PARALLEL_ALGO:
-        raise ValueError(
-            f"LatentAttention: a sparse indexer (DeepSeek-V3.2) runs under context parallelism with "
-            f"context_parallel_algo {INDEXED_CONTEXT_PARALLEL_ALGO!r} only (each query picks its keys from the whole "
-            f"sequence), got {attention.context_parallel_algo!r}"
-        )
+    where = "LatentAttention: a sparse indexer (DeepSeek-V3.2)"
+    needs = "each query picks its keys from the whole sequence"
+    require_whole_sequence_algo(where, attention.context_parallel_algo, needs)
     return group
 
 

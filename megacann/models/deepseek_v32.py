@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.config.validation import require_context_parallel_algo
 from megacann.layers import LatentAttention
 from megacann.layers.indexed_attention import INDEXED_CONTEXT_PARALLEL_ALGO
 from megacann.layers.init import init_normal
@@ -93,7 +94,7 @@ def deepseek_v32_forward_step(
 def check_deepseek_v32_config(cfg: MegacannConfig, source: str) -> None:
     """What DeepSeek-V3.2 needs beyond DeepSeek-V3 (the indexer's sizes, the low-rank query, interleaved
     RoPE), what it refuses (context parallelism other than all-gather), then DeepSeek-V3's checks."""
-    m, d = cfg.model, cfg.distributed
+    m = cfg.model
     for key in ("index_n_heads", "index_head_dim", "index_topk"):
         if getattr(m, key) < 1:
             raise ConfigError(f"{source}: model.{key} must be >= 1, got {getattr(m, key)}")
@@ -119,13 +120,8 @@ def check_deepseek_v32_config(cfg: MegacannConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: model.attention_dropout {m.attention_dropout} is refused for deepseek_v32 (0 only)"
         )
-    if d.context_parallel_size > 1 and d.context_parallel_algo != INDEXED_CONTEXT_PARALLEL_ALGO:
-        raise ConfigError(
-            f"{source}: distributed.context_parallel_algo {d.context_parallel_algo!r} is refused for model.type "
-            f"deepseek_v32 at context_parallel_size {d.context_parallel_size}: its indexer picks each query's keys "
-            f"from the whole sequence, which only {INDEXED_CONTEXT_PARALLEL_ALGO!r} holds on every rank "
-            f"(set distributed.context_parallel_algo={INDEXED_CONTEXT_PARALLEL_ALGO})"
-        )
+    needs = "its indexer picks each query's keys from the whole sequence"
+    require_context_parallel_algo(cfg, source, INDEXED_CONTEXT_PARALLEL_ALGO, needs)
     check_deepseek_config(cfg, source)
 
 

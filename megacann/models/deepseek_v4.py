@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from megacann.config import ConfigError, MegacannConfig, ModelConfig
+from megacann.config.validation import require_context_parallel_algo
 from megacann.layers import HyperConnection, HyperHead, MoEConfig, MoELayer, RMSNorm, init_normal, mappings
 from megacann.layers.compressed_attention import CompressedSparseAttention
 from megacann.layers.compressed_context_parallel import COMPRESSED_CONTEXT_PARALLEL_ALGO
@@ -294,13 +295,8 @@ def check_deepseek_v4_config(cfg: MegacannConfig, source: str) -> None:
             raise ConfigError(
                 f"{source}: {key} {value!r} is refused for model.type deepseek_v4 ({allowed!r} only): {why}"
             )
-    if d.context_parallel_size > 1 and d.context_parallel_algo != COMPRESSED_CONTEXT_PARALLEL_ALGO:
-        raise ConfigError(
-            f"{source}: distributed.context_parallel_algo {d.context_parallel_algo!r} is refused for model.type "
-            f"deepseek_v4 at context_parallel_size {d.context_parallel_size}: its compressors pool windows of the "
-            f"whole sequence, which only {COMPRESSED_CONTEXT_PARALLEL_ALGO!r} holds on every rank "
-            f"(set distributed.context_parallel_algo={COMPRESSED_CONTEXT_PARALLEL_ALGO})"
-        )
+    needs = "its compressors pool windows of the whole sequence"
+    require_context_parallel_algo(cfg, source, COMPRESSED_CONTEXT_PARALLEL_ALGO, needs)
     for key, count in (("num_attention_heads", m.num_attention_heads), ("o_groups", m.o_groups)):
         if count % d.tensor_parallel_size:
             raise ConfigError(

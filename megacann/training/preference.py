@@ -46,6 +46,7 @@ from megacann.models.preference_loss import (
 )
 from megacann.pipeline import get_forward_backward_func, loss_stage
 from megacann.training import finetune
+from megacann.training.objective import Objective
 from megacann.training.rank_model import build_rank_chunks
 
 
@@ -99,9 +100,8 @@ def _computes_loss(cfg: MegacannConfig) -> bool:
     return ps.get_pipeline_model_parallel_rank() == loss_stage(cfg.distributed.pipeline_schedule, stages)
 
 
-class PreferenceTraining:
-    """The objective of ``train_mode: dpo`` (the interface of :class:`~megacann.training.objective.TokenObjective`):
-    the wrapped forward step, the reference policy, the pair count that normalises the loss, the rewards'
+class PreferenceTraining(Objective):
+    """The objective of ``train_mode: dpo``: the wrapped forward step, the reference policy, the pair count that normalises the loss, the rewards'
     figures and held-out evaluation."""
 
     def __init__(self, cfg: MegacannConfig, spec: ModelSpec, policy: list[torch.nn.Module], device):

@@ -17,8 +17,9 @@ The trainer runs this objective like pretraining's (:mod:`megacann.training.obje
    recomputes each response token's log-probability with the trainer (forward-only, eval mode): the old
    policy of the ratio, compared with the generator's (``logprob_mismatch_mean`` / ``_max``); the reference
    policy's the same way when the KL is on. A phase of one optimizer step without dropout skips the old
-   policy's pass (:func:`training_forward_is_old_policy`): the training forward's detached log-probabilities
-   are the old policy's, and the mismatch figures come from that forward.
+   policy's pass (:func:`~megacann.config.rl_keys.training_forward_is_old_policy`): the training
+   forward's detached log-probabilities are the old policy's, and the mismatch figures come from that
+   forward.
 
 Then each step trains on mini-batch ``step % mini_batches`` of the phase. A checkpoint that falls inside a
 phase saves this rank's micro-batches of it (:meth:`RLTraining.checkpoint_state`: tokens, labels,
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from megacann import parallel_state as ps
 from megacann.checkpoint.metadata import describe_layout, layout_of
 from megacann.config import MegacannConfig
-from megacann.config.rl_keys import reference_kind, update_phase_steps
+from megacann.config.rl_keys import reference_kind, training_forward_is_old_policy, update_phase_steps
 from megacann.constants import IGNORE_INDEX
 from megacann.data.sft_templates import get_template
 from megacann.generation import Generator
@@ -66,6 +67,7 @@ from megacann.rl.rollout import (
     response_figures,
     rollout_micro_batches,
 )
+from megacann.training.objective import Objective
 from megacann.training.preference import build_reference_copy, forward_only_pass
 
 
@@ -90,8 +92,8 @@ class StepCounter:
             step += 1
 
 
-class RLTraining:
-    """The objective of ``train_mode: grpo`` (the interface of :class:`~megacann.training.objective.TokenObjective`)."""
+class RLTraining(Objective):
+    """The objective of ``train_mode: grpo`` (see the module docstring)."""
 
     def __init__(self, cfg: MegacannConfig, spec: ModelSpec, policy: list[torch.nn.Module], device, tokenizer):
         self.cfg, self.spec, self.policy, self.device = cfg, spec, policy, device
@@ -365,18 +367,6 @@ class RLTraining:
 
     def evaluate(self, batches, forward_backward, data) -> Optional[dict[str, float]]:
         return None  # no held-out split: the rewards are the figures
-
-
-def training_forward_is_old_policy(cfg: MegacannConfig) -> bool:
-    """Whether a step's training forward computes the old policy's log-probabilities itself: one optimizer
-    step per rollout phase (``rl.ppo_epochs`` 1, ``rl.mini_batches`` 1), so no update lies between the
-    rollout and the training forward, and no dropout, so the training forward (train mode) gives what the
-    forward-only pass (eval mode) would. Router replay, the reference and pipeline stages change nothing:
-    the training forward replays the routes as the pass would, the reference has its own pass, and the
-    loss (the only reader) is on the last stage with the training forward."""
-    r, m = cfg.rl, cfg.model
-    dropout = m.hidden_dropout or m.attention_dropout or (cfg.lora and cfg.lora_dropout)
-    return r.ppo_epochs == 1 and r.mini_batches == 1 and not dropout
 
 
 def _check_routers(policy: list[torch.nn.Module], model_type: str, device) -> None:

@@ -2,14 +2,20 @@
 
 The start lines say what runs where (layout, context-parallel share, the operators in use, a fine-tuning
 run's base and trainable share); a step record holds the figures ``metrics.jsonl`` and the console show:
-loss, grad norm, lr, throughput, MFU, the model's auxiliary losses and stats, memory.
+loss, grad norm, lr, throughput, MFU, the model's auxiliary losses and stats, memory, and with
+``logging.timers`` every pipeline stage's timeline (:func:`stage_timers`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
 from megacann import ops
+from megacann import parallel_state as ps
+from megacann.pipeline import Timeline
 from megacann.training import finetune
 
 if TYPE_CHECKING:
@@ -72,3 +78,16 @@ def step_record(trainer: Trainer, step_metrics: dict[str, Any], step_time: float
         record["skipped_steps"] = trainer.state.skipped_steps
     record.update(runtime.accelerator.memory_stats())
     return record
+
+
+def stage_timers(timeline: Timeline, device: torch.device) -> dict[str, list[float]]:
+    """The last step's ``timeline`` of every pipeline stage (stage 0 first), known on every rank."""
+    summary = timeline.summary()
+    keys = sorted(summary)
+    local = torch.tensor([summary[k] for k in keys], dtype=torch.float32, device=device)
+    rows = [local]
+    group = ps.get_pipeline_model_parallel_group()
+    if group is not None and dist.get_world_size(group) > 1:
+        rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, local, group=group)
+    return {k: [round(float(row[i]), 6) for row in rows] for i, k in enumerate(keys)}

@@ -45,7 +45,7 @@ from megacann.training.rank_model import build_rank_chunks
 from megacann.training.recipe import compile_backend, prepare_recipe
 from megacann.training.runtime import Runtime, setup_runtime
 from megacann.training.signals import make_stop_signals, stop_after_signal
-from megacann.training.step_log import start_lines, step_record
+from megacann.training.step_log import stage_timers, start_lines, step_record
 from megacann.training.watchdog import start_watchdog
 
 
@@ -134,7 +134,7 @@ class Trainer:
         self.peak_flops = self.runtime.accelerator.peak_bf16_flops()
         self._data = data
         # grpo: the objective samples its own data (rollouts); the trainer's data only counts the steps
-        self._data_factory = data_factory or (getattr(self.objective, "data_factory", None) if data is None else None)
+        self._data_factory = data_factory or (self.objective.data_factory if data is None else None)
         self._own_data = data is None
         self._checkpointer = None
         self.guard = StepGuard(cfg.training, log=self.metrics.print)  # non-finite / spiking steps are skipped
@@ -161,19 +161,6 @@ class Trainer:
 
     def _next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         return [_to_device(next(self.data.train), self.device) for _ in range(self.cfg.optim.grad_accum_steps)]
-
-    def _stage_timers(self) -> dict[str, list[float]]:
-        """The last step's timeline of every pipeline stage (stage 0 first), known on every rank."""
-        assert self.timeline is not None
-        summary = self.timeline.summary()
-        keys = sorted(summary)
-        local = torch.tensor([summary[k] for k in keys], dtype=torch.float32, device=self.device)
-        rows = [local]
-        group = ps.get_pipeline_model_parallel_group()
-        if group is not None and dist.get_world_size(group) > 1:
-            rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(rows, local, group=group)
-        return {k: [round(float(row[i]), 6) for row in rows] for i, k in enumerate(keys)}
 
     # -- one step -----------------------------------------------------------------------------------
     @guarded
@@ -239,7 +226,7 @@ class Trainer:
         skipped = self.guard.end_step(self.state.step, host["loss"], updated, samples)  # raises after too many
         result = {**host, "lr": lr, "updated": updated, "skipped": skipped}
         if self.cfg.logging.timers:
-            result["stage_timers"] = self._stage_timers()
+            result["stage_timers"] = stage_timers(self.timeline, self.device)
         return result
 
     @guarded
@@ -347,8 +334,7 @@ class Trainer:
             {"skipped_steps": s.skipped_steps},
             files=kept,  # the run's tokenizer, saved beside the weights, so exports carry it
             base=self.lora_base,  # a LoRA run saves its adapters and names its base
-            # e.g. the rollouts of a GRPO phase the checkpoint falls inside
-            objective_state=self.objective.checkpoint_state() if hasattr(self.objective, "checkpoint_state") else None,
+            objective_state=self.objective.checkpoint_state(),  # e.g. the rollouts of a GRPO phase it falls inside
         )
 
     def save_checkpoint(self) -> str:
@@ -360,8 +346,7 @@ class Trainer:
         parts = self.checkpoint_parts()
         self.checkpointer.load(parts, self.cfg, path, log=self.metrics.print)
         self.state = TrainState(parts.step, parts.consumed_samples, **parts.progress)
-        if hasattr(self.objective, "restore_state"):
-            self.objective.restore_state(parts.objective_state)
+        self.objective.restore_state(parts.objective_state)
         if self._own_data or self._data_factory is not None:
             self._data = None  # rebuilt at the restored consumed_samples
 

@@ -24,7 +24,12 @@ A model picks the algorithm through its layer context (:class:`megacann.layers.L
 recipe's ``distributed.context_parallel_algo``). See ``docs/context_parallel.md`` for when each wins.
 """
 
-from megacann.layers.context_parallel.attention import CONTEXT_PARALLEL_ALGORITHMS, context_parallel_attention
+from megacann.layers.context_parallel.attention import (
+    CONTEXT_PARALLEL_ALGORITHMS,
+    WHOLE_SEQUENCE_ALGO,
+    context_parallel_attention,
+    require_whole_sequence_algo,
+)
 from megacann.layers.context_parallel.blockwise import blockwise_attention
 from megacann.layers.context_parallel.layout import (
     context_parallel_batch,
@@ -37,6 +42,7 @@ from megacann.layers.context_parallel.ulysses import ulysses_kv_repeat
 
 __all__ = [
     "CONTEXT_PARALLEL_ALGORITHMS",
+    "WHOLE_SEQUENCE_ALGO",
     "blockwise_attention",
     "context_parallel_attention",
     "context_parallel_batch",
@@ -44,5 +50,6 @@ __all__ = [
     "context_parallel_gather",
     "context_parallel_position_ids",
     "context_parallel_split",
+    "require_whole_sequence_algo",
     "ulysses_kv_repeat",
 ]

@@ -14,6 +14,19 @@ from megacann.layers.context_parallel.ulysses import ulysses_attention
 from megacann.ops.reference import effective_window
 
 CONTEXT_PARALLEL_ALGORITHMS = ("ring", "allgather", "ulysses")
+# the algorithm whose ranks each hold the whole sequence: what layers that read all of it (DeepSeek-V3.2's
+# indexer, DeepSeek-V4's compressors) run under, gathering it themselves
+WHOLE_SEQUENCE_ALGO = "allgather"
+
+
+def require_whole_sequence_algo(layer: str, algo: Optional[str], needs: str) -> None:
+    """Refuse, naming ``layer`` and ``algo``, a context-parallel algorithm other than
+    :data:`WHOLE_SEQUENCE_ALGO` for a layer that reads the whole sequence on every rank (``needs``: why)."""
+    if algo != WHOLE_SEQUENCE_ALGO:
+        raise ValueError(
+            f"{layer} runs under context parallelism with context_parallel_algo {WHOLE_SEQUENCE_ALGO!r} only "
+            f"({needs}), got {algo!r}"
+        )
 
 
 def context_parallel_attention(
