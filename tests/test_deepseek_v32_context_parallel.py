@@ -4,7 +4,10 @@ alike as on one process (gloo, CPU, fp32): losses, gradient norms and the indexe
 Probes: each rank held half the tokens and scored its 8 queries against all 16 keys of the sequence, and
 the keys its queries read follow their global positions in the load-balanced layout (rank 0 holds
 positions 0-3 and 12-15, rank 1 4-11; query t reads min(t + 1, 6) keys); the warm-up chose none. The
-layer refuses ring attention by name at run time. Two spawns: world 2 the cp runs, world 1 the references."""
+layer refuses ring attention by name at run time. Tensor parallelism 2 with sequence parallelism x cp 2
+(world 4, the extended tier) trains the sparse stage alike too: each rank's layers held half the heads and
+a quarter of the tokens, its queries (its cp half, gathered over the tp ranks) scored all 16 keys and read
+as above. Spawns: world 2 the cp runs, world 4 the tp x cp run, world 1 the references."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from test_training_parity import assert_close_trace
 
 WARMUP = "model.indexer_warmup=true"
 CP2 = ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=allgather", ACCUM2]
+TP2_SP = ["distributed.tensor_parallel_size=2", "distributed.sequence_parallel=true"]
+HEADS = 4  # the helper's num_attention_heads
 TOPK = 6
 POSITIONS = {0: [0, 1, 2, 3, 12, 13, 14, 15], 1: list(range(4, 12))}  # cp 2: chunks of 4, rank r holds r and 3 - r
 
@@ -45,6 +50,9 @@ def _train(trainer) -> dict:
         "tokens": sorted(set(seen)),
         "scored": sorted({tuple(s.shape[1:]) for s in scored}),
         "keys_read": sorted({float(mask.sum(-1).float().mean()) for mask in read}),
+        "heads": attn.local_heads,
+        "q_b_proj": attn.q_b_proj.weight.shape[0] // attn.qk_head_dim,  # the heads the rank's weight holds
+        "cp_rank": ps.get_context_parallel_rank(),
     }
     if ps.get_context_parallel_world_size() > 1:
         attn.context_parallel_algo = "ring"  # what the recipe check refuses, the layer refuses too
@@ -120,7 +128,7 @@ def _world(runs: dict, hf_dir: str, root: str) -> dict:
     results = {}
     for name, overrides in runs.items():
         results[name] = _train(_trainer("deepseek_v32", hf_dir, overrides, f"{root}/{name}"))
-    if dist.get_world_size() == 2:
+    if dist.get_world_size() == 2:  # the layer check runs beside the cp 2 runs only
         results["layer"] = _layer_errors()
     return results
 
@@ -132,27 +140,50 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(hf_dir, tmp_path_factory):
-    one = {"one": [ACCUM2], "one_warmup": [ACCUM2, WARMUP]}
-    one = run_on_ranks(_world, 1, args=(one, hf_dir, str(tmp_path_factory.mktemp("dsv32_cp1"))), timeout=900)[0]
-    cp = {"cp2": CP2, "cp2_warmup": [*CP2, WARMUP]}
-    return one, run_on_ranks(_world, 2, args=(cp, hf_dir, str(tmp_path_factory.mktemp("dsv32_cp2"))), timeout=900)
+def one(hf_dir, tmp_path_factory):
+    runs = {"one": [ACCUM2], "one_warmup": [ACCUM2, WARMUP]}
+    return run_on_ranks(_world, 1, args=(runs, hf_dir, str(tmp_path_factory.mktemp("dsv32_cp1"))), timeout=900)[0]
 
 
-@pytest.mark.parametrize("stage", ["", "_warmup"])
-def test_all_gather_context_parallelism_trains_like_one_process(runs, stage):
-    one, world2 = runs
+@pytest.fixture(scope="module")
+def world2(hf_dir, tmp_path_factory):
+    runs = {"cp2": CP2, "cp2_warmup": [*CP2, WARMUP]}
+    return run_on_ranks(_world, 2, args=(runs, hf_dir, str(tmp_path_factory.mktemp("dsv32_cp2"))), timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4(hf_dir, tmp_path_factory):
+    runs = {"tp2_sp_cp2": [*CP2, *TP2_SP]}
+    return run_on_ranks(_world, 4, args=(runs, hf_dir, str(tmp_path_factory.mktemp("dsv32_tp2cp2"))), timeout=900)
+
+
+# (the run, the world that ran it, tensor-parallel ranks): tp 2 x cp 2 is world 4, a slow check
+LAYOUTS = [
+    pytest.param("cp2", "world2", 1, id="cp2"),
+    pytest.param("cp2_warmup", "world2", 1, id="cp2_warmup"),
+    pytest.param("tp2_sp_cp2", "world4", 2, id="tp2_sp_cp2", marks=pytest.mark.extended),
+]
+
+
+@pytest.mark.parametrize("run,world,tp", LAYOUTS)
+def test_all_gather_context_parallelism_trains_like_one_process(request, one, run, world, tp):
+    stage = "_warmup" if run.endswith("_warmup") else ""
     reference = one[f"one{stage}"]
     assert reference["tokens"] == [SEQ] and reference["scored"] == [(SEQ, SEQ)]
+    assert reference["heads"] == reference["q_b_proj"] == HEADS and reference["cp_rank"] == 0
     assert all(loss > 1.0 for loss in reference["indexer"])  # summed over 4 layers, far from 0
-    for rank, facts in enumerate(r[f"cp2{stage}"] for r in world2):
+    ranks = [r[run] for r in request.getfixturevalue(world)]
+    assert sorted(f["cp_rank"] for f in ranks) == sorted([0, 1] * tp)  # both cp ranks, on each tp rank
+    for facts in ranks:
         for key in ("losses", "norms", "indexer"):
             assert_close_trace(facts[key], reference[key], 1e-5)
-        assert facts["tokens"] == [SEQ // 2] and facts["scored"] == [(SEQ // 2, SEQ)]
+        # the layer sees its cp half, split again over the tp ranks under SP; its queries are the cp half
+        assert facts["tokens"] == [SEQ // 2 // tp] and facts["scored"] == [(SEQ // 2, SEQ)]
+        assert facts["heads"] == facts["q_b_proj"] == HEADS // tp
         if stage:  # dense attention: no key chosen
             assert facts["keys_read"] == [] and reference["keys_read"] == []
         else:
-            assert facts["keys_read"] == [_keys_read(POSITIONS[rank])]
+            assert facts["keys_read"] == [_keys_read(POSITIONS[facts["cp_rank"]])]
             assert reference["keys_read"] == [_keys_read(list(range(SEQ)))] == [81 / 16]
         assert facts["ring"] == (
             "LatentAttention: a sparse indexer (DeepSeek-V3.2) runs under context parallelism with "
@@ -160,8 +191,8 @@ def test_all_gather_context_parallelism_trains_like_one_process(runs, stage):
         )
 
 
-def test_packed_documents_choose_and_read_like_one_process(runs):
-    for rank, world in enumerate(runs[1]):
+def test_packed_documents_choose_and_read_like_one_process(world2):
+    for rank, world in enumerate(world2):
         errors = world["layer"]
         assert len(errors) == 2 * (3 + 12), sorted(errors)  # out, dx, loss, 12 weights; sparse and dense
         bad = {name: err for name, err in errors.items() if not err < 1e-5}

@@ -7,7 +7,9 @@ sinks per TP rank, the tokens each rank's layers see under SP, the experts of ea
 each stage and the streams the second stage receives; and every rank's hash tables are the checkpoint's.
 Context parallelism 2 (all-gather; chunks of 6 tokens, so windows of 8, compressed windows of 4 and 8 and
 the indexer's top-k cross the ranks): each rank's layers see half the tokens and run the all-gather path.
-Two spawns: world 2 runs the layouts, world 1 the one-process reference."""
+Tensor (+ sequence) parallelism 2 x context parallelism 2 (world 4): each rank holds half the heads and
+sinks and a quarter of the tokens, and runs the all-gather path. Three spawns: world 2 runs the layouts,
+world 4 the tp x cp one, world 1 the one-process reference."""
 
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ LAYOUTS = {
     "pp2": ["distributed.pipeline_parallel_size=2", ACCUM2],
     "cp2": ["distributed.context_parallel_size=2", "distributed.context_parallel_algo=allgather", ACCUM2],
 }
+# world 4: tp 2 x cp 2 with sequence parallelism (dp 1)
+LAYOUTS["tp2_sp_cp2"] = LAYOUTS["tp2_sp"][:2] + LAYOUTS["cp2"]
+WORLD4 = ("tp2_sp_cp2",)
 HASHED = (0, 3)  # the hash-routed layers
 
 
@@ -86,19 +91,32 @@ def _run(layouts: tuple[str, ...], hf_dir: str, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def hf(tmp_path_factory):
     pytest.importorskip("transformers")
     # the published clamp (10): with the helper's small one many activations sit on the clamp's kink
     hf_dir = tiny_hf_v4(str(tmp_path_factory.mktemp("deepseek_v4_hf") / "hf"), swiglu_limit=10.0)
-    root = str(tmp_path_factory.mktemp("deepseek_v4_runs"))
-    one = run_on_ranks(_run, 1, args=(("one",), hf_dir, root + "/w1"), timeout=600)[0]["one"]
-    return one, run_on_ranks(_run, 2, args=(tuple(LAYOUTS)[1:], hf_dir, root + "/w2"), timeout=600)
+    return hf_dir, str(tmp_path_factory.mktemp("deepseek_v4_runs"))
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "tp2", "ep2", "pp2", "cp2"])
-def test_layouts_train_like_one_process(runs, layout):
-    one, world2 = runs
-    facts = [rank[layout] for rank in world2]
+@pytest.fixture(scope="module")
+def one(hf):
+    return run_on_ranks(_run, 1, args=(("one",), hf[0], hf[1] + "/w1"), timeout=600)[0]["one"]
+
+
+@pytest.fixture(scope="module")
+def world2(hf):
+    layouts = tuple(layout for layout in LAYOUTS if layout not in ("one", *WORLD4))
+    return run_on_ranks(_run, 2, args=(layouts, hf[0], hf[1] + "/w2"), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4(hf):
+    return run_on_ranks(_run, 4, args=(WORLD4, hf[0], hf[1] + "/w4"), timeout=900)
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "tp2", "ep2", "pp2", "cp2", "tp2_sp_cp2"])
+def test_layouts_train_like_one_process(request, one, layout):
+    facts = [rank[layout] for rank in request.getfixturevalue("world4" if layout in WORLD4 else "world2")]
     for got in facts:
         assert_close_trace(got["losses"], one["losses"], 1e-5)
         assert_close_trace(got["norms"], one["norms"], 1e-5)
@@ -109,13 +127,13 @@ def test_layouts_train_like_one_process(runs, layout):
     if layout == "pp2":  # two layers a stage; the second receives both streams flattened, [b, s, 2 · 32]
         assert [f["layers"] for f in facts] == [[0, 1], [2, 3]]
         assert [f["received"] for f in facts] == [[], [(2, SEQ, 64)]]
-    elif layout == "cp2":  # half the tokens per rank, attended by all-gather
-        assert {f["streams"][0] for f in facts} == {(SEQ // 2, 2)}
-        assert {(f["cp_algo"], f["cp_path"]) for f in facts} == {("allgather", True)}
-        assert not one["cp_path"]
-    elif layout.startswith("tp2"):  # half the heads and their sinks per rank
-        assert {f["q_b_proj"] for f in facts} == {(32, 16)} and {f["sinks"] for f in facts} == {(2,)}
-        tokens = SEQ // 2 if layout == "tp2_sp" else SEQ  # each rank's share of the sequence under SP
+    elif layout.startswith("tp2") or layout == "cp2":
+        tp, cp = (2 if layout.startswith("tp2") else 1), (2 if layout.endswith("cp2") else 1)
+        # half the heads and their sinks per TP rank
+        assert {f["q_b_proj"] for f in facts} == {(64 // tp, 16)} and {f["sinks"] for f in facts} == {(4 // tp,)}
+        tokens = SEQ // cp // (tp if "_sp" in layout else 1)  # each rank's share of the sequence under CP / SP
         assert {f["streams"][0] for f in facts} == {(tokens, 2)}
+        assert {f["cp_path"] for f in facts} == {cp == 2} and not one["cp_path"]  # attended by all-gather under CP
+        assert cp == 1 or {f["cp_algo"] for f in facts} == {"allgather"}
     else:  # two experts per rank
         assert [f["experts"] for f in facts] == [[0, 1], [2, 3]]
