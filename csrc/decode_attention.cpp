@@ -1,6 +1,6 @@
 // A decoding step's attention on CPU: one query token a row over a key/value cache [b, used, hkv, d] of
 // fp32, bf16 or fp16, read as it lies (a slice of the preallocated cache: any row, slot and head strides,
-// the head dim contiguous) and computed in fp32, grouped-query heads reading their kv head's rows once.
+// the head dim contiguous) and computed in fp32, each row's cache read front to back.
 // The queries are taken in fp32 and the output is fp32 [b, 1, hq, d]: the caller rounds it once to its dtype.
 #include "common.h"
 
@@ -22,17 +22,16 @@ template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask, int64_t mask_sb,
          const float* sinks, at::Tensor& out, float scale) {
   const int64_t b = k.size(0), used = k.size(1), hkv = k.size(2), d = k.size(3), hq = q.size(2);
-  const int64_t tasks = b * hkv, g = hq / hkv;
-  at::Tensor scratch = at::empty({tasks, g * used}, q.options());
+  at::Tensor scratch = at::empty({b, hq * used}, q.options());
   const float* qp = q.const_data_ptr<float>();
   const T* kp = reinterpret_cast<const T*>(k.const_data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.const_data_ptr());
   float* op = out.mutable_data_ptr<float>();
   float* sp = scratch.mutable_data_ptr<float>();
   const auto kernel = decode_kernel<T>();
-  parallel_rows(tasks, g * used * d, [&](int64_t begin, int64_t end) {
+  parallel_rows(b, hq * used * d, [&](int64_t begin, int64_t end) {
     kernel(qp, kp, k.stride(0), k.stride(1), k.stride(2), vp, v.stride(0), v.stride(1), v.stride(2), mask, mask_sb,
-           sinks, op, sp + begin * g * used, hq, hkv, used, d, scale, begin, end);
+           sinks, op, sp + begin * hq * used, hq, hkv, used, d, scale, begin, end);
   });
 }
 

@@ -55,10 +55,10 @@ struct KernelSet {
 };
 
 // A decoding step's attention: one query token a row over a key/value cache of type T, computed in fp32.
-// Task = (row, kv head), tasks [begin, end) of batch * hkv: the g = hq / hkv query heads of kv head j (q and
-// out [b, hq, d] fp32, contiguous) read keys and values at k + row * k_sb + t * k_st + j * k_sh (and v
-// likewise, head dim contiguous) for slots t < used where mask[row * mask_sb + t] (mask null: all), with an
-// optional sink logit per query head (sinks null: none). scratch: g * used floats per task.
+// Rows [begin, end) of the batch: query head h (q and out [b, hq, d] fp32, contiguous) reads kv head
+// h / (hq / hkv), keys at k + row * k_sb + t * k_st + head * k_sh (values likewise, head dim contiguous), for
+// slots t < used where mask[row * mask_sb + t] (mask null: all), with an optional sink logit per query head
+// (sinks null: none). scratch: hq * used floats per row.
 template <typename T>
 using DecodeAttention = void (*)(const float* q, const T* k, int64_t k_sb, int64_t k_st, int64_t k_sh, const T* v,
                                  int64_t v_sb, int64_t v_st, int64_t v_sh, const bool* mask, int64_t mask_sb,

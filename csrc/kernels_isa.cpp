@@ -267,9 +267,10 @@ void rotary(const T* x, int64_t sb, int64_t ss, int64_t sh, const acc_t<T>* cos,
   }
 }
 
-// One query token a row over the cache (kernels.h, DecodeAttention): for each task (row, kv head), the
-// scores of its g query heads against every readable slot (each key loaded once for the g heads), the
-// softmax in fp32 with the sink as an extra column, then the values weighted (each value row loaded once).
+// One query token a row over the cache (kernels.h, DecodeAttention): for each row, the scores of every
+// query head against every readable slot, the slot's keys read in order (all kv heads of a slot lie
+// together, so the row's cache is read front to back, and each kv head's key once for its g query heads),
+// the softmax in fp32 with the sink as an extra column, then the values weighted the same way.
 // A query with no readable slot gets zeros, as PyTorch's CPU attention gives (no slot is weighted).
 template <typename T>
 void decode_attention(const float* q, const T* k, int64_t k_sb, int64_t k_st, int64_t k_sh, const T* v, int64_t v_sb,
@@ -278,55 +279,53 @@ void decode_attention(const float* q, const T* k, int64_t k_sb, int64_t k_st, in
                       int64_t end) {
   const int64_t g = hq / hkv;
   const float minus_inf = -__builtin_inff();
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t row = task / hkv, j = task % hkv;
-    const float* qj = q + (row * hq + j * g) * d;
-    float* oj = out + (row * hq + j * g) * d;
-    const T* kj = k + row * k_sb + j * k_sh;
-    const T* vj = v + row * v_sb + j * v_sh;
+  for (int64_t row = begin; row < end; ++row) {
+    const float* qr = q + row * hq * d;
+    float* orow = out + row * hq * d;
     const bool* m = mask ? mask + row * mask_sb : nullptr;
-    float* scores = scratch + (task - begin) * g * used;  // [g, used]
+    float* scores = scratch + (row - begin) * hq * used;  // [hq, used]
     for (int64_t t = 0; t < used; ++t) {
       if (m && !m[t]) {
-        for (int64_t i = 0; i < g; ++i) scores[i * used + t] = minus_inf;
+        for (int64_t h = 0; h < hq; ++h) scores[h * used + t] = minus_inf;
         continue;
       }
-      const T* kt = kj + t * k_st;
-      for (int64_t i = 0; i < g; ++i) {
-        const float* qi = qj + i * d;
+      const T* kt = k + row * k_sb + t * k_st;
+      for (int64_t h = 0; h < hq; ++h) {
+        const T* kh = kt + (h / g) * k_sh;
+        const float* qh = qr + h * d;
         float dot = 0;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t c = 0; c < d; ++c) dot += qi[c] * load(kt, c);
-        scores[i * used + t] = dot * scale;
+        for (int64_t c = 0; c < d; ++c) dot += qh[c] * load(kh, c);
+        scores[h * used + t] = dot * scale;
       }
     }
-    for (int64_t i = 0; i < g; ++i) {
-      float* si = scores + i * used;
-      float top = sinks ? sinks[j * g + i] : minus_inf;
+    for (int64_t h = 0; h < hq; ++h) {
+      float* sh = scores + h * used;
+      float top = sinks ? sinks[h] : minus_inf;
 #pragma omp simd reduction(max : top)
-      for (int64_t t = 0; t < used; ++t) top = max_of(top, si[t]);
-      float sum = sinks ? exp_fast(sinks[j * g + i] - top) : 0.0f;
+      for (int64_t t = 0; t < used; ++t) top = max_of(top, sh[t]);
+      float sum = sinks ? exp_fast(sinks[h] - top) : 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < used; ++t) {
-        const float p = exp_fast(si[t] - top);  // a left-out slot: e^-inf = 0
-        si[t] = p;
+        const float p = exp_fast(sh[t] - top);  // a left-out slot: e^-inf = 0
+        sh[t] = p;
         sum += p;
       }
       const float inv = 1.0f / sum;
 #pragma omp simd
-      for (int64_t t = 0; t < used; ++t) si[t] *= inv;
-      float* oi = oj + i * d;
-#pragma omp simd
-      for (int64_t c = 0; c < d; ++c) oi[c] = 0.0f;
+      for (int64_t t = 0; t < used; ++t) sh[t] *= inv;
     }
+#pragma omp simd
+    for (int64_t c = 0; c < hq * d; ++c) orow[c] = 0.0f;
     for (int64_t t = 0; t < used; ++t) {
       if (m && !m[t]) continue;
-      const T* vt = vj + t * v_st;
-      for (int64_t i = 0; i < g; ++i) {
-        const float p = scores[i * used + t];
-        float* oi = oj + i * d;
+      const T* vt = v + row * v_sb + t * v_st;
+      for (int64_t h = 0; h < hq; ++h) {
+        const T* vh = vt + (h / g) * v_sh;
+        const float p = scores[h * used + t];
+        float* oh = orow + h * d;
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) oi[c] += p * load(vt, c);
+        for (int64_t c = 0; c < d; ++c) oh[c] += p * load(vh, c);
       }
     }
   }
