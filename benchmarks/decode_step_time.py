@@ -12,7 +12,9 @@ wall time (the load is printed). The last lines put the two together for a whole
 tokens (prefill + ``--whole - 1`` steps, what benchmarks/generation_vs_transformers.py times): each
 library's prefill share of it, and the ratio of the whole calls that the two parts give. ``--also
 megacann@NAME`` adds megacann with ``decode_attention`` pinned to implementation NAME as a third way in the
-same turns (before / after a kernel, in one process).
+same turns (before / after a kernel, in one process). For megacann's ways it also prints the CPU time a
+step spends in ``megacann.ops.decode_attention`` (the least of the repeats), which the load moves less than
+a whole step's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import bench_common  # noqa: F401 (puts the checkout on sys.path)
 import torch
 from decode_step_profile import way
 from generation_vs_transformers import DTYPES, SHAPE, write_model
+
+import megacann.ops
 
 
 def main() -> None:
@@ -43,25 +47,45 @@ def main() -> None:
         1, SHAPE["vocab_size"], (args.batch, args.prompt), generator=torch.Generator().manual_seed(args.batch)
     )
     libraries = ("transformers", "megacann", *args.also)
-    best = {}
+    best, attention = {}, {}
+    in_attention = [0.0]
+    decode_attention = megacann.ops.decode_attention
+
+    def timed_attention(*inputs, **options):
+        start = time.process_time()
+        out = decode_attention(*inputs, **options)
+        in_attention[0] += time.process_time() - start
+        return out
+
+    megacann.ops.decode_attention = timed_attention  # the cache layers call it through megacann.ops
     with tempfile.TemporaryDirectory() as directory, torch.no_grad():
         write_model(directory)
         ways = {library: way(library, directory, args.dtype, prompts) for library in libraries}
         for _ in range(args.repeats):
             for new_tokens in (1, args.new_tokens):
                 for library, generate in ways.items():
+                    in_attention[0] = 0.0
                     start = time.process_time()
                     generate(new_tokens)
                     spent = time.process_time() - start
                     best[library, new_tokens] = min(best.get((library, new_tokens), spent), spent)
+                    if new_tokens > 1:
+                        attention[library] = min(attention.get(library, in_attention[0]), in_attention[0])
+    megacann.ops.decode_attention = decode_attention
     print(
         f"{args.dtype} batch {args.batch}, prompt {args.prompt}, {torch.get_num_threads()} thread(s), "
         f"load average {os.getloadavg()[0]:.1f}"
     )
     step = {lib: (best[lib, args.new_tokens] - best[lib, 1]) / (args.new_tokens - 1) for lib in libraries}
     for library in libraries:
+        inside = (
+            f" ({attention[library] / (args.new_tokens - 1) * 1e3:.2f} ms of it in decode_attention)"
+            if library != "transformers"
+            else ""
+        )
         print(
-            f"  {library:>20}: prefill {best[library, 1] * 1e3:7.1f} ms, a decoding step {step[library] * 1e3:6.2f} ms"
+            f"  {library:>20}: prefill {best[library, 1] * 1e3:7.1f} ms, a decoding step "
+            f"{step[library] * 1e3:6.2f} ms{inside}"
         )
     whole = {lib: best[lib, 1] + (args.whole - 1) * step[lib] for lib in libraries}
     for library in libraries[1:]:

@@ -182,6 +182,13 @@ def test_a_query_with_no_readable_slot_gets_zeros_as_from_pytorch():
 
 
 @needs_kernel
+def test_the_kernel_has_a_fake_for_torch_compile():
+    q, k, v = cache_slice(torch.bfloat16, HKV, seed=6)
+    mask = torch.ones(B, 1, 1, SLOTS, dtype=torch.bool)
+    torch.library.opcheck(KERNEL, (q, k, v, mask, 0.3, None), test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_kernel
 def test_the_kernel_refuses_bad_input_by_name():
     q, k, v = cache_slice(torch.float32, HKV, seed=4)
     with pytest.raises(RuntimeError, match=r"attn_mask must be bool \[3 or 1, 1, 1, 7\]"):
