@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """One decoding step's attention over a key/value cache on CPU: the reference (PyTorch's SDPA in the
-cache's dtype) against megacann's CPU route ``fp32_sdpa`` (bf16 / fp16 upcast to fp32 for the call).
+cache's dtype), ``fp32_sdpa`` (bf16 / fp16 upcast to fp32 for the call) and the C++ kernel ``cpp`` (the
+cache read as it lies, computed in fp32; when the library holds it).
 
     python benchmarks/decode_attention_cpu.py [--threads 1] [--batches 1 16] [--slots 128 255] [--repeats 30]
+        [--dtypes fp32 bf16 fp16]
 
 The shapes are those of benchmarks/generation_vs_transformers.py's model (8 query heads, 4 kv heads, head
 dim 64) at the cache lengths of its first and last decoding step; the cache is a slice of a longer one, as
 the generator hands it over. The two ways run in turn, ``--repeats`` rounds of 5 calls each; the best
-round counts, and the ratio is of the same run (say the load: it is printed).
+round counts, and the ratios are of the same run (say the load: it is printed). The differences are the
+largest absolute ones from the reference's output.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from megacann.ops import decode
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CALLS = 5
 
 
@@ -38,12 +42,23 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--slots", type=int, nargs="+", default=[128, 255])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min); {args.threads} thread(s)")
-    print("dtype  batch  slots  reference ms  fp32_sdpa ms  ratio  max |difference|")
     ways = {"reference": decode.decode_attention, "fp32_sdpa": decode.fp32_decode_attention}
-    for dtype in (torch.float32, torch.bfloat16):
+    if decode._has_cpp_kernel():
+        ways["cpp"] = decode.cpp_decode_attention
+    names = list(ways)
+    print(
+        "dtype  batch  slots  "
+        + "  ".join(f"{name} ms" for name in names)
+        + "  "
+        + "  ".join(f"reference/{name}" for name in names[1:])
+        + "  "
+        + "  ".join(f"max |{name} - reference|" for name in names[1:])
+    )
+    for dtype in (DTYPES[name] for name in args.dtypes):
         for batch in args.batches:
             for slots in args.slots:
                 gen = torch.Generator().manual_seed(slots)
@@ -58,10 +73,14 @@ def main() -> None:
                     for _ in range(args.repeats):
                         for name, fn in ways.items():
                             best[name] = min(best[name], per_call_ms(fn, *call))
-                difference = (outs["reference"].float() - outs["fp32_sdpa"].float()).abs().max().item()
+                ref = outs["reference"].float()
                 print(
-                    f"{str(dtype).removeprefix('torch.'):>8}  {batch:>5}  {slots:>5}  {best['reference']:>12.3f}  "
-                    f"{best['fp32_sdpa']:>12.3f}  {best['reference'] / best['fp32_sdpa']:>5.2f}  {difference:.2e}",
+                    f"{str(dtype).removeprefix('torch.'):>8}  {batch:>5}  {slots:>5}  "
+                    + "  ".join(f"{best[name]:>8.3f}" for name in names)
+                    + "  "
+                    + "  ".join(f"{best['reference'] / best[name]:>6.2f}" for name in names[1:])
+                    + "  "
+                    + "  ".join(f"{(outs[name].float() - ref).abs().max().item():.2e}" for name in names[1:]),
                     flush=True,
                 )
     print(f"load average after: {os.getloadavg()[0]:.2f} (1 min)")

@@ -6,7 +6,9 @@ benchmarks/generation_vs_transformers.py's model: torch.profiler's self CPU time
         [--new_tokens 34]
 
 A step's figure is the difference of two profiled generations (``--new_tokens`` and 2 new tokens, each
-after a warm-up), divided by the steps between them, so the prefill drops out. One thread by default: the
+after a warm-up), divided by the steps between them, so the prefill drops out. ``--phase prefill`` profiles
+a generation of one new token instead: the prefill (and one choice of a token), to compare the work of the
+two libraries' prefills op by op. One thread by default: the
 profile of one process is what it says, whatever else runs on the machine (the load is printed).
 """
 
@@ -24,10 +26,25 @@ from torch.profiler import ProfilerActivity, profile
 from megacann.generation import Generator, SamplingParams
 from megacann.interop import from_pretrained_hf
 from megacann.models import get_model_spec
+from megacann.ops import registry
 
 
 def way(library: str, directory: str, dtype: str, prompts: torch.Tensor):
-    """``generate(new_tokens)`` of ``library`` on ``prompts``."""
+    """``generate(new_tokens)`` of ``library`` on ``prompts``; ``megacann@NAME`` is megacann with its
+    ``decode_attention`` pinned to implementation ``NAME`` (e.g. ``fp32_sdpa``: the route before the C++
+    kernel), to compare the two in one process."""
+    if "@" in library:
+        pinned = library.split("@", 1)[1]
+        generate = way("megacann", directory, dtype, prompts)
+
+        def generate_pinned(new_tokens: int):
+            registry.pin("decode_attention", pinned)
+            try:
+                return generate(new_tokens)
+            finally:
+                registry.pin("decode_attention", None)
+
+        return generate_pinned
     if library == "transformers":
         import transformers
 
@@ -52,12 +69,13 @@ def self_times(generate, new_tokens: int) -> dict[str, tuple[float, int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--library", choices=["megacann", "transformers"], required=True)
+    parser.add_argument("--library", required=True, help="megacann, transformers or megacann@<decode_attention impl>")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new_tokens", type=int, default=34)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--phase", choices=["decode", "prefill"], default="decode")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     prompts = torch.randint(
@@ -66,15 +84,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         write_model(directory)
         generate = way(args.library, directory, args.dtype, prompts)
-        short, long = self_times(generate, 2), self_times(generate, args.new_tokens)
-    steps = args.new_tokens - 2
+        if args.phase == "prefill":
+            short, long, steps = {}, self_times(generate, 1), 1
+        else:
+            short, long = self_times(generate, 2), self_times(generate, args.new_tokens)
+            steps = args.new_tokens - 2
     step = {
         op: ((t - short.get(op, (0, 0))[0]) / steps, (n - short.get(op, (0, 0))[1]) / steps)
         for op, (t, n) in long.items()
     }
     total = sum(t for t, _ in step.values())
     print(
-        f"{args.library} {args.dtype} batch {args.batch}: {total / 1e3:.2f} ms self CPU a decoding step "
+        f"{args.library} {args.dtype} batch {args.batch}: {total / 1e3:.2f} ms self CPU "
+        f"{'a decoding step' if args.phase == 'decode' else 'the prefill (a 1-token generation)'} "
         f"({torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f})"
     )
     for op, (t, n) in sorted(step.items(), key=lambda item: -item[1][0])[: args.top]:

@@ -15,6 +15,9 @@ namespace megacann {
 struct Bf16 {  // the bits of a bfloat16 (layout of c10::BFloat16)
   uint16_t x;
 };
+struct F16 {  // the bits of an IEEE float16 (layout of c10::Half)
+  uint16_t x;
+};
 
 template <typename T>
 struct Acc {
@@ -51,11 +54,29 @@ struct KernelSet {
                  int64_t end);
 };
 
+// A decoding step's attention: one query token a row over a key/value cache of type T, computed in fp32.
+// Rows [begin, end) of the batch: query head h (q and out [b, hq, d] fp32, contiguous) reads kv head
+// h / (hq / hkv), keys at k + row * k_sb + t * k_st + head * k_sh (values likewise, head dim contiguous), for
+// slots t < used where mask[row * mask_sb + t] (mask null: all), with an optional sink logit per query head
+// (sinks null: none). scratch: hq * used floats per row.
+template <typename T>
+using DecodeAttention = void (*)(const float* q, const T* k, int64_t k_sb, int64_t k_st, int64_t k_sh, const T* v,
+                                 int64_t v_sb, int64_t v_st, int64_t v_sh, const bool* mask, int64_t mask_sb,
+                                 const float* sinks, float* out, float* scratch, int64_t hq, int64_t hkv,
+                                 int64_t used, int64_t d, float scale, int64_t begin, int64_t end);
+
+struct DecodeKernels {
+  DecodeAttention<float> f32;
+  DecodeAttention<Bf16> bf16;
+  DecodeAttention<F16> f16;
+};
+
 struct KernelTable {
   const char* name;
   KernelSet<float> f32;
   KernelSet<Bf16> bf16;
   KernelSet<double> f64;
+  DecodeKernels decode;
 };
 
 // One table per compiled variant; MEGACANN_HAVE_ISA_<NAME> says which the build linked in.

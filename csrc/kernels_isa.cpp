@@ -27,6 +27,15 @@ inline float load(const Bf16* p, int64_t i) {
   return __builtin_bit_cast(float, static_cast<uint32_t>(p[i].x) << 16);
 }
 
+inline float load(const F16* p, int64_t i) {
+  // the exponent and mantissa moved into fp32's places, scaled by 2^(127 - 15): exact for normal and
+  // subnormal halves; infinities and NaNs get fp32's all-ones exponent; then the sign (branch-free)
+  const uint32_t h = p[i].x, magnitude = h & 0x7FFFu;
+  uint32_t bits = __builtin_bit_cast(uint32_t, __builtin_bit_cast(float, magnitude << 13) * 0x1p112f);
+  bits = magnitude >= 0x7C00u ? (bits | 0x7F800000u) : bits;
+  return __builtin_bit_cast(float, bits | ((h & 0x8000u) << 16));
+}
+
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(double* p, int64_t i, double v) { p[i] = v; }
 inline void store(Bf16* p, int64_t i, float v) {
@@ -258,6 +267,70 @@ void rotary(const T* x, int64_t sb, int64_t ss, int64_t sh, const acc_t<T>* cos,
   }
 }
 
+// One query token a row over the cache (kernels.h, DecodeAttention): for each row, the scores of every
+// query head against every readable slot, the slot's keys read in order (all kv heads of a slot lie
+// together, so the row's cache is read front to back, and each kv head's key once for its g query heads),
+// the softmax in fp32 with the sink as an extra column, then the values weighted the same way.
+// A query with no readable slot gets zeros, as PyTorch's CPU attention gives (no slot is weighted).
+template <typename T>
+void decode_attention(const float* q, const T* k, int64_t k_sb, int64_t k_st, int64_t k_sh, const T* v, int64_t v_sb,
+                      int64_t v_st, int64_t v_sh, const bool* mask, int64_t mask_sb, const float* sinks, float* out,
+                      float* scratch, int64_t hq, int64_t hkv, int64_t used, int64_t d, float scale, int64_t begin,
+                      int64_t end) {
+  const int64_t g = hq / hkv;
+  const float minus_inf = -__builtin_inff();
+  for (int64_t row = begin; row < end; ++row) {
+    const float* qr = q + row * hq * d;
+    float* orow = out + row * hq * d;
+    const bool* m = mask ? mask + row * mask_sb : nullptr;
+    float* scores = scratch + (row - begin) * hq * used;  // [hq, used]
+    for (int64_t t = 0; t < used; ++t) {
+      if (m && !m[t]) {
+        for (int64_t h = 0; h < hq; ++h) scores[h * used + t] = minus_inf;
+        continue;
+      }
+      const T* kt = k + row * k_sb + t * k_st;
+      for (int64_t h = 0; h < hq; ++h) {
+        const T* kh = kt + (h / g) * k_sh;
+        const float* qh = qr + h * d;
+        float dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t c = 0; c < d; ++c) dot += qh[c] * load(kh, c);
+        scores[h * used + t] = dot * scale;
+      }
+    }
+    for (int64_t h = 0; h < hq; ++h) {
+      float* sh = scores + h * used;
+      float top = sinks ? sinks[h] : minus_inf;
+#pragma omp simd reduction(max : top)
+      for (int64_t t = 0; t < used; ++t) top = max_of(top, sh[t]);
+      float sum = sinks ? exp_fast(sinks[h] - top) : 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < used; ++t) {
+        const float p = exp_fast(sh[t] - top);  // a left-out slot: e^-inf = 0
+        sh[t] = p;
+        sum += p;
+      }
+      const float inv = 1.0f / sum;
+#pragma omp simd
+      for (int64_t t = 0; t < used; ++t) sh[t] *= inv;
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < hq * d; ++c) orow[c] = 0.0f;
+    for (int64_t t = 0; t < used; ++t) {
+      if (m && !m[t]) continue;
+      const T* vt = v + row * v_sb + t * v_st;
+      for (int64_t h = 0; h < hq; ++h) {
+        const T* vh = vt + (h / g) * v_sh;
+        const float p = scores[h * used + t];
+        float* oh = orow + h * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) oh[c] += p * load(vh, c);
+      }
+    }
+  }
+}
+
 template <typename T>
 constexpr KernelSet<T> kernel_set() {
   return {swiglu_forward<T>, swiglu_backward<T>, ce_stats<T>, ce_grad<T>, rms_forward<T>, rms_backward<T>, rotary<T>};
@@ -274,6 +347,8 @@ const KernelTable MEGACANN_CAT(kernels_, MEGACANN_ISA) = {
     MEGACANN_CAT(isa_, MEGACANN_ISA)::kernel_set<float>(),
     MEGACANN_CAT(isa_, MEGACANN_ISA)::kernel_set<Bf16>(),
     MEGACANN_CAT(isa_, MEGACANN_ISA)::kernel_set<double>(),
+    {MEGACANN_CAT(isa_, MEGACANN_ISA)::decode_attention<float>, MEGACANN_CAT(isa_, MEGACANN_ISA)::decode_attention<Bf16>,
+     MEGACANN_CAT(isa_, MEGACANN_ISA)::decode_attention<F16>},
 };
 
 }  // namespace megacann

@@ -31,6 +31,9 @@ std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& grad
 at::Tensor moe_unpermute_backward_(const at::Tensor& grad, at::Tensor& permuted, const at::Tensor& row_id_map,
                                    const at::Tensor& probs);
 void grouped_mm_(at::TensorList out, at::TensorList a, at::TensorList b, int64_t parts);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const c10::optional<at::Tensor>& attn_mask, double scale,
+                            const c10::optional<at::Tensor>& sinks);
 }  // namespace megacann
 
 TORCH_LIBRARY(megacann, m) {
@@ -52,6 +55,7 @@ TORCH_LIBRARY(megacann, m) {
   m.def("moe_unpermute_backward(Tensor grad, Tensor permuted, Tensor row_id_map, Tensor probs) -> (Tensor, Tensor)");
   m.def("moe_unpermute_backward_(Tensor grad, Tensor(a!) permuted, Tensor row_id_map, Tensor probs) -> Tensor");
   m.def("grouped_mm_(Tensor(a!)[] out, Tensor[] a, Tensor[] b, int parts) -> ()");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? attn_mask, float scale, Tensor? sinks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megacann, CPU, m) {
@@ -71,6 +75,7 @@ TORCH_LIBRARY_IMPL(megacann, CPU, m) {
   m.impl("moe_unpermute_backward", &megacann::moe_unpermute_backward);
   m.impl("moe_unpermute_backward_", &megacann::moe_unpermute_backward_);
   m.impl("grouped_mm_", &megacann::grouped_mm_);
+  m.impl("decode_attention", &megacann::decode_attention);
 }
 
 // An importable, empty Python module (`import megacann._C` loads the library and runs the registrations

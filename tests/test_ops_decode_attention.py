@@ -1,6 +1,8 @@
 """``megacann.ops.decode_attention``, a decoding step's queries over the key/value cache, per device: the
-CPU route and the CUDA implementation (run here on CPU tensors: it is PyTorch) equal masked attention
-written in this test; the NPU route calls ``npu_incre_flash_attention`` of the fake torch_npu
+CPU route (the C++ kernel for one query token a row, ``fp32_sdpa`` otherwise) and the CUDA implementation
+(run here on CPU tensors: it is PyTorch) equal masked attention written in this test; the C++ kernel reads
+fp32, bf16 and fp16 caches as they lie (strided slices, every mask layout, sinks), in each compiled ISA
+variant, converts every fp16 / bf16 value exactly, and refuses bad input by name; the NPU route calls ``npu_incre_flash_attention`` of the fake torch_npu
 (tests/fake_torch_npu/) with the documented layout and limits, runs the reference where the kernel does not
 apply, and falls back to the reference, said once, on a torch_npu without it; a generation routed as on an
 NPU decodes through the kernel, once per layer and step.
@@ -17,7 +19,7 @@ from fake_torch_npu import install, make_fake_torch_npu, route_cpu_to_npu, unins
 from layers_reference import rel_err
 
 from megacann import ops
-from megacann.ops import decode, registry
+from megacann.ops import cpp, decode, isa, registry
 
 B, SLOTS, HQ, HKV, D = 3, 7, 4, 2, 16
 
@@ -61,7 +63,7 @@ def every_op_fused():
 @pytest.mark.parametrize("hkv", [HKV, HQ], ids=["gqa", "mha"])
 def test_the_cpu_route_is_the_masked_attention(s, hkv):
     q, k, v, allowed = case(s, hkv)
-    assert registry.selected("decode_attention", "cpu") == "fp32_sdpa"
+    assert registry.selected("decode_attention", "cpu") == ("cpp" if decode._has_cpp_kernel() else "fp32_sdpa")
     out = ops.decode_attention(q, k, v, attn_mask=allowed)  # scale None: 1/sqrt(d)
     assert out.shape == q.shape and rel_err(out, masked_attention(q, k, v, allowed, SCALE)) < 1e-6
     sinks = torch.randn(HQ)
@@ -80,8 +82,125 @@ def test_the_cpu_route_computes_half_precision_in_fp32_and_rounds_once(dtype, wi
     half_ulp = 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12
     assert rel_err(out, masked_attention(q, k, v, allowed, 0.3, sinks)) < half_ulp
     fp32_sinks = None if sinks is None else sinks.float()
-    fp32 = ops.decode_attention(q.float(), k.float(), v.float(), attn_mask=allowed, scale=0.3, sinks=fp32_sinks)
+    # the route's fp32 implementation for this dtype: the C++ kernel for bf16, fp32_sdpa for fp16
+    route = ops.decode_attention if dtype == torch.bfloat16 else decode.fp32_decode_attention
+    fp32 = route(q.float(), k.float(), v.float(), attn_mask=allowed, scale=0.3, sinks=fp32_sinks)
     assert torch.equal(out, fp32.to(dtype))  # exactly the fp32 attention, rounded once
+
+
+needs_kernel = pytest.mark.skipif(not decode._has_cpp_kernel(), reason="the C++ decode kernel is not built")
+KERNEL = torch.ops.megacann.decode_attention if decode._has_cpp_kernel() else None
+# the variants this build holds and this CPU runs
+VARIANTS = isa.built_variants() if cpp.available() else ()
+
+
+def cache_slice(dtype, hkv, seed, used=SLOTS, extra=5):
+    """Queries and a cache that is the first ``used`` slots of a longer one (strided, as the generator
+    hands it over)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, 1, HQ, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, used + extra, hkv, D, generator=gen).to(dtype) for _ in range(2))
+    return q, k[:, :used], v[:, :used]
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hkv", [1, HKV, HQ], ids=["mqa", "gqa", "mha"])
+def test_the_cpp_kernel_reads_the_cache_as_it_lies(variant, dtype, hkv):
+    q, k, v = cache_slice(dtype, hkv, seed=hkv)
+    assert not k.is_contiguous()
+    gen = torch.Generator().manual_seed(7)
+    per_row = torch.rand(B, 1, 1, SLOTS, generator=gen) < 0.6
+    per_row[..., 0] = True
+    shared = torch.rand(1, 1, 1, SLOTS, generator=gen) < 0.6
+    shared[..., 1] = True
+    sinks = torch.randn(HQ, generator=gen)
+    with isa.use(variant):
+        for mask in (per_row, shared, None):
+            for sink in (None, sinks):
+                out = KERNEL(q, k, v, mask, 0.3, sink)
+                assert out.dtype == torch.float32 and out.shape == q.shape
+                allowed = torch.ones(B, 1, 1, SLOTS, dtype=torch.bool) if mask is None else mask.expand(B, 1, 1, SLOTS)
+                # the exact attention of the values as stored: fp32 arithmetic, relative 1e-6
+                assert rel_err(out, masked_attention(q, k, v, allowed, 0.3, sink)) < 1e-6, (mask is None, sink)
+
+
+@needs_kernel
+def test_the_cpu_route_runs_the_kernel_for_one_bf16_or_fp32_token_and_rounds_once():
+    q, k, v = cache_slice(torch.bfloat16, HKV, seed=5)
+    allowed = torch.rand(B, 1, 1, SLOTS, generator=torch.Generator().manual_seed(5)) < 0.5
+    allowed[..., -1] = True
+    out = ops.decode_attention(q, k, v, attn_mask=allowed, scale=0.25)
+    assert torch.equal(out, KERNEL(q, k, v, allowed, 0.25, None).to(torch.bfloat16))
+    # fp32_sdpa (PyTorch's fp32 kernel on the upcast cache) differs by fp32 rounding only: at most one bf16 unit
+    theirs = decode.fp32_decode_attention(q, k, v, attn_mask=allowed, scale=0.25)
+    assert ((out.float() - theirs.float()).abs() <= 2.0**-7 * theirs.float().abs().clamp_min(2.0**-126)).all()
+    # a query of two tokens, or one that needs a gradient, runs fp32_sdpa
+    q2, k2, v2, allowed2 = case(s=2)
+    assert torch.equal(
+        ops.decode_attention(q2, k2, v2, attn_mask=allowed2),
+        decode.fp32_decode_attention(q2, k2, v2, attn_mask=allowed2),
+    )
+    leaf = q.float().requires_grad_()
+    out = ops.decode_attention(leaf, k.float(), v.float(), attn_mask=allowed)
+    assert out.grad_fn is not None
+    # an fp16 cache runs fp32_sdpa (measured faster than the kernel's fp16 widening at batch 16)
+    half = [t.half() for t in (q, k, v)]
+    assert torch.equal(
+        ops.decode_attention(*half, attn_mask=allowed), decode.fp32_decode_attention(*half, attn_mask=allowed)
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernel_widens_every_half_value_exactly(dtype):
+    """One readable slot: the output is that slot's value row, so each stored value must come out exactly
+    as ``Tensor.float()`` widens it: subnormals, the largest finite values, zeros of both signs, infinities."""
+    info = torch.finfo(dtype)
+    special = [info.tiny / 4, -info.tiny / 4, info.tiny, info.max, -info.max, 0.0, -0.0, 1 / 3, -2.5, info.eps]
+    values = torch.tensor(special * (D // len(special) + 1))[:D].to(dtype)
+    q, k, v = cache_slice(dtype, 1, seed=9, used=4)
+    v = v.clone()
+    v[:, 2, 0] = values
+    only = torch.zeros(1, 1, 1, 4, dtype=torch.bool)
+    only[..., 2] = True
+    out = KERNEL(q, k, v, only, 1.0, None)
+    assert torch.equal(out[:, 0], values.float().expand(B, HQ, D))
+    v[:, 2, 0, 0] = float("inf")
+    assert KERNEL(q, k, v, only, 1.0, None)[0, 0, 0, 0].item() == float("inf")
+
+
+@needs_kernel
+def test_a_query_with_no_readable_slot_gets_zeros_as_from_pytorch():
+    q, k, v = cache_slice(torch.float32, HKV, seed=2)
+    allowed = torch.ones(B, 1, 1, SLOTS, dtype=torch.bool)
+    allowed[1] = False
+    out = KERNEL(q, k, v, allowed, SCALE, None)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[1], decode.decode_attention(q, k, v, attn_mask=allowed)[1])
+
+
+@needs_kernel
+def test_the_kernel_has_a_fake_for_torch_compile():
+    q, k, v = cache_slice(torch.bfloat16, HKV, seed=6)
+    mask = torch.ones(B, 1, 1, SLOTS, dtype=torch.bool)
+    torch.library.opcheck(KERNEL, (q, k, v, mask, 0.3, None), test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_kernel
+def test_the_kernel_refuses_bad_input_by_name():
+    q, k, v = cache_slice(torch.float32, HKV, seed=4)
+    with pytest.raises(RuntimeError, match=r"attn_mask must be bool \[3 or 1, 1, 1, 7\]"):
+        KERNEL(q, k, v, torch.ones(B, 1, 7, dtype=torch.bool), SCALE, None)
+    with pytest.raises(RuntimeError, match="q must be \\[batch, 1, heads, head_dim\\]"):
+        KERNEL(torch.cat([q, q], 1), k, v, None, SCALE, None)
+    with pytest.raises(RuntimeError, match="k_cache dtype BFloat16 differs from v_cache dtype Float"):
+        KERNEL(q, k.bfloat16(), v, None, SCALE, None)
+    with pytest.raises(RuntimeError, match="cache dtype Double is not float32, bfloat16 or float16"):
+        KERNEL(q, k.double(), v.double(), None, SCALE, None)
+    with pytest.raises(RuntimeError, match="sinks must be \\[4\\]"):
+        KERNEL(q, k, v, None, SCALE, torch.zeros(3))
 
 
 @pytest.mark.parametrize("s", [1, 2])

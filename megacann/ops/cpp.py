@@ -107,6 +107,12 @@ def _register_fakes() -> None:
     def _(out, a, b, parts):
         return None
 
+    if hasattr(torch.ops.megacann, "decode_attention"):  # a library built before the kernel lacks it
+
+        @fake(lib + "decode_attention")
+        def _(q, k_cache, v_cache, attn_mask, scale, sinks):
+            return q.new_empty(q.shape, dtype=torch.float32)
+
 
 def _register_autograd() -> None:
     ops = torch.ops.megacann

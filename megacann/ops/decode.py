@@ -8,6 +8,12 @@ step's queries over the key/value cache, per device.
   bf16: upcasting and running its fp32 kernel was 3.5x to 38x faster per call at 1 to 16 rows and 128 to
   255 cached tokens (``benchmarks/decode_attention_cpu.py``; benchmarks/NOTES.md), and it rounds once
   instead of after each product. fp32 runs the reference as it is.
+- ``cpp`` (cpu, above ``fp32_sdpa``): megacann's C++ kernel (``csrc/decode_attention.cpp``) for one query
+  token a row: it reads an fp32 or bf16 cache as it lies (the generator's slice of the preallocated cache,
+  no copy, no upcast), each kv head's rows once for the query heads that share it, computes in fp32 and
+  rounds the output once, as ``fp32_sdpa`` does. Other calls (several query tokens, a mask of another
+  shape, a gradient to compute, an fp16 cache, a library built without the kernel) run ``fp32_sdpa``. The
+  op itself reads fp16 too; the route leaves fp16 to ``fp32_sdpa``, which measured faster at batch 16.
 - ``grouped_sdpa`` (cuda): one ``F.scaled_dot_product_attention`` call in which the query heads that share
   a kv head are rows of one head (``[b, hkv, g * s, d]`` against ``[b, hkv, slots, d]``), so grouped-query
   attention reads the cache as it lies, never copied per query head, and a boolean mask keeps PyTorch's
@@ -30,10 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from megacann.accelerator import import_torch_npu
-from megacann.ops import npu_api, reference
+from megacann.ops import cpp, npu_api, reference
 from megacann.ops.registry import REFERENCE, register
 
-GROUPED_SDPA, NPU, FP32_SDPA = "grouped_sdpa", "npu", "fp32_sdpa"
+GROUPED_SDPA, NPU, FP32_SDPA, CPP = "grouped_sdpa", "npu", "fp32_sdpa", "cpp"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 INCRE_KERNEL = "npu_incre_flash_attention"
 INCRE_DTYPES = (torch.float16, torch.bfloat16)  # the kernel's documented query dtypes
@@ -68,6 +74,49 @@ def fp32_decode_attention(q, k_cache, v_cache, *, attn_mask=None, scale=None, si
         sinks=None if sinks is None else sinks.float(),
     )
     return out.to(q.dtype)
+
+
+# the caches the route hands the kernel: it reads fp16 too (torch.ops.megacann.decode_attention), but its
+# portable widening of fp16 measured slower than fp32_sdpa at batch 16 (benchmarks/decode_attention_cpu.py)
+CPP_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _has_cpp_kernel() -> bool:
+    """The C++ library loaded and holds the kernel (a library built before it does not)."""
+    return cpp.available() and hasattr(torch.ops.megacann, "decode_attention")
+
+
+def _cpp_takes(q, k_cache, v_cache, attn_mask, sinks) -> bool:
+    b, s, hq, d = q.shape
+    used, hkv = k_cache.shape[1], k_cache.shape[2]
+    mask_fits = attn_mask is None or (
+        attn_mask.dtype == torch.bool and tuple(attn_mask.shape) in ((b, 1, 1, used), (1, 1, 1, used))
+    )
+    return (
+        s == 1
+        and k_cache.dtype in CPP_CACHE_DTYPES
+        and v_cache.dtype == k_cache.dtype == q.dtype
+        and k_cache.shape == v_cache.shape
+        and k_cache.shape[0] == b
+        and k_cache.shape[3] == d
+        and used > 0
+        and hq % hkv == 0
+        and mask_fits
+        and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks))
+        )
+    )
+
+
+@register("decode_attention", CPP, priority=20, device_types=("cpu",), available=_has_cpp_kernel)
+def cpp_decode_attention(q, k_cache, v_cache, *, attn_mask=None, scale=None, sinks=None) -> torch.Tensor:
+    """The C++ kernel for one query token a row, its fp32 output rounded once to the queries' dtype; other
+    calls run ``fp32_sdpa``."""
+    if not _cpp_takes(q, k_cache, v_cache, attn_mask, sinks):
+        return fp32_decode_attention(q, k_cache, v_cache, attn_mask=attn_mask, scale=scale, sinks=sinks)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.ops.megacann.decode_attention(q, k_cache, v_cache, attn_mask, scale, sinks)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 @register("decode_attention", GROUPED_SDPA, priority=10, device_types=("cuda",))

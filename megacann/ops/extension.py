@@ -42,6 +42,7 @@ SOURCES = (
     "swiglu.cpp",
     "cross_entropy.cpp",
     "moe.cpp",
+    "decode_attention.cpp",
 )
 HEADERS = ("common.h", "kernels.h")
 ISA_SOURCE = "kernels_isa.cpp"
