@@ -36,7 +36,7 @@ from training_helpers import tiny_hf_mixtral
 from megacann import ops
 from megacann.config import ModelConfig
 from megacann.generation import Generator, SamplingParams, kv_cache_bytes, processed_logits
-from megacann.generation.sampling import choose, choose_rows, draw
+from megacann.generation.sampling import _uniform, choose, choose_rows, draw
 from megacann.interop import from_pretrained_hf
 from megacann.layers import initialize_weights
 from megacann.layers.lora import LoRAConfig, adapters_disabled, attach_lora, lora_parameters, merge_lora
@@ -281,6 +281,19 @@ def test_rows_drawn_together_get_the_tokens_each_row_draws_alone():
         assert alone[5] < 100
         plain = [dataclasses.replace(kinds[0], seed=trial * 100 + i) for i in range(40)]
         assert choose_rows(logits, plain, indices) == [choose(logits[i], plain[i], indices[i]) for i in range(40)]
+        warm = [dataclasses.replace(kinds[i % 3], seed=trial * 100 + i) for i in range(40)]  # temperatures only
+        assert choose_rows(logits, warm, indices) == [choose(logits[i], warm[i], indices[i]) for i in range(40)]
+
+
+def test_each_draw_is_the_first_number_of_a_generator_seeded_by_the_request_and_token():
+    def fresh(seed: int, index: int) -> float:
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + index) % (1 << 63))
+        return torch.rand((), generator=generator, dtype=torch.float64).item()
+
+    seeds = [0, 7, 2**40 + 3, 2**62 + 11]
+    interleaved = [_uniform(seed, index) for index in range(3) for seed in seeds]  # one reused generator
+    assert interleaved == [fresh(seed, index) for index in range(3) for seed in seeds]
+    assert len(set(interleaved)) == len(interleaved)
 
 
 @pytest.mark.parametrize(

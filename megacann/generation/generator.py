@@ -42,7 +42,7 @@ from megacann.generation.kv_cache import KVCache
 from megacann.generation.lockstep import Lockstep
 from megacann.generation.micro_batches import MicroBatch, split_requests
 from megacann.generation.pipeline_stages import PipelineStages, check_pipeline_generation
-from megacann.generation.sampling import SamplingParams, choose_rows, processed_logprob
+from megacann.generation.sampling import SamplingParams, draw_rows, processed_logprob
 from megacann.layers import MoELayer
 from megacann.layers.gathered_weights import weights_gathered
 from megacann.models.spec import ModelSpec
@@ -319,7 +319,7 @@ class Generator:
                 result.finish_reason = "stop"
             elif len(result.tokens) >= p.max_new_tokens:
                 result.finish_reason = "length"
-        tokens = torch.tensor([int(t) for t in tokens_row], dtype=torch.long, device=choices.device)
+        tokens = torch.tensor(tokens_row, dtype=torch.long, device=choices.device)  # exact: ids < 2**53
         return list(tokens.split([len(batch.requests) for batch in batches]))
 
     def _pick(
@@ -327,22 +327,21 @@ class Generator:
     ) -> torch.Tensor:
         """``[3, rows]`` float64: each row's token (the TP group's first rank's), its log-probability under
         the model's distribution and under the processed one (NaN where its request did not ask)."""
-        tokens = logits.argmax(-1)  # the greedy rows' choices in one op; the sampled rows drawn together
         sampled = [row for row, request in enumerate(active) if not params[request].greedy]
-        if sampled:
-            requests = [active[row] for row in sampled]
-            chosen = choose_rows(
-                logits[sampled], [params[r] for r in requests], [len(results[r].tokens) for r in requests]
-            )
-            tokens[sampled] = torch.tensor(chosen, dtype=tokens.dtype, device=tokens.device)
+        requests = [active[row] for row in sampled]
+        drawn = [params[r] for r in requests], [len(results[r].tokens) for r in requests]
+        if len(sampled) == len(active):  # every row drawn (a rollout): no greedy choice to make
+            tokens = draw_rows(logits, *drawn)
+        else:  # the greedy rows' choices in one op; the sampled rows drawn together
+            tokens = logits.argmax(-1)
+            if sampled:
+                tokens[sampled] = draw_rows(logits[sampled], *drawn)
         if ps.get_tensor_model_parallel_world_size() > 1:  # every rank feeds the same tokens back
             group = ps.get_tensor_model_parallel_group()
             dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(), group=group)
         logprobs = logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        processed = [
-            processed_logprob(logits[row], params[request], int(tokens[row]))
-            if params[request].processed_logprobs
-            else float("nan")
-            for row, request in enumerate(active)
-        ]
-        return torch.stack([tokens.double(), logprobs.double(), torch.tensor(processed, dtype=torch.float64)])
+        processed = torch.full((len(active),), float("nan"), dtype=torch.float64, device=logits.device)
+        for row, request in enumerate(active):
+            if params[request].processed_logprobs:
+                processed[row] = processed_logprob(logits[row], params[request], int(tokens[row]))
+        return torch.stack([tokens.double(), logprobs.double(), processed])
