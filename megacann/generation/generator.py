@@ -115,7 +115,9 @@ class Generator:
     ``eos_token_ids`` end every request; ``pad_token_id`` fills the padding (never attended to);
     ``max_len`` (None: as long as the batch needs) is the cache's tokens a row, prompt padding included.
     ``context_parallel_replicas``: under context parallelism each cp rank generates whole sequences alone
-    (the module's docstring); refused without it. ``num_microbatches`` (None: the pipeline size): the
+    (the module's docstring); refused without it. ``share_prompts``: requests of a micro-batch with the same
+    prompt share one prefill row, copied to each before the first token is chosen (the same results; off
+    for models with MoE layers). ``num_microbatches`` (None: the pipeline size): the
     groups the requests are split into, each forward round running them one after another (on pipeline
     stages, overlapped); the results are the same for any number.
     """
@@ -130,6 +132,7 @@ class Generator:
         max_len: Optional[int] = None,
         context_parallel_replicas: bool = False,
         num_microbatches: Optional[int] = None,
+        share_prompts: bool = False,
     ):
         if spec.decode is None:
             raise ValueError(
@@ -155,6 +158,9 @@ class Generator:
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.pad_token_id, self.max_len = pad_token_id, max_len
         self.last_caches: list[KVCache] = []  # the last generate call's caches, one a micro-batch (bytes, shapes)
+        # equal prompts of a micro-batch prefilled once (not for MoE layers: their routing record and token
+        # capacity see the rows of a forward)
+        self.share_prompts = share_prompts and not any(isinstance(m, MoELayer) for m in self.model.modules())
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -198,11 +204,11 @@ class Generator:
         device = self._device()
         batches = []
         for requests in split_requests(len(prompts), self.num_microbatches):
-            batch, pad = MicroBatch.of_prompts(requests, prompts, self.pad_token_id, device)
+            batch, pad = MicroBatch.of_prompts(requests, prompts, self.pad_token_id, device, self.share_prompts)
             if requests:
                 lengths = [len(prompts[r]) for r in requests]
                 slots = self._cache_length(lengths, [params[r] for r in requests])
-                batch.cache = KVCache(self.model, len(requests), slots, pad)
+                batch.cache = KVCache(self.model, len(pad), slots, pad)  # a row a distinct prompt when shared
             batches.append(batch)
         self.last_caches = [batch.cache for batch in batches if batch.cache is not None]
         return self._decode(batches, params, on_token, stop_check)
@@ -281,6 +287,8 @@ class Generator:
             if batch.requests:
                 with batch.cache.attached():
                     batch.logits = self.stages.forward(batch.inputs, batch.positions)
+                if batch.spread_rows is not None:  # a shared prefill: a row of its own for each request now
+                    batch.spread()
             elif self.lockstep.needed:
                 pad = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=device)
                 self.stages.forward(pad, torch.zeros_like(pad))
