@@ -36,9 +36,9 @@ from training_helpers import tiny_hf_mixtral
 from megacann import ops
 from megacann.config import ModelConfig
 from megacann.generation import Generator, SamplingParams, kv_cache_bytes, processed_logits
-from megacann.generation.sampling import choose, choose_rows, draw
+from megacann.generation.sampling import _uniform, choose, choose_rows, draw
 from megacann.interop import from_pretrained_hf
-from megacann.layers import initialize_weights
+from megacann.layers import SelfAttention, initialize_weights
 from megacann.layers.lora import LoRAConfig, adapters_disabled, attach_lora, lora_parameters, merge_lora
 from megacann.models import GPTModel, LlamaModel, get_model_spec
 
@@ -222,6 +222,35 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llama):
     assert [r.tokens for r in top1] == [r.tokens for r in greedy]
 
 
+@pytest.mark.parametrize("family", ["llama", "moe"])
+def test_equal_prompts_sharing_one_prefill_row_generate_what_they_do_in_rows_of_their_own(request, family):
+    model = (
+        request.getfixturevalue(family)
+        if family == "llama"
+        else from_pretrained_hf(WRITERS["moe"](str(request.getfixturevalue("tmp_path") / "hf"))).eval()
+    )
+    batch = prompts()
+    requests = [batch[i] for i in (2, 0, 2, 3, 0, 2, 1, 3)]  # prompts of different lengths, repeated
+    sampled = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s) for s in range(8)]
+    attention = next(m for m in model.modules() if isinstance(m, SelfAttention))
+    rows: list[int] = []  # each forward's rows at the first attention layer
+    hook = attention.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    try:
+        own = Generator(model, get_model_spec(family))
+        alone, own_rows = own.generate(requests, sampled), list(rows)
+        rows.clear()
+        shared = Generator(model, get_model_spec(family), share_prompts=True)
+        together = shared.generate(requests, sampled)
+    finally:
+        hook.remove()
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert [r.logprobs for r in together] == [r.logprobs for r in alone]
+    assert [r.finish_reason for r in together] == [r.finish_reason for r in alone]
+    assert own_rows[0] == 8 and rows[1:] == own_rows[1:]
+    # one prefill row per distinct prompt (4), then each request decodes in its own row; off for MoE layers
+    assert shared.share_prompts == (family == "llama") and rows[0] == (4 if family == "llama" else 8)
+
+
 def test_processed_log_probabilities_are_those_of_the_distribution_drawn_from(llama):
     params = SamplingParams(max_new_tokens=8, temperature=0.7, top_k=5, seed=11, processed_logprobs=True)
     _, (result,) = _generate(llama, "llama", [prompts()[1]], params)
@@ -281,6 +310,19 @@ def test_rows_drawn_together_get_the_tokens_each_row_draws_alone():
         assert alone[5] < 100
         plain = [dataclasses.replace(kinds[0], seed=trial * 100 + i) for i in range(40)]
         assert choose_rows(logits, plain, indices) == [choose(logits[i], plain[i], indices[i]) for i in range(40)]
+        warm = [dataclasses.replace(kinds[i % 3], seed=trial * 100 + i) for i in range(40)]  # temperatures only
+        assert choose_rows(logits, warm, indices) == [choose(logits[i], warm[i], indices[i]) for i in range(40)]
+
+
+def test_each_draw_is_the_first_number_of_a_generator_seeded_by_the_request_and_token():
+    def fresh(seed: int, index: int) -> float:
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + index) % (1 << 63))
+        return torch.rand((), generator=generator, dtype=torch.float64).item()
+
+    seeds = [0, 7, 2**40 + 3, 2**62 + 11]
+    interleaved = [_uniform(seed, index) for index in range(3) for seed in seeds]  # one reused generator
+    assert interleaved == [fresh(seed, index) for index in range(3) for seed in seeds]
+    assert len(set(interleaved)) == len(interleaved)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from megacann.constants import IGNORE_INDEX
 from megacann.data.sft_templates import get_template
@@ -90,6 +91,43 @@ def test_rollout_rows_label_the_response_and_carry_its_logprobs():
     assert batch["labels"][0].tolist() == [ignore, ignore, 67, tok.eos_id, ignore, ignore, ignore, ignore]
     assert batch["rollout_logps"][0].tolist() == [0, 0, -0.5, -0.25, 0, 0, 0, 0]
     assert batch["advantages"].tolist() == [1.5] and batch["position_ids"][0].tolist() == list(range(8))
+
+
+def test_rollout_rows_of_different_lengths_fill_micro_batches_row_by_row():
+    tok, ignore = ByteTokenizer(), IGNORE_INDEX
+
+    class Short:
+        ids = (tok.bos_id, 65)
+
+    class Long:
+        ids = (tok.bos_id, 65, 66, 67, 68)
+
+    rollouts = [
+        Rollout(1, 0, [70, 71, 72], [-0.5, -0.25, -2.0], "length"),  # fills the row: 8 tokens
+        Rollout(0, 1, [tok.eos_id], [-1.0], "eos"),
+        Rollout(0, 2, [69, 70], [-0.125, -4.0], "length"),
+    ]
+    first, second = rollout_micro_batches([Short, Long], rollouts, [1.0, -1.0, 0.5], 8, 2, tok.pad_id)
+    pad = tok.pad_id
+    assert first["tokens"].tolist() == [
+        [tok.bos_id, 65, 66, 67, 68, 70, 71, 72],
+        [tok.bos_id, 65, tok.eos_id, pad, pad, pad, pad, pad],
+    ]
+    assert first["labels"].tolist() == [
+        [ignore] * 4 + [70, 71, 72] + [ignore],
+        [ignore, tok.eos_id] + [ignore] * 6,
+    ]
+    assert first["rollout_logps"].tolist() == [[0, 0, 0, 0, -0.5, -0.25, -2.0, 0], [0, -1.0, 0, 0, 0, 0, 0, 0]]
+    assert second["tokens"].tolist() == [[tok.bos_id, 65, 69, 70, pad, pad, pad, pad]]
+    assert second["labels"].tolist() == [[ignore, 69, 70] + [ignore] * 5]
+    assert first["advantages"].tolist() == [1.0, -1.0] and second["advantages"].tolist() == [0.5]
+    assert (first["tokens"].dtype, first["labels"].dtype, first["rollout_logps"].dtype) == (
+        torch.long,
+        torch.long,
+        torch.float32,
+    )
+    with pytest.raises(ValueError, match="a rollout of 9 tokens is longer than data.seq_length 8"):
+        rollout_micro_batches([Long], [Rollout(0, 0, [1, 2, 3, 4], [0.0] * 4, "length")], [0.0], 8, 2, pad)
 
 
 def test_console_line_shows_reward_and_length():

@@ -42,7 +42,7 @@ from megacann.generation.kv_cache import KVCache
 from megacann.generation.lockstep import Lockstep
 from megacann.generation.micro_batches import MicroBatch, split_requests
 from megacann.generation.pipeline_stages import PipelineStages, check_pipeline_generation
-from megacann.generation.sampling import SamplingParams, choose_rows, processed_logprob
+from megacann.generation.sampling import SamplingParams, draw_rows, processed_logprob
 from megacann.layers import MoELayer
 from megacann.layers.gathered_weights import weights_gathered
 from megacann.models.spec import ModelSpec
@@ -115,7 +115,9 @@ class Generator:
     ``eos_token_ids`` end every request; ``pad_token_id`` fills the padding (never attended to);
     ``max_len`` (None: as long as the batch needs) is the cache's tokens a row, prompt padding included.
     ``context_parallel_replicas``: under context parallelism each cp rank generates whole sequences alone
-    (the module's docstring); refused without it. ``num_microbatches`` (None: the pipeline size): the
+    (the module's docstring); refused without it. ``share_prompts``: requests of a micro-batch with the same
+    prompt share one prefill row, copied to each before the first token is chosen (the same results; off
+    for models with MoE layers). ``num_microbatches`` (None: the pipeline size): the
     groups the requests are split into, each forward round running them one after another (on pipeline
     stages, overlapped); the results are the same for any number.
     """
@@ -130,6 +132,7 @@ class Generator:
         max_len: Optional[int] = None,
         context_parallel_replicas: bool = False,
         num_microbatches: Optional[int] = None,
+        share_prompts: bool = False,
     ):
         if spec.decode is None:
             raise ValueError(
@@ -155,6 +158,9 @@ class Generator:
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.pad_token_id, self.max_len = pad_token_id, max_len
         self.last_caches: list[KVCache] = []  # the last generate call's caches, one a micro-batch (bytes, shapes)
+        # equal prompts of a micro-batch prefilled once (not for MoE layers: their routing record and token
+        # capacity see the rows of a forward)
+        self.share_prompts = share_prompts and not any(isinstance(m, MoELayer) for m in self.model.modules())
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -198,11 +204,11 @@ class Generator:
         device = self._device()
         batches = []
         for requests in split_requests(len(prompts), self.num_microbatches):
-            batch, pad = MicroBatch.of_prompts(requests, prompts, self.pad_token_id, device)
+            batch, pad = MicroBatch.of_prompts(requests, prompts, self.pad_token_id, device, self.share_prompts)
             if requests:
                 lengths = [len(prompts[r]) for r in requests]
                 slots = self._cache_length(lengths, [params[r] for r in requests])
-                batch.cache = KVCache(self.model, len(requests), slots, pad)
+                batch.cache = KVCache(self.model, len(pad), slots, pad)  # a row a distinct prompt when shared
             batches.append(batch)
         self.last_caches = [batch.cache for batch in batches if batch.cache is not None]
         return self._decode(batches, params, on_token, stop_check)
@@ -281,6 +287,8 @@ class Generator:
             if batch.requests:
                 with batch.cache.attached():
                     batch.logits = self.stages.forward(batch.inputs, batch.positions)
+                if batch.spread_rows is not None:  # a shared prefill: a row of its own for each request now
+                    batch.spread()
             elif self.lockstep.needed:
                 pad = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=device)
                 self.stages.forward(pad, torch.zeros_like(pad))
@@ -319,7 +327,7 @@ class Generator:
                 result.finish_reason = "stop"
             elif len(result.tokens) >= p.max_new_tokens:
                 result.finish_reason = "length"
-        tokens = torch.tensor([int(t) for t in tokens_row], dtype=torch.long, device=choices.device)
+        tokens = torch.tensor(tokens_row, dtype=torch.long, device=choices.device)  # exact: ids < 2**53
         return list(tokens.split([len(batch.requests) for batch in batches]))
 
     def _pick(
@@ -327,22 +335,21 @@ class Generator:
     ) -> torch.Tensor:
         """``[3, rows]`` float64: each row's token (the TP group's first rank's), its log-probability under
         the model's distribution and under the processed one (NaN where its request did not ask)."""
-        tokens = logits.argmax(-1)  # the greedy rows' choices in one op; the sampled rows drawn together
         sampled = [row for row, request in enumerate(active) if not params[request].greedy]
-        if sampled:
-            requests = [active[row] for row in sampled]
-            chosen = choose_rows(
-                logits[sampled], [params[r] for r in requests], [len(results[r].tokens) for r in requests]
-            )
-            tokens[sampled] = torch.tensor(chosen, dtype=tokens.dtype, device=tokens.device)
+        requests = [active[row] for row in sampled]
+        drawn = [params[r] for r in requests], [len(results[r].tokens) for r in requests]
+        if len(sampled) == len(active):  # every row drawn (a rollout): no greedy choice to make
+            tokens = draw_rows(logits, *drawn)
+        else:  # the greedy rows' choices in one op; the sampled rows drawn together
+            tokens = logits.argmax(-1)
+            if sampled:
+                tokens[sampled] = draw_rows(logits[sampled], *drawn)
         if ps.get_tensor_model_parallel_world_size() > 1:  # every rank feeds the same tokens back
             group = ps.get_tensor_model_parallel_group()
             dist.broadcast(tokens, ps.get_tensor_model_parallel_src_rank(), group=group)
         logprobs = logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        processed = [
-            processed_logprob(logits[row], params[request], int(tokens[row]))
-            if params[request].processed_logprobs
-            else float("nan")
-            for row, request in enumerate(active)
-        ]
-        return torch.stack([tokens.double(), logprobs.double(), torch.tensor(processed, dtype=torch.float64)])
+        processed = torch.full((len(active),), float("nan"), dtype=torch.float64, device=logits.device)
+        for row, request in enumerate(active):
+            if params[request].processed_logprobs:
+                processed[row] = processed_logprob(logits[row], params[request], int(tokens[row]))
+        return torch.stack([tokens.double(), logprobs.double(), processed])

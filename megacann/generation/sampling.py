@@ -9,6 +9,7 @@ what the trainer computes) and, on request, under the processed one it was drawn
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +74,24 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return scores
 
 
+class _Draws(threading.local):
+    """One generator and one float64 scalar a thread, reseeded and refilled for every draw (building a
+    generator and parsing ``torch.rand``'s arguments cost more than the draw itself)."""
+
+    def __init__(self):
+        self.generator = torch.Generator()
+        self.value = torch.empty((), dtype=torch.float64)
+
+
+_DRAWS = _Draws()
+
+
 def _uniform(seed: int, index: int) -> float:
-    """The uniform number in [0, 1) that token ``index`` of a request seeded ``seed`` is drawn at."""
-    generator = torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % (1 << 63))
-    return torch.rand((), generator=generator, dtype=torch.float64).item()
+    """The uniform number in [0, 1) that token ``index`` of a request seeded ``seed`` is drawn at (the
+    first float64 of a CPU generator seeded ``seed * stride + index``)."""
+    draws = _DRAWS
+    draws.generator.manual_seed((seed * _SEED_STRIDE + index) % (1 << 63))
+    return draws.value.uniform_(generator=draws.generator).item()
 
 
 def draw(scores: torch.Tensor, seed: int, index: int) -> int:
@@ -99,27 +114,45 @@ def choose(logits: torch.Tensor, params: SamplingParams, index: int) -> int:
 
 def choose_rows(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
     """:func:`choose` for each row of fp32 ``logits`` ``[rows, vocab]`` (row ``i``: ``params[i]``, its
-    ``indices[i]``-th token), the same tokens. Rows that only scale by a temperature (no top-k, top-p or
-    min-p: a rollout's usual settings) are drawn together, one softmax and one search for all of them, since
-    one small op per row and token is what a decode step of many short rows spends its time on."""
+    ``indices[i]``-th token), the same tokens: :func:`draw_rows` as a list."""
+    return draw_rows(logits, params, indices).tolist()
+
+
+def draw_rows(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> torch.Tensor:
+    """:func:`choose` for each row of fp32 ``logits`` ``[rows, vocab]`` (row ``i``: ``params[i]``, its
+    ``indices[i]``-th token), the same tokens, as a ``[rows]`` int64 tensor on ``logits``' device. Rows that
+    only scale by a temperature (no top-k, top-p or min-p: a rollout's usual settings) are drawn together,
+    one softmax and one search for all of them, since one small op per row and token is what a decode step
+    of many short rows spends its time on."""
     plain = [i for i, p in enumerate(params) if not p.greedy and not p.top_k and p.top_p == 1 and p.min_p == 0]
     if len(plain) < 2:
         plain = []
+    if plain and len(plain) == len(params):  # every row (a rollout's decode step): nothing to pick out
+        return _draw_plain(logits, params, indices).to(logits.device)
     tokens = [0] * len(params)
     if plain:
         rows = torch.tensor(plain, device=logits.device)
-        temperatures = torch.tensor([params[i].temperature for i in plain], device=logits.device).unsqueeze(1)
-        cumulative = (logits.float().index_select(0, rows) / temperatures).double().softmax(-1).cumsum(-1).cpu()
-        uniforms = torch.tensor([_uniform(params[i].seed, indices[i]) for i in plain], dtype=torch.float64)
-        targets = (uniforms * cumulative[:, -1]).unsqueeze(1)
-        chosen = torch.searchsorted(cumulative, targets, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+        chosen = _draw_plain(logits.index_select(0, rows), [params[i] for i in plain], [indices[i] for i in plain])
         for i, token in zip(plain, chosen.tolist()):
             tokens[i] = token
     batched = set(plain)
     for i in range(len(params)):
         if i not in batched:
             tokens[i] = choose(logits[i], params[i], indices[i])
-    return tokens
+    return torch.tensor(tokens, dtype=torch.long, device=logits.device)
+
+
+def _draw_plain(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> torch.Tensor:
+    """One token a row of ``logits`` ``[rows, vocab]`` from ``softmax(logits / temperature)`` at each row's
+    uniform number (:func:`draw`'s inversion, for all rows at once); ``[rows]`` int64 on the CPU."""
+    temperatures = [p.temperature for p in params]
+    scores = logits.float()
+    if any(t != 1.0 for t in temperatures):  # dividing by 1 changes nothing: skipped
+        scores = scores / torch.tensor(temperatures, device=logits.device).unsqueeze(1)
+    cumulative = scores.double().softmax(-1).cumsum(-1).cpu()
+    uniforms = torch.tensor([_uniform(p.seed, i) for p, i in zip(params, indices)], dtype=torch.float64)
+    targets = (uniforms * cumulative[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cumulative, targets, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
 
 
 def processed_logprob(logits: torch.Tensor, params: SamplingParams, token: int) -> float:

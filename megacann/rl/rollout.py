@@ -143,32 +143,32 @@ def rollout_micro_batches(
     """Micro-batches of ``batch_size`` rows: ``tokens``, ``labels`` (the response's tokens), ``position_ids``,
     ``advantages`` [b] and the generator's ``rollout_logps`` [b, s] (aligned with the labels, 0 elsewhere)."""
     batches = []
+    positions = torch.arange(seq_length)
     for first in range(0, len(rollouts), batch_size):
         rows = rollouts[first : first + batch_size]
-        tokens = torch.full((len(rows), seq_length), pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), seq_length), IGNORE_INDEX, dtype=torch.long)
-        logps = torch.zeros((len(rows), seq_length), dtype=torch.float32)
+        token_rows, label_rows, logp_rows = [], [], []
+        for rollout in rows:  # each row as lists, then one tensor a field (not a few small copies a row)
+            prompt, response = list(prompts[rollout.prompt].ids), list(rollout.tokens)
+            length = len(prompt) + len(response)
+            if length > seq_length:
+                raise ValueError(f"a rollout of {length} tokens is longer than data.seq_length {seq_length}")
+            start, tail = len(prompt) - 1, seq_length - length + 1  # label j predicts token j + 1
+            token_rows.append(prompt + response + [pad_id] * (seq_length - length))
+            label_rows.append([IGNORE_INDEX] * start + response + [IGNORE_INDEX] * tail)
+            logp_rows.append([0.0] * start + list(rollout.logprobs) + [0.0] * tail)
         replay = _replay_tensors(rows, seq_length)
         for row, rollout in enumerate(rows):
-            prompt = prompts[rollout.prompt].ids
-            sequence = list(prompt) + list(rollout.tokens)
-            if len(sequence) > seq_length:
-                raise ValueError(f"a rollout of {len(sequence)} tokens is longer than data.seq_length {seq_length}")
-            tokens[row, : len(sequence)] = torch.tensor(sequence)
-            start, end = len(prompt) - 1, len(sequence) - 1  # label j predicts token j + 1
-            labels[row, start:end] = torch.tensor(rollout.tokens)
-            logps[row, start:end] = torch.tensor(rollout.logprobs, dtype=torch.float32)
             if replay and rollout.routing:
-                routed = len(sequence) - 1
+                routed = len(prompts[rollout.prompt].ids) + len(rollout.tokens) - 1
                 replay["replay_ids"][row, :routed] = torch.stack(rollout.routing, dim=1)
                 replay["replay_mask"][row, :routed] = True
         batches.append(
             {
-                "tokens": tokens,
-                "labels": labels,
-                "position_ids": torch.arange(seq_length).expand(len(rows), seq_length).clone(),
+                "tokens": torch.tensor(token_rows, dtype=torch.long),
+                "labels": torch.tensor(label_rows, dtype=torch.long),
+                "position_ids": positions.expand(len(rows), seq_length).clone(),
                 "advantages": torch.tensor(advantages[first : first + batch_size], dtype=torch.float32),
-                "rollout_logps": logps,
+                "rollout_logps": torch.tensor(logp_rows, dtype=torch.float32),
                 **replay,
             }
         )

@@ -125,6 +125,7 @@ class RLTraining(Objective):
             pad_token_id=self.pad_id,
             context_parallel_replicas=True,
             num_microbatches=1 if self.replay else None,
+            share_prompts=not self.replay,  # a group's responses share their prompt's prefill
         )
         self.phase: Optional[int] = None
         self.next_step = 0  # the step after the last one prepared
