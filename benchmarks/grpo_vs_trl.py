@@ -4,7 +4,8 @@
 Both train the same tiny LlamaForCausalLM (written by transformers, loaded by megacann through
 ``model.init_from``), with the same byte-level tokenizer (one ``tokenizer.json`` for both), the same
 string-reversal prompts with an exact-match reward, the same group size, prompts per step, sampling
-(temperature 1, nothing cut) and most new tokens, the same clipped-ratio loss (token mean: TRL's
+(temperature 1, nothing cut) and most new tokens, the same precision (``--precision``, fp32 unless asked:
+TRL's GRPOConfig turns bf16 autocast on by default, so it is set explicitly), the same clipped-ratio loss (token mean: TRL's
 ``loss_type: dapo``; clip 0.2 / 0.28; no KL: TRL's ``beta`` 0), the same advantages (group mean, divided by
 the group's std: ``scale_rewards: group``), one update per rollout (TRL's ``num_iterations`` 1, megacann's
 ``ppo_epochs`` 1), the same AdamW (lr ``--lr``, betas 0.9 / 0.999: TRL's defaults, megacann's beta2 set to
@@ -92,7 +93,7 @@ def megacann_model_keys(args) -> dict:
     """The recipe's ``model`` section for the benchmark's LLaMA (its weights come from ``init_from``)."""
     return {
         "type": "llama",
-        "precision": "fp32",
+        "precision": args.precision,
         "hidden_size": args.hidden,
         "num_layers": args.layers,
         "num_attention_heads": args.heads,
@@ -231,6 +232,7 @@ def trl_run(args, start: dict[str, str], workdir: str) -> dict:
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=args.precision == "bf16",  # TRL's own default is bf16 autocast: the same precision as megacann's
         dataloader_num_workers=0,
         seed=args.seed,
     )
@@ -305,6 +307,9 @@ def parse_args() -> argparse.Namespace:
         curve_every=10,
     )
     parser.add_argument("--lr", type=float, help="learning rate of both (default 1e-5, with --learn 3e-4)")
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16"), default="fp32", help="both runs' precision (TRL: bf16 autocast)"
+    )
     parser.add_argument("--learn", action="store_true", help="start both from a weak SFT model of the task")
     parser.add_argument("--sft-dir", help="with --learn: where the SFT start is made, or reused if already there")
     parser.add_argument("--only", choices=sorted(RUNNERS), help=argparse.SUPPRESS)  # one run, in a child process
@@ -322,7 +327,8 @@ def report(args, results: dict[str, list[dict]], start: dict[str, str], load: tu
     accuracies."""
     print(
         f"\nllama d{args.hidden} x {args.layers} layers, ffn {args.ffn}, {args.prompts_per_step} prompts x "
-        f"{args.group} responses a step, <= {args.max_new_tokens} new tokens, lr {args.lr:g}, {args.threads} threads, "
+        f"{args.group} responses a step, <= {args.max_new_tokens} new tokens, {args.precision}, lr {args.lr:g}, "
+        f"{args.threads} threads, "
         f"{args.rounds} alternating rounds of {args.steps} timed steps after {args.warmup}; "
         f"load average {load[0]:.1f} -> {load[1]:.1f}:"
     )
