@@ -1,6 +1,6 @@
 """``precision.fp8`` with ``distributed.tp_comm_overlap``: the overlapped column projection (its input
 all-gathered chunk by chunk behind its FP8 products) equals ``ops.fp8_linear`` on the gathered input at tp 2
-(values and gradients, 1e-5) for every recipe, with its weight gradient left to a split backward's W; a
+(values and gradients, 1e-5) for every recipe, with its weight gradient left to a split backward's W; (extended) a
 trainer at tp 2 + SP with the overlap equals the one without it and one process (tensorwise and mxfp8, at the bounds of tests/test_fp8_training.py, whose
 docstring says why whole traces are held to 1e-3 / 1e-2), with probes that the overlapped FP8 products ran
 and that chunks scaled without the amax shared over the TP group break the parity. Also: delayed scaling
@@ -118,6 +118,7 @@ def runs() -> dict:
     return _run_all(RUNS)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
 def test_fp8_with_tp_overlap_equals_fp8_without_it_and_one_process(runs, recipe):
     got, plain, one = runs[f"{recipe}_tp2_overlap"], runs[f"{recipe}_tp2_sp"], runs[recipe]
@@ -136,12 +137,14 @@ def test_fp8_with_tp_overlap_equals_fp8_without_it_and_one_process(runs, recipe)
     assert got["fp8_calls"] == [products * 5] * 2 and plain["fp8_calls"] == [products * 6] * 2
 
 
+@pytest.mark.extended
 def test_chunks_scaled_without_the_shared_amax_break_parity(runs):
     broken, one = runs["tensorwise_tp2_overlap_unshared"], runs["tensorwise"]
     assert broken["overlapped_fp8"] == [STEPS * 2 * 4] * 2
     assert not _close(broken["losses"][:1], one["losses"][:1], 1e-5), (broken["losses"], one["losses"])
 
 
+@pytest.mark.extended
 def test_delayed_scaling_with_tp_overlap_keeps_the_histories_of_the_run_without_it(runs):
     import torch
 
