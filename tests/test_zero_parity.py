@@ -1,10 +1,12 @@
 """ZeRO-1/2 train exactly like plain data parallelism (gloo, CPU, fp32), and hold 12*Psi/N bytes of state.
 
 One spawn per world size runs every layout; the tests compare the recorded traces. Tolerances: losses and
-gradient norms 1e-6 relative, parameters 1e-6 norm-wise. They are not bit-equal because the global norm
-is summed in another order (squares per shard, then over ranks), which moves the clipping factor by an
-ulp or so; gradients themselves are summed in the same order (dp 2: a + b either way; dp 4 measured
-within 1e-7).
+gradient norms 1e-6 relative, parameters 1e-6 norm-wise (1e-5 at world 4). They are not bit-equal because
+the global norm is summed in another order (squares per shard, then over ranks), which moves the clipping
+factor by an ulp or so; gradients themselves are summed in the same order at dp 2 (a + b either way) but not
+at dp 4 (the bucketed reduce-scatter and the all-reduce associate four terms differently: measured within
+1e-7), and Adam's steps carry that into the weights: ZeRO-2 with overlap against plain data parallelism at
+dp 4 measured 1.07e-6 norm-wise on one weight on a 2-core AVX2-only machine (under 1e-6 on an AVX-512 one).
 """
 
 from __future__ import annotations
@@ -231,7 +233,7 @@ def _all_stages(world: list[dict], run: str) -> dict:
 @pytest.mark.parametrize("run,ref", PAIRS_WORLD4)
 def test_zero_matches_plain_data_parallel_dp4_tp2_dp2_pp2_dp2(world4, run, ref):
     got, expected = _all_stages(world4, run), _all_stages(world4, ref)
-    assert_same_training(got, expected)
+    assert_same_training(got, expected, param_rel=1e-5)  # dp 4 sums gradients in another order (docstring)
     if run.startswith("pp2"):  # both stages compared; the tied copies stayed bitwise equal
         assert {"embed_tokens.weight", "lm_head.weight"} <= got["params"].keys()
         assert torch.equal(got["params"]["embed_tokens.weight"], got["params"]["lm_head.weight"])
