@@ -46,6 +46,7 @@ from megacann.generation.sampling import SamplingParams, draw_rows, processed_lo
 from megacann.layers import MoELayer
 from megacann.layers.gathered_weights import weights_gathered
 from megacann.models.spec import ModelSpec
+from megacann.ops.weight_copies import transposed_weight_copies
 
 TokenCallback = Callable[[int, int], None]  # (request index, token) as each token is chosen
 StopCheck = Callable[[int, int], bool]  # (request index, token) -> the request's text now holds a stop string
@@ -119,7 +120,9 @@ class Generator:
     prompt share one prefill row, copied to each before the first token is chosen (the same results; off
     for models with MoE layers). ``num_microbatches`` (None: the pipeline size): the
     groups the requests are split into, each forward round running them one after another (on pipeline
-    stages, overlapped); the results are the same for any number.
+    stages, overlapped); the results are the same for any number. ``cpu_weight_copies``: on CPU a call's
+    products read transposed fp32 copies of the weights, made once for the call (faster steps, one fp32
+    copy of the weights for the call's length; :mod:`megacann.ops.weight_copies`); False keeps the memory.
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class Generator:
         context_parallel_replicas: bool = False,
         num_microbatches: Optional[int] = None,
         share_prompts: bool = False,
+        cpu_weight_copies: bool = True,
     ):
         if spec.decode is None:
             raise ValueError(
@@ -161,6 +165,7 @@ class Generator:
         # equal prompts of a micro-batch prefilled once (not for MoE layers: their routing record and token
         # capacity see the rows of a forward)
         self.share_prompts = share_prompts and not any(isinstance(m, MoELayer) for m in self.model.modules())
+        self.cpu_weight_copies = cpu_weight_copies
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -266,6 +271,7 @@ class Generator:
         ):
             for chunk in self.chunks:  # ZeRO-3: gathered once for the whole call, not once a forward
                 gathered.enter_context(weights_gathered(chunk))
+            gathered.enter_context(transposed_weight_copies(self.cpu_weight_copies))
             while True:
                 self._round(batches, device)
                 live = [batch for batch in batches if batch.requests]

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megacann.ops import registry
+from megacann.ops import registry, weight_copies
 from megacann.ops.isa import cpu_flags
 from megacann.ops.weight_grad import defer_or_compute, deferrable
 from megacann.ops.weight_grad import linear as deferrable_linear
@@ -175,7 +175,10 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if not upcasts(x, weight, *(() if bias is None else (bias,))):
         return deferrable_linear(x, weight, bias)
     if not torch.is_grad_enabled():
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        out = weight_copies.product(x, weight, bias, widened=True)  # a generate call's widened copy
+        if out is None:
+            out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
     return _Fp32Linear.apply(x, weight, bias, deferrable(weight))
 
 

@@ -37,6 +37,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from megacann.ops import weight_copies
+
 Compute = Callable[[], Sequence[Optional[torch.Tensor]]]
 
 _ACTIVE: Optional[WeightGradStore] = None  # a module global, not per thread: backward may run on the engine's
@@ -211,6 +213,10 @@ class _DeferrableLinear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear``; for a :func:`deferrable` weight, its gradient waits for W when the backward is split (the
     bias gradient, small, comes with B). Otherwise the plain ``F.linear``."""
+    if weight_copies.active():  # a generate call's product of a few rows (megacann.ops.weight_copies)
+        out = weight_copies.product(x, weight, bias)
+        if out is not None:
+            return out
     if not deferrable(weight):
         return F.linear(x, weight, bias)
     return _DeferrableLinear.apply(x, weight, bias)
