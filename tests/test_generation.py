@@ -314,15 +314,15 @@ def test_rows_drawn_together_get_the_tokens_each_row_draws_alone():
         assert choose_rows(logits, warm, indices) == [choose(logits[i], warm[i], indices[i]) for i in range(40)]
 
 
-def test_each_draw_is_the_first_number_of_a_generator_seeded_by_the_request_and_token():
-    def fresh(seed: int, index: int) -> float:
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + index) % (1 << 63))
-        return torch.rand((), generator=generator, dtype=torch.float64).item()
-
+def test_each_draw_is_splitmix64_of_the_request_seed_and_token_index():
+    # SplitMix64's first output from state 0 (its published test value): the counter of seed 0, token 0
+    assert _uniform(0, 0) == (0xE220A8397B1DCDAF >> 11) / 2**53
     seeds = [0, 7, 2**40 + 3, 2**62 + 11]
-    interleaved = [_uniform(seed, index) for index in range(3) for seed in seeds]  # one reused generator
-    assert interleaved == [fresh(seed, index) for index in range(3) for seed in seeds]
-    assert len(set(interleaved)) == len(interleaved)
+    draws = [_uniform(seed, index) for index in range(3) for seed in seeds]
+    assert len(set(draws)) == len(draws) and all(0.0 <= u < 1.0 for u in draws)
+    assert _uniform(3, 1_000_003 + 5) == _uniform(4, 5)  # one counter: seed * 1_000_003 + index
+    many = torch.tensor([_uniform(11, i) for i in range(20000)], dtype=torch.float64)
+    assert abs(many.mean().item() - 0.5) < 0.01 and abs(many.var().item() - 1 / 12) < 0.005
 
 
 @pytest.mark.parametrize(

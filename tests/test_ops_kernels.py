@@ -148,6 +148,20 @@ def test_kernel_gradcheck_float64(op, kwargs):
     assert torch.autograd.gradcheck(lambda *xs: kernel(*view(list(xs)), *fixed), leaves, eps=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("op,kwargs", VARIANTS, ids=IDS)
+def test_without_gradients_the_kernels_give_the_same_bits_and_no_graph(op, kwargs):
+    # with gradients off the ops are dispatched below autograd (megacann.ops.cpp._call): the same kernel
+    kernel, _, make = CASES[op]
+    leaves, view, fixed = make(**kwargs)
+    leaves = [leaf.detach().float().requires_grad_() for leaf in leaves]
+    cast = [f.float() if isinstance(f, torch.Tensor) and f.is_floating_point() else f for f in fixed]
+    tracked = kernel(*view(leaves), *cast)
+    with torch.no_grad():
+        plain = kernel(*view(leaves), *cast)
+    assert tracked.grad_fn is not None and plain.grad_fn is None and not plain.requires_grad
+    assert torch.equal(plain, tracked.detach())
+
+
 def test_registry_selects_the_kernels_on_cpu_only():
     fused = ("rms_norm", "apply_rotary", "swiglu", "cross_entropy", "vocab_parallel_head_loss", "moe_unpermute")
     for op in (*fused, "grouped_matmul"):

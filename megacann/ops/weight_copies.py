@@ -11,7 +11,8 @@ widened copy made once serves every step.
 Inside :func:`transposed_weight_copies` (the generator enters it for a call), a no-grad CPU product whose
 weight is a parameter reads such a copy: made at its first use in the block, remade when the parameter's
 storage or version changes (an optimizer step, a ZeRO-3 gather), dropped at the block's end. fp32 weights
-use it from :data:`MIN_ROWS` rows up; widened weights at any number of rows. Costs: one fp32 copy of
+use it from :data:`MIN_ROWS` rows and :data:`MIN_ELEMENTS` elements up (below, the call's own overhead
+outweighs the gain); widened weights always. Costs: one fp32 copy of
 each weight so read, for the block's length. Results differ from ``F.linear``'s in the order of the fp32
 sums only (round-off); the choice depends on the rows and the dtype, never on a timing, so a call repeats
 bit for bit.
@@ -26,6 +27,7 @@ from typing import Optional
 import torch
 
 MIN_ROWS = 4  # fp32 products of fewer rows keep F.linear (level at 1 row, faster at 2)
+MIN_ELEMENTS = 1 << 17  # nor smaller fp32 weights (a 256 x 256 weight: level; 256 x 768: 1.2x faster)
 
 _COPIES: Optional[dict[int, tuple[torch.Tensor, int, int, torch.Tensor]]] = None
 
@@ -65,22 +67,23 @@ def _copy_of(weight: torch.Tensor) -> torch.Tensor:
 def product(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], widened: bool = False
 ) -> Optional[torch.Tensor]:
-    """``x @ weight.T + bias`` by the weight's copy where it applies (:func:`active`, a CPU parameter of
-    two dims, fp32 or ``widened`` — the caller's product would upcast it — and enough rows), else None.
-    A widened product returns fp32; the caller rounds it to its dtype."""
-    if not active() or weight.device.type != "cpu" or weight.dim() != 2:
+    """``x @ weight.T + bias`` by the weight's copy where it applies (:func:`active`; a CPU parameter of two
+    dims; fp32 with :data:`MIN_ROWS` rows and :data:`MIN_ELEMENTS` elements or more, or ``widened``: the
+    caller's product would upcast it), else None. A widened product returns fp32; the caller rounds it."""
+    if _COPIES is None or torch.is_grad_enabled() or not isinstance(weight, torch.nn.Parameter):
+        return None  # not generating, training, or a view / gathered temporary (made once: no copy)
+    if weight.dim() != 2 or weight.device.type != "cpu" or x.shape[-1] == 0:
         return None
-    if not isinstance(weight, torch.nn.Parameter):  # a view or a gathered temporary: made once, not worth a copy
+    rows = x.numel() // x.shape[-1]
+    if not widened and (x.dtype != torch.float32 or weight.dtype != torch.float32):
         return None
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not widened and (rows < MIN_ROWS or weight.numel() < MIN_ELEMENTS):
+        return None
+    if widened and x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    flat = x.reshape(rows, x.shape[-1])
     if widened:
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            return None
-    elif x.dtype != torch.float32 or weight.dtype != torch.float32 or rows < MIN_ROWS:
-        return None
-    if rows == 0:
-        return None
-    flat = x.reshape(rows, x.shape[-1]).to(torch.float32)
+        flat = flat.float()
     copy = _copy_of(weight)
-    out = torch.mm(flat, copy) if bias is None else torch.addmm(bias.to(torch.float32), flat, copy)
+    out = torch.mm(flat, copy) if bias is None else torch.addmm(bias.float(), flat, copy)
     return out.view(*x.shape[:-1], copy.shape[1])

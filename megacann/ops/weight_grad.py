@@ -213,10 +213,9 @@ class _DeferrableLinear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear``; for a :func:`deferrable` weight, its gradient waits for W when the backward is split (the
     bias gradient, small, comes with B). Otherwise the plain ``F.linear``."""
-    if weight_copies.active():  # a generate call's product of a few rows (megacann.ops.weight_copies)
-        out = weight_copies.product(x, weight, bias)
-        if out is not None:
-            return out
+    out = weight_copies.product(x, weight, bias)  # a generate call's product (megacann.ops.weight_copies)
+    if out is not None:
+        return out
     if not deferrable(weight):
         return F.linear(x, weight, bias)
     return _DeferrableLinear.apply(x, weight, bias)
