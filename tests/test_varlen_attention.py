@@ -29,6 +29,13 @@ RUNS = torch.tensor([[0] * 7 + [1] * 9 + [5] + [2] * 6 + [6] * 3 + [3] * 6, [4] 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.fixture(autouse=True)
+def rectangles_at_every_length(monkeypatch):
+    """The rectangles under test at every length (CPU rows up to DENSE_MAX_SEQ take one masked call
+    otherwise: tested by itself below)."""
+    monkeypatch.setattr(varlen, "DENSE_MAX_SEQ", 0)
+
+
 @pytest.fixture
 def pinned_block():
     def pin(name):
@@ -152,6 +159,27 @@ def test_varlen_attention_equals_the_masked_reference(pinned_block, monkeypatch,
         torch.testing.assert_close(out, ref, **TOL)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("window, sinks", [(None, False), (4, False), (None, True)])
+def test_short_cpu_rows_take_one_masked_call_equal_to_the_rectangles(monkeypatch, window, sinks):
+    q = _randn(2, 32, 4, 8, seed=5).requires_grad_()
+    k, v = (_randn(2, 32, 2, 8, seed=i).requires_grad_() for i in (6, 7))
+    sink = _randn(4, seed=9).requires_grad_() if sinks else None
+    dout = _randn(2, 32, 4, 8, seed=8)
+    leaves = (q, k, v) if sink is None else (q, k, v, sink)
+    kw = dict(causal=True, segment_ids=SEGMENTS, attn_mask=None, dropout_p=0.0, scale=None, sliding_window=window)
+    results, blocks = {}, []
+    block = ops.attention_block
+    monkeypatch.setattr(ops, "attention_block", lambda *a, **o: blocks.append(1) or block(*a, **o))
+    for dense_max in (0, 32):  # the rectangles, then one masked call (rows of 32 tokens)
+        monkeypatch.setattr(varlen, "DENSE_MAX_SEQ", dense_max)
+        blocks.clear()
+        out = varlen.varlen_attention(q, k, v, sinks=sink, **kw)
+        results[dense_max] = (out, *torch.autograd.grad(out, leaves, dout))
+        assert bool(blocks) == (dense_max == 0)
+    for a, b in zip(results[32], results[0]):
+        torch.testing.assert_close(a, b, **TOL)
 
 
 class _LargestTensor(TorchDispatchMode):

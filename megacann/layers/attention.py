@@ -25,7 +25,6 @@ from typing import Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
-from einops import rearrange
 
 from megacann import ops
 from megacann import parallel_state as ps
@@ -199,9 +198,8 @@ class SelfAttention(torch.nn.Module):
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v as ``[b, s, heads, head_dim]`` views over the whole sequence, and the output gate's
         logits ``[b, s, heads * head_dim]`` (None without ``output_gate``)."""
-        heads = "b s (h d) -> b s h d"
         if self.fused_qkv:
-            qkv = rearrange(self.qkv_proj(hidden), heads, d=self.head_dim)
+            qkv = self.qkv_proj(hidden).unflatten(-1, (-1, self.head_dim))  # [b, s, heads, head_dim]
             return (*qkv.split([self.local_heads, self.local_kv_heads, self.local_kv_heads], dim=2), None)
         x = self.q_proj.prepare_input(hidden)
         q = self.q_proj.forward_prepared(x)
@@ -209,8 +207,8 @@ class SelfAttention(torch.nn.Module):
         v = self.v_proj.forward_prepared(x, self.kv_rows)
         gate = None
         if self.output_gate:
-            q, gate = (t.flatten(2) for t in rearrange(q, heads, d=2 * self.head_dim).chunk(2, dim=-1))
-        return (*(rearrange(t, heads, d=self.head_dim) for t in (q, k, v)), gate)
+            q, gate = (t.flatten(2) for t in q.unflatten(-1, (-1, 2 * self.head_dim)).chunk(2, dim=-1))
+        return (*(t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v)), gate)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first ``cos.shape[-1]`` dims of each head (all of them unless the tables are narrower)."""
@@ -222,7 +220,7 @@ class SelfAttention(torch.nn.Module):
 
     def _output(self, out: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
         """The heads' outputs ``[b, s, heads, head_dim]`` gated (``output_gate``) and projected back."""
-        out = rearrange(out, "b s h d -> b s (h d)")
+        out = out.flatten(2)  # [b, s, heads * head_dim]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -15,7 +15,10 @@ sliding window or causal ``sinks`` are given, without ``attn_mask`` or dropout; 
 reference). Sinks rescale the merged output and lse once (:mod:`megacann.ops.attention_sinks`); the
 backward then runs with those, and adds the sinks' gradient:
 
-- ``varlen`` (cpu, cuda; priority 10): the rectangles above;
+- ``varlen`` (cpu, cuda; priority 10): the rectangles above; on CPU, rows of at most :data:`DENSE_MAX_SEQ`
+  tokens take the masked reference in one call instead (its ``[s, s]`` mask is then small: 32 rows of 24
+  tokens in two documents ran 9x faster forward and backward, 16 rows of 128 tokens 1.5x, and 4 rows of
+  256 tokens 0.9x: ``benchmarks/NOTES.md``, "Issue 41 (session 15)");
 - ``flash_varlen`` (cuda; priority 15): ``torch.nn.attention.varlen.varlen_attn`` (flash-attention's
   varlen kernel over the documents laid out as one ``[tokens, heads, d]`` row, window included) for
   fp16/bf16 without sinks; other dtypes, and sinks, take ``varlen``.
@@ -41,6 +44,8 @@ from megacann.ops.registry import register
 
 VARLEN, FLASH_VARLEN = "varlen", "flash_varlen"
 MIN_CHUNK = 256  # query rows per chunk of a windowed rectangle, at least
+# CPU rows of at most this many tokens take one masked attention call instead of the rectangles
+DENSE_MAX_SEQ = 128
 Runs = list[list[tuple[int, int, int]]]  # per batch row: (start, end, id) of each run of equal ids
 Segments = Optional[tuple[Runs, Runs]]  # runs of the query rows, of the keys
 # (batch row, query start, query end, key start, key end, causal)
@@ -250,6 +255,10 @@ def varlen_attention(
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
     check_sinks(sinks, q.shape[2])
+    if q.device.type == "cpu" and max(q.shape[1], k.shape[1]) <= DENSE_MAX_SEQ:  # short rows: one masked call
+        return reference.scaled_dot_product_attention(
+            q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, sliding_window=sliding_window, sinks=sinks
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _VarlenAttention.apply(q, k, v, segment_ids, scale, causal, window, sinks)
 
