@@ -32,7 +32,8 @@ from megacann.ops import registry
 def way(library: str, directory: str, dtype: str, prompts: torch.Tensor):
     """``generate(new_tokens)`` of ``library`` on ``prompts``; ``megacann@NAME`` is megacann with its
     ``decode_attention`` pinned to implementation ``NAME`` (e.g. ``fp32_sdpa``: the route before the C++
-    kernel), to compare the two in one process."""
+    kernel), to compare the two in one process; ``megacann-plain`` is megacann's generator without the
+    call's weight copies (``Generator(cpu_weight_copies=False)``: the products as before them)."""
     if "@" in library:
         pinned = library.split("@", 1)[1]
         generate = way("megacann", directory, dtype, prompts)
@@ -53,7 +54,8 @@ def way(library: str, directory: str, dtype: str, prompts: torch.Tensor):
         ).eval()
         model.generation_config.eos_token_id = None
         return lambda new_tokens: hf_generate(model, prompts, new_tokens)
-    generator = Generator(from_pretrained_hf(directory, precision=dtype).eval(), get_model_spec("llama"))
+    model = from_pretrained_hf(directory, precision=dtype).eval()
+    generator = Generator(model, get_model_spec("llama"), cpu_weight_copies=library != "megacann-plain")
     rows = prompts.tolist()
     return lambda new_tokens: generator.generate(rows, SamplingParams(max_new_tokens=new_tokens))
 

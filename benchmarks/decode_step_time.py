@@ -12,7 +12,8 @@ wall time (the load is printed). The last lines put the two together for a whole
 tokens (prefill + ``--whole - 1`` steps, what benchmarks/generation_vs_transformers.py times): each
 library's prefill share of it, and the ratio of the whole calls that the two parts give. ``--also
 megacann@NAME`` adds megacann with ``decode_attention`` pinned to implementation NAME as a third way in the
-same turns (before / after a kernel, in one process). For megacann's ways it also prints the CPU time a
+same turns (before / after a kernel, in one process); ``--also megacann-plain`` adds megacann without the
+call's weight copies (``Generator(cpu_weight_copies=False)``). For megacann's ways it also prints the CPU time a
 step spends in ``megacann.ops.decode_attention`` (the least of the repeats), which the load moves less than
 a whole step's.
 """
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--new_tokens", type=int, default=33)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--whole", type=int, default=128)
-    parser.add_argument("--also", nargs="*", default=[], help="more ways, megacann@<decode_attention impl>")
+    parser.add_argument("--also", nargs="*", default=[], help="more ways: megacann@<decode_attention impl>, megacann-plain")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     prompts = torch.randint(

@@ -157,6 +157,20 @@ def test_rotary_matches_hugging_face_llama(scaling):
     assert torch.equal(ops.apply_rotary(k, cos, sin), hf_k.transpose(1, 2))
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_rotary_tables_read_by_lookup_equal_the_direct_computation(interleaved):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    rope = RotaryEmbedding(32, 10000.0, yarn, interleaved)
+    for positions in (torch.tensor([3, 1, 40]), torch.randint(0, 3000, (5, 17)), torch.arange(7000).view(2, -1)):
+        cos, sin = rope(positions)
+        want = rope._tables(positions.float())
+        assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])  # the same bits
+        assert rope._held_tables[1][0].shape[0] > int(positions.max())  # the table grew to cover them
+    rope.inv_freq.mul_(0.5)  # tables follow the frequencies they were made from
+    cos, _ = rope(torch.tensor([[2, 9]]))
+    assert torch.equal(cos, rope._tables(torch.tensor([[2.0, 9.0]]))[0])
+
+
 def test_llama3_scaling_bands():
     inv = rope_inv_freq(64, 500000.0)
     scaled = rope_inv_freq(64, 500000.0, LLAMA3)

@@ -143,7 +143,8 @@ def test_cpp_grouped_products_reject_mismatched_operands():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_grouped_matmul_equals_gather_at_moe_shapes(dtype):
     """With two threads the pieces cut through groups (uneven sizes, an empty group): the output and every
-    gradient equal the ``gather`` path's (one ``torch.mm`` per group) within fp32 round-off, one bf16
+    gradient equal the ``gather`` path's (one ``torch.mm`` per group) within fp32 round-off (norm-wise 1e-6:
+    elementwise, 5.9e-5 apart was measured on a 2-core Xeon, above the 1e-5 bound this test had), one bf16
     rounding apart at most."""
     g = torch.Generator().manual_seed(1)
     sizes = [300, 0, 517, 1201, 64, 3]
@@ -157,9 +158,11 @@ def test_cpp_grouped_matmul_equals_gather_at_moe_shapes(dtype):
 
     got = _with_threads(2, lambda: run(_grouped_matmul_cpp))
     want = _with_threads(2, lambda: run(_grouped_matmul_gather))
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **tol)
+        if dtype == torch.float32:  # norm-wise: a weight's gradient sums up to 1201 rows in another order
+            assert (a - b).norm() <= 1e-6 * b.norm(), ((a - b).norm(), b.norm())
+        else:
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7)
     assert not got[3].any()  # (output, input gradient, weights' gradients): the expert without tokens gets 0
 
 
