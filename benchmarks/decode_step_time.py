@@ -41,7 +41,9 @@ def main() -> None:
     parser.add_argument("--new_tokens", type=int, default=33)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--whole", type=int, default=128)
-    parser.add_argument("--also", nargs="*", default=[], help="more ways: megacann@<decode_attention impl>, megacann-plain")
+    parser.add_argument(
+        "--also", nargs="*", default=[], help="more ways: megacann@<decode_attention impl>, megacann-plain"
+    )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     prompts = torch.randint(
