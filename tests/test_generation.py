@@ -353,3 +353,24 @@ def test_a_prompt_longer_than_the_cache_a_family_without_decoding_and_a_pipeline
     with pytest.raises(ValueError, match="without pipeline parallelism needs the whole model on this rank"):
         Generator(first_stage, get_model_spec("llama"))
     assert math.isclose(kv_cache_bytes(2, 3, 100, 4, 16, torch.bfloat16, sliding_window=8), 2 * 2 * 3 * 8 * 4 * 16 * 2)
+
+
+def test_generation_runs_in_eval_mode_and_gives_each_module_its_mode_back():
+    from megacann.generation.generator import evaluating
+
+    class OwnTrain(torch.nn.Module):  # a class with its own train(): asked through it
+        def __init__(self):
+            super().__init__()
+            self.calls, self.inner = [], torch.nn.Dropout(0.5)
+
+        def train(self, mode: bool = True):
+            self.calls.append(mode)
+            return super().train(mode)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5), OwnTrain())
+    model.train()
+    model[1].eval()  # a submodule the user keeps in eval
+    with evaluating(model):
+        assert not any(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == [True, True, False, True, True]
+    assert model[2].calls == [True, False, True]  # model.train() above, then the block in and out

@@ -71,13 +71,14 @@ def _check_stops(params: list[SamplingParams], stop_check: Optional[StopCheck]) 
 @contextlib.contextmanager
 def sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
     """The model's layers compute without splitting the sequence over TP ranks inside the block."""
-    changed = [m for m in model.modules() if getattr(m, "sequence_parallel", False) is True]
-    overlapped = [m for m in model.modules() if getattr(m, "comm_overlap", False) is True]
+    modules = list(model.modules())  # one walk of the model for the three lists
+    changed = [m for m in modules if getattr(m, "sequence_parallel", False) is True]
+    overlapped = [m for m in modules if getattr(m, "comm_overlap", False) is True]
     # an MoE layer under TP takes its (now whole, replicated) input as this rank's sequence shard: it
     # gathers the ranks' copies (each token TP times), its TP-split experts compute their shares, and its
     # reduce-scatter hands each rank one copy's summed shares, the whole output (a one-token step cannot
     # be split over the ranks instead)
-    moe_split = [m for m in model.modules() if isinstance(m, MoELayer) and m.tp_size > 1]
+    moe_split = [m for m in modules if isinstance(m, MoELayer) and m.tp_size > 1]
     moe_was = [m.config.sequence_parallel for m in moe_split]
     for module in changed:
         module.sequence_parallel = False
@@ -98,14 +99,24 @@ def sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def evaluating(model: torch.nn.Module) -> Iterator[None]:
-    """The model in eval mode (no dropout) inside the block, in the mode it had after it (a trainer's
-    model generating between steps goes back to training)."""
-    was_training = model.training
-    model.eval()
+    """The model in eval mode (no dropout) inside the block; after it each module is back in the mode it
+    had (a trainer's model generating between steps goes back to training, a submodule it keeps in eval
+    stays so). The flags are set directly (``Module.train`` walks and sets them through
+    ``Module.__setattr__``, a tenth of a small model's generate call); a module whose class overrides
+    ``train`` is asked through it."""
+    modules = list(model.modules())
+    was = [m.training for m in modules]
+    for m in modules:
+        if type(m).train is not torch.nn.Module.train:
+            m.train(False)
+        object.__setattr__(m, "training", False)
     try:
         yield
     finally:
-        model.train(was_training)
+        for m, mode in zip(modules, was):
+            if type(m).train is not torch.nn.Module.train:
+                m.train(mode)
+            object.__setattr__(m, "training", mode)
 
 
 class Generator:
@@ -314,7 +325,7 @@ class Generator:
         requests = [request for batch in batches for request in batch.requests]
         if not requests:  # every stage of this rank's pipeline holds the same (no) rows
             return []
-        choices = torch.empty(3, len(requests), dtype=torch.float64, device=self._device())
+        choices = torch.empty(3, len(requests), dtype=torch.float64, device=batches[0].inputs.device)
         if self.stages.last:
             choices = torch.cat([self._pick(b.logits.float(), b.requests, params, results) for b in batches], 1)
         tokens_row, logprobs, processed = self.stages.share(choices).tolist()

@@ -148,12 +148,15 @@ class CacheLayer:
             raise ValueError(f"the key/value cache holds {self.cache.max_len} tokens a row; {start + s} asked")
         keep = min(s, self.slots)  # a rolling cache keeps the last W of a long prompt
         first = (start + s - keep) % self.slots
-        positions = torch.arange(start + s - keep, start + s, device=new[0].device)
         if first + keep <= self.slots:  # the slots lie in one run: copied in place (a decode step's one slot)
             for entry, x in zip(self.entries, new):
                 entry[:, first : first + keep].copy_(x[:, s - keep :])
-            self.slot_of[first : first + keep] = positions
+            if keep == 1:
+                self.slot_of[first] = start + s - 1
+            else:
+                self.slot_of[first : first + keep] = torch.arange(start + s - keep, start + s, device=new[0].device)
             return
+        positions = torch.arange(start + s - keep, start + s, device=new[0].device)
         where = positions % self.slots
         for entry, x in zip(self.entries, new):
             entry[:, where] = x[:, s - keep :].to(entry.dtype)
