@@ -25,6 +25,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from megacann import ops
 from megacann.layers import mappings
 from megacann.layers.context import current_layer_context, resolve_sequence_parallel
 from megacann.layers.fp8 import Fp8Error, Fp8GatheredProducts, attach_history, check_fp8_layer, linear_product
@@ -143,15 +144,18 @@ class ColumnParallelLinear(torch.nn.Module):
         if rows is not None:
             weight = weight[rows[0] : rows[1]]
             bias = bias[rows[0] : rows[1]] if bias is not None else None
-        y = linear_product(
-            self.fp8,
-            x,
-            weight,
-            None if self.skip_bias_add else bias,
-            parallel="column" if self.tp_size > 1 and not self.replicated else None,
-            group=mappings.tp_group(self.group),
-            amax_history=getattr(self, "fp8_amax_history", None),
-        )
+        if self.fp8 is None:  # the plain product (the group and amax history only matter to FP8)
+            y = ops.linear(x, weight, None if self.skip_bias_add else bias)
+        else:
+            y = linear_product(
+                self.fp8,
+                x,
+                weight,
+                None if self.skip_bias_add else bias,
+                parallel="column" if self.tp_size > 1 and not self.replicated else None,
+                group=mappings.tp_group(self.group),
+                amax_history=getattr(self, "fp8_amax_history", None),
+            )
         y = add_adapter_output(self.adapter, y, x, rows)
         if self.gather_output and self.tp_size > 1:
             y = mappings.gather_from_tensor_model_parallel_region(y, self.group)
@@ -243,6 +247,8 @@ class RowParallelLinear(torch.nn.Module):
         attach_history(self, self.fp8, self.weight.device)
 
     def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fp8 is None:
+            return ops.linear(x, self.weight, bias)
         return linear_product(
             self.fp8,
             x,
