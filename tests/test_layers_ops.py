@@ -161,11 +161,17 @@ def test_rotary_matches_hugging_face_llama(scaling):
 def test_cpu_rotary_tables_read_by_lookup_equal_the_direct_computation(interleaved):
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     rope = RotaryEmbedding(32, 10000.0, yarn, interleaved)
-    for positions in (torch.tensor([3, 1, 40]), torch.randint(0, 3000, (5, 17)), torch.arange(7000).view(2, -1)):
+    cases = (
+        torch.tensor([3, 1, 40]),
+        torch.randint(0, 3000, (5, 17)),
+        torch.arange(7000).view(2, -1),
+        torch.tensor([-3, 2]),
+    )
+    for positions in cases:  # the tables grow to cover the positions; negative ones are computed directly
         cos, sin = rope(positions)
         want = rope._tables(positions.float())
         assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])  # the same bits
-        assert rope._held_tables[1][0].shape[0] > int(positions.max())  # the table grew to cover them
+        assert rope._held_tables[1][0].shape[0] > int(positions.max())
     rope.inv_freq.mul_(0.5)  # tables follow the frequencies they were made from
     cos, _ = rope(torch.tensor([[2, 9]]))
     assert torch.equal(cos, rope._tables(torch.tensor([[2.0, 9.0]]))[0])

@@ -137,8 +137,11 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(
         self, position_ids: torch.Tensor, dtype: Optional[torch.dtype] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = None
         if position_ids.device.type == "cpu" and position_ids.numel() and not torch.compiler.is_compiling():
-            cos, sin = (F.embedding(position_ids, table) for table in self._cpu_tables(int(position_ids.max()) + 1))
+            tables = self._cpu_tables(position_ids)
+        if tables is not None:
+            cos, sin = tables
         else:
             cos, sin = self._tables(position_ids.float())
         if dtype is not None:
@@ -158,17 +161,25 @@ class RotaryEmbedding(torch.nn.Module):
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
 
-    def _cpu_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tables of positions ``0 .. n-1`` (n at least ``positions``), kept on the module and read by
-        lookup: the same values as computing them at each forward (elementwise the same fp32 operations),
-        without a cos and a sin per token and forward (a tenth of a small model's GRPO step on CPU)."""
+    def _cpu_tables(self, position_ids: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin at ``position_ids`` looked up in the tables of positions ``0 .. n-1`` kept on the
+        module: the same values as computing them at each forward (elementwise the same fp32 operations),
+        without a cos and a sin per token and forward (a tenth of a small model's GRPO step on CPU). The
+        tables grow when a position falls outside them (found by the lookup itself, so a forward reads no
+        number off the tensor while they hold); None for negative positions (computed directly)."""
         key = (self.inv_freq.data_ptr(), self.inv_freq._version)
         held = getattr(self, "_held_tables", None)
-        if held is None or held[0] != key or held[1][0].shape[0] < positions:
-            rows = max(positions, 2 * held[1][0].shape[0] if held is not None and held[0] == key else 0, 64)
-            held = (key, self._tables(torch.arange(rows, dtype=torch.float32)))
-            self._held_tables = held
-        return held[1]
+        if held is not None and held[0] == key:
+            try:
+                return F.embedding(position_ids, held[1][0]), F.embedding(position_ids, held[1][1])
+            except IndexError:  # a position outside the tables (or a negative one)
+                pass
+        low, high = (int(v) for v in torch.aminmax(position_ids))
+        if low < 0:
+            return None
+        rows = max(high + 1, 2 * held[1][0].shape[0] if held is not None and held[0] == key else 0, 64)
+        self._held_tables = (key, self._tables(torch.arange(rows, dtype=torch.float32)))
+        return self._cpu_tables(position_ids)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[b, s, heads, head_dim]`` with tables from :meth:`forward`."""
