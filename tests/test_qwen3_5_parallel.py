@@ -130,7 +130,7 @@ def _check_layout(runs: tuple, layout: str) -> list[dict]:
     facts = [rank[layout] for rank in world2]
     for got in facts:
         assert_close_trace(got["losses"], one["losses"], 1e-5)
-        assert_close_trace(got["norms"], one["norms"], 1e-5)
+        assert_close_trace(got["norms"], one["norms"], NORMS_REL)
     assert one["layers"] == KINDS and one["tokens"] == [SEQ]
     assert one["q_proj"] == [(128, 64)] and one["qkv"] == [(80, 64)] * 3  # 2 x 2 x 8 keys, 4 x 12 values
     if layout == "tp2_sp":  # half the heads of each kind, half the tokens per rank
@@ -146,6 +146,12 @@ def _check_layout(runs: tuple, layout: str) -> list[dict]:
     return facts
 
 
+# Gradient norms to 3e-5: the Gated DeltaNet layers' chunked fp32 algorithm carries the round-off of another
+# split (heads at tp 2, tokens at cp 2) into the norms; on a 2-core Xeon with AMX the dense model measured
+# 1.2e-5 (tp2_sp, step 1) and 1.46e-5 (cp2 ring and all-gather, step 3), against 1e-5 before (passed on
+# AMD machines). Control: one process with the learning rate off by 0.1 % (1.001e-3) moves the norms of
+# steps 2 and 3 by 3.6e-4 and 2.9e-4, ten times the bound, while its losses move by 2.9e-6 (below theirs).
+NORMS_REL = 3e-5
 KINDS = {0: "LinearAttentionMixer", 1: "LinearAttentionMixer", 2: "SelfAttention", 3: "LinearAttentionMixer"}
 
 
