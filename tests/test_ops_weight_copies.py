@@ -28,6 +28,11 @@ def _assert_round_off(out: torch.Tensor, expected: torch.Tensor) -> None:
     assert (out - expected).norm() <= 1e-6 * expected.norm(), ((out - expected).norm(), expected.norm())
 
 
+def _copy(weight: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """The block's copy of ``weight`` (transposed fp32, or oneDNN-packed)."""
+    return weight_copies._COPIES[id(weight), packed][3]
+
+
 def _copies() -> dict:
     return weight_copies._COPIES
 
@@ -37,8 +42,8 @@ def test_a_copy_serves_fp32_products_of_four_rows_and_more(rows):
     weight, bias, x = _weight(), torch.randn(512), _input(rows)
     with torch.no_grad(), transposed_weight_copies():
         out = ops.linear(x, weight, bias)
-        assert list(_copies()) == [id(weight)]  # the product read the copy
-        copy = _copies()[id(weight)][3]
+        assert list(_copies()) == [(id(weight), False)]  # the product read the copy
+        copy = _copy(weight)
         assert copy.shape == (256, 512) and copy.is_contiguous()
     _assert_round_off(out, F.linear(x, weight, bias))
     assert weight_copies._COPIES is None  # dropped at the block's end
@@ -48,12 +53,12 @@ def test_one_copy_per_weight_remade_when_the_weight_changes():
     weight, x = _weight(), _input(8)
     with torch.no_grad(), transposed_weight_copies():
         ops.linear(x, weight)
-        first = _copies()[id(weight)][3]
+        first = _copy(weight)
         ops.linear(x, weight)
-        assert _copies()[id(weight)][3] is first  # made once
+        assert _copy(weight) is first  # made once
         weight.mul_(2.0)  # an optimizer step between two calls inside one block
         out = ops.linear(x, weight)
-        assert _copies()[id(weight)][3] is not first
+        assert _copy(weight) is not first
     _assert_round_off(out, F.linear(x, weight))
 
 
@@ -76,6 +81,22 @@ def test_plain_products_outside_the_block_with_gradients_few_rows_or_non_paramet
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_bf16_products_read_a_packed_copy_with_the_same_bits(dtype):
+    weight, bias = _weight(1024, 512, dtype=dtype), torch.randn(1024).to(dtype)
+    small = _weight(256, 512, dtype=dtype)  # under MIN_PACKED_ELEMENTS: F.linear
+    with bf16_matmul.forced(False), torch.no_grad():
+        for rows in (1, 3, 16):
+            x = _input(rows, 512, dtype=dtype)
+            with transposed_weight_copies():
+                out = ops.linear(x, weight, bias)
+                # fp16 keeps F.linear, and bf16 where PyTorch's own bf16 products do not go through oneDNN
+                packed = [(id(weight), True)] if dtype == torch.bfloat16 and weight_copies.packs_bf16() else []
+                assert list(_copies()) == packed and all(_copy(weight, True).is_mkldnn for _ in packed)
+                assert torch.equal(ops.linear(x, small), F.linear(x, small)) and len(_copies()) == len(packed)
+            assert out.dtype == dtype and torch.equal(out, F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_widened_copy_serves_low_precision_products_on_the_fp32_route_at_any_rows(dtype):
     weight, bias = _weight(48, 40, dtype=dtype), torch.randn(48).to(dtype)  # widened: any size
     with bf16_matmul.forced(True), torch.no_grad():
@@ -83,7 +104,7 @@ def test_widened_copy_serves_low_precision_products_on_the_fp32_route_at_any_row
             x = _input(rows, 40, dtype=dtype)
             with transposed_weight_copies():
                 out = ops.linear(x, weight, bias)
-                assert _copies()[id(weight)][3].dtype == torch.float32
+                assert _copy(weight).dtype == torch.float32
             expected = F.linear(x.float(), weight.float(), bias.float()).to(dtype)
             assert out.dtype == dtype
             torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)  # the dtype's round-off
