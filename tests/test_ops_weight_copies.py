@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megacann import ops
 from megacann.ops import bf16_matmul, weight_copies
-from megacann.ops.weight_copies import transposed_weight_copies
+from megacann.ops.weight_copies import call_weight_copies
 
 
 def _weight(out_features: int = 512, in_features: int = 256, dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:
@@ -40,7 +40,7 @@ def _copies() -> dict:
 @pytest.mark.parametrize("rows", [4, 16, 64, 300])
 def test_a_copy_serves_fp32_products_of_four_rows_and_more(rows):
     weight, bias, x = _weight(), torch.randn(512), _input(rows)
-    with torch.no_grad(), transposed_weight_copies():
+    with torch.no_grad(), call_weight_copies():
         out = ops.linear(x, weight, bias)
         assert list(_copies()) == [(id(weight), False)]  # the product read the copy
         copy = _copy(weight)
@@ -51,7 +51,7 @@ def test_a_copy_serves_fp32_products_of_four_rows_and_more(rows):
 
 def test_one_copy_per_weight_remade_when_the_weight_changes():
     weight, x = _weight(), _input(8)
-    with torch.no_grad(), transposed_weight_copies():
+    with torch.no_grad(), call_weight_copies():
         ops.linear(x, weight)
         first = _copy(weight)
         ops.linear(x, weight)
@@ -68,15 +68,15 @@ def test_plain_products_outside_the_block_with_gradients_few_rows_or_non_paramet
     with torch.no_grad():
         cases = ((_input(2), weight), (_input(1), weight), (_input(16), weight.detach().clone()), (_input(16), small))
         for x, w in cases:
-            with transposed_weight_copies():
+            with call_weight_copies():
                 out = ops.linear(x, w)
                 assert _copies() == {}
             assert torch.equal(out, F.linear(x, w))
-    with transposed_weight_copies():
+    with call_weight_copies():
         x = _input(16).requires_grad_()
         out = ops.linear(x, weight)  # training: the autograd product, never a copy
         assert _copies() == {} and out.grad_fn is not None
-    with torch.no_grad(), transposed_weight_copies(enabled=False):
+    with torch.no_grad(), call_weight_copies(enabled=False):
         assert not weight_copies.active() and torch.equal(ops.linear(_input(16), weight), F.linear(_input(16), weight))
 
 
@@ -87,7 +87,7 @@ def test_native_bf16_products_read_a_packed_copy_with_the_same_bits(dtype):
     with bf16_matmul.forced(False), torch.no_grad():
         for rows in (1, 3, 16):
             x = _input(rows, 512, dtype=dtype)
-            with transposed_weight_copies():
+            with call_weight_copies():
                 out = ops.linear(x, weight, bias)
                 # fp16 keeps F.linear, and bf16 where PyTorch's own bf16 products do not go through oneDNN
                 packed = [(id(weight), True)] if dtype == torch.bfloat16 and weight_copies.packs_bf16() else []
@@ -102,13 +102,13 @@ def test_widened_copy_serves_low_precision_products_on_the_fp32_route_at_any_row
     with bf16_matmul.forced(True), torch.no_grad():
         for rows in (1, 2, 16):
             x = _input(rows, 40, dtype=dtype)
-            with transposed_weight_copies():
+            with call_weight_copies():
                 out = ops.linear(x, weight, bias)
                 assert _copy(weight).dtype == torch.float32
             expected = F.linear(x.float(), weight.float(), bias.float()).to(dtype)
             assert out.dtype == dtype
             torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)  # the dtype's round-off
-    with bf16_matmul.forced(False), torch.no_grad(), transposed_weight_copies():
+    with bf16_matmul.forced(False), torch.no_grad(), call_weight_copies():
         x = _input(16, 40, dtype=dtype)
         assert torch.equal(ops.linear(x, weight), F.linear(x, weight)) and _copies() == {}
 

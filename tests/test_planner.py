@@ -134,6 +134,22 @@ class _Held:
             self.tracker.live -= self.nbytes
 
 
+def planned_stages(overrides: list[str], world: int):
+    """A tiny recipe's layout at ``world`` ranks and the planner's estimate of each pipeline stage."""
+    from training_helpers import tiny_config
+
+    cfg = tiny_config(overrides, world_size=world)
+    layout = layout_of(cfg)
+    return layout, estimate_stages(cfg, layout)
+
+
+def planned_in_flight(layout, stage_index: int, stage) -> float:
+    """The planner's peak of saved activation bytes of a stage: its chunk's saved bytes replayed over the
+    stage's schedule."""
+    plan = build_plan(layout.pp, stage_index, layout.num_microbatches, layout.vpp if layout.vpp > 1 else None)
+    return replay_in_flight(plan, stage.chunk_saved)[0]
+
+
 def _measure(runs: dict[str, list[str]]):
     """For each recipe: this rank's pipeline stage, parameter / gradient / optimizer bytes of its optimizer,
     and the peak of saved activation bytes over two training steps."""
@@ -234,13 +250,10 @@ RUNS_1 = {
 
 def _compare(runs, results, world):
     """Planner vs measurement for every run and rank; returns the largest relative activation error."""
-    from training_helpers import tiny_config
 
     worst = 0.0
     for name, overrides in runs.items():
-        cfg = tiny_config(overrides, world_size=world)
-        layout = layout_of(cfg)
-        stages = estimate_stages(cfg, layout)
+        layout, stages = planned_stages(overrides, world)
         for rank_result in results:
             stage_index, memory, peak, live = rank_result[name]
             stage = stages[stage_index]
@@ -249,8 +262,7 @@ def _compare(runs, results, world):
             assert memory["params"] == stage.weights, (name, memory, stage)
             assert memory["grads"] == pytest.approx(stage.grads, rel=0.02), (name, memory, stage)
             assert memory["optimizer_states"] == pytest.approx(stage.optimizer, rel=0.02), (name, memory, stage)
-            plan = build_plan(layout.pp, stage_index, layout.num_microbatches, layout.vpp if layout.vpp > 1 else None)
-            predicted, _ = replay_in_flight(plan, stage.chunk_saved)
+            predicted = planned_in_flight(layout, stage_index, stage)
             error = abs(peak - predicted) / peak  # exact when measured; 0.5% catches any real drift
             worst = max(worst, error)
             assert error < 0.005, (name, stage_index, peak, predicted)

@@ -14,13 +14,11 @@ them for the Flash and tiny recipes, and --device_memory_gb ranks V4 layouts."""
 import pytest
 from dist_harness import run_on_ranks
 from test_deepseek_v4 import V4
-from test_planner import COMMON, _measure
+from test_planner import COMMON, _measure, planned_in_flight, planned_stages
 from training_helpers import tiny_config
 
 from megacann.config import ConfigError
-from megacann.pipeline.plan import build_plan
 from megacann.planning import estimate_stages, layout_of
-from megacann.planning.estimate import replay_in_flight
 from megacann.planning.report import plan_report
 from megacann.planning.static_memory import refuse_activations, static_stages
 
@@ -180,9 +178,7 @@ def _compare_activations(runs: dict[str, list[str]], world: int) -> list[tuple[f
     results = run_on_ranks(_measure, world, args=(runs,), timeout=600)
     pairs = []
     for name, overrides in runs.items():
-        cfg = tiny_config(overrides, world_size=world)
-        layout = layout_of(cfg)
-        stages = estimate_stages(cfg, layout)
+        layout, stages = planned_stages(overrides, world)
         peaks: dict[int, list[float]] = {}
         for rank_result in results:
             stage_index, _, peak, live = rank_result[name]
@@ -190,8 +186,7 @@ def _compare_activations(runs: dict[str, list[str]], world: int) -> list[tuple[f
             peaks.setdefault(stage_index, []).append(peak)
         assert sorted(peaks) == list(range(layout.pp)), name  # every stage ran
         for stage_index, measured in peaks.items():
-            plan = build_plan(layout.pp, stage_index, layout.num_microbatches, None)
-            predicted = replay_in_flight(plan, stages[stage_index].chunk_saved)[0]
+            predicted = planned_in_flight(layout, stage_index, stages[stage_index])
             assert abs(max(measured) - predicted) / max(measured) < 0.005, (name, stage_index, measured, predicted)
             pairs.append((max(measured), predicted))
     return pairs

@@ -9,12 +9,7 @@ not counted), under tp 2 + SP to 0.5%, under ep 2 to 10% (a tiny random router i
 
 import pytest
 from dist_harness import run_on_ranks
-from test_planner import COMMON, _measure
-from training_helpers import tiny_config
-
-from megacann.pipeline.plan import build_plan
-from megacann.planning import estimate_stages, layout_of
-from megacann.planning.estimate import replay_in_flight
+from test_planner import COMMON, _measure, planned_in_flight, planned_stages
 
 GPT_OSS = [
     *COMMON,
@@ -44,16 +39,13 @@ def _compare(runs: dict[str, list[str]], world: int) -> list[float]:
     results = run_on_ranks(_measure, world, args=(runs,), timeout=600)
     ratios = []
     for name, overrides in runs.items():
-        cfg = tiny_config(overrides, world_size=world)
-        layout = layout_of(cfg)
-        stages = estimate_stages(cfg, layout)
+        layout, stages = planned_stages(overrides, world)
         for rank_result in results:
             stage_index, memory, peak, live = rank_result[name]
             stage = stages[stage_index]
             planned = (stage.weights, stage.grads, stage.optimizer)
             assert (memory["params"], memory["grads"], memory["optimizer_states"]) == planned, (name, memory)
-            plan = build_plan(layout.pp, stage_index, layout.num_microbatches, None)
-            predicted = replay_in_flight(plan, stage.chunk_saved)[0]
+            predicted = planned_in_flight(layout, stage_index, stage)
             assert live == 0 and abs(peak - predicted) / peak < TOLERANCE.get(name, 0.005), (name, peak, predicted)
             ratios.append(predicted / peak)
     return ratios

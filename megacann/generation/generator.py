@@ -46,7 +46,7 @@ from megacann.generation.sampling import SamplingParams, draw_rows, processed_lo
 from megacann.layers import MoELayer
 from megacann.layers.gathered_weights import weights_gathered
 from megacann.models.spec import ModelSpec
-from megacann.ops.weight_copies import transposed_weight_copies
+from megacann.ops.weight_copies import call_weight_copies
 
 TokenCallback = Callable[[int, int], None]  # (request index, token) as each token is chosen
 StopCheck = Callable[[int, int], bool]  # (request index, token) -> the request's text now holds a stop string
@@ -282,7 +282,7 @@ class Generator:
         ):
             for chunk in self.chunks:  # ZeRO-3: gathered once for the whole call, not once a forward
                 gathered.enter_context(weights_gathered(chunk))
-            gathered.enter_context(transposed_weight_copies(self.cpu_weight_copies))
+            gathered.enter_context(call_weight_copies(self.cpu_weight_copies))
             while True:
                 self._round(batches, device)
                 live = [batch for batch in batches if batch.requests]

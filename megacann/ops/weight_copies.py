@@ -11,7 +11,7 @@ the same product was 1.7x faster at 1 to 64 rows and gives the same bits (``benc
 CPU without native GEMM for the dtype), each product widens its weight to fp32 first, which at a few rows
 costs more than the product; a widened copy made once serves every step.
 
-Inside :func:`transposed_weight_copies` (the generator enters it for a call), a no-grad CPU product whose
+Inside :func:`call_weight_copies` (the generator enters it for a call), a no-grad CPU product whose
 weight is a parameter reads such a copy: made at its first use in the block, remade when the parameter's
 storage or version changes (an optimizer step, a ZeRO-3 gather), dropped at the block's end. fp32 weights
 use the transposed copy from :data:`MIN_ROWS` rows and :data:`MIN_ELEMENTS` elements up (below, the call's
@@ -35,13 +35,13 @@ MIN_ELEMENTS = 1 << 17  # nor smaller fp32 weights (a 256 x 256 weight: level; 2
 MIN_PACKED_ELEMENTS = 1 << 18  # native bf16 weights packed from 512 x 512 (a packed call costs ~15 us more)
 LOW = (torch.bfloat16, torch.float16)
 
-_COPIES: Optional[dict[int, tuple[torch.Tensor, int, int, torch.Tensor]]] = None
+_COPIES: Optional[dict[tuple[int, bool], tuple[torch.Tensor, int, int, torch.Tensor]]] = None  # (id, packed)
 
 
 @contextlib.contextmanager
-def transposed_weight_copies(enabled: bool = True) -> Iterator[None]:
-    """Products inside the block read per-weight transposed fp32 copies (the module's docstring); a nested
-    block shares the outer one's copies. ``enabled=False``: the plain products (no extra memory)."""
+def call_weight_copies(enabled: bool = True) -> Iterator[None]:
+    """Products inside the block read per-weight copies (transposed fp32 or oneDNN-packed: the module's
+    docstring); a nested block shares the outer one's copies. ``enabled=False``: the plain products (no extra memory)."""
     global _COPIES
     if not enabled or _COPIES is not None:
         yield
